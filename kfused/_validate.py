@@ -1,0 +1,44 @@
+"""Input checks shared by every op: errors name the argument, its shape and what was expected."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def check_tensor(name: str, t, *, ndim: Optional[int] = None, min_ndim: Optional[int] = None,
+                 floating: bool = True) -> torch.Tensor:
+    """Require a tensor (floating point by default), optionally of an exact or minimum rank."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
+    if tuple(t.shape) != tuple(expected):
+        hint = f" ({what})" if what else ""
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}, expected {tuple(expected)}{hint}")
+
+
+def check_same(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Require every tensor in ``others`` to share ``ref``'s dtype and device."""
+    for name, t in others.items():
+        if t is None:
+            continue
+        if t.device != ref.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {ref_name} is on {ref.device}; "
+                "all inputs must be on one device")
+        if t.dtype != ref.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; "
+                "all inputs must share one dtype")

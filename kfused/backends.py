@@ -1,0 +1,140 @@
+"""Backend selection shared by every kfused op.
+
+Each op names the backends that implement it. A backend *fits* a call when it is installed
+and supports the inputs' device and dtype; otherwise it gives a reason. ``backend="auto"``
+walks the op's priority list (CUDA tensors: fused kernels; CPU tensors: the reference) and
+an explicitly requested backend that does not fit raises :class:`BackendError` with every
+reason, never a silent fallback.
+
+The process-wide default comes from the ``KFUSED_BACKEND`` environment variable
+(``auto`` when unset); a per-call ``backend=`` argument overrides it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+BACKENDS = ("triton", "cuda", "reference")
+ENV_VAR = "KFUSED_BACKEND"
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class BackendError(ValueError):
+    """The requested backend cannot run these inputs (the message says why)."""
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({exc})"
+    return None
+
+
+def triton_unfit(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """Why the Triton backend cannot run tensors of this device/dtype (None if it can)."""
+    err = _triton_import_error()
+    if err:
+        return err
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_interpret():
+        if dtype == torch.bfloat16:
+            return "the Triton CPU interpreter mishandles bfloat16; run bfloat16 on a GPU"
+        return None
+    return (f"tensors are on {device}; Triton runs on CUDA devices "
+            "(or on the CPU with TRITON_INTERPRET=1)")
+
+
+def cuda_unfit(device: torch.device, dtype: torch.dtype, op: str) -> Optional[str]:
+    """Why the CUDA C++ extension cannot run this op on these tensors (None if it can)."""
+    from kfused import cuda as _cuda
+
+    err = _cuda.unavailable_reason(op)
+    if err:
+        return err
+    if device.type != "cuda":
+        return f"tensors are on {device}; the CUDA extension needs CUDA tensors"
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    return None
+
+
+def default_backend() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value != "auto" and value not in BACKENDS:
+        raise BackendError(
+            f"{ENV_VAR}={value!r} is not a backend; expected one of auto, {', '.join(BACKENDS)}")
+    return value
+
+
+def select_backend(
+    op: str,
+    requested: Optional[str],
+    tensors: Sequence[torch.Tensor],
+    *,
+    impls: Iterable[str] = ("triton", "cuda"),
+    extra_unfit: Optional[Callable[[str], Optional[str]]] = None,
+) -> str:
+    """Pick the backend that runs ``op`` on ``tensors``.
+
+    impls: fused backends that implement ``op``, fastest first ("reference" always exists).
+    extra_unfit: op-specific check, ``backend -> reason or None`` (e.g. a head width a kernel
+    does not support).
+    """
+    impls = tuple(impls)
+    requested = default_backend() if requested is None else str(requested).lower()
+    if requested != "auto" and requested not in BACKENDS:
+        raise BackendError(
+            f"backend={requested!r} is not a backend; expected one of auto, {', '.join(BACKENDS)}")
+    device, dtype = tensors[0].device, tensors[0].dtype
+
+    def unfit(name: str) -> Optional[str]:
+        if name == "reference":
+            return None
+        if name not in impls:
+            return f"{op} has no {name} implementation"
+        reason = (triton_unfit(device, dtype) if name == "triton"
+                  else cuda_unfit(device, dtype, op))
+        if reason is None and extra_unfit is not None:
+            reason = extra_unfit(name)
+        return reason
+
+    if requested != "auto":
+        reason = unfit(requested)
+        if reason is not None:
+            raise BackendError(f"{op}: backend {requested!r} cannot run these inputs: {reason}")
+        return requested
+    if device.type != "cuda":
+        return "reference"
+    reasons = {}
+    for name in impls:
+        reason = unfit(name)
+        if reason is None:
+            return name
+        reasons[name] = reason
+    return "reference"
+
+
+def available_backends(op: str = "", device: str = "cuda",
+                       dtype: torch.dtype = torch.float16) -> dict:
+    """Map each backend to None (usable) or the reason it is not, for a device/dtype."""
+    dev = torch.device(device)
+    return {
+        "triton": triton_unfit(dev, dtype),
+        "cuda": cuda_unfit(dev, dtype, op) if op else cuda_unfit(dev, dtype, "kron_matvec"),
+        "reference": None,
+    }

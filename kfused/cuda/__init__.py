@@ -1,0 +1,34 @@
+"""Loader for the compiled CUDA C++ extension (``kfused._C``, built from csrc/ by setup.py).
+
+The extension is optional: without a CUDA toolkit and a CUDA build of torch the package still
+installs and :func:`unavailable_reason` explains why the ``cuda`` backend cannot be used.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    try:
+        from kfused import _C  # type: ignore[attr-defined]
+    except Exception as exc:
+        return None, f"the CUDA extension kfused._C is not built ({exc.__class__.__name__}: {exc})"
+    return _C, None
+
+
+def extension():
+    """The compiled module, or None."""
+    return _load()[0]
+
+
+def unavailable_reason(op: str = "") -> Optional[str]:
+    """None when the extension is loaded and implements ``op``; else the reason."""
+    mod, err = _load()
+    if mod is None:
+        return err
+    if op and not hasattr(mod, f"{op}_fwd"):
+        return f"the CUDA extension has no kernel for {op}"
+    return None

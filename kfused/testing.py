@@ -1,0 +1,187 @@
+"""The SPEC §4 numerics rule as code, shared by the tests and ``kfused check``.
+
+A kernel in dtype ``t`` passes when, for the output and every gradient,
+
+    max|kernel - ref64| <= 2 * max|torch_t - ref64| + atol_t
+
+where ``ref64`` is the reference in float64 and ``torch_t`` the same reference run in ``t``
+(TF32 off). ``atol_t`` is one unit of the dtype's machine epsilon at the reference's largest
+magnitude (``finfo(t).eps * max|ref64|``). float32 kernels must also reach a relative
+Frobenius error below 1e-4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from kfused import _alloc
+
+Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+@contextlib.contextmanager
+def poisoned_outputs(flag: bool = True):
+    """Within the block, kernel output buffers are NaN-filled before every launch."""
+    old = _alloc.set_poisoning(flag)
+    try:
+        yield
+    finally:
+        _alloc.set_poisoning(old)
+
+
+@contextlib.contextmanager
+def no_tf32():
+    """References must not use TF32."""
+    old_mm = torch.backends.cuda.matmul.allow_tf32
+    old_cudnn = torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_mm
+        torch.backends.cudnn.allow_tf32 = old_cudnn
+
+
+@dataclasses.dataclass
+class Comparison:
+    name: str
+    dtype: torch.dtype
+    kernel_err: float
+    torch_err: float
+    bound: float
+    rel_err: float
+    ok: bool
+    detail: str = ""
+
+    def row(self) -> str:
+        verdict = "ok" if self.ok else "FAIL"
+        return (f"{self.name:<24} {str(self.dtype).replace('torch.', ''):<9} "
+                f"{self.kernel_err:10.3e} {self.torch_err:10.3e} {self.bound:10.3e} {verdict}")
+
+
+def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tensor,
+            dtype: torch.dtype) -> Comparison:
+    """Apply the SPEC §4 rule to one tensor."""
+    if tuple(out.shape) != tuple(ref64.shape):
+        return Comparison(name, dtype, float("inf"), 0.0, 0.0, float("inf"), False,
+                          f"shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
+    ref = ref64.detach().double().cpu()
+    got = out.detach().double().cpu()
+    tor = ref_t.detach().double().cpu()
+    if ref.numel() == 0:
+        return Comparison(name, dtype, 0.0, 0.0, 0.0, 0.0, True)
+    diff = (got - ref).abs()
+    diff = torch.where(torch.isnan(got), torch.full_like(diff, float("inf")), diff)
+    kernel_err = diff.max().item()
+    torch_err = (tor - ref).abs().max().item()
+    atol = torch.finfo(dtype).eps * ref.abs().max().item()
+    bound = 2.0 * torch_err + atol
+    norm = ref.norm().item()
+    rel = (got - ref).norm().item() / norm if norm > 0 else (got - ref).norm().item()
+    ok = kernel_err <= bound
+    if dtype == torch.float32 and not rel < 1e-4:
+        ok = False
+    detail = ""
+    if not ok:
+        bad = int((diff > bound).sum().item())
+        worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+        detail = (f"{name}: {bad}/{diff.numel()} elements exceed {bound:.3e}; worst at {worst}: "
+                  f"kernel {got[worst].item():.6g}, ref64 {ref[worst].item():.6g}, "
+                  f"torch_{str(dtype).replace('torch.', '')} {tor[worst].item():.6g}; "
+                  f"rel {rel:.3e}")
+    return Comparison(name, dtype, kernel_err, torch_err, bound, rel, ok, detail)
+
+
+def _as_tuple(x: Tensors) -> Tuple[torch.Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def run_with_grads(fn: Callable[..., Tensors], inputs: Mapping[str, object],
+                   grad_outputs: Optional[Sequence[torch.Tensor]], grad_names: Sequence[str]
+                   ) -> Tuple[Tuple[torch.Tensor, ...], Dict[str, torch.Tensor]]:
+    leaves = {}
+    args = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and k in grad_names:
+            v = v.detach().requires_grad_(True)
+            leaves[k] = v
+        args[k] = v
+    outs = _as_tuple(fn(**args))
+    grads: Dict[str, torch.Tensor] = {}
+    if grad_outputs is not None and leaves:
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o.requires_grad]
+        gs = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
+                                 [g for _, g in pairs], allow_unused=True)
+        for k, g in zip(leaves, gs):
+            grads[k] = g if g is not None else torch.zeros_like(leaves[k])
+    return outs, grads
+
+
+def check_against_reference(
+    kernel_fn: Callable[..., Tensors],
+    ref_fn: Callable[..., Tensors],
+    inputs: Mapping[str, object],
+    dtype: torch.dtype,
+    device: Union[str, torch.device] = "cpu",
+    *,
+    grad_names: Optional[Sequence[str]] = None,
+    out_names: Optional[Sequence[str]] = None,
+    seed: int = 0,
+) -> List[Comparison]:
+    """Run kernel (dtype, device), reference in float64 (CPU) and in dtype; compare all.
+
+    inputs: float64 CPU tensors (cast per run) and any other arguments (passed unchanged;
+    bool/int tensors are moved to the device). grad_names: inputs whose gradients are
+    compared (default: every floating tensor input). Returns one Comparison per output and
+    per gradient.
+    """
+    device = torch.device(device)
+    if grad_names is None:
+        grad_names = [k for k, v in inputs.items()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+    def cast(dt, dev):
+        out = {}
+        for k, v in inputs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.to(dev)
+                if v.is_floating_point():
+                    v = v.to(dt)
+            out[k] = v
+        return out
+
+    with no_tf32():
+        outs64, _ = run_with_grads(ref_fn, cast(torch.float64, "cpu"), None, [])
+        gen = torch.Generator().manual_seed(seed)
+        gouts = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs64]
+        outs64, grads64 = run_with_grads(ref_fn, cast(torch.float64, "cpu"), gouts, grad_names)
+        ref_dev = device if device.type == "cuda" else torch.device("cpu")
+        outs_t, grads_t = run_with_grads(ref_fn, cast(dtype, ref_dev),
+                                         [g.to(ref_dev, dtype) for g in gouts], grad_names)
+        with poisoned_outputs():
+            outs_k, grads_k = run_with_grads(kernel_fn, cast(dtype, device),
+                                             [g.to(device, dtype) for g in gouts], grad_names)
+    if out_names is None:
+        out_names = ["out"] if len(outs64) == 1 else [f"out{i}" for i in range(len(outs64))]
+    results = []
+    for n, a, b, c in zip(out_names, outs_k, outs64, outs_t):
+        results.append(compare(n, a, b, c, dtype))
+    for k in grads64:
+        results.append(compare(f"d{k}", grads_k[k], grads64[k], grads_t[k], dtype))
+    return results
+
+
+def assert_against_reference(*args, **kwargs) -> List[Comparison]:
+    """:func:`check_against_reference`, raising AssertionError with a table on failure."""
+    results = check_against_reference(*args, **kwargs)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        table = "\n".join(r.row() for r in results)
+        details = "\n".join(r.detail for r in bad)
+        raise AssertionError(f"SPEC §4 rule failed:\n{table}\n{details}")
+    return results
