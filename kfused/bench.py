@@ -1,0 +1,139 @@
+"""The shared benchmark harness: cases, providers and measurement.
+
+A benchmark script (benchmarks/bench_<op>.py) exposes ``cases(device, dtype, quick)`` returning
+a list of :class:`BenchCase`. Each case holds providers (kfused-triton, kfused-cuda, eager
+reference, torch.compile of the reference, materialised baselines, the frozen floor, ...).
+A provider's ``make()`` builds fresh inputs and returns ``(fn, grad_leaves)`` where ``fn()`` runs
+the forward and returns the output tensor(s); backward is measured as ``autograd.grad`` of the
+outputs with a fixed random upstream gradient into ``grad_leaves``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+@dataclasses.dataclass
+class Provider:
+    name: str
+    make: Callable[[], Tuple[Callable[[], Tensors], List[torch.Tensor]]]
+    skip_reason: Optional[str] = None
+
+
+@dataclasses.dataclass
+class BenchCase:
+    op: str
+    shape: Dict[str, object]
+    dtype: torch.dtype
+    providers: List[Provider]
+    flops_fwd: Optional[float] = None      # useful FLOPs of the forward
+    flops_bwd: Optional[float] = None
+    bytes_fwd: Optional[float] = None      # minimum bytes the forward must move
+
+
+def _as_tuple(x: Tensors) -> Tuple[torch.Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _timer(fn: Callable[[], object], device: torch.device, rep_ms: float, warmup_ms: float
+           ) -> Tuple[float, float, float]:
+    """(p20, median, p80) in milliseconds."""
+    if device.type == "cuda":
+        import triton.testing
+
+        q = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        return tuple(float(v) for v in q)  # type: ignore[return-value]
+    times = []
+    fn()
+    t_end = time.perf_counter() + rep_ms / 1e3
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() > t_end and len(times) >= 3:
+            break
+    times.sort()
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return pick(0.2), pick(0.5), pick(0.8)
+
+
+def _peak_mem(fn: Callable[[], object], device: torch.device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def measure(case: BenchCase, device: Union[str, torch.device], *, rep_ms: float = 100,
+            warmup_ms: float = 25, modes: Sequence[str] = ("fwd", "bwd", "fwd+bwd")) -> List[dict]:
+    """Measure every provider of a case; one row per (provider, mode)."""
+    device = torch.device(device)
+    rows = []
+    for prov in case.providers:
+        base = {"op": case.op, "shape": dict(case.shape), "dtype": str(case.dtype).replace("torch.", ""),
+                "provider": prov.name}
+        if prov.skip_reason:
+            rows.append({**base, "mode": "all", "skipped": prov.skip_reason})
+            continue
+        try:
+            fn, leaves = prov.make()
+            outs = _as_tuple(fn())
+            gen = torch.Generator(device=device).manual_seed(0)
+            gouts = [torch.randn(o.shape, device=device, dtype=o.dtype, generator=gen) for o in outs]
+            grad_ok = bool(leaves) and any(o.requires_grad for o in outs)
+
+            def run_fwd():
+                with torch.no_grad():
+                    return fn()
+
+            def run_fwdbwd():
+                o = _as_tuple(fn())
+                pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
+                torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
+                                    allow_unused=True)
+
+            for mode in modes:
+                if mode != "fwd" and not grad_ok:
+                    continue
+                if mode == "fwd":
+                    q = _timer(run_fwd, device, rep_ms, warmup_ms)
+                    mem = _peak_mem(run_fwd, device)
+                elif mode == "fwd+bwd":
+                    q = _timer(run_fwdbwd, device, rep_ms, warmup_ms)
+                    mem = _peak_mem(run_fwdbwd, device)
+                else:  # bwd alone: one graph, backward replayed
+                    o = _as_tuple(fn())
+                    pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
+
+                    def run_bwd():
+                        torch.autograd.grad([a for a, _ in pairs], leaves,
+                                            [g for _, g in pairs], retain_graph=True,
+                                            allow_unused=True)
+
+                    q = _timer(run_bwd, device, rep_ms, warmup_ms)
+                    mem = _peak_mem(run_bwd, device)
+                row = {**base, "mode": mode, "ms_p20": q[0], "ms_p50": q[1], "ms_p80": q[2],
+                       "peak_mem_bytes": mem}
+                flops = {"fwd": case.flops_fwd, "bwd": case.flops_bwd,
+                         "fwd+bwd": (case.flops_fwd or 0) + (case.flops_bwd or 0) or None}[mode]
+                if flops:
+                    row["tflops"] = flops / (q[1] * 1e-3) / 1e12
+                if mode == "fwd" and case.bytes_fwd:
+                    row["gbps"] = case.bytes_fwd / (q[1] * 1e-3) / 1e9
+                rows.append(row)
+        except Exception as exc:  # a provider that fails is reported, not fatal
+            rows.append({**base, "mode": "all", "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
