@@ -1,0 +1,30 @@
+// pybind11 module kfused._C: one entry per host function declared in kfused.h.
+// Adding an op: its .cu file under csrc/<op>/, its declarations in kfused.h, and the m.def
+// lines below (names `<op>_fwd` / `<op>_bwd`, which kfused/cuda/__init__.py looks for).
+// Signatures, dtypes and layouts: csrc/README.md.
+#include <torch/extension.h>
+
+#include "kfused.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kfused CUDA C++ kernels (see csrc/README.md)";
+
+  m.def("kron_matvec_fwd", &kfused::kron_matvec_fwd,
+        "y (T, a_out*b_out) = vec(A X[t] B^T) for x (T, a_in*b_in)", py::arg("x"), py::arg("A"),
+        py::arg("B"));
+  m.def("kron_matvec_bwd", &kfused::kron_matvec_bwd, "(dx, dA, dB) of kron_matvec",
+        py::arg("g"), py::arg("x"), py::arg("A"), py::arg("B"));
+
+  m.def("headwise_lowrank_fwd", &kfused::headwise_lowrank_fwd,
+        "out (T, H, p) = per head basis A_h^T B_h^T + bias_h", py::arg("basis"), py::arg("A"),
+        py::arg("B"), py::arg("bias") = py::none());
+  m.def("headwise_lowrank_bwd", &kfused::headwise_lowrank_bwd,
+        "(dbasis, dA, dB, dbias) of headwise_lowrank", py::arg("g"), py::arg("basis"),
+        py::arg("A"), py::arg("B"), py::arg("has_bias"));
+
+  m.def("inducer_attention_fwd", &kfused::inducer_attention_fwd,
+        "(f, lse, lam) of inducer attention (forward only)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("s0"), py::arg("prefix_k") = py::none(),
+        py::arg("prefix_v") = py::none(), py::arg("key_lengths") = py::none(),
+        py::arg("causal") = false);
+}
