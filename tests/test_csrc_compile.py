@@ -70,10 +70,21 @@ def _include_flags(nvcc):
     return [f"-I{i}" for i in incs]
 
 
+def _nvcc_torch_flags():
+    # The flags torch's BuildExtension gives nvcc (no implicit __half conversions, ...), so the
+    # check sees the same code paths as the real build.
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    except ImportError:
+        return ["--expt-relaxed-constexpr"]
+    return list(COMMON_NVCC_FLAGS)
+
+
 def _command(src, nvcc, host_cxx, flags, out):
     defines = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     if src.endswith(".cu") or host_cxx is None:
-        return [nvcc, "-c", "-std=c++17", "-arch=sm_90", "-x", "cu", "--expt-relaxed-constexpr",
+        # 3306: torch's headers use a C++20 bit-field initializer; harmless under -std=c++17.
+        return [nvcc, "-c", "-std=c++17", "-arch=sm_90", "-x", "cu", *_nvcc_torch_flags(),
                 "-Xcudafe", "--diag_suppress=3306", *defines, *flags, src, "-o", out]
     return [host_cxx, "-c", "-std=c++17", "-fPIC", "-Wno-c++20-extensions", *defines, *flags,
             src, "-o", out]
