@@ -2,7 +2,10 @@
 // Adding an op: its .cu file under csrc/<op>/, its declarations in kfused.h, and the m.def
 // lines below (names `<op>_fwd` / `<op>_bwd`, which kfused/cuda/__init__.py looks for).
 // Signatures, dtypes and layouts: csrc/README.md.
-#include <torch/extension.h>
+//
+// torch/csrc/utils/pybind.h (the at::Tensor / optional type casters, `py` alias) instead of
+// torch/extension.h: the latter drags in all of libtorch's C++ API and compiles 4x slower.
+#include <torch/csrc/utils/pybind.h>
 
 #include "kfused.h"
 

@@ -4,7 +4,10 @@ Runs on CPU-only CI: it needs nvcc (skipped with the reason when there is none) 
 headers, not a GPU. .cu files go through ``nvcc -c -std=c++17 -arch=sm_90 -x cu``; .cpp files
 (the pybind11 bindings) through the host C++ compiler, which is what setup.py uses for them and
 is about 2.5x faster than nvcc on torch/extension.h. Files compile two at a time; the whole
-check takes about a minute on 2 cores. Nothing is linked or run.
+check takes about a minute on 2 idle cores. The objects are then linked into a throwaway
+``_C`` module against the CPU torch libraries and cudart, imported in a subprocess, and every
+binding is called once with CPU tensors (each must raise its "must be a CUDA tensor" check):
+this catches missing definitions and binding/signature mistakes without a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 
 import pytest
@@ -84,7 +86,8 @@ def _command(src, nvcc, host_cxx, flags, out):
     defines = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     if src.endswith(".cu") or host_cxx is None:
         # 3306: torch's headers use a C++20 bit-field initializer; harmless under -std=c++17.
-        return [nvcc, "-c", "-std=c++17", "-arch=sm_90", "-x", "cu", *_nvcc_torch_flags(),
+        return [nvcc, "-c", "-std=c++17", "-arch=sm_90", "-x", "cu", "-Xcompiler", "-fPIC",
+                *_nvcc_torch_flags(),
                 "-Xcudafe", "--diag_suppress=3306", *defines, *flags, src, "-o", out]
     return [host_cxx, "-c", "-std=c++17", "-fPIC", "-Wno-c++20-extensions", *defines, *flags,
             src, "-o", out]
@@ -101,30 +104,33 @@ def _compile_one(cmd):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(tmp_path_factory):
     nvcc = _find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH): csrc/ compile check skipped")
     pytest.importorskip("torch")
     host_cxx = shutil.which("c++") or shutil.which("g++")
     flags = _include_flags(nvcc)
+    tmp = str(tmp_path_factory.mktemp("kfused_csrc"))
+    cmds = {}
+    for i, src in enumerate(SOURCES):
+        out = os.path.join(tmp, f"{i}_{os.path.basename(src)}.o")
+        cmds[src] = _command(src, nvcc, host_cxx, flags, out)
+    # Longest first: .cpp (torch/extension.h) and the biggest .cu files.
+    order = sorted(cmds, key=lambda s: (not s.endswith(".cpp"), -os.path.getsize(s)))
     results = {}
-    with tempfile.TemporaryDirectory(prefix="kfused_csrc_") as tmp:
-        cmds = {}
-        for i, src in enumerate(SOURCES):
-            out = os.path.join(tmp, f"{i}_{os.path.basename(src)}.o")
-            cmds[src] = _command(src, nvcc, host_cxx, flags, out)
-        # Longest first: .cpp (torch/extension.h) and the biggest .cu files.
-        order = sorted(cmds, key=lambda s: (not s.endswith(".cpp"), -os.path.getsize(s)))
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            futs = {src: pool.submit(_compile_one, cmds[src]) for src in order}
-            for src, fut in futs.items():
-                results[src] = (cmds[src],) + fut.result()
-        total = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futs = {src: pool.submit(_compile_one, cmds[src]) for src in order}
+        for src, fut in futs.items():
+            # (command, returncode, output, seconds, object path)
+            results[src] = (cmds[src],) + fut.result() + (cmds[src][-1],)
+    total = time.perf_counter() - t0
     lines = [f"  {os.path.relpath(s, ROOT)}: {r[3]:.1f} s" for s, r in results.items()]
     print(f"\ncsrc compile check: {len(results)} files in {total:.1f} s (2 in parallel)\n"
           + "\n".join(lines), file=sys.stderr)
+    results["__nvcc__"] = nvcc
+    results["__tmp__"] = tmp
     return results
 
 
@@ -135,7 +141,65 @@ def test_sources_exist():
 
 @pytest.mark.parametrize("src", SOURCES, ids=[os.path.relpath(s, CSRC) for s in SOURCES])
 def test_compiles(compiled, src):
-    cmd, rc, err, secs = compiled[src]
+    cmd, rc, err, secs, _ = compiled[src]
     if rc != 0:
         pytest.fail(f"{os.path.relpath(src, ROOT)} failed to compile (exit {rc}, {secs:.1f} s)\n"
                     f"command: {' '.join(cmd)}\n{err}", pytrace=False)
+
+
+_IMPORT_CHECK = r"""
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("_C", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+names = sorted(n for n in dir(m) if n.endswith(("_fwd", "_bwd")))
+assert names == ["headwise_lowrank_bwd", "headwise_lowrank_fwd", "inducer_attention_fwd",
+                 "kron_matvec_bwd", "kron_matvec_fwd"], names
+r = torch.randn
+calls = {
+    "kron_matvec_fwd": lambda: m.kron_matvec_fwd(r(4, 6), r(2, 3), r(2, 2)),
+    "kron_matvec_bwd": lambda: m.kron_matvec_bwd(r(4, 4), r(4, 6), r(2, 3), r(2, 2)),
+    "headwise_lowrank_fwd": lambda: m.headwise_lowrank_fwd(r(3, 8), r(2, 1, 8), r(2, 4, 1)),
+    "headwise_lowrank_bwd": lambda: m.headwise_lowrank_bwd(r(3, 2, 4), r(3, 8), r(2, 1, 8),
+                                                           r(2, 4, 1), True),
+    "inducer_attention_fwd": lambda: m.inducer_attention_fwd(
+        r(1, 2, 3, 32), r(1, 2, 5, 32), r(1, 2, 5, 32), r(1, 2, 3), causal=True),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except RuntimeError as e:
+        assert "must be a CUDA tensor" in str(e), (name, str(e))
+    else:
+        raise AssertionError(name + " accepted CPU tensors")
+print("ok")
+"""
+
+
+def test_links_and_imports(compiled):
+    """Link the objects against the CPU torch + cudart and exercise the bindings' checks."""
+    objs = [compiled[s][4] for s in SOURCES]
+    if any(compiled[s][1] != 0 for s in SOURCES):
+        pytest.skip("some source failed to compile (reported by test_compiles)")
+    host_cxx = shutil.which("c++") or shutil.which("g++")
+    if host_cxx is None:
+        pytest.skip("no host C++ compiler to link with")
+    import torch
+
+    nvcc = compiled["__nvcc__"]
+    cuda_inc = _cuda_include(nvcc)
+    libdirs = [os.path.join(os.path.dirname(cuda_inc), d) for d in ("lib64", "lib")] \
+        if cuda_inc else []
+    libdirs = [d for d in libdirs if glob.glob(os.path.join(d, "libcudart.so*"))]
+    if not libdirs:
+        pytest.skip("libcudart.so not found next to the CUDA headers")
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    so = os.path.join(compiled["__tmp__"], "_C.so")
+    cmd = [host_cxx, "-shared", "-o", so, *objs, f"-L{torch_lib}", "-lc10", "-ltorch",
+           "-ltorch_cpu", "-ltorch_python", f"-L{libdirs[0]}", "-lcudart",
+           f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath,{libdirs[0]}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert res.returncode == 0, f"link failed: {' '.join(cmd)}\n{res.stderr}"
+    res = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, so], capture_output=True,
+                         text=True, timeout=TIMEOUT_S)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
