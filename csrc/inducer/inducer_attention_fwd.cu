@@ -21,6 +21,9 @@
 //   ksplit = 4 (decode / few rows): 4 rows per block; warp w walks tiles w, w+4, ... (the block
 //                         stages four tiles per step) and the four partial softmax states are
 //                         merged at the end. This keeps a whole SM busy for n_q = 1.
+// When even that leaves SMs idle (decode with few batch x heads), the keys are also split over
+// `nsplit` blocks (flash-decoding): each block writes its unnormalised state (max, sum, P V)
+// to a float workspace and a second kernel merges the splits in a fixed order.
 // Scores are computed lane-per-key (q broadcast from shared memory, K rows padded so the 32
 // lanes hit 32 banks); P V is accumulated lane-per-feature with the probabilities broadcast by
 // shuffles. Softmax runs in the log2 domain (q pre-scaled by log2(e)/sqrt(p), exp2f).
@@ -59,7 +62,34 @@ struct InducerParams {
   float scale_log2;
   bool causal;
   int ksplit;
+  int nsplit;           // key splits over blocks (1: no workspace)
+  int tiles_per_split;  // key tiles per split
+  float* part_o;        // (B, H, n_q, nsplit, p) unnormalised P V        (nsplit > 1)
+  float* part_ml;       // (B, H, n_q, nsplit, 2) running max (log2), sum (nsplit > 1)
 };
+
+// f = o / l, lse = ln(sum exp S), lam = sigmoid(s0 - lse); the row's lanes hold o[c] for
+// features lane + 32 c. m is the running max in the log2 domain.
+template <typename T, int CH>
+__device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t ridx, float m,
+                                             float lsum, const float (&o)[CH]) {
+  const int lane = threadIdx.x & 31;
+  const bool any = lsum > 0.f;
+  const float inv = any ? 1.f / lsum : 0.f;
+  T* f = static_cast<T*>(P.f);
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int d = lane + 32 * c;
+    if (d < P.p) f[ridx * P.p + d] = static_cast<T>(o[c] * inv);
+  }
+  if (lane == 0) {
+    const float lse = any ? (m + log2f(lsum)) * kLn2 : kFullyMaskedLse;
+    const float x = P.s0[ridx] - lse;  // lam = sigmoid(x), evaluated without overflow
+    const float lam = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+    P.lse[ridx] = lse;
+    P.lam[ridx] = lam;
+  }
+}
 
 // Shared-memory row pitch for K/V tiles: 32 lanes reading 32 different rows at the same
 // column must hit 32 different banks.
@@ -92,7 +122,8 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
   const int b = blockIdx.z, h = blockIdx.y;
   const int ksplit = P.ksplit;
   const int rows_blk = ksplit == 1 ? kWarps * kRowsPerWarp : kRowsPerWarp;
-  const int row0 = blockIdx.x * rows_blk;
+  const int split = blockIdx.x % P.nsplit;
+  const int row0 = (blockIdx.x / P.nsplit) * rows_blk;
   const int p = P.p, pitch = P.pitch, l = P.l;
 
   float* Qs = smem;  // (rows_blk, p), pre-scaled
@@ -112,7 +143,11 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
   }
   seq_end = seq_end < 0 ? 0 : seq_end;
   const int kend = l + seq_end;
-  const int ntiles = (kend + kBK - 1) / kBK;
+  // This block's key tiles: [tile_beg, tile_end) of the visible range.
+  const int ntiles_vis = (kend + kBK - 1) / kBK;
+  const int tile_beg = split * P.tiles_per_split;
+  int tile_end = tile_beg + P.tiles_per_split;
+  tile_end = tile_end < ntiles_vis ? tile_end : ntiles_vis;
 
   const T* q = static_cast<const T*>(P.q) + b * P.q_sb + h * P.q_sh;
   for (int e = threadIdx.x; e < rows_blk * p; e += blockDim.x) {
@@ -136,13 +171,13 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
     for (int c = 0; c < CH; ++c) o[rr][c] = 0.f;
   }
 
-  for (int it = 0; it * ksplit < ntiles; ++it) {
+  for (int it = 0; tile_beg + it * ksplit < tile_end; ++it) {
     __syncthreads();  // Q staged / previous tiles consumed
     const int tile_elems = kBK * p;
     for (int e = threadIdx.x; e < ksplit * tile_elems; e += blockDim.x) {
       const int s = e / tile_elems, rem = e - s * tile_elems;
       const int kk = rem / p, d = rem - kk * p;
-      const int key = (it * ksplit + s) * kBK + kk;
+      const int key = (tile_beg + it * ksplit + s) * kBK + kk;
       T kv = T(0.f), vv = T(0.f);
       if (key < l) {
         kv = kpre[key * p + d];
@@ -156,8 +191,8 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
       Vs[(s * kBK + kk) * pitch + d] = vv;
     }
     __syncthreads();
-    const int tile = it * ksplit + slot;
-    if (tile >= ntiles) continue;  // warp-uniform; the next iteration's barrier is still met
+    const int tile = tile_beg + it * ksplit + slot;
+    if (tile >= tile_end) continue;  // warp-uniform; the next iteration's barrier is still met
     const int key = tile * kBK + lane;
     const T* krow = Ks + (slot * kBK + lane) * pitch;
     const T* vtile = Vs + slot * kBK * pitch;
@@ -237,31 +272,58 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
     lsum[0] = L;
   }
 
-  // Finalise: warp-owned rows (ksplit 1: rows base..base+3; ksplit 4: row `warp`, in slot 0).
+  // Finalise the warp-owned rows (ksplit 1: rows base..base+3; ksplit 4: row `warp`, slot 0),
+  // or hand the unnormalised state to the split-merge kernel.
   const int nrows = ksplit == 1 ? kRowsPerWarp : 1;
   const int first = ksplit == 1 ? base : warp;
-  T* f = static_cast<T*>(P.f);
 #pragma unroll
   for (int rr = 0; rr < kRowsPerWarp; ++rr) {
     if (rr >= nrows) break;
     const int row = row0 + first + rr;
     if (row >= P.n_q) break;
     const int64_t ridx = (static_cast<int64_t>(b) * P.H + h) * P.n_q + row;
-    const bool any = lsum[rr] > 0.f;
-    const float inv = any ? 1.f / lsum[rr] : 0.f;
+    if (P.nsplit == 1) {
+      finalize_row<T, CH>(P, ridx, m[rr], lsum[rr], o[rr]);
+    } else {
+      const int64_t sidx = ridx * P.nsplit + split;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int d = lane + 32 * c;
-      if (d < p) f[ridx * p + d] = static_cast<T>(o[rr][c] * inv);
-    }
-    if (lane == 0) {
-      const float lse = any ? (m[rr] + log2f(lsum[rr])) * kLn2 : kFullyMaskedLse;
-      const float x = P.s0[ridx] - lse;  // lam = sigmoid(x), evaluated without overflow
-      const float lam = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
-      P.lse[ridx] = lse;
-      P.lam[ridx] = lam;
+      for (int c = 0; c < CH; ++c) {
+        const int d = lane + 32 * c;
+        if (d < p) P.part_o[sidx * p + d] = o[rr][c];
+      }
+      if (lane == 0) {
+        P.part_ml[2 * sidx] = m[rr];
+        P.part_ml[2 * sidx + 1] = lsum[rr];
+      }
     }
   }
+}
+
+// Merge the key splits of each row (one warp per row, splits in order).
+template <typename T, int CH>
+__global__ void __launch_bounds__(128) inducer_merge_kernel(const InducerParams P) {
+  const int lane = threadIdx.x & 31;
+  const int64_t ridx = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (ridx >= static_cast<int64_t>(P.B) * P.H * P.n_q) return;
+  const int64_t sbase = ridx * P.nsplit;
+  float M = -INFINITY;
+  for (int sp = 0; sp < P.nsplit; ++sp) M = fmaxf(M, P.part_ml[2 * (sbase + sp)]);
+  float L = 0.f, o[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) o[c] = 0.f;
+  if (M != -INFINITY) {
+    for (int sp = 0; sp < P.nsplit; ++sp) {
+      const float ms = P.part_ml[2 * (sbase + sp)];
+      const float sc = ms == -INFINITY ? 0.f : exp2f(ms - M);
+      L += P.part_ml[2 * (sbase + sp) + 1] * sc;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int d = lane + 32 * c;
+        if (d < P.p) o[c] += P.part_o[(sbase + sp) * P.p + d] * sc;
+      }
+    }
+  }
+  finalize_row<T, CH>(P, ridx, M, L, o);
 }
 
 template <typename T, int CH>
@@ -269,6 +331,11 @@ void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t
   set_smem(inducer_fwd_kernel<T, CH>, smem, "inducer_fwd_kernel");
   inducer_fwd_kernel<T, CH><<<grid, kWarps * 32, smem, stream>>>(P);
   check_launch("inducer_fwd_kernel");
+  if (P.nsplit > 1) {
+    const int64_t rows = static_cast<int64_t>(P.B) * P.H * P.n_q;
+    inducer_merge_kernel<T, CH><<<static_cast<unsigned>(ceil_div(rows, 4)), 128, 0, stream>>>(P);
+    check_launch("inducer_merge_kernel");
+  }
 }
 
 }  // namespace
@@ -353,6 +420,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
   const int64_t blocks1 = ceil_div(n_q, kWarps * kRowsPerWarp) * Bn * H;
   const int ksplit = (n_q <= kRowsPerWarp || (blocks1 < sms && l + n_k > 4 * kBK)) ? 4 : 1;
   const int rows_blk = ksplit == 1 ? kWarps * kRowsPerWarp : kRowsPerWarp;
+  // Flash-decoding: split the keys over blocks when the (row tile, head, batch) blocks cannot
+  // fill the device; every split walks at least 2 steps of ksplit tiles.
+  const int64_t row_tiles = ceil_div(n_q, rows_blk);
+  const int64_t blocks = row_tiles * Bn * H;
+  const int64_t ntiles = ceil_div(l + n_k, kBK);
+  int64_t nsplit = 1;
+  if (blocks < sms) {
+    nsplit = std::min<int64_t>(ceil_div(2 * sms, blocks), ntiles / (2 * ksplit));
+    nsplit = std::max<int64_t>(1, std::min<int64_t>(nsplit, 64));
+  }
+  const int64_t tiles_per_split = std::max<int64_t>(1, ceil_div(ntiles, nsplit));
+  nsplit = std::max<int64_t>(1, ceil_div(ntiles, tiles_per_split));
+  at::Tensor part_o, part_ml;
+  if (nsplit > 1) {
+    part_o = at::empty({Bn * H * n_q * nsplit * p}, fopts);
+    part_ml = at::empty({Bn * H * n_q * nsplit * 2}, fopts);
+  }
 
   InducerParams P{};
   P.q = q.data_ptr();
@@ -383,7 +467,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
   P.scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p)) * 1.4426950408889634);
   P.causal = causal;
   P.ksplit = ksplit;
-  const dim3 grid(static_cast<unsigned>(ceil_div(n_q, rows_blk)), static_cast<unsigned>(H),
+  P.nsplit = static_cast<int>(nsplit);
+  P.tiles_per_split = static_cast<int>(tiles_per_split);
+  P.part_o = nsplit > 1 ? part_o.data_ptr<float>() : nullptr;
+  P.part_ml = nsplit > 1 ? part_ml.data_ptr<float>() : nullptr;
+  TORCH_CHECK(row_tiles * nsplit < (int64_t(1) << 31), "kfused: inducer_attention_fwd: too many rows");
+  const dim3 grid(static_cast<unsigned>(row_tiles * nsplit), static_cast<unsigned>(H),
                   static_cast<unsigned>(Bn));
   const int chunks = static_cast<int>(ceil_div(p, 32));
   cudaStream_t stream = current_stream();
