@@ -9,8 +9,22 @@
 
 #include "kfused.h"
 
+// Mirrors the check in common/common.cuh (same include path): true when the kernels launch on
+// torch's current stream (a CUDA build of torch), false in compile-check builds against a
+// CPU-only torch, which fall back to the legacy default stream.
+#if !defined(KFUSED_NO_C10_CUDA) && defined(__has_include)
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
+#define KFUSED_BINDINGS_C10_CUDA 1
+#endif
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kfused CUDA C++ kernels (see csrc/README.md)";
+#ifdef KFUSED_BINDINGS_C10_CUDA
+  m.attr("USES_TORCH_CURRENT_STREAM") = true;
+#else
+  m.attr("USES_TORCH_CURRENT_STREAM") = false;
+#endif
 
   m.def("kron_matvec_fwd", &kfused::kron_matvec_fwd,
         "y (T, a_out*b_out) = vec(A X[t] B^T) for x (T, a_in*b_in)", py::arg("x"), py::arg("A"),

@@ -153,6 +153,7 @@ spec = importlib.util.spec_from_file_location("_C", sys.argv[1])
 m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
 names = sorted(n for n in dir(m) if n.endswith(("_fwd", "_bwd")))
+assert m.USES_TORCH_CURRENT_STREAM in (True, False)
 assert names == ["headwise_lowrank_bwd", "headwise_lowrank_fwd", "inducer_attention_fwd",
                  "kron_matvec_bwd", "kron_matvec_fwd"], names
 r = torch.randn

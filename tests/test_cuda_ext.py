@@ -57,6 +57,26 @@ def _grads(fn, inputs, names, gout):
     return out.detach(), [g if g is not None else torch.zeros_like(l) for g, l in zip(gs, leaves)]
 
 
+def test_extension_uses_torch_stream():
+    # A real build (CUDA torch) launches on torch's current stream, not the legacy fallback.
+    assert _C.USES_TORCH_CURRENT_STREAM is True
+
+
+def test_runs_on_current_stream():
+    side = torch.cuda.Stream()
+    x0 = torch.randn(2049, 768, device=DEV)
+    A = torch.randn(24, 24, device=DEV)
+    B = torch.randn(32, 32, device=DEV)
+    ref = kron_ref(x0, A, B)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        x = x0 * 2.0  # produced on the side stream
+        y = _C.kron_matvec_fwd(x, A, B)
+        y2 = y * 0.5
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(y2, ref, rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------
 # kron_matvec (SPEC §1)
 # ------------------------------------------------------------------------------------------
