@@ -107,7 +107,8 @@ def _compile_one(cmd):
 def compiled(tmp_path_factory):
     nvcc = _find_nvcc()
     if nvcc is None:
-        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH): csrc/ compile check skipped")
+        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH): "
+                    "csrc/ compile check skipped")
     pytest.importorskip("torch")
     host_cxx = shutil.which("c++") or shutil.which("g++")
     flags = _include_flags(nvcc)
