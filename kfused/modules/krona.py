@@ -137,6 +137,7 @@ class KronALinear(_KronFactors):
         A, B = self.A, self.B
         if x.dtype != w.dtype:  # e.g. autocast: compute in the activation dtype
             w = w.to(x.dtype)
+        if x.dtype != A.dtype:  # e.g. float32 adapter factors on a bf16 base
             A, B = A.to(x.dtype), B.to(x.dtype)
         bias = self.base.bias
         if bias is not None and bias.dtype != x.dtype:
