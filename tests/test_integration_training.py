@@ -1,0 +1,117 @@
+"""Issue 5, item 5 and the demo: torch.compile without graph breaks, autocast with float32
+adapters, gradient checkpointing, the transformers Trainer, and a tiny `kfused demo` run."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from kfused.integration import AdapterConfig, get_state, inject
+
+from _hf_helpers import batch, make
+
+
+def _adapter_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None}
+
+
+@pytest.mark.parametrize("arch,method,backend", [("gpt2", "krona", "triton"),
+                                                 ("llama", "lora", "reference")])
+def test_torch_compile_fullgraph(arch, method, backend):
+    # HF computes the loss with a graph break of its own (also without adapters), so the
+    # compiled region is the model's forward to the logits; fullgraph=True fails on any break.
+    torch._dynamo.reset()
+    model = make(arch, n_layers=1)
+    inject(model, AdapterConfig(method=method, init="random", backend=backend))
+    inputs = batch(arch)
+    ids = inputs["input_ids"]
+
+    def logits(m):
+        return m(input_ids=ids).logits
+
+    ref = logits(model)
+    ref.square().mean().backward()
+    want = _adapter_grads(model)
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = logits(compiled)
+    out.square().mean().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    got = _adapter_grads(model)
+    assert got.keys() == want.keys() and got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_keeps_float32_adapters(dtype):
+    if dtype == torch.float16 and not hasattr(torch, "autocast"):
+        pytest.skip("no autocast")
+    model = make("gpt2")
+    inject(model, AdapterConfig(method="krona", init="random", backend="reference"))
+    inputs = batch("gpt2")
+    loss32 = model(**inputs).loss
+    with torch.autocast("cpu", dtype=dtype):
+        loss = model(**inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - loss32.item()) < 0.05
+    for n in get_state(model).param_names:
+        p = model.get_parameter(n)
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    model = make("gpt2")
+    inject(model, AdapterConfig(method="krona_b", init="random", backend="reference"))
+    inputs = batch("gpt2")
+    model.train()
+    model(**inputs).loss.backward()
+    want = _adapter_grads(model)
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:  # frozen embeddings: the checkpointed blocks need an input that wants grad
+        model.enable_input_require_grads()
+    model(**inputs).loss.backward()
+    got = _adapter_grads(model)
+    assert got.keys() == want.keys() and got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+def test_transformers_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = make("llama")
+    inject(model, AdapterConfig(method="krona", targets=["q", "v", "o"], backend="reference"))
+    rows = [{k: v[0] for k, v in batch("llama", b=1, seed=s).items()} for s in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4,
+                             learning_rate=2e-2, logging_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             dataloader_num_workers=0, lr_scheduler_type="constant")
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    assert all(not p.requires_grad for n, p in model.named_parameters()
+               if n not in set(get_state(model).param_names))
+
+
+def test_demo_cpu_smoke(tmp_path, capsys):
+    from kfused.cli.demo import run_demo
+
+    rc = run_demo(["--steps", "4", "--layers", "1", "--d-model", "32", "--heads", "2",
+                   "--seq-len", "48", "--batch-size", "4", "--warmup", "1", "--no-progress",
+                   "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "reference only" in out and "skipped" in out and "tokens/s" in out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert "reference" in report["runs"] and "fused" not in report["runs"]
+    assert report["skipped"]["fused"]
+    assert len(report["runs"]["reference"]["losses"]) == 4
+    assert report["checkpoint"]["reload_bit_exact"] is True
+    assert os.path.getsize(tmp_path / "loss_curve.png") > 1000
