@@ -308,3 +308,29 @@ def test_half_base_keeps_float32_adapters():
     loss = m(**batch("gpt2")).loss
     loss.backward()
     assert m.transformer.h[0].attn.c_attn.A.grad.dtype == torch.float32
+
+
+class _HeadGain(nn.Module):  # a toy model-level method: a per-layer gain on the final norm
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.base(x) * self.gain
+
+
+def test_register_model_level_method(tmp_path):
+    def apply(model, target, cfg):
+        assert target.site == "model" and target.d_model == 32
+        model.transformer.ln_f = _HeadGain(model.transformer.ln_f)
+        return [model.transformer.ln_f]
+
+    register_method("toy_model_level", site="model", wrap=apply)
+    m = make("gpt2")
+    inject(m, method="toy_model_level")
+    assert get_state(m).adapter_modules == ["transformer.ln_f"]
+    assert get_state(m).param_names == ["transformer.ln_f.gain"]
+    assert m.transformer.ln_f.gain.requires_grad and not m.transformer.wte.weight.requires_grad
+    save(m, str(tmp_path / "c"))
+    load(make("gpt2"), str(tmp_path / "c"))

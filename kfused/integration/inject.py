@@ -24,7 +24,7 @@ from kfused.integration.config import AdapterConfig, preset
 from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable
 from kfused.modules.krona import _is_conv1d, linear_dims
 
-_SITE_ORDER = {"linear": 0, "block": 1, "attention": 2}
+_SITE_ORDER = {"linear": 0, "block": 1, "attention": 2, "model": 2}
 _REGEX_CHARS = set("\\*+?[](){}|^$")
 
 
@@ -159,6 +159,41 @@ def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, Adap
     return plan
 
 
+def _place_new_params(module: nn.Module, before, adapter_dtype, ref) -> None:
+    for p in module.parameters():
+        if id(p) in before:
+            continue
+        want_dtype = adapter_dtype or (ref.dtype if ref is not None else p.dtype)
+        want_dev = ref.device if ref is not None else p.device
+        if p.dtype != want_dtype or p.device != want_dev:
+            p.data = p.data.to(device=want_dev, dtype=want_dtype)
+    for b in module.buffers():
+        if id(b) not in before and ref is not None and b.device != ref.device:
+            b.data = b.data.to(ref.device)
+
+
+def _apply_model_level(model, part, cfg, arch, dims, before, adapter_dtype) -> List[str]:
+    ref = next(iter(model.parameters()), None)
+    target = Target(name="", role=None, site="model", arch=arch, d_model=dims["d_model"],
+                    n_heads=dims["n_heads"], head_dim=dims["head_dim"],
+                    model_config=getattr(model, "config", None))
+    placed = part.wrap(model, target, cfg)
+    if isinstance(placed, dict):
+        names = list(placed)
+    else:
+        ids = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        names = []
+        for m in placed or []:
+            if id(m) not in ids:
+                raise ValueError(f"method {part.name!r} returned a module that is not in the model")
+            names.append(ids[id(m)])
+    if not names:
+        raise ValueError(f"method {part.name!r} placed no adapter in this model")
+    for n in names:
+        _place_new_params(model.get_submodule(n), before, adapter_dtype, ref)
+    return names
+
+
 # ------------------------------------------------------------------------------------------
 # public API
 
@@ -197,6 +232,10 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     plan = sorted(_expand(spec, config), key=lambda pc: _SITE_ORDER[pc[0].site])
     adapted: List[str] = []
     for part, cfg in plan:
+        if part.site == "model":
+            adapted.extend(_apply_model_level(target_model, part, cfg, arch, dims, before,
+                                              adapter_dtype))
+            continue
         targets = cfg.targets if cfg.targets is not None else part.targets_for(arch)
         if targets is None:
             raise ValueError(f"method {part.name!r} has no default targets for this model "
@@ -221,16 +260,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
                 new = _BertOutputParallel(module, part.wrap(_ZeroBlock(), target, cfg))
             else:
                 new = part.wrap(module, target, cfg)
-            for p in new.parameters():
-                if id(p) in before:
-                    continue
-                want_dtype = adapter_dtype or (ref.dtype if ref is not None else p.dtype)
-                want_dev = ref.device if ref is not None else p.device
-                if p.dtype != want_dtype or p.device != want_dev:
-                    p.data = p.data.to(device=want_dev, dtype=want_dtype)
-            for b in new.buffers():
-                if id(b) not in before and ref is not None and b.device != ref.device:
-                    b.data = b.data.to(ref.device)
+            _place_new_params(new, before, adapter_dtype, ref)
             _set_submodule(target_model, name, new)
             adapted.append(name)
 

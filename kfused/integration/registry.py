@@ -20,6 +20,12 @@ Sites:
                 (inducer, prefix). ``wrap`` gets the HF attention module and ``target`` (with
                 d_model, n_heads, head_dim, arch) and returns a drop-in replacement that keeps
                 the original's forward signature.
+    "model"     the whole model, for methods whose own attach function walks the model (e.g.
+                ``attach_headwise(model, cfg)``, ``add_inducers(model, ...)``). ``wrap`` gets
+                the model, a Target with ``name=""`` and the config, changes the model in place
+                and returns the adapter modules it placed, as ``{name: module}`` or a list of
+                modules (names are then looked up). New parameters are found by identity, so
+                the apply function may create them anywhere.
     Composite methods list ``parts``: ``(method, default_targets or None)`` applied in order
     (linear parts first is best: later attention/block wrappers then contain the adapted
     linears). Per-part overrides come from ``cfg.options[part]``.
@@ -40,7 +46,7 @@ from torch import nn
 from kfused.integration.arch import ArchSpec
 from kfused.integration.config import AdapterConfig
 
-SITES = ("linear", "block", "attention", "composite")
+SITES = ("linear", "block", "attention", "model", "composite")
 
 
 @dataclasses.dataclass
