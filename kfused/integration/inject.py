@@ -11,7 +11,9 @@ merge and the trainable-parameter report all read it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -149,10 +151,14 @@ def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, Adap
         raise ValueError(
             f"{spec.name!r} is a composite of {[p for p, _ in spec.parts]}: give each part's "
             "targets in options, e.g. options={'lora': {'targets': ['q', 'v']}}")
+    from kfused.integration.registry import methods
+
+    shared_opts = {k: v for k, v in cfg.options.items() if k not in methods()}
     plan = []
     for part, part_targets in spec.parts:
         over = dict(cfg.options.get(part, {}))
-        sub = cfg.replace(method=part, targets=over.pop("targets", part_targets), options={})
+        sub = cfg.replace(method=part, targets=over.pop("targets", part_targets),
+                          options={**shared_opts, **over.pop("options", {})})
         if over:
             sub = sub.replace(**over)
         plan.extend(_expand(get_method(part), sub))
@@ -288,6 +294,25 @@ def set_backend(model: nn.Module, backend: Optional[str]) -> None:
             if hasattr(sub, "backend") and not isinstance(getattr(type(sub), "backend", None),
                                                            property):
                 sub.backend = backend
+
+
+@contextlib.contextmanager
+def use_backend(backend: Optional[str]):
+    """Within the block, every kfused op defaults to ``backend`` ($KFUSED_BACKEND), including
+    those of adapter modules that take the backend per call rather than as an attribute.
+    None leaves the environment unchanged."""
+    if backend is None:
+        yield
+        return
+    old = os.environ.get("KFUSED_BACKEND")
+    os.environ["KFUSED_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KFUSED_BACKEND", None)
+        else:
+            os.environ["KFUSED_BACKEND"] = old
 
 
 def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:

@@ -88,13 +88,13 @@ for _name, _desc in [
         ("kernel_wise_lite", "Kernel-wise-lite: per-head updates on the key basis (SPEC §2)"),
         ("kernel_mix", "Kernel-mix: shared LoRA + Kernel-wise (SPEC §2)"),
         ("kernel_mix_lite", "Kernel-mix-lite: shared LoRA + Kernel-wise-lite (SPEC §2)")]:
-    register_method(_name, site="attention", default_targets={"*": ["q", "v"]},
+    register_method(_name, site="model", default_targets={"*": ["q", "v"]},
                     description=_desc, paper="000", plugin=_HEADWISE)
 
-register_method("inducer", site="attention", default_targets=ATTN, paper="001",
+register_method("inducer", site="model", default_targets=ATTN, paper="001",
                 description="inducer attention: a per-query virtual key/value column (SPEC §3)",
                 plugin=_INDUCER)
-register_method("prefix", site="attention", default_targets=ATTN, paper="002",
+register_method("prefix", site="model", default_targets=ATTN, paper="002",
                 description="prefix tuning: l learned key/value columns per head (SPEC §3)",
                 plugin=_INDUCER)
 
