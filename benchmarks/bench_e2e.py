@@ -121,18 +121,25 @@ def _method_missing(label: str) -> Optional[str]:
     return None
 
 
-def _step_fn(model, inputs: dict, device: torch.device, dtype: torch.dtype) -> Callable:
+def _step_fn(model, inputs: dict, device: torch.device, dtype: torch.dtype,
+             backend: Optional[str] = None) -> Callable:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4) if params else None
-    amp = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
-           else contextlib.nullcontext())
+    def amp():
+        return (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32
+                else contextlib.nullcontext())
+
     model.train()
 
+    from kfused.integration import use_backend
+
     def step():
-        with torch.enable_grad():  # the harness times "fwd" under no_grad: a step needs grad
+        # the harness times "fwd" under no_grad: a training step needs grad. use_backend sets
+        # the default for adapter modules that take the backend per call (headwise, inducer).
+        with torch.enable_grad(), use_backend(backend):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
-            with amp:
+            with amp():
                 loss = model(**inputs).loss
             loss.backward()
             if opt is not None:
@@ -143,7 +150,7 @@ def _step_fn(model, inputs: dict, device: torch.device, dtype: torch.dtype) -> C
 
 
 def _provider(name: str, spec: dict, device, dtype, attach: Callable,
-              skip: Optional[str] = None) -> Provider:
+              skip: Optional[str] = None, backend: Optional[str] = None) -> Provider:
     def make():
         model = _build(spec, device, dtype)
         for p in model.parameters():
@@ -153,7 +160,7 @@ def _provider(name: str, spec: dict, device, dtype, attach: Callable,
         ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
         ids = ids.to(device)
         inputs = {"input_ids": ids, "labels": ids}
-        return _step_fn(model, inputs, device, dtype), []
+        return _step_fn(model, inputs, device, dtype, backend), []
 
     return Provider(name, make, skip_reason=skip)
 
@@ -192,7 +199,8 @@ def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
                 skip = missing or (fused_skip if variant == "fused" else None)
                 provs.append(_provider(f"kfused-{label}-{variant}", spec, device, dtype,
                                        lambda m, lb=label, be=backend: _kfused_model(m, lb, be),
-                                       skip=skip))
+                                       skip=skip,
+                                       backend="reference" if variant == "unfused" else None))
         out.append(BenchCase(op="e2e_train_step",
                              shape={"model": model_name, "layers": spec["layers"],
                                     "d_model": spec["d"], "seq": spec["seq"],

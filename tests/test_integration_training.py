@@ -115,3 +115,33 @@ def test_demo_cpu_smoke(tmp_path, capsys):
     assert len(report["runs"]["reference"]["losses"]) == 4
     assert report["checkpoint"]["reload_bit_exact"] is True
     assert os.path.getsize(tmp_path / "loss_curve.png") > 1000
+
+
+def test_bench_e2e_cases_cpu(monkeypatch):
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(root)
+    import benchmarks.bench_e2e as be
+    from kfused.bench import BenchCase, measure
+
+    full = be.cases("cpu", torch.bfloat16)
+    assert [c.shape["model"] for c in full] == ["gpt2-small", "llama-1b-width"]
+    assert full[0].shape["seq"] == 512 and full[0].shape["batch"] == 8
+    names = [p.name for p in full[0].providers]
+    for want in ["peft-lora", "peft-lokr", "peft-prefix", "kfused-krona-fused",
+                 "kfused-krona-unfused", "kfused-kernel-mix-qvo-fused",
+                 "kfused-inducer-lora-unfused", "kfused-mam-inducer-fused"]:
+        assert want in names
+    fused = {p.name: p for p in full[0].providers}["kfused-krona-fused"]
+    assert "CUDA" in fused.skip_reason
+    # run two providers for real on a shrunken model
+    tiny = {"gpt2-small": dict(arch="gpt2", layers=1, d=32, heads=2, ff=64, vocab=64, seq=16,
+                               batch=2)}
+    monkeypatch.setattr(be, "_model_specs", lambda quick: tiny)
+    case = be.cases("cpu", torch.float32, quick=True)[0]
+    case.providers = [p for p in case.providers
+                      if p.name in ("peft-lora", "kfused-krona-unfused")]
+    rows = measure(case, "cpu", rep_ms=20, warmup_ms=5, modes=("fwd",))
+    assert all("ms_p50" in r for r in rows), rows
+    del sys.modules["benchmarks.bench_e2e"]

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loss on the sentence only (mask the meaning representation); use "
                         "--seq-len 256 so the sentences fit")
     p.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timings")
     p.add_argument("--seed", type=int, default=0)
@@ -131,6 +131,14 @@ def train_run(name: str, backend: str, args, data: Dict[str, torch.Tensor],
               eval_data: Dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
               vocab: int, progress: bool) -> Dict[str, object]:
     """One fine-tuning run; returns its metrics and per-step losses."""
+    from kfused.integration import use_backend
+
+    # The environment default reaches adapter modules that take the backend per call.
+    with use_backend(None if backend == "auto" else backend):
+        return _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progress)
+
+
+def _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progress):
     from kfused import distributed as kd
     from kfused.integration import count_parameters, inject
 
