@@ -68,6 +68,16 @@ def _run(mode, rank=0, world=1, ckpt_dir=None):
     weights = adapter_state_dict(model)
     if ckpt_dir is not None:
         save(model, ckpt_dir)
+        if mode == "fsdp2":  # load back into a freshly sharded model: shards re-distributed
+            from kfused.integration import load
+
+            fresh = make("gpt2", seed=7)
+            inject(fresh, AdapterConfig(method="krona", targets=["qkv", "ffn_out"],
+                                        backend="reference"))
+            fresh = kd.wrap_model(fresh, mode, torch.device("cpu"))
+            load(fresh, ckpt_dir)
+            again = adapter_state_dict(fresh)
+            assert all(torch.equal(again[k], weights[k]) for k in weights), "FSDP2 reload"
     return grads, weights
 
 

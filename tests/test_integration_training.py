@@ -88,12 +88,21 @@ def test_transformers_trainer(tmp_path):
     model = make("llama")
     inject(model, AdapterConfig(method="krona", targets=["q", "v", "o"], backend="reference"))
     rows = [{k: v[0] for k, v in batch("llama", b=1, seed=s).items()} for s in range(4)]
+    from kfused.integration import adapter_state_dict, load
+    from kfused.integration.hf_trainer import AdapterCheckpointCallback
+
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4,
                              learning_rate=2e-2, logging_steps=1, report_to=[],
-                             save_strategy="no", use_cpu=True, disable_tqdm=True,
-                             dataloader_num_workers=0, lr_scheduler_type="constant")
-    trainer = Trainer(model=model, args=args, train_dataset=rows)
+                             save_strategy="steps", save_steps=8, use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=0,
+                             lr_scheduler_type="constant")
+    trainer = Trainer(model=model, args=args, train_dataset=rows,
+                      callbacks=[AdapterCheckpointCallback()])
     trainer.train()
+    fresh = make("llama")
+    load(fresh, str(tmp_path / "checkpoint-8" / "kfused_adapter"))
+    want = adapter_state_dict(model)
+    assert all(torch.equal(v, want[k]) for k, v in adapter_state_dict(fresh).items())
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 8 and losses[-1] < losses[0], losses
     assert all(not p.requires_grad for n, p in model.named_parameters()
