@@ -74,7 +74,7 @@ class LoRALinear(nn.Module):
             return y
         A, B = self.A, self.B
         h = self.dropout(x)
-        if h.dtype != A.dtype and not torch.is_autocast_enabled():
+        if h.dtype != A.dtype and not torch.is_autocast_enabled(h.device.type):
             A, B = A.to(h.dtype), B.to(h.dtype)  # float32 adapter on a half-precision base
         delta = F.linear(F.linear(h, A), B)
         return y + (self.scale * delta).to(y.dtype)

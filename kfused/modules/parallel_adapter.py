@@ -53,7 +53,7 @@ class ScaledParallelAdapter(nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         params = (self.down, self.down_bias, self.up, self.up_bias)
-        if x.dtype != self.down.dtype and not torch.is_autocast_enabled():
+        if x.dtype != self.down.dtype and not torch.is_autocast_enabled(x.device.type):
             params = tuple(p.to(x.dtype) for p in params)
         wd, bd, wu, bu = params
         return self.scale * F.linear(F.relu(F.linear(x, wd, bd)), wu, bu)
