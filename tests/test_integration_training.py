@@ -154,3 +154,23 @@ def test_bench_e2e_cases_cpu(monkeypatch):
     rows = measure(case, "cpu", rep_ms=20, warmup_ms=5, modes=("fwd",))
     assert all("ms_p50" in r for r in rows), rows
     del sys.modules["benchmarks.bench_e2e"]
+
+
+def test_krona_fused_runs_in_autocast_dtype():
+    # The custom ops are opaque to autocast: the module casts the activation itself, so the
+    # fused kernel runs in half precision like the linear layer autocast would have produced.
+    from torch import nn
+
+    from kfused.modules.krona import KronALinear
+
+    m = KronALinear(nn.Linear(16, 24), init="random", backend="triton")
+    x = torch.randn(5, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = m(x)
+    assert y.dtype == torch.float16
+    y.float().sum().backward()
+    assert m.A.grad.dtype == torch.float32
+    m.backend = "reference"
+    with torch.autocast("cpu", dtype=torch.float16):
+        y_ref = m(x)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
