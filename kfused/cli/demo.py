@@ -303,6 +303,12 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                      "the Triton kernels need a CUDA GPU (their CPU interpreter is far too slow "
                      "to train)")
 
+    try:  # a bad method / preset / target is a usage error, not a traceback
+        _adapter_config(args, "reference")
+    except (ValueError, NotImplementedError) as exc:
+        print(f"kfused demo: {exc}", file=sys.stderr)
+        return 2
+
     tok = ByteTokenizer()
     vocab = tok.vocab_size
     pairs = load_pairs()
