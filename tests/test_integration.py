@@ -334,3 +334,22 @@ def test_register_model_level_method(tmp_path):
     assert m.transformer.ln_f.gain.requires_grad and not m.transformer.wte.weight.requires_grad
     save(m, str(tmp_path / "c"))
     load(make("gpt2"), str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("arch,method", [("gpt2", "krona"), ("roberta", "lora")])
+def test_merge_and_unload(arch, method):
+    from kfused.integration import merge_and_unload
+
+    model = make(arch).double()
+    plain_keys = set(make(arch).state_dict())
+    inject(model, AdapterConfig(method=method, init="random", adapter_dtype="float64"))
+    model.eval()
+    inputs = batch(arch)
+    with torch.no_grad():
+        y0 = model(**inputs).logits
+        merge_and_unload(model)
+        y1 = model(**inputs).logits
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-10)
+    assert set(model.state_dict()) == plain_keys
+    assert get_state(model, required=False) is None
+    inject(model, method="lora")  # an unloaded model can be adapted again

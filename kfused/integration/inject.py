@@ -345,6 +345,22 @@ def unmerge(model: nn.Module) -> nn.Module:
     return model
 
 
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Merge, then put the plain base layers back in place of the adapter wrappers: the result
+    is the original architecture (its ``state_dict`` keys and ``save_pretrained`` output are
+    those of an unadapted model) with the updates folded in. Mergeable methods only."""
+    mods = _merge_check(model, "merge")
+    m = unwrap(model)
+    for name, mod in mods.items():
+        base = getattr(mod, "base", None)
+        if not isinstance(base, nn.Module):
+            raise ValueError(f"cannot unload {name}: {type(mod).__name__} has no .base layer")
+        mod.merge()
+        _set_submodule(m, name, base)
+    del m.kfused_state
+    return model
+
+
 def count_parameters(model: nn.Module) -> Tuple[int, int]:
     """(trainable, total) parameter counts (shared parameters counted once)."""
     trainable = total = 0
