@@ -59,6 +59,12 @@ def _build(spec: dict, device, dtype):
     import transformers as tf
 
     torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: a 1B model inits slowly on a CPU
+        model = _build_on_device(spec, tf)
+    return model.to(dtype=dtype)
+
+
+def _build_on_device(spec: dict, tf):
     if spec["arch"] == "gpt2":
         cfg = tf.GPT2Config(n_embd=spec["d"], n_layer=spec["layers"], n_head=spec["heads"],
                             n_inner=spec["ff"], vocab_size=spec["vocab"],
@@ -71,7 +77,7 @@ def _build(spec: dict, device, dtype):
                              num_key_value_heads=spec["kv"], vocab_size=spec["vocab"],
                              max_position_embeddings=max(2048, spec["seq"]))
         model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
-    return model.to(device=device, dtype=dtype)
+    return model
 
 
 def _targets(arch: str, kind: str) -> List[str]:

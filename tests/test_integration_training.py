@@ -174,3 +174,19 @@ def test_krona_fused_runs_in_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.float16):
         y_ref = m(x)
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_demo_local_checkpoint_dir(tmp_path, capsys):
+    from kfused.cli.demo import run_demo
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("gpt2", d_model=32, n_layers=1, n_heads=2, vocab=200).save_pretrained(
+        tmp_path / "gpt2-local")  # smaller vocab than the byte tokenizer: embeddings resized
+    rc = run_demo(["--model-dir", str(tmp_path / "gpt2-local"), "--method", "lora", "--steps", "2",
+                   "--seq-len", "32", "--batch-size", "2", "--warmup", "0", "--no-progress",
+                   "--device", "cpu", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    assert "from " + str(tmp_path / "gpt2-local") in capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert report["checkpoint"]["reload_bit_exact"] is True
