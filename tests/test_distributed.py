@@ -121,9 +121,11 @@ def _compare(multi_res, single_res):
     assert g_m.keys() == g_s.keys() and w_m.keys() == w_s.keys()
     for k in g_s:
         assert g_s[k].abs().sum() > 0, k
-        torch.testing.assert_close(g_m[k], g_s[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+        torch.testing.assert_close(g_m[k], g_s[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"grad {k}: {m}")
     for k in w_s:
-        torch.testing.assert_close(w_m[k], w_s[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"weight {k}: {m}")
+        torch.testing.assert_close(w_m[k], w_s[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"weight {k}: {m}")
 
 
 def test_ddp_matches_single_process(multi, single):

@@ -28,7 +28,8 @@ def _has(mod):
 HEADWISE = _has("kfused.modules.headwise")
 INDUCER = _has("kfused.integration.hf_attention")
 needs_headwise = pytest.mark.skipif(not HEADWISE, reason="kfused.modules.headwise not installed")
-needs_inducer = pytest.mark.skipif(not INDUCER, reason="kfused.integration.hf_attention not installed")
+needs_inducer = pytest.mark.skipif(not INDUCER,
+                                   reason="kfused.integration.hf_attention not installed")
 
 CONFIGS = {
     "kernel_mix": (needs_headwise, dict(method="kernel_mix", targets=["q", "v", "o"],

@@ -132,7 +132,7 @@ def test_bench_e2e_cases_cpu(monkeypatch):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.syspath_prepend(root)
     import benchmarks.bench_e2e as be
-    from kfused.bench import BenchCase, measure
+    from kfused.bench import measure
 
     full = be.cases("cpu", torch.bfloat16)
     assert [c.shape["model"] for c in full] == ["gpt2-small", "llama-1b-width"]

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(kfused.integration.PRESETS)")
     p.add_argument("--targets", default=None,
                    help="comma-separated roles/regexes (default: every linear layer, "
-                        "qkv,o,ffn_in,ffn_out, for linear methods; the method's defaults otherwise)")
+                        "qkv,o,ffn_in,ffn_out, for linear methods; the method's defaults "
+                        "otherwise)")
     p.add_argument("--rank", type=int, default=8, help="rank r (LoRA-style methods)")
     p.add_argument("--scale", type=float, default=1.0, help="adapter scale s (KronA)")
     p.add_argument("--model-dir", default=None,
@@ -315,8 +316,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     n_eval = min(64, len(pairs) // 10)
     data = encode_pairs(pairs[n_eval:], args.seq_len, tok, target_only=args.target_only)
     eval_data = encode_pairs(pairs[:n_eval], args.seq_len, tok, target_only=args.target_only)
+    built = (f"from {args.model_dir}" if args.model_dir
+             else f"{args.layers} layers, d={args.d_model}, random weights")
     say(f"kfused demo: {args.preset or args.method} adapters on a GPT-2-shaped model "
-        f"({'from ' + args.model_dir if args.model_dir else f'{args.layers} layers, d={args.d_model}, random weights'}), "
+        f"({built}), "
         f"{len(pairs) - n_eval} train / {n_eval} eval examples, seq {args.seq_len}, "
         f"batch {args.batch_size}, {args.steps} steps, device {device}, "
         f"compute dtype {str(dtype).replace('torch.', '')}"
@@ -363,7 +366,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         print(f"{'run':<10} {'backend':<10} {'tokens/s':>10} {'step ms':>9} {'peak mem MiB':>13} "
               f"{'final loss':>11} {'eval loss':>10}")
         for name, r in results.items():
-            print(f"{name:<10} {r['backend']:<10} {r['tokens_per_s']:>10.0f} {r['mean_step_ms']:>9.1f} "
+            print(f"{name:<10} {r['backend']:<10} {r['tokens_per_s']:>10.0f} "
+                  f"{r['mean_step_ms']:>9.1f} "
                   f"{r['peak_memory_bytes'] / 2**20:>13.1f} {r['final_loss']:>11.4f} "
                   f"{r['eval_loss']:>10.4f}")
         if "fused" not in results:
@@ -382,7 +386,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             print(f"adapter checkpoint: {roundtrip.get('checkpoint')} "
                   + (f"(reload bit-exact: {roundtrip['reload_bit_exact']})"
                      if "reload_bit_exact" in roundtrip else "")
-                  + (f"; merge changes logits by at most {roundtrip['merge_max_abs_logit_change']:.2e}"
+                  + ("; merge changes logits by at most "
+                     f"{roundtrip['merge_max_abs_logit_change']:.2e}"
                      if "merge_max_abs_logit_change" in roundtrip
                      else (f"; {roundtrip['merge']}" if "merge" in roundtrip else "")))
         print(f"wrote {os.path.join(args.out, 'demo.json')}"

@@ -121,7 +121,8 @@ def save(model: nn.Module, directory: str) -> str:
         }
         parent = os.path.dirname(directory) or "."
         os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{os.getpid()}-"
+                                   f"{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp)
         try:
             save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
@@ -190,7 +191,8 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
         cfg = cfg.replace(backend=backend)
     m = unwrap(model)
     base = meta["base"]
-    here_class, here_type = type(m).__name__, getattr(getattr(m, "config", None), "model_type", None)
+    here_class = type(m).__name__
+    here_type = getattr(getattr(m, "config", None), "model_type", None)
     if base.get("model_type") != here_type or (
             here_type is None and base.get("model_class") != here_class):
         raise CheckpointError(

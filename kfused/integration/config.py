@@ -103,7 +103,8 @@ class AdapterConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown AdapterConfig fields {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(f"unknown AdapterConfig fields {sorted(unknown)}; "
+                             f"known: {sorted(known)}")
         return cls(**d)
 
 

@@ -21,7 +21,8 @@ SUBDIR = "kfused_adapter"
 
 
 class AdapterCheckpointCallback(TrainerCallback):
-    """On every Trainer save, write the adapters to ``<output_dir>/checkpoint-<step>/kfused_adapter``."""
+    """On every Trainer save, write the adapters to
+    ``<output_dir>/checkpoint-<step>/kfused_adapter``."""
 
     def on_save(self, args, state, control, model=None, **kwargs):
         if model is not None:

@@ -109,7 +109,8 @@ def _resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 def _match_targets(model: nn.Module, targets: List[str], arch: Optional[ArchSpec],
-                   exclude: Optional[List[str]], method: str) -> List[Tuple[str, nn.Module, Optional[str]]]:
+                   exclude: Optional[List[str]], method: str
+                   ) -> List[Tuple[str, nn.Module, Optional[str]]]:
     patterns = []
     for t in targets:
         if arch is not None and arch.role_regex(t) is not None:
@@ -129,7 +130,8 @@ def _match_targets(model: nn.Module, targets: List[str], arch: Optional[ArchSpec
         if not name or any(e.fullmatch(name) for e in excl):
             continue
         for kind, pat, role, _ in patterns:
-            hit = pat.fullmatch(name) if kind == "regex" else (name == pat or name.endswith("." + pat))
+            hit = (pat.fullmatch(name) if kind == "regex"
+                   else (name == pat or name.endswith("." + pat)))
             if hit:
                 if role is None and arch is not None:  # infer the role so per-role ranks apply
                     role = next((r for r, rx in arch.roles.items() if re.fullmatch(rx, name)), None)

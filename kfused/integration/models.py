@@ -27,8 +27,8 @@ def tiny_model(arch: str, *, d_model: int = 32, n_layers: int = 2, n_heads: int 
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return tf.GPT2LMHeadModel._from_config(cfg, **kw)
     if arch == "llama":
-        cfg = tf.LlamaConfig(hidden_size=d_model, intermediate_size=d_ff, num_hidden_layers=n_layers,
-                             num_attention_heads=n_heads, num_key_value_heads=max(1, n_heads // 2),
+        cfg = tf.LlamaConfig(hidden_size=d_model, intermediate_size=d_ff,
+                             num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=max(1, n_heads // 2),
                              vocab_size=vocab, max_position_embeddings=max_len, bos_token_id=0,
                              eos_token_id=0, pad_token_id=0)
         return tf.LlamaForCausalLM._from_config(cfg, **kw)

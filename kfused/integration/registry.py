@@ -131,7 +131,8 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
 def get_method(name: str) -> MethodSpec:
     """The spec for ``name``, importing its plugin first if it is only declared."""
     if name not in _METHODS:
-        raise ValueError(f"unknown adapter method {name!r}; registered: {', '.join(sorted(_METHODS))}")
+        raise ValueError(f"unknown adapter method {name!r}; "
+                         f"registered: {', '.join(sorted(_METHODS))}")
     spec = _METHODS[name]
     if not spec.available and spec.plugin:
         try:

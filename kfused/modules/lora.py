@@ -36,7 +36,8 @@ class LoRALinear(nn.Module):
         if int(r) < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {r}")
         if init not in ("lora", "random"):
-            raise ValueError(f"init must be 'lora' (A kaiming-uniform, B = 0) or 'random', got {init!r}")
+            raise ValueError("init must be 'lora' (A kaiming-uniform, B = 0) or 'random', "
+                             f"got {init!r}")
         d_in, d_out = linear_dims(base)
         self.base = base
         for p in base.parameters():
