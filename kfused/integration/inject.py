@@ -24,7 +24,7 @@ from kfused.integration import methods as _builtin_methods  # noqa: F401  (regis
 from kfused.integration.arch import ArchSpec, detect_arch, model_dims, model_type_of
 from kfused.integration.config import AdapterConfig, preset
 from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable
-from kfused.modules.krona import _is_conv1d, linear_dims
+from kfused.modules._linear import is_conv1d as _is_conv1d, linear_dims
 
 _SITE_ORDER = {"linear": 0, "block": 1, "attention": 2, "model": 2}
 _REGEX_CHARS = set("\\*+?[](){}|^$")

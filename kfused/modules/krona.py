@@ -11,8 +11,13 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from kfused.modules._linear import (WrappedLinear, autocast_input, is_conv1d, linear_dims,
+                                    linear_weight)
 from kfused.ops.krona import kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
+
+_is_conv1d = is_conv1d  # kept for callers of the old private name
+__all__ = ["KronALinear", "KronABlock", "factorize", "linear_dims", "linear_weight"]
 
 
 def factorize(d: int) -> Tuple[int, int]:
@@ -26,25 +31,6 @@ def factorize(d: int) -> Tuple[int, int]:
     while d % a:
         a -= 1
     return a, d // a
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    # transformers' Conv1D (GPT-2): weight is (in, out) and y = x @ W + b.
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def linear_dims(base: nn.Module) -> Tuple[int, int]:
-    """(d_in, d_out) of an nn.Linear or a transformers Conv1D."""
-    if isinstance(base, nn.Linear):
-        return base.in_features, base.out_features
-    if _is_conv1d(base):
-        return base.weight.shape[0], base.weight.shape[1]
-    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(base).__name__}")
-
-
-def linear_weight(base: nn.Module) -> torch.Tensor:
-    """The base weight in nn.Linear (out, in) layout (a view for Conv1D, no copy)."""
-    return base.weight.t() if _is_conv1d(base) else base.weight
 
 
 def _resolve_shapes(d_in: int, d_out: int, a_shape, b_shape) -> Tuple[Tuple[int, int], Tuple[int, int]]:
@@ -72,18 +58,9 @@ def _resolve_shapes(d_in: int, d_out: int, a_shape, b_shape) -> Tuple[Tuple[int,
     return (ao, ai), (bo, bi)
 
 
-def _autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """Under autocast, cast the activation to the autocast dtype, as autocast does for a linear
-    layer: the custom ops are opaque to autocast and would otherwise run in float32."""
-    dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        if x.dtype != dt:
-            return x.to(dt)
-    return x
+class _KronFactors:
+    """Mixin: the A, B factors of a Kronecker adapter (nn.Module subclasses only)."""
 
-
-class _KronFactors(nn.Module):
     def _init_factors(self, a_shape, b_shape, init: str, dtype, device):
         if init not in ("lora", "random"):
             raise ValueError(f"init must be 'lora' (A kaiming-uniform, B = 0) or 'random', got {init!r}")
@@ -106,7 +83,7 @@ class _KronFactors(nn.Module):
         return self.scale * kron_delta_weight(self.A, self.B)
 
 
-class KronALinear(_KronFactors):
+class KronALinear(_KronFactors, WrappedLinear):
     """KronA around a frozen linear layer: ``y = x Wᵀ + b + s · (A ⊗ B) x``.
 
     Args:
@@ -121,32 +98,20 @@ class KronALinear(_KronFactors):
     def __init__(self, base: nn.Module, a_shape: Optional[Tuple[int, int]] = None,
                  b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
                  init: str = "lora", backend: Optional[str] = None):
-        super().__init__()
+        super().__init__(base)
         d_in, d_out = linear_dims(base)
         a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
-        self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
         self.scale = float(scale)
         self.backend = backend
-        self.merged = False
         w = base.weight
         self._init_factors(a_shape, b_shape, init, w.dtype, w.device)
-
-    @property
-    def in_features(self) -> int:
-        return linear_dims(self.base)[0]
-
-    @property
-    def out_features(self) -> int:
-        return linear_dims(self.base)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.base(x)
         w = linear_weight(self.base)
         A, B = self.A, self.B
-        x = _autocast_input(x)
+        x = autocast_input(x)
         if x.dtype != w.dtype:  # e.g. autocast: compute in the activation dtype
             w = w.to(x.dtype)
         if x.dtype != A.dtype:  # e.g. float32 adapter factors on a bf16 base
@@ -156,28 +121,12 @@ class KronALinear(_KronFactors):
             bias = bias.to(x.dtype)
         return krona_linear(x, w, bias, A, B, self.scale, backend=self.backend)
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Fold ``s · A ⊗ B`` into the frozen weight; forward then runs the base layer alone."""
-        if self.merged:
-            return
-        linear_weight(self.base).add_(self.delta_weight().to(self.base.weight.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Subtract the update again (exact up to float rounding of the add/sub pair)."""
-        if not self.merged:
-            return
-        linear_weight(self.base).sub_(self.delta_weight().to(self.base.weight.dtype))
-        self.merged = False
-
     def extra_repr(self) -> str:
         return (f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}, scale={self.scale}, "
                 f"merged={self.merged}")
 
 
-class KronABlock(_KronFactors):
+class KronABlock(_KronFactors, nn.Module):
     """KronA^B / KronA^B_res: a Kronecker adapter parallel to a whole block (e.g. an FFN).
 
     ``y = block(x) + s · (A ⊗ B) x [+ bias] [+ s_res · x]``. Not mergeable (the block is not
@@ -219,7 +168,7 @@ class KronABlock(_KronFactors):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.block(x, *args, **kwargs)
         A, B = self.A, self.B
-        xa = _autocast_input(x)
+        xa = autocast_input(x)
         if xa.dtype != A.dtype:
             A, B = A.to(xa.dtype), B.to(xa.dtype)
         out = y + (self.scale * kron_matvec(xa, A, B, backend=self.backend)).to(y.dtype)

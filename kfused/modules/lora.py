@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfused.modules.krona import linear_dims, linear_weight
+from kfused.modules._linear import WrappedLinear, linear_dims
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(WrappedLinear):
     """LoRA around an nn.Linear or a transformers Conv1D (GPT-2), base parameters frozen.
 
     Args:
@@ -32,22 +32,18 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, r: int = 8, alpha: Optional[float] = None,
                  dropout: float = 0.0, init: str = "lora", backend: Optional[str] = None):
-        super().__init__()
         if int(r) < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {r}")
         if init not in ("lora", "random"):
             raise ValueError("init must be 'lora' (A kaiming-uniform, B = 0) or 'random', "
                              f"got {init!r}")
+        super().__init__(base)
         d_in, d_out = linear_dims(base)
-        self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
         self.r = int(r)
         self.alpha = float(self.r if alpha is None else alpha)
         self.scale = self.alpha / self.r
         self.init = init
         self.backend = backend
-        self.merged = False
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         w = base.weight
         self.A = nn.Parameter(torch.empty(self.r, d_in, dtype=w.dtype, device=w.device))
@@ -60,14 +56,6 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.B)
         else:
             nn.init.kaiming_uniform_(self.B, a=math.sqrt(5))
-
-    @property
-    def in_features(self) -> int:
-        return linear_dims(self.base)[0]
-
-    @property
-    def out_features(self) -> int:
-        return linear_dims(self.base)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -83,21 +71,6 @@ class LoRALinear(nn.Module):
     def delta_weight(self) -> torch.Tensor:
         """``s · B A`` in (out, in) layout (for merge and inspection)."""
         return self.scale * (self.B @ self.A)
-
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Fold ``s · B A`` into the frozen weight; forward then runs the base layer alone."""
-        if self.merged:
-            return
-        linear_weight(self.base).add_(self.delta_weight().to(self.base.weight.dtype))
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if not self.merged:
-            return
-        linear_weight(self.base).sub_(self.delta_weight().to(self.base.weight.dtype))
-        self.merged = False
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scale={self.scale}, merged={self.merged}"
