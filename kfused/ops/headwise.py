@@ -7,6 +7,8 @@ be added to ``_IMPLS`` once csrc/ implements it):
     headwise_lowrank(basis, A, B, bias=None)          -> (..., H, p)
     headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=, n_kv_heads=, q=, v=)
                                                       -> Q, K, V  (fused attention input)
+    headwise_projection(x, weight, bias, n_heads=, factors=, w_k=, b_k=)
+                                                      -> one adapted q or v projection
     headwise_oproj(o, w_o, b_o, n_heads=, wise_A=, wise_B=, wise_c=, shared_A=, shared_B=,
                    scale=)                            -> Y        (fused output projection)
 
@@ -32,9 +34,10 @@ import torch
 from kfused import _validate
 from kfused.backends import select_backend
 from kfused.reference.headwise import (HeadFactors, headwise_lowrank_ref, headwise_oproj_ref,
-                                       headwise_qkv_ref, kv_group_index)
+                                       headwise_qkv_ref, kv_group_index, projection_delta_ref)
 
-__all__ = ["headwise_lowrank", "headwise_qkv", "headwise_oproj", "HeadFactors"]
+__all__ = ["headwise_lowrank", "headwise_qkv", "headwise_projection", "headwise_oproj",
+           "HeadFactors"]
 
 _IMPLS = ("triton",)
 
@@ -186,45 +189,46 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
              q_sup: Optional[torch.Tensor],
              v_down: Optional[torch.Tensor], v_zb: Optional[torch.Tensor],
              v_up: Optional[torch.Tensor], v_sdown: Optional[torch.Tensor],
-             v_sup: Optional[torch.Tensor], n_heads: int, n_kv_heads: int
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             v_sup: Optional[torch.Tensor], head_dim: int
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
     k = _tk()
     q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup)
     v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup)
-    return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, n_heads, n_kv_heads)
+    return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim)
 
 
-def _zwidth(H, Hkv, q_down, q_sdown, v_down, v_sdown):
+def _zwidth(HQ, HV, q_down, q_sdown, v_down, v_sdown):
     rq = q_down.shape[1] if q_down is not None else 0
     rsq = q_sdown.shape[0] if q_sdown is not None else 0
     rv = v_down.shape[1] if v_down is not None else 0
     rsv = v_sdown.shape[0] if v_sdown is not None else 0
-    return H * rq + rsq + Hkv * rv + rsv
+    return HQ * rq + rsq + HV * rv + rsv
 
 
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
-      v_down, v_zb, v_up, v_sdown, v_sup, n_heads, n_kv_heads):
+      v_down, v_zb, v_up, v_sdown, v_sup, head_dim):
     T = x.shape[0]
-    M = _zwidth(n_heads, n_kv_heads, q_down, q_sdown, v_down, v_sdown)
-    return (x.new_empty(T, w_q.shape[0]), x.new_empty(T, w_k.shape[0]),
-            x.new_empty(T, w_v.shape[0]), x.new_empty(T, M, dtype=torch.float32))
+    M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, q_down, q_sdown, v_down,
+                v_sdown)
+    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]),
+            x.new_empty(T, M, dtype=torch.float32))
 
 
 @torch.library.custom_op("kfused::headwise_qkv_triton_bwd", mutates_args=())
-def _qkv_bwd(g_q: torch.Tensor, g_k: torch.Tensor, g_v: torch.Tensor, x: torch.Tensor,
+def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
              q_down: Optional[torch.Tensor], q_up: Optional[torch.Tensor],
              q_sdown: Optional[torch.Tensor], q_sup: Optional[torch.Tensor],
              v_down: Optional[torch.Tensor], v_up: Optional[torch.Tensor],
              v_sdown: Optional[torch.Tensor], v_sup: Optional[torch.Tensor],
-             z: torch.Tensor, n_heads: int, n_kv_heads: int, need_dx: bool,
+             z: torch.Tensor, head_dim: int, need_dx: bool,
              need_factors: bool) -> List[torch.Tensor]:
     k = _tk()
     q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup)
     v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup)
-    dx, gq, gv = k.headwise_qkv_backward(g_q, g_k, g_v, x, w_q, w_k, w_v, q, v, z, n_heads,
-                                         n_kv_heads, need_dx, need_factors)
+    dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
+                                         need_factors)
     out = [dx if dx is not None else _empty(x)]
     for grads in (gq, gv):
         for key in _SEC_KEYS + ("db",):
@@ -234,19 +238,19 @@ def _qkv_bwd(g_q: torch.Tensor, g_k: torch.Tensor, g_v: torch.Tensor, x: torch.T
 
 
 @_qkv_bwd.register_fake
-def _(g_q, g_k, g_v, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-      v_sup, z, n_heads, n_kv_heads, need_dx, need_factors):
+def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
+      v_sup, z, head_dim, need_dx, need_factors):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
-    for down, sdown, H, g in ((q_down, q_sdown, n_heads, g_q), (v_down, v_sdown, n_kv_heads, g_v)):
+    for down, sdown, w in ((q_down, q_sdown, w_q), (v_down, v_sdown, w_v)):
         hw = need_factors and down is not None
         sh = need_factors and sdown is not None
         r = down.shape[1] if down is not None else 0
         rs = sdown.shape[0] if sdown is not None else 0
-        N = g.shape[1]
-        P = N // H
+        N = w.shape[0]
+        H = N // head_dim
         out.append(x.new_empty(H, r, x.shape[1]) if hw else x.new_empty(0))   # down
         out.append(x.new_empty(H, r) if hw else x.new_empty(0))               # zb
-        out.append(x.new_empty(H, P, r) if hw else x.new_empty(0))            # up
+        out.append(x.new_empty(H, head_dim, r) if hw else x.new_empty(0))     # up
         out.append(x.new_empty(rs, x.shape[1]) if sh else x.new_empty(0))     # sdown
         out.append(x.new_empty(N, rs) if sh else x.new_empty(0))              # sup
         out.append(x.new_empty(N) if (hw or sh) else x.new_empty(0))          # db
@@ -255,50 +259,43 @@ def _(g_q, g_k, g_v, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_u
 
 def _qkv_setup(ctx, inputs, output):
     (x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
-     v_down, v_zb, v_up, v_sdown, v_sup, H, Hkv) = inputs
+     v_down, v_zb, v_up, v_sdown, v_sup, head_dim) = inputs
     ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
-                          v_down, v_up, v_sdown, v_sup, output[3])
-    ctx.H, ctx.Hkv = H, Hkv
+                          v_down, v_up, v_sdown, v_sup, output[1])
+    ctx.head_dim = head_dim
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
-    ctx.mark_non_differentiable(output[3])
+    ctx.mark_non_differentiable(output[1])
 
 
-def _qkv_backward(ctx, gQ, gK, gV, gZ):
+def _qkv_backward(ctx, gY, gZ):
     (x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
      v_down, v_up, v_sdown, v_sup, z) = ctx.saved_tensors
     need = ctx.needs_input_grad
     nx = need[0]
     need_f = any(need[7:17])
-    gQ = gQ.contiguous() if gQ is not None else torch.zeros(x.shape[0], w_q.shape[0],
-                                                            dtype=x.dtype, device=x.device)
-    gK = gK.contiguous() if gK is not None else torch.zeros(x.shape[0], w_k.shape[0],
-                                                            dtype=x.dtype, device=x.device)
-    gV = gV.contiguous() if gV is not None else torch.zeros(x.shape[0], w_v.shape[0],
-                                                            dtype=x.dtype, device=x.device)
+    gY = gY.contiguous()
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
-        gQ, gK, gV, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-        v_sup, z, ctx.H, ctx.Hkv, nx, need_f or need[4] or need[6])
+        gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
+        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6])
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
+    nq, nk = w_q.shape[0], w_k.shape[0]
+    gs = (gY[:, :nq], gY[:, nq:nq + nk], gY[:, nq + nk:])
 
-    def bias_grad(i, g, sec):
+    def bias_grad(i, sec):
         if not (need[4 + i] and ctx.has_b[i]):
             return None
         if sec is not None and _opt(sec["db"]) is not None:
             return sec["db"]
-        return g.sum(0)
+        return gs[i].sum(0)
 
     # The frozen weights normally have no gradient; when they do it is one plain GEMM.
-    dw = [torch.matmul(g.t(), x).to(w.dtype) if need[1 + i] else None
-          for i, (g, w) in enumerate(((gQ, w_q), (gK, w_k), (gV, w_v)))]
-    fac = []
-    for sec, ok in ((gq, (q_down, None, q_up, q_sdown, q_sup)),
-                    (gv, (v_down, None, v_up, v_sdown, v_sup))):
-        for key in _SEC_KEYS:
-            fac.append(_opt(sec[key]))
-    return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gQ, gq), bias_grad(1, gK, None),
-            bias_grad(2, gV, gv), *fac, None, None)
+    dw = [torch.matmul(gs[i].t(), x).to(w.dtype) if need[1 + i] else None
+          for i, w in enumerate((w_q, w_k, w_v))]
+    fac = [_opt(sec[key]) for sec in (gq, gv) for key in _SEC_KEYS]
+    return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gq), bias_grad(1, None),
+            bias_grad(2, gv), *fac, None)
 
 
 _qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
@@ -343,13 +340,13 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
         chk("lite_c", (H, p), "(H, p)")
 
 
-def _section(f: Optional[HeadFactors], H: int, Hkv: int, p: int, w_k: torch.Tensor,
-             b_k: Optional[torch.Tensor], is_q: bool):
-    """Kernel-level factors of one section and the bias delta (per-head c's), built with
-    differentiable torch ops on the small factor tensors."""
+def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
+             w_k: Optional[torch.Tensor], b_k: Optional[torch.Tensor]):
+    """Kernel-level factors of one section with ``H`` heads and the bias delta (per-head c's),
+    built with differentiable torch ops on the small factor tensors. Lite uses key head
+    ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``."""
     if f is None or f.empty:
         return (None,) * 5, None
-    d = w_k.shape[1]
     downs, zbs, ups, cs = [], [], [], []
     if f.has_wise:
         downs.append(f.wise_A)
@@ -358,14 +355,14 @@ def _section(f: Optional[HeadFactors], H: int, Hkv: int, p: int, w_k: torch.Tens
         if f.wise_c is not None:
             cs.append(f.wise_c)
     if f.has_lite:
-        wk = w_k.reshape(Hkv, p, d)
-        g = kv_group_index(H, Hkv, w_k.device) if is_q else None
-        if g is not None and H != Hkv:
+        g = kv_group_index(H, Hk, w_k.device) if H != Hk else None
+        wk = w_k.reshape(Hk, p, d)
+        if g is not None:
             wk = wk.index_select(0, g)
         downs.append(torch.einsum("hrp,hpd->hrd", f.lite_A, wk.to(f.lite_A.dtype)))
         if b_k is not None:
-            bk = b_k.reshape(Hkv, p)
-            if g is not None and H != Hkv:
+            bk = b_k.reshape(Hk, p)
+            if g is not None:
                 bk = bk.index_select(0, g)
             zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk.to(f.lite_A.dtype)))
         else:
@@ -459,16 +456,92 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     if be == "reference":
         return headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
                                 q=q, v=v)
+    Y = _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v)
+    return tuple(Y.split([H * p, Hkv * p, Hkv * p], dim=-1))
+
+
+def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
+    """Build the kernel-level factors and call the fused op; returns [Q | K | V] (..., N).
+
+    key: ``(w_k, b_k, Hk)`` of the frozen key projection when it is not the op's own k
+    section (single-projection use, where w_k / w_v are empty)."""
+    d = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    qf, dcq = _section(q, H, Hkv, p, w_k, b_k, True)
-    vf, dcv = _section(v, Hkv, Hkv, p, w_k, b_k, False)
-    Q, K, V, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
+    kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
+    qf, dcq = _section(q, H, Hk, p, d, kw, kb)
+    vf, dcv = _section(v, Hkv, Hk, p, d, kw, kb)
+    Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
-        _fold_bias(b_v, dcv), *qf, *vf, H, Hkv)
-    return Q.reshape(*lead, H * p), K.reshape(*lead, Hkv * p), V.reshape(*lead, Hkv * p)
+        _fold_bias(b_v, dcv), *qf, *vf, p)
+    return Y.reshape(*lead, Y.shape[-1])
+
+
+def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None, *, n_heads: int,
+                        factors: Optional[HeadFactors] = None,
+                        w_k: Optional[torch.Tensor] = None, b_k: Optional[torch.Tensor] = None,
+                        n_key_heads: Optional[int] = None,
+                        backend: Optional[str] = None) -> torch.Tensor:
+    """One adapted q or v projection, ``X Wᵀ + b + Δ`` (SPEC §2), fused like
+    :func:`headwise_qkv` but for a single projection (the frozen GEMM and every
+    down-projection in one pass over X, up-projections in the epilogue).
+
+    x (..., d); weight (H·p, d) any strides; bias (H·p,) or None; factors for H heads;
+    w_k (H_k·p, d), b_k: the frozen key projection, required when ``factors`` has a lite
+    part (head h uses key head ``h // (H / H_k)``; ``n_key_heads`` defaults to
+    ``w_k.shape[0] // p``). Returns (..., H·p).
+    """
+    _validate.check_tensor("x", x, min_ndim=1)
+    if not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    H = n_heads
+    d = x.shape[-1]
+    _validate.check_tensor("weight", weight, ndim=2)
+    if weight.shape[0] % H != 0:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}: its {weight.shape[0]} output "
+                         f"rows do not split into n_heads={H} heads")
+    p = weight.shape[0] // H
+    _check_linear("weight", weight, H * p, d, x)
+    if bias is not None:
+        _validate.check_tensor("bias", bias, ndim=1)
+        _validate.check_same("x", x, bias=bias)
+        _validate.check_shape("bias", bias, (H * p,), "bias of the projection")
+    Hk = None
+    if factors is not None:
+        if not isinstance(factors, HeadFactors):
+            raise TypeError(f"factors must be a kfused HeadFactors or None, got "
+                            f"{type(factors).__name__}")
+        _check_factors("factors", factors, H, p, d, x)
+        if factors.has_lite:
+            if w_k is None:
+                raise ValueError("factors has a Kernel-wise-lite part: pass the frozen key "
+                                 "projection as w_k (and b_k)")
+            _validate.check_tensor("w_k", w_k, ndim=2)
+            Hk = n_key_heads if n_key_heads is not None else w_k.shape[0] // p
+            if Hk < 1 or H % Hk != 0:
+                raise ValueError(f"n_key_heads={Hk} must be a positive divisor of n_heads={H}")
+            _check_linear("w_k", w_k, Hk * p, d, x)
+            if b_k is not None:
+                _validate.check_shape("b_k", b_k, (Hk * p,), "bias of the key projection")
+    be = select_backend("headwise_projection", backend, [x], impls=_IMPLS)
+    if be == "reference":
+        out = torch.nn.functional.linear(x, weight, bias)
+        if factors is None or factors.empty:
+            return out
+        kh = None
+        if factors.has_lite:
+            K = torch.nn.functional.linear(x, w_k, b_k)
+            kh = K.reshape(*K.shape[:-1], Hk, p)
+            if Hk != H:
+                kh = kh.index_select(-2, kv_group_index(H, Hk, x.device))
+        return out + projection_delta_ref(x, kh, factors, H)
+    empty = weight.new_empty(0, d)
+    key = (w_k, b_k, Hk) if Hk is not None else (None, None, H)
+    return _qkv_call(x, weight, empty, empty, bias, None, None, H, 0, p, factors, None,
+                     key=key)
 
 
 # ==========================================================================================

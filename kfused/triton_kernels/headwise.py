@@ -368,55 +368,50 @@ def _qkv_head_fwd(x_ptr, s_xt, s_xk, w_ptr, s_wn, s_wk, b_ptr, out_ptr,
 def _hw_qkv_fwd_kernel(
         x_ptr, s_xt, s_xk,
         wq_ptr, s_wqn, s_wqk, wk_ptr, s_wkn, s_wkk, wv_ptr, s_wvn, s_wvk,
-        bq_ptr, bk_ptr, bv_ptr, q_ptr, k_ptr, v_ptr,
+        bq_ptr, bk_ptr, bv_ptr, y_ptr,
         dq_ptr, zbq_ptr, uq_ptr, dsq_ptr, usq_ptr,
         dv_ptr, zbv_ptr, uv_ptr, dsv_ptr, usv_ptr,
         z_ptr, s_zt, ZQ_OFF, ZSQ_OFF, ZV_OFF, ZSV_OFF,
-        T, D, P, HQ, HKV, RQ, RSQ, RV, RSV,
+        T, D, P, HQ, HK, HV, RQ, RSQ, RV, RSV,
         BT: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr,
         RBQ: tl.constexpr, RSBQ: tl.constexpr, RBV: tl.constexpr, RSBV: tl.constexpr,
         HAS_BQ: tl.constexpr, HAS_BK: tl.constexpr, HAS_BV: tl.constexpr,
         HWQ: tl.constexpr, SHQ: tl.constexpr, HWV: tl.constexpr, SHV: tl.constexpr,
         PREC: tl.constexpr, DOT: tl.constexpr):
-    # grid: (T-blocks, HQ + 2 * HKV). Program (i, j) writes head j's columns of Q | K | V for
-    # token block i. Every branch reads the same X rows: one GEMM pass over X.
+    # grid: (T-blocks, HQ + HK + HV). Program (i, j) writes head j's p columns of the fused
+    # [Q | K | V] buffer for token block i. Every branch reads the same X rows: one GEMM pass
+    # over X for the frozen projection and every down-projection.
     pid_t = tl.program_id(0)
     j = tl.program_id(1)
     rows = pid_t * BT + tl.arange(0, BT)
     tmask = rows < T
     cols = tl.arange(0, PB)
     cmask = cols < P
-    omask = tmask[:, None] & cmask[None, :]
     if j < HQ:
-        acc = _qkv_head_fwd(x_ptr, s_xt, s_xk, wq_ptr, s_wqn, s_wqk, bq_ptr, q_ptr,
+        acc = _qkv_head_fwd(x_ptr, s_xt, s_xk, wq_ptr, s_wqn, s_wqk, bq_ptr, y_ptr,
                             dq_ptr, zbq_ptr, uq_ptr, dsq_ptr, usq_ptr,
                             z_ptr + ZQ_OFF, s_zt, z_ptr + ZSQ_OFF, j, pid_t, T, D, P, RQ, RSQ,
                             BT, BK, PB, RBQ, RSBQ, HAS_BQ, HWQ, SHQ, PREC, DOT, DOT, DOT, DOT,
                             DOT)
-        tl.store(q_ptr + rows[:, None] * (HQ * P) + j * P + cols[None, :],
-                 acc.to(q_ptr.dtype.element_ty), mask=omask)
-    elif j < HQ + HKV:
-        hk = j - HQ
-        acc = _qkv_head_fwd(x_ptr, s_xt, s_xk, wk_ptr, s_wkn, s_wkk, bk_ptr, k_ptr,
+    elif j < HQ + HK:
+        acc = _qkv_head_fwd(x_ptr, s_xt, s_xk, wk_ptr, s_wkn, s_wkk, bk_ptr, y_ptr,
                             dq_ptr, zbq_ptr, uq_ptr, dsq_ptr, usq_ptr,
-                            z_ptr, s_zt, z_ptr, hk, pid_t, T, D, P, 0, 0,
+                            z_ptr, s_zt, z_ptr, j - HQ, pid_t, T, D, P, 0, 0,
                             BT, BK, PB, 16, 16, HAS_BK, False, False, PREC, DOT, DOT, DOT, DOT,
                             DOT)
-        tl.store(k_ptr + rows[:, None] * (HKV * P) + hk * P + cols[None, :],
-                 acc.to(k_ptr.dtype.element_ty), mask=omask)
     else:
-        hv = j - HQ - HKV
-        acc = _qkv_head_fwd(x_ptr, s_xt, s_xk, wv_ptr, s_wvn, s_wvk, bv_ptr, v_ptr,
+        acc = _qkv_head_fwd(x_ptr, s_xt, s_xk, wv_ptr, s_wvn, s_wvk, bv_ptr, y_ptr,
                             dv_ptr, zbv_ptr, uv_ptr, dsv_ptr, usv_ptr,
-                            z_ptr + ZV_OFF, s_zt, z_ptr + ZSV_OFF, hv, pid_t, T, D, P, RV, RSV,
-                            BT, BK, PB, RBV, RSBV, HAS_BV, HWV, SHV, PREC, DOT, DOT, DOT, DOT,
-                            DOT)
-        tl.store(v_ptr + rows[:, None] * (HKV * P) + hv * P + cols[None, :],
-                 acc.to(v_ptr.dtype.element_ty), mask=omask)
+                            z_ptr + ZV_OFF, s_zt, z_ptr + ZSV_OFF, j - HQ - HK, pid_t, T, D, P,
+                            RV, RSV, BT, BK, PB, RBV, RSBV, HAS_BV, HWV, SHV, PREC, DOT, DOT,
+                            DOT, DOT, DOT)
+    NT = (HQ + HK + HV) * P
+    tl.store(y_ptr + rows[:, None] * NT + j * P + cols[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _qkv_sec_bwd(acc, g_ptr, H, w_ptr, s_wn, s_wk, d_ptr, u_ptr, ds_ptr, us_ptr,
+def _qkv_sec_bwd(acc, g_ptr, s_gt, H, w_ptr, s_wn, s_wk, d_ptr, u_ptr, ds_ptr, us_ptr,
                  dz_ptr, s_zt, dzs_ptr, pid_t, pid_d, T, D, P, R, RS,
                  BT: tl.constexpr, BD: tl.constexpr, PB: tl.constexpr, RB: tl.constexpr,
                  RSB: tl.constexpr, HW: tl.constexpr, SH: tl.constexpr, PREC: tl.constexpr,
@@ -436,7 +431,7 @@ def _qkv_sec_bwd(acc, g_ptr, H, w_ptr, s_wn, s_wk, d_ptr, u_ptr, ds_ptr, us_ptr,
     dzs = tl.zeros((BT, RSB), dtype=tl.float32)
     for h in range(0, H):
         n = h * P + cols
-        g = tl.load(g_ptr + rows[:, None] * (H * P) + n[None, :],
+        g = tl.load(g_ptr + rows[:, None] * s_gt + n[None, :],
                     mask=tmask[:, None] & cmask[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * s_wn + dc[None, :] * s_wk,
                     mask=cmask[:, None] & dmask[None, :], other=0.0)
@@ -467,28 +462,29 @@ def _qkv_sec_bwd(acc, g_ptr, H, w_ptr, s_wn, s_wk, d_ptr, u_ptr, ds_ptr, us_ptr,
 
 @triton.jit
 def _hw_qkv_bwd_kernel(
-        gq_ptr, gk_ptr, gv_ptr,
+        g_ptr,
         wq_ptr, s_wqn, s_wqk, wk_ptr, s_wkn, s_wkk, wv_ptr, s_wvn, s_wvk,
         dq_ptr, uq_ptr, dsq_ptr, usq_ptr, dv_ptr, uv_ptr, dsv_ptr, usv_ptr,
         dx_ptr, dz_ptr, s_zt, ZQ_OFF, ZSQ_OFF, ZV_OFF, ZSV_OFF,
-        T, D, P, HQ, HKV, RQ, RSQ, RV, RSV,
+        T, D, P, HQ, HK, HV, RQ, RSQ, RV, RSV,
         BT: tl.constexpr, BD: tl.constexpr, PB: tl.constexpr,
         RBQ: tl.constexpr, RSBQ: tl.constexpr, RBV: tl.constexpr, RSBV: tl.constexpr,
         HWQ: tl.constexpr, SHQ: tl.constexpr, HWV: tl.constexpr, SHV: tl.constexpr,
         PREC: tl.constexpr, DOT: tl.constexpr):
-    # grid: (T-blocks, D-blocks); one pass over dQ, dK, dV for dX and the rank-space dZ.
+    # grid: (T-blocks, D-blocks); one pass over d[Q | K | V] for dX and the rank-space dZ.
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
+    NT = (HQ + HK + HV) * P
     acc = tl.zeros((BT, BD), dtype=tl.float32)
-    acc = _qkv_sec_bwd(acc, gq_ptr, HQ, wq_ptr, s_wqn, s_wqk, dq_ptr, uq_ptr, dsq_ptr, usq_ptr,
-                       dz_ptr + ZQ_OFF, s_zt, dz_ptr + ZSQ_OFF, pid_t, pid_d, T, D, P, RQ, RSQ,
-                       BT, BD, PB, RBQ, RSBQ, HWQ, SHQ, PREC, DOT)
-    acc = _qkv_sec_bwd(acc, gk_ptr, HKV, wk_ptr, s_wkn, s_wkk, dq_ptr, uq_ptr, dsq_ptr, usq_ptr,
-                       dz_ptr, s_zt, dz_ptr, pid_t, pid_d, T, D, P, 0, 0,
+    acc = _qkv_sec_bwd(acc, g_ptr, NT, HQ, wq_ptr, s_wqn, s_wqk, dq_ptr, uq_ptr, dsq_ptr,
+                       usq_ptr, dz_ptr + ZQ_OFF, s_zt, dz_ptr + ZSQ_OFF, pid_t, pid_d, T, D, P,
+                       RQ, RSQ, BT, BD, PB, RBQ, RSBQ, HWQ, SHQ, PREC, DOT)
+    acc = _qkv_sec_bwd(acc, g_ptr + HQ * P, NT, HK, wk_ptr, s_wkn, s_wkk, dq_ptr, uq_ptr,
+                       dsq_ptr, usq_ptr, dz_ptr, s_zt, dz_ptr, pid_t, pid_d, T, D, P, 0, 0,
                        BT, BD, PB, 16, 16, False, False, PREC, DOT)
-    acc = _qkv_sec_bwd(acc, gv_ptr, HKV, wv_ptr, s_wvn, s_wvk, dv_ptr, uv_ptr, dsv_ptr, usv_ptr,
-                       dz_ptr + ZV_OFF, s_zt, dz_ptr + ZSV_OFF, pid_t, pid_d, T, D, P, RV, RSV,
-                       BT, BD, PB, RBV, RSBV, HWV, SHV, PREC, DOT)
+    acc = _qkv_sec_bwd(acc, g_ptr + (HQ + HK) * P, NT, HV, wv_ptr, s_wvn, s_wvk, dv_ptr, uv_ptr,
+                       dsv_ptr, usv_ptr, dz_ptr + ZV_OFF, s_zt, dz_ptr + ZSV_OFF, pid_t, pid_d,
+                       T, D, P, RV, RSV, BT, BD, PB, RBV, RSBV, HWV, SHV, PREC, DOT)
     rows = pid_t * BT + tl.arange(0, BT)
     dc = pid_d * BD + tl.arange(0, BD)
     tl.store(dx_ptr + rows[:, None] * D + dc[None, :], acc.to(dx_ptr.dtype.element_ty),
@@ -521,14 +517,14 @@ class SectionFactors:
         return (self.down.shape[1] if self.hw else 0, self.sdown.shape[0] if self.sh else 0)
 
 
-def qkv_zlayout(H: int, Hkv: int, q: SectionFactors, v: SectionFactors):
+def qkv_zlayout(HQ: int, HV: int, q: SectionFactors, v: SectionFactors):
     """Column offsets of [Z_q | Z_sq | Z_v | Z_sv] in the rank-space buffer, and its width."""
     rq, rsq = q.ranks()
     rv, rsv = v.ranks()
     zq = 0
-    zsq = zq + H * rq
+    zsq = zq + HQ * rq
     zv = zsq + rsq
-    zsv = zv + Hkv * rv
+    zsv = zv + HV * rv
     return (zq, zsq, zv, zsv), zsv + rsv
 
 
@@ -545,60 +541,58 @@ def _qkv_blocks(T, D, P, q: SectionFactors, v: SectionFactors, dev):
 def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                          bq: Optional[torch.Tensor], bk: Optional[torch.Tensor],
                          bv: Optional[torch.Tensor], q: SectionFactors, v: SectionFactors,
-                         H: int, Hkv: int):
-    """x (T, d); w* (N*, d) nn.Linear layout, any strides (Conv1D column views work);
-    biases (N*,) or None (the per-head biases c are already folded into them).
+                         P: int):
+    """x (T, d) (unit stride along d); w* (N*, d) nn.Linear layout, any strides (Conv1D column
+    views work; N* may be 0 to skip a section, e.g. a single adapted projection in the q
+    slot); biases (N*,) or None (per-head biases c already folded in); P the head width.
 
-    Returns Q (T, H·p), K (T, Hkv·p), V (T, Hkv·p) in x.dtype and the float32 rank-space
-    buffer Z (T, M) (layout :func:`qkv_zlayout`) that the backward needs.
+    Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype and the float32
+    rank-space buffer Z (T, M) (layout :func:`qkv_zlayout`) that the backward needs.
     """
     T, D = x.shape
-    P = wq.shape[0] // H
+    HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
     dev = x.device
-    Q = _alloc.empty(T, H * P, dtype=x.dtype, device=dev)
-    K = _alloc.empty(T, Hkv * P, dtype=x.dtype, device=dev)
-    V = _alloc.empty(T, Hkv * P, dtype=x.dtype, device=dev)
-    offs, M = qkv_zlayout(H, Hkv, q, v)
+    Y = _alloc.empty(T, (HQ + HK + HV) * P, dtype=x.dtype, device=dev)
+    offs, M = qkv_zlayout(HQ, HV, q, v)
     Z = _alloc.empty(T, M, dtype=F32, device=dev)
-    if T == 0:
-        return Q, K, V, Z
+    if T == 0 or Y.shape[1] == 0:
+        return Y, Z
     BT, BK, PB, RBQ, RSBQ, RBV, RSBV = _qkv_blocks(T, D, P, q, v, dev)
     rq, rsq = q.ranks()
     rv, rsv = v.ranks()
-    dummy = x
-    f = lambda t: t if t is not None else dummy  # noqa: E731
-    grid = (triton.cdiv(T, BT), H + 2 * Hkv)
+    f = lambda t: t if t is not None else x  # noqa: E731
+    grid = (triton.cdiv(T, BT), HQ + HK + HV)
     _hw_qkv_fwd_kernel[grid](
         x, x.stride(0), x.stride(1),
         wq, wq.stride(0), wq.stride(1), wk, wk.stride(0), wk.stride(1),
         wv, wv.stride(0), wv.stride(1),
-        f(bq), f(bk), f(bv), Q, K, V,
+        f(bq), f(bk), f(bv), Y,
         f(q.down), f(q.zb), f(q.up), f(q.sdown), f(q.sup),
         f(v.down), f(v.zb), f(v.up), f(v.sdown), f(v.sup),
         Z, max(M, 1), *offs,
-        T, D, P, H, Hkv, rq, rsq, rv, rsv,
+        T, D, P, HQ, HK, HV, rq, rsq, rv, rsv,
         BT=BT, BK=BK, PB=PB, RBQ=RBQ, RSBQ=RSBQ, RBV=RBV, RSBV=RSBV,
         HAS_BQ=bq is not None, HAS_BK=bk is not None, HAS_BV=bv is not None,
         HWQ=q.hw, SHQ=q.sh, HWV=v.hw, SHV=v.sh,
         PREC=dot_precision(x.dtype), DOT=use_dot(BT, min(BK, PB), min(RBQ, RSBQ, RBV, RSBV)),
         num_warps=4)
-    return Q, K, V, Z
+    return Y, Z
 
 
-def headwise_qkv_backward(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, x: torch.Tensor,
-                          wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
-                          q: SectionFactors, v: SectionFactors, Z: torch.Tensor, H: int,
-                          Hkv: int, need_dx: bool = True, need_factors: bool = True):
-    """Gradients of :func:`headwise_qkv_forward` (g* contiguous, like Q, K, V).
+def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                          wv: torch.Tensor, q: SectionFactors, v: SectionFactors,
+                          Z: torch.Tensor, P: int, need_dx: bool = True,
+                          need_factors: bool = True):
+    """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv) contiguous.
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
     sup and of the section's bias (``db``, the column sums of its output gradient) for the
     parts that exist.
     """
     T, D = x.shape
-    P = wq.shape[0] // H
+    HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
     dev = x.device
-    offs, M = qkv_zlayout(H, Hkv, q, v)
+    offs, M = qkv_zlayout(HQ, HV, q, v)
     dZ = _alloc.empty(T, M, dtype=F32, device=dev)
     dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
     BT, BK, PB, RBQ, RSBQ, RBV, RSBV = _qkv_blocks(T, D, P, q, v, dev)
@@ -606,30 +600,33 @@ def headwise_qkv_backward(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, 
     rq, rsq = q.ranks()
     rv, rsv = v.ranks()
     if T > 0 and (need_dx or (need_factors and M > 0)):
-        dummy = x
-        f = lambda t: t if t is not None else dummy  # noqa: E731
+        f = lambda t: t if t is not None else x  # noqa: E731
         grid = (triton.cdiv(T, BT), triton.cdiv(D, BD) if need_dx else 1)
         _hw_qkv_bwd_kernel[grid](
-            gq, gk, gv,
+            g,
             wq, wq.stride(0), wq.stride(1), wk, wk.stride(0), wk.stride(1),
             wv, wv.stride(0), wv.stride(1),
             f(q.down), f(q.up), f(q.sdown), f(q.sup), f(v.down), f(v.up), f(v.sdown), f(v.sup),
             dx, dZ, max(M, 1), *offs,
-            T, D, P, H, Hkv, rq, rsq, rv, rsv,
+            T, D, P, HQ, HK, HV, rq, rsq, rv, rsv,
             BT=BT, BD=BD, PB=PB, RBQ=RBQ, RSBQ=RSBQ, RBV=RBV, RSBV=RSBV,
             HWQ=q.hw, SHQ=q.sh, HWV=v.hw, SHV=v.sh,
             PREC=dot_precision(x.dtype), DOT=use_dot(BT, min(BD, PB), min(RBQ, RSBQ, RBV, RSBV)),
             num_warps=4)
+    elif T == 0 and need_dx:
+        dx.zero_()
     grads = [{}, {}]
     if need_factors and M > 0:
         dt = x.dtype
         dDall, _, dzball = atb(dZ.unsqueeze(1), x.unsqueeze(1), colsum=True, out_dtype=dt)
         dDall, dzball = dDall[0], dzball[0]
+        gq = g[:, :HQ * P]
+        gv = g[:, (HQ + HK) * P:]
         for i, (f_, g_, Hs, off, soff) in enumerate(
-                ((q, gq, H, offs[0], offs[1]), (v, gv, Hkv, offs[2], offs[3]))):
+                ((q, gq, HQ, offs[0], offs[1]), (v, gv, HV, offs[2], offs[3]))):
             r, rs = f_.ranks()
             out = grads[i]
-            g3 = g_.view(T, Hs, P)
+            g3 = g_.unflatten(1, (Hs, P))
             zs = Z[:, soff:soff + rs].unsqueeze(1) if f_.sh else None
             if f_.hw:
                 out["down"] = dDall[off:off + Hs * r].reshape(Hs, r, D).clone()
@@ -647,198 +644,3 @@ def headwise_qkv_backward(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, 
             if f_.sh:
                 out["sdown"] = dDall[soff:soff + rs].clone()
     return (dx if need_dx else None), grads[0], grads[1]
-
-
-# ------------------------------------------------------------------------------------------
-# Fused output projection: Y = O W_oᵀ + b + concat_h(O^h A_hᵀ) Bᵀ + O A_sᵀ U_sᵀ
-
-
-@triton.jit
-def _hw_oproj_fwd_kernel(o_ptr, w_ptr, s_wn, s_wk, b_ptr, a_ptr, bw_ptr, as_ptr, us_ptr,
-                         y_ptr, z_ptr, T, N, H, P, R, RS,
-                         BT: tl.constexpr, BN: tl.constexpr, PB: tl.constexpr,
-                         RB: tl.constexpr, RSB: tl.constexpr, HAS_B: tl.constexpr,
-                         HW: tl.constexpr, SH: tl.constexpr, PREC: tl.constexpr,
-                         DOT: tl.constexpr):
-    # grid: (T-blocks, N-blocks). K-loop over heads; z_h = O^h A_hᵀ is complete after head
-    # h's chunk, so its up-projection B[:, h] is applied in the same iteration.
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_t * BT + tl.arange(0, BT)
-    tmask = rows < T
-    rn = pid_n * BN + tl.arange(0, BN)
-    nmask = rn < N
-    cols = tl.arange(0, PB)
-    cmask = cols < P
-    rr = tl.arange(0, RB)
-    rmask = rr < R
-    rs = tl.arange(0, RSB)
-    smask = rs < RS
-    HP = H * P
-    MZ = H * R + RS
-    acc = tl.zeros((BT, BN), dtype=tl.float32)
-    zs = tl.zeros((BT, RSB), dtype=tl.float32)
-    for h in range(0, H):
-        kc = h * P + cols
-        o = tl.load(o_ptr + rows[:, None] * HP + kc[None, :],
-                    mask=tmask[:, None] & cmask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * s_wn + kc[:, None] * s_wk,
-                    mask=cmask[:, None] & nmask[None, :], other=0.0)
-        acc += _mm(o, w, DOT, PREC)
-        if HW:
-            at = tl.load(a_ptr + (h * R + rr[None, :]) * P + cols[:, None],
-                         mask=cmask[:, None] & rmask[None, :], other=0.0)
-            z = _mm(o, at, DOT, PREC)
-            if pid_n == 0:
-                tl.store(z_ptr + rows[:, None] * MZ + h * R + rr[None, :], z,
-                         mask=tmask[:, None] & rmask[None, :])
-            bt = tl.load(bw_ptr + rn[None, :] * (H * R) + h * R + rr[:, None],
-                         mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-            acc += _mm(z, bt, DOT, "ieee")
-        if SH:
-            ast = tl.load(as_ptr + rs[None, :] * HP + kc[:, None],
-                          mask=cmask[:, None] & smask[None, :], other=0.0)
-            zs += _mm(o, ast, DOT, PREC)
-    if SH:
-        if pid_n == 0:
-            tl.store(z_ptr + rows[:, None] * MZ + H * R + rs[None, :], zs,
-                     mask=tmask[:, None] & smask[None, :])
-        ust = tl.load(us_ptr + rn[None, :] * RS + rs[:, None],
-                      mask=smask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-        acc += _mm(zs, ust, DOT, "ieee")
-    if HAS_B:
-        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _hw_oproj_bwd_kernel(g_ptr, w_ptr, s_wn, s_wk, a_ptr, bw_ptr, as_ptr, us_ptr,
-                         do_ptr, dz_ptr, T, N, H, P, R, RS,
-                         BT: tl.constexpr, BN: tl.constexpr, PB: tl.constexpr,
-                         RB: tl.constexpr, RSB: tl.constexpr, HW: tl.constexpr,
-                         SH: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr):
-    # grid: (T-blocks, H). dO^h = dY W_o^h + (dY B_h) A_h + (dY U_s) A_s^h; one pass over dY
-    # per head; dZ_h (and dZ_s, by head 0) are written for the factor gradients.
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    rows = pid_t * BT + tl.arange(0, BT)
-    tmask = rows < T
-    cols = tl.arange(0, PB)
-    cmask = cols < P
-    kc = h * P + cols
-    rr = tl.arange(0, RB)
-    rmask = rr < R
-    rs = tl.arange(0, RSB)
-    smask = rs < RS
-    HP = H * P
-    MZ = H * R + RS
-    acc = tl.zeros((BT, PB), dtype=tl.float32)
-    dz = tl.zeros((BT, RB), dtype=tl.float32)
-    dzs = tl.zeros((BT, RSB), dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        rn = n0 + tl.arange(0, BN)
-        nmask = rn < N
-        g = tl.load(g_ptr + rows[:, None] * N + rn[None, :],
-                    mask=tmask[:, None] & nmask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * s_wn + kc[None, :] * s_wk,
-                    mask=nmask[:, None] & cmask[None, :], other=0.0)
-        acc += _mm(g, w, DOT, PREC)
-        if HW:
-            b = tl.load(bw_ptr + rn[:, None] * (H * R) + h * R + rr[None, :],
-                        mask=nmask[:, None] & rmask[None, :], other=0.0)
-            dz += _mm(g, b, DOT, PREC)
-        if SH:
-            us = tl.load(us_ptr + rn[:, None] * RS + rs[None, :],
-                         mask=nmask[:, None] & smask[None, :], other=0.0)
-            dzs += _mm(g, us, DOT, PREC)
-    if HW:
-        tl.store(dz_ptr + rows[:, None] * MZ + h * R + rr[None, :], dz,
-                 mask=tmask[:, None] & rmask[None, :])
-        a = tl.load(a_ptr + (h * R + rr[:, None]) * P + cols[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc += _mm(dz, a, DOT, "ieee")
-    if SH:
-        if h == 0:
-            tl.store(dz_ptr + rows[:, None] * MZ + H * R + rs[None, :], dzs,
-                     mask=tmask[:, None] & smask[None, :])
-        asm = tl.load(as_ptr + rs[:, None] * HP + kc[None, :],
-                      mask=smask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc += _mm(dzs, asm, DOT, "ieee")
-    tl.store(do_ptr + rows[:, None] * HP + kc[None, :], acc.to(do_ptr.dtype.element_ty),
-             mask=tmask[:, None] & cmask[None, :])
-
-
-def _oproj_blocks(T, N, P, R, RS, dev):
-    cap = 64 if dev.type == "cuda" else 32
-    return _blk(T, 16, cap), _blk(N, 16, 64), _rblk(P), _rblk(R), _rblk(RS)
-
-
-def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                           A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
-                           As: Optional[torch.Tensor], Us: Optional[torch.Tensor], H: int):
-    """o (T, H·p) contiguous; w (d, H·p) any strides; b (d,) (c folded in) or None;
-    A (H, r, p), Bw (d, H·r), As (r_s, H·p), Us (d, r_s) (scale folded in) contiguous or None.
-
-    Returns Y (T, d) and the float32 rank-space Z (T, H·r + r_s) for the backward.
-    """
-    T, HP = o.shape
-    N = w.shape[0]
-    P = HP // H
-    R = A.shape[1] if A is not None else 0
-    RS = As.shape[0] if As is not None else 0
-    dev = o.device
-    Y = _alloc.empty(T, N, dtype=o.dtype, device=dev)
-    Z = _alloc.empty(T, H * R + RS, dtype=F32, device=dev)
-    if T == 0:
-        return Y, Z
-    BT, BN, PB, RB, RSB = _oproj_blocks(T, N, P, R, RS, dev)
-    f = lambda t: t if t is not None else o  # noqa: E731
-    grid = (triton.cdiv(T, BT), triton.cdiv(N, BN))
-    _hw_oproj_fwd_kernel[grid](
-        o, w, w.stride(0), w.stride(1), f(b), f(A), f(Bw), f(As), f(Us), Y, Z,
-        T, N, H, P, R, RS, BT=BT, BN=BN, PB=PB, RB=RB, RSB=RSB, HAS_B=b is not None,
-        HW=A is not None, SH=As is not None, PREC=dot_precision(o.dtype),
-        DOT=use_dot(BT, min(PB, BN), min(RB, RSB)), num_warps=4)
-    return Y, Z
-
-
-def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
-                            A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
-                            As: Optional[torch.Tensor], Us: Optional[torch.Tensor],
-                            Z: torch.Tensor, H: int, need_do: bool = True,
-                            need_factors: bool = True):
-    """g (T, d) contiguous. Returns (dO, dict of dA, dBw, dAs, dUs, db for present parts)."""
-    T, HP = o.shape
-    N = w.shape[0]
-    P = HP // H
-    R = A.shape[1] if A is not None else 0
-    RS = As.shape[0] if As is not None else 0
-    dev = o.device
-    dt = o.dtype
-    dO = _alloc.empty(T, HP, dtype=dt, device=dev)
-    dZ = _alloc.empty(T, H * R + RS, dtype=F32, device=dev)
-    BT, BN, PB, RB, RSB = _oproj_blocks(T, N, P, R, RS, dev)
-    hw, sh = A is not None, As is not None
-    if T > 0 and (need_do or (need_factors and (hw or sh))):
-        f = lambda t: t if t is not None else o  # noqa: E731
-        _hw_oproj_bwd_kernel[(triton.cdiv(T, BT), H)](
-            g, w, w.stride(0), w.stride(1), f(A), f(Bw), f(As), f(Us), dO, dZ,
-            T, N, H, P, R, RS, BT=BT, BN=BN, PB=PB, RB=RB, RSB=RSB, HW=hw, SH=sh,
-            PREC=dot_precision(dt), DOT=use_dot(BT, min(PB, BN), min(RB, RSB)), num_warps=4)
-    grads = {}
-    if need_factors and (hw or sh):
-        o3 = o.view(T, H, P)
-        if hw:
-            grads["A"], _, _ = atb(dZ[:, :H * R].unflatten(1, (H, R)), o3, out_dtype=A.dtype)
-        if sh:
-            dAs, _, _ = atb(dZ[:, H * R:].unsqueeze(1), o.unsqueeze(1), out_dtype=As.dtype)
-            grads["As"] = dAs[0]  # (1, r_s, H·p)[0]: the only view of its buffer
-        dBZ, _, db = atb(g.unsqueeze(1), Z.unsqueeze(1), colsum=True, out_dtype=dt)
-        dBZ = dBZ[0]
-        if hw:
-            grads["Bw"] = dBZ[:, :H * R].contiguous()
-        if sh:
-            grads["Us"] = dBZ[:, H * R:].contiguous()
-        grads["db"] = db[0]
-    return (dO if need_do else None), grads
