@@ -398,8 +398,8 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                  b_q: Optional[torch.Tensor] = None, b_k: Optional[torch.Tensor] = None,
                  b_v: Optional[torch.Tensor] = None, *, n_heads: int,
                  n_kv_heads: Optional[int] = None, q: Optional[HeadFactors] = None,
-                 v: Optional[HeadFactors] = None, backend: Optional[str] = None
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 v: Optional[HeadFactors] = None, backend: Optional[str] = None,
+                 fused_output: bool = False):
     """Fused attention-input projection with SPEC §2 updates on q and v.
 
     ``Q = X W_qᵀ + b_q + ΔQ``, ``K = X W_kᵀ + b_k``, ``V = X W_vᵀ + b_v + ΔV`` where each Δ is
@@ -416,7 +416,9 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
         q, v: factors (shapes in :class:`HeadFactors`; for v use H_kv heads).
         backend: "auto" | "triton" | "reference".
 
-    Returns ``Q (..., H·p)``, ``K (..., H_kv·p)``, ``V (..., H_kv·p)``.
+    Returns ``Q (..., H·p)``, ``K (..., H_kv·p)``, ``V (..., H_kv·p)``, or with
+    ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel
+    writes (GPT-2's ``c_attn`` layout; no copy).
 
     Triton plan: one kernel reads X once per output tile for the frozen GEMM and all the
     down-projections (Kernel-wise A_h, lite bases A_h W_k^h precomputed per call as an
@@ -454,9 +456,12 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
             _check_factors(name, f, Hs, p, d, x)
     be = select_backend("headwise_qkv", backend, [x], impls=_IMPLS)
     if be == "reference":
-        return headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
-                                q=q, v=v)
+        out = headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
+                               q=q, v=v)
+        return torch.cat(out, dim=-1) if fused_output else out
     Y = _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v)
+    if fused_output:
+        return Y
     return tuple(Y.split([H * p, Hkv * p, Hkv * p], dim=-1))
 
 

@@ -644,3 +644,198 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
             if f_.sh:
                 out["sdown"] = dDall[soff:soff + rs].clone()
     return (dx if need_dx else None), grads[0], grads[1]
+
+
+# ------------------------------------------------------------------------------------------
+# Fused output projection: Y = O W_oᵀ + b + concat_h(O^h A_hᵀ) Bᵀ + O A_sᵀ U_sᵀ
+
+
+@triton.jit
+def _hw_oproj_fwd_kernel(o_ptr, w_ptr, s_wn, s_wk, b_ptr, a_ptr, bw_ptr, as_ptr, us_ptr,
+                         y_ptr, z_ptr, T, N, H, P, R, RS,
+                         BT: tl.constexpr, BN: tl.constexpr, PB: tl.constexpr,
+                         RB: tl.constexpr, RSB: tl.constexpr, HAS_B: tl.constexpr,
+                         HW: tl.constexpr, SH: tl.constexpr, PREC: tl.constexpr,
+                         DOT: tl.constexpr):
+    # grid: (T-blocks, N-blocks). K-loop over heads; z_h = O^h A_hᵀ is complete after head
+    # h's chunk, so its up-projection B[:, h] is applied in the same iteration.
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)
+    tmask = rows < T
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    cols = tl.arange(0, PB)
+    cmask = cols < P
+    rr = tl.arange(0, RB)
+    rmask = rr < R
+    rs = tl.arange(0, RSB)
+    smask = rs < RS
+    HP = H * P
+    MZ = H * R + RS
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    zs = tl.zeros((BT, RSB), dtype=tl.float32)
+    for h in range(0, H):
+        kc = h * P + cols
+        o = tl.load(o_ptr + rows[:, None] * HP + kc[None, :],
+                    mask=tmask[:, None] & cmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * s_wn + kc[:, None] * s_wk,
+                    mask=cmask[:, None] & nmask[None, :], other=0.0)
+        acc += _mm(o, w, DOT, PREC)
+        if HW:
+            at = tl.load(a_ptr + (h * R + rr[None, :]) * P + cols[:, None],
+                         mask=cmask[:, None] & rmask[None, :], other=0.0)
+            z = _mm(o, at, DOT, PREC)
+            if pid_n == 0:
+                tl.store(z_ptr + rows[:, None] * MZ + h * R + rr[None, :], z,
+                         mask=tmask[:, None] & rmask[None, :])
+            bt = tl.load(bw_ptr + rn[None, :] * (H * R) + h * R + rr[:, None],
+                         mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+            acc += _mm(z, bt, DOT, "ieee")
+        if SH:
+            ast = tl.load(as_ptr + rs[None, :] * HP + kc[:, None],
+                          mask=cmask[:, None] & smask[None, :], other=0.0)
+            zs += _mm(o, ast, DOT, PREC)
+    if SH:
+        if pid_n == 0:
+            tl.store(z_ptr + rows[:, None] * MZ + H * R + rs[None, :], zs,
+                     mask=tmask[:, None] & smask[None, :])
+        ust = tl.load(us_ptr + rn[None, :] * RS + rs[:, None],
+                      mask=smask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        acc += _mm(zs, ust, DOT, "ieee")
+    if HAS_B:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _hw_oproj_bwd_kernel(g_ptr, w_ptr, s_wn, s_wk, a_ptr, bw_ptr, as_ptr, us_ptr,
+                         do_ptr, dz_ptr, T, N, H, P, R, RS,
+                         BT: tl.constexpr, BN: tl.constexpr, PB: tl.constexpr,
+                         RB: tl.constexpr, RSB: tl.constexpr, HW: tl.constexpr,
+                         SH: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr):
+    # grid: (T-blocks, H). dO^h = dY W_o^h + (dY B_h) A_h + (dY U_s) A_s^h; one pass over dY
+    # per head; dZ_h (and dZ_s, by head 0) are written for the factor gradients.
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)
+    tmask = rows < T
+    cols = tl.arange(0, PB)
+    cmask = cols < P
+    kc = h * P + cols
+    rr = tl.arange(0, RB)
+    rmask = rr < R
+    rs = tl.arange(0, RSB)
+    smask = rs < RS
+    HP = H * P
+    MZ = H * R + RS
+    acc = tl.zeros((BT, PB), dtype=tl.float32)
+    dz = tl.zeros((BT, RB), dtype=tl.float32)
+    dzs = tl.zeros((BT, RSB), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        rn = n0 + tl.arange(0, BN)
+        nmask = rn < N
+        g = tl.load(g_ptr + rows[:, None] * N + rn[None, :],
+                    mask=tmask[:, None] & nmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * s_wn + kc[None, :] * s_wk,
+                    mask=nmask[:, None] & cmask[None, :], other=0.0)
+        acc += _mm(g, w, DOT, PREC)
+        if HW:
+            b = tl.load(bw_ptr + rn[:, None] * (H * R) + h * R + rr[None, :],
+                        mask=nmask[:, None] & rmask[None, :], other=0.0)
+            dz += _mm(g, b, DOT, PREC)
+        if SH:
+            us = tl.load(us_ptr + rn[:, None] * RS + rs[None, :],
+                         mask=nmask[:, None] & smask[None, :], other=0.0)
+            dzs += _mm(g, us, DOT, PREC)
+    if HW:
+        tl.store(dz_ptr + rows[:, None] * MZ + h * R + rr[None, :], dz,
+                 mask=tmask[:, None] & rmask[None, :])
+        a = tl.load(a_ptr + (h * R + rr[:, None]) * P + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += _mm(dz, a, DOT, "ieee")
+    if SH:
+        if h == 0:
+            tl.store(dz_ptr + rows[:, None] * MZ + H * R + rs[None, :], dzs,
+                     mask=tmask[:, None] & smask[None, :])
+        asm = tl.load(as_ptr + rs[:, None] * HP + kc[None, :],
+                      mask=smask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += _mm(dzs, asm, DOT, "ieee")
+    tl.store(do_ptr + rows[:, None] * HP + kc[None, :], acc.to(do_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+def _oproj_blocks(T, N, P, R, RS, dev):
+    cap = 64 if dev.type == "cuda" else 32
+    return _blk(T, 16, cap), _blk(N, 16, 64), _rblk(P), _rblk(R), _rblk(RS)
+
+
+def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                           A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
+                           As: Optional[torch.Tensor], Us: Optional[torch.Tensor], H: int):
+    """o (T, H·p) contiguous; w (d, H·p) any strides; b (d,) (c folded in) or None;
+    A (H, r, p), Bw (d, H·r), As (r_s, H·p), Us (d, r_s) (scale folded in) contiguous or None.
+
+    Returns Y (T, d) and the float32 rank-space Z (T, H·r + r_s) for the backward.
+    """
+    T, HP = o.shape
+    N = w.shape[0]
+    P = HP // H
+    R = A.shape[1] if A is not None else 0
+    RS = As.shape[0] if As is not None else 0
+    dev = o.device
+    Y = _alloc.empty(T, N, dtype=o.dtype, device=dev)
+    Z = _alloc.empty(T, H * R + RS, dtype=F32, device=dev)
+    if T == 0:
+        return Y, Z
+    BT, BN, PB, RB, RSB = _oproj_blocks(T, N, P, R, RS, dev)
+    f = lambda t: t if t is not None else o  # noqa: E731
+    grid = (triton.cdiv(T, BT), triton.cdiv(N, BN))
+    _hw_oproj_fwd_kernel[grid](
+        o, w, w.stride(0), w.stride(1), f(b), f(A), f(Bw), f(As), f(Us), Y, Z,
+        T, N, H, P, R, RS, BT=BT, BN=BN, PB=PB, RB=RB, RSB=RSB, HAS_B=b is not None,
+        HW=A is not None, SH=As is not None, PREC=dot_precision(o.dtype),
+        DOT=use_dot(BT, min(PB, BN), min(RB, RSB)), num_warps=4)
+    return Y, Z
+
+
+def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
+                            A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
+                            As: Optional[torch.Tensor], Us: Optional[torch.Tensor],
+                            Z: torch.Tensor, H: int, need_do: bool = True,
+                            need_factors: bool = True):
+    """g (T, d) contiguous. Returns (dO, dict of dA, dBw, dAs, dUs, db for present parts)."""
+    T, HP = o.shape
+    N = w.shape[0]
+    P = HP // H
+    R = A.shape[1] if A is not None else 0
+    RS = As.shape[0] if As is not None else 0
+    dev = o.device
+    dt = o.dtype
+    dO = _alloc.empty(T, HP, dtype=dt, device=dev)
+    dZ = _alloc.empty(T, H * R + RS, dtype=F32, device=dev)
+    BT, BN, PB, RB, RSB = _oproj_blocks(T, N, P, R, RS, dev)
+    hw, sh = A is not None, As is not None
+    if T > 0 and (need_do or (need_factors and (hw or sh))):
+        f = lambda t: t if t is not None else o  # noqa: E731
+        _hw_oproj_bwd_kernel[(triton.cdiv(T, BT), H)](
+            g, w, w.stride(0), w.stride(1), f(A), f(Bw), f(As), f(Us), dO, dZ,
+            T, N, H, P, R, RS, BT=BT, BN=BN, PB=PB, RB=RB, RSB=RSB, HW=hw, SH=sh,
+            PREC=dot_precision(dt), DOT=use_dot(BT, min(PB, BN), min(RB, RSB)), num_warps=4)
+    grads = {}
+    if need_factors and (hw or sh):
+        o3 = o.view(T, H, P)
+        if hw:
+            grads["A"], _, _ = atb(dZ[:, :H * R].unflatten(1, (H, R)), o3, out_dtype=A.dtype)
+        if sh:
+            dAs, _, _ = atb(dZ[:, H * R:].unsqueeze(1), o.unsqueeze(1), out_dtype=As.dtype)
+            grads["As"] = dAs[0]  # (1, r_s, H·p)[0]: the only view of its buffer
+        dBZ, _, db = atb(g.unsqueeze(1), Z.unsqueeze(1), colsum=True, out_dtype=dt)
+        dBZ = dBZ[0]
+        if hw:
+            grads["Bw"] = dBZ[:, :H * R].contiguous()
+        if sh:
+            grads["Us"] = dBZ[:, H * R:].contiguous()
+        grads["db"] = db[0]
+    return (dO if need_do else None), grads
