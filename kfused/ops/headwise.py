@@ -241,19 +241,21 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
 def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
       v_sup, z, head_dim, need_dx, need_factors):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
-    for down, sdown, w in ((q_down, q_sdown, w_q), (v_down, v_sdown, w_v)):
+    for down, up, sdown, sup, w in ((q_down, q_up, q_sdown, q_sup, w_q),
+                                    (v_down, v_up, v_sdown, v_sup, w_v)):
         hw = need_factors and down is not None
         sh = need_factors and sdown is not None
         r = down.shape[1] if down is not None else 0
         rs = sdown.shape[0] if sdown is not None else 0
         N = w.shape[0]
         H = N // head_dim
-        out.append(x.new_empty(H, r, x.shape[1]) if hw else x.new_empty(0))   # down
-        out.append(x.new_empty(H, r) if hw else x.new_empty(0))               # zb
-        out.append(x.new_empty(H, head_dim, r) if hw else x.new_empty(0))     # up
-        out.append(x.new_empty(rs, x.shape[1]) if sh else x.new_empty(0))     # sdown
-        out.append(x.new_empty(N, rs) if sh else x.new_empty(0))              # sup
-        out.append(x.new_empty(N) if (hw or sh) else x.new_empty(0))          # db
+        f32 = torch.float32
+        out.append(torch.empty_like(down) if hw else x.new_empty(0))              # down
+        out.append(x.new_empty(H, r, dtype=f32) if hw else x.new_empty(0))        # zb
+        out.append(torch.empty_like(up) if hw else x.new_empty(0))                # up
+        out.append(torch.empty_like(sdown) if sh else x.new_empty(0))             # sdown
+        out.append(torch.empty_like(sup) if sh else x.new_empty(0))               # sup
+        out.append(x.new_empty(N, dtype=f32) if (hw or sh) else x.new_empty(0))   # db
     return out
 
 
@@ -264,6 +266,7 @@ def _qkv_setup(ctx, inputs, output):
                           v_down, v_up, v_sdown, v_sup, output[1])
     ctx.head_dim = head_dim
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
+    ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
     ctx.mark_non_differentiable(output[1])
 
 
@@ -287,8 +290,8 @@ def _qkv_backward(ctx, gY, gZ):
         if not (need[4 + i] and ctx.has_b[i]):
             return None
         if sec is not None and _opt(sec["db"]) is not None:
-            return sec["db"]
-        return gs[i].sum(0)
+            return sec["db"].to(ctx.b_dtypes[i])
+        return gs[i].sum(0, dtype=torch.float32).to(ctx.b_dtypes[i])
 
     # The frozen weights normally have no gradient; when they do it is one plain GEMM.
     dw = [torch.matmul(gs[i].t(), x).to(w.dtype) if need[1 + i] else None
@@ -347,6 +350,12 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``."""
     if f is None or f.empty:
         return (None,) * 5, None
+    # Kernel-level factors are float32 whatever the activations' dtype: they are tiny, the
+    # kernel casts the down-projection tiles to the activation dtype for its dots, and the
+    # products that build them (lite bases, folded scales and biases) are not rounded twice.
+    f = f.map(lambda t: t.float())
+    w_k = w_k.float() if w_k is not None else None
+    b_k = b_k.float() if b_k is not None else None
     downs, zbs, ups, cs = [], [], [], []
     if f.has_wise:
         downs.append(f.wise_A)
@@ -359,12 +368,12 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
         wk = w_k.reshape(Hk, p, d)
         if g is not None:
             wk = wk.index_select(0, g)
-        downs.append(torch.einsum("hrp,hpd->hrd", f.lite_A, wk.to(f.lite_A.dtype)))
+        downs.append(torch.einsum("hrp,hpd->hrd", f.lite_A, wk))
         if b_k is not None:
             bk = b_k.reshape(Hk, p)
             if g is not None:
                 bk = bk.index_select(0, g)
-            zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk.to(f.lite_A.dtype)))
+            zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk))
         else:
             zbs.append(f.lite_A.new_zeros(H, f.lite_A.shape[1]))
         ups.append(f.lite_B)
@@ -383,9 +392,11 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
 
 
 def _fold_bias(b: Optional[torch.Tensor], dc: Optional[torch.Tensor]):
+    """Frozen bias + per-head biases, in float32 when folded (the kernel adds it in float32)."""
     if dc is None:
         return b.contiguous() if b is not None else None
-    return dc if b is None else (b + dc).contiguous()
+    dc = dc.float()
+    return dc.contiguous() if b is None else (b.float() + dc).contiguous()
 
 
 def _check_linear(name: str, w: torch.Tensor, rows: int, d: int, ref: torch.Tensor):
@@ -591,7 +602,7 @@ def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors):
     return [torch.empty_like(o) if need_do else e,
             torch.empty_like(A) if hw else e, torch.empty_like(B) if hw else e,
             torch.empty_like(shared_A) if sh else e, torch.empty_like(shared_U) if sh else e,
-            o.new_empty(w_o.shape[0]) if (hw or sh) else e]
+            o.new_empty(w_o.shape[0], dtype=torch.float32) if (hw or sh) else e]
 
 
 def _oproj_setup(ctx, inputs, output):
@@ -599,6 +610,7 @@ def _oproj_setup(ctx, inputs, output):
     ctx.save_for_backward(o, w_o, A, B, sA, sU, output[1])
     ctx.H = H
     ctx.has_b = b_o is not None
+    ctx.b_dtype = b_o.dtype if b_o is not None else None
     ctx.mark_non_differentiable(output[1])
 
 
@@ -611,7 +623,7 @@ def _oproj_backward(ctx, g, gz):
         g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f)
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
     if n_b and ctx.has_b:
-        db = db if _opt(db) is not None else g.sum(0)
+        db = (db if _opt(db) is not None else g.sum(0, dtype=torch.float32)).to(ctx.b_dtype)
     else:
         db = None
     return (dO if n_o else None, dw, db, _opt(dA) if nA else None, _opt(dB) if nB else None,
@@ -687,7 +699,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     lead = o.shape[:-1]
     o2 = o.reshape(-1, HP).contiguous()
     b = _fold_bias(b_o, wise_c)
-    sU = (shared_B * scale).contiguous() if shared_A is not None else None
+    sU = (shared_B.float() * scale).contiguous() if shared_A is not None else None
     Y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(
         o2, w_o, b, wise_A.contiguous() if wise_A is not None else None,
         wise_B.contiguous() if wise_B is not None else None,

@@ -340,11 +340,11 @@ def _qkv_head_fwd(x_ptr, s_xt, s_xk, w_ptr, s_wn, s_wk, b_ptr, out_ptr,
         if HW:
             dt = tl.load(d_ptr + (h * R + rr[None, :]) * D + ks[:, None],
                          mask=kmask[:, None] & rmask[None, :], other=0.0)
-            z += _mm(x, dt, DOT_D, PREC)
+            z += _mm(x, dt.to(x.dtype), DOT_D, PREC)
         if SH:
             st = tl.load(ds_ptr + rs[None, :] * D + ks[:, None],
                          mask=kmask[:, None] & smask[None, :], other=0.0)
-            zs += _mm(x, st, DOT_S, PREC)
+            zs += _mm(x, st.to(x.dtype), DOT_S, PREC)
     if HAS_B:
         acc += tl.load(b_ptr + n, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HW:
@@ -586,8 +586,8 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv) contiguous.
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
-    sup and of the section's bias (``db``, the column sums of its output gradient) for the
-    parts that exist.
+    sup (each in its factor's dtype; zb's and db's in float32) and of the section's bias
+    (``db``, the column sums of its output gradient) for the parts that exist.
     """
     T, D = x.shape
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
@@ -617,7 +617,8 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
         dx.zero_()
     grads = [{}, {}]
     if need_factors and M > 0:
-        dt = x.dtype
+        # Factor gradients come back in float32 (the host builds these factors in float32).
+        dt = F32
         dDall, _, dzball = atb(dZ.unsqueeze(1), x.unsqueeze(1), colsum=True, out_dtype=dt)
         dDall, dzball = dDall[0], dzball[0]
         gq = g[:, :HQ * P]
@@ -629,20 +630,20 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
             g3 = g_.unflatten(1, (Hs, P))
             zs = Z[:, soff:soff + rs].unsqueeze(1) if f_.sh else None
             if f_.hw:
-                out["down"] = dDall[off:off + Hs * r].reshape(Hs, r, D).clone()
+                out["down"] = dDall[off:off + Hs * r].reshape(Hs, r, D).to(f_.down.dtype).clone()
                 out["zb"] = dzball[off:off + Hs * r].reshape(Hs, r).clone()
                 zh = Z[:, off:off + Hs * r].unflatten(1, (Hs, r))
                 dU, dUs, db = atb(g3, zh, zs, colsum=True, out_dtype=dt)
-                out["up"] = dU
+                out["up"] = dU.to(f_.up.dtype)
                 if f_.sh:
-                    out["sup"] = dUs.reshape(Hs * P, rs)
+                    out["sup"] = dUs.reshape(Hs * P, rs).to(f_.sup.dtype)
                 out["db"] = db.reshape(Hs * P)
             elif f_.sh:
                 dUs, _, db = atb(g3, zs, colsum=True, out_dtype=dt)
-                out["sup"] = dUs.reshape(Hs * P, rs)
+                out["sup"] = dUs.reshape(Hs * P, rs).to(f_.sup.dtype)
                 out["db"] = db.reshape(Hs * P)
             if f_.sh:
-                out["sdown"] = dDall[soff:soff + rs].clone()
+                out["sdown"] = dDall[soff:soff + rs].to(f_.sdown.dtype).clone()
     return (dx if need_dx else None), grads[0], grads[1]
 
 
@@ -747,8 +748,8 @@ def _hw_oproj_bwd_kernel(g_ptr, w_ptr, s_wn, s_wk, a_ptr, bw_ptr, as_ptr, us_ptr
             dz += _mm(g, b, DOT, PREC)
         if SH:
             us = tl.load(us_ptr + rn[:, None] * RS + rs[None, :],
-                         mask=nmask[:, None] & smask[None, :], other=0.0)
-            dzs += _mm(g, us, DOT, PREC)
+                         mask=nmask[:, None] & smask[None, :], other=0.0).to(tl.float32)
+            dzs += _mm(g.to(tl.float32), us, DOT, "ieee")
     if HW:
         tl.store(dz_ptr + rows[:, None] * MZ + h * R + rr[None, :], dz,
                  mask=tmask[:, None] & rmask[None, :])
@@ -831,11 +832,11 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
         if sh:
             dAs, _, _ = atb(dZ[:, H * R:].unsqueeze(1), o.unsqueeze(1), out_dtype=As.dtype)
             grads["As"] = dAs[0]  # (1, r_s, H·p)[0]: the only view of its buffer
-        dBZ, _, db = atb(g.unsqueeze(1), Z.unsqueeze(1), colsum=True, out_dtype=dt)
+        dBZ, _, db = atb(g.unsqueeze(1), Z.unsqueeze(1), colsum=True, out_dtype=F32)
         dBZ = dBZ[0]
         if hw:
-            grads["Bw"] = dBZ[:, :H * R].contiguous()
+            grads["Bw"] = dBZ[:, :H * R].to(Bw.dtype).contiguous()
         if sh:
-            grads["Us"] = dBZ[:, H * R:].contiguous()
+            grads["Us"] = dBZ[:, H * R:].to(Us.dtype).contiguous()
         grads["db"] = db[0]
     return (dO if need_do else None), grads
