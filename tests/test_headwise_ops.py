@@ -154,14 +154,14 @@ QKV_CASES = [
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
 def test_qkv_kernel(dtype, case):
     H, Hkv, qm, vm, biases = QKV_CASES[case]
-    p = random.choice([5, 6, 11])
-    d = random.choice([13, 24, 40])
     # Lite re-associates K A_hᵀ as X (W_k A_hᵀ) + b_k A_hᵀ (SPEC §2): its float32 error has the
-    # same distribution as torch's but is not the same number, and with a handful of outputs
-    # (T = 1) "max err <= 2 x torch's max err" fails ~5 % of draws by chance. T >= 9 keeps the
-    # rule meaningful (and still exercises the masked token edge; T = 1 is covered by the
-    # same-association ops below).
-    T = random.choice([9, 19, 37])
+    # same distribution as torch's but is not the same number, so on a tensor of a dozen
+    # elements "max err <= 2 x torch's max err + eps" fails a few % of draws by chance (T = 1:
+    # ~5 %, measured). Shapes here keep every compared tensor at >= ~40 elements (T = 1 and
+    # tiny heads are covered by the same-association ops below and by H = 1 here).
+    p = random.choice([11, 13])
+    d = random.choice([24, 40])
+    T = random.choice([19, 37])
     q = make_factors(H, p, d, **qm) if qm else None
     v = make_factors(Hkv, p, d, **vm) if vm else None
     inputs = dict(x=rnd(T, d), w_q=rnd(H * p, d), w_k=rnd(Hkv * p, d), w_v=rnd(Hkv * p, d))
