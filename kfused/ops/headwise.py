@@ -49,6 +49,16 @@ def _tk():
     return headwise
 
 
+def _no_float64(t: torch.Tensor):
+    """The headwise kernels accumulate in float32 (rank-space buffers included): float64 runs
+    the reference, even where the interpreter would accept it."""
+    def unfit(name: str):
+        if t.dtype == torch.float64:
+            return "the headwise kernels compute in float32; float64 runs the reference"
+        return None
+    return unfit
+
+
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
 
@@ -163,7 +173,8 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     p = B.shape[1]
     if bias is not None:
         _validate.check_shape("bias", bias, (H, p), "(H, p) per-head bias")
-    be = select_backend("headwise_lowrank", backend, [basis, A, B], impls=_IMPLS)
+    be = select_backend("headwise_lowrank", backend, [basis, A, B], impls=_IMPLS,
+                        extra_unfit=_no_float64(basis))
     if be == "reference":
         return headwise_lowrank_ref(basis, A, B, bias, per_head=ph)
     lead = basis.shape[:-2] if ph else basis.shape[:-1]
@@ -465,7 +476,8 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                 raise TypeError(f"{name} must be a kfused HeadFactors or None, got "
                                 f"{type(f).__name__}")
             _check_factors(name, f, Hs, p, d, x)
-    be = select_backend("headwise_qkv", backend, [x], impls=_IMPLS)
+    be = select_backend("headwise_qkv", backend, [x], impls=_IMPLS,
+                        extra_unfit=_no_float64(x))
     if be == "reference":
         out = headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
                                q=q, v=v)
@@ -542,7 +554,8 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
             _check_linear("w_k", w_k, Hk * p, d, x)
             if b_k is not None:
                 _validate.check_shape("b_k", b_k, (Hk * p,), "bias of the key projection")
-    be = select_backend("headwise_projection", backend, [x], impls=_IMPLS)
+    be = select_backend("headwise_projection", backend, [x], impls=_IMPLS,
+                        extra_unfit=_no_float64(x))
     if be == "reference":
         out = torch.nn.functional.linear(x, weight, bias)
         if factors is None or factors.empty:
@@ -691,7 +704,8 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         rs = shared_A.shape[0]
         _validate.check_shape("shared_A", shared_A, (rs, HP), "(r_s, H·p)")
         _validate.check_shape("shared_B", shared_B, (dout, rs), "(d_out, r_s)")
-    be = select_backend("headwise_oproj", backend, [o], impls=_IMPLS)
+    be = select_backend("headwise_oproj", backend, [o], impls=_IMPLS,
+                        extra_unfit=_no_float64(o))
     if be == "reference":
         return headwise_oproj_ref(o, w_o, b_o, n_heads=H, wise_A=wise_A, wise_B=wise_B,
                                   wise_c=wise_c, shared_A=shared_A, shared_B=shared_B,
