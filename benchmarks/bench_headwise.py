@@ -35,6 +35,8 @@ WIDTHS = {
     "gpt2-small": dict(d=768, H=12, tokens=8 * 512),
     "llama-7b": dict(d=4096, H=32, tokens=4 * 512),
 }
+# Off the GPU (Triton interpreter / CPU torch) only a smoke-sized case is meaningful.
+CPU_WIDTHS = {"cpu-smoke": dict(d=96, H=4, tokens=64)}
 BENCH_PRESETS = ("kernel-mix-qvo-intermediate", "kernel-mix-lite-qv-small")
 
 
@@ -60,7 +62,7 @@ def _leaves(f: HeadFactors) -> List[torch.Tensor]:
 
 
 def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
-    w = WIDTHS[width]
+    w = {**WIDTHS, **CPU_WIDTHS}[width]
     d, H = w["d"], w["H"]
     p = d // H
     cfg = PRESETS[preset]
@@ -165,13 +167,17 @@ def dict_q_v(cfg):
 
 def cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List[BenchCase]:
     """Benchmark cases; ``quick`` shrinks the token count (CPU smoke runs, CI)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        if dtype == torch.bfloat16:
+            dtype = torch.float32
+        return [_case(w, p, device, dtype, CPU_WIDTHS[w]["tokens"]) for w in CPU_WIDTHS
+                for p in BENCH_PRESETS]
     out = []
     for width, w in WIDTHS.items():
-        tokens = 64 if quick else w["tokens"]
+        tokens = w["tokens"] // 4 if quick else w["tokens"]
         for preset in BENCH_PRESETS:
             out.append(_case(width, preset, device, dtype, tokens))
-        if quick:
-            break
     return out
 
 

@@ -719,3 +719,59 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         wise_B.contiguous() if wise_B is not None else None,
         shared_A.contiguous() if shared_A is not None else None, sU, H)
     return Y.reshape(*lead, dout)
+
+
+# ==========================================================================================
+# Cases for `kfused check` (registered from kfused/checks.py)
+
+
+def check_cases(device: torch.device):
+    """Every headwise kernel on a few odd shapes against the float64 reference (SPEC §4)."""
+    from kfused.checks import CheckCase
+
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    T = 1000 if device.type == "cuda" else 37
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    cases = []
+    for H, Hkv, p in ((12, 12, 64), (8, 2, 80), (3, 1, 13)):
+        d = H * p if device.type == "cuda" else min(H * p, 96)
+        label = f"T={T} d={d} H={H} H_kv={Hkv} p={p}"
+        q = dict(shared_A=r(4, d), shared_B=r(H * p, 4), wise_A=r(H, 3, d), wise_B=r(H, p, 3),
+                 wise_c=r(H, p), lite_A=r(H, 2, p), lite_B=r(H, p, 2))
+        v = dict(shared_A=r(2, d), shared_B=r(Hkv * p, 2), lite_A=r(Hkv, 5, p),
+                 lite_B=r(Hkv, p, 5), lite_c=r(Hkv, p))
+        inputs = dict(x=r(T, d), w_q=r(H * p, d) / d ** 0.5, w_k=r(Hkv * p, d) / d ** 0.5,
+                      w_v=r(Hkv * p, d) / d ** 0.5, b_q=r(H * p), b_k=r(Hkv * p),
+                      b_v=r(Hkv * p), **{f"q_{k}": t for k, t in q.items()},
+                      **{f"v_{k}": t for k, t in v.items()})
+
+        def qkv(backend, H=H, Hkv=Hkv):
+            def fn(x, w_q, w_k, w_v, b_q, b_k, b_v, **kw):
+                fq = HeadFactors(scale=0.5, **{k[2:]: t for k, t in kw.items() if k[0] == "q"})
+                fv = HeadFactors(scale=0.5, **{k[2:]: t for k, t in kw.items() if k[0] == "v"})
+                return headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
+                                    q=fq, v=fv, backend=backend)
+            return fn
+
+        grads = [k for k in inputs if k.startswith(("x", "q_", "v_"))]
+        cases.append(CheckCase("headwise_qkv", label, "triton", qkv("triton"), qkv("reference"),
+                               inputs, grads))
+        o_in = dict(o=r(T, H * p), w_o=r(d, H * p) / (H * p) ** 0.5, b_o=r(d),
+                    wise_A=r(H, 2, p), wise_B=r(d, H * 2), wise_c=r(d), shared_A=r(3, H * p),
+                    shared_B=r(d, 3))
+
+        def oproj(backend, H=H):
+            return lambda **kw: headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend)
+
+        cases.append(CheckCase("headwise_oproj", label, "triton", oproj("triton"),
+                               oproj("reference"), o_in,
+                               ["o", "wise_A", "wise_B", "wise_c", "shared_A", "shared_B"]))
+        lr_in = dict(basis=r(T, H, p), A=r(H, 3, p), B=r(H, p, 3), bias=r(H, p))
+
+        def lowrank(backend):
+            return lambda **kw: headwise_lowrank(**kw, per_head=True, backend=backend)
+
+        cases.append(CheckCase("headwise_lowrank", label, "triton", lowrank("triton"),
+                               lowrank("reference"), lr_in))
+    return cases
