@@ -81,8 +81,10 @@ def test_hf_merge_unmerge_exact_float64(kind):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_triton_matches_reference_with_grads(kind):
-    # Every adapter module's Triton path (float32) vs the module's float64 reference path,
-    # output and every adapter gradient, under the SPEC §4 rule.
+    # Every adapter module's Triton path vs the module's float64 reference path, output and
+    # every adapter gradient, under the SPEC §4 rule. float16: the kernels keep float32
+    # intermediates where the float16 model rounds them, which is what the rule measures
+    # (float32 ties with torch's float32 and is covered op by op in test_headwise_ops).
     model = tiny(kind).eval()
     replaced = attach_headwise(model, MIX)
     mark_only_adapters_trainable(model)
@@ -99,7 +101,7 @@ def test_hf_triton_matches_reference_with_grads(kind):
 
     inputs = {n: p.detach().double() for n, p in params.items()}
     ker, ref = run("triton"), run("reference")
-    assert_against_reference(ker, ref, inputs, torch.float32, DEVICE)
+    assert_against_reference(ker, ref, inputs, torch.float16, DEVICE)
     assert len(replaced) == EXPECTED[kind]
 
 
