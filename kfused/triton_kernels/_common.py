@@ -48,9 +48,21 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
+# Set by kfused.triton_kernels._aot while it records launches to compile them for a GPU on a
+# machine without one: host functions then choose their GPU configurations for CPU tensors.
+_AOT_TARGET = {"on": False, "sms": 132}
+
+
+def targets_gpu(device: torch.device) -> bool:
+    """Choose GPU block sizes: a CUDA device, or an ahead-of-time compile for one."""
+    return device.type == "cuda" or _AOT_TARGET["on"]
+
+
 def grid_programs(device: torch.device, blocks: int, per_sm: int = 4, interp_cap: int = 4) -> int:
     """Programs for a persistent (grid-stride) kernel: a few per SM on a GPU, few on the CPU."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(blocks, sms * per_sm))
+    if _AOT_TARGET["on"]:
+        return max(1, min(blocks, _AOT_TARGET["sms"] * per_sm))
     return max(1, min(blocks, interp_cap))

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import _mm, acc_dtype, dot_precision, grid_programs, next_pow2, use_dot
+from kfused.triton_kernels import _aot
+from kfused.triton_kernels._common import (_mm, acc_dtype, dot_precision, grid_programs, next_pow2,
+                                           targets_gpu, use_dot)
 
 
 @triton.jit
@@ -40,7 +42,7 @@ def _krona_fwd_kernel(
     scale,
     HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
-    KC: tl.constexpr, BIN: tl.constexpr,
+    KC: tl.constexpr, LC: tl.constexpr,
     DOT_W: tl.constexpr, DOT_U: tl.constexpr, DOT_Y: tl.constexpr, PREC: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -70,28 +72,31 @@ def _krona_fwd_kernel(
                         mask=c_ok[:, None] & col_ok[None, :], other=0.0)
             acc += _mm(x, w.to(x.dtype), DOT_W, PREC, ACC)
 
-    # Kronecker term. U[(t, l), i] = Σ_k X[t, k, l] A[i, k]  (= (A X[t])ᵀ), k in chunks of KC.
-    r = tl.arange(0, BM * BIN)
-    rt = pid_m * BM + r // BIN
-    rl = r % BIN
-    r_ok = (rt < T) & (rl < b_in)
-    u = tl.zeros((BM * BIN, BI), dtype=ACC)
-    for k0 in range(0, a_in, KC):
-        kk = k0 + tl.arange(0, KC)
-        k_ok = kk < a_in
-        xk = tl.load(X + rt[:, None] * stride_xt + kk[None, :] * b_in + rl[:, None],
-                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
-                     mask=k_ok[:, None] & i_ok[None, :], other=0.0)
-        u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
-    u = u.to(X.dtype.element_ty)
-    # Y[t, i, j] = Σ_l U[t, i, l] B[j, l]: bring i next to t, then one product with Bᵀ.
-    u = tl.reshape(tl.permute(tl.reshape(u, (BM, BIN, BI)), (0, 2, 1)), (BM * BI, BIN))
-    ll = tl.arange(0, BIN)
-    bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
-                 mask=(ll[:, None] < b_in) & (jj[None, :] < b_out), other=0.0)
-    yk = _mm(u, bt.to(u.dtype), DOT_Y, PREC, ACC)
-    acc += scale * tl.reshape(yk, (BM, BI * BJ))
+    # Kronecker term, l (the b_in axis) in chunks of LC to bound the registers:
+    # U[(t, l), i] = Σ_k X[t, k, l] A[i, k]  (= (A X[t])ᵀ, k in chunks of KC), then
+    # Y[t, i, j] += Σ_l U[t, i, l] B[j, l] after bringing i next to t.
+    r = tl.arange(0, BM * LC)
+    rt = pid_m * BM + r // LC
+    lc = tl.arange(0, LC)
+    for l0 in range(0, b_in, LC):
+        rl = l0 + r % LC
+        r_ok = (rt < T) & (rl < b_in)
+        u = tl.zeros((BM * LC, BI), dtype=ACC)
+        for k0 in range(0, a_in, KC):
+            kk = k0 + tl.arange(0, KC)
+            k_ok = kk < a_in
+            xk = tl.load(X + rt[:, None] * stride_xt + kk[None, :] * b_in + rl[:, None],
+                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
+                         mask=k_ok[:, None] & i_ok[None, :], other=0.0)
+            u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
+        u = u.to(X.dtype.element_ty)
+        u = tl.reshape(tl.permute(tl.reshape(u, (BM, LC, BI)), (0, 2, 1)), (BM * BI, LC))
+        ll = l0 + lc
+        bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
+                     mask=(ll[:, None] < b_in) & (jj[None, :] < b_out), other=0.0)
+        yk = _mm(u, bt.to(u.dtype), DOT_Y, PREC, ACC)
+        acc += scale * tl.reshape(yk, (BM, BI * BJ))
 
     if HAS_BIAS:
         bias = tl.load(BIAS + cols, mask=col_ok, other=0.0)
@@ -186,29 +191,41 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: bool,
                 device: torch.device) -> dict:
-    gpu = device.type == "cuda"
-    bn_target = 128 if gpu else 64
-    BJ = _pow2_divisor(b_out, 64)
-    BI = max(1, min(next_pow2(a_out), bn_target // BJ))
-    BIN = max(2, next_pow2(b_in))
+    """Block sizes for _krona_fwd_kernel.
+
+    The output tile is BI rows of A times BJ columns of B. On a GPU, BI = BJ = 16 (a 256-wide
+    tile) when the factors allow it, so that both Kronecker products are tensor-core dots
+    (tl.dot needs every dim >= 16); otherwise BJ is the largest power of two dividing b_out and
+    the narrow product falls back to the broadcast path, which is kept small.
+    """
+    gpu = targets_gpu(device)
+    p2 = _pow2_divisor(b_out, 128)
+    if gpu and p2 >= 16 and a_out >= 16:
+        BJ, BI = 16, 16
+    else:
+        bn_target = 128 if gpu else 64
+        BJ = min(p2, 64)
+        BI = max(1, min(next_pow2(a_out), bn_target // BJ))
+    LC = max(2, min(next_pow2(b_in), 16))
     KC = max(2, min(next_pow2(a_in), 16))
     BK = 64 if gpu else 128
     BM = 64 if gpu else 32
     BM = min(BM, max(16, next_pow2(T)))
-    # Keep the Kronecker tiles within a register budget (and broadcast products, when a tile
-    # dim is < 16, within a temporary budget).
-    while BM > 1 and BM * BIN * max(KC, BI) > 16384:
+    # Registers: the U tile (BM*LC, BI) and the X chunk (BM*LC, KC); broadcast products (a tile
+    # dim < 16) within a temporary budget.
+    while BM > 16 and BM * LC * max(KC, BI) > 16384:
         BM //= 2
     while BM > 1:
-        m_u, m_y = BM * BIN, BM * BI
+        m_u, m_y = BM * LC, BM * BI
         tmp_u = 0 if use_dot(m_u, KC, BI) else m_u * KC * BI
-        tmp_y = 0 if use_dot(m_y, BIN, BJ) else m_y * BIN * BJ
-        if max(tmp_u, tmp_y) <= 65536:
+        tmp_y = 0 if use_dot(m_y, LC, BJ) else m_y * LC * BJ
+        if max(tmp_u, tmp_y) <= (16384 if gpu else 65536):
             break
         BM //= 2
-    return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, BIN=BIN,
+    return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC,
                 DOT_W=has_w and use_dot(BM, BK, BI * BJ),
-                DOT_U=use_dot(BM * BIN, KC, BI), DOT_Y=use_dot(BM * BI, BIN, BJ))
+                DOT_U=use_dot(BM * LC, KC, BI), DOT_Y=use_dot(BM * BI, LC, BJ),
+                num_warps=8 if gpu and BM * BI * BJ >= 8192 else 4)
 
 
 def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -234,17 +251,20 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
         x.stride(0), w.stride(0), w.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         y.stride(0), float(scale),
         HAS_W=weight is not None, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype),
-        num_warps=4, **cfg)
+        ACC=acc_dtype(x.dtype), **cfg)
     return y
 
 
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
                  device: torch.device) -> dict:
+    """Block sizes for _kron_grad_kernel: BT tokens per step, every factor dim padded to a
+    power of two. GPU budgets come from the sm_90 compile check (registers, no spills)."""
+    gpu = targets_gpu(device)
     AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
     BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
     per_tok = max(AOP * BOP, AIP * BIP, AOP * BIP)
-    budget = 8192
+    budget = 4096 if gpu else 8192
+    tmp_budget = 8192 if gpu else 65536
     BT = 1
     while BT * 2 * per_tok <= budget and BT * 2 <= max(1, next_pow2(T)):
         BT *= 2
@@ -254,15 +274,14 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
                       DOT_V=(bt * BIP, AIP, AOP), DOT_DB=(BOP, bt * AOP, BIP),
                       DOT_DX=(bt * BIP, AOP, AIP))
         f = {k: use_dot(*s) for k, s in shapes.items()}
-        tmp = max((s[0] * s[1] * s[2]) for k, s in shapes.items() if not f[k]) if not all(
-            f.values()) else 0
+        tmp = max([s[0] * s[1] * s[2] for k, s in shapes.items() if not f[k]] or [0])
         return f, tmp
 
     f, tmp = flags(BT)
-    while BT > 1 and tmp > 65536:
+    while BT > 1 and tmp > tmp_budget:
         BT //= 2
         f, tmp = flags(BT)
-    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, **f)
+    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=8 if gpu else 4, **f)
 
 
 def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -296,8 +315,7 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         x.stride(0), g.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         float(scale), n_blocks,
         COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype),
-        num_warps=4, **cfg)
+        ACC=acc_dtype(x.dtype), **cfg)
     if not compute_dab:
         return dx, None, None
     return dx, da.sum(0).to(A.dtype), db.sum(0).to(B.dtype)
@@ -308,3 +326,26 @@ def krona_bwd_input(g: torch.Tensor, weight: Optional[torch.Tensor], A: torch.Te
     """dx = g (W + scale · A⊗B) in one pass over g: the forward kernel run on Wᵀ, Aᵀ, Bᵀ."""
     wt = weight.t() if weight is not None else None
     return krona_fwd(g, wt, None, A.t(), B.t(), scale)
+
+
+@_aot.register("krona")
+def _aot_launches() -> None:
+    """Representative launches for the sm_90 compile check (see _aot.py)."""
+    # bfloat16 on every shape (the interpreter never runs it), float32 (IEEE dots) on one.
+    shapes = [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (48, 24, 64, 32),
+              (3, 5, 7, 2)]
+    runs = [(torch.bfloat16, s) for s in shapes] + [(torch.float32, shapes[0])]
+    for dtype, (a_out, a_in, b_out, b_in) in runs:
+        if True:
+            T = 4096
+            x = torch.empty(T, a_in * b_in, dtype=dtype)
+            g = torch.empty(T, a_out * b_out, dtype=dtype)
+            W = torch.empty(a_out * b_out, a_in * b_in, dtype=dtype)
+            bias = torch.empty(a_out * b_out, dtype=dtype)
+            A = torch.empty(a_out, a_in, dtype=dtype)
+            B = torch.empty(b_out, b_in, dtype=dtype)
+            krona_fwd(x, W, bias, A, B, 0.5)
+            krona_fwd(x, None, None, A, B, 1.0)
+            krona_bwd_input(g, W, A, B, 0.5)
+            kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=True)
+            kron_grad(g, x, A, B, 0.5, compute_dx=False, compute_dab=True)

@@ -1,0 +1,47 @@
+// pybind11 module kfused._C: one entry per host function declared in kfused.h.
+// Adding an op: its .cu file under csrc/<op>/, its declarations in kfused.h, and the m.def
+// lines below (names `<op>_fwd` / `<op>_bwd`, which kfused/cuda/__init__.py looks for).
+// Signatures, dtypes and layouts: csrc/README.md.
+//
+// torch/csrc/utils/pybind.h (the at::Tensor / optional type casters, `py` alias) instead of
+// torch/extension.h: the latter drags in all of libtorch's C++ API and compiles 4x slower.
+#include <torch/csrc/utils/pybind.h>
+
+#include "kfused.h"
+
+// Mirrors the check in common/common.cuh (same include path): true when the kernels launch on
+// torch's current stream (a CUDA build of torch), false in compile-check builds against a
+// CPU-only torch, which fall back to the legacy default stream.
+#if !defined(KFUSED_NO_C10_CUDA) && defined(__has_include)
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
+#define KFUSED_BINDINGS_C10_CUDA 1
+#endif
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kfused CUDA C++ kernels (see csrc/README.md)";
+#ifdef KFUSED_BINDINGS_C10_CUDA
+  m.attr("USES_TORCH_CURRENT_STREAM") = true;
+#else
+  m.attr("USES_TORCH_CURRENT_STREAM") = false;
+#endif
+
+  m.def("kron_matvec_fwd", &kfused::kron_matvec_fwd,
+        "y (T, a_out*b_out) = vec(A X[t] B^T) for x (T, a_in*b_in)", py::arg("x"), py::arg("A"),
+        py::arg("B"));
+  m.def("kron_matvec_bwd", &kfused::kron_matvec_bwd, "(dx, dA, dB) of kron_matvec",
+        py::arg("g"), py::arg("x"), py::arg("A"), py::arg("B"));
+
+  m.def("headwise_lowrank_fwd", &kfused::headwise_lowrank_fwd,
+        "out (T, H, p) = per head basis A_h^T B_h^T + bias_h", py::arg("basis"), py::arg("A"),
+        py::arg("B"), py::arg("bias") = py::none());
+  m.def("headwise_lowrank_bwd", &kfused::headwise_lowrank_bwd,
+        "(dbasis, dA, dB, dbias) of headwise_lowrank", py::arg("g"), py::arg("basis"),
+        py::arg("A"), py::arg("B"), py::arg("has_bias"));
+
+  m.def("inducer_attention_fwd", &kfused::inducer_attention_fwd,
+        "(f, lse, lam) of inducer attention (forward only)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("s0"), py::arg("prefix_k") = py::none(),
+        py::arg("prefix_v") = py::none(), py::arg("key_lengths") = py::none(),
+        py::arg("causal") = false);
+}

@@ -1,0 +1,440 @@
+// Per-head low-rank product (SPEC §2) as a functional op:
+//   out[t, h, :] = B_h (A_h basis[t(, h)]) + bias_h
+// basis (T, d_b) shared by all heads (Kernel-wise, basis X) or (T, H, d_b) one per head
+// (Kernel-wise-lite, basis K^h / O^h); A (H, r, d_b); B (H, p, r); bias (H, p) optional.
+//
+// Design. r is small (1-12 in the paper's configurations), so the work is two skinny
+// products per (token, head). A warp owns 4 tokens of one head (a block = 8 warps of the
+// same head, so A_h and B_h stay in L1): each lane walks the reduction dimension with stride
+// 32 and accumulates 4 tokens x 8 ranks = 32 partial dot products, which one transpose-
+// reduction (31 shuffles) leaves as one finished value per lane. U = A_h basis is rounded to
+// the input dtype (as the reference chain does), then each lane writes output columns
+// o = lane, lane+32, ... coalesced, with the bias added in float.
+//
+// Backward (one pass per quantity, no per-head Python loop, deterministic):
+//   K1  U = A_h basis (rounded) and dU = g_h B_h (rounded) per (token, head) -> float workspaces
+//   K2  dbasis = dU A  (shared basis: summed over heads and ranks; per-head: per head)
+//   K3  dA_h = sum_t dU_h^T basis, dB_h = sum_t g_h^T U_h, dbias_h = sum_t g_h: one thread per
+//       output column, tokens split over blockIdx.y, float partials reduced in a fixed order.
+
+#include "common/common.cuh"
+#include "kfused.h"
+
+namespace kfused {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kTokensPerWarp = 4;  // kTokensPerWarp * kRankChunk must be 32
+constexpr int kRankChunk = 8;
+
+struct HeadwiseShape {
+  int64_t T;
+  int H, r, d_b, p;
+  bool shared;  // basis (T, d_b) shared by every head
+};
+
+// One halving step of the transpose-reduction: lanes keep the half of the values selected by
+// their OFF bit and add the partner's copy of that half.
+template <int OFF>
+__device__ __forceinline__ void transpose_reduce_step(float (&vals)[32], int lane) {
+  const bool upper = (lane & OFF) != 0;
+#pragma unroll
+  for (int i = 0; i < OFF; ++i) {
+    const float send = upper ? vals[i] : vals[i + OFF];
+    const float keep = upper ? vals[i + OFF] : vals[i];
+    vals[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+  }
+  if constexpr (OFF > 1) transpose_reduce_step<OFF / 2>(vals, lane);
+}
+
+// vals[i] summed over the warp lands in lane i (31 shuffles instead of 32 * 5).
+__device__ __forceinline__ float warp_transpose_reduce(float (&vals)[32]) {
+  transpose_reduce_step<16>(vals, threadIdx.x & 31);
+  return vals[0];
+}
+
+// 4 rows x 8 weight vectors of length L: rows[tt][k] (row pointers, nullptr = absent) and
+// w[jj * wj + k * wk] for jj < nj. Returns, in lane (tt * 8 + jj), the dot product.
+template <typename T>
+__device__ __forceinline__ float warp_dots(const T* const (&rows)[kTokensPerWarp], const T* w,
+                                           int64_t wj, int64_t wk, int nj, int L) {
+  const int lane = threadIdx.x & 31;
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  for (int k = lane; k < L; k += 32) {
+    float wv[kRankChunk], xv[kTokensPerWarp];
+#pragma unroll
+    for (int jj = 0; jj < kRankChunk; ++jj)
+      wv[jj] = jj < nj ? to_float(w[jj * wj + k * wk]) : 0.f;
+#pragma unroll
+    for (int tt = 0; tt < kTokensPerWarp; ++tt) xv[tt] = rows[tt] ? to_float(rows[tt][k]) : 0.f;
+#pragma unroll
+    for (int tt = 0; tt < kTokensPerWarp; ++tt)
+#pragma unroll
+      for (int jj = 0; jj < kRankChunk; ++jj)
+        acc[tt * kRankChunk + jj] = fmaf(xv[tt], wv[jj], acc[tt * kRankChunk + jj]);
+  }
+  return warp_transpose_reduce(acc);
+}
+
+struct HeadwiseFwdParams {
+  const void* basis;
+  const void* A;
+  const void* B;
+  const void* bias;  // nullptr when absent
+  void* out;
+  float* Uw;   // backward only: (T, H, r) float workspace for U
+  float* dUw;  // backward only: (T, H, r) float workspace for dU
+  const void* g;
+  HeadwiseShape s;
+};
+
+template <typename T>
+__device__ __forceinline__ const T* basis_row(const HeadwiseFwdParams& P, int64_t t, int h) {
+  const T* basis = static_cast<const T*>(P.basis);
+  const HeadwiseShape& s = P.s;
+  return s.shared ? basis + t * s.d_b : basis + (t * s.H + h) * s.d_b;
+}
+
+// grid (ceil(T / 32), H); block kWarps warps. kBackward: write U, dU to the workspaces
+// instead of the output.
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kWarps * 32) headwise_rows_kernel(const HeadwiseFwdParams P) {
+  extern __shared__ float smem[];
+  const HeadwiseShape s = P.s;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = blockIdx.y;
+  const int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kTokensPerWarp;
+  if (t0 >= s.T) return;  // warp-uniform; the kernel has no block-wide barrier
+  float* Us = smem + warp * kTokensPerWarp * s.r;  // (4, r) rounded U of this warp's tokens
+  const T* A = static_cast<const T*>(P.A) + static_cast<int64_t>(h) * s.r * s.d_b;
+  const T* B = static_cast<const T*>(P.B) + static_cast<int64_t>(h) * s.p * s.r;
+  const int tt_l = lane / kRankChunk, jj_l = lane % kRankChunk;
+  const int64_t t_l = t0 + tt_l;
+
+  const T* rows[kTokensPerWarp];
+#pragma unroll
+  for (int tt = 0; tt < kTokensPerWarp; ++tt)
+    rows[tt] = t0 + tt < s.T ? basis_row<T>(P, t0 + tt, h) : nullptr;
+  for (int j0 = 0; j0 < s.r; j0 += kRankChunk) {
+    const int nj = s.r - j0 < kRankChunk ? s.r - j0 : kRankChunk;
+    // U[t][j] = sum_k basis[t][k] A_h[j][k]
+    const float u = round_to<T>(warp_dots<T>(rows, A + j0 * s.d_b, s.d_b, 1, nj, s.d_b));
+    if (jj_l < nj) {
+      Us[tt_l * s.r + j0 + jj_l] = u;
+      if (kBackward && t_l < s.T) P.Uw[(t_l * s.H + h) * s.r + j0 + jj_l] = u;
+    }
+  }
+
+  if (kBackward) {
+    // dU[t][j] = sum_o g[t][h][o] B_h[o][j]
+    const T* g = static_cast<const T*>(P.g);
+    const T* grows[kTokensPerWarp];
+#pragma unroll
+    for (int tt = 0; tt < kTokensPerWarp; ++tt)
+      grows[tt] = t0 + tt < s.T ? g + ((t0 + tt) * s.H + h) * s.p : nullptr;
+    for (int j0 = 0; j0 < s.r; j0 += kRankChunk) {
+      const int nj = s.r - j0 < kRankChunk ? s.r - j0 : kRankChunk;
+      const float du = round_to<T>(warp_dots<T>(grows, B + j0, 1, s.r, nj, s.p));
+      if (jj_l < nj && t_l < s.T) P.dUw[(t_l * s.H + h) * s.r + j0 + jj_l] = du;
+    }
+    return;
+  }
+
+  __syncwarp();
+  // out[t][h][o] = bias[h][o] + sum_j B_h[o][j] U[t][j]
+  T* out = static_cast<T*>(P.out);
+  const T* bias = P.bias ? static_cast<const T*>(P.bias) + static_cast<int64_t>(h) * s.p : nullptr;
+  for (int o = lane; o < s.p; o += 32) {
+    const float b0 = bias ? to_float(bias[o]) : 0.f;
+    float acc[kTokensPerWarp];
+#pragma unroll
+    for (int tt = 0; tt < kTokensPerWarp; ++tt) acc[tt] = b0;
+    for (int j = 0; j < s.r; ++j) {
+      const float bv = to_float(B[o * s.r + j]);
+#pragma unroll
+      for (int tt = 0; tt < kTokensPerWarp; ++tt)
+        acc[tt] = fmaf(bv, Us[tt * s.r + j], acc[tt]);
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTokensPerWarp; ++tt)
+      if (t0 + tt < s.T) out[((t0 + tt) * s.H + h) * s.p + o] = static_cast<T>(acc[tt]);
+  }
+}
+
+// dbasis[t][(h,) k] = sum_c dU[t][c] A[c][k] over c = (h, j) of every head (shared basis) or of
+// head blockIdx.y (per-head basis). grid (ceil(T / kDbTokens), shared ? 1 : H).
+constexpr int kDbTokens = 8;
+constexpr int kDbThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kDbThreads) headwise_dbasis_kernel(
+    const float* __restrict__ dUw, const T* __restrict__ A, T* __restrict__ dbasis,
+    const HeadwiseShape s) {
+  extern __shared__ float smem[];  // (kDbTokens, C) coefficients
+  const int h = blockIdx.y;
+  const int C = s.shared ? s.H * s.r : s.r;  // reduction length
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kDbTokens;
+  const int nt = static_cast<int>(s.T - t0 < kDbTokens ? s.T - t0 : kDbTokens);
+  const int64_t coef_off = s.shared ? 0 : static_cast<int64_t>(h) * s.r;
+  for (int e = threadIdx.x; e < nt * C; e += blockDim.x) {
+    const int tt = e / C, c = e - tt * C;
+    smem[e] = dUw[(t0 + tt) * s.H * s.r + coef_off + c];
+  }
+  __syncthreads();
+  const T* Ah = A + coef_off * s.d_b;
+  const int64_t row = s.shared ? s.d_b : static_cast<int64_t>(s.H) * s.d_b;
+  T* out = dbasis + t0 * row + (s.shared ? 0 : static_cast<int64_t>(h) * s.d_b);
+  for (int k = threadIdx.x; k < s.d_b; k += blockDim.x) {
+    float acc[kDbTokens];
+#pragma unroll
+    for (int tt = 0; tt < kDbTokens; ++tt) acc[tt] = 0.f;
+    for (int c = 0; c < C; ++c) {
+      const float a = to_float(Ah[static_cast<int64_t>(c) * s.d_b + k]);
+#pragma unroll
+      for (int tt = 0; tt < kDbTokens; ++tt)
+        if (tt < nt) acc[tt] = fmaf(smem[tt * C + c], a, acc[tt]);
+    }
+#pragma unroll
+    for (int tt = 0; tt < kDbTokens; ++tt)
+      if (tt < nt) out[tt * row + k] = static_cast<T>(acc[tt]);
+  }
+}
+
+// Column reductions over tokens: for column c = (h, w), w < W,
+//   part[split][out(h, j, w)] = sum_{t in split} coef[t][h][j] * data[t*ds + h*dh + w]
+// and, with ones, part[split][n_main + c] = sum_t data[...] (the bias gradient).
+// out(h, j, w) = (h*r + j)*W + w (layout 0: dA (H, r, d_b)) or (h*W + w)*r + j (layout 1:
+// dB (H, p, r)). grid (ceil(H*W / 256), splits).
+struct ColReduceParams {
+  const void* data;
+  int64_t ds, dh;
+  const float* coef;  // (T, H, r)
+  float* part;
+  int64_t n_total;  // per-split stride of part
+  int64_t T;
+  int64_t tokens_per_split;
+  int H, r, W;
+  int layout;
+  bool ones;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(256) headwise_colreduce_kernel(const ColReduceParams P) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= static_cast<int64_t>(P.H) * P.W) return;
+  const int h = static_cast<int>(c / P.W), w = static_cast<int>(c - int64_t(h) * P.W);
+  const int64_t ta = blockIdx.y * P.tokens_per_split;
+  const int64_t tb = ta + P.tokens_per_split < P.T ? ta + P.tokens_per_split : P.T;
+  const T* data = static_cast<const T*>(P.data) + h * P.dh + w;
+  const float* coef = P.coef + static_cast<int64_t>(h) * P.r;
+  float* part = P.part + blockIdx.y * P.n_total;
+  const int64_t hr = static_cast<int64_t>(P.H) * P.r;
+  for (int j0 = 0; j0 < P.r || (j0 == 0 && P.ones); j0 += kRankChunk) {
+    const int nj = P.r - j0 < kRankChunk ? (P.r - j0 > 0 ? P.r - j0 : 0) : kRankChunk;
+    const bool ones = P.ones && j0 == 0;
+    float acc[kRankChunk];
+#pragma unroll
+    for (int jj = 0; jj < kRankChunk; ++jj) acc[jj] = 0.f;
+    float sum = 0.f;
+    for (int64_t t = ta; t < tb; ++t) {
+      const float d = to_float(data[t * P.ds]);
+      const float* ct = coef + t * hr + j0;
+#pragma unroll
+      for (int jj = 0; jj < kRankChunk; ++jj)
+        if (jj < nj) acc[jj] = fmaf(ct[jj], d, acc[jj]);
+      sum += d;
+    }
+#pragma unroll
+    for (int jj = 0; jj < kRankChunk; ++jj) {
+      if (jj >= nj) continue;
+      const int j = j0 + jj;
+      const int64_t idx = P.layout == 0 ? (int64_t(h) * P.r + j) * P.W + w
+                                        : (int64_t(h) * P.W + w) * P.r + j;
+      part[idx] = acc[jj];
+    }
+    if (ones) part[hr * P.W + c] = sum;
+  }
+}
+
+HeadwiseShape check_headwise(const char* op, const at::Tensor& basis, const at::Tensor& A,
+                             const at::Tensor& B) {
+  check_float_cuda(basis, "basis");
+  check_float_cuda(A, "A");
+  check_float_cuda(B, "B");
+  check_like(A, "A", basis, "basis");
+  check_like(B, "B", basis, "basis");
+  check_dim(A, 3, "A", "(H, r, d_b)");
+  check_dim(B, 3, "B", "(H, p, r)");
+  TORCH_CHECK(basis.dim() == 2 || basis.dim() == 3, "kfused: ", op,
+              ": basis must be (T, d_b) shared by all heads or (T, H, d_b) one per head (",
+              describe(basis), ")");
+  check_contiguous(basis, "basis");
+  check_contiguous(A, "A");
+  check_contiguous(B, "B");
+  HeadwiseShape s;
+  s.T = basis.size(0);
+  s.H = static_cast<int>(A.size(0));
+  s.r = static_cast<int>(A.size(1));
+  s.d_b = static_cast<int>(A.size(2));
+  s.p = static_cast<int>(B.size(1));
+  s.shared = basis.dim() == 2;
+  TORCH_CHECK(B.size(0) == s.H && B.size(2) == s.r, "kfused: ", op, ": B (", describe(B),
+              ") must be (H, p, r) = (", s.H, ", p, ", s.r, ") to match A ", A.sizes());
+  TORCH_CHECK(basis.size(-1) == s.d_b && (s.shared || basis.size(1) == s.H), "kfused: ", op,
+              ": basis (", describe(basis), ") must be (T, ", s.d_b, ") or (T, ", s.H, ", ",
+              s.d_b, ") to match A ", A.sizes());
+  TORCH_CHECK(s.H <= 65535, "kfused: ", op, ": at most 65535 heads (A ", A.sizes(), ")");
+  return s;
+}
+
+}  // namespace
+
+at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
+                                const at::Tensor& B, const std::optional<at::Tensor>& bias) {
+  const HeadwiseShape s = check_headwise("headwise_lowrank_fwd", basis, A, B);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_float_cuda(*bias, "bias");
+    check_like(*bias, "bias", basis, "basis");
+    check_contiguous(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == s.H && bias->size(1) == s.p,
+                "kfused: headwise_lowrank_fwd: bias (", describe(*bias), ") must be (H, p) = (",
+                s.H, ", ", s.p, ")");
+  }
+  at::Tensor out = at::empty({s.T, static_cast<int64_t>(s.H), static_cast<int64_t>(s.p)},
+                             basis.options());
+  if (out.numel() == 0) return out;
+  DeviceGuard guard(basis);
+  HeadwiseFwdParams P{};
+  P.basis = basis.data_ptr();
+  P.A = A.data_ptr();
+  P.B = B.data_ptr();
+  P.bias = has_bias ? bias->data_ptr() : nullptr;
+  P.out = out.data_ptr();
+  P.s = s;
+  const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kWarps * kTokensPerWarp)), s.H);
+  const size_t smem = sizeof(float) * kWarps * kTokensPerWarp * std::max(s.r, 1);
+  cudaStream_t stream = current_stream();
+  KFUSED_DISPATCH_FLOAT(basis.scalar_type(), "headwise_lowrank_fwd", [&] {
+    set_smem(headwise_rows_kernel<scalar_t, false>, smem, "headwise_rows_kernel");
+    headwise_rows_kernel<scalar_t, false><<<grid, kWarps * 32, smem, stream>>>(P);
+    check_launch("headwise_rows_kernel");
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
+    const at::Tensor& g, const at::Tensor& basis, const at::Tensor& A, const at::Tensor& B,
+    bool has_bias) {
+  const HeadwiseShape s = check_headwise("headwise_lowrank_bwd", basis, A, B);
+  check_float_cuda(g, "g");
+  check_like(g, "g", basis, "basis");
+  check_contiguous(g, "g");
+  TORCH_CHECK(g.dim() == 3 && g.size(0) == s.T && g.size(1) == s.H && g.size(2) == s.p,
+              "kfused: headwise_lowrank_bwd: g (", describe(g), ") must be (T, H, p) = (", s.T,
+              ", ", s.H, ", ", s.p, ")");
+  at::Tensor dbasis = at::empty_like(basis);
+  at::Tensor dA = at::empty_like(A);
+  at::Tensor dB = at::empty_like(B);
+  at::Tensor dbias = has_bias ? at::empty({s.H, s.p}, basis.options())
+                              : at::empty({0}, basis.options());
+  if (s.T == 0 || s.H == 0) {
+    dA.zero_();
+    dB.zero_();
+    dbias.zero_();
+    return {dbasis, dA, dB, dbias};
+  }
+  DeviceGuard guard(basis);
+  cudaStream_t stream = current_stream();
+  const auto fopts = basis.options().dtype(at::kFloat);
+  const int64_t hr = int64_t(s.H) * s.r;
+  at::Tensor Uw = at::empty({s.T, hr}, fopts);
+  at::Tensor dUw = at::empty({s.T, hr}, fopts);
+
+  // Token splits for the weight-gradient reductions: enough blocks to fill the device, at
+  // least 32 tokens per split.
+  const int64_t sms = sm_count();
+  auto splits_for = [&](int64_t ncols) {
+    const int64_t bx = ceil_div(ncols, 256);
+    int64_t sp = std::max<int64_t>(1, ceil_div(4 * sms, bx));
+    sp = std::min<int64_t>(sp, std::max<int64_t>(1, ceil_div(s.T, 32)));
+    return std::min<int64_t>(sp, 65535);
+  };
+  const int64_t nA = hr * s.d_b, nB = hr * s.p, nbias = has_bias ? int64_t(s.H) * s.p : 0;
+  const int64_t spA = splits_for(int64_t(s.H) * s.d_b), spB = splits_for(int64_t(s.H) * s.p);
+  at::Tensor partA = at::empty({spA, nA}, fopts);
+  at::Tensor partB = at::empty({spB, nB + nbias}, fopts);
+
+  KFUSED_DISPATCH_FLOAT(basis.scalar_type(), "headwise_lowrank_bwd", [&] {
+    HeadwiseFwdParams P{};
+    P.basis = basis.data_ptr();
+    P.A = A.data_ptr();
+    P.B = B.data_ptr();
+    P.g = g.data_ptr();
+    P.Uw = Uw.data_ptr<float>();
+    P.dUw = dUw.data_ptr<float>();
+    P.s = s;
+    const size_t smem = sizeof(float) * kWarps * kTokensPerWarp * std::max(s.r, 1);
+    set_smem(headwise_rows_kernel<scalar_t, true>, smem, "headwise_rows_kernel");
+    const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kWarps * kTokensPerWarp)), s.H);
+    headwise_rows_kernel<scalar_t, true><<<grid, kWarps * 32, smem, stream>>>(P);
+    check_launch("headwise_rows_kernel<bwd>");
+
+    if (dbasis.numel() > 0) {
+      const int C = s.shared ? s.H * s.r : s.r;
+      const size_t dsmem = sizeof(float) * kDbTokens * std::max(C, 1);
+      set_smem(headwise_dbasis_kernel<scalar_t>, dsmem, "headwise_dbasis_kernel");
+      const dim3 dgrid(static_cast<unsigned>(ceil_div(s.T, kDbTokens)), s.shared ? 1 : s.H);
+      headwise_dbasis_kernel<scalar_t><<<dgrid, kDbThreads, dsmem, stream>>>(
+          P.dUw, A.data_ptr<scalar_t>(), dbasis.data_ptr<scalar_t>(), s);
+      check_launch("headwise_dbasis_kernel");
+    }
+
+    ColReduceParams R{};
+    R.coef = P.dUw;
+    R.T = s.T;
+    R.H = s.H;
+    R.r = s.r;
+    if (nA > 0) {
+      R.data = basis.data_ptr();
+      R.ds = s.shared ? s.d_b : int64_t(s.H) * s.d_b;
+      R.dh = s.shared ? 0 : s.d_b;
+      R.part = partA.data_ptr<float>();
+      R.n_total = nA;
+      R.tokens_per_split = ceil_div(s.T, spA);
+      R.W = s.d_b;
+      R.layout = 0;
+      R.ones = false;
+      const dim3 cgrid(static_cast<unsigned>(ceil_div(int64_t(s.H) * s.d_b, 256)),
+                       static_cast<unsigned>(spA));
+      headwise_colreduce_kernel<scalar_t><<<cgrid, 256, 0, stream>>>(R);
+      check_launch("headwise_colreduce_kernel<dA>");
+      reduce_partials<scalar_t>(R.part, spA, nA, nA, dA.data_ptr<scalar_t>(), nullptr, stream);
+    } else {
+      dA.zero_();
+    }
+    if (nB + nbias > 0) {
+      R.data = g.data_ptr();
+      R.coef = P.Uw;
+      R.ds = int64_t(s.H) * s.p;
+      R.dh = s.p;
+      R.part = partB.data_ptr<float>();
+      R.n_total = nB + nbias;
+      R.tokens_per_split = ceil_div(s.T, spB);
+      R.W = s.p;
+      R.layout = 1;
+      R.ones = has_bias;
+      const dim3 cgrid(static_cast<unsigned>(ceil_div(int64_t(s.H) * s.p, 256)),
+                       static_cast<unsigned>(spB));
+      headwise_colreduce_kernel<scalar_t><<<cgrid, 256, 0, stream>>>(R);
+      check_launch("headwise_colreduce_kernel<dB>");
+      reduce_partials<scalar_t>(R.part, spB, nB + nbias, nB, dB.data_ptr<scalar_t>(),
+                                has_bias ? dbias.data_ptr<scalar_t>() : nullptr, stream);
+    }
+  });
+  return {dbasis, dA, dB, dbias};
+}
+
+}  // namespace kfused

@@ -1,0 +1,37 @@
+// Host entry points of the kfused CUDA C++ extension (kfused._C).
+//
+// Every op lives in its own csrc/<op>/<op>.cu and declares its host functions here; the
+// pybind11 module in csrc/bindings.cpp exposes them as `<op>_fwd` / `<op>_bwd`, the names the
+// Python loader (kfused/cuda/__init__.py) looks for. Signatures, dtypes and layouts are
+// documented in csrc/README.md. This header must stay free of CUDA headers so that the
+// bindings compile with the host compiler.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+namespace kfused {
+
+// SPEC §1: y[t] = vec(A X[t] B^T), x (T, a_in*b_in), A (a_out, a_in), B (b_out, b_in).
+at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B);
+// -> (dx (T, a_in*b_in), dA (a_out, a_in), dB (b_out, b_in)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B);
+
+// SPEC §2: out[t, h] = B_h A_h basis[t(, h)] + bias_h.
+at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
+                                const at::Tensor& B, const std::optional<at::Tensor>& bias);
+// -> (dbasis, dA, dB, dbias); dbias is an empty (0,) tensor when has_bias is false.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
+    const at::Tensor& g, const at::Tensor& basis, const at::Tensor& A, const at::Tensor& B,
+    bool has_bias);
+
+// SPEC §3 forward (inference): -> (f (B, H, n_q, p), lse (B, H, n_q) fp32, lam (B, H, n_q) fp32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
+    const std::optional<at::Tensor>& prefix_k, const std::optional<at::Tensor>& prefix_v,
+    const std::optional<at::Tensor>& key_lengths, bool causal);
+
+}  // namespace kfused

@@ -1,0 +1,416 @@
+// Kronecker matvec (SPEC §1): y[t] = vec(A X[t] B^T) with X[t] = x[t].view(a_in, b_in),
+// and its backward, without ever forming A ⊗ B.
+//
+// Design. One thread block owns a tile of TT consecutive tokens (a persistent loop walks the
+// tiles). The factors are staged once per block in shared memory as float; the token tile is
+// loaded with coalesced reads and converted to float. The two small products are done by a
+// register-tiled block GEMM (common/common.cuh) whose operands are strided views of shared
+// memory:
+//   forward   V = A X[t]              (a_out x b_in per token, rounded to the input dtype)
+//             Y = V B^T               (rows (t, j) stacked: one GEMM over the tile)
+// The order and the rounding point are those of the reference `(A @ X) @ B.T` run in the
+// input dtype, so the kernel's error tracks torch's. Backward follows torch's autograd of that
+// chain in one pass over g and x:
+//   W = G[t] B (rounded), V = A X[t] (rounded), dX[t] = A^T W, dA += W X[t]^T, dB += G[t]^T V.
+// dA and dB accumulate in float per block (shared memory, or the block's slice of a global
+// workspace when they do not fit) and are reduced over blocks in a fixed order afterwards, so
+// weight gradients are deterministic.
+//
+// Limits. Everything is float32 FMA on CUDA cores (no tensor cores): exact enough for the
+// SPEC §4 rule in float32 too. When the factors do not fit in shared memory next to one token
+// they are read from a float copy in global memory (L1/L2 resident); when a single token's
+// working set (forward: a_in*b_in + a_out*b_in floats; backward: a_in*(b_in|1) + a_out*b_out
+// + 2*a_out*b_in floats) exceeds the device's opt-in shared memory (227 KiB on sm_90, i.e.
+// d around 28k) the host raises a clear error.
+
+#include "common/common.cuh"
+#include "kfused.h"
+
+#include <climits>
+
+namespace kfused {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileMaxTokens = 16;
+constexpr size_t kPreferredSmem = 64 * 1024;  // three blocks per SM on sm_90
+constexpr int kNoSplit = INT_MAX;             // GemmB.cdiv when columns are not split
+
+inline int odd_pitch(int n) { return n | 1; }
+
+struct KronShape {
+  int a_out, a_in, b_out, b_in;
+};
+
+struct KronFwdParams {
+  const void* x;
+  void* y;
+  int64_t T;
+  const void* A;  // (a_out, a_in) with strides sA0, sA1
+  const void* B;  // (b_out, b_in) with strides sB0, sB1
+  int64_t sA0, sA1, sB0, sB1;
+  const float* Ag;  // contiguous float copies, used when the factors are not staged
+  const float* Bg;
+  KronShape s;
+  int TT;
+  int pB;  // row pitch of B in shared memory
+  bool stage;
+};
+
+template <typename T>
+__device__ void stage_factors(float* As, float* Bs, int pB, const T* A, int64_t sA0,
+                              int64_t sA1, const T* B, int64_t sB0, int64_t sB1,
+                              const KronShape& s) {
+  for (int e = threadIdx.x; e < s.a_out * s.a_in; e += blockDim.x) {
+    const int j = e / s.a_in, i = e - j * s.a_in;
+    As[e] = to_float(A[j * sA0 + i * sA1]);
+  }
+  for (int e = threadIdx.x; e < s.b_out * s.b_in; e += blockDim.x) {
+    const int o = e / s.b_in, k = e - o * s.b_in;
+    Bs[o * pB + k] = to_float(B[o * sB0 + k * sB1]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) kron_fwd_kernel(const KronFwdParams P) {
+  extern __shared__ float smem[];
+  const KronShape s = P.s;
+  const int d_in = s.a_in * s.b_in, d_out = s.a_out * s.b_out;
+  float* sp = smem;
+  const float* As = P.Ag;
+  const float* Bs = P.Bg;
+  int pB = s.b_in;
+  if (P.stage) {
+    float* a = sp;
+    sp += s.a_out * s.a_in;
+    float* b = sp;
+    sp += s.b_out * P.pB;
+    stage_factors<T>(a, b, P.pB, static_cast<const T*>(P.A), P.sA0, P.sA1,
+                     static_cast<const T*>(P.B), P.sB0, P.sB1, s);
+    As = a;
+    Bs = b;
+    pB = P.pB;
+  }
+  float* Xs = sp;  // (TT, a_in, b_in)
+  sp += P.TT * d_in;
+  float* Vs = sp;  // (TT, a_out, b_in)
+
+  const T* x = static_cast<const T*>(P.x);
+  T* y = static_cast<T*>(P.y);
+  const int64_t ntiles = (P.T + P.TT - 1) / P.TT;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t t0 = tile * P.TT;
+    const int nt = static_cast<int>(P.T - t0 < P.TT ? P.T - t0 : P.TT);
+    __syncthreads();  // factors staged / previous tile fully consumed
+    const T* xt = x + t0 * d_in;
+    for (int e = threadIdx.x; e < nt * d_in; e += blockDim.x) Xs[e] = to_float(xt[e]);
+    __syncthreads();
+
+    // V[t][j][k] = sum_i A[j][i] X[t][i][k]: M = a_out, N = (t, k), K = i.
+    block_gemm<4, 4>(
+        s.a_out, nt * s.b_in, s.a_in, 1, GemmA{As, s.a_in, 1, 0},
+        GemmB{Xs, s.b_in, 1, s.b_in, d_in, 0}, [&](int j, int n, float v) {
+          const int t = n / s.b_in, k = n - t * s.b_in;
+          Vs[(t * s.a_out + j) * s.b_in + k] = round_to<T>(v);
+        });
+    __syncthreads();
+
+    // Y[(t, j)][o] = sum_k V[(t, j)][k] B[o][k]: rows (t, j) are contiguous rows of y.
+    T* yt = y + t0 * d_out;
+    block_gemm<4, 4>(nt * s.a_out, s.b_out, s.b_in, 1, GemmA{Vs, s.b_in, 1, 0},
+                     GemmB{Bs, 1, pB, kNoSplit, 0, 0}, [&](int r, int o, float v) {
+                       yt[r * s.b_out + o] = static_cast<T>(v);
+                     });
+  }
+}
+
+struct KronBwdParams {
+  const void* g;
+  const void* x;
+  void* dx;
+  int64_t T;
+  const void* A;
+  const void* B;
+  int64_t sA0, sA1, sB0, sB1;
+  const float* Ag;
+  const float* Bg;
+  float* part;  // (gridDim.x, a_out*a_in + b_out*b_in) per-block dA | dB
+  KronShape s;
+  int TT;
+  int pB;
+  int pX;  // row pitch of X in shared memory (odd: X^T reads are bank-conflict free)
+  bool stage;
+  bool acc_smem;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) kron_bwd_kernel(const KronBwdParams P) {
+  extern __shared__ float smem[];
+  const KronShape s = P.s;
+  const int d_in = s.a_in * s.b_in, d_out = s.a_out * s.b_out;
+  const int nA = s.a_out * s.a_in, nB = s.b_out * s.b_in;
+  float* sp = smem;
+  const float* As = P.Ag;
+  const float* Bs = P.Bg;
+  int pB = s.b_in;
+  if (P.stage) {
+    float* a = sp;
+    sp += nA;
+    float* b = sp;
+    sp += s.b_out * P.pB;
+    stage_factors<T>(a, b, P.pB, static_cast<const T*>(P.A), P.sA0, P.sA1,
+                     static_cast<const T*>(P.B), P.sB0, P.sB1, s);
+    As = a;
+    Bs = b;
+    pB = P.pB;
+  }
+  float* part = P.part + static_cast<int64_t>(blockIdx.x) * (nA + nB);
+  float* dAacc = part;
+  if (P.acc_smem) {
+    dAacc = sp;
+    sp += nA + nB;
+  }
+  float* dBacc = dAacc + nA;
+  for (int e = threadIdx.x; e < nA + nB; e += blockDim.x) dAacc[e] = 0.f;
+  const int pX = P.pX;
+  float* Xs = sp;  // (TT, a_in, pX)
+  sp += P.TT * s.a_in * pX;
+  float* Gs = sp;  // (TT, a_out, b_out)
+  sp += P.TT * d_out;
+  float* Ws = sp;  // (TT, a_out, b_in)
+  sp += P.TT * s.a_out * s.b_in;
+  float* Vs = sp;  // (TT, a_out, b_in)
+
+  const T* x = static_cast<const T*>(P.x);
+  const T* g = static_cast<const T*>(P.g);
+  T* dx = static_cast<T*>(P.dx);
+  const int64_t ntiles = (P.T + P.TT - 1) / P.TT;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int64_t t0 = tile * P.TT;
+    const int nt = static_cast<int>(P.T - t0 < P.TT ? P.T - t0 : P.TT);
+    __syncthreads();
+    const T* xt = x + t0 * d_in;
+    for (int e = threadIdx.x; e < nt * d_in; e += blockDim.x) {
+      const int r = e / s.b_in, k = e - r * s.b_in;
+      Xs[r * pX + k] = to_float(xt[e]);
+    }
+    const T* gt = g + t0 * d_out;
+    for (int e = threadIdx.x; e < nt * d_out; e += blockDim.x) Gs[e] = to_float(gt[e]);
+    __syncthreads();
+
+    // W[(t, j)][k] = sum_o G[(t, j)][o] B[o][k]   (torch's dZ = G @ B, rounded)
+    block_gemm<4, 4>(nt * s.a_out, s.b_in, s.b_out, 1, GemmA{Gs, s.b_out, 1, 0},
+                     GemmB{Bs, pB, 1, kNoSplit, 0, 0}, [&](int r, int k, float v) {
+                       Ws[r * s.b_in + k] = round_to<T>(v);
+                     });
+    // V[t][j][k] = sum_i A[j][i] X[t][i][k]       (the forward intermediate, rounded)
+    block_gemm<4, 4>(
+        s.a_out, nt * s.b_in, s.a_in, 1, GemmA{As, s.a_in, 1, 0},
+        GemmB{Xs, pX, 1, s.b_in, s.a_in * pX, 0}, [&](int j, int n, float v) {
+          const int t = n / s.b_in, k = n - t * s.b_in;
+          Vs[(t * s.a_out + j) * s.b_in + k] = round_to<T>(v);
+        });
+    __syncthreads();
+
+    // dX[t][i][k] = sum_j A[j][i] W[t][j][k]
+    T* dxt = dx + t0 * d_in;
+    block_gemm<4, 4>(
+        s.a_in, nt * s.b_in, s.a_out, 1, GemmA{As, 1, s.a_in, 0},
+        GemmB{Ws, s.b_in, 1, s.b_in, s.a_out * s.b_in, 0}, [&](int i, int n, float v) {
+          const int t = n / s.b_in, k = n - t * s.b_in;
+          dxt[t * d_in + i * s.b_in + k] = static_cast<T>(v);
+        });
+    // dA[j][i] += sum_t sum_k W[t][j][k] X[t][i][k]   (each thread owns its elements)
+    block_gemm<4, 4>(s.a_out, s.a_in, s.b_in, nt, GemmA{Ws, s.b_in, 1, s.a_out * s.b_in},
+                     GemmB{Xs, 1, pX, kNoSplit, 0, s.a_in * pX},
+                     [&](int j, int i, float v) { dAacc[j * s.a_in + i] += v; });
+    // dB[o][k] += sum_t sum_j G[t][j][o] V[t][j][k]
+    block_gemm<4, 4>(s.b_out, s.b_in, s.a_out, nt, GemmA{Gs, 1, s.b_out, d_out},
+                     GemmB{Vs, s.b_in, 1, kNoSplit, 0, s.a_out * s.b_in},
+                     [&](int o, int k, float v) { dBacc[o * s.b_in + k] += v; });
+  }
+  if (P.acc_smem) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < nA + nB; e += blockDim.x) part[e] = dAacc[e];
+  }
+}
+
+// Tokens per tile that fit `budget` bytes next to `fixed` floats (0: not even one token).
+inline int64_t fit_tokens(int64_t fixed, int64_t per_token, int64_t budget_bytes) {
+  const int64_t avail = budget_bytes / 4 - fixed;
+  if (avail < per_token) return 0;
+  return std::min<int64_t>(kTileMaxTokens, avail / per_token);
+}
+
+KronShape check_factors(const char* op, const at::Tensor& x, const at::Tensor& A,
+                        const at::Tensor& B) {
+  check_float_cuda(x, "x");
+  check_float_cuda(A, "A");
+  check_float_cuda(B, "B");
+  check_like(A, "A", x, "x");
+  check_like(B, "B", x, "x");
+  check_dim(x, 2, "x", "(T, a_in*b_in)");
+  check_dim(A, 2, "A", "(a_out, a_in)");
+  check_dim(B, 2, "B", "(b_out, b_in)");
+  check_contiguous(x, "x");
+  const int64_t a_out = A.size(0), a_in = A.size(1), b_out = B.size(0), b_in = B.size(1);
+  TORCH_CHECK(a_out > 0 && a_in > 0 && b_out > 0 && b_in > 0, "kfused: ", op,
+              ": factors must be non-empty (A ", A.sizes(), ", B ", B.sizes(), ")");
+  TORCH_CHECK(x.size(1) == a_in * b_in, "kfused: ", op, ": x has ", x.size(1),
+              " features per token (", describe(x), ") but A ", A.sizes(), " and B ", B.sizes(),
+              " need a_in*b_in = ", a_in * b_in);
+  TORCH_CHECK(a_in * b_in < (1 << 24) && a_out * b_out < (1 << 24), "kfused: ", op,
+              ": widths above 2^24 are not supported (A ", A.sizes(), ", B ", B.sizes(), ")");
+  return KronShape{static_cast<int>(a_out), static_cast<int>(a_in), static_cast<int>(b_out),
+                   static_cast<int>(b_in)};
+}
+
+}  // namespace
+
+at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B) {
+  const KronShape s = check_factors("kron_matvec_fwd", x, A, B);
+  const int64_t T = x.size(0);
+  at::Tensor y = at::empty({T, static_cast<int64_t>(s.a_out) * s.b_out}, x.options());
+  if (T == 0) return y;
+  DeviceGuard guard(x);
+
+  const int64_t d_in = int64_t(s.a_in) * s.b_in;
+  const int64_t fixed = int64_t(s.a_out) * s.a_in + int64_t(s.b_out) * odd_pitch(s.b_in);
+  const int64_t per_token = d_in + int64_t(s.a_out) * s.b_in;
+  const int64_t optin = max_smem_optin();
+  bool stage = true;
+  int64_t TT = fit_tokens(fixed, per_token, std::min<int64_t>(kPreferredSmem, optin));
+  if (TT == 0) TT = fit_tokens(fixed, per_token, optin);
+  if (TT == 0) {
+    stage = false;
+    TT = fit_tokens(0, per_token, optin);
+  }
+  TORCH_CHECK(TT > 0, "kfused: kron_matvec_fwd: one token needs ", per_token * 4,
+              " bytes of shared memory (a_in*b_in + a_out*b_in floats) but the device allows ",
+              optin, " per block; A ", A.sizes(), " / B ", B.sizes(),
+              " are too large for the CUDA kernel (use the triton or reference backend)");
+  const int64_t sms = sm_count();
+  TT = std::max<int64_t>(1, std::min<int64_t>(TT, ceil_div(T, 2 * sms)));
+  const size_t smem = 4 * static_cast<size_t>((stage ? fixed : 0) + TT * per_token);
+
+  at::Tensor Ag, Bg;
+  if (!stage) {
+    Ag = A.to(at::kFloat).contiguous();
+    Bg = B.to(at::kFloat).contiguous();
+  }
+  KronFwdParams P;
+  P.x = x.data_ptr();
+  P.y = y.data_ptr();
+  P.T = T;
+  P.A = A.data_ptr();
+  P.B = B.data_ptr();
+  P.sA0 = A.stride(0);
+  P.sA1 = A.stride(1);
+  P.sB0 = B.stride(0);
+  P.sB1 = B.stride(1);
+  P.Ag = stage ? nullptr : Ag.data_ptr<float>();
+  P.Bg = stage ? nullptr : Bg.data_ptr<float>();
+  P.s = s;
+  P.TT = static_cast<int>(TT);
+  P.pB = stage ? odd_pitch(s.b_in) : s.b_in;
+  P.stage = stage;
+  const int64_t ntiles = ceil_div(T, TT);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ntiles, int64_t(1) << 30));
+  cudaStream_t stream = current_stream();
+  KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_fwd", [&] {
+    set_smem(kron_fwd_kernel<scalar_t>, smem, "kron_fwd_kernel");
+    kron_fwd_kernel<scalar_t><<<grid, kThreads, smem, stream>>>(P);
+    check_launch("kron_fwd_kernel");
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor& g,
+                                                               const at::Tensor& x,
+                                                               const at::Tensor& A,
+                                                               const at::Tensor& B) {
+  const KronShape s = check_factors("kron_matvec_bwd", x, A, B);
+  check_float_cuda(g, "g");
+  check_like(g, "g", x, "x");
+  check_dim(g, 2, "g", "(T, a_out*b_out)");
+  check_contiguous(g, "g");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(g.size(0) == T && g.size(1) == int64_t(s.a_out) * s.b_out,
+              "kfused: kron_matvec_bwd: g (", describe(g), ") must have shape (", T, ", ",
+              int64_t(s.a_out) * s.b_out, ") to match x ", x.sizes(), ", A ", A.sizes(), ", B ",
+              B.sizes());
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor dA = at::empty({s.a_out, s.a_in}, x.options());
+  at::Tensor dB = at::empty({s.b_out, s.b_in}, x.options());
+  if (T == 0) return {dx, dA.zero_(), dB.zero_()};
+  DeviceGuard guard(x);
+
+  const int64_t nA = int64_t(s.a_out) * s.a_in, nB = int64_t(s.b_out) * s.b_in;
+  const int64_t pX = odd_pitch(s.b_in);
+  const int64_t fixed_stage = nA + int64_t(s.b_out) * odd_pitch(s.b_in);
+  const int64_t fixed_acc = nA + nB;
+  const int64_t per_token = int64_t(s.a_in) * pX + int64_t(s.a_out) * s.b_out +
+                            2 * int64_t(s.a_out) * s.b_in;
+  const int64_t optin = max_smem_optin();
+  bool stage = true, acc_smem = true;
+  int64_t TT = fit_tokens(fixed_stage + fixed_acc, per_token,
+                          std::min<int64_t>(kPreferredSmem, optin));
+  if (TT == 0) TT = fit_tokens(fixed_stage + fixed_acc, per_token, optin);
+  if (TT == 0) {
+    acc_smem = false;
+    TT = fit_tokens(fixed_stage, per_token, optin);
+  }
+  if (TT == 0) {
+    stage = false;
+    TT = fit_tokens(0, per_token, optin);
+  }
+  TORCH_CHECK(TT > 0, "kfused: kron_matvec_bwd: one token needs ", per_token * 4,
+              " bytes of shared memory (a_in*(b_in|1) + a_out*b_out + 2*a_out*b_in floats) but "
+              "the device allows ",
+              optin, " per block; A ", A.sizes(), " / B ", B.sizes(),
+              " are too large for the CUDA kernel (use the triton or reference backend)");
+  const int64_t sms = sm_count();
+  TT = std::max<int64_t>(1, std::min<int64_t>(TT, ceil_div(T, 2 * sms)));
+  const int64_t ntiles = ceil_div(T, TT);
+  const int64_t grid = std::min<int64_t>(ntiles, 2 * sms);
+  const size_t smem = 4 * static_cast<size_t>((stage ? fixed_stage : 0) +
+                                              (acc_smem ? fixed_acc : 0) + TT * per_token);
+
+  at::Tensor Ag, Bg;
+  if (!stage) {
+    Ag = A.to(at::kFloat).contiguous();
+    Bg = B.to(at::kFloat).contiguous();
+  }
+  at::Tensor part = at::empty({grid, nA + nB}, x.options().dtype(at::kFloat));
+  KronBwdParams P;
+  P.g = g.data_ptr();
+  P.x = x.data_ptr();
+  P.dx = dx.data_ptr();
+  P.T = T;
+  P.A = A.data_ptr();
+  P.B = B.data_ptr();
+  P.sA0 = A.stride(0);
+  P.sA1 = A.stride(1);
+  P.sB0 = B.stride(0);
+  P.sB1 = B.stride(1);
+  P.Ag = stage ? nullptr : Ag.data_ptr<float>();
+  P.Bg = stage ? nullptr : Bg.data_ptr<float>();
+  P.part = part.data_ptr<float>();
+  P.s = s;
+  P.TT = static_cast<int>(TT);
+  P.pB = stage ? odd_pitch(s.b_in) : s.b_in;
+  P.pX = static_cast<int>(pX);
+  P.stage = stage;
+  P.acc_smem = acc_smem;
+  cudaStream_t stream = current_stream();
+  KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_bwd", [&] {
+    set_smem(kron_bwd_kernel<scalar_t>, smem, "kron_bwd_kernel");
+    kron_bwd_kernel<scalar_t><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(P);
+    check_launch("kron_bwd_kernel");
+    reduce_partials<scalar_t>(P.part, grid, nA + nB, nA, dA.data_ptr<scalar_t>(),
+                              dB.data_ptr<scalar_t>(), stream);
+  });
+  return {dx, dA, dB};
+}
+
+}  // namespace kfused
