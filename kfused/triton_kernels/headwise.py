@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import _mm, dot_precision, next_pow2, use_dot
+from kfused.triton_kernels import _aot
+from kfused.triton_kernels._common import (_AOT_TARGET, _mm, dot_precision, next_pow2,
+                                           targets_gpu, use_dot)
 
 F32 = torch.float32
 
@@ -114,9 +116,10 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
 def _splits(device: torch.device, T: int, programs: int, BT: int) -> int:
     """How many token splits for a reduction over T: enough programs to fill the GPU."""
     chunks = max(1, triton.cdiv(T, BT))
-    if device.type != "cuda":
+    if not targets_gpu(device):
         return min(chunks, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else _AOT_TARGET["sms"])
     want = max(1, (2 * sms) // max(1, programs))
     return max(1, min(chunks, want, 64))
 
@@ -138,7 +141,7 @@ def atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
         C2, _, _ = atb(a, b2, None, False, out_dtype)
         return C, C2, CS
     dev = a.device
-    BT = 32 if dev.type != "cuda" else 64
+    BT = 64 if targets_gpu(dev) else 32
     BM = _blk(M, 16, 64)
     BN = _blk(N, 16, 64)
     BN2 = _rblk(N2)
@@ -529,7 +532,7 @@ def qkv_zlayout(HQ: int, HV: int, q: SectionFactors, v: SectionFactors):
 
 
 def _qkv_blocks(T, D, P, q: SectionFactors, v: SectionFactors, dev):
-    cap = 64 if dev.type == "cuda" else 32
+    cap = 64 if targets_gpu(dev) else 32
     BT = _blk(T, 16, cap)
     BK = _blk(D, 16, 64)
     PB = _rblk(P)
@@ -768,7 +771,7 @@ def _hw_oproj_bwd_kernel(g_ptr, w_ptr, s_wn, s_wk, a_ptr, bw_ptr, as_ptr, us_ptr
 
 
 def _oproj_blocks(T, N, P, R, RS, dev):
-    cap = 64 if dev.type == "cuda" else 32
+    cap = 64 if targets_gpu(dev) else 32
     return _blk(T, 16, cap), _blk(N, 16, 64), _rblk(P), _rblk(R), _rblk(RS)
 
 
@@ -840,3 +843,46 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             grads["Us"] = dBZ[:, H * R:].to(Us.dtype).contiguous()
         grads["db"] = db[0]
     return (dO if need_do else None), grads
+
+
+# ------------------------------------------------------------------------------------------
+# sm_90 ahead-of-time compile check (see _aot.py): representative launches
+
+
+@_aot.register("headwise")
+def _aot_launches() -> None:
+    """GPT-2 small (p = 64), Llama-7B-like with GQA (p = 128), a p = 80 model; Kernel-mix(qvo)
+    intermediate ranks; bfloat16 everywhere, float16 and float32 (IEEE dots) on one shape."""
+    T = 4096
+    f32 = torch.float32
+    configs = [(768, 12, 12, 64), (4096, 32, 8, 128), (640, 8, 8, 80)]
+    runs = [(torch.bfloat16, c) for c in configs] + [(torch.float16, configs[0]),
+                                                     (f32, configs[0])]
+    for dt, (d, H, Hkv, p) in runs:
+        e = lambda *s, dtype=dt: torch.empty(*s, dtype=dtype)  # noqa: E731
+        x = e(T, d)
+        # headwise_lowrank: shared basis X (Kernel-wise) and per-head basis K (lite)
+        for basis, per_head, db in ((x, False, d), (e(T, H, p), True, p)):
+            A, B, c = e(H, 8, db), e(H, p, 8), e(H, p)
+            out, z = headwise_lowrank_forward(basis, A, B, c, per_head)
+            headwise_lowrank_backward(e(T, H, p), basis, A, B, z, per_head, True, True, True)
+        # fused q|k|v: q = Kernel-wise 3 + shared 12, v = lite 8 (+ Kernel-wise 2) + shared 8
+        wq, wk, wv = e(H * p, d), e(Hkv * p, d), e(Hkv * p, d)
+        bq, bk, bv = e(H * p, dtype=f32), e(Hkv * p), e(Hkv * p, dtype=f32)
+        q = SectionFactors(e(H, 3, d, dtype=f32), e(H, 3, dtype=f32), e(H, p, 3, dtype=f32),
+                           e(12, d, dtype=f32), e(H * p, 12, dtype=f32))
+        v = SectionFactors(e(Hkv, 10, d, dtype=f32), e(Hkv, 10, dtype=f32),
+                           e(Hkv, p, 10, dtype=f32), e(8, d, dtype=f32),
+                           e(Hkv * p, 8, dtype=f32))
+        Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, q, v, p)
+        headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, q, v, Z, p)
+        # single adapted projection (q slot only), Conv1D-style strided weight, no bias
+        none = SectionFactors()
+        wt = e(d, H * p).t()
+        Y, Z = headwise_qkv_forward(x, wt, e(0, d), e(0, d), None, None, None, q, none, p)
+        headwise_qkv_backward(e(T, H * p), x, wt, e(0, d), e(0, d), q, none, Z, p)
+        # output projection: Kernel-wise 8 + shared 8
+        o, wo = e(T, H * p), e(d, H * p)
+        A, Bw, As, Us = e(H, 8, p), e(d, H * 8), e(8, H * p), e(d, 8, dtype=f32)
+        Y, Z = headwise_oproj_forward(o, wo, e(d, dtype=f32), A, Bw, As, Us, H)
+        headwise_oproj_backward(e(T, d), o, wo, A, Bw, As, Us, Z, H)
