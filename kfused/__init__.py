@@ -6,6 +6,7 @@ comes from $KFUSED_BACKEND, else "auto"):
     kron_matvec(x, A, B)                            (A ⊗ B) x per token       SPEC §1
     krona_linear(x, weight, bias, A, B, scale)      x Wᵀ + b + s (A ⊗ B) x    SPEC §1
 
+Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset.
 Modules: :mod:`kfused.modules`. References (float64 oracles, CPU fallback):
 :mod:`kfused.reference`. The SPEC §4 comparison: :mod:`kfused.testing`.
 """
@@ -14,10 +15,15 @@ from kfused import reference
 from kfused.backends import BackendError, available_backends
 from kfused.modules.krona import KronABlock, KronALinear, factorize
 from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.integration import (AdapterConfig, inject, load, merge, merge_and_unload, preset,
+                                print_trainable_parameters, register_method, save, unmerge)
+from kfused.modules.lora import LoRALinear
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendError", "available_backends", "reference", "__version__",
     "kron_matvec", "krona_linear", "KronALinear", "KronABlock", "factorize",
+    "AdapterConfig", "inject", "save", "load", "merge", "unmerge", "merge_and_unload",
+    "print_trainable_parameters", "preset", "register_method", "LoRALinear",
 ]

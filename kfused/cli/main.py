@@ -71,12 +71,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return bench.run(rest)
     if cmd == "demo":
-        try:
-            from kfused.cli import demo
-        except ImportError as exc:
-            print(f"kfused demo is not available in this build ({exc})", file=sys.stderr)
-            return 2
-        return demo.run_demo(rest)
+        from kfused.cli.demo import run_demo
+
+        return run_demo(rest)
     if cmd == "info":
         return _info()
     print(f"kfused: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)

@@ -72,6 +72,17 @@ def _resolve_shapes(d_in: int, d_out: int, a_shape, b_shape) -> Tuple[Tuple[int,
     return (ao, ai), (bo, bi)
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, cast the activation to the autocast dtype, as autocast does for a linear
+    layer: the custom ops are opaque to autocast and would otherwise run in float32."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if x.dtype != dt:
+            return x.to(dt)
+    return x
+
+
 class _KronFactors(nn.Module):
     def _init_factors(self, a_shape, b_shape, init: str, dtype, device):
         if init not in ("lora", "random"):
@@ -135,8 +146,10 @@ class KronALinear(_KronFactors):
             return self.base(x)
         w = linear_weight(self.base)
         A, B = self.A, self.B
+        x = _autocast_input(x)
         if x.dtype != w.dtype:  # e.g. autocast: compute in the activation dtype
             w = w.to(x.dtype)
+        if x.dtype != A.dtype:  # e.g. float32 adapter factors on a bf16 base
             A, B = A.to(x.dtype), B.to(x.dtype)
         bias = self.base.bias
         if bias is not None and bias.dtype != x.dtype:
@@ -206,9 +219,10 @@ class KronABlock(_KronFactors):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.block(x, *args, **kwargs)
         A, B = self.A, self.B
-        if x.dtype != A.dtype:
-            A, B = A.to(x.dtype), B.to(x.dtype)
-        out = y + self.scale * kron_matvec(x, A, B, backend=self.backend)
+        xa = _autocast_input(x)
+        if xa.dtype != A.dtype:
+            A, B = A.to(xa.dtype), B.to(xa.dtype)
+        out = y + (self.scale * kron_matvec(xa, A, B, backend=self.backend)).to(y.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         if self.res_scale is not None:

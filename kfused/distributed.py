@@ -1,0 +1,167 @@
+"""Multi-process training helpers: DistributedDataParallel and FSDP2 (``fully_shard``) for models
+with kfused adapters, launched with ``torchrun`` (or ``torch.multiprocessing`` in tests).
+
+    rank, world, device = init_distributed()          # reads RANK / WORLD_SIZE / LOCAL_RANK
+    model = wrap_model(model, "ddp" | "fsdp2", device)
+    ... train on this rank's shard of the global batch (shard_batch) ...
+    kfused.integration.save(model, dir)                # every rank calls; rank 0 writes
+
+Adapters change nothing here: frozen base parameters have ``requires_grad=False``, so DDP
+all-reduces only the adapter gradients, and FSDP2 shards frozen and trainable parameters alike
+(it allows both in one parameter group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MODES = ("none", "ddp", "fsdp2")
+
+# The repeated transformer blocks of each architecture: FSDP2 shards each one separately.
+_BLOCK_PATTERNS = (
+    r"(.*\.)?h\.\d+",                      # GPT-2
+    r"(.*\.)?layers\.\d+",                 # Llama-style
+    r"(.*\.)?layer\.\d+",                  # BERT / RoBERTa
+    r"(.*\.)?block\.\d+",                  # T5
+)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def launched_with_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: int = 600
+                     ) -> Tuple[int, int, torch.device]:
+    """Join the process group described by the torchrun environment variables.
+
+    backend: "nccl" on CUDA, "gloo" on the CPU by default. Returns (rank, world, device); the
+    device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
+    """
+    if not launched_with_torchrun():
+        raise RuntimeError("distributed training needs the torchrun environment (RANK, WORLD_SIZE, "
+                           "MASTER_ADDR, MASTER_PORT); launch with e.g. "
+                           "`torchrun --nproc-per-node 2 -m kfused.cli.demo --distributed ddp`")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if not is_distributed():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def cleanup() -> None:
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def transformer_blocks(model: nn.Module) -> Dict[str, nn.Module]:
+    """name -> module for each repeated transformer block (outermost matches only)."""
+    found: Dict[str, nn.Module] = {}
+    for name, mod in model.named_modules():
+        if any(re.fullmatch(p, name) for p in _BLOCK_PATTERNS) and not any(
+                name.startswith(f + ".") for f in found):
+            found[name] = mod
+    return found
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, **kwargs) -> nn.Module:
+    """DistributedDataParallel over the model's trainable (adapter) parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids, output_device=ids[0] if ids else None, **kwargs)
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[torch.dtype] = None,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard every transformer block, then the root, with FSDP2 (``fully_shard``), in place.
+
+    mp_dtype: parameter dtype for compute (bf16/fp16 mixed precision; gradients reduce in
+    float32 and the sharded adapter weights stay float32).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard = _fully_shard()
+    mesh = init_device_mesh(device.type, (world_size(),))
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_dtype is not None:
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+        except ImportError:  # pragma: no cover
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+    for blk in transformer_blocks(model).values():
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> nn.Module:
+    """"none" (unchanged), "ddp" or "fsdp2"."""
+    if mode == "none":
+        return model
+    if mode == "ddp":
+        return wrap_ddp(model, device, **kwargs)
+    if mode == "fsdp2":
+        return wrap_fsdp2(model, device, **kwargs)
+    raise ValueError(f"distributed mode must be one of {MODES}, got {mode!r}")
+
+
+def shard_batch(batch: Dict[str, torch.Tensor], rank_: Optional[int] = None,
+                world: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """This rank's contiguous slice of a global batch (dim 0 must divide by the world size)."""
+    rank_ = rank() if rank_ is None else rank_
+    world = world_size() if world is None else world
+    out = {}
+    for k, v in batch.items():
+        if v.shape[0] % world:
+            raise ValueError(f"global batch {k} has {v.shape[0]} rows, not divisible by world "
+                             f"size {world}")
+        n = v.shape[0] // world
+        out[k] = v[rank_ * n:(rank_ + 1) * n]
+    return out
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks (the tensor itself when not distributed)."""
+    if not is_distributed():
+        return x
+    y = x.detach().clone()
+    dist.all_reduce(y)
+    return y / world_size()

@@ -1,0 +1,382 @@
+"""kfused.inject: attach adapters to a transformers (or any torch) model in place.
+
+    model = AutoModelForCausalLM.from_config(cfg)
+    kfused.integration.inject(model, AdapterConfig(method="krona"))   # base frozen, adapters trainable
+    ... train ...; save(model, "out/"); merge(model)
+
+The injected model carries a :class:`InjectState` (``model.kfused_state``) recording the config,
+the architecture and the names of the adapter modules, parameters and buffers; checkpoints,
+merge and the trainable-parameter report all read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from kfused.integration import methods as _builtin_methods  # noqa: F401  (registers builtins)
+from kfused.integration.arch import ArchSpec, detect_arch, model_dims, model_type_of
+from kfused.integration.config import AdapterConfig, preset
+from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable
+from kfused.modules.krona import _is_conv1d, linear_dims
+
+_SITE_ORDER = {"linear": 0, "block": 1, "attention": 2, "model": 2}
+_REGEX_CHARS = set("\\*+?[](){}|^$")
+
+
+@dataclasses.dataclass
+class InjectState:
+    config: AdapterConfig
+    arch: Optional[str]
+    model_type: Optional[str]
+    model_class: str
+    adapter_modules: List[str]
+    param_names: List[str]
+    buffer_names: List[str]
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The underlying model of a torch.compile / DistributedDataParallel wrapper."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def get_state(model: nn.Module, required: bool = True) -> Optional[InjectState]:
+    state = getattr(unwrap(model), "kfused_state", None)
+    if state is None and required:
+        raise ValueError("this model has no kfused adapters: call kfused.integration.inject(model, "
+                         "config) first (or load(model, dir), which injects from the checkpoint)")
+    return state
+
+
+class _ZeroBlock(nn.Module):
+    """Stands in for BERT's FFN inside a block-parallel adapter: the adapter's delta is then
+    ``wrapper(x) - 0``, added by :class:`_BertOutputParallel` before the LayerNorm."""
+
+    def forward(self, x, *args, **kwargs):
+        return torch.zeros_like(x)
+
+
+class _BertOutputParallel(nn.Module):
+    """BERT/RoBERTa ``XOutput(h, x) = LN(dropout(dense(h)) + x)`` with a block-parallel adapter
+    on the FFN: ``LN(dropout(dense(h)) + Δ(x) + x)`` — the adapter sees the FFN's input x."""
+
+    def __init__(self, output: nn.Module, adapter: nn.Module):
+        super().__init__()
+        for attr in ("dense", "dropout", "LayerNorm"):
+            if not hasattr(output, attr):
+                raise TypeError(f"{type(output).__name__} has no {attr}: not a BERT-style output")
+        self.output = output
+        self.adapter = adapter
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        h = self.output.dropout(self.output.dense(hidden_states))
+        h = h + self.adapter(input_tensor).to(h.dtype)
+        return self.output.LayerNorm(h + input_tensor)
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _resolve_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"adapter_dtype must name a floating dtype (e.g. 'float32'), got {name!r}")
+    return dt
+
+
+def _match_targets(model: nn.Module, targets: List[str], arch: Optional[ArchSpec],
+                   exclude: Optional[List[str]], method: str
+                   ) -> List[Tuple[str, nn.Module, Optional[str]]]:
+    patterns = []
+    for t in targets:
+        if arch is not None and arch.role_regex(t) is not None:
+            patterns.append(("regex", re.compile(arch.role_regex(t)), arch.canonical(t), t))
+        elif any(c in _REGEX_CHARS for c in t):
+            patterns.append(("regex", re.compile(t), None, t))
+        elif arch is None and t in ("q", "k", "v", "o", "qkv", "ffn", "ffn_in", "ffn_out", "attn"):
+            raise ValueError(
+                f"target {t!r} is a role name, but the model's architecture is unknown "
+                f"(model_type={model_type_of(model)!r}); pass AdapterConfig(arch=...) or use "
+                "module-name regexes as targets")
+        else:
+            patterns.append(("suffix", t, None, t))
+    excl = [re.compile(e) for e in (exclude or [])]
+    found: Dict[str, Tuple[nn.Module, Optional[str]]] = {}
+    for name, mod in model.named_modules():
+        if not name or any(e.fullmatch(name) for e in excl):
+            continue
+        for kind, pat, role, _ in patterns:
+            hit = (pat.fullmatch(name) if kind == "regex"
+                   else (name == pat or name.endswith("." + pat)))
+            if hit:
+                if role is None and arch is not None:  # infer the role so per-role ranks apply
+                    role = next((r for r, rx in arch.roles.items() if re.fullmatch(rx, name)), None)
+                found.setdefault(name, (mod, role))
+                break
+    if not found:
+        raise ValueError(
+            f"method {method!r}: no module of this model matched targets {targets}"
+            + (f" (architecture {arch.name!r})" if arch else " (architecture unknown)")
+            + "; targets are roles (q, k, v, o, qkv, ffn_in, ffn_out, ffn, attn), regexes over "
+            "module names, or module-name suffixes")
+    return [(n, m, r) for n, (m, r) in found.items()]
+
+
+def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, AdapterConfig]]:
+    if spec.site != "composite":
+        return [(spec, cfg)]
+    if cfg.targets is not None:
+        raise ValueError(
+            f"{spec.name!r} is a composite of {[p for p, _ in spec.parts]}: give each part's "
+            "targets in options, e.g. options={'lora': {'targets': ['q', 'v']}}")
+    from kfused.integration.registry import methods
+
+    shared_opts = {k: v for k, v in cfg.options.items() if k not in methods()}
+    plan = []
+    for part, part_targets in spec.parts:
+        over = dict(cfg.options.get(part, {}))
+        sub = cfg.replace(method=part, targets=over.pop("targets", part_targets),
+                          options={**shared_opts, **over.pop("options", {})})
+        if over:
+            sub = sub.replace(**over)
+        plan.extend(_expand(get_method(part), sub))
+    return plan
+
+
+def _place_new_params(module: nn.Module, before, adapter_dtype, ref) -> None:
+    for p in module.parameters():
+        if id(p) in before:
+            continue
+        want_dtype = adapter_dtype or (ref.dtype if ref is not None else p.dtype)
+        want_dev = ref.device if ref is not None else p.device
+        if p.dtype != want_dtype or p.device != want_dev:
+            p.data = p.data.to(device=want_dev, dtype=want_dtype)
+    for b in module.buffers():
+        if id(b) not in before and ref is not None and b.device != ref.device:
+            b.data = b.data.to(ref.device)
+
+
+def _apply_model_level(model, part, cfg, arch, dims, before, adapter_dtype) -> List[str]:
+    ref = next(iter(model.parameters()), None)
+    target = Target(name="", role=None, site="model", arch=arch, d_model=dims["d_model"],
+                    n_heads=dims["n_heads"], head_dim=dims["head_dim"],
+                    model_config=getattr(model, "config", None))
+    placed = part.wrap(model, target, cfg)
+    if isinstance(placed, dict):
+        names = list(placed)
+    else:
+        ids = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        names = []
+        for m in placed or []:
+            if id(m) not in ids:
+                raise ValueError(f"method {part.name!r} returned a module that is not in the model")
+            names.append(ids[id(m)])
+    if not names:
+        raise ValueError(f"method {part.name!r} placed no adapter in this model")
+    for n in names:
+        _place_new_params(model.get_submodule(n), before, adapter_dtype, ref)
+    return names
+
+
+# ------------------------------------------------------------------------------------------
+# public API
+
+
+def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **fields) -> nn.Module:
+    """Attach adapters to ``model`` in place and return it.
+
+    Every parameter that existed before is frozen (``requires_grad=False``); only the new adapter
+    parameters train (kept in ``config.adapter_dtype``, float32 by default, on the base's device).
+
+    Args:
+        model: a transformers model (GPT-2, BERT/RoBERTa, Llama-style, T5 have per-architecture
+            defaults) or any module when targets are regexes.
+        config: an :class:`AdapterConfig`, a preset name (see ``kfused.integration.PRESETS``),
+            or None to build one from ``fields`` (e.g. ``inject(model, method="lora", r=4)``).
+    Raises:
+        ValueError: unknown method, no matching module, wrong module type, already injected.
+        NotImplementedError: a declared method whose modules are not installed.
+    """
+    if isinstance(config, str):
+        config = preset(config, **fields)
+    elif config is None:
+        config = AdapterConfig(**fields)
+    elif fields:
+        config = config.replace(**fields)
+    target_model = unwrap(model)
+    if get_state(target_model, required=False) is not None:
+        raise ValueError("model already has kfused adapters; inject once per model "
+                         "(use a composite method to combine adapters)")
+    spec = get_method(config.method)
+    arch = detect_arch(target_model, config.arch)
+    dims = model_dims(target_model)
+    adapter_dtype = _resolve_dtype(config.adapter_dtype)
+    before = {id(t) for t in target_model.parameters()} | {id(t) for t in target_model.buffers()}
+
+    plan = sorted(_expand(spec, config), key=lambda pc: _SITE_ORDER[pc[0].site])
+    adapted: List[str] = []
+    for part, cfg in plan:
+        if part.site == "model":
+            adapted.extend(_apply_model_level(target_model, part, cfg, arch, dims, before,
+                                              adapter_dtype))
+            continue
+        targets = cfg.targets if cfg.targets is not None else part.targets_for(arch)
+        if targets is None:
+            raise ValueError(f"method {part.name!r} has no default targets for this model "
+                             f"(model_type={model_type_of(target_model)!r}); pass targets=[...]")
+        for name, module, role in _match_targets(target_model, targets, arch, cfg.exclude,
+                                                 part.name):
+            if any(name == a or name.startswith(a + ".") for a in adapted):
+                continue  # inside an adapter already placed (e.g. its frozen base)
+            target = Target(name=name, role=role, site=part.site, arch=arch,
+                            d_model=dims["d_model"], n_heads=dims["n_heads"],
+                            head_dim=dims["head_dim"],
+                            model_config=getattr(target_model, "config", None))
+            ref = next(iter(module.parameters()), None)
+            if part.site == "linear":
+                if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+                    raise ValueError(
+                        f"method {part.name!r} adapts linear layers, but target {name!r} is a "
+                        f"{type(module).__name__}; choose nn.Linear / Conv1D targets")
+                target.d_in, target.d_out = linear_dims(module)
+            if part.site == "block" and arch is not None and arch.ffn_kind == "bert_output" \
+                    and role == "ffn":
+                new = _BertOutputParallel(module, part.wrap(_ZeroBlock(), target, cfg))
+            else:
+                new = part.wrap(module, target, cfg)
+            _place_new_params(new, before, adapter_dtype, ref)
+            _set_submodule(target_model, name, new)
+            adapted.append(name)
+
+    for p in target_model.parameters():
+        p.requires_grad_(id(p) not in before)
+    params = [n for n, p in target_model.named_parameters() if id(p) not in before]
+    buffers = [n for n, b in target_model.named_buffers() if id(b) not in before]
+    target_model.kfused_state = InjectState(
+        config=config, arch=arch.name if arch else None, model_type=model_type_of(target_model),
+        model_class=type(target_model).__name__, adapter_modules=adapted, param_names=params,
+        buffer_names=buffers)
+    return model
+
+
+def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """name -> adapter module, in injection order."""
+    m = unwrap(model)
+    return {n: m.get_submodule(n) for n in get_state(m).adapter_modules}
+
+
+def set_backend(model: nn.Module, backend: Optional[str]) -> None:
+    """Point every adapter module (and submodule with a ``backend`` field) at ``backend``."""
+    for mod in adapter_modules(model).values():
+        for sub in mod.modules():
+            if hasattr(sub, "backend") and not isinstance(getattr(type(sub), "backend", None),
+                                                           property):
+                sub.backend = backend
+
+
+@contextlib.contextmanager
+def use_backend(backend: Optional[str]):
+    """Within the block, every kfused op defaults to ``backend`` ($KFUSED_BACKEND), including
+    those of adapter modules that take the backend per call rather than as an attribute.
+    None leaves the environment unchanged."""
+    if backend is None:
+        yield
+        return
+    old = os.environ.get("KFUSED_BACKEND")
+    os.environ["KFUSED_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KFUSED_BACKEND", None)
+        else:
+            os.environ["KFUSED_BACKEND"] = old
+
+
+def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:
+    state = get_state(model)
+    method = state.config.method
+    if not is_mergeable(method):
+        raise ValueError(
+            f"cannot {verb} method {method!r}: it is not a linear update of frozen weights "
+            "(block-parallel, attention-changing and composite methods add computation the "
+            "base layers cannot absorb). Mergeable methods: krona, lora.")
+    mods = adapter_modules(model)
+    missing = [n for n, m in mods.items() if not hasattr(m, "merge")]
+    if missing:
+        raise ValueError(f"cannot {verb}: adapter modules {missing} have no merge()/unmerge()")
+    return mods
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its frozen weight (mergeable methods only); forward then runs
+    the base layers alone. Idempotent."""
+    for m in _merge_check(model, "merge").values():
+        m.merge()
+    return model
+
+
+def unmerge(model: nn.Module) -> nn.Module:
+    """Undo :func:`merge` (exact up to the rounding of the add/subtract pair)."""
+    for m in _merge_check(model, "unmerge").values():
+        m.unmerge()
+    return model
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Merge, then put the plain base layers back in place of the adapter wrappers: the result
+    is the original architecture (its ``state_dict`` keys and ``save_pretrained`` output are
+    those of an unadapted model) with the updates folded in. Mergeable methods only."""
+    mods = _merge_check(model, "merge")
+    m = unwrap(model)
+    for name, mod in mods.items():
+        base = getattr(mod, "base", None)
+        if not isinstance(base, nn.Module):
+            raise ValueError(f"cannot unload {name}: {type(mod).__name__} has no .base layer")
+        mod.merge()
+        _set_submodule(m, name, base)
+    del m.kfused_state
+    return model
+
+
+def count_parameters(model: nn.Module) -> Tuple[int, int]:
+    """(trainable, total) parameter counts (shared parameters counted once)."""
+    trainable = total = 0
+    for p in unwrap(model).parameters():
+        n = p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def print_trainable_parameters(model: nn.Module) -> Tuple[int, int]:
+    """Print ``trainable params: … || all params: … || trainable%: …`` and return the counts."""
+    trainable, total = count_parameters(model)
+    pct = 100.0 * trainable / total if total else 0.0
+    print(f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {pct:.4f}")
+    return trainable, total

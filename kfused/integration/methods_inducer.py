@@ -1,0 +1,44 @@
+"""Plugin: inducer attention and prefix tuning (SPEC §3) for inject().
+
+Calls the inducer modules' own ``add_inducers(model, ...)`` (a model-level method: it attaches
+an adapter to every self-attention and switches the model to the "kfused_inducer" attention
+implementation). Imported by the registry the first time "inducer" or "prefix" is injected;
+until ``kfused.integration.hf_attention`` lands, inject raises NotImplementedError naming it.
+
+AdapterConfig mapping: key bottleneck L = ``options["key_bottleneck"]`` (default ``r``), value
+bottleneck = ``options["value_bottleneck"]`` (default ``r``), composition =
+``options["composition"]`` ("add" default, or "gate"); init "lora" (kfused's exact-start
+default) maps to the inducer's "zero", "paper" and "zero" pass through. Prefix tuning: ``r`` is
+the prefix length l.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kfused.integration.config import AdapterConfig
+from kfused.integration.hf_attention import add_inducers
+from kfused.integration.registry import Target, register_method
+
+
+def _init(cfg: AdapterConfig) -> str:
+    return {"lora": "zero", "random": "paper"}.get(cfg.init, cfg.init)
+
+
+def _inducer(model: nn.Module, target: Target, cfg: AdapterConfig):
+    o = cfg.options
+    return add_inducers(model, key_bottleneck=int(o.get("key_bottleneck", cfg.r)),
+                        value_bottleneck=int(o.get("value_bottleneck", cfg.r)),
+                        composition=o.get("composition", "add"),
+                        prefix_len=int(o.get("prefix_len", 0)), inducer=True, init=_init(cfg))
+
+
+def _prefix(model: nn.Module, target: Target, cfg: AdapterConfig):
+    return add_inducers(model, prefix_len=int(cfg.r), inducer=False,
+                        composition=cfg.options.get("composition", "add"), init=_init(cfg))
+
+
+register_method("inducer", site="model", wrap=_inducer, paper="001",
+                description="inducer attention: a per-query virtual key/value column (SPEC §3)")
+register_method("prefix", site="model", wrap=_prefix, paper="002",
+                description="prefix tuning: l learned key/value columns per head (SPEC §3)")

@@ -1,0 +1,103 @@
+"""Plain LoRA around a frozen linear layer, in plain torch ops.
+
+``y = x Wᵀ + b + s · (x Aᵀ) Bᵀ`` with ``A ∈ R^{r × d_in}``, ``B ∈ R^{d_out × r}``, ``s = alpha / r``.
+Two skinny GEMMs beside the frozen one are already what cuBLAS does best, so there is no fused
+kernel; the module exists so that LoRA baselines and the composite methods (inducer + LoRA,
+Kernel-mix's shared part) go through the same injection, checkpoint and merge code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfused.modules.krona import linear_dims, linear_weight
+
+
+class LoRALinear(nn.Module):
+    """LoRA around an nn.Linear or a transformers Conv1D (GPT-2), base parameters frozen.
+
+    Args:
+        base: the frozen layer (nn.Linear (out, in) weight, or Conv1D (in, out) weight).
+        r: rank (>= 1). alpha: scaling numerator, ``s = alpha / r`` (default alpha = r, s = 1).
+        dropout: dropout on the adapter's input only (as PEFT does).
+        init: "lora" (A kaiming-uniform a=√5, B = 0: starts exactly at the frozen model) or
+            "random" (both kaiming-uniform; for tests and benchmarks).
+        backend: accepted for interface symmetry with the fused modules and ignored.
+    """
+
+    def __init__(self, base: nn.Module, r: int = 8, alpha: Optional[float] = None,
+                 dropout: float = 0.0, init: str = "lora", backend: Optional[str] = None):
+        super().__init__()
+        if int(r) < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        if init not in ("lora", "random"):
+            raise ValueError("init must be 'lora' (A kaiming-uniform, B = 0) or 'random', "
+                             f"got {init!r}")
+        d_in, d_out = linear_dims(base)
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.r = int(r)
+        self.alpha = float(self.r if alpha is None else alpha)
+        self.scale = self.alpha / self.r
+        self.init = init
+        self.backend = backend
+        self.merged = False
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        w = base.weight
+        self.A = nn.Parameter(torch.empty(self.r, d_in, dtype=w.dtype, device=w.device))
+        self.B = nn.Parameter(torch.empty(d_out, self.r, dtype=w.dtype, device=w.device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        if self.init == "lora":
+            nn.init.zeros_(self.B)
+        else:
+            nn.init.kaiming_uniform_(self.B, a=math.sqrt(5))
+
+    @property
+    def in_features(self) -> int:
+        return linear_dims(self.base)[0]
+
+    @property
+    def out_features(self) -> int:
+        return linear_dims(self.base)[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.merged:
+            return y
+        A, B = self.A, self.B
+        h = self.dropout(x)
+        if h.dtype != A.dtype and not torch.is_autocast_enabled(h.device.type):
+            A, B = A.to(h.dtype), B.to(h.dtype)  # float32 adapter on a half-precision base
+        delta = F.linear(F.linear(h, A), B)
+        return y + (self.scale * delta).to(y.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """``s · B A`` in (out, in) layout (for merge and inspection)."""
+        return self.scale * (self.B @ self.A)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold ``s · B A`` into the frozen weight; forward then runs the base layer alone."""
+        if self.merged:
+            return
+        linear_weight(self.base).add_(self.delta_weight().to(self.base.weight.dtype))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        linear_weight(self.base).sub_(self.delta_weight().to(self.base.weight.dtype))
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, alpha={self.alpha}, scale={self.scale}, merged={self.merged}"

@@ -1,0 +1,66 @@
+"""Scaled parallel adapter (He et al., paper 002, §3.3 / table 1) around a frozen block.
+
+``y = block(x) + s · ReLU(x W_downᵀ + b_down) W_upᵀ + b_up`` — the FFN half of the MAM adapter.
+Plain torch ops: two GEMMs with a ReLU between them gain nothing from fusion on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ScaledParallelAdapter(nn.Module):
+    """A bottleneck adapter parallel to a frozen block (e.g. the FFN), output scaled by ``s``.
+
+    Args:
+        block: the frozen module, called as ``block(x, *args, **kwargs)``.
+        d_model: input and output width of the block. r: bottleneck width.
+        scale: s (the paper uses 4 for the FFN adapter of the MAM adapter).
+        init: "lora" (down kaiming-uniform a=√5, up = 0: exact start, as the paper's released
+            code does for its "lora" init) or "random".
+    """
+
+    def __init__(self, block: nn.Module, d_model: int, r: int = 64, scale: float = 4.0,
+                 init: str = "lora", dtype: Optional[torch.dtype] = None, device=None,
+                 backend: Optional[str] = None):
+        super().__init__()
+        if int(r) < 1:
+            raise ValueError(f"adapter bottleneck r must be >= 1, got {r}")
+        self.block = block
+        for p in block.parameters():
+            p.requires_grad_(False)
+        ref = next(iter(block.parameters()), None)
+        dtype = dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
+        device = device or (ref.device if ref is not None else None)
+        self.r, self.scale, self.init, self.backend = int(r), float(scale), init, backend
+        self.down = nn.Parameter(torch.empty(self.r, d_model, dtype=dtype, device=device))
+        self.down_bias = nn.Parameter(torch.zeros(self.r, dtype=dtype, device=device))
+        self.up = nn.Parameter(torch.empty(d_model, self.r, dtype=dtype, device=device))
+        self.up_bias = nn.Parameter(torch.zeros(d_model, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.down, a=math.sqrt(5))
+        if self.init == "lora":
+            nn.init.zeros_(self.up)
+        else:
+            nn.init.kaiming_uniform_(self.up, a=math.sqrt(5))
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        params = (self.down, self.down_bias, self.up, self.up_bias)
+        if x.dtype != self.down.dtype and not torch.is_autocast_enabled(x.device.type):
+            params = tuple(p.to(x.dtype) for p in params)
+        wd, bd, wu, bu = params
+        return self.scale * F.linear(F.relu(F.linear(x, wd, bd)), wu, bu)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.block(x, *args, **kwargs)
+        return y + self.delta(x).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, scale={self.scale}"

@@ -1,0 +1,169 @@
+"""Issue 5, item 4: the adapted model under DDP and FSDP2 (gloo, 2 CPU processes) matches a
+single-process run on the same global batch: gradients, trained adapter weights, checkpoints."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORLD = 2
+STEPS = 3
+GLOBAL_BATCH = 4
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup_paths():
+    for p in (ROOT, HERE):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _global_batch():
+    g = torch.Generator().manual_seed(123)
+    ids = torch.randint(3, 128, (GLOBAL_BATCH, 16), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _run(mode, rank=0, world=1, ckpt_dir=None):
+    """Train STEPS steps; return (first-step adapter grads, final adapter weights)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, adapter_state_dict, inject, save, unwrap
+
+    model = make("gpt2")
+    inject(model, AdapterConfig(method="krona", targets=["qkv", "ffn_out"], init="random",
+                                backend="reference"))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    model = kd.wrap_model(model, mode, torch.device("cpu"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    batch = _global_batch()
+    if world > 1:
+        batch = kd.shard_batch(batch, rank, world)
+    grads = None
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        if step == 0:
+            inner = unwrap(model)
+            grads = {}
+            for n in names:
+                g = inner.get_parameter(n).grad
+                grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        opt.step()
+    weights = adapter_state_dict(model)
+    if ckpt_dir is not None:
+        save(model, ckpt_dir)
+        if mode == "fsdp2":  # load back into a freshly sharded model: shards re-distributed
+            from kfused.integration import load
+
+            fresh = make("gpt2", seed=7)
+            inject(fresh, AdapterConfig(method="krona", targets=["qkv", "ffn_out"],
+                                        backend="reference"))
+            fresh = kd.wrap_model(fresh, mode, torch.device("cpu"))
+            load(fresh, ckpt_dir)
+            again = adapter_state_dict(fresh)
+            assert all(torch.equal(again[k], weights[k]) for k in weights), "FSDP2 reload"
+    return grads, weights
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for mode in ("ddp", "fsdp2"):
+            torch.manual_seed(0)
+            try:
+                results[mode] = _run(mode, rank, world, ckpt_dir=os.path.join(out_dir, mode))
+            except Exception as exc:  # reported to the test, which decides
+                results[mode] = f"{type(exc).__name__}: {exc}"
+            dist.barrier()
+        if rank == 0:
+            torch.save(results, os.path.join(out_dir, "results.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dist"))
+    mp.start_processes(_worker, args=(WORLD, _free_port(), out), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    return out, torch.load(os.path.join(out, "results.pt"), weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single():
+    torch.manual_seed(0)
+    return _run("none")
+
+
+def _compare(multi_res, single_res):
+    assert not isinstance(multi_res, str), multi_res
+    (g_m, w_m), (g_s, w_s) = multi_res, single_res
+    assert g_m.keys() == g_s.keys() and w_m.keys() == w_s.keys()
+    for k in g_s:
+        assert g_s[k].abs().sum() > 0, k
+        torch.testing.assert_close(g_m[k], g_s[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"grad {k}: {m}")
+    for k in w_s:
+        torch.testing.assert_close(w_m[k], w_s[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"weight {k}: {m}")
+
+
+def test_ddp_matches_single_process(multi, single):
+    _compare(multi[1]["ddp"], single)
+
+
+def test_fsdp2_matches_single_process(multi, single):
+    res = multi[1]["fsdp2"]
+    if isinstance(res, str) and ("not supported" in res or "NotImplemented" in res):
+        pytest.skip(f"FSDP2 on this CPU build: {res} (run this test on the GPU)")
+    _compare(res, single)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_distributed_checkpoint_loads_single_process(multi, single, mode):
+    if isinstance(multi[1][mode], str):
+        pytest.skip(multi[1][mode])
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused.integration import adapter_state_dict, load
+
+    fresh = make("gpt2")
+    load(fresh, os.path.join(multi[0], mode))
+    got = adapter_state_dict(fresh)
+    for k, v in multi[1][mode][1].items():
+        assert torch.equal(got[k], v), k
+
+
+def test_demo_torchrun_ddp(tmp_path):
+    """`torchrun --nproc-per-node 2 -m kfused.cli.demo --distributed ddp` on the CPU (gloo)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), "-m", "kfused.cli.demo", "--distributed", "ddp",
+           "--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32",
+           "--batch-size", "4", "--warmup", "1", "--no-progress", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ddp x 2" in proc.stdout
+    assert os.path.exists(tmp_path / "demo.json")
