@@ -370,3 +370,23 @@ def test_bad_inputs():
     from kfused.backends import BackendError
     with pytest.raises(BackendError):
         headwise_lowrank(x.double(), A.double(), B.double(), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_lowrank_cuda_extension(dtype, per_head):
+    from kfused.backends import cuda_unfit
+
+    reason = cuda_unfit(torch.device(DEVICE), dtype, "headwise_lowrank")
+    if reason:
+        pytest.skip(reason)
+    T, H, p, r, db = 45, 3, 40, 2, 33
+    basis = rnd(2, T, H, db) if per_head else rnd(2, T, db)
+    inputs = dict(basis=basis, A=rnd(H, r, db), B=rnd(H, p, r), bias=rnd(H, p))
+    assert_against_reference(
+        lambda **kw: headwise_lowrank(**kw, per_head=per_head, backend="cuda"),
+        lambda **kw: headwise_lowrank(**kw, per_head=per_head, backend="reference"),
+        inputs, dtype, DEVICE)
+    args = (basis.to(DEVICE, dtype)[0], inputs["A"].to(DEVICE, dtype),
+            inputs["B"].to(DEVICE, dtype), inputs["bias"].to(DEVICE, dtype))
+    torch.library.opcheck(torch.ops.kfused.headwise_lowrank_cuda_fwd.default, args)

@@ -1,8 +1,8 @@
 """Per-head low-rank update ops (SPEC §2, paper 000): torch.library registrations, autograd
 and the public functional API.
 
-Public functions (each with ``backend="auto" | "triton" | "reference"``; a "cuda" backend can
-be added to ``_IMPLS`` once csrc/ implements it):
+Public functions (each with ``backend="auto" | "triton" | "reference"``; headwise_lowrank also
+takes "cuda": the CUDA C++ extension's kernel from csrc/headwise, tried after Triton by "auto"):
 
     headwise_lowrank(basis, A, B, bias=None)          -> (..., H, p)
     headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=, n_kv_heads=, q=, v=)
@@ -13,7 +13,7 @@ be added to ``_IMPLS`` once csrc/ implements it):
                    scale=)                            -> Y        (fused output projection)
 
 Custom ops (each with a fake and, for the forward, an autograd registration):
-    kfused::headwise_lowrank_triton_fwd / _bwd
+    kfused::headwise_lowrank_triton_fwd / _bwd, kfused::headwise_lowrank_cuda_fwd / _bwd
     kfused::headwise_qkv_triton_fwd / _bwd
     kfused::headwise_oproj_triton_fwd / _bwd
 
@@ -125,6 +125,61 @@ def _lowrank_backward(ctx, g, gz):
 _lowrank_fwd.register_autograd(_lowrank_backward, setup_context=_lowrank_setup)
 
 
+# ------------------------------------------------------------------------------------------
+# CUDA C++ extension (csrc/headwise/headwise_lowrank.cu): headwise_lowrank only. The kernel
+# infers the basis kind from basis.dim() (2: shared, 3: per head), as the host passes it.
+
+
+def _ext():
+    from kfused import cuda
+
+    mod = cuda.extension()
+    if mod is None:
+        raise RuntimeError(cuda.unavailable_reason("headwise_lowrank"))
+    return mod
+
+
+@torch.library.custom_op("kfused::headwise_lowrank_cuda_fwd", mutates_args=())
+def _lowrank_cuda_fwd(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _ext().headwise_lowrank_fwd(basis.contiguous(), A.contiguous(), B.contiguous(),
+                                       bias.contiguous() if bias is not None else None)
+
+
+@_lowrank_cuda_fwd.register_fake
+def _(basis, A, B, bias):
+    return basis.new_empty(basis.shape[0], A.shape[0], B.shape[1])
+
+
+@torch.library.custom_op("kfused::headwise_lowrank_cuda_bwd", mutates_args=())
+def _lowrank_cuda_bwd(g: torch.Tensor, basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                      has_bias: bool) -> List[torch.Tensor]:
+    dx, dA, dB, db = _ext().headwise_lowrank_bwd(g.contiguous(), basis.contiguous(),
+                                                 A.contiguous(), B.contiguous(), has_bias)
+    return [dx, dA, dB, db]
+
+
+@_lowrank_cuda_bwd.register_fake
+def _(g, basis, A, B, has_bias):
+    return [torch.empty_like(basis), torch.empty_like(A), torch.empty_like(B),
+            B.new_empty(B.shape[0], B.shape[1]) if has_bias else B.new_empty(0)]
+
+
+def _lowrank_cuda_setup(ctx, inputs, output):
+    basis, A, B, bias = inputs
+    ctx.save_for_backward(basis, A, B)
+    ctx.has_bias = bias is not None
+
+
+def _lowrank_cuda_backward(ctx, g):
+    basis, A, B = ctx.saved_tensors
+    dx, dA, dB, db = torch.ops.kfused.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias)
+    return dx, dA, dB, (db if ctx.has_bias else None)
+
+
+_lowrank_cuda_fwd.register_autograd(_lowrank_cuda_backward, setup_context=_lowrank_cuda_setup)
+
+
 def _infer_per_head(basis: torch.Tensor, H: int, per_head: Optional[bool]) -> bool:
     if per_head is not None:
         return bool(per_head)
@@ -148,7 +203,8 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             dimensions and ``basis.shape[-2] == H`` (pass ``per_head=False`` for a shared
             ``(batch, seq, d_b)`` basis whose ``seq`` happens to equal ``H``; a 2-D basis is
             always shared unless ``per_head=True``).
-        backend: "auto" (default: ``KFUSED_BACKEND``), "triton" or "reference".
+        backend: "auto" (default: ``KFUSED_BACKEND``), "triton", "cuda" (the compiled
+            extension; not run in this branch's CPU CI) or "reference".
 
     Returns ``(..., H, p)`` in the inputs' dtype. Float32, float16 and bfloat16 (Triton) and
     any floating dtype (reference).
@@ -173,12 +229,15 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     p = B.shape[1]
     if bias is not None:
         _validate.check_shape("bias", bias, (H, p), "(H, p) per-head bias")
-    be = select_backend("headwise_lowrank", backend, [basis, A, B], impls=_IMPLS,
+    be = select_backend("headwise_lowrank", backend, [basis, A, B], impls=("triton", "cuda"),
                         extra_unfit=_no_float64(basis))
     if be == "reference":
         return headwise_lowrank_ref(basis, A, B, bias, per_head=ph)
     lead = basis.shape[:-2] if ph else basis.shape[:-1]
     flat = basis.reshape(-1, H, db_) if ph else basis.reshape(-1, db_)
+    if be == "cuda":
+        out = torch.ops.kfused.headwise_lowrank_cuda_fwd(flat, A, B, bias)
+        return out.reshape(*lead, H, p)
     out, _ = torch.ops.kfused.headwise_lowrank_triton_fwd(
         flat, A.contiguous(), B.contiguous(), bias.contiguous() if bias is not None else None, ph)
     return out.reshape(*lead, H, p)
