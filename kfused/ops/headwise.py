@@ -831,6 +831,7 @@ def check_cases(device: torch.device):
         def lowrank(backend):
             return lambda **kw: headwise_lowrank(**kw, per_head=True, backend=backend)
 
-        cases.append(CheckCase("headwise_lowrank", label, "triton", lowrank("triton"),
-                               lowrank("reference"), lr_in))
+        for be in ("triton", "cuda"):
+            cases.append(CheckCase("headwise_lowrank", label, be, lowrank(be),
+                                   lowrank("reference"), lr_in))
     return cases
