@@ -1,0 +1,235 @@
+"""Headwise adapter modules: Triton vs reference through the modules, exact merge/unmerge on
+tiny Hugging Face GPT-2, RoBERTa/BERT and Llama (GQA) models built offline, presets, inits
+and configuration errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE
+from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
+                                     HeadwiseQKV, ProjRanks, adapter_parameters,
+                                     attach_headwise, mark_only_adapters_trainable)
+from kfused.modules.headwise_presets import PRESETS, count_parameters, preset, preset_table
+from kfused.testing import assert_against_reference
+
+transformers = pytest.importorskip("transformers")
+
+MIX = HeadwiseConfig(q=ProjRanks(wise=2, lite=1, shared=3), v=ProjRanks(lite=2, shared=1),
+                     o=ProjRanks(wise=1, shared=2), init="paper", scale=0.5)
+
+
+def tiny(kind):
+    t = transformers
+    if kind == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=30, n_layer=2, n_head=3, vocab_size=40,
+                                              n_positions=16))
+    if kind == "roberta":
+        return t.RobertaModel(t.RobertaConfig(hidden_size=30, num_hidden_layers=2,
+                                              num_attention_heads=3, intermediate_size=20,
+                                              vocab_size=40, max_position_embeddings=20))
+    if kind == "bert":
+        return t.BertModel(t.BertConfig(hidden_size=30, num_hidden_layers=1,
+                                        num_attention_heads=5, intermediate_size=20,
+                                        vocab_size=40, max_position_embeddings=20))
+    if kind == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(hidden_size=24, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2,
+                                                intermediate_size=20, vocab_size=40,
+                                                max_position_embeddings=20))
+    raise ValueError(kind)
+
+
+def _out(model, ids):
+    o = model(ids)
+    return o.logits if hasattr(o, "logits") else o.last_hidden_state
+
+
+EXPECTED = {"gpt2": 4, "roberta": 6, "bert": 3, "llama": 6}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "roberta", "bert", "llama"])
+def test_hf_merge_unmerge_exact_float64(kind):
+    model = tiny(kind).double().eval()
+    ids = torch.randint(3, 40, (2, 7))
+    with torch.no_grad():
+        frozen = _out(model, ids)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    replaced = attach_headwise(model, MIX)
+    assert len(replaced) == EXPECTED[kind]
+    n = mark_only_adapters_trainable(model)
+    assert n == sum(p.numel() for p in adapter_parameters(model)) > 0
+    with torch.no_grad():
+        adapted = _out(model, ids)
+        assert (adapted - frozen).abs().max() > 1e-6  # the "paper" init is not a no-op
+        for m in replaced.values():
+            m.merge()
+        merged = _out(model, ids)
+        for m in replaced.values():
+            m.unmerge()
+        back = _out(model, ids)
+    torch.testing.assert_close(merged, adapted, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(back, adapted, rtol=1e-12, atol=1e-12)
+    # The frozen weights are restored (float64 round trip).
+    for name, mod in replaced.items():
+        base = mod.fused if isinstance(mod, HeadwiseQKV) and mod.fused is not None else \
+            getattr(mod, "base", None)
+        if base is not None:
+            key = f"{name}.weight"
+            torch.testing.assert_close(base.weight, state[key], rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_triton_matches_reference_with_grads(kind):
+    # Every adapter module's Triton path vs the module's float64 reference path, output and
+    # every adapter gradient, under the SPEC §4 rule. float16: the kernels keep float32
+    # intermediates where the float16 model rounds them, which is what the rule measures
+    # (float32 ties with torch's float32 and is covered op by op in test_headwise_ops).
+    model = tiny(kind).eval()
+    replaced = attach_headwise(model, MIX)
+    mark_only_adapters_trainable(model)
+    params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    ids = torch.randint(3, 40, (2, 9))
+
+    def run(backend):
+        def fn(**kw):
+            t = next(iter(kw.values()))
+            model.to(device=t.device, dtype=t.dtype)  # frozen weights in the run's dtype
+            with _swap(model, kw):
+                return _with_backend(backend, lambda: _out(model, ids.to(t.device)))
+        return fn
+
+    inputs = {n: p.detach().double() for n, p in params.items()}
+    ker, ref = run("triton"), run("reference")
+    assert_against_reference(ker, ref, inputs, torch.float16, DEVICE)
+    assert len(replaced) == EXPECTED[kind]
+
+
+def _with_backend(name, fn):
+    import os
+
+    old = os.environ.get("KFUSED_BACKEND")
+    os.environ["KFUSED_BACKEND"] = name
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("KFUSED_BACKEND")
+        else:
+            os.environ["KFUSED_BACKEND"] = old
+
+
+class _swap:
+    """Temporarily replace named parameters by given tensors (keeps autograd to them)."""
+
+    def __init__(self, model, tensors):
+        self.model, self.tensors, self.saved = model, tensors, {}
+
+    def __enter__(self):
+        for name, t in self.tensors.items():
+            mod_name, _, attr = name.rpartition(".")
+            mod = self.model.get_submodule(mod_name)
+            self.saved[name] = mod._parameters[attr]
+            mod._parameters[attr] = t
+        return self
+
+    def __exit__(self, *exc):
+        for name, p in self.saved.items():
+            mod_name, _, attr = name.rpartition(".")
+            self.model.get_submodule(mod_name)._parameters[attr] = p
+
+
+def test_modules_standalone_and_lora_init_is_exact():
+    torch.manual_seed(0)
+    d, H, p = 20, 4, 5
+    q, k, v, o = (nn.Linear(d, H * p).double() for _ in range(4))
+    o = nn.Linear(H * p, d).double()
+    x = torch.randn(3, 6, d, dtype=torch.float64)
+    qkv = HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=1, shared=2),
+                      v_ranks=ProjRanks(lite=1))
+    out = HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1))
+    proj = HeadwiseProjection(q, H, ProjRanks(lite=3), key=k)
+    Q, K, V = qkv.forward_split(x)
+    # init="lora": B = 0 and c = 0, so every module starts exactly at the frozen projection.
+    torch.testing.assert_close(Q, q(x), rtol=0, atol=0)
+    torch.testing.assert_close(V, v(x), rtol=0, atol=0)
+    torch.testing.assert_close(qkv(x), torch.cat([q(x), k(x), v(x)], -1), rtol=0, atol=0)
+    torch.testing.assert_close(proj(x), q(x), rtol=0, atol=0)
+    torch.testing.assert_close(out(Q), o(Q), rtol=0, atol=0)
+    # A starts kaiming-uniform(a=√5) per head: bound 1/sqrt(fan_in).
+    A = qkv.q_adapter.wise_A
+    assert A.abs().max() <= 1 / d ** 0.5 and A.std() > 0.2 / d ** 0.5
+    # Paper init: fmod(randn, 2) * 0.01 everywhere.
+    proj.adapter.reset_parameters("paper")
+    assert proj.adapter.lite_B.abs().max() <= 0.02 and proj.adapter.lite_B.abs().max() > 0
+    assert proj.adapter.c.abs().max() > 0
+    # Merge / unmerge of the standalone modules.
+    qkv.q_adapter.reset_parameters("paper")
+    qkv.v_adapter.reset_parameters("paper")
+    with torch.no_grad():
+        y = qkv(x)
+        qkv.merge()
+        torch.testing.assert_close(qkv(x), y, rtol=1e-12, atol=1e-12)
+        qkv.unmerge()
+        torch.testing.assert_close(qkv(x), y, rtol=1e-12, atol=1e-12)
+
+
+def test_presets_counts_match_modules():
+    model = tiny("gpt2")
+    d, H, L = 30, 3, 2
+    for name, cfg in PRESETS.items():
+        m = tiny("gpt2")
+        attach_headwise(m, cfg)
+        n = mark_only_adapters_trainable(m)
+        assert n == count_parameters(cfg, d, H, L), name
+    # Paper GPT-2 small numbers (tables 1 and 3): within 0.01 percentage points where the
+    # table is reproducible; LoRA-4 and Kernel-mix-lite(qv) small are both 0.118 % here
+    # (equal budgets, as the paper says) against the paper's rounded 0.13 %.
+    total = 124_439_808
+    share = lambda n: 100 * count_parameters(preset(n), 768, 12, 12) / total  # noqa: E731
+    assert abs(share("kernel-mix-qvo-intermediate") - 1.61) < 0.01
+    assert abs(share("kernel-wise-lite-qv") - 0.13) < 0.01
+    assert abs(share("kernel-mix-lite-qv-tiny") - 0.07) < 0.01
+    assert share("lora-4") == share("kernel-mix-lite-qv-small")
+    assert "kernel-mix-qvo-intermediate" in preset_table()
+    del model
+
+
+def test_gqa_lite_counts_and_shapes():
+    m = tiny("llama")
+    rep = attach_headwise(m, PRESETS["kernel-mix-qvo-intermediate"])
+    vp = rep["model.layers.0.self_attn.v_proj"]
+    qp = rep["model.layers.0.self_attn.q_proj"]
+    assert vp.n_heads == 2 and qp.n_heads == 4 and qp.n_key_heads == 2
+    assert vp.adapter.lite_A.shape == (2, 8, 6)
+    n = mark_only_adapters_trainable(m)
+    assert n == count_parameters(PRESETS["kernel-mix-qvo-intermediate"], 24, 4, 2,
+                                 n_kv_heads=2, head_bias=False)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="o.lite"):
+        HeadwiseConfig(o=ProjRanks(lite=1))
+    with pytest.raises(ValueError, match="non-negative"):
+        ProjRanks(wise=-1)
+    with pytest.raises(ValueError, match="init"):
+        HeadwiseConfig(init="zeros")
+    lin = nn.Linear(12, 10)
+    with pytest.raises(ValueError, match="n_heads=3"):
+        HeadwiseProjection(lin, 3, ProjRanks(wise=1))
+    with pytest.raises(ValueError, match="key"):
+        HeadwiseProjection(lin, 2, ProjRanks(lite=1))
+    with pytest.raises(ValueError, match="n_key_heads"):
+        HeadwiseProjection(lin, 2, ProjRanks(lite=1), key=nn.Linear(12, 15))
+    with pytest.raises(ValueError, match="fused"):
+        HeadwiseQKV(fused=nn.Linear(12, 30), n_heads=4)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        HeadwiseQKV(q=lin, k=lin, v=lin, n_heads=2, n_kv_heads=3)
+    with pytest.raises(ValueError, match="no GPT-2"):
+        attach_headwise(nn.Sequential(nn.Linear(4, 4)), HeadwiseConfig(q=ProjRanks(shared=1)))
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("lora-5")
+    # A per-head bias cannot be merged into a bias-less projection.
+    m = HeadwiseProjection(nn.Linear(12, 10, bias=False), 2, ProjRanks(wise=1), head_bias=True)
+    with pytest.raises(ValueError, match="no bias"):
+        m.merge()
