@@ -5,6 +5,9 @@ comes from $KFUSED_BACKEND, else "auto"):
 
     kron_matvec(x, A, B)                            (A ⊗ B) x per token       SPEC §1
     krona_linear(x, weight, bias, A, B, scale)      x Wᵀ + b + s (A ⊗ B) x    SPEC §1
+    headwise_lowrank(basis, A, B, bias)             per-head low-rank product  SPEC §2
+    headwise_qkv / headwise_projection / headwise_oproj   fused attention projections with
+                                                    Kernel-wise(-lite) + shared LoRA updates
 
 Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset.
 Modules: :mod:`kfused.modules`. References (float64 oracles, CPU fallback):
@@ -15,6 +18,10 @@ from kfused import reference
 from kfused.backends import BackendError, available_backends
 from kfused.modules.krona import KronABlock, KronALinear, factorize
 from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.ops.headwise import (HeadFactors, headwise_lowrank, headwise_oproj,
+                                 headwise_projection, headwise_qkv)
+from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
+                                     HeadwiseQKV, ProjRanks, attach_headwise)
 from kfused.integration import (AdapterConfig, inject, load, merge, merge_and_unload, preset,
                                 print_trainable_parameters, register_method, save, unmerge)
 from kfused.modules.lora import LoRALinear
@@ -24,6 +31,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError", "available_backends", "reference", "__version__",
     "kron_matvec", "krona_linear", "KronALinear", "KronABlock", "factorize",
+    "HeadFactors", "headwise_lowrank", "headwise_qkv", "headwise_projection", "headwise_oproj",
+    "HeadwiseConfig", "HeadwiseOutput", "HeadwiseProjection", "HeadwiseQKV", "ProjRanks",
+    "attach_headwise",
     "AdapterConfig", "inject", "save", "load", "merge", "unmerge", "merge_and_unload",
     "print_trainable_parameters", "preset", "register_method", "LoRALinear",
 ]

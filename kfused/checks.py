@@ -77,3 +77,10 @@ def _krona_cases(device: torch.device) -> List[CheckCase]:
             lambda **kw: krona_linear_ref(**kw, scale=0.5),
             {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
     return cases
+
+
+@register("headwise")
+def _headwise_cases(device: torch.device) -> List[CheckCase]:
+    from kfused.ops.headwise import check_cases
+
+    return check_cases(device)
