@@ -46,7 +46,7 @@ def _empty(like: Tensor) -> Tensor:
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor],
                 prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
                 key_mask: Optional[Tensor], causal: bool, scale: float
-                ) -> Tuple[Tensor, Tensor, Tensor]:
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     from kfused.triton_kernels.inducer import inducer_attention_forward
 
     return inducer_attention_forward(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale)
@@ -58,31 +58,34 @@ def _(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale):
     out = q.new_empty((B, H, n_q, p))
     lse = q.new_empty((B, H, n_q), dtype=torch.float32)
     lam = q.new_empty((B, H, n_q), dtype=torch.float32) if s0 is not None else _empty(q)
-    return out, lse, lam
+    stats = q.new_empty((2, B, H, n_q), dtype=torch.float32)
+    return out, lse, lam, stats
 
 
 @torch.library.custom_op("kfused::inducer_attention_triton_bwd", mutates_args=())
 def _triton_bwd(dout: Tensor, dlam: Optional[Tensor], dlse: Optional[Tensor], q: Tensor,
-                k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lam: Tensor,
-                prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
+                k: Tensor, v: Tensor, out: Tensor, lse: Tensor, stats: Tensor, lam: Tensor,
+                s0: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
                 key_mask: Optional[Tensor], causal: bool, scale: float
                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     from kfused.triton_kernels.inducer import inducer_attention_backward
 
     dq, dk, dv, ds0, dpk, dpv = inducer_attention_backward(
-        dout, dlam, dlse, q, k, v, out, lse, lam, prefix_k, prefix_v, key_mask, causal, scale)
+        dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask, causal,
+        scale)
     return (dq, dk, dv, ds0 if ds0 is not None else _empty(q),
             dpk if dpk is not None else _empty(q), dpv if dpv is not None else _empty(q))
 
 
 @_triton_bwd.register_fake
-def _(dout, dlam, dlse, q, k, v, out, lse, lam, prefix_k, prefix_v, key_mask, causal, scale):
-    has_s0 = lam.numel() > 0 and dlam is not None
+def _(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask, causal,
+      scale):
+    has_s0 = s0 is not None and lam.numel() > 0 and dlam is not None
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
-            lam.new_empty(lam.shape) if has_s0 else _empty(q),
+            s0.new_empty(s0.shape, dtype=torch.float32) if has_s0 else _empty(q),
             torch.empty_like(prefix_k, memory_format=torch.contiguous_format)
             if has_prefix else _empty(q),
             torch.empty_like(prefix_v, memory_format=torch.contiguous_format)
@@ -91,20 +94,20 @@ def _(dout, dlam, dlse, q, k, v, out, lse, lam, prefix_k, prefix_v, key_mask, ca
 
 def _setup_context(ctx, inputs, output):
     q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale = inputs
-    out, lse, lam = output
-    ctx.save_for_backward(q, k, v, out, lse, lam, prefix_k, prefix_v, key_mask)
+    out, lse, lam, stats = output
+    ctx.save_for_backward(q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask)
     ctx.has_s0 = s0 is not None
     ctx.causal = causal
     ctx.scale = scale
 
 
-def _backward(ctx, dout, dlse, dlam):
-    q, k, v, out, lse, lam, prefix_k, prefix_v, key_mask = ctx.saved_tensors
+def _backward(ctx, dout, dlse, dlam, dstats):
+    q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     if not ctx.has_s0:
         dlam = None
-    dq, dk, dv, ds0, dpk, dpv = _triton_bwd(dout, dlam, dlse, q, k, v, out, lse, lam,
+    dq, dk, dv, ds0, dpk, dpv = _triton_bwd(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0,
                                             prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale)
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
     return (dq, dk, dv,
@@ -285,13 +288,13 @@ def inducer_attention(
     if prefix_k is not None and prefix_k.shape[1] == 0:
         prefix_k = prefix_v = None
     if not has_inducer:
-        f, _, _ = _triton_fwd(q, k, v, None, prefix_k, prefix_v, key_mask, bool(causal),
+        f, _, _, _ = _triton_fwd(q, k, v, None, prefix_k, prefix_v, key_mask, bool(causal),
                               float(scale))
         return f, None
     # Per-row inducer MLP in float32 (O(n) memory; autograd differentiates it).
     qf = q.float()
     s0 = inducer_key_logit(qf, Ak.float(), ak.float(), Bk.float(), ck.float(), scale)
-    f, _, lam = _triton_fwd(q, k, v, s0, prefix_k, prefix_v, key_mask, bool(causal),
+    f, _, lam, _ = _triton_fwd(q, k, v, s0, prefix_k, prefix_v, key_mask, bool(causal),
                             float(scale))
     hidden = inducer_value_hidden(qf, W1.float(), b1.float())
     lam = lam.unsqueeze(-1)

@@ -16,7 +16,7 @@ column at all (a fully masked row) it gives λ = 1, f = 0 and the finite LSE sen
 
 Backward (SPEC §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``
 where ``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient). ``P`` is recomputed from
-q, k and the saved LSE. One kernel walks key tiles (prefix tiles first, then sequence tiles)
+q, k and the saved row max and row sum. One kernel walks key tiles (prefix tiles first, then sequence tiles)
 and accumulates dK, dV over query tiles; another walks query tiles and accumulates dQ. The
 prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed on the host.
 Extra memory is O(n) per head (LSE, λ, D).
@@ -80,7 +80,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 @triton.jit
 def _inducer_attn_fwd_kernel(
-    Q, K, V, PK, PV, KMASK, S0, O, LSE, LAM,
+    Q, K, V, PK, PV, KMASK, S0, O, LSE, LAM, STATS, N_ROWS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -132,6 +132,10 @@ def _inducer_attn_fwd_kernel(
              mask=m_ok[:, None] & d_ok[None, :])
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     tl.store(LSE + row, lse, mask=m_ok)
+    # The backward recomputes P = exp(s − m) / l from the row max and sum themselves: exp(s − LSE)
+    # would carry LSE's absolute rounding (eps·|LSE|) into every P in float32.
+    tl.store(STATS + row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=m_ok)
+    tl.store(STATS + N_ROWS + row, tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0), mask=m_ok)
     if HAS_S0:
         s0 = tl.load(S0 + row, mask=m_ok, other=0.0).to(tl.float32)
         lam = 1.0 / (1.0 + tl.exp(lse - s0))
@@ -140,7 +144,7 @@ def _inducer_attn_fwd_kernel(
 
 @triton.jit
 def _inducer_attn_bwd_dkdv_kernel(
-    Q, K, V, KMASK, DO, LSE, DELTA, DK, DV,
+    Q, K, V, KMASK, DO, STATS, N_ROWS, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -149,7 +153,7 @@ def _inducer_attn_bwd_dkdv_kernel(
     H, N_Q, N_K, causal_off, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PREFIX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
-    PREC: tl.constexpr,
+    EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
 ):
     """One key tile against every query tile that sees it; dK, dV accumulate in registers.
 
@@ -193,17 +197,27 @@ def _inducer_attn_bwd_dkdv_kernel(
                      mask=d_ok[:, None] & m_ok[None, :], other=0.0)
         doT = tl.load(do_base + offs_m[None, :] * stride_don + offs_d[:, None] * stride_dod,
                       mask=d_ok[:, None] & m_ok[None, :], other=0.0)
-        lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
+        mrow = tl.load(STATS + row_base + offs_m, mask=m_ok, other=0.0)
+        inv_l = tl.load(STATS + N_ROWS + row_base + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
         sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * scale
         valid = key_ok[:, None] & m_ok[None, :]
         if not IS_PREFIX:
             if CAUSAL:
                 valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
-        pT = tl.exp(tl.where(valid, sT - lse[None, :], float("-inf")))
+        pT = tl.exp(tl.where(valid, sT - mrow[None, :], float("-inf"))) * inv_l[None, :]
         dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=PREC,
                      out_dtype=tl.float32)
-        dpT = tl.dot(vt, doT, input_precision=PREC, out_dtype=tl.float32)
+        if EXACT_DELTA:
+            # the same product, operand layout and shape as in the dQ kernel's D_i
+            do_r = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                           mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            vT_r = tl.load(V + b * stride_vb + h * stride_vh + offs_n[None, :] * stride_vn
+                           + offs_d[:, None] * stride_vd, mask=d_ok[:, None] & n_ok[None, :],
+                           other=0.0)
+            dpT = tl.trans(tl.dot(do_r, vT_r, input_precision=PREC, out_dtype=tl.float32))
+        else:
+            dpT = tl.dot(vt, doT, input_precision=PREC, out_dtype=tl.float32)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC,
                      out_dtype=tl.float32)
@@ -214,7 +228,35 @@ def _inducer_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                 lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
+    """D_i = Σ_j P_ij dP_ij from the very dP values the gradient kernels use (see EXACT_DELTA)."""
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_valid
+        kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
+                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
+        valid = n_ok[None, :]
+        if MASKED:
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            if HAS_KMASK:
+                km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
+                valid = valid & (km != 0)[None, :]
+        p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
+        dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
+        dsum += tl.sum(p * dp, 1)
+    return dsum
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, mrow, inv_l, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
               lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
@@ -234,7 +276,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
             if HAS_KMASK:
                 km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
                 valid = valid & (km != 0)[None, :]
-        p = tl.exp(tl.where(valid, s - lse[:, None], float("-inf")))
+        p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC, out_dtype=tl.float32)
@@ -243,7 +285,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, strid
 
 @triton.jit
 def _inducer_attn_bwd_dq_kernel(
-    Q, K, V, PK, PV, KMASK, DO, LSE, DELTA, DQ,
+    Q, K, V, PK, PV, KMASK, DO, STATS, N_ROWS, DELTA, DQ, DELTA_OUT,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -254,8 +296,12 @@ def _inducer_attn_bwd_dq_kernel(
     H, N_Q, N_K, N_PREFIX, causal_off, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    PREC: tl.constexpr,
+    EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
 ):
+    """dQ for one query tile. With EXACT_DELTA, DELTA holds only −dLSE and a first pass forms
+    D_i = Σ_j P_ij dP_ij from the same dP the gradient uses (stored to DELTA_OUT for the dK/dV
+    kernel), so dP_ij − D_i cancels exactly where it should (a row with a single visible
+    column has dS = P·dLSE, not rounding noise). Otherwise DELTA = ⟨dO_i, O_i⟩ − dLSE_i."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -270,19 +316,33 @@ def _inducer_attn_bwd_dq_kernel(
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
                  + offs_d[None, :] * stride_dod, mask=io_mask, other=0.0)
     row = pid_bh.to(tl.int64) * N_Q + offs_m
-    lse = tl.load(LSE + row, mask=m_ok, other=0.0)
+    mrow = tl.load(STATS + row, mask=m_ok, other=0.0)
+    inv_l = tl.load(STATS + N_ROWS + row, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kmask_base = KMASK + b * stride_mb
-    if HAS_PREFIX:
-        dq = _dq_tiles(dq, q, do, lse, delta, PK + h * stride_pkh, PV + h * stride_pvh,
-                       stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
-                       offs_m, offs_d, kmask_base, causal_off, scale,
-                       HEAD_DIM, BLOCK_N, False, False, False, PREC)
     hi = N_K
     if CAUSAL:
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M + causal_off)
-    dq = _dq_tiles(dq, q, do, lse, delta, K + b * stride_kb + h * stride_kh,
+    if EXACT_DELTA:
+        dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_PREFIX:
+            dsum = _delta_tiles(dsum, q, do, mrow, inv_l, PK + h * stride_pkh, PV + h * stride_pvh,
+                                stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX,
+                                N_PREFIX, offs_m, offs_d, kmask_base, causal_off, scale,
+                                HEAD_DIM, BLOCK_N, False, False, False, PREC)
+        dsum = _delta_tiles(dsum, q, do, mrow, inv_l, K + b * stride_kb + h * stride_kh,
+                            V + b * stride_vb + h * stride_vh, stride_kn, stride_kd, stride_vn,
+                            stride_vd, 0, hi, N_K, offs_m, offs_d, kmask_base, causal_off,
+                            scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
+        delta = dsum + delta
+        tl.store(DELTA_OUT + row, delta, mask=m_ok)
+    if HAS_PREFIX:
+        dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, PK + h * stride_pkh, PV + h * stride_pvh,
+                       stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
+                       offs_m, offs_d, kmask_base, causal_off, scale,
+                       HEAD_DIM, BLOCK_N, False, False, False, PREC)
+    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, K + b * stride_kb + h * stride_kh,
                    V + b * stride_vb + h * stride_vh, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, hi, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
                    HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
@@ -335,8 +395,9 @@ def inducer_attention_forward(
     prefix_k/v (H, l, p) or None; key_mask (B, n_k) bool (True = real key) or None.
 
     Returns ``out`` (B, H, n_q, p) in q's dtype (contiguous), ``lse`` (B, H, n_q) float32 over
-    the real columns (``_EMPTY_LSE`` for rows with none) and ``lam`` (B, H, n_q) float32
-    (an empty tensor when s0 is None). Any strides are accepted.
+    the real columns (``_EMPTY_LSE`` for rows with none), ``lam`` (B, H, n_q) float32
+    (an empty tensor when s0 is None) and ``stats`` (2, B, H, n_q) float32: the row max and
+    the reciprocal row sum the backward uses to recompute P. Any strides are accepted.
     """
     B, H, n_q, p = q.shape
     n_k = k.shape[2]
@@ -346,6 +407,7 @@ def inducer_attention_forward(
     BM, BN, warps, stages = _fwd_config(q.dtype, d_pad)
     out = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
     lse = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    stats = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
     has_s0 = s0 is not None
     if has_s0:
         s0 = s0.contiguous()
@@ -357,27 +419,29 @@ def inducer_attention_forward(
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
-            q, k, v, pk, pv, km, s0 if has_s0 else lse, out, lse, lam if has_s0 else lse,
+            q, k, v, pk, pv, km, s0 if has_s0 else lse, out, lse, lam if has_s0 else lse, stats, B * H * n_q,
             *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *out.stride(),
             H, n_q, n_k, n_prefix, n_k - n_q, float(scale),
             HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
             HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_S0=has_s0,
             PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
-    return out, lse, lam
+    return out, lse, lam, stats
 
 
 def inducer_attention_backward(
     dout: torch.Tensor, dlam: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    lam: Optional[torch.Tensor], prefix_k: Optional[torch.Tensor] = None,
-    prefix_v: Optional[torch.Tensor] = None, key_mask: Optional[torch.Tensor] = None,
-    causal: bool = False, scale: Optional[float] = None,
+    stats: torch.Tensor, lam: Optional[torch.Tensor], s0: Optional[torch.Tensor] = None,
+    prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
+    key_mask: Optional[torch.Tensor] = None, causal: bool = False,
+    scale: Optional[float] = None,
 ):
     """Flash backward. Returns ``(dq, dk, dv, ds0, dprefix_k, dprefix_v)``; ``ds0`` is None
     without an inducer (``lam`` None/empty), the prefix grads None without a prefix.
 
     ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (SPEC §3); the kernels use
-    ``D_i − dLSE_i`` in place of ``D_i = ⟨dO_i, O_i⟩``.
+    ``D_i − dLSE_i`` in place of ``D_i = ⟨dO_i, O_i⟩``. In float32, ``D_i`` is formed inside
+    the dQ kernel as ``Σ_j P_ij dP_ij`` (see ``EXACT_DELTA``); 16-bit inputs use ⟨dO, O⟩.
     """
     B, H, n_q, p = q.shape
     n_k = k.shape[2]
@@ -385,13 +449,23 @@ def inducer_attention_backward(
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
     BM, BN, warps, stages = _bwd_config(q.dtype, d_pad)
-    delta = (dout.float() * out.float()).sum(-1)
+    # −dLSE, with dLSE = dlse − dλ λ (1 − λ); λ(1 − λ) = σ(x) σ(−x) with x = s0 − LSE (1 − λ
+    # formed by subtraction would lose every digit when λ → 1).
+    adj = torch.zeros(B, H, n_q, dtype=torch.float32, device=q.device)
     ds0 = None
-    if lam is not None and lam.numel() > 0 and dlam is not None:
-        ds0 = dlam.float() * lam * (1.0 - lam)
-        delta = delta + ds0                   # D − dLSE with dLSE = −dλ λ(1−λ)
+    if s0 is not None and dlam is not None and lam is not None and lam.numel() > 0:
+        x = s0.float() - lse
+        ds0 = dlam.float() * (torch.sigmoid(x) * torch.sigmoid(-x))
+        adj = adj + ds0
     if dlse is not None:
-        delta = delta - dlse.float()
+        adj = adj - dlse.float()
+    exact_delta = q.dtype == torch.float32
+    if exact_delta:
+        delta = adj          # the dQ kernel adds Σ_j P_ij dP_ij and writes delta_out
+        delta_out = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    else:
+        delta = (dout.float() * out.float()).sum(-1) + adj
+        delta_out = delta
     delta = delta.contiguous()
     lse = lse.contiguous()
     km, smb, has_km = _key_mask_u8(key_mask, q)
@@ -405,25 +479,26 @@ def inducer_attention_backward(
         dpv_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
     common = (*q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *dout.stride())
     kw = dict(HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
-              HAS_KMASK=has_km, PREC=dot_precision(q.dtype), num_warps=warps,
-              num_stages=stages)
-    if B * H * n_k > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * H)](
-            q, k, v, km, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), smb,
-            *dout.stride(), H, n_q, n_k, n_k - n_q, float(scale), IS_PREFIX=False, **kw)
-    if has_prefix and B * H > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
-            q, pk, pv, km, dout, lse, delta, dpk_part, dpv_part, *q.stride(), 0, *spk, 0, *spv,
-            smb, *dout.stride(), H, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
-            **kw)
+              HAS_KMASK=has_km, EXACT_DELTA=exact_delta, PREC=dot_precision(q.dtype),
+              num_warps=warps, num_stages=stages)
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_bwd_dq_kernel[grid](
-            q, k, v, pk, pv, km, dout, lse, delta, dq,
+            q, k, v, pk, pv, km, dout, stats, B * H * n_q, delta, dq, delta_out,
             *common, H, n_q, n_k, n_prefix, n_k - n_q, float(scale),
             HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
-            HAS_KMASK=has_km, HAS_PREFIX=has_prefix, PREC=dot_precision(q.dtype),
+            HAS_KMASK=has_km, HAS_PREFIX=has_prefix, EXACT_DELTA=exact_delta,
+            PREC=dot_precision(q.dtype),
             num_warps=warps, num_stages=stages)
+    if B * H * n_k > 0:
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * H)](
+            q, k, v, km, dout, stats, B * H * n_q, delta_out, dk, dv, *q.stride(), *k.stride(), *v.stride(), smb,
+            *dout.stride(), H, n_q, n_k, n_k - n_q, float(scale), IS_PREFIX=False, **kw)
+    if has_prefix and B * H > 0:
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
+            q, pk, pv, km, dout, stats, B * H * n_q, delta_out, dpk_part, dpv_part, *q.stride(), 0, *spk, 0, *spv,
+            smb, *dout.stride(), H, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
+            **kw)
     dpk = dpv = None
     if has_prefix:
         dpk = dpk_part.sum(0).to(prefix_k.dtype)
