@@ -226,7 +226,8 @@ def _assert_spec(kern, ref, inputs, dtype, single_column=False):
     sequence key (plus l prefix keys), so the f-path of dS = P(dP − D) cancels *exactly* in
     the reference and dK / dprefix_k reduce to the small λ term τ·dLSE·q; any flash backward
     leaves rounding of dP there (~eps·|dO||v|), which the rule's atol (eps·max|ref|) cannot
-    absorb. Those two are held to max error ≤ 1e-4·max|ref| in float32 instead; and with a
+    absorb. Those two are held to the rounding bound of dP (p·eps·|dO|·|v|·τ·|q|) in float32
+    instead; and with a
     single row per head the float32 relative-Frobenius check (meant for large tensors) is
     replaced by the max-error rule alone for gradients."""
     results = check_against_reference(kern, ref, inputs, dtype, DEVICE)
@@ -238,8 +239,14 @@ def _assert_spec(kern, ref, inputs, dtype, single_column=False):
             ref_max = (r.bound - 2 * r.torch_err) / torch.finfo(dtype).eps
             if r.kernel_err <= r.bound:
                 continue          # only the Frobenius 1e-4 check failed, on a handful of values
-            if r.name in ("dk", "dprefix_k") and r.kernel_err <= 1e-4 * ref_max:
-                continue
+            if r.name in ("dk", "dprefix_k"):
+                # rounding of dP_ij = <dO_i, v_j> (p terms, |dO| <~ 5 for N(0,1)) times τ|q|
+                q, v = inputs["q"], inputs["v"]
+                p = q.shape[-1]
+                tol = p * torch.finfo(dtype).eps * 5 * v.abs().max().item() * \
+                    p ** -0.5 * q.abs().max().item()
+                if r.kernel_err <= max(1e-4 * ref_max, tol):
+                    continue
         bad.append(r)
     assert not bad, "SPEC §4 rule failed:\n" + "\n".join(r.row() for r in results) + \
         "\n" + "\n".join(r.detail for r in bad)
