@@ -28,7 +28,7 @@ def test_zero_init_is_exact_and_paper_init_small():
     # the fused output weight equals the reference projection
     f2, u2 = ad2(q, k, v, backend="reference")
     y2 = ad2.output_projection(f2, u2, W_o, b_o)
-    ref = (frozen if False else f2.transpose(1, 2).reshape(2, 7, H * p) @ W_o.t() + b_o
+    ref = (f2.transpose(1, 2).reshape(2, 7, H * p) @ W_o.t() + b_o
            + u2.transpose(1, 2).reshape(2, 7, -1) @ ad2.W2.reshape(-1, d) + ad2.b2)
     torch.testing.assert_close(y2, ref)
 
@@ -167,3 +167,13 @@ def test_mask_function_refuses_unsupported_patterns():
         q = torch.randn(1, 1, 4, 32)
         hf_attention.kfused_inducer_attention_forward(torch.nn.Module(), q, q, q,
                                                       torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+def test_bench_cases_build():
+    from benchmarks.bench_inducer import cases
+
+    cs = cases("cpu", torch.float32, quick=True)
+    assert cs and {p.name for p in cs[0].providers} == {"kfused-triton", "sdpa", "flex", "eager",
+                                                         "compile"}
+    fn, leaves = next(p for p in cs[0].providers if p.name == "sdpa").make()
+    assert fn().shape[-1] == 64 and len(leaves) == 3
