@@ -57,7 +57,7 @@ def _(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale):
     B, H, n_q, p = q.shape
     out = q.new_empty((B, H, n_q, p))
     lse = q.new_empty((B, H, n_q), dtype=torch.float32)
-    lam = q.new_empty((B, H, n_q), dtype=torch.float32) if s0 is not None else _empty(q)
+    lam = q.new_empty((2, B, H, n_q), dtype=torch.float32) if s0 is not None else _empty(q)
     stats = q.new_empty((2, B, H, n_q), dtype=torch.float32)
     return out, lse, lam, stats
 
@@ -297,12 +297,11 @@ def inducer_attention(
     f, _, lam, _ = _triton_fwd(q, k, v, s0, prefix_k, prefix_v, key_mask, bool(causal),
                             float(scale))
     hidden = inducer_value_hidden(qf, W1.float(), b1.float())
-    lam = lam.unsqueeze(-1)
+    lam, one_minus_lam = lam.unsqueeze(-1).unbind(0)         # λ and 1 − λ, each accurate
     if composition == "add":
         return f, (lam * hidden).to(q.dtype)
     pv = torch.matmul(hidden, W2.float()) + b2.float()[:, None, :]
-    ff = f.float()
-    return (ff + lam * (pv - ff)).to(q.dtype), None
+    return (one_minus_lam * f.float() + lam * pv).to(q.dtype), None
 
 
 def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,

@@ -138,8 +138,9 @@ def _inducer_attn_fwd_kernel(
     tl.store(STATS + N_ROWS + row, tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0), mask=m_ok)
     if HAS_S0:
         s0 = tl.load(S0 + row, mask=m_ok, other=0.0).to(tl.float32)
-        lam = 1.0 / (1.0 + tl.exp(lse - s0))
-        tl.store(LAM + row, lam, mask=m_ok)
+        # λ and 1 − λ both as sigmoids: 1 − λ formed by subtraction loses its digits as λ → 1
+        tl.store(LAM + row, 1.0 / (1.0 + tl.exp(lse - s0)), mask=m_ok)
+        tl.store(LAM + N_ROWS + row, 1.0 / (1.0 + tl.exp(s0 - lse)), mask=m_ok)
 
 
 @triton.jit
@@ -395,8 +396,8 @@ def inducer_attention_forward(
     prefix_k/v (H, l, p) or None; key_mask (B, n_k) bool (True = real key) or None.
 
     Returns ``out`` (B, H, n_q, p) in q's dtype (contiguous), ``lse`` (B, H, n_q) float32 over
-    the real columns (``_EMPTY_LSE`` for rows with none), ``lam`` (B, H, n_q) float32
-    (an empty tensor when s0 is None) and ``stats`` (2, B, H, n_q) float32: the row max and
+    the real columns (``_EMPTY_LSE`` for rows with none), ``lam`` (2, B, H, n_q) float32 holding
+    λ and 1 − λ (an empty tensor when s0 is None) and ``stats`` (2, B, H, n_q) float32: the row max and
     the reciprocal row sum the backward uses to recompute P. Any strides are accepted.
     """
     B, H, n_q, p = q.shape
@@ -411,7 +412,7 @@ def inducer_attention_forward(
     has_s0 = s0 is not None
     if has_s0:
         s0 = s0.contiguous()
-        lam = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+        lam = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
     else:
         lam = torch.empty(0, dtype=torch.float32, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
@@ -455,7 +456,9 @@ def inducer_attention_backward(
     ds0 = None
     if s0 is not None and dlam is not None and lam is not None and lam.numel() > 0:
         x = s0.float() - lse
-        ds0 = dlam.float() * (torch.sigmoid(x) * torch.sigmoid(-x))
+        dl = dlam.float()
+        dl = dl[0] - dl[1]                     # lam holds (λ, 1 − λ)
+        ds0 = dl * (torch.sigmoid(x) * torch.sigmoid(-x))
         adj = adj + ds0
     if dlse is not None:
         adj = adj - dlse.float()
