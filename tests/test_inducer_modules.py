@@ -177,3 +177,19 @@ def test_bench_cases_build():
                                                          "compile"}
     fn, leaves = next(p for p in cs[0].providers if p.name == "sdpa").make()
     assert fn().shape[-1] == 64 and len(leaves) == 3
+
+
+def test_hf_generate_with_kv_cache_matches_sdpa():
+    """Decoding against a KV cache (n_q = 1, bottom-right causal) with a zero-init inducer."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny("llama").config).eval()
+    ids = torch.randint(3, 50, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    model.set_attn_implementation("sdpa")
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    hf_attention.add_inducers(model.model, key_bottleneck=2, value_bottleneck=3, init="zero")
+    hf_attention.set_implementation(model)
+    out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(out, ref)

@@ -139,8 +139,10 @@ def _inducer_attn_fwd_kernel(
     if HAS_S0:
         s0 = tl.load(S0 + row, mask=m_ok, other=0.0).to(tl.float32)
         # λ and 1 − λ both as sigmoids: 1 − λ formed by subtraction loses its digits as λ → 1
-        tl.store(LAM + row, 1.0 / (1.0 + tl.exp(lse - s0)), mask=m_ok)
-        tl.store(LAM + N_ROWS + row, 1.0 / (1.0 + tl.exp(s0 - lse)), mask=m_ok)
+        # |s0 − LSE| is clamped to 88 (exp stays finite in float32; σ(±88) is already 1 / ~0)
+        x = tl.minimum(tl.maximum(s0 - lse, -88.0), 88.0)
+        tl.store(LAM + row, 1.0 / (1.0 + tl.exp(-x)), mask=m_ok)
+        tl.store(LAM + N_ROWS + row, 1.0 / (1.0 + tl.exp(x)), mask=m_ok)
 
 
 @triton.jit
