@@ -6,17 +6,22 @@ installs and :func:`unavailable_reason` explains why the ``cuda`` backend cannot
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: list = []
+
+
 def _load():
-    try:
-        from kfused import _C  # type: ignore[attr-defined]
-    except Exception as exc:
-        return None, f"the CUDA extension kfused._C is not built ({exc.__class__.__name__}: {exc})"
-    return _C, None
+    if not _LOADED:  # once per process; a plain list keeps torch.compile tracing quiet
+        try:
+            from kfused import _C  # type: ignore[attr-defined]
+
+            _LOADED.append((_C, None))
+        except Exception as exc:
+            _LOADED.append((None, "the CUDA extension kfused._C is not built "
+                                  f"({exc.__class__.__name__}: {exc})"))
+    return _LOADED[0]
 
 
 def extension():

@@ -8,17 +8,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr):
-    """a (M, K) @ b (K, N) -> float32 (M, N).
+def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr = tl.float32):
+    """a (M, K) @ b (K, N) -> (M, N) in ACC (float32; float64 for float64 inputs, which only
+    the CPU interpreter runs — it lets gradcheck exercise the kernels' autograd path).
 
     tl.dot needs every dim >= 16 on the GPU; smaller tiles (tiny Kronecker factors, rank-1
     updates) use a broadcast-and-sum product on the CUDA cores instead. The host decides with
     :func:`use_dot` so the interpreter runs the same branch as the GPU.
     """
     if USE_DOT:
-        return tl.dot(a, b, input_precision=PREC, out_dtype=tl.float32)
+        return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
     else:
-        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        # float64 products are exact for 16/32-bit inputs, so this path matches an FMA dot;
+        # it only serves tiles with a dim < 16, where the float64 cost is negligible.
+        prod = a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :]
+        return tl.sum(prod, axis=1).to(ACC)
 
 
 def use_dot(m: int, k: int, n: int) -> bool:
@@ -27,12 +31,17 @@ def use_dot(m: int, k: int, n: int) -> bool:
 
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 dots must be exact IEEE (TF32 would fail SPEC §4); 16-bit inputs ignore it."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def acc_dtype(dtype: torch.dtype):
+    """Accumulator: float32, or float64 for float64 inputs (interpreter-only gradcheck)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def tl_dtype(dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16,
-            torch.bfloat16: tl.bfloat16}[dtype]
+            torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}[dtype]
 
 
 def next_pow2(n: int) -> int:

@@ -1,0 +1,49 @@
+"""The benchmark cases through pytest-benchmark (forward+backward of every provider):
+
+    pytest benchmarks/test_bench_cases.py --benchmark-only [-k krona]
+
+Uses the quick shape set on a GPU and the CPU-sized cases elsewhere; `kfused bench` is the
+full run that writes benchmarks/results/.
+"""
+
+import pytest
+import torch
+
+from kfused.cli.bench import available_ops, load_cases_module
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def _params():
+    out = []
+    for op in available_ops():
+        for case in load_cases_module(op).cases(DEVICE, DTYPE, quick=True):
+            for prov in case.providers:
+                sid = ",".join(f"{k}={v}" for k, v in case.shape.items()
+                               if not isinstance(v, (list, dict)))
+                out.append(pytest.param(case, prov, id=f"{op}-{sid}-{prov.name}"))
+    return out
+
+
+@pytest.mark.parametrize("case,provider", _params())
+def test_bench(benchmark, case, provider):
+    if provider.skip_reason:
+        pytest.skip(provider.skip_reason)
+    fn, leaves = provider.make()
+    outs = fn()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [torch.randn_like(o) for o in outs]
+
+    def step():
+        o = fn()
+        o = o if isinstance(o, tuple) else (o,)
+        pairs = [(a, g) for a, g in zip(o, grads) if a.requires_grad]
+        if pairs and leaves:
+            torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
+                                allow_unused=True)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
+    benchmark.extra_info.update(op=case.op, shape=case.shape, provider=provider.name)
+    benchmark(step)

@@ -1,0 +1,259 @@
+"""`kfused bench`: run the benchmark scripts of benchmarks/ through the shared harness.
+
+Each benchmarks/bench_<op>.py exposes ``cases(device, dtype, quick)``. Results go to
+``<out>/<op>_<device>_<utc>.json`` with the device, driver, versions, git commit and the two
+device ceilings measured in the same run (a large device-to-device copy and an 8192³ matmul),
+plus a PNG drawn from the JSON by :func:`plot_results`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def repo_root() -> Optional[Path]:
+    """The source checkout (editable install or a run from the repo), if any."""
+    env = os.environ.get("KFUSED_BENCH_DIR")
+    if env:
+        return Path(env).resolve().parent
+    for cand in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (cand / "benchmarks").is_dir() and (cand / "kfused").is_dir():
+            return cand
+    return None
+
+
+def bench_dir() -> Path:
+    env = os.environ.get("KFUSED_BENCH_DIR")
+    if env:
+        return Path(env)
+    root = repo_root()
+    if root is None:
+        raise SystemExit("kfused bench: no benchmarks/ folder found; run from the kfused "
+                         "checkout or set KFUSED_BENCH_DIR")
+    return root / "benchmarks"
+
+
+def available_ops() -> List[str]:
+    return sorted(p.stem[len("bench_"):] for p in bench_dir().glob("bench_*.py"))
+
+
+def load_cases_module(op: str):
+    path = bench_dir() / f"bench_{op}.py"
+    if not path.exists():
+        raise SystemExit(f"kfused bench: no {path} (ops: {', '.join(available_ops())})")
+    spec = importlib.util.spec_from_file_location(f"kfused_bench_{op}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _git_commit() -> str:
+    root = repo_root()
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root or Path.cwd(),
+                             capture_output=True, text=True, timeout=10)
+        sha = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root or Path.cwd(), capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _driver() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def environment(device: torch.device) -> Dict[str, object]:
+    meta: Dict[str, object] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device_type": device.type,
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception:
+        meta["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        meta.update(device=props.name, sm_count=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                    driver=_driver(), capability=f"{props.major}.{props.minor}")
+    else:
+        meta.update(device=platform.processor() or platform.machine(), cuda=None)
+    return meta
+
+
+def device_ceilings(device: torch.device) -> Dict[str, float]:
+    """The two ceilings every kernel is judged against, measured now on this device."""
+    if device.type != "cuda":
+        return {}
+    import triton.testing
+
+    n = 1 << 30  # 1 GiB copy: far beyond L2
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    copy_gbps = 2 * n / (ms * 1e-3) / 1e9
+    del src, dst
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200)
+    mm_tflops = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return {"d2d_copy_GBps": copy_gbps, "bf16_matmul_8192_TFLOPs": mm_tflops}
+
+
+def add_ratios(rows: List[dict], floor: str = "floor") -> None:
+    """ratio_to_floor = ms_p50 / (the floor provider's ms_p50 for the same shape and mode)."""
+    base = {}
+    for r in rows:
+        if r.get("provider") == floor and "ms_p50" in r:
+            base[(json.dumps(r["shape"], sort_keys=True), r["mode"])] = r["ms_p50"]
+    for r in rows:
+        key = (json.dumps(r.get("shape"), sort_keys=True), r.get("mode"))
+        if "ms_p50" in r and key in base:
+            r["ratio_to_floor"] = r["ms_p50"] / base[key]
+
+
+def plot_results(json_path: Path, png_path: Optional[Path] = None) -> Optional[Path]:
+    """Draw ms (p50, with p20–p80 bars) per provider for every shape and mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    data = json.loads(Path(json_path).read_text())
+    rows = [r for r in data["rows"] if "ms_p50" in r]
+    if not rows:
+        return None
+    modes = [m for m in ("fwd", "bwd", "fwd+bwd") if any(r["mode"] == m for r in rows)]
+    shapes = sorted({json.dumps(r["shape"], sort_keys=True) for r in rows})
+    providers = sorted({r["provider"] for r in rows})
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 1.6 * len(shapes)), 3.2 * len(modes)),
+                             squeeze=False)
+    width = 0.8 / max(1, len(providers))
+    for ax, mode in zip(axes[:, 0], modes):
+        for pi, prov in enumerate(providers):
+            xs, ys, lo, hi = [], [], [], []
+            for si, sh in enumerate(shapes):
+                for r in rows:
+                    if r["mode"] == mode and r["provider"] == prov and \
+                            json.dumps(r["shape"], sort_keys=True) == sh:
+                        xs.append(si + pi * width)
+                        ys.append(r["ms_p50"])
+                        lo.append(r["ms_p50"] - r["ms_p20"])
+                        hi.append(r["ms_p80"] - r["ms_p50"])
+            if xs:
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=prov)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
+        ax.set_xticklabels([_short(json.loads(s)) for s in shapes], fontsize=7, rotation=15)
+        ax.set_ylabel("ms (p50)")
+        ax.set_title(f"{data['rows'][0]['op']} {mode} — {data['meta'].get('device')} "
+                     f"({data['rows'][0]['dtype']})", fontsize=9)
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    png_path = Path(png_path) if png_path else Path(json_path).with_suffix(".png")
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def _short(shape: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in shape.items() if not isinstance(v, (list, dict)))
+
+
+def _print_table(rows: List[dict]) -> None:
+    print(f"{'op':<16} {'shape':<38} {'mode':<8} {'provider':<15} {'p50 ms':>9} "
+          f"{'x floor':>8} {'TFLOP/s':>8} {'peak MiB':>9}")
+    for r in rows:
+        if "ms_p50" not in r:
+            why = r.get("skipped") or r.get("error")
+            print(f"{r['op']:<16} {_short(r['shape']):<38} {'-':<8} {r['provider']:<15} {why}")
+            continue
+        mem = r.get("peak_mem_bytes")
+        print(f"{r['op']:<16} {_short(r['shape']):<38} {r['mode']:<8} {r['provider']:<15} "
+              f"{r['ms_p50']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f} "
+              f"{r.get('tflops', float('nan')):8.1f} "
+              f"{(mem / 2**20) if mem is not None else float('nan'):9.1f}")
+
+
+def run(argv: Optional[List[str]] = None) -> int:
+    from kfused.bench import measure
+
+    p = argparse.ArgumentParser(prog="kfused bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ops", nargs="*", help="ops to benchmark (default: all in benchmarks/)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help="measuring time per point (default 200 on GPU, 50 on CPU)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--list", action="store_true", help="list the ops and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(available_ops()))
+        return 0
+    device = torch.device(args.device)
+    ops = args.ops or available_ops()
+    out_dir = Path(args.out) if args.out else bench_dir() / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rep = args.rep_ms or (200 if device.type == "cuda" else 50)
+    if device.type != "cuda":
+        print("kfused bench: no CUDA device — running the CPU-sized cases of the baselines only "
+              "(Triton/CUDA kernels and every speed claim need a GPU).", file=sys.stderr)
+    meta = environment(device)
+    meta["ceilings"] = device_ceilings(device)
+    if meta["ceilings"]:
+        print("device ceilings: " + ", ".join(f"{k}={v:.1f}" for k, v in meta["ceilings"].items()))
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    slug = str(meta.get("device", device.type)).replace(" ", "-").replace("/", "-")
+    try:
+        from tqdm import tqdm
+    except Exception:  # pragma: no cover
+        tqdm = lambda it, **k: it  # noqa: E731
+    for op in ops:
+        mod = load_cases_module(op)
+        rows: List[dict] = []
+        case_list = mod.cases(device, DTYPES[args.dtype], quick=args.quick)
+        for case in tqdm(case_list, desc=f"bench {op}", file=sys.stderr):
+            rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
+        add_ratios(rows)
+        path = out_dir / f"{op}_{slug}_{stamp}.json"
+        path.write_text(json.dumps({"meta": {**meta, "quick": args.quick}, "rows": rows},
+                                   indent=1, default=str))
+        _print_table(rows)
+        print(f"wrote {path}")
+        if not args.no_plot:
+            png = plot_results(path)
+            if png:
+                print(f"wrote {png}")
+    return 0

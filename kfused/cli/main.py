@@ -1,0 +1,87 @@
+"""The `kfused` command: demo (the main job), bench, check, info."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+USAGE = """usage: kfused <command> [options]
+
+commands:
+  demo    fine-tune a GPT-2-shaped model with kfused adapters (fused and reference runs)
+  bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results
+  check   every available kernel on this device against the float64 reference (SPEC §4)
+  info    versions, device and which backends can run
+
+`kfused <command> --help` for the options of each."""
+
+
+def _ensure_interpreter_on_cpu(argv: List[str]) -> None:
+    """On a machine without CUDA, kernels can only run in Triton's interpreter, which must be
+    switched on before any kernel is defined: re-run this process with TRITON_INTERPRET=1."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.execv(sys.executable, [sys.executable, "-m", "kfused.cli.main", *argv])
+
+
+def _info() -> int:
+    import torch
+
+    import kfused
+    from kfused import backends
+
+    print(f"kfused {kfused.__version__}, torch {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton {triton.__version__}")
+    except Exception as exc:
+        print(f"triton: not importable ({exc})")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":
+        print(f"device: {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
+    else:
+        print(f"device: cpu (TRITON_INTERPRET={int(backends.triton_interpret())})")
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        status = kfused.available_backends("kron_matvec", device=dev, dtype=dt)
+        print(f"  {str(dt).replace('torch.', ''):<9} " + ", ".join(
+            f"{k}: {'yes' if v is None else 'no (' + v + ')'}" for k, v in status.items()))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "check":
+        _ensure_interpreter_on_cpu(argv)
+        from kfused.cli import check
+
+        return check.run(rest)
+    if cmd == "bench":
+        from kfused.cli import bench
+
+        return bench.run(rest)
+    if cmd == "demo":
+        try:
+            from kfused.cli import demo
+        except ImportError as exc:
+            print(f"kfused demo is not available in this build ({exc})", file=sys.stderr)
+            return 2
+        return demo.run_demo(rest)
+    if cmd == "info":
+        return _info()
+    print(f"kfused: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Kronecker adapter modules (SPEC §1): KronALinear, KronABlock (KronA^B, KronA^B_res).
+
+Modules own parameters and call the functional ops; every kernel choice lives in kfused.ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.reference.krona import kron_delta_weight
+
+
+def factorize(d: int) -> Tuple[int, int]:
+    """Split ``d`` into ``(a, b)``, ``a * b = d``, with ``a`` the largest divisor <= √d.
+
+    768 -> (24, 32), 1024 -> (32, 32), 3072 -> (48, 64), 4096 -> (64, 64).
+    """
+    if d < 1:
+        raise ValueError(f"cannot factorize dimension {d}")
+    a = int(math.isqrt(d))
+    while d % a:
+        a -= 1
+    return a, d // a
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2): weight is (in, out) and y = x @ W + b.
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def linear_dims(base: nn.Module) -> Tuple[int, int]:
+    """(d_in, d_out) of an nn.Linear or a transformers Conv1D."""
+    if isinstance(base, nn.Linear):
+        return base.in_features, base.out_features
+    if _is_conv1d(base):
+        return base.weight.shape[0], base.weight.shape[1]
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(base).__name__}")
+
+
+def linear_weight(base: nn.Module) -> torch.Tensor:
+    """The base weight in nn.Linear (out, in) layout (a view for Conv1D, no copy)."""
+    return base.weight.t() if _is_conv1d(base) else base.weight
+
+
+def _resolve_shapes(d_in: int, d_out: int, a_shape, b_shape) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    if a_shape is None and b_shape is None:
+        ao, bo = factorize(d_out)
+        ai, bi = factorize(d_in)
+        return (ao, ai), (bo, bi)
+    if a_shape is None:
+        bo, bi = b_shape
+        if d_out % bo or d_in % bi:
+            raise ValueError(f"b_shape {tuple(b_shape)} does not divide (d_out, d_in) = "
+                             f"({d_out}, {d_in})")
+        return (d_out // bo, d_in // bi), (bo, bi)
+    ao, ai = a_shape
+    if b_shape is None:
+        if d_out % ao or d_in % ai:
+            raise ValueError(f"a_shape {tuple(a_shape)} does not divide (d_out, d_in) = "
+                             f"({d_out}, {d_in})")
+        return (ao, ai), (d_out // ao, d_in // ai)
+    bo, bi = b_shape
+    if ao * bo != d_out or ai * bi != d_in:
+        raise ValueError(
+            f"a_shape {tuple(a_shape)} and b_shape {tuple(b_shape)} give a "
+            f"({ao * bo}, {ai * bi}) update, but the layer is (d_out, d_in) = ({d_out}, {d_in})")
+    return (ao, ai), (bo, bi)
+
+
+class _KronFactors(nn.Module):
+    def _init_factors(self, a_shape, b_shape, init: str, dtype, device):
+        if init not in ("lora", "random"):
+            raise ValueError(f"init must be 'lora' (A kaiming-uniform, B = 0) or 'random', got {init!r}")
+        self.A = nn.Parameter(torch.empty(*a_shape, dtype=dtype, device=device))
+        self.B = nn.Parameter(torch.empty(*b_shape, dtype=dtype, device=device))
+        self.init = init
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Paper table 4 / LyCORIS: A ~ kaiming_uniform(a=√5), B = 0 so the adapted model starts
+        # exactly at the frozen one. "random" (both kaiming) is for tests and benchmarks.
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        if self.init == "lora":
+            nn.init.zeros_(self.B)
+        else:
+            nn.init.kaiming_uniform_(self.B, a=math.sqrt(5))
+
+    def delta_weight(self) -> torch.Tensor:
+        """``scale · A ⊗ B`` in (out, in) layout (materialised: for merge and inspection)."""
+        return self.scale * kron_delta_weight(self.A, self.B)
+
+
+class KronALinear(_KronFactors):
+    """KronA around a frozen linear layer: ``y = x Wᵀ + b + s · (A ⊗ B) x``.
+
+    Args:
+        base: nn.Linear, or transformers' Conv1D (GPT-2; its (in, out) weight is used through a
+            transposed view). Its parameters are frozen.
+        a_shape: (a_out, a_in) of A; b_shape: (b_out, b_in) of B. Either may be omitted and is
+            then derived; with both omitted, each width is split by :func:`factorize`.
+        scale: s (default 1). init: "lora" (A kaiming-uniform, B = 0) or "random".
+        backend: forwarded to :func:`kfused.krona_linear` (None = auto / $KFUSED_BACKEND).
+    """
+
+    def __init__(self, base: nn.Module, a_shape: Optional[Tuple[int, int]] = None,
+                 b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
+                 init: str = "lora", backend: Optional[str] = None):
+        super().__init__()
+        d_in, d_out = linear_dims(base)
+        a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.scale = float(scale)
+        self.backend = backend
+        self.merged = False
+        w = base.weight
+        self._init_factors(a_shape, b_shape, init, w.dtype, w.device)
+
+    @property
+    def in_features(self) -> int:
+        return linear_dims(self.base)[0]
+
+    @property
+    def out_features(self) -> int:
+        return linear_dims(self.base)[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return self.base(x)
+        w = linear_weight(self.base)
+        A, B = self.A, self.B
+        if x.dtype != w.dtype:  # e.g. autocast: compute in the activation dtype
+            w = w.to(x.dtype)
+            A, B = A.to(x.dtype), B.to(x.dtype)
+        bias = self.base.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return krona_linear(x, w, bias, A, B, self.scale, backend=self.backend)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold ``s · A ⊗ B`` into the frozen weight; forward then runs the base layer alone."""
+        if self.merged:
+            return
+        linear_weight(self.base).add_(self.delta_weight().to(self.base.weight.dtype))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update again (exact up to float rounding of the add/sub pair)."""
+        if not self.merged:
+            return
+        linear_weight(self.base).sub_(self.delta_weight().to(self.base.weight.dtype))
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        return (f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}, scale={self.scale}, "
+                f"merged={self.merged}")
+
+
+class KronABlock(_KronFactors):
+    """KronA^B / KronA^B_res: a Kronecker adapter parallel to a whole block (e.g. an FFN).
+
+    ``y = block(x) + s · (A ⊗ B) x [+ bias] [+ s_res · x]``. Not mergeable (the block is not
+    linear).
+
+    Args:
+        block: the frozen module (its parameters are frozen); called as ``block(x)``.
+        d_in, d_out: the block's input and output widths (d_out defaults to d_in).
+        a_shape, b_shape, scale, init, backend: as in :class:`KronALinear`.
+        bias: add a learnable output bias (zero-initialised).
+        residual: KronA^B_res — add ``s_res · x`` with a learnable ``s_res`` initialised to 1
+            (needs d_in == d_out).
+    """
+
+    def __init__(self, block: nn.Module, d_in: int, d_out: Optional[int] = None,
+                 a_shape: Optional[Tuple[int, int]] = None,
+                 b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
+                 bias: bool = False, residual: bool = False, init: str = "lora",
+                 backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                 device=None):
+        super().__init__()
+        d_out = d_in if d_out is None else d_out
+        if residual and d_in != d_out:
+            raise ValueError(f"residual (KronA^B_res) needs d_in == d_out, got {d_in} and {d_out}")
+        a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
+        self.block = block
+        for p in block.parameters():
+            p.requires_grad_(False)
+        ref = next(iter(block.parameters()), None)
+        dtype = dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
+        device = device or (ref.device if ref is not None else None)
+        self.scale = float(scale)
+        self.backend = backend
+        self._init_factors(a_shape, b_shape, init, dtype, device)
+        self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype, device=device)) if bias else None
+        self.res_scale = (nn.Parameter(torch.ones((), dtype=dtype, device=device))
+                          if residual else None)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.block(x, *args, **kwargs)
+        A, B = self.A, self.B
+        if x.dtype != A.dtype:
+            A, B = A.to(x.dtype), B.to(x.dtype)
+        out = y + self.scale * kron_matvec(x, A, B, backend=self.backend)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        if self.res_scale is not None:
+            out = out + self.res_scale.to(x.dtype) * x
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}, scale={self.scale}, "
+                f"bias={self.bias is not None}, residual={self.res_scale is not None}")

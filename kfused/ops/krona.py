@@ -1,0 +1,257 @@
+"""Kronecker adapter ops (SPEC §1): torch.library registrations, autograd and the public API.
+
+Public functions:
+    kron_matvec(x, A, B)                              -> (A ⊗ B) x per token
+    krona_linear(x, weight, bias, A, B, scale=1.0)    -> x Wᵀ + b + scale · (A ⊗ B) x
+
+Custom ops (one per backend kernel, each with a fake and an autograd registration):
+    kfused::kron_matvec_triton_fwd / _bwd, kfused::krona_linear_triton_fwd / _bwd,
+    kfused::kron_matvec_cuda_fwd / _bwd (the compiled extension; see csrc/).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from kfused import _validate
+from kfused.backends import select_backend
+from kfused.reference.krona import kron_matvec_ref, krona_linear_ref
+
+# ------------------------------------------------------------------------------------------
+# Triton: kron_matvec
+
+
+def _tk():
+    # Imported lazily: Triton decides at decoration time whether to interpret.
+    from kfused.triton_kernels import krona
+
+    return krona
+
+
+@torch.library.custom_op("kfused::kron_matvec_triton_fwd", mutates_args=())
+def _kron_matvec_triton_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    return _tk().krona_fwd(x, None, None, A, B, 1.0)
+
+
+@_kron_matvec_triton_fwd.register_fake
+def _(x, A, B):
+    return x.new_empty(x.shape[0], A.shape[0] * B.shape[0])
+
+
+@torch.library.custom_op("kfused::kron_matvec_triton_bwd", mutates_args=())
+def _kron_matvec_triton_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                            need_dab: bool) -> List[torch.Tensor]:
+    dx, dA, dB = _tk().kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=need_dab)
+    if not need_dab:
+        dA, dB = A.new_zeros(0), B.new_zeros(0)
+    return [dx, dA, dB]
+
+
+@_kron_matvec_triton_bwd.register_fake
+def _(g, x, A, B, need_dab):
+    if need_dab:
+        return [torch.empty_like(x), torch.empty_like(A), torch.empty_like(B)]
+    return [torch.empty_like(x), A.new_empty(0), B.new_empty(0)]
+
+
+def _kron_setup(ctx, inputs, output):
+    x, A, B = inputs
+    ctx.save_for_backward(x, A, B)
+
+
+def _kron_triton_backward(ctx, g):
+    x, A, B = ctx.saved_tensors
+    need_dab = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    dx, dA, dB = torch.ops.kfused.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab)
+    return dx, (dA if need_dab else None), (dB if need_dab else None)
+
+
+_kron_matvec_triton_fwd.register_autograd(_kron_triton_backward, setup_context=_kron_setup)
+
+# ------------------------------------------------------------------------------------------
+# Triton: fused KronA linear
+
+
+@torch.library.custom_op("kfused::krona_linear_triton_fwd", mutates_args=())
+def _krona_linear_triton_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    return _tk().krona_fwd(x, weight, bias, A, B, scale)
+
+
+@_krona_linear_triton_fwd.register_fake
+def _(x, weight, bias, A, B, scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("kfused::krona_linear_triton_bwd", mutates_args=())
+def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             A: torch.Tensor, B: torch.Tensor, scale: float,
+                             need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+    k = _tk()
+    dx = k.krona_bwd_input(g, weight, A, B, scale) if need_dx else x.new_zeros(0)
+    if need_dab:
+        _, dA, dB = k.kron_grad(g, x, A, B, scale, compute_dx=False, compute_dab=True)
+    else:
+        dA, dB = A.new_zeros(0), B.new_zeros(0)
+    return [dx, dA, dB]
+
+
+@_krona_linear_triton_bwd.register_fake
+def _(g, x, weight, A, B, scale, need_dx, need_dab):
+    return [torch.empty_like(x) if need_dx else x.new_empty(0),
+            torch.empty_like(A) if need_dab else A.new_empty(0),
+            torch.empty_like(B) if need_dab else B.new_empty(0)]
+
+
+def _krona_setup(ctx, inputs, output):
+    x, weight, bias, A, B, scale = inputs
+    ctx.save_for_backward(x, weight, A, B)
+    ctx.scale = scale
+    ctx.has_bias = bias is not None
+
+
+def _krona_triton_backward(ctx, g):
+    x, weight, A, B = ctx.saved_tensors
+    nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
+    g = g.contiguous()
+    need_dab = nA or nB
+    dx, dA, dB = torch.ops.kfused.krona_linear_triton_bwd(g, x, weight, A, B, ctx.scale, nx,
+                                                          need_dab)
+    # The frozen weight normally has no gradient; when it does, it is one plain GEMM.
+    dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
+    db = g.sum(0) if (nb and ctx.has_bias) else None
+    return (dx if nx else None, dW, db, dA if need_dab else None, dB if need_dab else None,
+            None)
+
+
+_krona_linear_triton_fwd.register_autograd(_krona_triton_backward, setup_context=_krona_setup)
+
+# ------------------------------------------------------------------------------------------
+# CUDA C++ extension: kron_matvec
+
+
+def _ext():
+    from kfused import cuda
+
+    mod = cuda.extension()
+    if mod is None:
+        raise RuntimeError(cuda.unavailable_reason("kron_matvec"))
+    return mod
+
+
+@torch.library.custom_op("kfused::kron_matvec_cuda_fwd", mutates_args=())
+def _kron_matvec_cuda_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    return _ext().kron_matvec_fwd(x, A.contiguous(), B.contiguous())
+
+
+@_kron_matvec_cuda_fwd.register_fake
+def _(x, A, B):
+    return x.new_empty(x.shape[0], A.shape[0] * B.shape[0])
+
+
+@torch.library.custom_op("kfused::kron_matvec_cuda_bwd", mutates_args=())
+def _kron_matvec_cuda_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor,
+                          B: torch.Tensor) -> List[torch.Tensor]:
+    dx, dA, dB = _ext().kron_matvec_bwd(g, x, A.contiguous(), B.contiguous())
+    return [dx, dA, dB]
+
+
+@_kron_matvec_cuda_bwd.register_fake
+def _(g, x, A, B):
+    return [torch.empty_like(x), torch.empty_like(A), torch.empty_like(B)]
+
+
+def _kron_cuda_backward(ctx, g):
+    x, A, B = ctx.saved_tensors
+    dx, dA, dB = torch.ops.kfused.kron_matvec_cuda_bwd(g.contiguous(), x, A, B)
+    return dx, dA, dB
+
+
+_kron_matvec_cuda_fwd.register_autograd(_kron_cuda_backward, setup_context=_kron_setup)
+
+# ------------------------------------------------------------------------------------------
+# validation and the public API
+
+
+def _check_factors(x: torch.Tensor, A, B, x_name: str = "x") -> Tuple[int, int, int, int]:
+    _validate.check_tensor(x_name, x, min_ndim=1)
+    _validate.check_tensor("A", A, ndim=2)
+    _validate.check_tensor("B", B, ndim=2)
+    _validate.check_same(x_name, x, A=A, B=B)
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    if min(a_out, a_in, b_out, b_in) == 0:
+        raise ValueError(f"A {tuple(A.shape)} and B {tuple(B.shape)} must have no empty dimension")
+    if x.shape[-1] != a_in * b_in:
+        raise ValueError(
+            f"{x_name} has shape {tuple(x.shape)}: its last dimension must equal "
+            f"a_in * b_in = {a_in} * {b_in} = {a_in * b_in} for A {tuple(A.shape)} and "
+            f"B {tuple(B.shape)}")
+    return a_out, a_in, b_out, b_in
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,
+                backend: Optional[str] = None) -> torch.Tensor:
+    """Kronecker matvec ``(A ⊗ B) x`` for every token, without forming ``A ⊗ B``.
+
+    Args:
+        x: (..., a_in * b_in) tokens; any leading shape, any strides.
+        A: (a_out, a_in) left factor.  B: (b_out, b_in) right factor.
+        backend: "auto" (default, or $KFUSED_BACKEND), "triton", "cuda" or "reference".
+    Returns:
+        (..., a_out * b_out) in x's dtype: row t is ``(A @ x[t].view(a_in, b_in) @ B.T).flatten()``.
+    All inputs share one dtype and device; float32/float16/bfloat16 on the fused backends.
+    """
+    a_out, a_in, b_out, b_in = _check_factors(x, A, B)
+    be = select_backend("kron_matvec", backend, [x, A, B], impls=("triton", "cuda"))
+    if be == "reference":
+        return kron_matvec_ref(x, A, B)
+    lead = x.shape[:-1]
+    x2 = _rows(x)
+    if be == "triton":
+        y = torch.ops.kfused.kron_matvec_triton_fwd(x2, A, B)
+    else:
+        y = torch.ops.kfused.kron_matvec_cuda_fwd(x2.contiguous(), A, B)
+    return y.reshape(*lead, a_out * b_out)
+
+
+def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """Frozen linear plus Kronecker adapter: ``x Wᵀ + b + scale · (A ⊗ B) x``, fused.
+
+    Args:
+        x: (..., d_in) with d_in = a_in * b_in.
+        weight: (d_out, d_in) in nn.Linear layout (a transposed view of a Conv1D weight is
+            fine: strides are honoured without a copy); d_out = a_out * b_out.
+        bias: (d_out,) or None.
+        A: (a_out, a_in).  B: (b_out, b_in).  scale: the adapter scale s.
+        backend: "auto", "triton" or "reference" (the CUDA extension implements kron_matvec
+            only; "cuda" raises BackendError here).
+    Returns:
+        (..., d_out). The Triton kernel reads x once for the frozen GEMM and the adapter and
+        its backward produces dx for both terms in one pass over dy.
+    """
+    a_out, a_in, b_out, b_in = _check_factors(x, A, B)
+    _validate.check_tensor("weight", weight, ndim=2)
+    _validate.check_same("x", x, weight=weight, bias=bias)
+    _validate.check_shape("weight", weight, (a_out * b_out, a_in * b_in),
+                          "(a_out*b_out, a_in*b_in) in nn.Linear (out, in) layout")
+    if bias is not None:
+        _validate.check_tensor("bias", bias, ndim=1)
+        _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("scale must be a Python float; use a module parameter for a learned scale")
+    be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton",))
+    if be == "reference":
+        return krona_linear_ref(x, weight, bias, A, B, scale)
+    lead = x.shape[:-1]
+    y = torch.ops.kfused.krona_linear_triton_fwd(_rows(x), weight, bias, A, B, float(scale))
+    return y.reshape(*lead, a_out * b_out)

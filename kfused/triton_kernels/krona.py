@@ -1,0 +1,310 @@
+"""Triton kernels for the Kronecker adapter (SPEC §1).
+
+Two kernels serve every KronA computation:
+
+``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program.
+    The output tile is a (BI × BJ) block of the (i, j) grid of output features
+    o = i·b_out + j (BJ a power of two dividing b_out), so the Kronecker term of the tile is
+    ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
+    x rows the frozen GEMM has just streamed (they are in L2), in the factored form: A ⊗ B is
+    never formed, not even per tile. With HAS_W=False it is the plain ``kron_matvec``; the
+    same kernel computes the input gradient ``dy (W + s A⊗B)`` when given Wᵀ, Aᵀ and Bᵀ as
+    strided views.
+
+``_kron_grad_kernel``  one pass over (x, dy) for dA, dB (and optionally dx):
+    dA = Σ_t G[t] B X[t]ᵀ,  dB = Σ_t G[t]ᵀ A X[t],  dX[t] = Aᵀ G[t] B,
+    a grid-stride loop over token blocks with float32 partial sums per program, reduced on
+    the host (deterministic, no atomics).
+
+Products keep the reference's order (A X first, then ·Bᵀ) and round the intermediate to the
+input dtype as torch does, so 16-bit results track ``torch_t`` under SPEC §4.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kfused import _alloc
+from kfused.triton_kernels._common import _mm, acc_dtype, dot_precision, grid_programs, next_pow2, use_dot
+
+
+@triton.jit
+def _krona_fwd_kernel(
+    X, W, BIAS, A, B, Y,
+    T, a_out, a_in, b_out, b_in,
+    stride_xt, stride_wo, stride_wc, stride_ai, stride_ak, stride_bj, stride_bl, stride_yt,
+    scale,
+    HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
+    KC: tl.constexpr, BIN: tl.constexpr,
+    DOT_W: tl.constexpr, DOT_U: tl.constexpr, DOT_Y: tl.constexpr, PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_jb = b_out // BJ
+    ib = pid_n // n_jb
+    jb = pid_n % n_jb
+    d_in = a_in * b_in
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_ok = offs_m < T
+    ii = ib * BI + tl.arange(0, BI)
+    jj = jb * BJ + tl.arange(0, BJ)
+    i_ok = ii < a_out
+    cols = tl.reshape(ii[:, None] * b_out + jj[None, :], (BI * BJ,))
+    col_ok = tl.reshape(i_ok[:, None] & (jj[None, :] < b_out), (BI * BJ,))
+
+    acc = tl.zeros((BM, BI * BJ), dtype=ACC)
+    if HAS_W:
+        for c0 in range(0, d_in, BK):
+            cc = c0 + tl.arange(0, BK)
+            c_ok = cc < d_in
+            x = tl.load(X + offs_m[:, None] * stride_xt + cc[None, :],
+                        mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+            w = tl.load(W + cols[None, :] * stride_wo + cc[:, None] * stride_wc,
+                        mask=c_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += _mm(x, w.to(x.dtype), DOT_W, PREC, ACC)
+
+    # Kronecker term. U[(t, l), i] = Σ_k X[t, k, l] A[i, k]  (= (A X[t])ᵀ), k in chunks of KC.
+    r = tl.arange(0, BM * BIN)
+    rt = pid_m * BM + r // BIN
+    rl = r % BIN
+    r_ok = (rt < T) & (rl < b_in)
+    u = tl.zeros((BM * BIN, BI), dtype=ACC)
+    for k0 in range(0, a_in, KC):
+        kk = k0 + tl.arange(0, KC)
+        k_ok = kk < a_in
+        xk = tl.load(X + rt[:, None] * stride_xt + kk[None, :] * b_in + rl[:, None],
+                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
+                     mask=k_ok[:, None] & i_ok[None, :], other=0.0)
+        u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
+    u = u.to(X.dtype.element_ty)
+    # Y[t, i, j] = Σ_l U[t, i, l] B[j, l]: bring i next to t, then one product with Bᵀ.
+    u = tl.reshape(tl.permute(tl.reshape(u, (BM, BIN, BI)), (0, 2, 1)), (BM * BI, BIN))
+    ll = tl.arange(0, BIN)
+    bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
+                 mask=(ll[:, None] < b_in) & (jj[None, :] < b_out), other=0.0)
+    yk = _mm(u, bt.to(u.dtype), DOT_Y, PREC, ACC)
+    acc += scale * tl.reshape(yk, (BM, BI * BJ))
+
+    if HAS_BIAS:
+        bias = tl.load(BIAS + cols, mask=col_ok, other=0.0)
+        acc += bias.to(ACC)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_yt + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _kron_grad_kernel(
+    X, G, A, B, DX, DA, DB,
+    T, a_out, a_in, b_out, b_in,
+    stride_xt, stride_gt, stride_ai, stride_ak, stride_bj, stride_bl,
+    scale, n_blocks,
+    COMPUTE_DX: tl.constexpr, COMPUTE_DAB: tl.constexpr,
+    BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
+    BIP: tl.constexpr,
+    DOT_W1: tl.constexpr, DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
+    DOT_DX: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    dt = X.dtype.element_ty
+
+    io = tl.arange(0, AOP)
+    ki = tl.arange(0, AIP)
+    jo = tl.arange(0, BOP)
+    li = tl.arange(0, BIP)
+    a = tl.load(A + io[:, None] * stride_ai + ki[None, :] * stride_ak,
+                mask=(io[:, None] < a_out) & (ki[None, :] < a_in), other=0.0).to(dt)
+    b = tl.load(B + jo[:, None] * stride_bj + li[None, :] * stride_bl,
+                mask=(jo[:, None] < b_out) & (li[None, :] < b_in), other=0.0).to(dt)
+
+    rg = tl.arange(0, BT * AOP)     # rows (t, i) of G[t]
+    rg_t = rg // AOP
+    rg_i = rg % AOP
+    rx = tl.arange(0, BT * AIP)     # rows (t, k) of X[t]
+    rx_t = rx // AIP
+    rx_k = rx % AIP
+
+    da = tl.zeros((AOP, AIP), dtype=ACC)
+    db = tl.zeros((BOP, BIP), dtype=ACC)
+    for blk in range(pid, n_blocks, n_prog):
+        t0 = blk * BT
+        g_ok = ((t0 + rg_t) < T)[:, None] & (rg_i < a_out)[:, None] & (jo < b_out)[None, :]
+        g2 = tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * b_out + jo[None, :],
+                     mask=g_ok, other=0.0)
+        # W1[t] = G[t] B : rows (t, i), cols l
+        w1 = _mm(g2, b, DOT_W1, PREC, ACC).to(dt)
+        if COMPUTE_DX:
+            # dX[t] = Aᵀ W1[t]: rows (t, l), contract i, then back to rows (t, k).
+            w1t = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (0, 2, 1)),
+                             (BT * BIP, AOP))
+            dxt = _mm(w1t, a, DOT_DX, PREC, ACC)                     # (BT*BIP, AIP)
+            dx = tl.reshape(tl.permute(tl.reshape(dxt, (BT, BIP, AIP)), (0, 2, 1)),
+                            (BT * AIP, BIP))
+            x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
+            tl.store(DX + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
+                     (dx * scale).to(DX.dtype.element_ty), mask=x_ok)
+        if COMPUTE_DAB:
+            x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
+            x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
+                         mask=x_ok, other=0.0)
+            # dA = Σ_{t,l} W1[t][i, l] X[t][k, l]
+            w1p = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (1, 0, 2)),
+                             (AOP, BT * BIP))
+            xp = tl.reshape(tl.permute(tl.reshape(x2, (BT, AIP, BIP)), (0, 2, 1)),
+                            (BT * BIP, AIP))                    # rows (t, l), cols k
+            da += _mm(w1p, xp, DOT_DA, PREC, ACC)
+            # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
+            v = _mm(xp, tl.trans(a), DOT_V, PREC, ACC).to(dt)        # (BT*BIP, AOP)
+            vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)),
+                            (BT * AOP, BIP))
+            db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC)
+    if COMPUTE_DAB:
+        tl.store(DA + pid * a_out * a_in + io[:, None] * a_in + ki[None, :], da * scale,
+                 mask=(io[:, None] < a_out) & (ki[None, :] < a_in))
+        tl.store(DB + pid * b_out * b_in + jo[:, None] * b_in + li[None, :], db * scale,
+                 mask=(jo[:, None] < b_out) & (li[None, :] < b_in))
+
+
+# ------------------------------------------------------------------------------------------
+# host functions
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while n % (d * 2) == 0 and d * 2 <= cap:
+        d *= 2
+    return d
+
+
+def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: bool,
+                device: torch.device) -> dict:
+    gpu = device.type == "cuda"
+    bn_target = 128 if gpu else 64
+    BJ = _pow2_divisor(b_out, 64)
+    BI = max(1, min(next_pow2(a_out), bn_target // BJ))
+    BIN = max(2, next_pow2(b_in))
+    KC = max(2, min(next_pow2(a_in), 16))
+    BK = 64 if gpu else 128
+    BM = 64 if gpu else 32
+    BM = min(BM, max(16, next_pow2(T)))
+    # Keep the Kronecker tiles within a register budget (and broadcast products, when a tile
+    # dim is < 16, within a temporary budget).
+    while BM > 1 and BM * BIN * max(KC, BI) > 16384:
+        BM //= 2
+    while BM > 1:
+        m_u, m_y = BM * BIN, BM * BI
+        tmp_u = 0 if use_dot(m_u, KC, BI) else m_u * KC * BI
+        tmp_y = 0 if use_dot(m_y, BIN, BJ) else m_y * BIN * BJ
+        if max(tmp_u, tmp_y) <= 65536:
+            break
+        BM //= 2
+    return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, BIN=BIN,
+                DOT_W=has_w and use_dot(BM, BK, BI * BJ),
+                DOT_U=use_dot(BM * BIN, KC, BI), DOT_Y=use_dot(BM * BI, BIN, BJ))
+
+
+def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+              A: torch.Tensor, B: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """y = [x Wᵀ + b] + scale · kron_matvec(x; A, B).
+
+    x: (T, a_in*b_in) with unit inner stride; weight: (a_out*b_out, a_in*b_in) any strides, or
+    None; bias: (a_out*b_out,) or None; A: (a_out, a_in); B: (b_out, b_in) any strides.
+    Returns (T, a_out*b_out) in x's dtype.
+    """
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    y = _alloc.empty(T, a_out * b_out, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device)
+    grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * (b_out // cfg["BJ"]))
+    w = weight if weight is not None else x
+    _krona_fwd_kernel[grid](
+        x, w, bias if bias is not None else x, A, B, y,
+        T, a_out, a_in, b_out, b_in,
+        x.stride(0), w.stride(0), w.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        y.stride(0), float(scale),
+        HAS_W=weight is not None, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
+        ACC=acc_dtype(x.dtype),
+        num_warps=4, **cfg)
+    return y
+
+
+def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
+                 device: torch.device) -> dict:
+    AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
+    BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
+    per_tok = max(AOP * BOP, AIP * BIP, AOP * BIP)
+    budget = 8192
+    BT = 1
+    while BT * 2 * per_tok <= budget and BT * 2 <= max(1, next_pow2(T)):
+        BT *= 2
+
+    def flags(bt):
+        shapes = dict(DOT_W1=(bt * AOP, BOP, BIP), DOT_DA=(AOP, bt * BIP, AIP),
+                      DOT_V=(bt * BIP, AIP, AOP), DOT_DB=(BOP, bt * AOP, BIP),
+                      DOT_DX=(bt * BIP, AOP, AIP))
+        f = {k: use_dot(*s) for k, s in shapes.items()}
+        tmp = max((s[0] * s[1] * s[2]) for k, s in shapes.items() if not f[k]) if not all(
+            f.values()) else 0
+        return f, tmp
+
+    f, tmp = flags(BT)
+    while BT > 1 and tmp > 65536:
+        BT //= 2
+        f, tmp = flags(BT)
+    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, **f)
+
+
+def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+              scale: float = 1.0, *, compute_dx: bool = True, compute_dab: bool = True
+              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of ``scale · kron_matvec(x; A, B)`` given its upstream gradient ``g``.
+
+    g: (T, a_out*b_out), x: (T, a_in*b_in), both with unit inner stride. Returns
+    (dx or None, dA or None, dB or None); dA/dB are reduced in float32 and cast to A/B's dtype.
+    """
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
+    if T == 0:
+        zA = torch.zeros_like(A) if compute_dab else None
+        zB = torch.zeros_like(B) if compute_dab else None
+        return dx, zA, zB
+    cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device)
+    n_blocks = triton.cdiv(T, cfg["BT"])
+    n_prog = grid_programs(x.device, n_blocks)
+    if compute_dab:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        da = _alloc.empty(n_prog, a_out, a_in, dtype=acc, device=x.device)
+        db = _alloc.empty(n_prog, b_out, b_in, dtype=acc, device=x.device)
+    else:
+        da = db = x
+    _kron_grad_kernel[(n_prog,)](
+        x, g, A, B, dx if dx is not None else x, da, db,
+        T, a_out, a_in, b_out, b_in,
+        x.stride(0), g.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        float(scale), n_blocks,
+        COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
+        ACC=acc_dtype(x.dtype),
+        num_warps=4, **cfg)
+    if not compute_dab:
+        return dx, None, None
+    return dx, da.sum(0).to(A.dtype), db.sum(0).to(B.dtype)
+
+
+def krona_bwd_input(g: torch.Tensor, weight: Optional[torch.Tensor], A: torch.Tensor,
+                    B: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """dx = g (W + scale · A⊗B) in one pass over g: the forward kernel run on Wᵀ, Aᵀ, Bᵀ."""
+    wt = weight.t() if weight is not None else None
+    return krona_fwd(g, wt, None, A.t(), B.t(), scale)

@@ -1,0 +1,364 @@
+"""Kronecker adapter (SPEC §1): reference, Triton/CUDA kernels, autograd, ops, modules."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import kfused
+from kfused import BackendError
+from kfused.modules.krona import KronABlock, KronALinear, factorize
+from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.reference.krona import kron_delta_weight, kron_matvec_ref, krona_linear_ref
+from kfused.testing import assert_against_reference
+
+from conftest import DEVICE, DTYPES
+
+# (a_out, a_in, b_out, b_in): the default 768 split, the paper's GLUE factors, odd and tiny ones.
+FIXED_SHAPES = [
+    (24, 24, 32, 32),
+    (32, 24, 24, 32),
+    (2, 384, 384, 2),
+    (3, 5, 7, 2),
+    (1, 1, 1, 1),
+    (5, 3, 1, 4),
+]
+
+
+def _random_shape(rng: random.Random):
+    return tuple(rng.randint(1, 12) for _ in range(4))
+
+
+# Two extra factor shapes drawn afresh every run (seeded by KFUSED_TEST_SEED, see conftest).
+_RNG = random.Random()
+RANDOM_SHAPES = [_random_shape(_RNG) for _ in range(2)]
+SHAPES = FIXED_SHAPES + RANDOM_SHAPES
+
+
+def _factors(shape, lead=(3, 11), dtype=torch.float64):
+    a_out, a_in, b_out, b_in = shape
+    x = torch.randn(*lead, a_in * b_in, dtype=dtype)
+    A = torch.randn(a_out, a_in, dtype=dtype)
+    B = torch.randn(b_out, b_in, dtype=dtype)
+    return x, A, B
+
+
+# ------------------------------------------------------------------------------------------
+# reference
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_reference_matches_dense_kron(shape):
+    x, A, B = _factors(shape)
+    dense = torch.kron(A, B)
+    torch.testing.assert_close(kron_matvec_ref(x, A, B), x @ dense.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kron_delta_weight(A, B), dense)
+    W = torch.randn(dense.shape, dtype=torch.float64)
+    b = torch.randn(dense.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(krona_linear_ref(x, W, b, A, B, 0.3),
+                               x @ (W + 0.3 * dense).T + b, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_gradcheck():
+    x, A, B = _factors((2, 3, 4, 2), lead=(5,))
+    W = torch.randn(8, 6, dtype=torch.float64)
+    b = torch.randn(8, dtype=torch.float64)
+    args = [t.requires_grad_() for t in (x, W, b, A, B)]
+    assert torch.autograd.gradcheck(lambda *a: krona_linear_ref(*a, scale=0.7), args)
+
+
+# ------------------------------------------------------------------------------------------
+# kernels against the float64 reference (SPEC §4), output and every gradient
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kron_matvec_triton(shape, dtype):
+    x, A, B = _factors(shape, lead=(2, random.randint(1, 40)))
+    assert_against_reference(
+        lambda x, A, B: kron_matvec(x, A, B, backend="triton"), kron_matvec_ref,
+        {"x": x, "A": A, "B": B}, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_krona_linear_triton(shape, dtype):
+    a_out, a_in, b_out, b_in = shape
+    x, A, B = _factors(shape, lead=(random.randint(1, 70),))
+    W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / (a_in * b_in) ** 0.5
+    with_bias = sum(shape) % 2 == 0
+    inputs = {"x": x, "weight": W, "bias": torch.randn(a_out * b_out, dtype=torch.float64)
+              if with_bias else None, "A": A, "B": B}
+    assert_against_reference(
+        lambda **kw: krona_linear(**kw, scale=0.5, backend="triton"),
+        lambda **kw: krona_linear_ref(**kw, scale=0.5), inputs, dtype, DEVICE,
+        grad_names=["x", "A", "B"])
+
+
+def test_krona_linear_triton_weight_and_bias_grads():
+    # A frozen weight normally has no gradient; if the caller asks for one it must be right.
+    x, A, B = _factors((3, 4, 5, 2), lead=(2, 9))
+    W = torch.randn(15, 8, dtype=torch.float64)
+    b = torch.randn(15, dtype=torch.float64)
+    assert_against_reference(
+        lambda **kw: krona_linear(**kw, scale=1.5, backend="triton"),
+        lambda **kw: krona_linear_ref(**kw, scale=1.5),
+        {"x": x, "weight": W, "bias": b, "A": A, "B": B}, torch.float32, DEVICE)
+
+
+def test_krona_linear_transposed_weight_view():
+    # Conv1D keeps W as (in, out): the op must honour a transposed view without copying.
+    x, A, B = _factors((4, 6, 8, 5), lead=(13,))
+    W_in_out = torch.randn(30, 32, dtype=torch.float64)
+    assert_against_reference(
+        lambda x, w, A, B: krona_linear(x, w.t(), None, A, B, backend="triton"),
+        lambda x, w, A, B: krona_linear_ref(x, w.t(), None, A, B),
+        {"x": x, "w": W_in_out, "A": A, "B": B}, torch.float32, DEVICE,
+        grad_names=["x", "A", "B"])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="float64 kernels exist only in the CPU interpreter")
+def test_triton_autograd_gradcheck_float64():
+    x, A, B = _factors((2, 3, 4, 2), lead=(7,))
+    W = torch.randn(8, 6, dtype=torch.float64)
+    b = torch.randn(8, dtype=torch.float64)
+    args = [t.requires_grad_() for t in (x, A, B)]
+    assert torch.autograd.gradcheck(lambda *a: kron_matvec(*a, backend="triton"), args)
+    args = [t.requires_grad_() for t in (x, W, b, A, B)]
+    assert torch.autograd.gradcheck(
+        lambda *a: krona_linear(*a, scale=0.7, backend="triton"), args)
+
+
+@pytest.mark.skipif(kfused.available_backends("kron_matvec")["cuda"] is not None,
+                    reason="CUDA extension not available")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kron_matvec_cuda(shape, dtype):
+    x, A, B = _factors(shape, lead=(37,))
+    assert_against_reference(
+        lambda x, A, B: kron_matvec(x, A, B, backend="cuda"), kron_matvec_ref,
+        {"x": x, "A": A, "B": B}, dtype, DEVICE)
+
+
+# ------------------------------------------------------------------------------------------
+# torch.library: opcheck and torch.compile
+
+
+def test_opcheck_triton_ops():
+    x, A, B = (t.float().to(DEVICE) for t in _factors((3, 4, 5, 2), lead=(9,)))
+    W = torch.randn(15, 8, device=DEVICE)
+    b = torch.randn(15, device=DEVICE)
+    g = torch.randn(9, 15, device=DEVICE)
+    torch.library.opcheck(torch.ops.kfused.kron_matvec_triton_fwd, (x, A, B))
+    torch.library.opcheck(torch.ops.kfused.kron_matvec_triton_fwd,
+                          (x.requires_grad_(), A.requires_grad_(), B.requires_grad_()))
+    torch.library.opcheck(torch.ops.kfused.kron_matvec_triton_bwd,
+                          (g, x.detach(), A.detach(), B.detach(), True))
+    torch.library.opcheck(torch.ops.kfused.krona_linear_triton_fwd,
+                          (x.detach(), W, b, A.detach(), B.detach(), 0.5))
+    torch.library.opcheck(torch.ops.kfused.krona_linear_triton_fwd,
+                          (x, W, None, A, B, 0.5))
+    torch.library.opcheck(torch.ops.kfused.krona_linear_triton_bwd,
+                          (g, x.detach(), W, A.detach(), B.detach(), 0.5, True, True))
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    x, A, B = (t.float().to(DEVICE) for t in _factors((3, 4, 5, 2), lead=(2, 5)))
+    W = torch.randn(15, 8, device=DEVICE)
+    A.requires_grad_()
+
+    def f(x, W, A, B):
+        return krona_linear(x, W, None, A, B, 0.5, backend="triton").sum() + \
+            kron_matvec(x, A, B, backend="triton").square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    out = compiled(x, W, A, B)
+    out.backward()
+    ref = f(x, W, A.detach().requires_grad_(), B)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs, edge cases, dispatch
+
+
+def test_bad_factor_sizes():
+    x = torch.randn(4, 10)
+    with pytest.raises(ValueError, match=r"x has shape \(4, 10\).*a_in \* b_in = 3 \* 3 = 9"):
+        kron_matvec(x, torch.randn(2, 3), torch.randn(2, 3))
+    W = torch.randn(6, 9)
+    with pytest.raises(ValueError, match=r"weight has shape \(6, 9\), expected \(4, 9\)"):
+        krona_linear(torch.randn(4, 9), W, None, torch.randn(2, 3), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"bias has shape \(5,\), expected \(4,\)"):
+        krona_linear(torch.randn(4, 9), torch.randn(4, 9), torch.randn(5),
+                     torch.randn(2, 3), torch.randn(2, 3))
+
+
+def test_bad_ranks_dtypes_devices():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"A must have 2 dimensions, got shape \(2, 3, 1\)"):
+        kron_matvec(x, torch.randn(2, 3, 1), torch.randn(2, 2))
+    with pytest.raises(ValueError, match=r"x must have at least 1 dimension"):
+        kron_matvec(torch.tensor(1.0), torch.randn(1, 1), torch.randn(1, 1))
+    with pytest.raises(TypeError, match=r"B has dtype torch.float16 but x has dtype torch.float32"):
+        kron_matvec(x, torch.randn(2, 3), torch.randn(2, 2, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor"):
+        kron_matvec(torch.ones(4, 6, dtype=torch.int64), torch.randn(2, 3), torch.randn(2, 2))
+    with pytest.raises(TypeError, match=r"A must be a torch.Tensor"):
+        kron_matvec(x, [[1.0]], torch.randn(2, 2))
+    with pytest.raises(ValueError, match=r"A is on meta but x is on cpu"):
+        kron_matvec(x, torch.randn(2, 3, device="meta"), torch.randn(2, 2))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_empty_batch(backend):
+    x = torch.randn(0, 7, 6, requires_grad=True)
+    A = torch.randn(2, 3, requires_grad=True)
+    B = torch.randn(4, 2, requires_grad=True)
+    W = torch.randn(8, 6)
+    y = krona_linear(x, W, None, A, B, backend=backend)
+    assert y.shape == (0, 7, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(A.grad, torch.zeros_like(A)) and torch.equal(B.grad, torch.zeros_like(B))
+    assert kron_matvec(x.detach(), A.detach(), B.detach(), backend=backend).shape == (0, 7, 8)
+
+
+def test_strided_inputs():
+    # Non-contiguous x (inner stride 3) and strided factor views give the reference result.
+    x = torch.randn(15, 3, dtype=torch.float64).t()          # (3, 15), stride (1, 3)
+    A = torch.randn(5, 3, dtype=torch.float64).t()           # (3, 5), transposed view
+    B = torch.randn(4, 6, dtype=torch.float64)[:, ::2]       # (4, 3), column stride 2
+    assert not x.is_contiguous() and not A.is_contiguous() and not B.is_contiguous()
+    assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                             kron_matvec_ref, {"x": x, "A": A, "B": B}, torch.float32, DEVICE)
+
+
+def test_backend_selection(monkeypatch):
+    x, A, B = (t.float() for t in _factors((2, 2, 3, 3), lead=(4,)))
+    ref = kron_matvec_ref(x, A, B)
+    torch.testing.assert_close(kron_matvec(x, A, B, backend="reference"), ref)
+    torch.testing.assert_close(kron_matvec(x, A, B), ref)  # auto: CPU -> reference
+    with pytest.raises(BackendError, match="cuda"):
+        krona_linear(x, torch.randn(6, 6), None, A, B, backend="cuda")
+    with pytest.raises(BackendError, match="not a backend"):
+        kron_matvec(x, A, B, backend="fastest")
+    monkeypatch.setenv("KFUSED_BACKEND", "nonsense")
+    with pytest.raises(BackendError, match="KFUSED_BACKEND"):
+        kron_matvec(x, A, B)
+    monkeypatch.setenv("KFUSED_BACKEND", "reference")
+    torch.testing.assert_close(kron_matvec(x, A, B), ref)
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(BackendError, match="TRITON_INTERPRET"):
+            kron_matvec(x, A, B, backend="triton")
+        if kfused.available_backends("kron_matvec")["cuda"] is not None:
+            with pytest.raises(BackendError, match="CUDA extension"):
+                kron_matvec(x, A, B, backend="cuda")
+
+
+def test_bfloat16_rejected_by_interpreter():
+    if DEVICE != "cpu":
+        pytest.skip("bfloat16 runs on the GPU")
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    A = torch.randn(2, 2, dtype=torch.bfloat16)
+    with pytest.raises(BackendError, match="bfloat16"):
+        kron_matvec(x, A, A, backend="triton")
+
+
+# ------------------------------------------------------------------------------------------
+# modules
+
+
+def test_factorize():
+    assert factorize(768) == (24, 32)
+    assert factorize(1024) == (32, 32)
+    assert factorize(3072) == (48, 64)
+    assert factorize(4096) == (64, 64)
+    assert factorize(13) == (1, 13)
+
+
+def _conv1d(d_in, d_out):
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(d_out, d_in)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_krona_linear_module_merge_roundtrip(kind):
+    torch.manual_seed(0)
+    base = nn.Linear(12, 20).double() if kind == "linear" else _conv1d(12, 20).double()
+    with torch.no_grad():
+        base.weight.normal_()
+        base.bias.normal_()
+    m = KronALinear(base, a_shape=(4, 3), scale=0.8, init="random").double()
+    assert m.A.shape == (4, 3) and m.B.shape == (5, 4)
+    assert not base.weight.requires_grad and m.A.requires_grad
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    w = base.weight.t() if kind == "conv1d" else base.weight
+    expected = x @ (w + 0.8 * torch.kron(m.A, m.B)).T + base.bias
+    y = m(x)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    w0 = base.weight.detach().clone()
+    m.merge()
+    torch.testing.assert_close(m(x), y, rtol=1e-12, atol=1e-12)
+    m.unmerge()
+    torch.testing.assert_close(base.weight, w0, rtol=0, atol=1e-14)
+    torch.testing.assert_close(m(x), y, rtol=1e-12, atol=1e-12)
+
+
+def test_krona_linear_module_init_starts_at_frozen_model():
+    base = nn.Linear(768, 768)
+    m = KronALinear(base)
+    assert m.A.shape == (24, 24) and m.B.shape == (32, 32)
+    assert torch.count_nonzero(m.B) == 0 and torch.count_nonzero(m.A) > 0
+    x = torch.randn(3, 768)
+    torch.testing.assert_close(m(x), base(x))
+
+
+def test_krona_linear_module_triton_backend_matches():
+    base = nn.Linear(12, 20)
+    m = KronALinear(base, a_shape=(4, 3), init="random", backend="triton")
+    x = torch.randn(5, 12, requires_grad=True)
+    y = m(x)
+    y.square().sum().backward()
+    gA, gB, gx = m.A.grad.clone(), m.B.grad.clone(), x.grad.clone()
+    m.zero_grad()
+    x.grad = None
+    m.backend = "reference"
+    y2 = m(x)
+    y2.square().sum().backward()
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.A.grad, gA, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(m.B.grad, gB, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, gx, rtol=1e-4, atol=1e-4)
+
+
+def test_module_bad_shapes():
+    with pytest.raises(ValueError, match=r"a_shape \(4, 4\) and b_shape \(5, 4\)"):
+        KronALinear(nn.Linear(12, 20), a_shape=(4, 4), b_shape=(5, 4))
+    with pytest.raises(ValueError, match="does not divide"):
+        KronALinear(nn.Linear(12, 20), a_shape=(3, 5))
+    with pytest.raises(TypeError, match="nn.Linear or transformers Conv1D"):
+        KronALinear(nn.Conv2d(3, 3, 1))
+    with pytest.raises(ValueError, match="d_in == d_out"):
+        KronABlock(nn.Linear(4, 6), d_in=4, d_out=6, residual=True)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_krona_block(residual):
+    ffn = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12)).double()
+    m = KronABlock(ffn, d_in=12, scale=0.5, bias=True, residual=residual, init="random").double()
+    with torch.no_grad():
+        m.bias.normal_()
+    x = torch.randn(3, 12, dtype=torch.float64)
+    expected = ffn(x) + 0.5 * x @ torch.kron(m.A, m.B).T + m.bias + (x if residual else 0)
+    y = m(x)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    y.sum().backward()
+    assert all(p.grad is None for p in ffn.parameters())
+    assert m.A.grad is not None and m.bias.grad is not None
+    if residual:
+        torch.testing.assert_close(m.res_scale.grad, x.sum())
