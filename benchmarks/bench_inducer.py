@@ -19,11 +19,13 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
+from kfused.backends import available_backends
 from kfused.bench import BenchCase, Provider
 from kfused.ops.inducer import inducer_attention
 from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
                                       inducer_value_hidden)
 
+OP = "inducer_attention"
 L_KEY, R_VALUE = 4, 8
 _MATERIALISED_LIMIT = 8 * 2**30       # skip eager/compile when the score matrix exceeds 8 GiB
 
@@ -66,18 +68,21 @@ def _flex_fn(causal: bool, n: int, device):
 
 def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
     device = torch.device(device)
-    ns = [512, 2048] if quick else [512, 1024, 2048, 4096, 8192, 16384]
-    widths = [64] if quick else [64, 128]
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        ns = [512, 2048] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+        widths = [64] if quick else [64, 128]
+    else:                                  # CPU: interpreter-sized smoke shapes
+        ns, widths = [64, 128], [64]
+    triton_reason = available_backends(OP, device=str(device), dtype=dtype)["triton"]
     out: List[BenchCase] = []
     for p in widths:
-        H = 2048 // p
         for causal in (False, True):
             for n in ns:
-                B = max(1, 16384 // n)
-                if quick:
-                    B, H_ = 1, 4
+                if on_gpu and not quick:
+                    B, H_ = max(1, 16384 // n), 2048 // p
                 else:
-                    H_ = H
+                    B, H_ = 1, (4 if on_gpu else 2)
                 flops = 4.0 * B * H_ * n * n * p * (0.5 if causal else 1.0)
                 score_bytes = B * H_ * n * n * 4 * 3          # S, P and the concat in float32
                 provs = []
@@ -112,12 +117,13 @@ def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
                 too_big = (f"materialised scores need {score_bytes / 2**30:.1f} GiB"
                            if score_bytes > _MATERIALISED_LIMIT else None)
                 no_cuda = None if device.type == "cuda" else "FlexAttention needs CUDA"
-                provs = [Provider("kfused-triton", mk_kfused), Provider("sdpa", mk_sdpa),
+                provs = [Provider("kfused-triton", mk_kfused, skip_reason=triton_reason),
+                         Provider("sdpa", mk_sdpa),
                          Provider("flex", mk_flex, skip_reason=no_cuda),
                          Provider("eager", mk_eager, skip_reason=too_big),
                          Provider("compile", mk_compile, skip_reason=too_big)]
                 out.append(BenchCase(
-                    op="inducer_attention",
+                    op=OP,
                     shape={"B": B, "H": H_, "n": n, "p": p, "causal": causal, "L": L_KEY,
                            "r": R_VALUE, "composition": "add"},
                     dtype=dtype, providers=provs, flops_fwd=flops, flops_bwd=2.5 * flops,
@@ -132,7 +138,7 @@ if __name__ == "__main__":  # pragma: no cover - manual run
     from kfused.bench import measure
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # noqa: E501
     for case in cases(dev, dt, quick="--quick" in sys.argv):
         for row in measure(case, dev):
             print(json.dumps(row))

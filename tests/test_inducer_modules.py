@@ -177,6 +177,7 @@ def test_bench_cases_build():
                                                          "compile"}
     fn, leaves = next(p for p in cs[0].providers if p.name == "sdpa").make()
     assert fn().shape[-1] == 64 and len(leaves) == 3
+    assert cs[0].shape["n"] <= 128                 # CPU cases stay interpreter-sized
 
 
 def test_hf_generate_with_kv_cache_matches_sdpa():

@@ -337,5 +337,45 @@ def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,
     return y if bias is None else y + bias
 
 
-__all__ = ["inducer_attention", "inducer_output_projection", "inducer_attention_ref",
+def check_cases(device: torch.device) -> list:
+    """`kfused check` cases (SPEC §4 against the float64 reference): inducer "add" and
+    "gate", prefix, causal and padding masks, odd n, every supported head width."""
+    from kfused.checks import CheckCase
+
+    g = torch.Generator().manual_seed(0)
+    on_gpu = torch.device(device).type == "cuda"
+    f64 = torch.float64
+    cases = []
+    specs = [(2, 4, 1025 if on_gpu else 97, 64, 16, True, "add"),
+             (2, 4, 97, 80, 1, False, "gate"),
+             (1, 2, 513 if on_gpu else 33, 128, 0, True, "add"),
+             (2, 2, 97, 32, 0, False, "gate"),
+             (1, 2, 1, 96, 1, True, "add")]
+    for B, H, n, p, l, causal, comp in specs:
+        rnd = lambda *shape, s=1.0: torch.randn(*shape, generator=g, dtype=f64) * s  # noqa: E731
+        inputs = {"q": rnd(B, H, n, p), "k": rnd(B, H, n, p), "v": rnd(B, H, n, p),
+                  "Ak": rnd(H, p, 3, s=0.5), "ak": rnd(H, 3, s=0.5), "Bk": rnd(H, 3, p, s=0.5),
+                  "ck": rnd(H, p, s=0.5), "W1": rnd(H, p, 5, s=0.5), "b1": rnd(H, 5, s=0.5)}
+        if comp == "gate":
+            inputs.update(W2=rnd(H, 5, p), b2=rnd(H, p))
+        if l:
+            inputs.update(prefix_k=rnd(H, l, p), prefix_v=rnd(H, l, p))
+        mask = torch.rand(B, n, generator=g) > 0.25
+        mask[:, 0] = True
+        inputs["key_padding_mask"] = mask
+
+        def run(backend, comp=comp, causal=causal):
+            def fn(**kw):
+                out, u = inducer_attention(**kw, composition=comp, causal=causal,
+                                           backend=backend)
+                return out if u is None else (out, u)
+            return fn
+
+        label = f"B={B} H={H} n={n} p={p} l={l} {'causal ' if causal else ''}{comp}"
+        cases.append(CheckCase(OP_NAME, label, "triton", run("triton"), run("reference"),
+                               inputs))
+    return cases
+
+
+__all__ = ["check_cases", "inducer_attention", "inducer_output_projection", "inducer_attention_ref",
            "inducer_output_projection_ref"]
