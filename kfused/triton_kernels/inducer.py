@@ -115,14 +115,26 @@ def _inducer_attn_fwd_kernel(
             stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
             offs_m, offs_d, kmask_base, causal_off, scale,
             HEAD_DIM, BLOCK_N, False, False, False, PREC)
-    hi = N_K
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
     if CAUSAL:
+        # tiles wholly below the diagonal skip the causal compare; the rest apply it
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M + causal_off)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh,
-        stride_kn, stride_kd, stride_vn, stride_vd, 0, hi, N_K,
-        offs_m, offs_d, kmask_base, causal_off, scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
+        full = tl.minimum(tl.maximum(pid_m * BLOCK_M + causal_off + 1, 0) // BLOCK_N * BLOCK_N,
+                          tl.maximum(hi, 0))
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            0, full, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
+            HEAD_DIM, BLOCK_N, True, False, HAS_KMASK, PREC)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            full, hi, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
+            HEAD_DIM, BLOCK_N, True, True, HAS_KMASK, PREC)
+    else:
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            0, N_K, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
+            HEAD_DIM, BLOCK_N, True, False, HAS_KMASK, PREC)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
