@@ -265,6 +265,16 @@ def test_kernel_plain_and_prefix(n, p, l, causal, padding, dtype):
     _assert_spec(kern, ref, inputs, dtype, single_column=(n == 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_kernel_grouped_query(dtype):
+    """H = 4 query heads over H_kv = 2 kv heads (Llama-style GQA), natively in the kernel."""
+    X = _qkv(2, 4, 45, 64)
+    X["k"], X["v"] = X["k"][:, :2].clone(), X["v"][:, :2].clone()
+    P = _params(4, 64, l=1)
+    kern, ref = _fns("add", True, False)
+    _assert_spec(kern, ref, {**X, **P, **_mask_with_empty_row(2, 45, "mask")}, dtype)
+
+
 def test_kernel_cross_lengths_causal():
     """n_q != n_k (KV-cache prefill continuation): bottom-right causal alignment."""
     X = _qkv(1, 2, 17, 32, n_k=50)
@@ -372,7 +382,10 @@ def _good():
 def test_bad_inputs():
     X, P = _good()
     with pytest.raises(ValueError, match="head counts"):
-        inducer_attention(X["q"], X["k"][:, :1], X["v"][:, :1], backend="reference")
+        inducer_attention(X["q"], torch.randn(2, 3, 8, 32), torch.randn(2, 3, 8, 32),
+                          backend="reference")
+    with pytest.raises(ValueError, match="head counts"):
+        inducer_attention(X["q"], X["k"][:, :1], X["v"], backend="reference")
     with pytest.raises(ValueError, match="must have 4 dimensions"):
         inducer_attention(X["q"][0], X["k"], X["v"])
     with pytest.raises(ValueError, match="key_padding_mask has shape"):

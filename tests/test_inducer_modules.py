@@ -99,7 +99,7 @@ def test_hf_plain_matches_sdpa_with_padding(kind):
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
     hf_attention.set_implementation(model)
-    if kind == "gpt2":                      # run the Triton kernel (interpreter on CPU)
+    if DEVICE == "cuda" or _interp():       # run the Triton kernel (interpreter on CPU)
         for attn, *_ in hf_attention.attention_layers(model):
             attn.kfused_backend = "triton" if DEVICE == "cuda" or _interp() else None
     with torch.no_grad():

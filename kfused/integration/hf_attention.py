@@ -30,13 +30,6 @@ ADAPTER_ATTR = "kfused_inducer"
 _warned_dropout = [False]
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    if n_rep == 1:
-        return x
-    B, H, n, p = x.shape
-    return x[:, :, None].expand(B, H, n_rep, n, p).reshape(B, H * n_rep, n, p)
-
-
 def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                                      scaling: Optional[float] = None, dropout: float = 0.0,
@@ -47,12 +40,7 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
     With an "add" adapter on the layer the output rows are per-head ``[f_h | u_h]``; the
     wrapped output projection (:class:`InducerOutputProjection`) consumes them.
     """
-    B, H, n_q, p = query.shape
-    if key.shape[1] != H:
-        if H % key.shape[1]:
-            raise ValueError(f"{H} query heads are not a multiple of {key.shape[1]} kv heads")
-        key = _repeat_kv(key, H // key.shape[1])
-        value = _repeat_kv(value, H // value.shape[1])
+    # grouped-query attention (fewer kv heads) runs natively in the kernel: no repeat_kv copy
     key_padding_mask = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:

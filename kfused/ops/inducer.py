@@ -144,10 +144,11 @@ def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_p
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}; expected (batch, heads, n, head_dim) each")
-    if k.shape[1] != H or v.shape[1] != H:
+    if k.shape[1] != v.shape[1] or k.shape[1] < 1 or H % k.shape[1] != 0:
         raise ValueError(
-            f"head counts differ: q has {H} heads (shape {tuple(q.shape)}), k {k.shape[1]}, "
-            f"v {v.shape[1]}; repeat the key/value heads for grouped-query attention")
+            f"head counts do not fit: q has {H} heads (shape {tuple(q.shape)}), k "
+            f"{k.shape[1]}, v {v.shape[1]}; k and v need the same head count, one that divides "
+            f"q's (grouped-query attention)")
     if k.shape[3] != p or v.shape[3] != p:
         raise ValueError(f"head widths differ: q {p}, k {k.shape[3]}, v {v.shape[3]}")
     if v.shape[2] != k.shape[2]:
@@ -249,7 +250,8 @@ def inducer_attention(
     """Inducer attention with optional prefix tuning (SPEC §3). Returns ``(out, u)``.
 
     Args (``B`` batch, ``H`` heads, ``p`` head width, ``L``/``r`` key/value bottlenecks):
-        q: (B, H, n_q, p); k, v: (B, H, n_k, p). One floating dtype for every tensor.
+        q: (B, H, n_q, p); k, v: (B, H_kv, n_k, p), H_kv dividing H (grouped-query
+            attention: query head h reads kv head h // (H / H_kv)). One floating dtype.
         Ak (H, p, L), ak (H, L), Bk (H, L, p), ck (H, p): key-side MLP of the virtual key.
         W1 (H, p, r), b1 (H, r): value-side bottleneck.
         W2 (H, r, p), b2 (H, p): ``"gate"`` only (for ``"add"`` the output-space ``W2``

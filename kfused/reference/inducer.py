@@ -7,7 +7,7 @@ weight. ``f`` is ordinary attention over the real columns (prefix + sequence key
 
 Shapes (``p`` head width, ``L`` key bottleneck, ``r`` value bottleneck, ``l`` prefix length)::
 
-    q (B, H, n_q, p)   k, v (B, H, n_k, p)
+    q (B, H, n_q, p)   k, v (B, H_kv, n_k, p)   (H_kv divides H: grouped-query attention)
     Ak (H, p, L)  ak (H, L)  Bk (H, L, p)  ck (H, p)          key-side MLP (virtual key)
     W1 (H, p, r)  b1 (H, r)                                   value-side bottleneck
     W2 (H, r, p)  b2 (H, p)                                   "gate" only (head space)
@@ -93,6 +93,9 @@ def inducer_attention_ref(
     n_k = k.shape[2]
     if scale is None:
         scale = p ** -0.5
+    if k.shape[1] != H:                                   # grouped-query attention
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
     S = torch.matmul(q, k.transpose(-1, -2)) * scale
     allowed = key_allowed(n_q, n_k, causal=causal, key_padding_mask=key_padding_mask,
                           seq_lens=seq_lens, device=q.device)

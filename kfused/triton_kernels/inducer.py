@@ -88,7 +88,7 @@ def _inducer_attn_fwd_kernel(
     stride_pvh, stride_pvn, stride_pvd,
     stride_mb,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, N_Q, N_K, N_PREFIX, causal_off, scale,
+    H, GROUP, N_Q, N_K, N_PREFIX, causal_off, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_S0: tl.constexpr, PREC: tl.constexpr,
@@ -97,6 +97,7 @@ def _inducer_attn_fwd_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP                       # grouped-query attention: GROUP query heads per kv head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_ok = offs_m < N_Q
@@ -115,8 +116,8 @@ def _inducer_attn_fwd_kernel(
             stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
             offs_m, offs_d, kmask_base, causal_off, scale,
             HEAD_DIM, BLOCK_N, False, False, False, PREC)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
     if CAUSAL:
         # tiles wholly below the diagonal skip the causal compare; the rest apply it
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M + causal_off)
@@ -165,7 +166,7 @@ def _inducer_attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, N_Q, N_K, causal_off, scale,
+    H, H_KV, GROUP, N_Q, N_K, causal_off, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PREFIX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
     EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
@@ -177,9 +178,9 @@ def _inducer_attn_bwd_dkdv_kernel(
     DK/DV are contiguous (B, H, N_K, HEAD_DIM) (float32 per-batch partials for the prefix).
     """
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
+    pid_bh = tl.program_id(1)                 # over batch × kv heads (H_KV)
+    b = (pid_bh // H_KV).to(tl.int64)
+    h = (pid_bh % H_KV).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     start_n = pid_n * BLOCK_N
@@ -202,40 +203,42 @@ def _inducer_attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    q_base = Q + b * stride_qb + h * stride_qh
-    do_base = DO + b * stride_dob + h * stride_doh
-    row_base = pid_bh.to(tl.int64) * N_Q
-    for start_m in range(lo, N_Q, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < N_Q
-        qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
-                     mask=d_ok[:, None] & m_ok[None, :], other=0.0)
-        doT = tl.load(do_base + offs_m[None, :] * stride_don + offs_d[:, None] * stride_dod,
-                      mask=d_ok[:, None] & m_ok[None, :], other=0.0)
-        mrow = tl.load(STATS + row_base + offs_m, mask=m_ok, other=0.0)
-        inv_l = tl.load(STATS + N_ROWS + row_base + offs_m, mask=m_ok, other=0.0)
-        delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
-        sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = key_ok[:, None] & m_ok[None, :]
-        if not IS_PREFIX:
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
-        pT = tl.exp(tl.where(valid, sT - mrow[None, :], float("-inf"))) * inv_l[None, :]
-        dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=PREC,
-                     out_dtype=tl.float32)
-        if EXACT_DELTA:
-            # the same product, operand layout and shape as in the dQ kernel's D_i
-            do_r = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                           mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            vT_r = tl.load(V + b * stride_vb + h * stride_vh + offs_n[None, :] * stride_vn
-                           + offs_d[:, None] * stride_vd, mask=d_ok[:, None] & n_ok[None, :],
-                           other=0.0)
-            dpT = tl.trans(tl.dot(do_r, vT_r, input_precision=PREC, out_dtype=tl.float32))
-        else:
-            dpT = tl.dot(vt, doT, input_precision=PREC, out_dtype=tl.float32)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC,
-                     out_dtype=tl.float32)
+    for g in range(0, GROUP):
+        hq = h * GROUP + g                    # the query heads sharing this kv head
+        q_base = Q + b * stride_qb + hq * stride_qh
+        do_base = DO + b * stride_dob + hq * stride_doh
+        row_base = (b * H + hq) * N_Q
+        for start_m in range(lo, N_Q, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < N_Q
+            qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
+                         mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+            doT = tl.load(do_base + offs_m[None, :] * stride_don + offs_d[:, None] * stride_dod,
+                          mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+            mrow = tl.load(STATS + row_base + offs_m, mask=m_ok, other=0.0)
+            inv_l = tl.load(STATS + N_ROWS + row_base + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+            sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * scale
+            valid = key_ok[:, None] & m_ok[None, :]
+            if not IS_PREFIX:
+                if CAUSAL:
+                    valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
+            pT = tl.exp(tl.where(valid, sT - mrow[None, :], float("-inf"))) * inv_l[None, :]
+            dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=PREC,
+                         out_dtype=tl.float32)
+            if EXACT_DELTA:
+                # the same product, operand layout and shape as in the dQ kernel's D_i
+                do_r = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                               mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                vT_r = tl.load(V + b * stride_vb + h * stride_vh + offs_n[None, :] * stride_vn
+                               + offs_d[:, None] * stride_vd, mask=d_ok[:, None] & n_ok[None, :],
+                               other=0.0)
+                dpT = tl.trans(tl.dot(do_r, vT_r, input_precision=PREC, out_dtype=tl.float32))
+            else:
+                dpT = tl.dot(vt, doT, input_precision=PREC, out_dtype=tl.float32)
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC,
+                         out_dtype=tl.float32)
     dk = dk * scale
     off = (pid_bh.to(tl.int64) * N_K + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -308,7 +311,7 @@ def _inducer_attn_bwd_dq_kernel(
     stride_pvh, stride_pvn, stride_pvd,
     stride_mb,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, N_Q, N_K, N_PREFIX, causal_off, scale,
+    H, GROUP, N_Q, N_K, N_PREFIX, causal_off, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
@@ -321,6 +324,7 @@ def _inducer_attn_bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_ok = offs_m < N_Q
@@ -346,8 +350,8 @@ def _inducer_attn_bwd_dq_kernel(
                                 stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX,
                                 N_PREFIX, offs_m, offs_d, kmask_base, causal_off, scale,
                                 HEAD_DIM, BLOCK_N, False, False, False, PREC)
-        dsum = _delta_tiles(dsum, q, do, mrow, inv_l, K + b * stride_kb + h * stride_kh,
-                            V + b * stride_vb + h * stride_vh, stride_kn, stride_kd, stride_vn,
+        dsum = _delta_tiles(dsum, q, do, mrow, inv_l, K + b * stride_kb + hk * stride_kh,
+                            V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn,
                             stride_vd, 0, hi, N_K, offs_m, offs_d, kmask_base, causal_off,
                             scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
         delta = dsum + delta
@@ -357,8 +361,8 @@ def _inducer_attn_bwd_dq_kernel(
                        stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
                        offs_m, offs_d, kmask_base, causal_off, scale,
                        HEAD_DIM, BLOCK_N, False, False, False, PREC)
-    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, K + b * stride_kb + h * stride_kh,
-                   V + b * stride_vb + h * stride_vh, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, K + b * stride_kb + hk * stride_kh,
+                   V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, hi, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
                    HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
     dq = dq * scale
@@ -406,7 +410,8 @@ def inducer_attention_forward(
     prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash forward. q (B, H, n_q, p); k, v (B, H, n_k, p); s0 (B, H, n_q) or None;
+    """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
+    query attention: query head h reads kv head h // (H / H_kv)); s0 (B, H, n_q) or None;
     prefix_k/v (H, l, p) or None; key_mask (B, n_k) bool (True = real key) or None.
 
     Returns ``out`` (B, H, n_q, p) in q's dtype (contiguous), ``lse`` (B, H, n_q) float32 over
@@ -415,7 +420,7 @@ def inducer_attention_forward(
     the reciprocal row sum the backward uses to recompute P. Any strides are accepted.
     """
     B, H, n_q, p = q.shape
-    n_k = k.shape[2]
+    n_k, h_kv = k.shape[2], k.shape[1]
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
@@ -436,7 +441,7 @@ def inducer_attention_forward(
         _inducer_attn_fwd_kernel[grid](
             q, k, v, pk, pv, km, s0 if has_s0 else lse, out, lse, lam if has_s0 else lse, stats, B * H * n_q,
             *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *out.stride(),
-            H, n_q, n_k, n_prefix, n_k - n_q, float(scale),
+            H, H // h_kv, n_q, n_k, n_prefix, n_k - n_q, float(scale),
             HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
             HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_S0=has_s0,
             PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
@@ -459,7 +464,8 @@ def inducer_attention_backward(
     the dQ kernel as ``Σ_j P_ij dP_ij`` (see ``EXACT_DELTA``); 16-bit inputs use ⟨dO, O⟩.
     """
     B, H, n_q, p = q.shape
-    n_k = k.shape[2]
+    n_k, h_kv = k.shape[2], k.shape[1]
+    group = H // h_kv
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
@@ -488,8 +494,8 @@ def inducer_attention_backward(
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
     dq = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
-    dk = _alloc.empty(B, H, n_k, p, dtype=k.dtype, device=q.device)
-    dv = _alloc.empty(B, H, n_k, p, dtype=v.dtype, device=q.device)
+    dk = _alloc.empty(B, h_kv, n_k, p, dtype=k.dtype, device=q.device)
+    dv = _alloc.empty(B, h_kv, n_k, p, dtype=v.dtype, device=q.device)
     dpk_part = dpv_part = None
     if has_prefix:
         dpk_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
@@ -502,19 +508,20 @@ def inducer_attention_backward(
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_bwd_dq_kernel[grid](
             q, k, v, pk, pv, km, dout, stats, B * H * n_q, delta, dq, delta_out,
-            *common, H, n_q, n_k, n_prefix, n_k - n_q, float(scale),
+            *common, H, group, n_q, n_k, n_prefix, n_k - n_q, float(scale),
             HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
             HAS_KMASK=has_km, HAS_PREFIX=has_prefix, EXACT_DELTA=exact_delta,
             PREC=dot_precision(q.dtype),
             num_warps=warps, num_stages=stages)
-    if B * H * n_k > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * H)](
-            q, k, v, km, dout, stats, B * H * n_q, delta_out, dk, dv, *q.stride(), *k.stride(), *v.stride(), smb,
-            *dout.stride(), H, n_q, n_k, n_k - n_q, float(scale), IS_PREFIX=False, **kw)
+    if B * h_kv * n_k > 0:
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * h_kv)](
+            q, k, v, km, dout, stats, B * H * n_q, delta_out, dk, dv, *q.stride(), *k.stride(),
+            *v.stride(), smb, *dout.stride(), H, h_kv, group, n_q, n_k, n_k - n_q, float(scale),
+            IS_PREFIX=False, **kw)
     if has_prefix and B * H > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
             q, pk, pv, km, dout, stats, B * H * n_q, delta_out, dpk_part, dpv_part, *q.stride(), 0, *spk, 0, *spv,
-            smb, *dout.stride(), H, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
+            smb, *dout.stride(), H, H, 1, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
             **kw)
     dpk = dpv = None
     if has_prefix:
