@@ -13,7 +13,6 @@ FLOPs count the attention matmuls only (4·B·H·n²·p forward, halved when cau
 
 from __future__ import annotations
 
-import math
 from typing import List
 
 import torch
@@ -89,13 +88,15 @@ def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
 
                 def mk_kfused(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
-                    fn = lambda: inducer_attention(q, k, v, **params, causal=causal,  # noqa: E731
-                                                   backend="triton")
+                    def fn():
+                        return inducer_attention(q, k, v, **params, causal=causal,
+                                                 backend="triton")
                     return fn, _leaves(q, k, v, params)
 
                 def mk_sdpa(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, _ = _make_inputs(B, H, n, p, device, dtype)
-                    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                    def fn():
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                     return fn, [q, k, v]
 
                 def mk_flex(B=B, H=H_, n=n, p=p, causal=causal):
@@ -105,13 +106,15 @@ def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
 
                 def mk_eager(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
-                    fn = lambda: inducer_attention_ref(q, k, v, **params, causal=causal)  # noqa: E731
+                    def fn():
+                        return inducer_attention_ref(q, k, v, **params, causal=causal)
                     return fn, _leaves(q, k, v, params)
 
                 def mk_compile(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
                     ref = torch.compile(inducer_attention_ref)
-                    fn = lambda: ref(q, k, v, **params, causal=causal)  # noqa: E731
+                    def fn():
+                        return ref(q, k, v, **params, causal=causal)
                     return fn, _leaves(q, k, v, params)
 
                 too_big = (f"materialised scores need {score_bytes / 2**30:.1f} GiB"
@@ -138,7 +141,7 @@ if __name__ == "__main__":  # pragma: no cover - manual run
     from kfused.bench import measure
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # noqa: E501
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
     for case in cases(dev, dt, quick="--quick" in sys.argv):
         for row in measure(case, dev):
             print(json.dumps(row))

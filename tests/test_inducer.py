@@ -353,7 +353,8 @@ def test_opcheck_backward():
     with torch.no_grad():
         out, lse, lam, stats = _triton_fwd(q, k, v, s0, pk, pv, mask, causal, scale)
     args = (torch.randn_like(out), torch.randn_like(lam), None, q.detach(), k.detach(),
-            v.detach(), out, lse, stats, lam, s0.detach(), pk.detach(), pv.detach(), mask, causal, scale)
+            v.detach(), out, lse, stats, lam, s0.detach(), pk.detach(), pv.detach(), mask,
+            causal, scale)
     torch.library.opcheck(_triton_bwd, args)
 
 

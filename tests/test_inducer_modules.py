@@ -156,8 +156,9 @@ def test_mask_function_refuses_unsupported_patterns():
     from transformers import masking_utils as mu
 
     with pytest.raises(NotImplementedError, match="sliding"):
-        hf_attention.kfused_inducer_mask(1, 4, 4, mask_function=mu.sliding_window_causal_mask_function(2),
-                                         attention_mask=torch.ones(1, 4, dtype=torch.bool))
+        hf_attention.kfused_inducer_mask(
+            1, 4, 4, mask_function=mu.sliding_window_causal_mask_function(2),
+            attention_mask=torch.ones(1, 4, dtype=torch.bool))
     m = torch.tensor([[1, 1, 0, 1]])
     out = hf_attention.kfused_inducer_mask(1, 4, 4, mask_function=mu.causal_mask_function,
                                            attention_mask=m)

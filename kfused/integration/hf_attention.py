@@ -125,7 +125,8 @@ def attention_layers(model: nn.Module) -> List[Tuple[nn.Module, nn.Module, str, 
                           s.attention_head_size))
         elif hasattr(mod, "o_proj") and hasattr(mod, "q_proj") and hasattr(mod, "head_dim"):
             cfg = getattr(mod, "config", None)
-            heads = getattr(cfg, "num_attention_heads", None) or mod.q_proj.out_features // mod.head_dim
+            heads = (getattr(cfg, "num_attention_heads", None)
+                     or mod.q_proj.out_features // mod.head_dim)
             found.append((mod, mod, "o_proj", heads, mod.head_dim))
     return found
 

@@ -86,7 +86,8 @@ def inducer_attention_ref(
     """
     dtype = q.dtype
     if upcast and dtype in (torch.float16, torch.bfloat16):
-        cast = lambda t: None if t is None else (t.float() if t.is_floating_point() else t)  # noqa: E731
+        def cast(t):
+            return None if t is None else (t.float() if t.is_floating_point() else t)
         q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v = map(
             cast, (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v))
     B, H, n_q, p = q.shape

@@ -1,25 +1,24 @@
 """Flash-style Triton kernels for inducer attention and prefix tuning (SPEC §3).
 
 Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores):
+for each query tile, an online softmax over the l prefix columns (never masked), then over the
+sequence key tiles (causal / key-padding masked; tiles wholly below the causal diagonal skip
+the compare) gives f (ordinary attention over the real columns), LSE over the real columns
+and, when the virtual key's logit s0 is given, λ = sigmoid(s0 − LSE) and 1 − λ in the epilogue.
 
-    for each query tile: online softmax over the l prefix columns (never masked), then over the
-    sequence key tiles (causal / key-padding masked)  ->  f (ordinary attention over the real
-    columns), LSE over the real columns, and, when the virtual key's logit s0 is given,
-    λ = sigmoid(s0 − LSE) in the epilogue.
-
-The virtual column is one more term of the softmax; it is added in the epilogue instead of
+The virtual column is one more term of the softmax; it joins in the epilogue instead of
 seeding the running max/sum, because ``f`` is normalised over the real columns only: seeding
 would force ``f = acc / (l − exp(s0 − m))``, a cancellation that loses every digit when λ → 1.
-``sigmoid(s0 − LSE)`` is the same number computed without cancellation, and with no real
-column at all (a fully masked row) it gives λ = 1, f = 0 and the finite LSE sentinel
-``_EMPTY_LSE`` instead of −inf.
+``sigmoid(s0 − LSE)`` is the same number without cancellation, and with no real column at all
+(a fully masked row) it gives λ = 1, f = 0 and the finite LSE sentinel ``_EMPTY_LSE``.
 
-Backward (SPEC §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``
-where ``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient). ``P`` is recomputed from
-q, k and the saved row max and row sum. One kernel walks key tiles (prefix tiles first, then sequence tiles)
-and accumulates dK, dV over query tiles; another walks query tiles and accumulates dQ. The
-prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed on the host.
-Extra memory is O(n) per head (LSE, λ, D).
+Backward (SPEC §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``,
+``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient). ``P = exp(s − m) / l`` is
+recomputed from q, k and the saved row max and row sum. The dQ kernel walks key tiles per
+query tile (in float32 it first forms ``D_i = Σ_j P_ij dP_ij`` from the same dP values, see
+``EXACT_DELTA``); the dK/dV kernel walks query tiles per key tile, over every query head of
+its kv head (grouped-query attention). The prefix tiles' dK/dV are written per batch element
+(B·H·l·p floats) and summed on the host. Extra memory is O(n) per head (LSE, λ, stats, D).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -145,7 +144,7 @@ def _inducer_attn_fwd_kernel(
              mask=m_ok[:, None] & d_ok[None, :])
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     tl.store(LSE + row, lse, mask=m_ok)
-    # The backward recomputes P = exp(s − m) / l from the row max and sum themselves: exp(s − LSE)
+    # The backward recomputes P = exp(s − m) / l from the row max and sum: exp(s − LSE)
     # would carry LSE's absolute rounding (eps·|LSE|) into every P in float32.
     tl.store(STATS + row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=m_ok)
     tl.store(STATS + N_ROWS + row, tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0), mask=m_ok)
@@ -228,7 +227,8 @@ def _inducer_attn_bwd_dkdv_kernel(
                          out_dtype=tl.float32)
             if EXACT_DELTA:
                 # the same product, operand layout and shape as in the dQ kernel's D_i
-                do_r = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                do_r = tl.load(do_base + offs_m[:, None] * stride_don
+                               + offs_d[None, :] * stride_dod,
                                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
                 vT_r = tl.load(V + b * stride_vb + h * stride_vh + offs_n[None, :] * stride_vn
                                + offs_d[:, None] * stride_vd, mask=d_ok[:, None] & n_ok[None, :],
@@ -246,7 +246,8 @@ def _inducer_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                 stride_vd,
                  lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
@@ -274,7 +275,8 @@ def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, mrow, inv_l, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _dq_tiles(dq, q, do, mrow, inv_l, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+              stride_vd,
               lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
@@ -409,15 +411,16 @@ def inducer_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: Optional[torch.Tensor] = None,
     prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
     query attention: query head h reads kv head h // (H / H_kv)); s0 (B, H, n_q) or None;
     prefix_k/v (H, l, p) or None; key_mask (B, n_k) bool (True = real key) or None.
 
     Returns ``out`` (B, H, n_q, p) in q's dtype (contiguous), ``lse`` (B, H, n_q) float32 over
     the real columns (``_EMPTY_LSE`` for rows with none), ``lam`` (2, B, H, n_q) float32 holding
-    λ and 1 − λ (an empty tensor when s0 is None) and ``stats`` (2, B, H, n_q) float32: the row max and
-    the reciprocal row sum the backward uses to recompute P. Any strides are accepted.
+    λ and 1 − λ (an empty tensor when s0 is None) and ``stats`` (2, B, H, n_q) float32: the
+    row max and the reciprocal row sum the backward uses to recompute P. Any strides are
+    accepted.
     """
     B, H, n_q, p = q.shape
     n_k, h_kv = k.shape[2], k.shape[1]
@@ -439,7 +442,8 @@ def inducer_attention_forward(
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
-            q, k, v, pk, pv, km, s0 if has_s0 else lse, out, lse, lam if has_s0 else lse, stats, B * H * n_q,
+            q, k, v, pk, pv, km, s0 if has_s0 else lse, out, lse, lam if has_s0 else lse, stats,
+            B * H * n_q,
             *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *out.stride(),
             H, H // h_kv, n_q, n_k, n_prefix, n_k - n_q, float(scale),
             HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
@@ -520,7 +524,8 @@ def inducer_attention_backward(
             IS_PREFIX=False, **kw)
     if has_prefix and B * H > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
-            q, pk, pv, km, dout, stats, B * H * n_q, delta_out, dpk_part, dpv_part, *q.stride(), 0, *spk, 0, *spv,
+            q, pk, pv, km, dout, stats, B * H * n_q, delta_out, dpk_part, dpv_part, *q.stride(),
+            0, *spk, 0, *spv,
             smb, *dout.stride(), H, H, 1, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
             **kw)
     dpk = dpv = None
