@@ -85,7 +85,7 @@ def _(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, k
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
-            s0.new_empty(s0.shape, dtype=torch.float32) if has_s0 else _empty(q),
+            s0.new_empty(s0.shape) if has_s0 else _empty(q),
             torch.empty_like(prefix_k, memory_format=torch.contiguous_format)
             if has_prefix else _empty(q),
             torch.empty_like(prefix_v, memory_format=torch.contiguous_format)
@@ -293,17 +293,21 @@ def inducer_attention(
         f, _, _, _ = _triton_fwd(q, k, v, None, prefix_k, prefix_v, key_mask, bool(causal),
                               float(scale))
         return f, None
-    # Per-row inducer MLP in float32 (O(n) memory; autograd differentiates it).
-    qf = q.float()
-    s0 = inducer_key_logit(qf, Ak.float(), ak.float(), Bk.float(), ck.float(), scale)
+    # Per-row inducer MLP (O(n) memory; autograd differentiates it) one precision level above
+    # the inputs: float32 for 16-bit inputs, float64 for float32 ones. It is O(n·p·(L + r))
+    # work next to the kernel's O(n²·p), and it keeps s0 — whose error enters λ(1 − λ) and
+    # every key-side gradient — well inside the SPEC §4 bound.
+    up = torch.float64 if q.dtype == torch.float32 else torch.float32
+    qf = q.to(up)
+    s0 = inducer_key_logit(qf, Ak.to(up), ak.to(up), Bk.to(up), ck.to(up), scale)
     f, _, lam, _ = _triton_fwd(q, k, v, s0, prefix_k, prefix_v, key_mask, bool(causal),
-                            float(scale))
-    hidden = inducer_value_hidden(qf, W1.float(), b1.float())
-    lam, one_minus_lam = lam.unsqueeze(-1).unbind(0)         # λ and 1 − λ, each accurate
+                               float(scale))
+    hidden = inducer_value_hidden(qf, W1.to(up), b1.to(up))
+    lam, one_minus_lam = lam.unsqueeze(-1).to(up).unbind(0)   # λ and 1 − λ, each accurate
     if composition == "add":
         return f, (lam * hidden).to(q.dtype)
-    pv = torch.matmul(hidden, W2.float()) + b2.float()[:, None, :]
-    return (one_minus_lam * f.float() + lam * pv).to(q.dtype), None
+    pv = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
+    return (one_minus_lam * f.to(up) + lam * pv).to(q.dtype), None
 
 
 def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,

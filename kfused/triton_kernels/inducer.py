@@ -159,7 +159,7 @@ def _inducer_attn_fwd_kernel(
 
 @triton.jit
 def _inducer_attn_bwd_dkdv_kernel(
-    Q, K, V, KMASK, DO, STATS, N_ROWS, DELTA, DK, DV,
+    Q, K, V, KMASK, DO, STATS, N_ROWS, DELTA, ADJ, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -190,6 +190,10 @@ def _inducer_attn_bwd_dkdv_kernel(
                  + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     vt = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
                  + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if EXACT_DELTA:
+        kT_r = tl.load(K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn
+                       + offs_d[:, None] * stride_kd, mask=d_ok[:, None] & n_ok[None, :],
+                       other=0.0)
     key_ok = n_ok
     lo = 0
     if not IS_PREFIX:
@@ -217,7 +221,16 @@ def _inducer_attn_bwd_dkdv_kernel(
             mrow = tl.load(STATS + row_base + offs_m, mask=m_ok, other=0.0)
             inv_l = tl.load(STATS + N_ROWS + row_base + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
-            sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * scale
+            adj = tl.load(ADJ + row_base + offs_m, mask=m_ok, other=0.0)
+            if EXACT_DELTA:
+                # S in the dQ kernel's orientation, so P here is bit-identical to the P that
+                # formed D_i there (a single visible column then gives dS = P·dLSE exactly)
+                q_r = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                              mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                sT = tl.trans(tl.dot(q_r, kT_r, input_precision=PREC,
+                                     out_dtype=tl.float32) * scale)
+            else:
+                sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * scale
             valid = key_ok[:, None] & m_ok[None, :]
             if not IS_PREFIX:
                 if CAUSAL:
@@ -236,7 +249,8 @@ def _inducer_attn_bwd_dkdv_kernel(
                 dpT = tl.trans(tl.dot(do_r, vT_r, input_precision=PREC, out_dtype=tl.float32))
             else:
                 dpT = tl.dot(vt, doT, input_precision=PREC, out_dtype=tl.float32)
-            dsT = pT * (dpT - delta[None, :])
+            # (dP − D) first, then + dLSE (adj = −dLSE): folding dLSE into D would round it away
+            dsT = pT * ((dpT - delta[None, :]) - adj[None, :])
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC,
                          out_dtype=tl.float32)
     dk = dk * scale
@@ -275,7 +289,8 @@ def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, mrow, inv_l, delta, k_base, v_base, stride_kn, stride_kd, stride_vn,
+def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, stride_kd,
+              stride_vn,
               stride_vd,
               lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -298,14 +313,14 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, k_base, v_base, stride_kn, stride_k
                 valid = valid & (km != 0)[None, :]
         p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
-        ds = p * (dp - delta[:, None])
+        ds = p * ((dp - delta[:, None]) - adj[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC, out_dtype=tl.float32)
     return dq
 
 
 @triton.jit
 def _inducer_attn_bwd_dq_kernel(
-    Q, K, V, PK, PV, KMASK, DO, STATS, N_ROWS, DELTA, DQ, DELTA_OUT,
+    Q, K, V, PK, PV, KMASK, DO, STATS, N_ROWS, DELTA, ADJ, DQ, DELTA_OUT,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -339,7 +354,7 @@ def _inducer_attn_bwd_dq_kernel(
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     mrow = tl.load(STATS + row, mask=m_ok, other=0.0)
     inv_l = tl.load(STATS + N_ROWS + row, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+    adj = tl.load(ADJ + row, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kmask_base = KMASK + b * stride_mb
     hi = N_K
@@ -356,14 +371,16 @@ def _inducer_attn_bwd_dq_kernel(
                             V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn,
                             stride_vd, 0, hi, N_K, offs_m, offs_d, kmask_base, causal_off,
                             scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
-        delta = dsum + delta
+        delta = dsum
         tl.store(DELTA_OUT + row, delta, mask=m_ok)
+    else:
+        delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     if HAS_PREFIX:
-        dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, PK + h * stride_pkh, PV + h * stride_pvh,
+        dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, PK + h * stride_pkh, PV + h * stride_pvh,
                        stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
                        offs_m, offs_d, kmask_base, causal_off, scale,
                        HEAD_DIM, BLOCK_N, False, False, False, PREC)
-    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, K + b * stride_kb + hk * stride_kh,
+    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, K + b * stride_kb + hk * stride_kh,
                    V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn, stride_vd,
                    0, hi, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
                    HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
@@ -479,19 +496,22 @@ def inducer_attention_backward(
     adj = torch.zeros(B, H, n_q, dtype=torch.float32, device=q.device)
     ds0 = None
     if s0 is not None and dlam is not None and lam is not None and lam.numel() > 0:
-        x = s0.float() - lse
-        dl = dlam.float()
+        wide = torch.float64 if s0.dtype == torch.float64 else torch.float32
+        x = s0.to(wide) - lse.to(wide)
+        dl = dlam.to(wide)
         dl = dl[0] - dl[1]                     # lam holds (λ, 1 − λ)
         ds0 = dl * (torch.sigmoid(x) * torch.sigmoid(-x))
-        adj = adj + ds0
+        adj = adj + ds0.float()
+        ds0 = ds0.to(s0.dtype)
     if dlse is not None:
         adj = adj - dlse.float()
     exact_delta = q.dtype == torch.float32
+    adj = adj.contiguous()
     if exact_delta:
-        delta = adj          # the dQ kernel adds Σ_j P_ij dP_ij and writes delta_out
+        delta = adj          # unused: the dQ kernel forms D_i = Σ_j P_ij dP_ij into delta_out
         delta_out = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     else:
-        delta = (dout.float() * out.float()).sum(-1) + adj
+        delta = (dout.float() * out.float()).sum(-1)
         delta_out = delta
     delta = delta.contiguous()
     lse = lse.contiguous()
@@ -511,7 +531,7 @@ def inducer_attention_backward(
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_bwd_dq_kernel[grid](
-            q, k, v, pk, pv, km, dout, stats, B * H * n_q, delta, dq, delta_out,
+            q, k, v, pk, pv, km, dout, stats, B * H * n_q, delta, adj, dq, delta_out,
             *common, H, group, n_q, n_k, n_prefix, n_k - n_q, float(scale),
             HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
             HAS_KMASK=has_km, HAS_PREFIX=has_prefix, EXACT_DELTA=exact_delta,
@@ -519,12 +539,12 @@ def inducer_attention_backward(
             num_warps=warps, num_stages=stages)
     if B * h_kv * n_k > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * h_kv)](
-            q, k, v, km, dout, stats, B * H * n_q, delta_out, dk, dv, *q.stride(), *k.stride(),
+            q, k, v, km, dout, stats, B * H * n_q, delta_out, adj, dk, dv, *q.stride(), *k.stride(),
             *v.stride(), smb, *dout.stride(), H, h_kv, group, n_q, n_k, n_k - n_q, float(scale),
             IS_PREFIX=False, **kw)
     if has_prefix and B * H > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
-            q, pk, pv, km, dout, stats, B * H * n_q, delta_out, dpk_part, dpv_part, *q.stride(),
+            q, pk, pv, km, dout, stats, B * H * n_q, delta_out, adj, dpk_part, dpv_part, *q.stride(),
             0, *spk, 0, *spv,
             smb, *dout.stride(), H, H, 1, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
             **kw)
