@@ -13,11 +13,13 @@ would force ``f = acc / (l − exp(s0 − m))``, a cancellation that loses every
 (a fully masked row) it gives λ = 1, f = 0 and the finite LSE sentinel ``_EMPTY_LSE``.
 
 Backward (SPEC §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``,
-``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient). ``P = exp(s − m) / l`` is
-recomputed from q, k and the saved row max and row sum. The dQ kernel walks key tiles per
-query tile (in float32 it first forms ``D_i = Σ_j P_ij dP_ij`` from the same dP values, see
-``EXACT_DELTA``); the dK/dV kernel walks query tiles per key tile, over every query head of
-its kv head (grouped-query attention). The prefix tiles' dK/dV are written per batch element
+``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient), evaluated as
+``dS_ij = P_ij ((dP_ij − D_i) + dLSE_i)``: dLSE is usually far smaller than D, and folding it
+into D first would round it away (a row with one visible column has dP − D = 0 exactly and
+dS = P·dLSE). ``P = exp(s − m) / l`` is recomputed from q, k and the saved row max and row
+sum. The dQ kernel walks key tiles per query tile (in float32 it first forms
+``D_i = Σ_j P_ij dP_ij`` from the same dP values, see ``EXACT_DELTA``); the dK/dV kernel walks
+query tiles per key tile, over every query head of its kv head (grouped-query attention). The prefix tiles' dK/dV are written per batch element
 (B·H·l·p floats) and summed on the host. Extra memory is O(n) per head (LSE, λ, stats, D).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
@@ -333,10 +335,10 @@ def _inducer_attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dQ for one query tile. With EXACT_DELTA, DELTA holds only −dLSE and a first pass forms
+    """dQ for one query tile. ADJ holds −dLSE. With EXACT_DELTA a first pass forms
     D_i = Σ_j P_ij dP_ij from the same dP the gradient uses (stored to DELTA_OUT for the dK/dV
     kernel), so dP_ij − D_i cancels exactly where it should (a row with a single visible
-    column has dS = P·dLSE, not rounding noise). Otherwise DELTA = ⟨dO_i, O_i⟩ − dLSE_i."""
+    column has dS = P·dLSE, not rounding noise). Otherwise DELTA = ⟨dO_i, O_i⟩."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -481,8 +483,8 @@ def inducer_attention_backward(
     without an inducer (``lam`` None/empty), the prefix grads None without a prefix.
 
     ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (SPEC §3); the kernels use
-    ``D_i − dLSE_i`` in place of ``D_i = ⟨dO_i, O_i⟩``. In float32, ``D_i`` is formed inside
-    the dQ kernel as ``Σ_j P_ij dP_ij`` (see ``EXACT_DELTA``); 16-bit inputs use ⟨dO, O⟩.
+    ``dS = P ((dP − D) + dLSE)``. In float32, ``D_i`` is formed inside the dQ kernel as
+    ``Σ_j P_ij dP_ij`` (see ``EXACT_DELTA``); 16-bit inputs use ``D_i = ⟨dO_i, O_i⟩``.
     """
     B, H, n_q, p = q.shape
     n_k, h_kv = k.shape[2], k.shape[1]
