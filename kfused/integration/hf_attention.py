@@ -119,8 +119,8 @@ def attention_layers(model: nn.Module) -> List[Tuple[nn.Module, nn.Module, str, 
         elif hasattr(mod, "self") and hasattr(mod, "output") and hasattr(mod.output, "dense") \
                 and hasattr(mod.self, "num_attention_heads"):
             s = mod.self
-            if not hasattr(s, "query"):
-                continue
+            if not hasattr(s, "query") or "Cross" in type(s).__name__:
+                continue                      # self-attention only (as for GPT-2 above)
             found.append((s, mod.output, "dense", s.num_attention_heads,
                           s.attention_head_size))
         elif hasattr(mod, "o_proj") and hasattr(mod, "q_proj") and hasattr(mod, "head_dim"):
