@@ -1,0 +1,387 @@
+"""Inducer attention and prefix tuning (SPEC §3): torch.library ops and the functional API.
+
+``inducer_attention(q, k, v, ...)`` is flash-style attention over (batch, heads, n, p) tensors
+with three optional additions, all O(n) memory on the Triton backend:
+
+* an *inducer*: per query a virtual key ``p_k,i = q_i + tanh(q_i Ak + ak) Bk + ck`` whose logit
+  ``s0_i = τ ⟨q_i, p_k,i⟩`` joins the softmax as one extra never-masked column with weight
+  ``λ_i = sigmoid(s0_i − LSE_i)``; composition ``"add"`` (default, the released code's extended
+  value scope) returns ``u_i = λ_i tanh(q_i W1 + b1)`` for the output projection, ``"gate"``
+  returns ``(1 − λ_i) f_i + λ_i (tanh(q_i W1 + b1) W2 + b2)``;
+* ``l`` learned prefix keys/values per head in front of the sequence (prefix tuning, never
+  masked, part of ordinary attention ``f`` and of ``LSE``);
+* masks: causal (bottom-right aligned), key padding (boolean mask and/or sequence lengths).
+
+Layers: the per-row inducer MLP (``s0`` and ``tanh(q W1 + b1)``, O(n·(L + r)) per head) runs in
+PyTorch in float32 and autograd differentiates it; the attention core is the custom op
+``kfused::inducer_attention_triton_fwd`` (flash forward: f, LSE, λ) whose autograd calls
+``kfused::inducer_attention_triton_bwd`` (flash backward with ``D − dLSE``; SPEC §3).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from kfused import _validate
+from kfused.backends import select_backend
+from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
+                                      inducer_output_projection_ref, inducer_value_hidden)
+
+OP_NAME = "inducer_attention"
+COMPOSITIONS = ("add", "gate")
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# custom ops (Triton backend)
+
+
+@torch.library.custom_op("kfused::inducer_attention_triton_fwd", mutates_args=())
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor],
+                prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
+                key_mask: Optional[Tensor], causal: bool, scale: float
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    from kfused.triton_kernels.inducer import inducer_attention_forward
+
+    return inducer_attention_forward(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale)
+
+
+@_triton_fwd.register_fake
+def _(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale):
+    B, H, n_q, p = q.shape
+    out = q.new_empty((B, H, n_q, p))
+    lse = q.new_empty((B, H, n_q), dtype=torch.float32)
+    lam = q.new_empty((2, B, H, n_q), dtype=torch.float32) if s0 is not None else _empty(q)
+    stats = q.new_empty((2, B, H, n_q), dtype=torch.float32)
+    return out, lse, lam, stats
+
+
+@torch.library.custom_op("kfused::inducer_attention_triton_bwd", mutates_args=())
+def _triton_bwd(dout: Tensor, dlam: Optional[Tensor], dlse: Optional[Tensor], q: Tensor,
+                k: Tensor, v: Tensor, out: Tensor, lse: Tensor, stats: Tensor, lam: Tensor,
+                s0: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
+                key_mask: Optional[Tensor], causal: bool, scale: float
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from kfused.triton_kernels.inducer import inducer_attention_backward
+
+    dq, dk, dv, ds0, dpk, dpv = inducer_attention_backward(
+        dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask, causal,
+        scale)
+    return (dq, dk, dv, ds0 if ds0 is not None else _empty(q),
+            dpk if dpk is not None else _empty(q), dpv if dpv is not None else _empty(q))
+
+
+@_triton_bwd.register_fake
+def _(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask, causal,
+      scale):
+    has_s0 = s0 is not None and lam.numel() > 0 and dlam is not None
+    has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            s0.new_empty(s0.shape) if has_s0 else _empty(q),
+            torch.empty_like(prefix_k, memory_format=torch.contiguous_format)
+            if has_prefix else _empty(q),
+            torch.empty_like(prefix_v, memory_format=torch.contiguous_format)
+            if has_prefix else _empty(q))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale = inputs
+    out, lse, lam, stats = output
+    ctx.save_for_backward(q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask)
+    ctx.has_s0 = s0 is not None
+    ctx.causal = causal
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, dlse, dlam, dstats):
+    q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if not ctx.has_s0:
+        dlam = None
+    dq, dk, dv, ds0, dpk, dpv = _triton_bwd(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0,
+                                            prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale)
+    has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
+    return (dq, dk, dv,
+            ds0 if (ctx.has_s0 and ds0.numel() > 0) else None,
+            dpk if has_prefix else None, dpv if has_prefix else None,
+            None, None, None)
+
+
+_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------
+# validation
+
+
+_SUPPORTED_TRITON_HEAD_DIMS = (32, 64, 80, 96, 128)
+
+
+def _check_param(name: str, t: Optional[Tensor], shape: Sequence[int], what: str,
+                 q: Tensor) -> None:
+    if t is None:
+        raise ValueError(f"{name} is required ({what}, shape {tuple(shape)})")
+    _validate.check_tensor(name, t)
+    _validate.check_shape(name, t, shape, what)
+    _validate.check_same("q", q, **{name: t})
+
+
+def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_padding_mask,
+                     seq_lens, prefix_k, prefix_v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.check_tensor(name, t, ndim=4)
+    _validate.check_same("q", q, k=k, v=v)
+    B, H, n_q, p = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}; expected (batch, heads, n, head_dim) each")
+    if k.shape[1] != v.shape[1] or k.shape[1] < 1 or H % k.shape[1] != 0:
+        raise ValueError(
+            f"head counts do not fit: q has {H} heads (shape {tuple(q.shape)}), k "
+            f"{k.shape[1]}, v {v.shape[1]}; k and v need the same head count, one that divides "
+            f"q's (grouped-query attention)")
+    if k.shape[3] != p or v.shape[3] != p:
+        raise ValueError(f"head widths differ: q {p}, k {k.shape[3]}, v {v.shape[3]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"k has {k.shape[2]} keys but v has {v.shape[2]} values")
+    n_k = k.shape[2]
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor):
+            raise TypeError("key_padding_mask must be a torch.Tensor")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = real key), got "
+                            f"dtype {key_padding_mask.dtype}")
+        _validate.check_shape("key_padding_mask", key_padding_mask, (B, n_k),
+                              "(batch, n_keys), True = real key")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on "
+                             f"{q.device}")
+    if seq_lens is not None:
+        if not isinstance(seq_lens, Tensor):
+            raise TypeError("seq_lens must be a torch.Tensor")
+        if seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
+            raise TypeError(f"seq_lens must be an integer tensor, got dtype {seq_lens.dtype}")
+        _validate.check_shape("seq_lens", seq_lens, (B,), "one key count per batch element")
+        if seq_lens.device != q.device:
+            raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {q.device}")
+    if (prefix_k is None) != (prefix_v is None):
+        raise ValueError("prefix_k and prefix_v must be given together")
+    if prefix_k is not None:
+        for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
+            _validate.check_tensor(name, t, ndim=3)
+            _validate.check_same("q", q, **{name: t})
+        l = prefix_k.shape[1]
+        _validate.check_shape("prefix_k", prefix_k, (H, l, p), "(heads, prefix_len, head_dim)")
+        _validate.check_shape("prefix_v", prefix_v, (H, l, p), "(heads, prefix_len, head_dim)")
+    key_side = (Ak, ak, Bk, ck)
+    has_inducer = any(t is not None for t in key_side + (W1, b1))
+    if has_inducer:
+        if Ak is None:
+            raise ValueError("Ak is required when any inducer parameter is given")
+        _validate.check_tensor("Ak", Ak, ndim=3)
+        L = Ak.shape[2]
+        _check_param("Ak", Ak, (H, p, L), "(heads, head_dim, key_bottleneck)", q)
+        _check_param("ak", ak, (H, L), "(heads, key_bottleneck)", q)
+        _check_param("Bk", Bk, (H, L, p), "(heads, key_bottleneck, head_dim)", q)
+        _check_param("ck", ck, (H, p), "(heads, head_dim)", q)
+        if W1 is None:
+            raise ValueError("W1 is required when the inducer is on (heads, head_dim, r)")
+        _validate.check_tensor("W1", W1, ndim=3)
+        r = W1.shape[2]
+        _check_param("W1", W1, (H, p, r), "(heads, head_dim, value_bottleneck)", q)
+        _check_param("b1", b1, (H, r), "(heads, value_bottleneck)", q)
+        if composition == "gate":
+            _check_param("W2", W2, (H, r, p), "'gate': (heads, value_bottleneck, head_dim)", q)
+            _check_param("b2", b2, (H, p), "'gate': (heads, head_dim)", q)
+        elif W2 is not None or b2 is not None:
+            raise ValueError(
+                "composition 'add' maps u to the output space outside the attention: pass W2 "
+                "(heads, r, d) and b2 (d,) to inducer_output_projection, not to "
+                "inducer_attention")
+    elif W2 is not None or b2 is not None:
+        raise ValueError("W2/b2 given without the inducer parameters Ak, ak, Bk, ck, W1, b1")
+    return has_inducer
+
+
+def _triton_unfit(p: int):
+    def unfit(name: str) -> Optional[str]:
+        if name == "triton" and p not in _SUPPORTED_TRITON_HEAD_DIMS:
+            return (f"head width {p} is not supported by the Triton kernel "
+                    f"(supported: {_SUPPORTED_TRITON_HEAD_DIMS})")
+        return None
+    return unfit
+
+
+def _combined_key_mask(key_padding_mask: Optional[Tensor], seq_lens: Optional[Tensor],
+                       n_k: int, device) -> Optional[Tensor]:
+    mask = key_padding_mask
+    if seq_lens is not None:
+        by_len = torch.arange(n_k, device=device)[None, :] < seq_lens[:, None]
+        mask = by_len if mask is None else mask & by_len
+    return mask
+
+
+# ------------------------------------------------------------------------------------------
+# public API
+
+
+def inducer_attention(
+    q: Tensor, k: Tensor, v: Tensor,
+    Ak: Optional[Tensor] = None, ak: Optional[Tensor] = None,
+    Bk: Optional[Tensor] = None, ck: Optional[Tensor] = None,
+    W1: Optional[Tensor] = None, b1: Optional[Tensor] = None,
+    W2: Optional[Tensor] = None, b2: Optional[Tensor] = None,
+    *, composition: str = "add", causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None, seq_lens: Optional[Tensor] = None,
+    prefix_k: Optional[Tensor] = None, prefix_v: Optional[Tensor] = None,
+    scale: Optional[float] = None, backend: Optional[str] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Inducer attention with optional prefix tuning (SPEC §3). Returns ``(out, u)``.
+
+    Args (``B`` batch, ``H`` heads, ``p`` head width, ``L``/``r`` key/value bottlenecks):
+        q: (B, H, n_q, p); k, v: (B, H_kv, n_k, p), H_kv dividing H (grouped-query
+            attention: query head h reads kv head h // (H / H_kv)). One floating dtype.
+        Ak (H, p, L), ak (H, L), Bk (H, L, p), ck (H, p): key-side MLP of the virtual key.
+        W1 (H, p, r), b1 (H, r): value-side bottleneck.
+        W2 (H, r, p), b2 (H, p): ``"gate"`` only (for ``"add"`` the output-space ``W2``
+            (H, r, d), ``b2`` (d,) belong to :func:`inducer_output_projection`).
+        composition: ``"add"`` or ``"gate"``.
+        causal: query i sees keys j <= i + n_k − n_q (bottom-right; SDPA's is_causal when
+            n_q == n_k). The virtual column and the prefix are never masked.
+        key_padding_mask: (B, n_k) bool, True = real key. seq_lens: (B,) int, keys j < len
+            are real. Both may be given (intersection).
+        prefix_k, prefix_v: (H, l, p) prefix keys/values shared over the batch; l = 0 is none.
+        scale: softmax scale τ, default 1/√p.
+        backend: "auto" | "triton" | "reference" (default from ``KFUSED_BACKEND``).
+
+    Returns:
+        no inducer: ``(f, None)``, f (B, H, n_q, p) ordinary (prefix-)attention;
+        ``"add"``: ``(f, u)``, u = λ · tanh(q W1 + b1) (B, H, n_q, r) in q's dtype;
+        ``"gate"``: ``((1 − λ) f + λ (tanh(q W1 + b1) W2 + b2), None)``.
+        A row with no visible key (and no prefix) has f = 0 and λ = 1, never NaN.
+    """
+    has_inducer = _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition,
+                                   key_padding_mask, seq_lens, prefix_k, prefix_v)
+    p = q.shape[-1]
+    if scale is None:
+        scale = p ** -0.5
+    tensors = [t for t in (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v)
+               if t is not None]
+    chosen = select_backend(OP_NAME, backend, tensors, impls=("triton",),
+                            extra_unfit=_triton_unfit(p))
+    if chosen == "reference":
+        return inducer_attention_ref(
+            q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition=composition, causal=causal,
+            key_padding_mask=key_padding_mask, seq_lens=seq_lens, prefix_k=prefix_k,
+            prefix_v=prefix_v, scale=scale)
+
+    key_mask = _combined_key_mask(key_padding_mask, seq_lens, k.shape[2], q.device)
+    if prefix_k is not None and prefix_k.shape[1] == 0:
+        prefix_k = prefix_v = None
+    if not has_inducer:
+        f, _, _, _ = _triton_fwd(q, k, v, None, prefix_k, prefix_v, key_mask, bool(causal),
+                              float(scale))
+        return f, None
+    # Per-row inducer MLP (O(n) memory; autograd differentiates it) one precision level above
+    # the inputs: float32 for 16-bit inputs, float64 for float32 ones. It is O(n·p·(L + r))
+    # work next to the kernel's O(n²·p), and it keeps s0 — whose error enters λ(1 − λ) and
+    # every key-side gradient — well inside the SPEC §4 bound.
+    up = torch.float64 if q.dtype == torch.float32 else torch.float32
+    qf = q.to(up)
+    s0 = inducer_key_logit(qf, Ak.to(up), ak.to(up), Bk.to(up), ck.to(up), scale)
+    f, _, lam, _ = _triton_fwd(q, k, v, s0, prefix_k, prefix_v, key_mask, bool(causal),
+                               float(scale))
+    hidden = inducer_value_hidden(qf, W1.to(up), b1.to(up))
+    lam, one_minus_lam = lam.unsqueeze(-1).to(up).unbind(0)   # λ and 1 − λ, each accurate
+    if composition == "add":
+        return f, (lam * hidden).to(q.dtype)
+    pv = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
+    return (one_minus_lam * f.to(up) + lam * pv).to(q.dtype), None
+
+
+def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,
+                              b_o: Optional[Tensor] = None, W2: Optional[Tensor] = None,
+                              b2: Optional[Tensor] = None) -> Tensor:
+    """``y = concat_h(f^h) W_oᵀ + b_o + Σ_h u^h W2_h + b2`` as one GEMM over ``[f | u]``.
+
+    f (B, H, n, p), u (B, H, n, r) or None, W_o (d, H·p) (nn.Linear layout), b_o (d,),
+    W2 (H, r, d), b2 (d,) -> (B, n, d).
+    """
+    _validate.check_tensor("f", f, ndim=4)
+    B, H, n, p = f.shape
+    _validate.check_tensor("W_o", W_o, ndim=2)
+    if W_o.shape[1] != H * p:
+        raise ValueError(f"W_o has shape {tuple(W_o.shape)}, expected (d, {H * p}) for "
+                         f"{H} heads of width {p}")
+    d = W_o.shape[0]
+    x = f.transpose(1, 2).reshape(B, n, H * p)
+    weight = W_o.transpose(0, 1)
+    bias = b_o
+    if u is not None:
+        _validate.check_tensor("u", u, ndim=4)
+        r = u.shape[-1]
+        _validate.check_shape("u", u, (B, H, n, r), "(batch, heads, n, r)")
+        if W2 is None:
+            raise ValueError("W2 (heads, r, d) is required when u is given")
+        _validate.check_shape("W2", W2, (H, r, d), "(heads, value_bottleneck, d)")
+        x = torch.cat([x, u.transpose(1, 2).reshape(B, n, H * r)], dim=-1)
+        weight = torch.cat([weight, W2.reshape(H * r, d)], dim=0)
+        if b2 is not None:
+            bias = b2 if bias is None else bias + b2
+    y = torch.matmul(x, weight)
+    return y if bias is None else y + bias
+
+
+def check_cases(device: torch.device) -> list:
+    """`kfused check` cases (SPEC §4 against the float64 reference): inducer "add" and
+    "gate", prefix, causal and padding masks, odd n, every supported head width."""
+    from kfused.checks import CheckCase
+
+    g = torch.Generator().manual_seed(0)
+    on_gpu = torch.device(device).type == "cuda"
+    f64 = torch.float64
+    cases = []
+    specs = [(2, 4, 1025 if on_gpu else 97, 64, 16, True, "add"),
+             (2, 4, 97, 80, 1, False, "gate"),
+             (1, 2, 513 if on_gpu else 33, 128, 0, True, "add"),
+             (2, 2, 97, 32, 0, False, "gate"),
+             (1, 2, 1, 96, 1, True, "add")]
+    for B, H, n, p, l, causal, comp in specs:
+        rnd = lambda *shape, s=1.0: torch.randn(*shape, generator=g, dtype=f64) * s  # noqa: E731
+        inputs = {"q": rnd(B, H, n, p), "k": rnd(B, H, n, p), "v": rnd(B, H, n, p),
+                  "Ak": rnd(H, p, 3, s=0.5), "ak": rnd(H, 3, s=0.5), "Bk": rnd(H, 3, p, s=0.5),
+                  "ck": rnd(H, p, s=0.5), "W1": rnd(H, p, 5, s=0.5), "b1": rnd(H, 5, s=0.5)}
+        if comp == "gate":
+            inputs.update(W2=rnd(H, 5, p), b2=rnd(H, p))
+        if l:
+            inputs.update(prefix_k=rnd(H, l, p), prefix_v=rnd(H, l, p))
+        mask = torch.rand(B, n, generator=g) > 0.25
+        mask[:, 0] = True
+        inputs["key_padding_mask"] = mask
+
+        def run(backend, comp=comp, causal=causal):
+            def fn(**kw):
+                out, u = inducer_attention(**kw, composition=comp, causal=causal,
+                                           backend=backend)
+                return out if u is None else (out, u)
+            return fn
+
+        label = f"B={B} H={H} n={n} p={p} l={l} {'causal ' if causal else ''}{comp}"
+        cases.append(CheckCase(OP_NAME, label, "triton", run("triton"), run("reference"),
+                               inputs))
+    return cases
+
+
+__all__ = ["check_cases", "inducer_attention", "inducer_output_projection", "inducer_attention_ref",
+           "inducer_output_projection_ref"]

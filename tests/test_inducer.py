@@ -1,0 +1,425 @@
+"""Inducer attention and prefix tuning (SPEC §3): reference, Triton kernel, op registration."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import DEVICE, DTYPES
+from kfused.backends import BackendError
+from kfused.ops.inducer import (_triton_bwd, _triton_fwd, inducer_attention,
+                                inducer_output_projection)
+from kfused.reference.inducer import inducer_attention_ref, inducer_output_projection_ref
+from kfused.testing import assert_against_reference
+
+f64 = torch.float64
+
+
+def _params(H, p, L=3, r=5, d=None, composition="add", l=0, gen_scale=0.5):
+    """float64 random inducer parameters (large enough that λ is far from 0 and 1)."""
+    P = {
+        "Ak": torch.randn(H, p, L, dtype=f64) * gen_scale,
+        "ak": torch.randn(H, L, dtype=f64) * gen_scale,
+        "Bk": torch.randn(H, L, p, dtype=f64) * gen_scale,
+        "ck": torch.randn(H, p, dtype=f64) * gen_scale,
+        "W1": torch.randn(H, p, r, dtype=f64) * gen_scale,
+        "b1": torch.randn(H, r, dtype=f64) * gen_scale,
+    }
+    if composition == "gate":
+        P["W2"] = torch.randn(H, r, p, dtype=f64)
+        P["b2"] = torch.randn(H, p, dtype=f64)
+    if l:
+        P["prefix_k"] = torch.randn(H, l, p, dtype=f64)
+        P["prefix_v"] = torch.randn(H, l, p, dtype=f64)
+    return P
+
+
+def _qkv(B, H, n, p, n_k=None):
+    n_k = n if n_k is None else n_k
+    return {"q": torch.randn(B, H, n, p, dtype=f64), "k": torch.randn(B, H, n_k, p, dtype=f64),
+            "v": torch.randn(B, H, n_k, p, dtype=f64)}
+
+
+def _naive(q, k, v, P, *, causal, mask, composition):
+    """Independent per-row loop of SPEC §3 (float64)."""
+    B, H, n, p = q.shape
+    n_k = k.shape[2]
+    tau = 1 / math.sqrt(p)
+    out = torch.zeros_like(q)
+    lams = torch.zeros(B, H, n, dtype=f64)
+    us = []
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                qi = q[b, h, i]
+                keys, vals = [], []
+                if "prefix_k" in P:
+                    keys += list(P["prefix_k"][h])
+                    vals += list(P["prefix_v"][h])
+                for j in range(n_k):
+                    if causal and j > i + n_k - n:
+                        continue
+                    if mask is not None and not mask[b, j]:
+                        continue
+                    keys.append(k[b, h, j])
+                    vals.append(v[b, h, j])
+                if keys:
+                    s = torch.stack([tau * qi @ kj for kj in keys])
+                    w = torch.softmax(s, 0)
+                    f = (w[:, None] * torch.stack(vals)).sum(0)
+                    lse = torch.logsumexp(s, 0)
+                else:
+                    f = torch.zeros(p, dtype=f64)
+                    lse = torch.tensor(-math.inf, dtype=f64)
+                pk = qi + torch.tanh(qi @ P["Ak"][h] + P["ak"][h]) @ P["Bk"][h] + P["ck"][h]
+                s0 = tau * qi @ pk
+                lam = torch.exp(s0) / (torch.exp(s0) + torch.exp(lse))
+                lams[b, h, i] = lam
+                hid = torch.tanh(qi @ P["W1"][h] + P["b1"][h])
+                if composition == "gate":
+                    pv = hid @ P["W2"][h] + P["b2"][h]
+                    f = (1 - lam) * f + lam * pv
+                out[b, h, i] = f
+    return out, lams
+
+
+@pytest.mark.parametrize("composition", ["add", "gate"])
+def test_reference_matches_naive_loop(composition):
+    B, H, n, p = 2, 2, 6, 8
+    X = _qkv(B, H, n, p, n_k=7)
+    P = _params(H, p, composition=composition, l=2)
+    mask = torch.rand(B, 7) > 0.3
+    mask[1] = False                                           # a fully padded sequence
+    out, u, lse, lam = inducer_attention_ref(**X, **P, composition=composition, causal=True,
+                                             key_padding_mask=mask, return_stats=True)
+    P_noprefix = {k_: v_ for k_, v_ in P.items() if not k_.startswith("prefix")}
+    ref_out, ref_lam = _naive(X["q"], X["k"], X["v"], P, causal=True, mask=mask,
+                              composition=composition)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lam, ref_lam)
+    if composition == "add":
+        hid = torch.tanh(X["q"] @ P["W1"] + P["b1"][:, None])
+        torch.testing.assert_close(u, ref_lam[..., None] * hid)
+    # no prefix + fully masked rows: f = 0, λ = 1, finite
+    out2, _, _, lam2 = inducer_attention_ref(**X, **P_noprefix, composition="add",
+                                             key_padding_mask=mask, return_stats=True)
+    assert torch.all(out2[1] == 0) and torch.all(lam2[1] == 1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_plain_matches_sdpa(causal):
+    X = _qkv(2, 3, 11, 16)
+    out, u = inducer_attention_ref(**X, causal=causal)
+    assert u is None
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(**{
+        "query": X["q"], "key": X["k"], "value": X["v"]}, is_causal=causal))
+    mask = torch.rand(2, 11) > 0.4
+    mask[:, 0] = True
+    out, _ = inducer_attention_ref(**X, key_padding_mask=mask)
+    sd = F.scaled_dot_product_attention(X["q"], X["k"], X["v"], attn_mask=mask[:, None, None])
+    torch.testing.assert_close(out, sd)
+
+
+@pytest.mark.parametrize("composition", ["add", "gate"])
+def test_reference_gradcheck(composition):
+    B, H, n, p = 1, 2, 4, 4
+    X = _qkv(B, H, n, p)
+    P = _params(H, p, L=2, r=3, composition=composition, l=1)
+    mask = torch.tensor([[True, False, True, False]])
+    names = list(X) + list(P)
+    vals = [t.requires_grad_(True) for t in list(X.values()) + list(P.values())]
+
+    def fn(*args):
+        kw = dict(zip(names, args))
+        out, u = inducer_attention_ref(**kw, composition=composition, causal=True,
+                                       key_padding_mask=mask)
+        return (out, u) if u is not None else out
+
+    assert torch.autograd.gradcheck(fn, vals)
+    # fully masked rows (no prefix): gradients exist and are finite
+    Pn = _params(H, p, L=2, r=3, composition=composition)
+    vals = [t.requires_grad_(True) for t in list(X.values()) + list(Pn.values())]
+    names = list(X) + list(Pn)
+    none = torch.zeros(B, n, dtype=torch.bool)
+    none[0, 3] = True
+
+    def fn2(*args):
+        kw = dict(zip(names, args))
+        out, u = inducer_attention_ref(**kw, composition=composition, causal=True,
+                                       key_padding_mask=none)
+        return (out, u) if u is not None else out
+
+    assert torch.autograd.gradcheck(fn2, vals)
+
+
+# ------------------------------------------------------------------------------------------
+# kernel vs float64 reference (SPEC §4)
+
+
+def _fns(composition, causal, with_proj):
+    def make(backend):
+        def fn(q, k, v, Ak=None, ak=None, Bk=None, ck=None, W1=None, b1=None, W2=None,
+               b2=None, prefix_k=None, prefix_v=None, key_padding_mask=None, seq_lens=None,
+               W_o=None, b_o=None, W2o=None, b2o=None):
+            out, u = inducer_attention(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2,
+                                       composition=composition, causal=causal,
+                                       key_padding_mask=key_padding_mask, seq_lens=seq_lens,
+                                       prefix_k=prefix_k, prefix_v=prefix_v, backend=backend)
+            if u is None:
+                return out
+            if with_proj:
+                return out, u, inducer_output_projection(out, u, W_o, b_o, W2o, b2o)
+            return out, u
+        return fn
+    return make("triton"), make("reference")
+
+
+def _mask_with_empty_row(B, n_k, kind):
+    if kind == "mask":
+        m = torch.rand(B, n_k) > 0.3
+        m[0, : max(1, n_k // 2)] = True
+        m[-1] = False                              # a batch element with every key padded
+        if B == 1:
+            m[0, 0] = True
+        return {"key_padding_mask": m}
+    if kind == "lens":
+        return {"seq_lens": torch.randint(1, n_k + 1, (B,))}
+    return {}
+
+
+CASES = [
+    # B, H, n, p, l, causal, padding, composition
+    (8, 2, 1, 32, 0, False, None, "add"),       # n = 1: several rows so that the max errors
+    (8, 2, 1, 64, 1, True, "mask", "gate"),     # compare distributions, not single draws
+    (1, 2, 97, 32, 0, False, "lens", "add"),
+    (2, 1, 97, 64, 16, True, "mask", "add"),
+    (1, 2, 97, 80, 1, False, "lens", "gate"),
+    (2, 1, 97, 96, 0, True, None, "gate"),
+    (2, 1, 97, 128, 16, False, "mask", "add"),
+    (1, 1, 1025, 64, 16, True, "lens", "add"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("B,H,n,p,l,causal,padding,composition", CASES,
+                         ids=[f"B{c[0]}H{c[1]}n{c[2]}p{c[3]}l{c[4]}{'c' if c[5] else ''}"
+                              f"-{c[6]}-{c[7]}" for c in CASES])
+def test_kernel_against_reference(B, H, n, p, l, causal, padding, composition, dtype):
+    X = _qkv(B, H, n, p)
+    P = _params(H, p, composition=composition, l=l)
+    inputs = {**X, **P, **_mask_with_empty_row(B, n, padding)}
+    with_proj = composition == "add"
+    if with_proj:
+        d, r = 24, P["W1"].shape[2]
+        inputs.update(W_o=torch.randn(d, H * p, dtype=f64) / math.sqrt(H * p),
+                      b_o=torch.randn(d, dtype=f64), W2o=torch.randn(H, r, d, dtype=f64),
+                      b2o=torch.randn(d, dtype=f64))
+    kern, ref = _fns(composition, causal, with_proj)
+    _assert_spec(kern, ref, inputs, dtype)
+
+
+def _assert_spec(kern, ref, inputs, dtype):
+    assert_against_reference(kern, ref, inputs, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("n,p,l,causal,padding", [(97, 32, 0, True, "mask"),
+                                                  (33, 128, 16, False, "lens"),
+                                                  (1, 96, 1, True, None)])
+def test_kernel_plain_and_prefix(n, p, l, causal, padding, dtype):
+    """No inducer: ordinary (prefix-)attention, output and dq, dk, dv, dprefix."""
+    B = 8 if n == 1 else 2
+    X = _qkv(B, 2, n, p)
+    inputs = {**X, **_mask_with_empty_row(B, n, padding)}
+    if l:
+        inputs.update(prefix_k=torch.randn(2, l, p, dtype=f64),
+                      prefix_v=torch.randn(2, l, p, dtype=f64))
+    kern, ref = _fns("add", causal, False)
+    _assert_spec(kern, ref, inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_kernel_grouped_query(dtype):
+    """H = 4 query heads over H_kv = 2 kv heads (Llama-style GQA), natively in the kernel."""
+    X = _qkv(2, 4, 45, 64)
+    X["k"], X["v"] = X["k"][:, :2].clone(), X["v"][:, :2].clone()
+    P = _params(4, 64, l=1)
+    kern, ref = _fns("add", True, False)
+    _assert_spec(kern, ref, {**X, **P, **_mask_with_empty_row(2, 45, "mask")}, dtype)
+
+
+def test_kernel_cross_lengths_causal():
+    """n_q != n_k (KV-cache prefill continuation): bottom-right causal alignment."""
+    X = _qkv(1, 2, 17, 32, n_k=50)
+    P = _params(2, 32, l=1)
+    kern, ref = _fns("add", True, False)
+    assert_against_reference(kern, ref, {**X, **P}, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_inducer_matches_sdpa(causal):
+    B, H, n, p = 2, 2, 97, 64
+    q, k, v = (torch.randn(B, H, n, p, device=DEVICE) for _ in range(3))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, u = inducer_attention(q, k, v, causal=causal, backend="triton")
+    assert u is None
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    ga = torch.autograd.grad(out, (q, k, v), g)
+    gb = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+def test_fully_masked_rows_finite():
+    B, H, n, p = 2, 2, 40, 32
+    X = {k_: t.float().to(DEVICE).requires_grad_(True) for k_, t in _qkv(B, H, n, p).items()}
+    P = {k_: t.float().to(DEVICE).requires_grad_(True) for k_, t in _params(H, p).items()}
+    mask = torch.ones(B, n, dtype=torch.bool, device=DEVICE)
+    mask[1] = False
+    out, u = inducer_attention(**X, **P, key_padding_mask=mask, causal=True, backend="triton")
+    assert torch.isfinite(out).all() and torch.isfinite(u).all()
+    assert torch.all(out[1] == 0)
+    hid = torch.tanh(X["q"][1] @ P["W1"] + P["b1"][:, None])
+    torch.testing.assert_close(u[1], hid)                      # λ = 1 on empty rows
+    grads = torch.autograd.grad((out.sum() + u.sum()), list(X.values()) + list(P.values()))
+    assert all(torch.isfinite(g).all() for g in grads)
+    # causal with more queries than keys: the first rows see no key at all
+    q = torch.randn(1, 1, 8, 32, device=DEVICE)
+    k = torch.randn(1, 1, 3, 32, device=DEVICE)
+    o, _ = inducer_attention(q, k, k.clone(), causal=True, backend="triton")
+    assert torch.all(o[0, 0, :5] == 0) and torch.isfinite(o).all()
+
+
+def test_prefix_len_zero_is_plain_attention():
+    X = {k_: t.float().to(DEVICE) for k_, t in _qkv(1, 2, 20, 32).items()}
+    empty = torch.zeros(2, 0, 32, device=DEVICE)
+    a, _ = inducer_attention(**X, prefix_k=empty, prefix_v=empty, backend="triton")
+    b, _ = inducer_attention(**X, backend="triton")
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# op registration
+
+
+def _op_args(with_s0=True, with_prefix=True, causal=True, with_mask=True):
+    B, H, n, p = 1, 2, 19, 32
+    q, k, v = (torch.randn(B, H, n, p, device=DEVICE, requires_grad=True) for _ in range(3))
+    s0 = torch.randn(B, H, n, device=DEVICE, requires_grad=True) if with_s0 else None
+    pk = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
+    pv = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
+    mask = (torch.rand(B, n, device=DEVICE) > 0.3) if with_mask else None
+    return (q, k, v, s0, pk, pv, mask, causal, 0.2)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(with_s0=False, with_prefix=False,
+                                                  causal=False, with_mask=False)])
+def test_opcheck_forward(variant):
+    torch.library.opcheck(_triton_fwd, _op_args(**variant))
+
+
+def test_opcheck_backward():
+    q, k, v, s0, pk, pv, mask, causal, scale = _op_args()
+    with torch.no_grad():
+        out, lse, lam, stats = _triton_fwd(q, k, v, s0, pk, pv, mask, causal, scale)
+    args = (torch.randn_like(out), torch.randn_like(lam), None, q.detach(), k.detach(),
+            v.detach(), out, lse, stats, lam, s0.detach(), pk.detach(), pv.detach(), mask,
+            causal, scale)
+    torch.library.opcheck(_triton_bwd, args)
+
+
+def test_torch_compile_fullgraph():
+    X = {k_: t.float().to(DEVICE) for k_, t in _qkv(1, 2, 20, 32).items()}
+    P = {k_: t.float().to(DEVICE) for k_, t in _params(2, 32, l=2).items()}
+
+    def fn(q, k, v):
+        out, u = inducer_attention(q, k, v, **P, causal=True, backend="triton")
+        return out.sum() + u.sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(**X), fn(**X))
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs
+
+
+def _good():
+    X = {k_: t.float() for k_, t in _qkv(2, 2, 8, 32).items()}
+    P = {k_: t.float() for k_, t in _params(2, 32).items()}
+    return X, P
+
+
+def test_bad_inputs():
+    X, P = _good()
+    with pytest.raises(ValueError, match="head counts"):
+        inducer_attention(X["q"], torch.randn(2, 3, 8, 32), torch.randn(2, 3, 8, 32),
+                          backend="reference")
+    with pytest.raises(ValueError, match="head counts"):
+        inducer_attention(X["q"], X["k"][:, :1], X["v"], backend="reference")
+    with pytest.raises(ValueError, match="must have 4 dimensions"):
+        inducer_attention(X["q"][0], X["k"], X["v"])
+    with pytest.raises(ValueError, match="key_padding_mask has shape"):
+        inducer_attention(**X, key_padding_mask=torch.ones(2, 9, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
+        inducer_attention(**X, key_padding_mask=torch.ones(2, 8))
+    with pytest.raises(TypeError, match="seq_lens must be an integer"):
+        inducer_attention(**X, seq_lens=torch.ones(2))
+    with pytest.raises(ValueError, match="seq_lens has shape"):
+        inducer_attention(**X, seq_lens=torch.ones(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="dtype"):
+        inducer_attention(X["q"], X["k"].double(), X["v"])
+    with pytest.raises(ValueError, match="Bk has shape"):
+        inducer_attention(**X, **{**P, "Bk": P["Bk"][:, :, :5]})
+    with pytest.raises(ValueError, match="ck is required"):
+        inducer_attention(**X, **{**P, "ck": None})
+    with pytest.raises(ValueError, match="W2"):
+        inducer_attention(**X, **P, composition="gate")
+    with pytest.raises(ValueError, match="composition"):
+        inducer_attention(**X, **P, composition="mul")
+    with pytest.raises(ValueError, match="prefix_k and prefix_v"):
+        inducer_attention(**X, prefix_k=torch.randn(2, 3, 32))
+    with pytest.raises(ValueError, match="prefix_v has shape"):
+        inducer_attention(**X, prefix_k=torch.randn(2, 3, 32), prefix_v=torch.randn(2, 4, 32))
+    q = torch.randn(1, 1, 4, 48)
+    with pytest.raises(BackendError, match="head width 48"):
+        inducer_attention(q, q, q, backend="triton")
+    out, _ = inducer_attention(q, q, q, backend="reference")   # any width on the reference
+    assert out.shape == q.shape
+
+
+def test_output_projection_matches_reference():
+    B, H, n, p, r, d = 2, 3, 5, 8, 4, 20
+    f, u = torch.randn(B, H, n, p, dtype=f64), torch.randn(B, H, n, r, dtype=f64)
+    W_o, b_o = torch.randn(d, H * p, dtype=f64), torch.randn(d, dtype=f64)
+    W2, b2 = torch.randn(H, r, d, dtype=f64), torch.randn(d, dtype=f64)
+    torch.testing.assert_close(inducer_output_projection(f, u, W_o, b_o, W2, b2),
+                               inducer_output_projection_ref(f, u, W_o, b_o, W2, b2))
+    with pytest.raises(ValueError, match="W_o has shape"):
+        inducer_output_projection(f, u, W_o[:, :-1], b_o, W2, b2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="peak memory is measured on a GPU")
+def test_peak_memory_linear_in_n():
+    H, p = 4, 64
+    P = {k_: t.to("cuda", torch.float16) for k_, t in _params(H, p).items()}
+    peaks = []
+    for n in (2048, 4096, 8192):
+        X = {k_: t.to("cuda", torch.float16).requires_grad_(True)
+             for k_, t in _qkv(1, H, n, p).items()}
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out, u = inducer_attention(**X, **P, causal=True, backend="triton")
+        (out.float().sum() + u.float().sum()).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    # doubling n at most ~doubles the peak (an n² term would quadruple it)
+    assert peaks[2] < 2.6 * peaks[1] and peaks[1] < 2.6 * peaks[0], peaks
+    # and the absolute size is far below one n × n score matrix per head
+    assert peaks[2] < H * 8192 * 8192 * 2 / 4, peaks

@@ -1,0 +1,197 @@
+"""InducerAttention adapter and the transformers AttentionInterface registration."""
+
+import pytest
+import torch
+
+from tests.conftest import DEVICE
+from kfused.modules.inducer import InducerAttention, InducerOutputProjection
+from kfused.ops.inducer import inducer_attention
+
+transformers = pytest.importorskip("transformers")
+from kfused.integration import hf_attention  # noqa: E402
+
+
+def test_zero_init_is_exact_and_paper_init_small():
+    H, p, d = 2, 32, 48
+    ad = InducerAttention(H, p, d_model=d, key_bottleneck=3, value_bottleneck=5, init="zero")
+    q, k, v = (torch.randn(2, H, 7, p) for _ in range(3))
+    f, u = ad(q, k, v, causal=True, backend="reference")
+    assert u.shape == (2, H, 7, 5)
+    W_o, b_o = torch.randn(d, H * p), torch.randn(d)
+    y = ad.output_projection(f, u, W_o, b_o)
+    frozen = f.transpose(1, 2).reshape(2, 7, H * p) @ W_o.t() + b_o
+    torch.testing.assert_close(y, frozen)
+    ad2 = InducerAttention(H, p, d_model=d, init="paper")
+    for name in ("Ak", "ak", "Bk", "ck", "W1", "b1", "W2", "b2"):
+        t = getattr(ad2, name)
+        assert 0 < t.abs().max() <= 0.02 + 1e-6
+    # the fused output weight equals the reference projection
+    f2, u2 = ad2(q, k, v, backend="reference")
+    y2 = ad2.output_projection(f2, u2, W_o, b_o)
+    ref = (f2.transpose(1, 2).reshape(2, 7, H * p) @ W_o.t() + b_o
+           + u2.transpose(1, 2).reshape(2, 7, -1) @ ad2.W2.reshape(-1, d) + ad2.b2)
+    torch.testing.assert_close(y2, ref)
+
+
+def test_gate_and_prefix_module():
+    H, p = 2, 32
+    ad = InducerAttention(H, p, composition="gate", prefix_len=4, key_bottleneck=2,
+                          value_bottleneck=3)
+    assert ad.W2.shape == (H, 3, p) and ad.prefix_k.shape == (H, 4, p)
+    q, k, v = (torch.randn(1, H, 9, p) for _ in range(3))
+    out, u = ad(q, k, v, backend="reference")
+    assert u is None and out.shape == q.shape
+    out.sum().backward()
+    assert ad.prefix_k.grad is not None and ad.Ak.grad is not None
+    pre = InducerAttention(H, p, prefix_len=3, inducer=False)
+    out, u = pre(q, k, v, backend="reference")
+    assert u is None and not hasattr(pre, "Ak")
+    with pytest.raises(ValueError, match="composition"):
+        InducerAttention(H, p, composition="mul")
+    with pytest.raises(ValueError, match="init"):
+        InducerAttention(H, p, init="lora")
+
+
+def test_query_hook():
+    H, p = 1, 32
+    ad = InducerAttention(H, p, inducer=False)
+    ad.query_hook = lambda q: q * 0
+    q, k, v = (torch.randn(1, H, 5, p) for _ in range(3))
+    out, _ = ad(q, k, v, backend="reference")
+    torch.testing.assert_close(out, v.mean(2, keepdim=True).expand_as(out))
+
+
+def _tiny(kind):
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_head=2, n_layer=2, vocab_size=50,
+                                      n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                                      embd_pdrop=0.0)
+        return transformers.GPT2Model(cfg)
+    if kind == "roberta":
+        cfg = transformers.RobertaConfig(hidden_size=64, num_attention_heads=2,
+                                         num_hidden_layers=2, intermediate_size=96,
+                                         vocab_size=50, max_position_embeddings=80,
+                                         attention_probs_dropout_prob=0.0,
+                                         hidden_dropout_prob=0.0)
+        return transformers.RobertaModel(cfg)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                   num_hidden_layers=2, intermediate_size=96, vocab_size=50,
+                                   max_position_embeddings=64)
+    return transformers.LlamaModel(cfg)
+
+
+def _inputs(kind):
+    ids = torch.randint(3, 50, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    if kind == "llama" or kind == "gpt2":
+        mask[1, :4] = 0          # left padding for decoders
+    else:
+        mask[1, 7:] = 0          # right padding for the encoder
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "roberta", "llama"])
+def test_hf_plain_matches_sdpa_with_padding(kind):
+    torch.manual_seed(0)
+    model = _tiny(kind).eval()
+    ids, mask = _inputs(kind)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    hf_attention.set_implementation(model)
+    if DEVICE == "cuda" or _interp():       # run the Triton kernel (interpreter on CPU)
+        for attn, *_ in hf_attention.attention_layers(model):
+            attn.kfused_backend = "triton" if DEVICE == "cuda" or _interp() else None
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+
+
+def _interp():
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "roberta", "llama"])
+def test_hf_zero_init_inducer_starts_at_frozen_model(kind):
+    torch.manual_seed(0)
+    model = _tiny(kind).eval()
+    ids, mask = _inputs(kind)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    adapters = hf_attention.add_inducers(model, key_bottleneck=2, value_bottleneck=3,
+                                         init="zero")
+    assert len(adapters) == 2
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    out[keep].sum().backward()
+    assert all(a.W2.grad is not None and a.W2.grad.abs().sum() > 0 for a in adapters)
+    assert any(isinstance(m, InducerOutputProjection) for m in model.modules())
+    # with a non-zero W2 the output moves
+    with torch.no_grad():
+        for a in adapters:
+            a.W2.normal_()
+    out2 = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert (out2[keep] - ref[keep]).abs().max() > 1e-3
+
+
+def test_hf_padding_not_dropped():
+    """Changing a padded token must not change the real tokens' outputs."""
+    torch.manual_seed(0)
+    model = _tiny("roberta").eval()
+    hf_attention.add_inducers(model, key_bottleneck=2, value_bottleneck=3, prefix_len=2)
+    ids, mask = _inputs("roberta")
+    ids2 = ids.clone()
+    ids2[1, 8] = (ids2[1, 8] + 1) % 50
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        b = model(input_ids=ids2, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(a[1, :7], b[1, :7])
+
+
+def test_mask_function_refuses_unsupported_patterns():
+    from transformers import masking_utils as mu
+
+    with pytest.raises(NotImplementedError, match="sliding"):
+        hf_attention.kfused_inducer_mask(
+            1, 4, 4, mask_function=mu.sliding_window_causal_mask_function(2),
+            attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    m = torch.tensor([[1, 1, 0, 1]])
+    out = hf_attention.kfused_inducer_mask(1, 4, 4, mask_function=mu.causal_mask_function,
+                                           attention_mask=m)
+    assert out.dtype == torch.bool and out.tolist() == [[True, True, False, True]]
+    assert hf_attention.kfused_inducer_mask(1, 4, 4, attention_mask=torch.ones(1, 4)) is None
+    with pytest.raises(ValueError, match="2-D key padding mask"):
+        q = torch.randn(1, 1, 4, 32)
+        hf_attention.kfused_inducer_attention_forward(torch.nn.Module(), q, q, q,
+                                                      torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+def test_bench_cases_build():
+    from benchmarks.bench_inducer import cases
+
+    cs = cases("cpu", torch.float32, quick=True)
+    assert cs and {p.name for p in cs[0].providers} == {"kfused-triton", "sdpa", "flex", "eager",
+                                                         "compile"}
+    fn, leaves = next(p for p in cs[0].providers if p.name == "sdpa").make()
+    assert fn().shape[-1] == 64 and len(leaves) == 3
+    assert cs[0].shape["n"] <= 128                 # CPU cases stay interpreter-sized
+
+
+def test_hf_generate_with_kv_cache_matches_sdpa():
+    """Decoding against a KV cache (n_q = 1, bottom-right causal) with a zero-init inducer."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny("llama").config).eval()
+    ids = torch.randint(3, 50, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    model.set_attn_implementation("sdpa")
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    hf_attention.add_inducers(model.model, key_bottleneck=2, value_bottleneck=3, init="zero")
+    hf_attention.set_implementation(model)
+    out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(out, ref)
