@@ -8,6 +8,7 @@ comes from $KFUSED_BACKEND, else "auto"):
     headwise_lowrank(basis, A, B, bias)             per-head low-rank product  SPEC §2
     headwise_qkv / headwise_projection / headwise_oproj   fused attention projections with
                                                     Kernel-wise(-lite) + shared LoRA updates
+    inducer_attention(q, k, v, ...)                 flash inducer attention + prefix tuning  SPEC §3
 
 Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset.
 Modules: :mod:`kfused.modules`. References (float64 oracles, CPU fallback):
@@ -18,6 +19,8 @@ from kfused import reference
 from kfused.backends import BackendError, available_backends
 from kfused.modules.krona import KronABlock, KronALinear, factorize
 from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.ops.inducer import inducer_attention, inducer_output_projection
+from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.ops.headwise import (HeadFactors, headwise_lowrank, headwise_oproj,
                                  headwise_projection, headwise_qkv)
 from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
@@ -33,7 +36,8 @@ __all__ = [
     "kron_matvec", "krona_linear", "KronALinear", "KronABlock", "factorize",
     "HeadFactors", "headwise_lowrank", "headwise_qkv", "headwise_projection", "headwise_oproj",
     "HeadwiseConfig", "HeadwiseOutput", "HeadwiseProjection", "HeadwiseQKV", "ProjRanks",
-    "attach_headwise",
+    "attach_headwise", "inducer_attention", "inducer_output_projection", "InducerAttention",
+    "InducerOutputProjection",
     "AdapterConfig", "inject", "save", "load", "merge", "unmerge", "merge_and_unload",
     "print_trainable_parameters", "preset", "register_method", "LoRALinear",
 ]

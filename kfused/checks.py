@@ -84,3 +84,10 @@ def _headwise_cases(device: torch.device) -> List[CheckCase]:
     from kfused.ops.headwise import check_cases
 
     return check_cases(device)
+
+
+@register("inducer_attention")
+def _inducer_cases(device: torch.device) -> List[CheckCase]:
+    from kfused.ops.inducer import check_cases
+
+    return check_cases(device)
