@@ -34,12 +34,13 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
+from kfused.triton_kernels import _aot
 from kfused.backends import triton_interpret
 from kfused.triton_kernels._common import dot_precision, next_pow2
 
 # LSE of a row with no visible real column (log 0): finite so that nothing downstream is NaN;
 # exp(s − LSE) is never evaluated on such a row because every column is masked.
-_EMPTY_LSE = -1.0e30
+_EMPTY_LSE = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may read only constexpr globals
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)
 
@@ -555,3 +556,26 @@ def inducer_attention_backward(
         dpk = dpk_part.sum(0).to(prefix_k.dtype)
         dpv = dpv_part.sum(0).to(prefix_v.dtype)
     return dq, dk, dv, ds0, dpk, dpv
+
+
+@_aot.register("inducer_attention")
+def _aot_launches() -> None:
+    """Representative launches for the sm_90 compile check (see _aot.py): bfloat16 on every
+    head width with the mask / prefix / causal variants, float32 (IEEE dots) on one."""
+    B, H, n = 2, 2, 256
+    runs = [(torch.bfloat16, p) for p in (32, 64, 80, 96, 128)] + [(torch.float32, 64)]
+    for dtype, p in runs:
+        for causal, masked, prefix in ((False, False, False), (True, True, True)):
+            q = torch.empty(B, H, n, p, dtype=dtype)
+            k = torch.empty(B, H, n, p, dtype=dtype)
+            v = torch.empty(B, H, n, p, dtype=dtype)
+            s0 = torch.zeros(B, H, n, dtype=torch.float32)
+            km = torch.ones(B, n, dtype=torch.bool) if masked else None
+            pk = torch.empty(H, 16, p, dtype=dtype) if prefix else None
+            pv = torch.empty(H, 16, p, dtype=dtype) if prefix else None
+            out, lse, lam, stats = inducer_attention_forward(q, k, v, s0, pk, pv, km, causal)
+            lse.zero_()
+            lam = torch.full((2, B, H, n), 0.5)
+            inducer_attention_backward(torch.zeros_like(out), torch.zeros(2, B, H, n), None,
+                                       q, k, v, torch.zeros_like(out), lse, stats, lam, s0,
+                                       pk, pv, km, causal)
