@@ -423,3 +423,25 @@ def test_peak_memory_linear_in_n():
     assert peaks[2] < 2.6 * peaks[1] and peaks[1] < 2.6 * peaks[0], peaks
     # and the absolute size is far below one n × n score matrix per head
     assert peaks[2] < H * 8192 * 8192 * 2 / 4, peaks
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA C++ inducer kernel needs a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [64, 80, 128])
+def test_cuda_inference_kernel_matches_reference(p, causal):
+    import kfused
+
+    if kfused.available_backends("inducer_attention")["cuda"] is not None:
+        pytest.skip("CUDA extension not built")
+    B, H, n, L, r = 2, 3, 97, 4, 8
+    g = torch.Generator().manual_seed(0)
+    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    inputs = {"q": t(B, H, n, p), "k": t(B, H, n, p), "v": t(B, H, n, p),
+              "Ak": t(H, p, L) * 0.1, "ak": t(H, L) * 0.1, "Bk": t(H, L, p) * 0.1,
+              "ck": t(H, p) * 0.1, "W1": t(H, p, r) * 0.1, "b1": t(H, r) * 0.1,
+              "seq_lens": torch.tensor([n, 50]), "prefix_k": t(H, 16, p), "prefix_v": t(H, 16, p)}
+    for dtype in DTYPES:
+        assert_against_reference(
+            lambda **kw: inducer_attention(**kw, causal=causal, backend="cuda"),
+            lambda **kw: inducer_attention_ref(**kw, causal=causal), inputs, dtype, DEVICE,
+            grad_names=[])

@@ -233,6 +233,50 @@ def _combined_key_mask(key_padding_mask: Optional[Tensor], seq_lens: Optional[Te
 
 
 # ------------------------------------------------------------------------------------------
+# CUDA C++ extension: forward only (the inference path: prefill and KV-cache decode)
+
+
+@torch.library.custom_op("kfused::inducer_attention_cuda_fwd", mutates_args=())
+def _cuda_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor, prefix_k: Optional[Tensor],
+              prefix_v: Optional[Tensor], key_lengths: Optional[Tensor],
+              causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    from kfused import cuda
+
+    ext = cuda.extension()
+    if ext is None:
+        raise RuntimeError(cuda.unavailable_reason("inducer_attention"))
+    f, lse, lam = ext.inducer_attention_fwd(q, k, v, s0, prefix_k, prefix_v, key_lengths,
+                                            causal)
+    return f, lse, lam
+
+
+@_cuda_fwd.register_fake
+def _(q, k, v, s0, prefix_k, prefix_v, key_lengths, causal):
+    B, H, n_q, _ = q.shape
+    stat = q.new_empty(B, H, n_q, dtype=torch.float32)
+    return torch.empty_like(q), stat, torch.empty_like(stat)
+
+
+def _cuda_unfit(q: Tensor, k: Tensor, key_padding_mask, scale: float, tensors):
+    """The CUDA kernel is the inference path: no autograd, sequence lengths rather than a
+    boolean mask, k/v with q's head count, the default softmax scale."""
+    def unfit(name: str) -> Optional[str]:
+        if name != "cuda":
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return ("the CUDA inducer kernel is forward-only (inference); train with the "
+                    "triton backend or run under torch.no_grad()")
+        if key_padding_mask is not None:
+            return "the CUDA inducer kernel takes seq_lens, not a boolean key_padding_mask"
+        if k.shape[1] != q.shape[1]:
+            return "the CUDA inducer kernel needs k/v with q's head count (no grouped-query)"
+        if abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+            return "the CUDA inducer kernel uses the default scale 1/sqrt(head_dim)"
+        return None
+    return unfit
+
+
+# ------------------------------------------------------------------------------------------
 # public API
 
 
@@ -263,7 +307,9 @@ def inducer_attention(
             are real. Both may be given (intersection).
         prefix_k, prefix_v: (H, l, p) prefix keys/values shared over the batch; l = 0 is none.
         scale: softmax scale τ, default 1/√p.
-        backend: "auto" | "triton" | "reference" (default from ``KFUSED_BACKEND``).
+        backend: "auto" | "triton" | "cuda" | "reference" (default from ``KFUSED_BACKEND``).
+            "cuda" is the CUDA C++ inference kernel (no autograd; seq_lens masks only; k/v
+            with q's head count); "auto" prefers Triton.
 
     Returns:
         no inducer: ``(f, None)``, f (B, H, n_q, p) ordinary (prefix-)attention;
@@ -278,17 +324,22 @@ def inducer_attention(
         scale = p ** -0.5
     tensors = [t for t in (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v)
                if t is not None]
-    chosen = select_backend(OP_NAME, backend, tensors, impls=("triton",),
-                            extra_unfit=_triton_unfit(p))
+    tri_unfit = _triton_unfit(p)
+    cu_unfit = _cuda_unfit(q, k, key_padding_mask, float(scale), tensors)
+    chosen = select_backend(OP_NAME, backend, tensors, impls=("triton", "cuda"),
+                            extra_unfit=lambda name: tri_unfit(name) or cu_unfit(name))
     if chosen == "reference":
         return inducer_attention_ref(
             q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition=composition, causal=causal,
             key_padding_mask=key_padding_mask, seq_lens=seq_lens, prefix_k=prefix_k,
             prefix_v=prefix_v, scale=scale)
 
-    key_mask = _combined_key_mask(key_padding_mask, seq_lens, k.shape[2], q.device)
     if prefix_k is not None and prefix_k.shape[1] == 0:
         prefix_k = prefix_v = None
+    if chosen == "cuda":
+        return _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal,
+                               seq_lens, prefix_k, prefix_v, float(scale), has_inducer)
+    key_mask = _combined_key_mask(key_padding_mask, seq_lens, k.shape[2], q.device)
     if not has_inducer:
         f, _, _, _ = _triton_fwd(q, k, v, None, prefix_k, prefix_v, key_mask, bool(causal),
                               float(scale))
@@ -308,6 +359,28 @@ def inducer_attention(
         return f, (lam * hidden).to(q.dtype)
     pv = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
     return (one_minus_lam * f.to(up) + lam * pv).to(q.dtype), None
+
+
+def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal, seq_lens,
+                    prefix_k, prefix_v, scale, has_inducer):
+    up = torch.float32
+    qf = q.to(up)
+    if has_inducer:
+        s0 = inducer_key_logit(qf, Ak.to(up), ak.to(up), Bk.to(up), ck.to(up), scale)
+    else:
+        s0 = q.new_zeros(q.shape[:3], dtype=up)
+    pk = prefix_k.contiguous() if prefix_k is not None else None
+    pv = prefix_v.contiguous() if prefix_v is not None else None
+    f, _, lam = torch.ops.kfused.inducer_attention_cuda_fwd(q, k, v, s0, pk, pv, seq_lens,
+                                                             bool(causal))
+    if not has_inducer:
+        return f, None
+    hidden = inducer_value_hidden(qf, W1.to(up), b1.to(up))
+    lam = lam.unsqueeze(-1)
+    if composition == "add":
+        return f, (lam * hidden).to(q.dtype)
+    pvh = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
+    return ((1.0 - lam) * f.to(up) + lam * pvh).to(q.dtype), None
 
 
 def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,
