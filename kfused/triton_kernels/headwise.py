@@ -69,7 +69,7 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
                 c_ptr, c2_ptr, cs_ptr,
                 T, M, N, N2, NB, T_PER,
                 BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                HAS_B2: tl.constexpr, COLSUM: tl.constexpr):
+                HAS_B2: tl.constexpr, COLSUM: tl.constexpr, RACC: tl.constexpr):
     # grid: (NB * cdiv(M, BM) * cdiv(N, BN), S). Split s reduces tokens
     # [s*T_PER, (s+1)*T_PER) and writes float32 partials c[s, b]; the host sums over s.
     # C2 and the column sums are produced by the programs of the first N-block.
@@ -86,9 +86,11 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
     rn2 = tl.arange(0, BN2)
     mmask = rm < M
     nmask = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
-    cs = tl.zeros((BM,), dtype=tl.float32)
+    # Token sums accumulate across blocks in RACC (float64 for float32 inputs): the reduction
+    # over T then adds no error beyond each block's product.
+    acc = tl.zeros((BM, BN), dtype=RACC)
+    acc2 = tl.zeros((BM, BN2), dtype=RACC)
+    cs = tl.zeros((BM,), dtype=RACC)
     t_lo = s * T_PER
     t_hi = tl.minimum(t_lo + T_PER, T)
     rt0 = tl.arange(0, BT)
@@ -100,13 +102,13 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
         bt = tl.load(b_ptr + b * s_bb + rt[:, None] * s_bt + rn[None, :] * s_bn,
                      mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
         at = tl.trans(a)
-        acc += _mm(at, bt, True, "ieee")
+        acc += _mm(at, bt, True, "ieee").to(RACC)
         if HAS_B2:
             b2 = tl.load(b2_ptr + b * s_b2b + rt[:, None] * s_b2t + rn2[None, :] * s_b2n,
                          mask=tmask[:, None] & (rn2[None, :] < N2), other=0.0).to(tl.float32)
-            acc2 += _mm(at, b2, True, "ieee")
+            acc2 += _mm(at, b2, True, "ieee").to(RACC)
         if COLSUM:
-            cs += tl.sum(a, axis=0)
+            cs += tl.sum(a.to(RACC), axis=0)
     base = (s * NB + b) * M
     tl.store(c_ptr + (base + rm[:, None]) * N + rn[None, :], acc,
              mask=mmask[:, None] & nmask[None, :])
@@ -154,9 +156,11 @@ def atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
     S = _splits(dev, T, programs, BT)
     T_PER = max(BT, triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT)
     S = max(1, triton.cdiv(T, T_PER))
-    c = _alloc.empty(S, NB, M, N, dtype=F32, device=dev)
-    c2 = _alloc.empty(S, NB, M, N2, dtype=F32, device=dev) if b2 is not None else c
-    cs = _alloc.empty(S, NB, M, dtype=F32, device=dev) if colsum else c
+    wide = a.dtype == torch.float32 or out_dtype == torch.float64
+    racc = torch.float64 if wide else F32
+    c = _alloc.empty(S, NB, M, N, dtype=racc, device=dev)
+    c2 = _alloc.empty(S, NB, M, N2, dtype=racc, device=dev) if b2 is not None else c
+    cs = _alloc.empty(S, NB, M, dtype=racc, device=dev) if colsum else c
     sb = lambda t: t.stride(1) if t.shape[1] > 1 else 0  # noqa: E731
     bb2 = b2 if b2 is not None else b
     _atb_kernel[(programs, S)](
@@ -165,7 +169,7 @@ def atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
         bb2, bb2.stride(0), sb(bb2), bb2.stride(2),
         c, c2, cs, T, M, N, N2, NB, T_PER,
         BT=BT, BM=BM, BN=BN, BN2=BN2, HAS_B2=b2 is not None, COLSUM=colsum,
-        num_warps=_NW)
+        RACC=tl.float64 if wide else tl.float32, num_warps=_NW)
     C = c.sum(0).to(out_dtype)
     C2 = c2.sum(0).to(out_dtype) if b2 is not None else None
     CS = cs.sum(0).to(out_dtype) if colsum else None

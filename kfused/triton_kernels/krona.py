@@ -115,7 +115,7 @@ def _kron_grad_kernel(
     BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
     BIP: tl.constexpr,
     DOT_W1: tl.constexpr, DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
-    DOT_DX: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr,
+    DOT_DX: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -137,8 +137,10 @@ def _kron_grad_kernel(
     rx_t = rx // AIP
     rx_k = rx % AIP
 
-    da = tl.zeros((AOP, AIP), dtype=ACC)
-    db = tl.zeros((BOP, BIP), dtype=ACC)
+    # The sums over tokens (dA, dB) accumulate across token blocks in RACC: float64 for float32
+    # inputs, so that the reduction over T adds no error beyond the per-block products.
+    da = tl.zeros((AOP, AIP), dtype=RACC)
+    db = tl.zeros((BOP, BIP), dtype=RACC)
     for blk in range(pid, n_blocks, n_prog):
         t0 = blk * BT
         g_ok = ((t0 + rg_t) < T)[:, None] & (rg_i < a_out)[:, None] & (jo < b_out)[None, :]
@@ -165,12 +167,12 @@ def _kron_grad_kernel(
                              (AOP, BT * BIP))
             xp = tl.reshape(tl.permute(tl.reshape(x2, (BT, AIP, BIP)), (0, 2, 1)),
                             (BT * BIP, AIP))                    # rows (t, l), cols k
-            da += _mm(w1p, xp, DOT_DA, PREC, ACC)
+            da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
             # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
             v = _mm(xp, tl.trans(a), DOT_V, PREC, ACC).to(dt)        # (BT*BIP, AOP)
             vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)),
                             (BT * AOP, BIP))
-            db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC)
+            db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
     if COMPUTE_DAB:
         tl.store(DA + pid * a_out * a_in + io[:, None] * a_in + ki[None, :], da * scale,
                  mask=(io[:, None] < a_out) & (ki[None, :] < a_in))
@@ -304,9 +306,9 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     n_blocks = triton.cdiv(T, cfg["BT"])
     n_prog = grid_programs(x.device, n_blocks)
     if compute_dab:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        da = _alloc.empty(n_prog, a_out, a_in, dtype=acc, device=x.device)
-        db = _alloc.empty(n_prog, b_out, b_in, dtype=acc, device=x.device)
+        racc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+        da = _alloc.empty(n_prog, a_out, a_in, dtype=racc, device=x.device)
+        db = _alloc.empty(n_prog, b_out, b_in, dtype=racc, device=x.device)
     else:
         da = db = x
     _kron_grad_kernel[(n_prog,)](
@@ -315,7 +317,8 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         x.stride(0), g.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         float(scale), n_blocks,
         COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype), **cfg)
+        ACC=acc_dtype(x.dtype),
+        RACC=tl.float64 if x.dtype in (torch.float32, torch.float64) else tl.float32, **cfg)
     if not compute_dab:
         return dx, None, None
     return dx, da.sum(0).to(A.dtype), db.sum(0).to(B.dtype)
