@@ -5,14 +5,14 @@ without copying its weight, owns only the adapter parameters, and calls the func
 of :mod:`kfused.ops.headwise`:
 
 * :class:`HeadwiseProjection` — one q or v projection (BERT/RoBERTa ``query``/``value``,
-  Llama ``q_proj``/``v_proj``) with any mix of shared LoRA, Kernel-wise and
+  Llama ``q_proj``/``v_proj``, T5 ``q``/``v``) with any mix of shared LoRA, Kernel-wise and
   Kernel-wise-lite (the latter needs the frozen key projection, passed as ``key=``).
 * :class:`HeadwiseQKV` — the fused attention-input projection: GPT-2's ``c_attn`` (a Conv1D
   whose 3·d output columns are q | k | v) or three separate linears; one kernel computes
   [Q | K | V] with the q and v updates. ``forward`` returns the fused (..., Nq + 2·Nkv) tensor,
   a drop-in for ``c_attn``; :meth:`HeadwiseQKV.forward_split` returns (Q, K, V).
 * :class:`HeadwiseOutput` — the output projection (GPT-2 ``c_proj``, BERT
-  ``attention.output.dense``, Llama ``o_proj``) with Kernel-wise on W_o's row blocks
+  ``attention.output.dense``, Llama ``o_proj``, T5 ``o``) with Kernel-wise on W_o's row blocks
   (basis O) and a shared LoRA part.
 
 Ranks are given per projection with :class:`ProjRanks` (``wise`` = Kernel-wise rank with basis
