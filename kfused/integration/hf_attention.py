@@ -142,14 +142,52 @@ def attach_inducer(attention: nn.Module, adapter: InducerAttention, proj_parent:
         setattr(proj_parent, proj_attr, InducerOutputProjection(base, adapter))
 
 
+_T5_MODEL_TYPES = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
+
+
+def unsupported_reason(model: nn.Module) -> Optional[str]:
+    """Why inducer attention / prefix tuning cannot run on ``model``, or None if it can.
+
+    T5-family models add a learned relative position bias to every attention score (and use
+    no 1/√p scaling); the inducer kernel (SPEC §3) takes no additive score bias, so running it
+    would silently drop the bias and change the model. They are refused instead.
+    """
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    t5_like = mt in _T5_MODEL_TYPES or any(
+        hasattr(m, "has_relative_attention_bias") or isinstance(
+            getattr(m, "relative_attention_bias", None), nn.Module) for m in model.modules())
+    if t5_like:
+        return (f"{type(model).__name__} (model_type={mt!r}) is a T5-family model: T5's relative "
+                "position bias is not supported by the inducer kernel (it adds a learned bias to "
+                "every attention score, which the kernel would drop, giving a wrong result)")
+    return None
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError naming the reason if inducer/prefix attention cannot run on ``model``."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: cannot add inducer/prefix attention: {reason}")
+
+
 def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck: int = 4,
                  composition: str = "add", prefix_len: int = 0, inducer: bool = True,
                  init: str = "paper") -> List[InducerAttention]:
     """Attach an adapter to every self-attention layer and switch the model to
-    ``"kfused_inducer"``. Returns the adapters (the trainable parameters)."""
+    ``"kfused_inducer"``. Returns the adapters (the trainable parameters).
+
+    Raises ValueError (before changing the model) for models the kernel cannot run exactly
+    (T5's relative position bias, see :func:`unsupported_reason`) and for models with no
+    GPT-2, RoBERTa/BERT or Llama-style self-attention layer.
+    """
+    check_supported(model)
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: found no GPT-2, RoBERTa/BERT or Llama-style "
+                         f"self-attention layer in {type(model).__name__}")
     register()
     adapters = []
-    for attn, parent, attr, heads, hd in attention_layers(model):
+    for attn, parent, attr, heads, hd in layers:
         w = getattr(parent, attr).weight
         d_out = w.shape[0] if isinstance(getattr(parent, attr), nn.Linear) else w.shape[1]
         ad = InducerAttention(heads, hd, d_model=d_out, key_bottleneck=key_bottleneck,
@@ -174,5 +212,6 @@ def set_implementation(model: nn.Module) -> None:
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "add_inducers", "attach_inducer",
+           "unsupported_reason", "check_supported",
            "attention_layers", "set_implementation", "kfused_inducer_attention_forward",
            "kfused_inducer_mask"]

@@ -238,6 +238,9 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     before = {id(t) for t in target_model.parameters()} | {id(t) for t in target_model.buffers()}
 
     plan = sorted(_expand(spec, config), key=lambda pc: _SITE_ORDER[pc[0].site])
+    for part, _ in plan:  # refuse unsupported models before any part changes the model
+        if part.check is not None:
+            part.check(target_model, arch)
     adapted: List[str] = []
     for part, cfg in plan:
         if part.site == "model":

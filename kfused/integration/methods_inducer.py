@@ -10,6 +10,10 @@ bottleneck = ``options["value_bottleneck"]`` (default ``r``), composition =
 ``options["composition"]`` ("add" default, or "gate"); init "lora" (kfused's exact-start
 default) maps to the inducer's "zero", "paper" and "zero" pass through. Prefix tuning: ``r`` is
 the prefix length l.
+
+T5-family models are refused with a ValueError (by inject before any part of a composite such
+as inducer_lora changes the model, and by ``add_inducers`` itself): T5 adds a learned relative
+position bias to the attention scores, which the inducer kernel does not take.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.hf_attention import add_inducers
+from kfused.integration.hf_attention import add_inducers, check_supported
 from kfused.integration.registry import Target, register_method
 
 
@@ -38,7 +42,12 @@ def _prefix(model: nn.Module, target: Target, cfg: AdapterConfig):
                         composition=cfg.options.get("composition", "add"), init=_init(cfg))
 
 
-register_method("inducer", site="model", wrap=_inducer, paper="001",
+def _check(model: nn.Module, arch) -> None:
+    # T5's relative position bias is not an input of the inducer kernel: refuse, never drop it
+    check_supported(model)
+
+
+register_method("inducer", site="model", wrap=_inducer, paper="001", check=_check,
                 description="inducer attention: a per-query virtual key/value column (SPEC §3)")
-register_method("prefix", site="model", wrap=_prefix, paper="002",
+register_method("prefix", site="model", wrap=_prefix, paper="002", check=_check,
                 description="prefix tuning: l learned key/value columns per head (SPEC §3)")

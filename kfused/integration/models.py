@@ -11,11 +11,12 @@ ARCH_NAMES = ("gpt2", "llama", "roberta", "t5")
 
 def tiny_model(arch: str, *, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
                vocab: int = 128, max_len: int = 128, d_ff: Optional[int] = None,
-               attn_implementation: str = "eager") -> nn.Module:
+               attn_implementation: str = "eager", d_kv: Optional[int] = None) -> nn.Module:
     """A small randomly initialised LM of the given family ("gpt2", "llama", "roberta", "t5").
 
     GPT-2 and Llama are causal LMs, RoBERTa a masked LM, T5 a seq2seq LM. ``attn_implementation``
-    defaults to "eager" so the model is identical on every torch version.
+    defaults to "eager" so the model is identical on every torch version. ``d_kv`` (T5 only) is
+    the head width, default ``d_model // n_heads``; T5 allows ``n_heads · d_kv != d_model``.
     """
     import transformers as tf
 
@@ -41,7 +42,7 @@ def tiny_model(arch: str, *, d_model: int = 32, n_layers: int = 2, n_heads: int 
         return tf.RobertaForMaskedLM._from_config(cfg, **kw)
     if arch == "t5":
         cfg = tf.T5Config(d_model=d_model, d_ff=d_ff, num_layers=n_layers, num_heads=n_heads,
-                          d_kv=d_model // n_heads, vocab_size=vocab, dropout_rate=0.0,
+                          d_kv=d_kv or d_model // n_heads, vocab_size=vocab, dropout_rate=0.0,
                           decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
         return tf.T5ForConditionalGeneration._from_config(cfg, **kw)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCH_NAMES}")

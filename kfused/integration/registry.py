@@ -79,6 +79,9 @@ class MethodSpec:
     description: str = ""
     paper: str = ""
     plugin: Optional[str] = None   # module that registers the real implementation on import
+    # check(model, arch) raises ValueError if the method cannot run on this model; inject calls
+    # it for every part before changing the model (so a refused composite leaves no residue)
+    check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None
 
     def targets_for(self, arch: Optional[ArchSpec]) -> Optional[List[str]]:
         if arch is not None and arch.name in self.default_targets:
@@ -100,6 +103,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
                     mergeable: bool = False,
                     parts: Sequence[Tuple[str, Optional[Sequence[str]]]] = (),
                     description: str = "", paper: str = "", plugin: Optional[str] = None,
+                    check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None,
                     replace: bool = True) -> MethodSpec:
     """Register (or replace) an adapter method. See the module docstring for the contract.
 
@@ -111,6 +115,8 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         mergeable: the method's modules implement ``merge()`` / ``unmerge()`` exactly.
         parts: for composites, ``(method, targets or None)`` in application order.
         plugin: import path of the module that registers the implementation.
+        check: ``check(model, arch)`` raising ValueError (with the reason) when the method
+            cannot run on ``model``; called by inject before any part changes the model.
     """
     if site not in SITES:
         raise ValueError(f"site must be one of {SITES}, got {site!r}")
@@ -123,7 +129,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         default_targets={k: list(v) for k, v in (default_targets or {}).items()},
         mergeable=mergeable,
         parts=tuple((p, list(t) if t is not None else None) for p, t in parts),
-        description=description, paper=paper, plugin=plugin)
+        description=description, paper=paper, plugin=plugin, check=check)
     _METHODS[name] = spec
     return spec
 

@@ -5,14 +5,14 @@ without copying its weight, owns only the adapter parameters, and calls the func
 of :mod:`kfused.ops.headwise`:
 
 * :class:`HeadwiseProjection` — one q or v projection (BERT/RoBERTa ``query``/``value``,
-  Llama ``q_proj``/``v_proj``) with any mix of shared LoRA, Kernel-wise and
+  Llama ``q_proj``/``v_proj``, T5 ``q``/``v``) with any mix of shared LoRA, Kernel-wise and
   Kernel-wise-lite (the latter needs the frozen key projection, passed as ``key=``).
 * :class:`HeadwiseQKV` — the fused attention-input projection: GPT-2's ``c_attn`` (a Conv1D
   whose 3·d output columns are q | k | v) or three separate linears; one kernel computes
   [Q | K | V] with the q and v updates. ``forward`` returns the fused (..., Nq + 2·Nkv) tensor,
   a drop-in for ``c_attn``; :meth:`HeadwiseQKV.forward_split` returns (Q, K, V).
 * :class:`HeadwiseOutput` — the output projection (GPT-2 ``c_proj``, BERT
-  ``attention.output.dense``, Llama ``o_proj``) with Kernel-wise on W_o's row blocks
+  ``attention.output.dense``, Llama ``o_proj``, T5 ``o``) with Kernel-wise on W_o's row blocks
   (basis O) and a shared LoRA part.
 
 Ranks are given per projection with :class:`ProjRanks` (``wise`` = Kernel-wise rank with basis
@@ -32,7 +32,7 @@ formed once); ``unmerge()`` subtracts the same ΔW. While merged, the module run
 frozen projection. Do not train while merged.
 
 Hugging Face: :func:`attach_headwise` replaces the projections of every attention block of a
-GPT-2, BERT/RoBERTa or Llama-style model according to a :class:`HeadwiseConfig` and freezes
+GPT-2, BERT/RoBERTa, Llama-style or T5 model according to a :class:`HeadwiseConfig` and freezes
 nothing else by itself (use :func:`mark_only_adapters_trainable`).
 """
 
@@ -514,6 +514,13 @@ def _heads_of(attn: nn.Module) -> Tuple[int, int]:
     return H, Hkv
 
 
+def _is_t5_attention(mod: nn.Module) -> bool:
+    """T5Attention and forks: bias-free q, k, v, o plus ``n_heads`` / ``key_value_proj_dim``."""
+    return (all(isinstance(getattr(mod, a, None), nn.Module) for a in ("q", "k", "v", "o"))
+            and isinstance(getattr(mod, "n_heads", None), int)
+            and isinstance(getattr(mod, "key_value_proj_dim", None), int))
+
+
 def attach_headwise(model: nn.Module, config: HeadwiseConfig) -> Dict[str, nn.Module]:
     """Replace the attention projections of every block by headwise adapter modules.
 
@@ -526,6 +533,23 @@ def attach_headwise(model: nn.Module, config: HeadwiseConfig) -> Dict[str, nn.Mo
         ``attention.output.dense`` becomes :class:`HeadwiseOutput`.
       * Llama-style: ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (GQA aware) -> q/v become
         :class:`HeadwiseProjection`, ``o_proj`` :class:`HeadwiseOutput`.
+      * T5 (``T5Attention``: bias-free ``q``/``k``/``v``/``o``, ``n_heads`` heads of width
+        ``key_value_proj_dim`` = d_kv; the inner width H·d_kv may differ from d_model) -> q/v
+        become :class:`HeadwiseProjection` (lite uses ``k``), ``o`` :class:`HeadwiseOutput`, in
+        the encoder self-attention, the decoder self-attention and the decoder cross-attention
+        (``EncDecAttention``). T5 has no projection biases, so no per-head bias ``c`` is added
+        unless ``head_bias=True`` (and then merge() refuses, as there is no bias to fold into).
+
+        Cross-attention: ``q`` reads the decoder states X, while ``k`` and ``v`` both read the
+        encoder output. The updates keep SPEC §2's definitions with each projection's own input
+        as basis: Kernel-wise on q uses X = decoder states; Kernel-wise on v uses the encoder
+        output (v's input); Kernel-wise-lite on v uses ``K^h`` = encoder output · W_k^h, which
+        *is* the cross-attention's key (k and v read the same states, exactly as in
+        self-attention); o is adapted as in self-attention. Kernel-wise-lite on **q** is not
+        defined there (the keys belong to the encoder tokens, so a decoder token has no K^h to
+        reuse), so q's lite part is left out in cross-attention: with kernel_wise_lite q is
+        not adapted there, with kernel_mix_lite only q's shared LoRA part is. Every update
+        stays a linear change of W_q / W_v / W_o, so merge()/unmerge() are exact.
 
     On BERT and Llama the q and v projections are called separately by the model's own
     attention code, so each runs its own fused kernel (frozen GEMM + its updates in one pass
@@ -538,10 +562,15 @@ def attach_headwise(model: nn.Module, config: HeadwiseConfig) -> Dict[str, nn.Mo
     cfgkw = dict(scale=config.scale, head_bias=config.head_bias, init=config.init)
     replaced: Dict[str, nn.Module] = {}
     todo = []
+    # T5's cross-attention is the child "EncDecAttention" of a T5LayerCrossAttention
+    cross = {id(getattr(m, "EncDecAttention")) for m in model.modules()
+             if isinstance(getattr(m, "EncDecAttention", None), nn.Module)}
     for name, mod in model.named_modules():
         if isinstance(mod, (HeadwiseQKV, HeadwiseProjection, HeadwiseOutput)):
             continue
-        if hasattr(mod, "c_attn") and hasattr(mod, "c_proj") and not hasattr(mod, "q_attn"):
+        if _is_t5_attention(mod):
+            todo.append(("t5-cross" if id(mod) in cross else "t5", name, mod))
+        elif hasattr(mod, "c_attn") and hasattr(mod, "c_proj") and not hasattr(mod, "q_attn"):
             todo.append(("gpt2", name, mod))
         elif all(hasattr(mod, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
             todo.append(("llama", name, mod))
@@ -575,6 +604,21 @@ def attach_headwise(model: nn.Module, config: HeadwiseConfig) -> Dict[str, nn.Mo
             if config.o.active and not isinstance(mod.o_proj, HeadwiseOutput):
                 mod.o_proj = HeadwiseOutput(mod.o_proj, H, config.o, **cfgkw)
                 replaced[prefix(name) + "o_proj"] = mod.o_proj
+        elif kind in ("t5", "t5-cross"):
+            H = int(mod.n_heads)
+            q_ranks = config.q
+            if kind == "t5-cross" and q_ranks.lite:
+                # no K^h for decoder tokens in cross-attention (see the docstring)
+                q_ranks = ProjRanks(wise=q_ranks.wise, lite=0, shared=q_ranks.shared)
+            for attr, ranks in (("q", q_ranks), ("v", config.v)):
+                if ranks.active and not isinstance(getattr(mod, attr), HeadwiseProjection):
+                    new = HeadwiseProjection(getattr(mod, attr), H, ranks, key=mod.k,
+                                             n_key_heads=H, **cfgkw)
+                    setattr(mod, attr, new)
+                    replaced[prefix(name) + attr] = new
+            if config.o.active and not isinstance(mod.o, HeadwiseOutput):
+                mod.o = HeadwiseOutput(mod.o, H, config.o, **cfgkw)
+                replaced[prefix(name) + "o"] = mod.o
         elif kind == "bert":
             H, _ = _heads_of(mod)
             for attr, ranks in (("query", config.q), ("value", config.v)):
@@ -589,8 +633,8 @@ def attach_headwise(model: nn.Module, config: HeadwiseConfig) -> Dict[str, nn.Mo
                 mod.output.dense = HeadwiseOutput(mod.output.dense, H, config.o, **cfgkw)
                 replaced[prefix(name) + "output.dense"] = mod.output.dense
     if not replaced and (config.q.active or config.v.active or config.o.active):
-        raise ValueError(f"attach_headwise found no GPT-2, BERT/RoBERTa or Llama-style attention "
-                         f"block in {type(model).__name__}")
+        raise ValueError(f"attach_headwise found no GPT-2, BERT/RoBERTa, Llama-style or T5 "
+                         f"attention block in {type(model).__name__}")
     return replaced
 
 
