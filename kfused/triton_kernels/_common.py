@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+# The CPU interpreter evaluates an IEEE float32 tl.dot with numpy's float32 matmul (no fused
+# multiply-add, its own summation order), which is less accurate than the GPU's FMA chains; in
+# the interpreter _mm therefore forms float32 dots exactly in float64 and rounds once. 16-bit
+# dots are untouched (their products are exact in the float32 accumulator either way).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 @triton.jit
@@ -17,6 +26,9 @@ def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr = tl.
     :func:`use_dot` so the interpreter runs the same branch as the GPU.
     """
     if USE_DOT:
+        if _INTERPRETED and PREC == "ieee":
+            return tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee",
+                          out_dtype=tl.float64).to(ACC)
         return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
     else:
         # float64 products are exact for 16/32-bit inputs, so this path matches an FMA dot;
@@ -35,8 +47,18 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def acc_dtype(dtype: torch.dtype):
-    """Accumulator: float32, or float64 for float64 inputs (interpreter-only gradcheck)."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
+    """Accumulator: float32 on the GPU; float64 for float64 inputs (interpreter-only gradcheck)
+    and, in the interpreter, for float32 inputs (see _INTERPRETED: numpy's float32 arithmetic
+    is not the GPU's, so the CPU run models exact accumulation; the GPU run checks float32)."""
+    if dtype == torch.float64 or (dtype == torch.float32 and bool(_INTERPRETED)):
+        return tl.float64
+    return tl.float32
+
+
+def inter_dtype(dtype: torch.dtype):
+    """Dtype of intermediates between two products: the input dtype for 16-bit inputs (torch
+    rounds them there too), the accumulator for float32/float64."""
+    return acc_dtype(dtype) if dtype in (torch.float32, torch.float64) else tl_dtype(dtype)
 
 
 def tl_dtype(dtype: torch.dtype):

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from kfused import _alloc
 from kfused.triton_kernels import _aot
-from kfused.triton_kernels._common import (_mm, acc_dtype, dot_precision, grid_programs, next_pow2,
+from kfused.triton_kernels._common import (_mm, acc_dtype, dot_precision, grid_programs,
+                                           inter_dtype, next_pow2,
                                            targets_gpu, use_dot)
 
 
@@ -44,7 +45,7 @@ def _krona_fwd_kernel(
     BM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
     KC: tl.constexpr, LC: tl.constexpr,
     DOT_W: tl.constexpr, DOT_U: tl.constexpr, DOT_Y: tl.constexpr, PREC: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, IDT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -90,7 +91,7 @@ def _krona_fwd_kernel(
             ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
                          mask=k_ok[:, None] & i_ok[None, :], other=0.0)
             u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
-        u = u.to(X.dtype.element_ty)
+        u = u.to(IDT)
         u = tl.reshape(tl.permute(tl.reshape(u, (BM, LC, BI)), (0, 2, 1)), (BM * BI, LC))
         ll = l0 + lc
         bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
@@ -116,6 +117,7 @@ def _kron_grad_kernel(
     BIP: tl.constexpr,
     DOT_W1: tl.constexpr, DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
     DOT_DX: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr,
+    IDT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -147,7 +149,7 @@ def _kron_grad_kernel(
         g2 = tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * b_out + jo[None, :],
                      mask=g_ok, other=0.0)
         # W1[t] = G[t] B : rows (t, i), cols l
-        w1 = _mm(g2, b, DOT_W1, PREC, ACC).to(dt)
+        w1 = _mm(g2, b, DOT_W1, PREC, ACC).to(IDT)
         if COMPUTE_DX:
             # dX[t] = Aᵀ W1[t]: rows (t, l), contract i, then back to rows (t, k).
             w1t = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (0, 2, 1)),
@@ -169,7 +171,7 @@ def _kron_grad_kernel(
                             (BT * BIP, AIP))                    # rows (t, l), cols k
             da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
             # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
-            v = _mm(xp, tl.trans(a), DOT_V, PREC, ACC).to(dt)        # (BT*BIP, AOP)
+            v = _mm(xp, tl.trans(a), DOT_V, PREC, ACC).to(IDT)        # (BT*BIP, AOP)
             vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)),
                             (BT * AOP, BIP))
             db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
@@ -253,7 +255,7 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
         x.stride(0), w.stride(0), w.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         y.stride(0), float(scale),
         HAS_W=weight is not None, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype), **cfg)
+        ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype), **cfg)
     return y
 
 
@@ -317,7 +319,7 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         x.stride(0), g.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         float(scale), n_blocks,
         COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype),
+        ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
         RACC=tl.float64 if x.dtype in (torch.float32, torch.float64) else tl.float32, **cfg)
     if not compute_dab:
         return dx, None, None
