@@ -46,6 +46,20 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)
 
 
 @triton.jit
+def _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask of the real keys each query row sees in this tile."""
+    valid = n_ok[None, :] & (offs_m[:, None] >= 0)
+    if MASKED:
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+        if HAS_KMASK:
+            km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
+            valid = valid & (km != 0)[None, :]
+    return valid
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -57,13 +71,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = n_ok[None, :]
-        if MASKED:
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-            if HAS_KMASK:
-                km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
-                valid = valid & (km != 0)[None, :]
+        valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL,
+                         HAS_KMASK)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible column yet keeps m = -inf; shift by 0 there so that
@@ -278,13 +287,8 @@ def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
         vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                      mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = n_ok[None, :]
-        if MASKED:
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-            if HAS_KMASK:
-                km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
-                valid = valid & (km != 0)[None, :]
+        valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL,
+                         HAS_KMASK)
         p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
         dsum += tl.sum(p * dp, 1)
@@ -307,13 +311,8 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
         vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                      mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = n_ok[None, :]
-        if MASKED:
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-            if HAS_KMASK:
-                km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
-                valid = valid & (km != 0)[None, :]
+        valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL,
+                         HAS_KMASK)
         p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
         ds = p * ((dp - delta[:, None]) - adj[:, None])
