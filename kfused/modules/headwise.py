@@ -183,7 +183,33 @@ class _QVFactors(nn.Module):
                            lite_c=None if wise else self.c)
 
 
-class HeadwiseProjection(nn.Module):
+class _FoldsIntoBase:
+    """merge()/unmerge() for an adapter of one frozen projection ``self.base``: folds
+    ``delta_weight() -> (dW, db)`` in (exact float round trip: the same delta is added, then
+    subtracted). Subclasses say with ``_active()`` whether any update exists."""
+
+    def _active(self) -> bool:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _fold(self, sign: float) -> None:
+        if self._active():
+            dW, db = self.delta_weight()
+            _add_to_weight(self.base, sign * dW)
+            _add_bias(self.base, sign * db if db is not None else None)
+
+    def merge(self) -> None:
+        if not self.merged:
+            self._fold(1.0)
+            self.merged = True
+
+    def unmerge(self) -> None:
+        if self.merged:
+            self.merged = False
+            self._fold(-1.0)
+
+
+class HeadwiseProjection(_FoldsIntoBase, nn.Module):
     """One adapted q or v projection (SPEC §2), wrapping a frozen nn.Linear / Conv1D.
 
     Args:
@@ -253,26 +279,8 @@ class HeadwiseProjection(nn.Module):
         return projection_delta_weight(self.adapter.factors(), self.n_heads, wk, bk,
                                        self.n_key_heads)
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        if self.merged or not self.adapter.ranks.active:
-            self.merged = True
-            return
-        dW, db = self.delta_weight()
-        _add_to_weight(self.base, dW)
-        _add_bias(self.base, db)
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if not self.merged:
-            return
-        self.merged = False
-        if not self.adapter.ranks.active:
-            return
-        dW, db = self.delta_weight()
-        _add_to_weight(self.base, -dW)
-        _add_bias(self.base, -db if db is not None else None)
+    def _active(self) -> bool:
+        return self.adapter.ranks.active
 
 
 def _add_bias(mod: nn.Module, db: Optional[torch.Tensor], rows: slice = slice(None)) -> None:
@@ -416,7 +424,7 @@ class HeadwiseQKV(nn.Module):
             self._fold(-1.0)
 
 
-class HeadwiseOutput(nn.Module):
+class HeadwiseOutput(_FoldsIntoBase, nn.Module):
     """Adapted output projection (SPEC §2, basis O), wrapping a frozen nn.Linear / Conv1D.
 
     Args:
@@ -473,25 +481,8 @@ class HeadwiseOutput(nn.Module):
         return oproj_delta_weight(self.n_heads, self.wise_A, self.wise_B, self.c,
                                   self.shared_A, self.shared_B, self.scale)
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        if self.merged:
-            return
-        if self.ranks.active:
-            dW, db = self.delta_weight()
-            _add_to_weight(self.base, dW)
-            _add_bias(self.base, db)
-        self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if not self.merged:
-            return
-        self.merged = False
-        if self.ranks.active:
-            dW, db = self.delta_weight()
-            _add_to_weight(self.base, -dW)
-            _add_bias(self.base, -db if db is not None else None)
+    def _active(self) -> bool:
+        return self.ranks.active
 
 
 # ------------------------------------------------------------------------------------------

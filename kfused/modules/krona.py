@@ -11,8 +11,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from kfused.modules._linear import (WrappedLinear, autocast_input, is_conv1d, linear_dims,
-                                    linear_weight)
+from kfused.modules._linear import (WrappedLinear, autocast_input, check_init, is_conv1d,
+                                    linear_dims, linear_weight, lora_init_)
 from kfused.ops.krona import kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
@@ -62,21 +62,14 @@ class _KronFactors:
     """Mixin: the A, B factors of a Kronecker adapter (nn.Module subclasses only)."""
 
     def _init_factors(self, a_shape, b_shape, init: str, dtype, device):
-        if init not in ("lora", "random"):
-            raise ValueError(f"init must be 'lora' (A kaiming-uniform, B = 0) or 'random', got {init!r}")
+        check_init(init)
         self.A = nn.Parameter(torch.empty(*a_shape, dtype=dtype, device=device))
         self.B = nn.Parameter(torch.empty(*b_shape, dtype=dtype, device=device))
         self.init = init
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Paper table 4 / LyCORIS: A ~ kaiming_uniform(a=√5), B = 0 so the adapted model starts
-        # exactly at the frozen one. "random" (both kaiming) is for tests and benchmarks.
-        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
-        if self.init == "lora":
-            nn.init.zeros_(self.B)
-        else:
-            nn.init.kaiming_uniform_(self.B, a=math.sqrt(5))
+        lora_init_(self.A, self.B, self.init)  # paper table 4 / LyCORIS
 
     def delta_weight(self) -> torch.Tensor:
         """``scale · A ⊗ B`` in (out, in) layout (materialised: for merge and inspection)."""

@@ -8,14 +8,13 @@ Kernel-mix's shared part) go through the same injection, checkpoint and merge co
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfused.modules._linear import WrappedLinear, linear_dims
+from kfused.modules._linear import WrappedLinear, check_init, linear_dims, lora_init_
 
 
 class LoRALinear(WrappedLinear):
@@ -34,9 +33,7 @@ class LoRALinear(WrappedLinear):
                  dropout: float = 0.0, init: str = "lora", backend: Optional[str] = None):
         if int(r) < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {r}")
-        if init not in ("lora", "random"):
-            raise ValueError("init must be 'lora' (A kaiming-uniform, B = 0) or 'random', "
-                             f"got {init!r}")
+        check_init(init)
         super().__init__(base)
         d_in, d_out = linear_dims(base)
         self.r = int(r)
@@ -51,11 +48,7 @@ class LoRALinear(WrappedLinear):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
-        if self.init == "lora":
-            nn.init.zeros_(self.B)
-        else:
-            nn.init.kaiming_uniform_(self.B, a=math.sqrt(5))
+        lora_init_(self.A, self.B, self.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -6,12 +6,13 @@ Plain torch ops: two GEMMs with a ReLU between them gain nothing from fusion on 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kfused.modules._linear import check_init, lora_init_
 
 
 class ScaledParallelAdapter(nn.Module):
@@ -37,7 +38,10 @@ class ScaledParallelAdapter(nn.Module):
         ref = next(iter(block.parameters()), None)
         dtype = dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
         device = device or (ref.device if ref is not None else None)
-        self.r, self.scale, self.init, self.backend = int(r), float(scale), init, backend
+        self.r, self.scale, self.backend = int(r), float(scale), backend
+        # A composite method's init ("paper"/"zero" for its inducer part) means, for this
+        # adapter, the released code's exact-start init, which is the "lora" one.
+        self.init = check_init("lora" if init in ("paper", "zero") else init)
         self.down = nn.Parameter(torch.empty(self.r, d_model, dtype=dtype, device=device))
         self.down_bias = nn.Parameter(torch.zeros(self.r, dtype=dtype, device=device))
         self.up = nn.Parameter(torch.empty(d_model, self.r, dtype=dtype, device=device))
@@ -45,11 +49,7 @@ class ScaledParallelAdapter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.down, a=math.sqrt(5))
-        if self.init == "lora":
-            nn.init.zeros_(self.up)
-        else:
-            nn.init.kaiming_uniform_(self.up, a=math.sqrt(5))
+        lora_init_(self.down, self.up, self.init)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         params = (self.down, self.down_bias, self.up, self.up_bias)
