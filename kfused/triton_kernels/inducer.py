@@ -272,6 +272,23 @@ def _inducer_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _p_dp_tile(q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_n, n_ok, offs_m, offs_d, d_ok, kmask_base, causal_off, scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
+               PREC: tl.constexpr):
+    """One key tile of the backward: Kᵀ, the recomputed P = exp(s − m) / l and dP = dO Vᵀ."""
+    kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                 mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
+                 mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
+    valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL, HAS_KMASK)
+    p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
+    dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
+    return kT, p, dp
+
+
+@triton.jit
 def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn,
                  stride_vd,
                  lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
@@ -282,15 +299,9 @@ def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_valid
-        kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL,
-                         HAS_KMASK)
-        p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
-        dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
+        kT, p, dp = _p_dp_tile(q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
+                               stride_vn, stride_vd, offs_n, n_ok, offs_m, offs_d, d_ok,
+                               kmask_base, causal_off, scale, MASKED, CAUSAL, HAS_KMASK, PREC)
         dsum += tl.sum(p * dp, 1)
     return dsum
 
@@ -306,15 +317,9 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_valid
-        kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL,
-                         HAS_KMASK)
-        p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
-        dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
+        kT, p, dp = _p_dp_tile(q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
+                               stride_vn, stride_vd, offs_n, n_ok, offs_m, offs_d, d_ok,
+                               kmask_base, causal_off, scale, MASKED, CAUSAL, HAS_KMASK, PREC)
         ds = p * ((dp - delta[:, None]) - adj[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC, out_dtype=tl.float32)
     return dq
