@@ -66,6 +66,7 @@ FORMAT_VERSION = 2
 KILL_ENV = "KFUSED_CHECKPOINT_KILL_AFTER"   # test hook: os._exit(KILL_EXIT) after that step
 KILL_EXIT = 86
 SAVE_STEPS = 8
+KILL_POINTS = ("1", "2", "3-", "3", "4-", "4", "5-", "5", "6", "7", "8")  # every one, in order
 LEFTOVER_MAX_AGE_S = 24 * 3600
 
 _ID = r"(?P<stamp>\d{8}T\d{6})-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})"
@@ -101,16 +102,12 @@ def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_write(path: str, data: bytes) -> None:
+def _fsync_write(path: str, data: bytes, step: Optional[int] = None) -> None:
     with open(path, "xb") as f:  # never overwrite: every name we write is fresh
+        if step is not None and os.environ.get(KILL_ENV) == f"{step}-":
+            f.write(data[:len(data) // 2])  # test hook: killed half way through the write
+            f.flush()
+            os._exit(KILL_EXIT)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -130,7 +127,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _step(k: int) -> None:
-    """Test hook: with $KFUSED_CHECKPOINT_KILL_AFTER=k the process dies here, as a kill would."""
+    """Test hook: with $KFUSED_CHECKPOINT_KILL_AFTER=k the process dies here, as a kill would
+    (``k-`` for the writing steps 3, 4, 5: half way through that step's file)."""
     if os.environ.get(KILL_ENV) == str(k):
         os._exit(KILL_EXIT)
 
@@ -448,15 +446,15 @@ def save(model: nn.Module, directory: str) -> str:
         try:
             os.mkdir(folder)
             _step(2)
-            _fsync_write(os.path.join(folder, WEIGHTS), weights)
+            _fsync_write(os.path.join(folder, WEIGHTS), weights, 3)
             _step(3)
-            _fsync_write(os.path.join(folder, CONFIG), config)
+            _fsync_write(os.path.join(folder, CONFIG), config, 4)
             _fsync_dir(folder)
             _step(4)
             pointer = {"format": FORMAT, "format_version": FORMAT_VERSION,
                        "version": VERSION_PREFIX + ident,
                        "sha256": {WEIGHTS: _sha256_bytes(weights), CONFIG: _sha256_bytes(config)}}
-            _fsync_write(tmp, json.dumps(pointer, indent=2).encode())
+            _fsync_write(tmp, json.dumps(pointer, indent=2).encode(), 5)
             _step(5)
             os.replace(tmp, os.path.join(directory, POINTER))
             _fsync_dir(directory)
