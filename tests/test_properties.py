@@ -533,7 +533,9 @@ def _call_projection(kw):
 
 
 OPS = {
-    # op: (valid inputs, call, {argument: dims whose size is fixed by the other arguments})
+    # op: (valid inputs, call, {argument: dims whose size is fixed by the other arguments});
+    # a dim that defines a size (w_q's rows define p) is left out: changing it is reported on
+    # the argument that then disagrees
     "kron_matvec": (_valid_kron, lambda kw: kron_matvec(**kw, backend="triton"),
                     {"x": [-1], "A": [1], "B": [1]}),
     "krona_linear": (_valid_krona, lambda kw: krona_linear(**kw, backend="triton"),
@@ -541,21 +543,21 @@ OPS = {
     "headwise_lowrank": (_valid_lowrank, lambda kw: headwise_lowrank(**kw, backend="triton"),
                          {"basis": [-1], "A": [2], "B": [0, 2], "bias": [0, 1]}),
     "headwise_qkv": (_valid_qkv, _call_qkv,
-                     {"x": [-1], "w_q": [0, 1], "w_k": [0, 1], "w_v": [0, 1], "b_q": [0],
+                     {"x": [-1], "w_q": [1], "w_k": [0, 1], "w_v": [0, 1], "b_q": [0],
                       "b_k": [0], "b_v": [0], "q.shared_A": [1], "q.shared_B": [0, 1],
                       "q.wise_A": [0, 2], "q.wise_B": [0, 1, 2], "q.wise_c": [0, 1],
                       "q.lite_A": [0, 2], "q.lite_B": [0, 1, 2], "v.shared_A": [1],
                       "v.shared_B": [0, 1], "v.wise_A": [0, 2], "v.wise_B": [0, 1, 2],
                       "v.wise_c": [0, 1], "v.lite_A": [0, 2], "v.lite_B": [0, 1, 2]}),
     "headwise_projection": (_valid_projection, _call_projection,
-                            {"x": [-1], "weight": [0, 1], "bias": [0], "w_k": [0, 1],
+                            {"x": [-1], "weight": [1], "bias": [0], "w_k": [1],
                              "b_k": [0], "factors.shared_A": [1], "factors.shared_B": [0, 1],
                              "factors.wise_A": [0, 2], "factors.wise_B": [0, 1, 2],
                              "factors.wise_c": [0, 1], "factors.lite_A": [0, 2],
                              "factors.lite_B": [0, 1, 2]}),
     "headwise_oproj": (_valid_oproj, lambda kw: headwise_oproj(**kw, n_heads=2,
                                                                backend="triton"),
-                       {"o": [-1], "w_o": [1], "b_o": [0], "wise_A": [0, 2], "wise_B": [0, 1],
+                       {"o": [], "w_o": [1], "b_o": [0], "wise_A": [0, 2], "wise_B": [0, 1],
                         "wise_c": [0], "shared_A": [1], "shared_B": [0, 1]}),
     "inducer_attention": (_valid_inducer, lambda kw: inducer_attention(**kw, backend="triton"),
                           {"q": [0, 3], "k": [0, 1, 3], "v": [0, 1, 2, 3], "Ak": [0, 1],
@@ -587,6 +589,17 @@ GAPS = {
     ("headwise_oproj", "scale", "type"): "headwise",
     ("krona_linear", "scale", "type"): "krona",
 }
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13 item 8: headwise_projection infers n_key_heads "
+                                       "from w_k's rows and then blames n_key_heads, not w_k; "
+                                       "fixed on branch headwise")
+def test_projection_short_w_k_names_w_k():
+    g = torch.Generator().manual_seed(0)
+    kw = {k: v.float() for k, v in _valid_projection(g).items()}
+    kw["w_k"] = kw["w_k"][:2]  # 2 rows: fewer than one key head of width p = 3
+    with pytest.raises((ValueError, TypeError), match="w_k"):
+        _call_projection(kw)
 
 
 def _cases():
