@@ -256,21 +256,35 @@ def test_kill_during_first_save(tmp_path, point):
 
 
 def test_live_writer_leftovers_are_kept(tmp_path):
-    """A version folder of a save still running (this pid, in progress) is not cleaned."""
+    """The version folder and pointer temp file of a save still running (this pid, in
+    progress; or another live process) are not cleaned; once their writer is gone they are."""
     d = tmp_path / "c"
     save(tiny(fill=1.0), str(d))
     ident = ck._new_id()
-    (d / (ck.VERSION_PREFIX + ident)).mkdir()
-    with ck._ACTIVE_LOCK:
-        ck._ACTIVE.add(ident)
+    folder, tmp = d / (ck.VERSION_PREFIX + ident), d / f".{ck.POINTER}.{ident}.tmp"
+    folder.mkdir()
+    tmp.write_text("{}")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        loaded(d)
-        assert (d / (ck.VERSION_PREFIX + ident)).is_dir()
-    finally:
+        other = ident.replace(f"-{os.getpid()}-", f"-{live.pid}-")
+        other_folder = d / (ck.VERSION_PREFIX + other)
+        other_folder.mkdir()
         with ck._ACTIVE_LOCK:
-            ck._ACTIVE.discard(ident)
+            ck._ACTIVE.add(ident)
+        try:
+            loaded(d)
+            assert folder.is_dir() and tmp.is_file() and other_folder.is_dir()
+        finally:
+            with ck._ACTIVE_LOCK:
+                ck._ACTIVE.discard(ident)
+        loaded(d)
+        assert not folder.exists() and not tmp.exists() and other_folder.is_dir()
+    finally:
+        live.kill()
+        live.wait()
     loaded(d)
-    assert not (d / (ck.VERSION_PREFIX + ident)).exists()
+    assert not other_folder.exists()
+    _clean_listing(d)
 
 
 def test_format1_checkpoints_load_and_upgrade(tmp_path):

@@ -154,7 +154,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _writer_gone(match: "re.Match") -> bool:
     """Whether the save that wrote a leftover named ``match`` can no longer be running."""
-    ident = match.group(0)[match.start("stamp") - match.start(0):]
+    ident = "-".join(match.group(k) for k in ("stamp", "host", "pid", "tag"))
     try:
         age = time.time() - calendar.timegm(time.strptime(match.group("stamp"), "%Y%m%dT%H%M%S"))
     except ValueError:  # pragma: no cover
