@@ -372,6 +372,8 @@ class _MergedTrainingGuard(torch.autograd.Function):
 def _guard_hook(module, args, output):
     if not (module.training and torch.is_grad_enabled()):
         return output
+    if not any(getattr(sub, "merged", False) is True for sub in module.modules()):
+        return output  # unmerged since (e.g. by the module's own unmerge())
     anchor = next((p for p in module.parameters() if p.requires_grad), None)
     if anchor is None:
         return output
