@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from kfused.integration import (AdapterConfig, CheckpointError, adapter_state_dict, get_state,
+from kfused.integration import (AdapterConfig, CheckpointError, adapter_modules,
+                                adapter_state_dict, get_state,
                                 inject, load, merge, merged_modules, read_checkpoint_config, save,
                                 unmerge)
 from kfused.integration import checkpoint as ck
@@ -517,5 +518,11 @@ def test_training_a_merged_model_says_so():
         loss.backward()
     unmerge(m)
     assert not merged_modules(m)
+    m(**inputs).loss.backward()
+    assert all(m.get_parameter(n).grad is not None for n in get_state(m).param_names)
+    merge(m)  # unmerged module by module instead: the guard steps aside as well
+    for mod in adapter_modules(m).values():
+        mod.unmerge()
+    m.zero_grad()
     m(**inputs).loss.backward()
     assert all(m.get_parameter(n).grad is not None for n in get_state(m).param_names)
