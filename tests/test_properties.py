@@ -663,3 +663,23 @@ def test_bad_input_names_the_argument(op, arg, kind, seed):
         assert arg in msg or short in msg, f"{type(info.value).__name__}: {msg!r} names no {arg}"
 
     run_property(seed, body, 3)
+
+
+# ------------------------------------------------------------------------------------------
+# the rule itself (SPEC §4: atol_t = c_t · eps_t · max|ref64|, c = 16 float32, 1 float16)
+
+
+@pytest.mark.parametrize("dtype,c", [(torch.float32, 16.0), (torch.float16, 1.0),
+                                     (torch.bfloat16, 1.0)])
+def test_spec4_bound(dtype, c):
+    from kfused.testing import compare
+
+    ref = torch.tensor([4.0, -2.0, 1.0], dtype=F64)
+    tor = ref + torch.tensor([0.0, 1e-9, 0.0], dtype=F64)
+    eps = torch.finfo(dtype).eps
+    bound = 2 * 1e-9 + c * eps * 4.0
+    ok = compare("t", ref + torch.tensor([bound * 0.99, 0, 0], dtype=F64), ref, tor, dtype)
+    bad = compare("t", ref + torch.tensor([bound * 1.01, 0, 0], dtype=F64), ref, tor, dtype)
+    assert ok.bound == pytest.approx(bound, rel=1e-9) and ok.ok and not bad.ok
+    nan = compare("t", ref + torch.tensor([float("nan"), 0, 0], dtype=F64), ref, tor, dtype)
+    assert not nan.ok
