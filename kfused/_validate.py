@@ -34,6 +34,8 @@ def check_same(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor
     for name, t in others.items():
         if t is None:
             continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         if t.device != ref.device:
             raise ValueError(
                 f"{name} is on {t.device} but {ref_name} is on {ref.device}; "

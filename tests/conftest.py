@@ -22,14 +22,43 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
+def seed_for(nodeid: str) -> int:
+    """The seed a test runs under: KFUSED_TEST_SEED mixed with the test's node id."""
+    return (BASE_SEED + zlib.crc32(nodeid.encode())) % (2**31)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_poison(request):
-    seed = (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31)
+    seed = seed_for(request.node.nodeid)
     random.seed(seed)
     torch.manual_seed(seed)
     old = _alloc.set_poisoning(True)
     yield
     _alloc.set_poisoning(old)
+
+
+@pytest.fixture
+def seed(request):
+    """This test's seed (for generators and hypothesis); replayed by KFUSED_TEST_SEED."""
+    return seed_for(request.node.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every failure names the seed that replays it."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        rep.sections.append((
+            "kfused seed",
+            f"KFUSED_TEST_SEED={BASE_SEED} (this test's seed {seed_for(item.nodeid)}); replay "
+            f"with: KFUSED_TEST_SEED={BASE_SEED} python3 -m pytest '{item.nodeid}'"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(f"kfused: failures above ran with KFUSED_TEST_SEED={BASE_SEED}; "
+                                    "set it to replay them")
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from kfused.integration.arch import ARCHS, ArchSpec, detect_arch, register_arch
 from kfused.integration.checkpoint import (CheckpointError, adapter_state_dict, load,
                                            read_checkpoint_config, save)
 from kfused.integration.config import PRESETS, AdapterConfig, preset
-from kfused.integration.inject import (InjectState, adapter_modules, count_parameters,
+from kfused.integration.inject import (InjectState, adapter_modules, count_parameters, merged_modules,
                                        get_state, inject, merge, merge_and_unload,
                                        print_trainable_parameters,
                                        set_backend, unmerge, unwrap, use_backend)
@@ -23,5 +23,5 @@ __all__ = [
     "print_trainable_parameters", "count_parameters", "set_backend", "adapter_modules",
     "use_backend", "adapter_state_dict", "read_checkpoint_config", "get_state", "unwrap", "InjectState",
     "CheckpointError", "register_method", "get_method", "methods", "is_mergeable", "MethodSpec",
-    "Target", "register_arch", "ArchSpec", "ARCHS", "detect_arch",
+    "Target", "register_arch", "ArchSpec", "ARCHS", "detect_arch", "merged_modules",
 ]

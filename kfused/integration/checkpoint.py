@@ -1,41 +1,92 @@
-"""Adapter-only checkpoints: safetensors weights + a JSON description + a completeness marker.
+"""Adapter-only checkpoints: safetensors weights + a JSON description, committed atomically.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory ``D`` (format version 2)::
 
-    adapter_model.safetensors   the adapter parameters and buffers, by full module path
-    adapter_config.json         kfused version, AdapterConfig, base architecture, tensor shapes
-    COMPLETE                    sha256 of the two files above, written last
+    D/kfused_checkpoint.json          the pointer: names the current version and the sha256 of
+                                      its two files; only ever replaced atomically (os.replace)
+    D/kfused_checkpoint-<id>/         one complete version, never modified once written
+        adapter_model.safetensors     the adapter parameters and buffers, by full module path
+        adapter_config.json           kfused version, AdapterConfig, base architecture, tensors
+    D/<anything else>                 not kfused's: never read, replaced or deleted
 
-:func:`save` writes everything into a temporary sibling directory and renames it into place
-(``os.replace``), so a save killed half way never leaves a directory that :func:`load` accepts;
-:func:`load` also checks the hashes in ``COMPLETE``. Under torch.distributed every rank must
-call :func:`save` (sharded FSDP2 parameters are gathered); rank 0 writes.
+Save protocol (the numbers are the steps :data:`KILL_ENV` can stop a process after)::
+
+    1  create D if missing; clean dead leftovers (see below)
+    2  create a new version folder kfused_checkpoint-<id>/ (no pointer names it yet)
+    3  write + fsync adapter_model.safetensors
+    4  write + fsync adapter_config.json, fsync the folder
+    5  write + fsync the new pointer as .kfused_checkpoint.json.<id>.tmp
+    6  os.replace(it, kfused_checkpoint.json), fsync D          <- the commit
+    7  remove the version folder the old pointer named
+    8  remove a format-1 checkpoint's files that step 6 superseded (verified by their hashes)
+
+Up to step 6 the pointer names the old version (or there is none), from step 6 on the new one,
+and the version a pointer names is always complete: at every instant ``D`` holds one complete
+version, old or new. A process killed part way leaves a version folder no pointer names, a
+pointer temp file, or a superseded folder; their names carry ``<id>`` = time, host, pid and a
+random tag, and the next :func:`save` or :func:`load` on ``D`` removes them once their writer is
+gone (same host and pid no longer running, or older than a day). Nothing else is ever deleted:
+a folder holding other files (e.g. PEFT's) keeps them, and a path that is a file is refused.
+
+:func:`load` checks the pointer, the hashes (of the very bytes it parses), the JSON description
+and every tensor of the weights file against it (name, shape, dtype) before it changes the
+model; any mismatch is a :class:`CheckpointError` naming the file and tensor. Format-1
+checkpoints (``adapter_model.safetensors`` + ``adapter_config.json`` + ``COMPLETE`` directly in
+``D``) still load. Under torch.distributed every rank must call :func:`save` (sharded FSDP2
+parameters are gathered); rank 0 writes.
 """
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import threading
+import time
 import uuid
-from typing import Dict, Optional
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import get_state, inject, unwrap
+from kfused.integration.inject import get_state, inject, merged_modules, unwrap
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
-MARKER = "COMPLETE"
+MARKER = "COMPLETE"              # format 1 only
+POINTER = "kfused_checkpoint.json"
+VERSION_PREFIX = "kfused_checkpoint-"
 FORMAT = "kfused-adapter"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+KILL_ENV = "KFUSED_CHECKPOINT_KILL_AFTER"   # test hook: os._exit(KILL_EXIT) after that step
+KILL_EXIT = 86
+SAVE_STEPS = 8
+KILL_POINTS = ("1", "2", "3-", "3", "4-", "4", "5-", "5", "6", "7", "8")  # every one, in order
+LEFTOVER_MAX_AGE_S = 24 * 3600
+
+_ID = r"(?P<stamp>\d{8}T\d{6})-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})"
+_VERSION_RE = re.compile(re.escape(VERSION_PREFIX) + _ID)
+_POINTER_TMP_RE = re.compile(r"\." + re.escape(POINTER) + r"\." + _ID + r"\.tmp")
+_V1_TMP_RE = re.compile(r"\.(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}(?P<old>\.old)?")
+_ACTIVE: Set[str] = set()        # ids of saves in progress in this process
+_ACTIVE_LOCK = threading.Lock()
+
+_DTYPES = {str(dt).replace("torch.", ""): dt for dt in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 class CheckpointError(ValueError):
     """The checkpoint is incomplete, corrupt, or does not fit the model."""
+
+
+# ------------------------------------------------------------------------------------------
+# small helpers
 
 
 def _version() -> str:
@@ -47,19 +98,85 @@ def _version() -> str:
         return "unknown"
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def _fsync_write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
+def _fsync_write(path: str, data: bytes, step: Optional[int] = None) -> None:
+    with open(path, "xb") as f:  # never overwrite: every name we write is fresh
+        if step is not None and os.environ.get(KILL_ENV) == f"{step}-":
+            f.write(data[:len(data) // 2])  # test hook: killed half way through the write
+            f.flush()
+            os._exit(KILL_EXIT)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover  (e.g. Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _step(k: int) -> None:
+    """Test hook: with $KFUSED_CHECKPOINT_KILL_AFTER=k the process dies here, as a kill would
+    (``k-`` for the writing steps 3, 4, 5: half way through that step's file)."""
+    if os.environ.get(KILL_ENV) == str(k):
+        os._exit(KILL_EXIT)
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _new_id() -> str:
+    return (f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{_host_tag()}-{os.getpid()}-"
+            f"{uuid.uuid4().hex[:8]}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _writer_gone(match: "re.Match") -> bool:
+    """Whether the save that wrote a leftover named ``match`` can no longer be running."""
+    ident = "-".join(match.group(k) for k in ("stamp", "host", "pid", "tag"))
+    try:
+        age = time.time() - calendar.timegm(time.strptime(match.group("stamp"), "%Y%m%dT%H%M%S"))
+    except ValueError:  # pragma: no cover
+        age = 0.0
+    if age > LEFTOVER_MAX_AGE_S:
+        return True
+    if match.group("host") != _host_tag():
+        return False
+    pid = int(match.group("pid"))
+    if pid == os.getpid():
+        with _ACTIVE_LOCK:
+            return ident not in _ACTIVE
+    return not _pid_alive(pid)
+
+
+def _only_ours(folder: str) -> bool:
+    """A version folder holds nothing but files kfused writes there."""
+    try:
+        return all(n in (WEIGHTS, CONFIG) and os.path.isfile(os.path.join(folder, n))
+                   and not os.path.islink(os.path.join(folder, n)) for n in os.listdir(folder))
+    except OSError:
+        return False
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +189,188 @@ def _dist_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return 0
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        obj = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read the {what} ({type(exc).__name__}: {exc})"
+                              ) from exc
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: the {what} is not a JSON object")
+    return obj
+
+
+# ------------------------------------------------------------------------------------------
+# the pointer and the versions
+
+
+def _read_pointer(directory: str) -> Optional[dict]:
+    """The validated pointer of ``directory``, or None when there is none."""
+    path = os.path.join(directory, POINTER)
+    if not os.path.lexists(path):
+        return None
+    ptr = _read_json(path, "checkpoint pointer")
+    if ptr.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a kfused checkpoint pointer (format "
+                              f"{ptr.get('format')!r}, expected {FORMAT!r})")
+    ver = ptr.get("format_version")
+    if not isinstance(ver, int) or ver < 2:
+        raise CheckpointError(f"{path}: invalid format_version {ver!r}")
+    if ver > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {ver}; this kfused reads up to "
+                              f"{FORMAT_VERSION}")
+    name = ptr.get("version")
+    if not isinstance(name, str) or not _VERSION_RE.fullmatch(name):
+        raise CheckpointError(f"{path}: invalid version name {name!r}")
+    hashes = ptr.get("sha256")
+    if not (isinstance(hashes, dict) and all(isinstance(hashes.get(n), str)
+                                             for n in (WEIGHTS, CONFIG))):
+        raise CheckpointError(f"{path}: 'sha256' must map {WEIGHTS} and {CONFIG} to hashes")
+    return ptr
+
+
+def _read_version(folder: str, hashes: dict, where: str) -> Tuple[dict, bytes]:
+    """(description, weights bytes) of one version, both checked against ``hashes``."""
+    blobs = {}
+    for name in (WEIGHTS, CONFIG):
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                blobs[name] = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"{where} is incomplete: {path} is missing") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read it ({exc})") from exc
+        if _sha256_bytes(blobs[name]) != hashes.get(name):
+            raise CheckpointError(f"{path} does not match the hash recorded in {where}: the "
+                                  "checkpoint is corrupt or was modified")
+    cfg_path = os.path.join(folder, CONFIG)
+    try:
+        meta = json.loads(blobs[CONFIG].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({exc})") from exc
+    _check_meta(meta, cfg_path)
+    return meta, blobs[WEIGHTS]
+
+
+def _check_meta(meta, path: str) -> None:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a kfused adapter description")
+    ver = meta.get("format_version", 0)
+    if not isinstance(ver, int):
+        raise CheckpointError(f"{path}: invalid format_version {ver!r}")
+    if ver > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {ver}; this kfused reads up to "
+                              f"{FORMAT_VERSION}")
+    for key, typ in (("config", dict), ("base", dict), ("tensors", dict)):
+        if not isinstance(meta.get(key), typ):
+            raise CheckpointError(f"{path}: field {key!r} is missing or not a {typ.__name__}")
+    for n, d in meta["tensors"].items():
+        shape = d.get("shape") if isinstance(d, dict) else None
+        dtype = d.get("dtype") if isinstance(d, dict) else None
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool)
+                                                and s >= 0 for s in shape)):
+            raise CheckpointError(f"{path}: tensor {n!r} has an invalid shape {shape!r}")
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {n!r} has an unknown dtype {dtype!r}")
+
+
+def _read_v1(directory: str) -> Tuple[dict, bytes]:
+    marker = os.path.join(directory, MARKER)
+    hashes = _read_json(marker, f"{MARKER} marker")
+    if not all(isinstance(hashes.get(n), str) for n in (WEIGHTS, CONFIG)):
+        raise CheckpointError(f"{marker}: must map {WEIGHTS} and {CONFIG} to sha256 hashes")
+    return _read_version(directory, hashes, marker)
+
+
+def _v1_is_ours(directory: str) -> bool:
+    try:
+        _read_v1(directory)
+        return True
+    except CheckpointError:
+        return False
+
+
+def _current(directory: str) -> Tuple[dict, bytes, str]:
+    """(description, weights bytes, weights path) of the version ``directory`` holds now."""
+    if not os.path.exists(directory):
+        raise CheckpointError(f"{directory} does not exist")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is not a directory (a kfused checkpoint is one)")
+    last = None
+    for _ in range(5):  # a concurrent save may swap the version between our reads: retry
+        ptr = _read_pointer(directory)
+        if ptr is None:
+            if os.path.lexists(os.path.join(directory, MARKER)):
+                meta, weights = _read_v1(directory)
+                return meta, weights, os.path.join(directory, WEIGHTS)
+            raise CheckpointError(
+                f"{directory} holds no kfused checkpoint (no {POINTER}): not a kfused "
+                "checkpoint, or its first save was interrupted before completing")
+        folder = os.path.join(directory, ptr["version"])
+        try:
+            meta, weights = _read_version(folder, ptr["sha256"],
+                                          os.path.join(directory, POINTER))
+            return meta, weights, os.path.join(folder, WEIGHTS)
+        except CheckpointError as exc:
+            again = _read_pointer(directory)
+            if again is not None and again != ptr and again != last:
+                last = ptr
+                continue
+            raise exc
+    raise CheckpointError(f"{directory} kept changing while being read (concurrent saves?)")
+
+
+def _clean(directory: str) -> None:
+    """Remove the leftovers of killed saves into ``directory`` (best effort, see the module
+    docstring); restore a format-1 checkpoint that a killed format-1 save left moved aside."""
+    parent, base = os.path.split(directory.rstrip(os.sep))
+    # format 1 moved the old folder to <parent>/.<base>.tmp-<pid>-<hex>.old before the rename
+    try:
+        siblings = os.listdir(parent or ".")
+    except OSError:
+        siblings = []
+    for n in siblings:
+        m = _V1_TMP_RE.fullmatch(n)
+        if not m or m.group("base") != base or _pid_alive(int(m.group("pid"))):
+            continue
+        path = os.path.join(parent, n)
+        if m.group("old") and not os.path.exists(directory) and _v1_is_ours(path):
+            try:
+                os.replace(path, directory)  # the only complete copy: put it back
+                continue
+            except OSError:
+                pass
+        if os.path.isdir(path) and all(x in (WEIGHTS, CONFIG, MARKER) for x in os.listdir(path)):
+            shutil.rmtree(path, ignore_errors=True)
+    if not os.path.isdir(directory):
+        return
+    try:
+        ptr = _read_pointer(directory)
+    except CheckpointError:
+        return  # not ours to judge
+    current = ptr["version"] if ptr else None
+    for n in os.listdir(directory):
+        path = os.path.join(directory, n)
+        m = _POINTER_TMP_RE.fullmatch(n)
+        if m and _writer_gone(m) and os.path.isfile(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        m = _VERSION_RE.fullmatch(n)
+        if m and n != current and _writer_gone(m) and os.path.isdir(path) \
+                and not os.path.islink(path) and _only_ours(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------
+# public API
 
 
 def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -92,23 +391,34 @@ def _describe(model: nn.Module) -> Dict[str, object]:
             "arch": state.arch, **model_dims(m)}
 
 
-def save(model: nn.Module, directory: str) -> str:
-    """Write the adapters of ``model`` to ``directory`` (created or atomically replaced).
+def _check_target(directory: str) -> None:
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        kind = "a regular file" if os.path.isfile(directory) else "not a directory"
+        raise CheckpointError(f"cannot save to {directory}: it exists and is {kind}; a kfused "
+                              "checkpoint is a directory, and save never replaces a file")
+    ptr = os.path.join(directory, POINTER)
+    if os.path.lexists(ptr):
+        try:
+            _read_pointer(directory)
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot save to {directory}: {POINTER} there was not written "
+                                  f"by kfused or is damaged ({exc}); move it away first") from exc
 
-    Returns the directory path. Refuses to replace an existing non-empty directory that is not
-    a kfused checkpoint.
+
+def save(model: nn.Module, directory: str) -> str:
+    """Write the adapters of ``model`` to ``directory`` as a new version, committed atomically.
+
+    ``directory`` is created if missing; other files in it are left alone. At every instant it
+    holds one complete version (the old one until the commit, the new one after). Returns the
+    directory path. Raises :class:`CheckpointError` if ``directory`` is a file.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save as save_bytes
 
     state = get_state(model)
     tensors = adapter_state_dict(model)  # collective under FSDP2: every rank gathers
     directory = os.path.abspath(directory)
     if _dist_rank() == 0:
-        if os.path.isdir(directory) and os.listdir(directory) and not (
-                os.path.exists(os.path.join(directory, CONFIG))
-                or os.path.exists(os.path.join(directory, MARKER))):
-            raise CheckpointError(f"{directory} exists and is not a kfused checkpoint; "
-                                  "refusing to replace it")
+        _check_target(directory)
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "kfused_version": _version(),
             "torch_version": torch.__version__,
@@ -119,77 +429,132 @@ def save(model: nn.Module, directory: str) -> str:
                         for n, t in tensors.items()},
             "buffers": list(state.buffer_names),
         }
-        parent = os.path.dirname(directory) or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{os.getpid()}-"
-                                   f"{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
+        weights = save_bytes(tensors, metadata={"format": FORMAT})
+        config = json.dumps(meta, indent=2).encode()
         try:
-            save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": FORMAT})
-            with open(os.path.join(tmp, WEIGHTS), "rb") as f:
-                os.fsync(f.fileno())
-            _fsync_write(os.path.join(tmp, CONFIG), json.dumps(meta, indent=2).encode())
-            marker = {WEIGHTS: _sha256(os.path.join(tmp, WEIGHTS)),
-                      CONFIG: _sha256(os.path.join(tmp, CONFIG))}
-            _fsync_write(os.path.join(tmp, MARKER), json.dumps(marker, indent=2).encode())
-            old = None
-            if os.path.exists(directory):
-                old = tmp + ".old"
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {directory}: {exc}") from exc
+        _clean(directory)
+        old = _read_pointer(directory)
+        _step(1)
+        ident = _new_id()
+        folder = os.path.join(directory, VERSION_PREFIX + ident)
+        tmp = os.path.join(directory, f".{POINTER}.{ident}.tmp")
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(ident)
+        try:
+            os.mkdir(folder)
+            _step(2)
+            _fsync_write(os.path.join(folder, WEIGHTS), weights, 3)
+            _step(3)
+            _fsync_write(os.path.join(folder, CONFIG), config, 4)
+            _fsync_dir(folder)
+            _step(4)
+            pointer = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                       "version": VERSION_PREFIX + ident,
+                       "sha256": {WEIGHTS: _sha256_bytes(weights), CONFIG: _sha256_bytes(config)}}
+            _fsync_write(tmp, json.dumps(pointer, indent=2).encode(), 5)
+            _step(5)
+            os.replace(tmp, os.path.join(directory, POINTER))
+            _fsync_dir(directory)
+            _step(6)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for path, rm in ((tmp, os.unlink), (folder, shutil.rmtree)):
+                try:
+                    if os.path.lexists(path):
+                        rm(path)
+                except OSError:
+                    pass
             raise
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(ident)
+        if old is not None:
+            stale = os.path.join(directory, old["version"])
+            if os.path.isdir(stale) and not os.path.islink(stale) and _only_ours(stale):
+                shutil.rmtree(stale, ignore_errors=True)
+        _step(7)
+        if os.path.lexists(os.path.join(directory, MARKER)) and _v1_is_ours(directory):
+            for n in (MARKER, CONFIG, WEIGHTS):  # MARKER first: a half-removed v1 is never read
+                try:
+                    os.unlink(os.path.join(directory, n))
+                except OSError:
+                    pass
+        _step(8)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     return directory
 
 
 def read_checkpoint_config(directory: str) -> Dict[str, object]:
-    """The JSON description of a complete checkpoint (raises CheckpointError otherwise)."""
-    marker = os.path.join(directory, MARKER)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory} is not a directory")
-    if not os.path.exists(marker):
-        raise CheckpointError(
-            f"{directory} has no {MARKER} marker: not a kfused checkpoint, or its save was "
-            "interrupted before completing; refusing to load it")
-    with open(marker) as f:
-        hashes = json.load(f)
-    for name in (WEIGHTS, CONFIG):
-        path = os.path.join(directory, name)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{directory} is incomplete: {name} is missing")
-        if _sha256(path) != hashes.get(name):
-            raise CheckpointError(f"{directory}/{name} does not match the hash recorded in "
-                                  f"{MARKER}: the checkpoint is corrupt or was modified")
-    with open(os.path.join(directory, CONFIG)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory} is not a kfused adapter checkpoint")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(f"{directory} has format version {meta['format_version']}; this "
-                              f"kfused reads up to {FORMAT_VERSION}")
-    return meta
+    """The JSON description of the checkpoint in ``directory`` (CheckpointError otherwise)."""
+    return _current(os.path.abspath(directory))[0]
+
+
+def _parse_weights(weights: bytes, path: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load as load_bytes
+
+    try:
+        return load_bytes(weights)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def _check_tensors(tensors: Dict[str, torch.Tensor], described: dict, path: str) -> None:
+    """Every tensor of the weights file is the one the description promises, and vice versa."""
+    for n in described:
+        if n not in tensors:
+            raise CheckpointError(f"{path}: tensor {n!r} is described in {CONFIG} but missing "
+                                  "from the weights file")
+    for n, t in tensors.items():
+        if n not in described:
+            raise CheckpointError(f"{path}: tensor {n!r} is in the weights file but not "
+                                  f"described in {CONFIG}")
+        want_shape, want_dtype = described[n]["shape"], described[n]["dtype"]
+        if list(t.shape) != want_shape:
+            raise CheckpointError(f"{path}: tensor {n!r} has shape {tuple(t.shape)} but "
+                                  f"{CONFIG} says {tuple(want_shape)}")
+        if str(t.dtype).replace("torch.", "") != want_dtype:
+            raise CheckpointError(f"{path}: tensor {n!r} has dtype "
+                                  f"{str(t.dtype).replace('torch.', '')} but {CONFIG} says "
+                                  f"{want_dtype}")
 
 
 def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> nn.Module:
     """Load adapters saved by :func:`save` into ``model`` (bit-exact).
 
     A model without adapters is injected first from the checkpoint's config; a model with
-    adapters must have been injected with the same method. Raises :class:`CheckpointError` for
-    an incomplete checkpoint, another architecture, or different adapter names or shapes.
+    adapters must have been injected with the same method and must not be merged. The files
+    are fully checked before the model changes, and every name, shape and dtype before any
+    adapter tensor is written. Raises :class:`CheckpointError` for a missing,
+    incomplete or corrupt checkpoint, a weights file that disagrees with its description,
+    another architecture, different adapter names or shapes, or a merged model.
     backend: overrides the saved config's kernel backend when injecting.
     """
-    from safetensors.torch import load_file
-
-    meta = read_checkpoint_config(directory)
-    cfg = AdapterConfig.from_dict(meta["config"])
+    directory = os.path.abspath(directory)
+    m = unwrap(model)
+    state = get_state(m, required=False)
+    if state is not None:
+        merged = merged_modules(m)
+        if merged:
+            raise CheckpointError(
+                f"cannot load {directory} into a merged model: its adapters are folded into the "
+                f"frozen weights ({len(merged)} merged modules, e.g. {merged[0]!r}), and "
+                "replacing them would leave those weights wrong. Call "
+                "kfused.integration.unmerge(model), then load, then merge(model) again.")
+    try:
+        _clean(directory)
+    except OSError:
+        pass
+    meta, weights, wpath = _current(directory)
+    cpath = os.path.join(os.path.dirname(wpath), CONFIG)
+    try:
+        cfg = AdapterConfig.from_dict(meta["config"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{cpath}: invalid adapter config ({exc})") from exc
     if backend is not None:
         cfg = cfg.replace(backend=backend)
-    m = unwrap(model)
     base = meta["base"]
     here_class = type(m).__name__
     here_type = getattr(getattr(m, "config", None), "model_type", None)
@@ -199,7 +564,12 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
             f"checkpoint {directory} was saved from a {base.get('model_class')} "
             f"(model_type {base.get('model_type')!r}); this model is a {here_class} "
             f"(model_type {here_type!r})")
-    state = get_state(m, required=False)
+    saved = meta["tensors"]
+    tensors = _parse_weights(weights, wpath)
+    _check_tensors(tensors, saved, wpath)
+    if state is not None and state.config.method != cfg.method:
+        raise CheckpointError(f"checkpoint holds method {cfg.method!r} adapters but the model has "
+                              f"{state.config.method!r} adapters")
     if state is None:
         try:
             inject(m, cfg)
@@ -207,17 +577,17 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
             raise CheckpointError(f"cannot inject the checkpoint's adapters "
                                   f"({cfg.method}) into this model: {exc}") from exc
         state = get_state(m)
-    elif state.config.method != cfg.method:
-        raise CheckpointError(f"checkpoint holds method {cfg.method!r} adapters but the model has "
-                              f"{state.config.method!r} adapters")
     expected = {n: m.get_parameter(n) for n in state.param_names}
     expected.update({n: m.get_buffer(n) for n in state.buffer_names})
-    saved = meta["tensors"]
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     bad_shapes = [f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(t.shape)}"
                   for n, t in expected.items() if n in saved and list(t.shape) != saved[n]["shape"]]
-    if missing or unexpected or bad_shapes:
+    bad_kinds = [f"{n}: checkpoint {saved[n]['dtype']}, model {str(t.dtype).replace('torch.', '')}"
+                 for n, t in expected.items() if n in saved and (
+                     _DTYPES[saved[n]["dtype"]].is_floating_point != t.dtype.is_floating_point
+                     or (not t.dtype.is_floating_point and _DTYPES[saved[n]["dtype"]] != t.dtype))]
+    if missing or unexpected or bad_shapes or bad_kinds:
         lines = []
         if missing:
             lines.append(f"missing in checkpoint ({len(missing)}): {missing[:5]}")
@@ -225,10 +595,11 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
             lines.append(f"not in model ({len(unexpected)}): {unexpected[:5]}")
         if bad_shapes:
             lines.append(f"shape mismatch ({len(bad_shapes)}): {bad_shapes[:5]}")
+        if bad_kinds:
+            lines.append(f"dtype mismatch ({len(bad_kinds)}): {bad_kinds[:5]}")
         raise CheckpointError(f"checkpoint {directory} does not fit this model "
                               f"({base.get('model_class')} d_model={base.get('d_model')} -> "
                               f"{here_class}): " + "; ".join(lines))
-    tensors = load_file(os.path.join(directory, WEIGHTS))
     with torch.no_grad():
         for n, dst in expected.items():
             src = tensors[n]
@@ -239,3 +610,4 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
                                         dst.placements)
             dst.copy_(src)
     return model
+

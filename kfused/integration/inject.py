@@ -335,11 +335,70 @@ def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:
     return mods
 
 
+def merged_modules(model: nn.Module) -> List[str]:
+    """Names of the adapter modules (or their submodules) that are merged right now."""
+    m = unwrap(model)
+    state = get_state(m, required=False)
+    if state is None:
+        return []
+    out = []
+    for name in state.adapter_modules:
+        for sub_name, sub in m.get_submodule(name).named_modules(prefix=name):
+            if getattr(sub, "merged", False) is True:
+                out.append(sub_name)
+    return out
+
+
+MERGED_TRAINING_MESSAGE = (
+    "kfused: this model is merged (kfused.integration.merge folded its adapters into the frozen "
+    "weights), so the adapters are not part of the forward pass and get no gradient. Call "
+    "kfused.integration.unmerge(model) before training, and merge(model) again for inference.")
+
+
+class _MergedTrainingGuard(torch.autograd.Function):
+    """Identity on a merged adapter's output that ties it to one adapter parameter; its
+    backward raises :data:`MERGED_TRAINING_MESSAGE` instead of autograd's "element 0 of tensors
+    does not require grad"."""
+
+    @staticmethod
+    def forward(ctx, anchor, out):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(MERGED_TRAINING_MESSAGE)
+
+
+def _guard_hook(module, args, output):
+    if not (module.training and torch.is_grad_enabled()):
+        return output
+    if not any(getattr(sub, "merged", False) is True for sub in module.modules()):
+        return output  # unmerged since (e.g. by the module's own unmerge())
+    anchor = next((p for p in module.parameters() if p.requires_grad), None)
+    if anchor is None:
+        return output
+
+    def wrap(o):
+        if isinstance(o, torch.Tensor) and o.is_floating_point():
+            return _MergedTrainingGuard.apply(anchor, o)
+        return o
+
+    if isinstance(output, tuple):
+        return type(output)(wrap(o) for o in output) if type(output) is tuple else output
+    return wrap(output)
+
+
 def merge(model: nn.Module) -> nn.Module:
     """Fold every adapter into its frozen weight (mergeable methods only); forward then runs
-    the base layers alone. Idempotent."""
-    for m in _merge_check(model, "merge").values():
+    the base layers alone. Idempotent. Training a merged model raises a RuntimeError saying so
+    at backward (in train mode); :func:`unmerge` first."""
+    mods = _merge_check(model, "merge")
+    for m in mods.values():
         m.merge()
+    target = unwrap(model)
+    if not getattr(target, "_kfused_merge_guards", None):
+        target._kfused_merge_guards = [m.register_forward_hook(_guard_hook)
+                                       for m in mods.values()]
     return model
 
 
@@ -347,6 +406,10 @@ def unmerge(model: nn.Module) -> nn.Module:
     """Undo :func:`merge` (exact up to the rounding of the add/subtract pair)."""
     for m in _merge_check(model, "unmerge").values():
         m.unmerge()
+    target = unwrap(model)
+    for h in getattr(target, "_kfused_merge_guards", None) or []:
+        h.remove()
+    target._kfused_merge_guards = []
     return model
 
 
@@ -362,6 +425,9 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
             raise ValueError(f"cannot unload {name}: {type(mod).__name__} has no .base layer")
         mod.merge()
         _set_submodule(m, name, base)
+    for h in getattr(m, "_kfused_merge_guards", None) or []:
+        h.remove()
+    m._kfused_merge_guards = []
     del m.kfused_state
     return model
 
