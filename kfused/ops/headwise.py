@@ -267,22 +267,22 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim)
 
 
-def _zwidth(HQ, HV, q_down, q_sdown, v_down, v_sdown):
+def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
+    """Width of the packed rank-space buffer (see kfused.triton_kernels.headwise)."""
     rq = q_down.shape[1] if q_down is not None else 0
     rsq = q_sdown.shape[0] if q_sdown is not None else 0
     rv = v_down.shape[1] if v_down is not None else 0
     rsv = v_sdown.shape[0] if v_sdown is not None else 0
-    return HQ * rq + rsq + HV * rv + rsv
+    return _tk().qkv_zwidth(HQ, HV, head_dim, (rq, rsq), (rv, rsv), device)
 
 
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
       v_down, v_zb, v_up, v_sdown, v_sup, head_dim):
     T = x.shape[0]
-    M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, q_down, q_sdown, v_down,
-                v_sdown)
-    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]),
-            x.new_empty(T, M, dtype=torch.float32))
+    M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
+                v_down, v_sdown, x.device)
+    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]), x.new_empty(T, M))
 
 
 @torch.library.custom_op("kfused::headwise_qkv_triton_bwd", mutates_args=())
@@ -648,8 +648,7 @@ def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
 def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads):
     M = (A.shape[0] * A.shape[1] if A is not None else 0) + \
         (shared_A.shape[0] if shared_A is not None else 0)
-    return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M,
-                                                               dtype=torch.float32)
+    return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
 
 
 @torch.library.custom_op("kfused::headwise_oproj_triton_bwd", mutates_args=())
