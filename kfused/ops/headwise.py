@@ -414,10 +414,19 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
 
 
 def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
-             w_k: Optional[torch.Tensor], b_k: Optional[torch.Tensor]):
+             w_k: Optional[torch.Tensor], b_k: Optional[torch.Tensor],
+             dtype: torch.dtype = torch.float32):
     """Kernel-level factors of one section with ``H`` heads and the bias delta (per-head c's),
     built with differentiable torch ops on the small factor tensors. Lite uses key head
-    ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``."""
+    ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``.
+
+    ``dtype``: the activations' dtype. For 16-bit activations the lite basis ``A_h W_k^h``
+    (a product the same-precision torch path never rounds: it rounds ``K`` instead) is split
+    into two rows ``hi = round(A_h W_k^h)`` and ``lo = round(A_h W_k^h - hi)`` sharing one
+    up-projection, so the tensor-core dot ``X [hi; lo]ᵀ`` carries it to float32 accuracy.
+    Rounding it once instead made Z's error scale with ``Σ_k |x_k (A W_k)_k|`` rather than
+    ``|K A_hᵀ|``, which lost to torch whenever ``K`` cancels (issue 13 item 10: fp16 lite
+    gradients up to 2.3x torch's error, 9 of 64 fuzzed cases)."""
     if f is None or f.empty:
         return (None,) * 5, None
     # Kernel-level factors are float32 whatever the activations' dtype: they are tiny, the
@@ -438,15 +447,27 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
         wk = w_k.reshape(Hk, p, d)
         if g is not None:
             wk = wk.index_select(0, g)
-        downs.append(torch.einsum("hrp,hpd->hrd", f.lite_A, wk))
+        lite = torch.einsum("hrp,hpd->hrd", f.lite_A, wk)
+        rl = f.lite_A.shape[1]
+        split = dtype in (torch.float16, torch.bfloat16)
+        if split:
+            # Both rows see the same dZ, so d(hi) = d(lo) = the gradient of the basis: let it
+            # flow through lo only (hi is a constant rounding of it).
+            hi = lite.detach().to(dtype).float()
+            downs += [hi, lite - hi]
+        else:
+            downs.append(lite)
         if b_k is not None:
             bk = b_k.reshape(Hk, p)
             if g is not None:
                 bk = bk.index_select(0, g)
             zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk))
         else:
-            zbs.append(f.lite_A.new_zeros(H, f.lite_A.shape[1]))
+            zbs.append(f.lite_A.new_zeros(H, rl))
         ups.append(f.lite_B)
+        if split:
+            zbs.append(f.lite_A.new_zeros(H, rl))
+            ups.append(f.lite_B)
         if f.lite_c is not None:
             cs.append(f.lite_c)
     cat = lambda ts, dim: (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).contiguous()  # noqa
@@ -558,8 +579,8 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
-    qf, dcq = _section(q, H, Hk, p, d, kw, kb)
-    vf, dcv = _section(v, Hkv, Hk, p, d, kw, kb)
+    qf, dcq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
+    vf, dcv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
         _fold_bias(b_v, dcv), *qf, *vf, p)
