@@ -59,6 +59,32 @@ def _no_float64(t: torch.Tensor):
     return unfit
 
 
+def _check_int(name: str, v, *, lo: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+def _check_flag(name: str, v, optional: bool = False) -> None:
+    if not (isinstance(v, bool) or (optional and v is None)):
+        raise TypeError(f"{name} must be {'None or ' if optional else ''}a bool, got {v!r}")
+
+
+def _check_scale(name: str, s, ref: torch.Tensor) -> None:
+    """A scale is a finite real number, or a one-element floating tensor on ref's device."""
+    import math
+    import numbers
+
+    if isinstance(s, torch.Tensor):
+        if not s.is_floating_point() or s.numel() != 1:
+            raise ValueError(f"{name} must be a real number or a one-element floating-point "
+                             f"tensor, got a {s.dtype} tensor of shape {tuple(s.shape)}")
+        if s.device != ref.device:
+            raise ValueError(f"{name} is on {s.device} but the inputs are on {ref.device}")
+        return
+    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(float(s)):
+        raise TypeError(f"{name} must be a finite real number, got {s!r}")
+
+
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
 
@@ -210,6 +236,7 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     any floating dtype (reference).
     """
     _validate.check_tensor("basis", basis, min_ndim=1)
+    _check_flag("per_head", per_head, optional=True)
     _validate.check_tensor("A", A, ndim=3)
     _validate.check_tensor("B", B, ndim=3)
     H, r, db_ = A.shape
@@ -386,6 +413,7 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
 
     if (f.shared_A is None) != (f.shared_B is None):
         raise ValueError(f"{name}: shared_A and shared_B must be given together")
+    _check_scale(f"{name}.scale", f.scale, ref)
     if (f.wise_A is None) != (f.wise_B is None):
         raise ValueError(f"{name}: wise_A and wise_B must be given together")
     if (f.lite_A is None) != (f.lite_B is None):
@@ -529,11 +557,12 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     gradients (one pass over dQ, dK, dV), then token reductions for the factor gradients.
     """
     _validate.check_tensor("x", x, min_ndim=1)
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     H = n_heads
     Hkv = n_kv_heads if n_kv_heads is not None else H
-    if not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
+    _check_flag("fused_output", fused_output)
+    if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
         raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing "
                          f"n_heads={H}")
     d = x.shape[-1]
@@ -603,7 +632,7 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
     ``w_k.shape[0] // p``). Returns (..., H·p).
     """
     _validate.check_tensor("x", x, min_ndim=1)
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     H = n_heads
     d = x.shape[-1]
@@ -628,11 +657,15 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
                 raise ValueError("factors has a Kernel-wise-lite part: pass the frozen key "
                                  "projection as w_k (and b_k)")
             _validate.check_tensor("w_k", w_k, ndim=2)
+            if n_key_heads is not None:
+                _check_int("n_key_heads", n_key_heads)
             Hk = n_key_heads if n_key_heads is not None else w_k.shape[0] // p
             if Hk < 1 or H % Hk != 0:
                 raise ValueError(f"n_key_heads={Hk} must be a positive divisor of n_heads={H}")
             _check_linear("w_k", w_k, Hk * p, d, x)
             if b_k is not None:
+                _validate.check_tensor("b_k", b_k, ndim=1)
+                _validate.check_same("x", x, b_k=b_k)
                 _validate.check_shape("b_k", b_k, (Hk * p,), "bias of the key projection")
     be = select_backend("headwise_projection", backend, [x], impls=_IMPLS,
                         extra_unfit=_no_float64(x))
@@ -749,7 +782,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     rank-space gradients in one pass over dY; token reductions give the factor gradients.
     """
     _validate.check_tensor("o", o, min_ndim=1)
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     H = n_heads
     HP = o.shape[-1]
@@ -758,6 +791,11 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
                          f"n_heads={H} heads")
     p = HP // H
     _validate.check_tensor("w_o", w_o, ndim=2)
+    for name, t, nd in (("b_o", b_o, 1), ("wise_A", wise_A, 3), ("wise_B", wise_B, 2),
+                        ("wise_c", wise_c, 1), ("shared_A", shared_A, 2),
+                        ("shared_B", shared_B, 2)):
+        if t is not None:
+            _validate.check_tensor(name, t, ndim=nd)
     _validate.check_same("o", o, w_o=w_o, b_o=b_o, wise_A=wise_A, wise_B=wise_B, wise_c=wise_c,
                          shared_A=shared_A, shared_B=shared_B)
     if w_o.shape[1] != HP:
@@ -778,6 +816,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         _validate.check_shape("wise_B", wise_B, (dout, H * r), "(d_out, H·r)")
         if wise_c is not None:
             _validate.check_shape("wise_c", wise_c, (dout,), "(d_out,)")
+    _check_scale("scale", scale, o)
     if shared_A is not None:
         _validate.check_tensor("shared_A", shared_A, ndim=2)
         rs = shared_A.shape[0]
