@@ -86,15 +86,27 @@ def _tile_n(device: torch.device) -> int:
 # Autotuning. Under the interpreter a single small config keeps CI fast; on a GPU a small set
 # of >= 64x128 tiles with software pipelining. The sm_90 compile check (_aot) compiles each.
 
+# sm_90 compile check (16-bit): every 16-bit config below compiles to HGMMA (wgmma) with no
+# local-memory spills; (BM 128, 4 warps) spilled 350-600 B and was dropped. float32 ("ieee"
+# dots on the CUDA cores: the exactness SPEC §4 asks of float32) gets its own smaller tile:
+# BM 128 spilled up to 1.7 KB there.
 if bool(_INTERPRETED):
     _GEMM_CONFIGS = [triton.Config({"BM": 32, "BK": 32}, num_warps=4, num_stages=1)]
 else:
     _GEMM_CONFIGS = [
         triton.Config({"BM": 128, "BK": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BM": 128, "BK": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BM": 128, "BK": 64}, num_warps=8, num_stages=4),
         triton.Config({"BM": 64, "BK": 64}, num_warps=4, num_stages=4),
         triton.Config({"BM": 128, "BK": 32}, num_warps=8, num_stages=4),
+        triton.Config({"BM": 64, "BK": 32}, num_warps=8, num_stages=2),   # float32 only
     ]
+
+
+def _prune(configs, named_args, **kwargs):
+    if len(configs) == 1:
+        return configs
+    f32 = named_args["a0_ptr"].dtype == torch.float32
+    return configs[-1:] if f32 else configs[:-1]
 
 
 _AOT_ALL_CONFIGS = [True]  # the compile check compiles every config on one shape only
@@ -104,7 +116,8 @@ def _launch(kernel, grid, args: Sequence, kwargs: dict) -> None:
     """Launch an autotuned kernel; while _aot records launches for the sm_90 compile check,
     record one launch per config instead (autotuning would time them on a GPU)."""
     if _AOT_TARGET["on"]:
-        for cfg in (kernel.configs if _AOT_ALL_CONFIGS[0] else kernel.configs[:1]):
+        cfgs = _prune(kernel.configs, dict(zip(kernel.fn.arg_names, args)))
+        for cfg in (cfgs if _AOT_ALL_CONFIGS[0] else cfgs[:1]):
             meta = {**kwargs, **cfg.kwargs}
             g = grid(meta) if callable(grid) else grid
             kernel.fn[g](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -131,7 +144,8 @@ def _seg_loop(acc, a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, K, rm, rn, mmask, nmask
 
 
 @triton.autotune(configs=_GEMM_CONFIGS, key=["M", "N", "K0", "K1", "K2", "K3", "NSEG", "LR",
-                                               "SPLIT", "BN", "RB"])
+                                               "SPLIT", "BN", "RB"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  a1_ptr, s_a1m, s_a1k, b1_ptr, s_b1k, s_b1n, K1,
@@ -348,7 +362,8 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor):
     T, N = g.shape
     L, RB, BN = lr.U.shape
     dev = g.device
-    BT = 64 if targets_gpu(dev) else 32
+    # sm_90: 4 warps spilled at RB = 32; float32 (CUDA-core dots) needs the smaller token tile.
+    BT = 64 if targets_gpu(dev) and g.dtype != F32 else 32
     S = _splits(dev, T, L, BT // 4)
     T_PER = triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT
     S = max(1, triton.cdiv(T, T_PER))
@@ -360,7 +375,7 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor):
     _lr_rank_bwd_kernel[(L, S)](
         g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz, dz.stride(0),
         du, dzb, db, T, T_PER, L, BT=BT, BN=BN, RB=RB, PREC=dot_precision(g.dtype),
-        num_warps=4)
+        num_warps=8 if targets_gpu(dev) else 4)
     return du.sum(0), dzb.sum(0), db.sum(0)
 
 
