@@ -181,13 +181,138 @@ def cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List[Bench
     return out
 
 
+# ------------------------------------------------------------------------------------------
+# Roofline model (PREDICTED times; no GPU was used to make it)
+
+# H100 SXM, bf16: sustained tensor-core rate of a large Triton/cuBLAS GEMM (~70 % of the
+# 990 TFLOP/s dense peak), sustained HBM bandwidth (~90 % of 3.35 TB/s), GPU time of one tiny
+# elementwise/gather kernel (the host-side factor building, launch-latency bound).
+ROOF = dict(tc_flops=700e12, hbm=3.0e12, tiny_us=2.0)
+
+MODELS = {  # (d, H, H_kv): GPT-2 small/medium (p = 64), Llama-7B with GQA (p = 128)
+    "gpt2-small": (768, 12, 12),
+    "gpt2-medium": (1024, 16, 16),
+    "llama-7b-gqa": (4096, 32, 8),
+}
+
+
+def _t(flops: float, nbytes: float) -> float:
+    """Seconds of one kernel: the larger of its tensor-core and HBM times."""
+    return max(flops / ROOF["tc_flops"], nbytes / ROOF["hbm"])
+
+
+def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
+    """Predicted fwd+bwd time (µs) of the frozen projections, of kfused and of unfused LoRA
+    with the same parameter budget (PEFT style: separate A and B GEMMs, then scale and add),
+    for the q|k|v projection and (when the preset adapts o) the output projection."""
+    from kfused.triton_kernels.headwise import _rblk, pack_dims
+
+    d, H, Hkv = MODELS[model]
+    p = d // H
+    cfg = PRESETS[preset]
+    T = tokens
+    BN = 128
+    Nq, Nkv = H * p, Hkv * p
+    N = Nq + 2 * Nkv
+    out = {}
+    # ---- q|k|v
+    frozen = 2 * _t(2 * T * d * N, el * (T * d + N * d + T * N))
+    k = 0.0
+    tiny = 0
+    Mz = 0
+    secs = []
+    for Hs, rk in ((H, cfg.q), (Hkv, cfg.v)):
+        R = rk.wise + 2 * rk.lite       # 16-bit: lite basis split into hi/lo rows
+        if not (R or rk.shared):
+            secs.append(None)
+            continue
+        L, RB = pack_dims(Hs, p, R, rk.shared, BN)
+        secs.append((Hs * p, L, RB))
+        Mz += L * RB
+        tiny += 12                      # fwd: build + pack; bwd: repack + unpack
+    # forward: one augmented GEMM per section (k plain)
+    for n, sec in zip((Nq, Nkv, Nkv), (secs[0], None, secs[1])):
+        extra = sec[1] * sec[2] if sec else 0
+        fl = 2 * T * d * (n + extra) + (2 * T * extra * BN if sec else 0)
+        k += _t(fl, el * (T * d + n * d + T * n + T * extra))
+    # backward: rank pass per adapted section, dX GEMM over [dY | dZ], dD = dZᵀ X
+    for sec in secs:
+        if sec:
+            n, L, RB = sec
+            k += _t(2 * 2 * T * n * RB, el * (T * n + 2 * T * L * RB))
+    k += _t(2 * T * d * (N + Mz), el * (T * N + T * Mz + (N + Mz) * d + T * d))
+    k += _t(2 * T * Mz * d, el * (T * Mz + T * d))
+    tiny += 14                          # lite fold, bias folds, casts, reductions
+    k += tiny * ROOF["tiny_us"] * 1e-6
+    # unfused LoRA, same budget, on q and v (rank rl): base GEMMs + A, B GEMMs + scale + add
+    from kfused.modules.headwise_presets import count_parameters
+    import dataclasses
+    from kfused.modules.headwise import ProjRanks
+    budget = count_parameters(dataclasses.replace(cfg, o=ProjRanks()), d, H)
+    rl = max(1, round(budget / (2 * (d + Nq + d + Nkv) / 2 * 2)))
+    lora = frozen
+    for n in (Nq, Nkv):
+        lora += _t(2 * T * d * rl, el * (T * d + T * rl))              # z = x Aᵀ
+        lora += _t(2 * T * rl * n, el * (T * rl + T * n))              # z Bᵀ
+        lora += 2 * _t(0, el * 3 * T * n)                              # scale, add
+        lora += _t(2 * T * n * rl, el * (T * n + T * rl))              # dz = dy B
+        lora += _t(2 * T * n * rl, el * (T * n + T * rl))              # dB = dyᵀ z
+        lora += _t(2 * T * rl * d, el * (T * rl + T * d))              # dA = dzᵀ x
+        lora += _t(2 * T * rl * d, el * (T * rl + T * d))              # dx += dz A
+        lora += _t(0, el * 3 * T * d) + _t(0, el * 2 * T * n)          # dx add, scale bwd
+        lora += 8 * ROOF["tiny_us"] * 1e-6
+    out["qkv"] = dict(frozen=frozen * 1e6, kfused=k * 1e6, lora=lora * 1e6, lora_rank=rl)
+    # ---- output projection
+    if cfg.o.wise or cfg.o.shared:
+        HP = H * p
+        M = H * cfg.o.wise + cfg.o.shared
+        frozen_o = 2 * _t(2 * T * HP * d, el * (T * HP + HP * d + T * d))
+        ko = _t(2 * T * HP * M, el * (T * HP + T * M))                  # Z = O D_oᵀ
+        ko += _t(2 * T * (HP + M) * d, el * (T * HP + T * M + T * d + (HP + M) * d))
+        ko += _t(2 * T * d * M, el * (T * d + T * M))                   # dZ = dY B
+        ko += _t(2 * T * (d + M) * HP, el * (T * d + T * M + T * HP + (d + M) * HP))
+        ko += _t(2 * T * d * M, el * (T * d + T * M))                   # dB = dYᵀ Z
+        ko += _t(2 * T * M * HP, el * (T * M + T * HP))                 # dD_o = dZᵀ O
+        ko += _t(0, el * T * d)                                         # db
+        ko += 16 * ROOF["tiny_us"] * 1e-6
+        budget_o = count_parameters(dataclasses.replace(cfg, q=ProjRanks(), v=ProjRanks()),
+                                    d, H)
+        rlo = max(1, round(budget_o / (HP + d)))
+        lo = frozen_o + _t(2 * T * HP * rlo, el * (T * HP + T * rlo)) \
+            + _t(2 * T * rlo * d, el * (T * rlo + T * d)) + 2 * _t(0, el * 3 * T * d) \
+            + 2 * _t(2 * T * d * rlo, el * (T * d + T * rlo)) \
+            + 2 * _t(2 * T * rlo * HP, el * (T * rlo + T * HP)) + _t(0, el * 3 * T * HP) \
+            + 8 * ROOF["tiny_us"] * 1e-6
+        out["oproj"] = dict(frozen=frozen_o * 1e6, kfused=ko * 1e6, lora=lo * 1e6,
+                            lora_rank=rlo)
+    return out
+
+
+def roofline_table(tokens: int = 16384) -> str:
+    rows = ["PREDICTED (roofline model, bf16, H100 SXM; not measured)",
+            f"{'model':<13} {'preset':<28} {'op':<6} {'frozen us':>9} {'kfused us':>9} "
+            f"{'lora us':>8} {'kfused/frozen':>13} {'kfused/lora':>11}"]
+    for model in MODELS:
+        for preset in BENCH_PRESETS:
+            for op, r in roofline(model, preset, tokens).items():
+                rows.append(f"{model:<13} {preset:<28} {op:<6} {r['frozen']:9.1f} "
+                            f"{r['kfused']:9.1f} {r['lora']:8.1f} "
+                            f"{r['kfused'] / r['frozen']:13.3f} {r['kfused'] / r['lora']:11.3f}")
+    return "\n".join(rows)
+
+
 def main() -> None:  # pragma: no cover
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--roofline", action="store_true",
+                    help="print the predicted roofline table (no GPU needed) and exit")
     args = ap.parse_args()
+    if args.roofline:
+        print(roofline_table())
+        return
     dtype = getattr(torch, args.dtype)
     for case in cases(args.device, dtype, args.quick):
         for row in measure(case, args.device, rep_ms=args.rep_ms):
