@@ -13,7 +13,10 @@ pair with the providers:
 
 Presets: Kernel-mix(qvo) (intermediate; its q and v parts ride on this projection, its o part
 belongs to the output projection) and Kernel-mix-lite(qv) (small). Widths: GPT-2 small
-(d = 768, 12 heads) and Llama-7B-like (d = 4096, 32 heads, head width 128).
+(d = 768, 12 heads) and medium (d = 1024, 16 heads), head width 64, and Llama-7B-like with
+grouped-query attention (d = 4096, 32 query / 8 key-value heads, head width 128); 16k tokens.
+``--roofline`` prints the predicted fwd+bwd times of the frozen projections, kfused and
+unfused LoRA of the same budget for every case (no GPU needed; labelled predicted).
 
 Run: ``python benchmarks/bench_headwise.py [--quick] [--dtype float16]`` prints the rows.
 """
@@ -31,12 +34,13 @@ from kfused.backends import triton_unfit
 from kfused.modules.headwise_presets import PRESETS, count_parameters
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
 
-WIDTHS = {
-    "gpt2-small": dict(d=768, H=12, tokens=8 * 512),
-    "llama-7b": dict(d=4096, H=32, tokens=4 * 512),
+WIDTHS = {  # T = 16k tokens; head width 64 (GPT-2) and 128 (Llama-7B, grouped-query)
+    "gpt2-small": dict(d=768, H=12, Hkv=12, tokens=16384),
+    "gpt2-medium": dict(d=1024, H=16, Hkv=16, tokens=16384),
+    "llama-7b-gqa": dict(d=4096, H=32, Hkv=8, tokens=16384),
 }
 # Off the GPU (Triton interpreter / CPU torch) only a smoke-sized case is meaningful.
-CPU_WIDTHS = {"cpu-smoke": dict(d=96, H=4, tokens=64)}
+CPU_WIDTHS = {"cpu-smoke": dict(d=96, H=4, Hkv=2, tokens=64)}
 BENCH_PRESETS = ("kernel-mix-qvo-intermediate", "kernel-mix-lite-qv-small")
 
 
@@ -63,21 +67,23 @@ def _leaves(f: HeadFactors) -> List[torch.Tensor]:
 
 def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
     w = {**WIDTHS, **CPU_WIDTHS}[width]
-    d, H = w["d"], w["H"]
+    d, H, Hkv = w["d"], w["H"], w["Hkv"]
     p = d // H
+    nkv = Hkv * p
     cfg = PRESETS[preset]
     dev = torch.device(device)
-    budget = count_parameters(dict_q_v(cfg), d, H)  # q and v parts only (this projection)
-    lora_r = max(1, round(budget / (2 * 2 * d)))
+    # q and v parts only (this projection); LoRA on q (d -> d) and v (d -> H_kv·p)
+    budget = count_parameters(dict_q_v(cfg), d, H, n_kv_heads=Hkv)
+    lora_r = max(1, round(budget / ((d + d) + (d + nkv))))
 
     def inputs(seed=0):
         gen = torch.Generator(device=dev).manual_seed(seed)
         x = torch.randn(tokens, d, generator=gen, device=dev, dtype=dtype).requires_grad_()
-        W = [torch.randn(d, d, generator=gen, device=dev, dtype=dtype) / d ** 0.5
-             for _ in range(3)]
-        b = [torch.randn(d, generator=gen, device=dev, dtype=dtype) * 0.1 for _ in range(3)]
+        W = [torch.randn(n, d, generator=gen, device=dev, dtype=dtype) / d ** 0.5
+             for n in (d, nkv, nkv)]
+        b = [torch.randn(n, generator=gen, device=dev, dtype=dtype) * 0.1 for n in (d, nkv, nkv)]
         q = _factors(cfg.q, H, p, d, dev, dtype, gen)
-        v = _factors(cfg.v, H, p, d, dev, dtype, gen)
+        v = _factors(cfg.v, Hkv, p, d, dev, dtype, gen)
         return x, W, b, q, v
 
     def floor():
@@ -89,18 +95,20 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
         from kfused.ops.headwise import headwise_qkv
 
         x, W, b, q, v = inputs()
-        return (lambda: headwise_qkv(x, *W, *b, n_heads=H, q=q, v=v, backend="triton",
-                                     fused_output=True)), [x, *_leaves(q), *_leaves(v)]
+        return (lambda: headwise_qkv(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v,
+                                     backend="triton", fused_output=True)), \
+            [x, *_leaves(q), *_leaves(v)]
 
     def eager():
         x, W, b, q, v = inputs()
-        return (lambda: headwise_qkv_ref(x, *W, *b, n_heads=H, q=q, v=v)), \
+        return (lambda: headwise_qkv_ref(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v)), \
             [x, *_leaves(q), *_leaves(v)]
 
     def compiled():
         x, W, b, q, v = inputs()
         fn = torch.compile(headwise_qkv_ref)
-        return (lambda: fn(x, *W, *b, n_heads=H, q=q, v=v)), [x, *_leaves(q), *_leaves(v)]
+        return (lambda: fn(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v)), \
+            [x, *_leaves(q), *_leaves(v)]
 
     def peft_lora():
         import peft
@@ -111,8 +119,8 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
             def __init__(self):
                 super().__init__()
                 self.q_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
-                self.k_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
-                self.v_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
+                self.k_proj = torch.nn.Linear(d, nkv, device=dev, dtype=dtype)
+                self.v_proj = torch.nn.Linear(d, nkv, device=dev, dtype=dtype)
                 with torch.no_grad():
                     for m, wi, bi in zip((self.q_proj, self.k_proj, self.v_proj), W, b):
                         m.weight.copy_(wi)
@@ -143,14 +151,15 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
                  skip_reason=None if dev.type == "cuda" else "torch.compile timed on CUDA only"),
         Provider("peft-lora", peft_lora, skip_reason=peft_skip),
     ]
-    N = 3 * d
+    N = d + 2 * nkv
     rq, rv = cfg.q, cfg.v
-    rank_cols = H * (rq.wise + rq.lite + rv.wise + rv.lite) + rq.shared + rv.shared
+    rank_cols = H * (rq.wise + rq.lite) + Hkv * (rv.wise + rv.lite) + rq.shared + rv.shared
     flops_fwd = 2.0 * tokens * d * (N + rank_cols) + 2.0 * tokens * rank_cols * p
     el = torch.finfo(dtype).bits // 8
     return BenchCase(
         op="headwise_qkv",
-        shape=dict(width=width, preset=preset, tokens=tokens, d=d, heads=H, head_dim=p,
+        shape=dict(width=width, preset=preset, tokens=tokens, d=d, heads=H, kv_heads=Hkv,
+                   head_dim=p,
                    adapter_params=budget, peft_lora_rank=lora_r),
         dtype=dtype, providers=providers, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
         bytes_fwd=float(el * (tokens * d + N * d + tokens * N)))
@@ -229,7 +238,10 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
         L, RB = pack_dims(Hs, p, R, rk.shared, BN)
         secs.append((Hs * p, L, RB))
         Mz += L * RB
-        tiny += 12                      # fwd: build + pack; bwd: repack + unpack
+        # Tiny torch kernels per adapted section, fwd+bwd, counted by reading the code (bf16
+        # factors): casts and folds of the factors (~15), pack in the forward (~10), repack
+        # and unpack in the backward (~18), autograd of the host-built factors (~10).
+        tiny += 50
     # forward: one augmented GEMM per section (k plain)
     for n, sec in zip((Nq, Nkv, Nkv), (secs[0], None, secs[1])):
         extra = sec[1] * sec[2] if sec else 0
@@ -242,14 +254,14 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
             k += _t(2 * 2 * T * n * RB, el * (T * n + 2 * T * L * RB))
     k += _t(2 * T * d * (N + Mz), el * (T * N + T * Mz + (N + Mz) * d + T * d))
     k += _t(2 * T * Mz * d, el * (T * Mz + T * d))
-    tiny += 14                          # lite fold, bias folds, casts, reductions
-    k += tiny * ROOF["tiny_us"] * 1e-6
+    tiny += 10                          # bias folds and reductions
+    host = tiny * ROOF["tiny_us"] * 1e-6
     # unfused LoRA, same budget, on q and v (rank rl): base GEMMs + A, B GEMMs + scale + add
     from kfused.modules.headwise_presets import count_parameters
     import dataclasses
     from kfused.modules.headwise import ProjRanks
-    budget = count_parameters(dataclasses.replace(cfg, o=ProjRanks()), d, H)
-    rl = max(1, round(budget / (2 * (d + Nq + d + Nkv) / 2 * 2)))
+    budget = count_parameters(dataclasses.replace(cfg, o=ProjRanks()), d, H, n_kv_heads=Hkv)
+    rl = max(1, round(budget / ((d + Nq) + (d + Nkv))))
     lora = frozen
     for n in (Nq, Nkv):
         lora += _t(2 * T * d * rl, el * (T * d + T * rl))              # z = x Aᵀ
@@ -261,7 +273,8 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
         lora += _t(2 * T * rl * d, el * (T * rl + T * d))              # dx += dz A
         lora += _t(0, el * 3 * T * d) + _t(0, el * 2 * T * n)          # dx add, scale bwd
         lora += 8 * ROOF["tiny_us"] * 1e-6
-    out["qkv"] = dict(frozen=frozen * 1e6, kfused=k * 1e6, lora=lora * 1e6, lora_rank=rl)
+    out["qkv"] = dict(frozen=frozen * 1e6, kernels=k * 1e6, host=host * 1e6,
+                      kfused=(k + host) * 1e6, lora=lora * 1e6, lora_rank=rl)
     # ---- output projection
     if cfg.o.wise or cfg.o.shared:
         HP = H * p
@@ -274,7 +287,7 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
         ko += _t(2 * T * d * M, el * (T * d + T * M))                   # dB = dYᵀ Z
         ko += _t(2 * T * M * HP, el * (T * M + T * HP))                 # dD_o = dZᵀ O
         ko += _t(0, el * T * d)                                         # db
-        ko += 16 * ROOF["tiny_us"] * 1e-6
+        host_o = 30 * ROOF["tiny_us"] * 1e-6   # D_o / B builds (fwd and bwd), casts, A gather
         budget_o = count_parameters(dataclasses.replace(cfg, q=ProjRanks(), v=ProjRanks()),
                                     d, H)
         rlo = max(1, round(budget_o / (HP + d)))
@@ -283,21 +296,22 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
             + 2 * _t(2 * T * d * rlo, el * (T * d + T * rlo)) \
             + 2 * _t(2 * T * rlo * HP, el * (T * rlo + T * HP)) + _t(0, el * 3 * T * HP) \
             + 8 * ROOF["tiny_us"] * 1e-6
-        out["oproj"] = dict(frozen=frozen_o * 1e6, kfused=ko * 1e6, lora=lo * 1e6,
-                            lora_rank=rlo)
+        out["oproj"] = dict(frozen=frozen_o * 1e6, kernels=ko * 1e6, host=host_o * 1e6,
+                            kfused=(ko + host_o) * 1e6, lora=lo * 1e6, lora_rank=rlo)
     return out
 
 
 def roofline_table(tokens: int = 16384) -> str:
     rows = ["PREDICTED (roofline model, bf16, H100 SXM; not measured)",
-            f"{'model':<13} {'preset':<28} {'op':<6} {'frozen us':>9} {'kfused us':>9} "
-            f"{'lora us':>8} {'kfused/frozen':>13} {'kfused/lora':>11}"]
+            f"{'model':<13} {'preset':<28} {'op':<6} {'frozen':>7} {'kernels':>7} {'host':>6} "
+            f"{'lora':>7} {'kern/frozen':>11} {'total/frozen':>12} {'total/lora':>10}  (us)"]
     for model in MODELS:
         for preset in BENCH_PRESETS:
             for op, r in roofline(model, preset, tokens).items():
-                rows.append(f"{model:<13} {preset:<28} {op:<6} {r['frozen']:9.1f} "
-                            f"{r['kfused']:9.1f} {r['lora']:8.1f} "
-                            f"{r['kfused'] / r['frozen']:13.3f} {r['kfused'] / r['lora']:11.3f}")
+                rows.append(f"{model:<13} {preset:<28} {op:<6} {r['frozen']:7.1f} "
+                            f"{r['kernels']:7.1f} {r['host']:6.1f} {r['lora']:7.1f} "
+                            f"{r['kernels'] / r['frozen']:11.3f} "
+                            f"{r['kfused'] / r['frozen']:12.3f} {r['kfused'] / r['lora']:10.3f}")
     return "\n".join(rows)
 
 

@@ -461,8 +461,9 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     # kernel casts the down-projection tiles to the activation dtype for its dots, and the
     # products that build them (lite bases, folded scales and biases) are not rounded twice.
     f = f.map(lambda t: t.float())
-    w_k = w_k.float() if w_k is not None else None
-    b_k = b_k.float() if b_k is not None else None
+    # The frozen key projection is only needed (and cast: a full (H_k·p, d) copy) for lite.
+    w_k = w_k.float() if (w_k is not None and f.has_lite) else None
+    b_k = b_k.float() if (b_k is not None and f.has_lite) else None
     downs, zbs, ups, cs = [], [], [], []
     if f.has_wise:
         downs.append(f.wise_A)

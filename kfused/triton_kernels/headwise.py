@@ -48,7 +48,9 @@ modules (the fused projections above subsume it) and is kept as a standalone pub
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -499,6 +501,43 @@ class _Packing:
         return ddown, dzbh, dup, dsd, dsu
 
 
+# Packed operands built by a forward, handed to its backward (saves re-packing: ~10 small
+# launches per adapted section). Keyed by the factor tensors' storage, version, shape and
+# strides: the backward holds those very tensors (saved for backward), so an entry with its key
+# was built from identical contents (an in-place change bumps the version). Popped on use;
+# bounded for forwards whose backward never runs.
+_PACKED: "collections.OrderedDict" = collections.OrderedDict()
+_PACKED_MAX = 8
+
+
+def _pack_key(f: "SectionFactors", dtype: torch.dtype, BN: int):
+    parts = []
+    for t in (f.down, f.up, f.sdown, f.sup):   # not zb: the backward uses only D and U
+        parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape),
+                                             t.stride(), t.dtype, str(t.device)))
+    return (tuple(parts), dtype, BN)
+
+
+def _pack(pk: "_Packing", f: "SectionFactors", dtype: torch.dtype, Z: torch.Tensor,
+          keep: bool):
+    """pk.pack of f. The forward (keep=True) always packs and records the result with a weak
+    reference to its rank-space output Z; the backward (keep=False) consumes the record only
+    if it was made for the very Z object it received (else it packs again). The forward never
+    reads a record."""
+    key = _pack_key(f, dtype, pk.BN)
+    if not keep:
+        rec = _PACKED.pop(key, None)
+        if rec is not None and rec[0]() is Z:
+            return rec[1]
+    out = pk.pack(f.down, f.zb, f.up, f.sdown, f.sup, dtype)
+    if keep:
+        _PACKED.pop(key, None)
+        _PACKED[key] = (weakref.ref(Z), out)
+        while len(_PACKED) > _PACKED_MAX:
+            _PACKED.popitem(last=False)
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _packing(H: int, P: int, R: int, RS: int, BN: int, device: str) -> _Packing:
     return _Packing(H, P, R, RS, BN, torch.device(device))
@@ -822,7 +861,7 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
         if n:
             lr = None
             if pk is not None:
-                Dp, zbp, Up = pk.pack(f.down, f.zb, f.up, f.sdown, f.sup, x.dtype)
+                Dp, zbp, Up = _pack(pk, f, x.dtype, Z, keep=True)
                 lr = LowRankTiles(Dp, zbp, Up, Z[:, off:off + pk.L * pk.RB])
             gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr)
         col += n
@@ -850,7 +889,7 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
         if pk is None:
             secs.append(None)
             continue
-        Dp, zbp, Up = pk.pack(f.down, f.zb, f.up, f.sdown, f.sup, x.dtype)
+        Dp, zbp, Up = _pack(pk, f, x.dtype, Z, keep=False)
         w = pk.L * pk.RB
         lr = LowRankTiles(Dp, zbp, Up, Z[:, off:off + w])
         # The rank pass is needed by dx too (dZ is one of its K segments).
