@@ -17,6 +17,13 @@ Custom ops (each with a fake and, for the forward, an autograd registration):
     kfused::headwise_qkv_triton_fwd / _bwd
     kfused::headwise_oproj_triton_fwd / _bwd
 
+``headwise_lowrank`` is deliberately not wired into ``modules/`` or ``integration/``: every
+module use (Kernel-wise on X, lite on K, the shared part) is a special case of the fused
+projections, which read X once for the frozen GEMM and every down-projection; a module built
+on ``headwise_lowrank`` would add passes over X (or K) and Y. It stays a public op (with its
+Triton kernels, the CUDA C++ extension and their tests) for callers that hold a basis
+themselves, e.g. an attention implementation that already computed K.
+
 The fused projections take the user's factors (:class:`HeadFactors`), build the kernel-level
 factors on the host with differentiable torch ops on tiny tensors (stack Kernel-wise and lite
 down-projections along the rank, the lite bases ``A_h W_k^h`` and ``b_k^h A_hᵀ``, fold the
@@ -551,11 +558,12 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel
     writes (GPT-2's ``c_attn`` layout; no copy).
 
-    Triton plan: one kernel reads X once per output tile for the frozen GEMM and all the
-    down-projections (Kernel-wise A_h, lite bases A_h W_k^h precomputed per call as an
-    (H·r × d) product, shared A_s) and adds the block-diagonal up-projections and biases in
-    its epilogue before writing Q and V. Backward: one kernel for dX and the rank-space
-    gradients (one pass over dQ, dK, dV), then token reductions for the factor gradients.
+    Triton plan: one augmented GEMM per section reads X once per output tile for the frozen
+    GEMM and the down-projections whose up-projection touches the tile (Kernel-wise A_h, lite
+    bases A_h W_k^h precomputed per call, shared A_s; packed into one >= 16-wide block) and
+    adds the up-projections and biases in its epilogue before writing Q and V. Backward: one
+    rank pass over dQ and dV (dZ, up-projection and bias gradients), dX as one GEMM over
+    [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections.
     """
     _validate.check_tensor("x", x, min_ndim=1)
     if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
@@ -777,10 +785,9 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
             rank-r update of each row block W_o^h).
         shared_A ``(r_s, H·p)``, shared_B ``(d, r_s)``, scale: the shared LoRA part.
 
-    Triton plan: one kernel per (tokens × d) tile walks the heads of O once for the frozen
-    GEMM, the per-head down-projections (applied through B in the same iteration) and the
-    shared down-projection. Backward: one kernel per (tokens × head) computes dO and the
-    rank-space gradients in one pass over dY; token reductions give the factor gradients.
+    Triton plan: Z = O D_oᵀ (D_o: block-diagonal A_h and A_s; a thin GEMM, cuBLAS for 16-bit
+    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM. Backward: dZ = dY B,
+    dO = [dY | dZ]·[W_o; D_o] (one GEMM), token reductions dYᵀ Z and dZᵀ O.
     """
     _validate.check_tensor("o", o, min_ndim=1)
     if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:

@@ -33,14 +33,18 @@ output column, so Z cannot be finished inside one output tile):
   forward   Z = O D_oᵀ (D_o: block-diagonal A_h plus A_s, thin GEMM), Y = [O | Z]·[W_o | B]ᵀ
   backward  dZ = dY B; dO = [dY | dZ]·[W_o; D_o] (one GEMM); dB = dYᵀ Z; dD_o = dZᵀ O.
 
-Roofline (PREDICTED, not measured; H100 SXM: 990 TFLOP/s dense bf16 peak, ~700 sustained by
-a Triton/cuBLAS GEMM, 3.35 TB/s HBM; T = 16k tokens, bf16, Kernel-mix(qvo) intermediate
-ranks). Every product below is a tensor-core product; CUDA-core work is only the epilogue
-adds and column sums (O(T·N)). Extra work over the frozen projections comes from (a) RB/BN
-extra MMA columns per tile for the packed down-projection in the forward and the dZ segment
-in dX (RB = 16..32, BN = 128: 12-25 %), (b) one extra read of dY in the rank pass and one of X
-in dD, (c) for the output projection a pass over O for Z and over dY for dZ/dB. See
-benchmarks/bench_headwise.py ``roofline()`` for the per-case table.
+Roofline (PREDICTED, not measured: ``python benchmarks/bench_headwise.py --roofline``; H100
+SXM, 700 TFLOP/s sustained bf16 tensor-core rate, 3.0 TB/s HBM, T = 16k tokens). For 16-bit
+inputs every product is a tensor-core product (sm_90 SASS: HGMMA, no FFMA, no local-memory
+spills in any config); CUDA-core work is only epilogue adds and column sums, O(T·N). Extra
+work over the frozen projections: (a) RB/BN extra MMA columns per tile for the packed
+down-projection in the forward and for the dZ segment of dX (12.5 % at RB = 16, 25-50 % for
+Kernel-mix(qvo) intermediate at p = 64, where v's 8 lite rows are doubled by the hi/lo
+split), (b) one extra read of dY (rank pass) and of X (dD), (c) for the output projection a
+pass over O (Z) and two over dY (dZ, dB). Predicted kernel time / frozen, fwd+bwd: GPT-2
+small 1.28-1.57 (qkv), 1.98 (o); GPT-2 medium 1.23-1.52, 1.76; Llama-7B GQA 1.19-1.22, 1.22.
+The host-side factor building (~40 tiny torch kernels per adapted section) adds a predicted
+~190 µs per q|k|v call: at GPT-2 widths that, not the kernels, dominates.
 
 ``headwise_lowrank`` (a user-given basis) keeps its own small kernels; it is not used by the
 modules (the fused projections above subsume it) and is kept as a standalone public op.
