@@ -214,7 +214,7 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
     """Predicted fwd+bwd time (µs) of the frozen projections, of kfused and of unfused LoRA
     with the same parameter budget (PEFT style: separate A and B GEMMs, then scale and add),
     for the q|k|v projection and (when the preset adapts o) the output projection."""
-    from kfused.triton_kernels.headwise import _rblk, pack_dims
+    from kfused.triton_kernels.headwise import pack_dims
 
     d, H, Hkv = MODELS[model]
     p = d // H

@@ -55,7 +55,7 @@ from __future__ import annotations
 import collections
 import functools
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -446,7 +446,8 @@ class _Packing:
         self.occ = torch.tensor([o + [L * RB] * (mo - len(o)) for o in occ] or [[L * RB]],
                                 dtype=torch.long, device=device)[:HR]
         # U slots: Up[l, k, c] for column n = l·BN + c and global row g = idx[l, k].
-        n = (torch.arange(L)[:, None, None] * BN + torch.arange(BN)[None, None, :]).expand(L, RB, BN)
+        n = torch.arange(L)[:, None, None] * BN + torch.arange(BN)[None, None, :]
+        n = n.expand(L, RB, BN)
         g = idx[:, :, None].expand(L, RB, BN)
         valid_n = n < N
         hw = valid_n & (g < HR) & (torch.div(g, max(R, 1), rounding_mode="floor") ==
