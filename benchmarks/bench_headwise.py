@@ -13,7 +13,10 @@ pair with the providers:
 
 Presets: Kernel-mix(qvo) (intermediate; its q and v parts ride on this projection, its o part
 belongs to the output projection) and Kernel-mix-lite(qv) (small). Widths: GPT-2 small
-(d = 768, 12 heads) and Llama-7B-like (d = 4096, 32 heads, head width 128).
+(d = 768, 12 heads) and medium (d = 1024, 16 heads), head width 64, and Llama-7B-like with
+grouped-query attention (d = 4096, 32 query / 8 key-value heads, head width 128); 16k tokens.
+``--roofline`` prints the predicted fwd+bwd times of the frozen projections, kfused and
+unfused LoRA of the same budget for every case (no GPU needed; labelled predicted).
 
 Run: ``python benchmarks/bench_headwise.py [--quick] [--dtype float16]`` prints the rows.
 """
@@ -31,12 +34,13 @@ from kfused.backends import triton_unfit
 from kfused.modules.headwise_presets import PRESETS, count_parameters
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
 
-WIDTHS = {
-    "gpt2-small": dict(d=768, H=12, tokens=8 * 512),
-    "llama-7b": dict(d=4096, H=32, tokens=4 * 512),
+WIDTHS = {  # T = 16k tokens; head width 64 (GPT-2) and 128 (Llama-7B, grouped-query)
+    "gpt2-small": dict(d=768, H=12, Hkv=12, tokens=16384),
+    "gpt2-medium": dict(d=1024, H=16, Hkv=16, tokens=16384),
+    "llama-7b-gqa": dict(d=4096, H=32, Hkv=8, tokens=16384),
 }
 # Off the GPU (Triton interpreter / CPU torch) only a smoke-sized case is meaningful.
-CPU_WIDTHS = {"cpu-smoke": dict(d=96, H=4, tokens=64)}
+CPU_WIDTHS = {"cpu-smoke": dict(d=96, H=4, Hkv=2, tokens=64)}
 BENCH_PRESETS = ("kernel-mix-qvo-intermediate", "kernel-mix-lite-qv-small")
 
 
@@ -63,21 +67,23 @@ def _leaves(f: HeadFactors) -> List[torch.Tensor]:
 
 def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
     w = {**WIDTHS, **CPU_WIDTHS}[width]
-    d, H = w["d"], w["H"]
+    d, H, Hkv = w["d"], w["H"], w["Hkv"]
     p = d // H
+    nkv = Hkv * p
     cfg = PRESETS[preset]
     dev = torch.device(device)
-    budget = count_parameters(dict_q_v(cfg), d, H)  # q and v parts only (this projection)
-    lora_r = max(1, round(budget / (2 * 2 * d)))
+    # q and v parts only (this projection); LoRA on q (d -> d) and v (d -> H_kv·p)
+    budget = count_parameters(dict_q_v(cfg), d, H, n_kv_heads=Hkv)
+    lora_r = max(1, round(budget / ((d + d) + (d + nkv))))
 
     def inputs(seed=0):
         gen = torch.Generator(device=dev).manual_seed(seed)
         x = torch.randn(tokens, d, generator=gen, device=dev, dtype=dtype).requires_grad_()
-        W = [torch.randn(d, d, generator=gen, device=dev, dtype=dtype) / d ** 0.5
-             for _ in range(3)]
-        b = [torch.randn(d, generator=gen, device=dev, dtype=dtype) * 0.1 for _ in range(3)]
+        W = [torch.randn(n, d, generator=gen, device=dev, dtype=dtype) / d ** 0.5
+             for n in (d, nkv, nkv)]
+        b = [torch.randn(n, generator=gen, device=dev, dtype=dtype) * 0.1 for n in (d, nkv, nkv)]
         q = _factors(cfg.q, H, p, d, dev, dtype, gen)
-        v = _factors(cfg.v, H, p, d, dev, dtype, gen)
+        v = _factors(cfg.v, Hkv, p, d, dev, dtype, gen)
         return x, W, b, q, v
 
     def floor():
@@ -89,18 +95,20 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
         from kfused.ops.headwise import headwise_qkv
 
         x, W, b, q, v = inputs()
-        return (lambda: headwise_qkv(x, *W, *b, n_heads=H, q=q, v=v, backend="triton",
-                                     fused_output=True)), [x, *_leaves(q), *_leaves(v)]
+        return (lambda: headwise_qkv(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v,
+                                     backend="triton", fused_output=True)), \
+            [x, *_leaves(q), *_leaves(v)]
 
     def eager():
         x, W, b, q, v = inputs()
-        return (lambda: headwise_qkv_ref(x, *W, *b, n_heads=H, q=q, v=v)), \
+        return (lambda: headwise_qkv_ref(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v)), \
             [x, *_leaves(q), *_leaves(v)]
 
     def compiled():
         x, W, b, q, v = inputs()
         fn = torch.compile(headwise_qkv_ref)
-        return (lambda: fn(x, *W, *b, n_heads=H, q=q, v=v)), [x, *_leaves(q), *_leaves(v)]
+        return (lambda: fn(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v)), \
+            [x, *_leaves(q), *_leaves(v)]
 
     def peft_lora():
         import peft
@@ -111,8 +119,8 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
             def __init__(self):
                 super().__init__()
                 self.q_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
-                self.k_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
-                self.v_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
+                self.k_proj = torch.nn.Linear(d, nkv, device=dev, dtype=dtype)
+                self.v_proj = torch.nn.Linear(d, nkv, device=dev, dtype=dtype)
                 with torch.no_grad():
                     for m, wi, bi in zip((self.q_proj, self.k_proj, self.v_proj), W, b):
                         m.weight.copy_(wi)
@@ -143,14 +151,15 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
                  skip_reason=None if dev.type == "cuda" else "torch.compile timed on CUDA only"),
         Provider("peft-lora", peft_lora, skip_reason=peft_skip),
     ]
-    N = 3 * d
+    N = d + 2 * nkv
     rq, rv = cfg.q, cfg.v
-    rank_cols = H * (rq.wise + rq.lite + rv.wise + rv.lite) + rq.shared + rv.shared
+    rank_cols = H * (rq.wise + rq.lite) + Hkv * (rv.wise + rv.lite) + rq.shared + rv.shared
     flops_fwd = 2.0 * tokens * d * (N + rank_cols) + 2.0 * tokens * rank_cols * p
     el = torch.finfo(dtype).bits // 8
     return BenchCase(
         op="headwise_qkv",
-        shape=dict(width=width, preset=preset, tokens=tokens, d=d, heads=H, head_dim=p,
+        shape=dict(width=width, preset=preset, tokens=tokens, d=d, heads=H, kv_heads=Hkv,
+                   head_dim=p,
                    adapter_params=budget, peft_lora_rank=lora_r),
         dtype=dtype, providers=providers, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
         bytes_fwd=float(el * (tokens * d + N * d + tokens * N)))
@@ -181,13 +190,144 @@ def cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List[Bench
     return out
 
 
+# ------------------------------------------------------------------------------------------
+# Roofline model (PREDICTED times; no GPU was used to make it)
+
+# H100 SXM, bf16: sustained tensor-core rate of a large Triton/cuBLAS GEMM (~70 % of the
+# 990 TFLOP/s dense peak), sustained HBM bandwidth (~90 % of 3.35 TB/s), GPU time of one tiny
+# elementwise/gather kernel (the host-side factor building, launch-latency bound).
+ROOF = dict(tc_flops=700e12, hbm=3.0e12, tiny_us=2.0)
+
+MODELS = {  # (d, H, H_kv): GPT-2 small/medium (p = 64), Llama-7B with GQA (p = 128)
+    "gpt2-small": (768, 12, 12),
+    "gpt2-medium": (1024, 16, 16),
+    "llama-7b-gqa": (4096, 32, 8),
+}
+
+
+def _t(flops: float, nbytes: float) -> float:
+    """Seconds of one kernel: the larger of its tensor-core and HBM times."""
+    return max(flops / ROOF["tc_flops"], nbytes / ROOF["hbm"])
+
+
+def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
+    """Predicted fwd+bwd time (µs) of the frozen projections, of kfused and of unfused LoRA
+    with the same parameter budget (PEFT style: separate A and B GEMMs, then scale and add),
+    for the q|k|v projection and (when the preset adapts o) the output projection."""
+    from kfused.triton_kernels.headwise import pack_dims
+
+    d, H, Hkv = MODELS[model]
+    p = d // H
+    cfg = PRESETS[preset]
+    T = tokens
+    BN = 128
+    Nq, Nkv = H * p, Hkv * p
+    N = Nq + 2 * Nkv
+    out = {}
+    # ---- q|k|v
+    frozen = 2 * _t(2 * T * d * N, el * (T * d + N * d + T * N))
+    k = 0.0
+    tiny = 0
+    Mz = 0
+    secs = []
+    for Hs, rk in ((H, cfg.q), (Hkv, cfg.v)):
+        R = rk.wise + 2 * rk.lite       # 16-bit: lite basis split into hi/lo rows
+        if not (R or rk.shared):
+            secs.append(None)
+            continue
+        L, RB = pack_dims(Hs, p, R, rk.shared, BN)
+        secs.append((Hs * p, L, RB))
+        Mz += L * RB
+        # Tiny torch kernels per adapted section, fwd+bwd, counted by reading the code (bf16
+        # factors): casts and folds of the factors (~15), pack in the forward (~10; the
+        # backward reuses it), unpack in the backward (~8), autograd of the host-built
+        # factors (~10).
+        tiny += 43
+    # forward: one augmented GEMM per section (k plain)
+    for n, sec in zip((Nq, Nkv, Nkv), (secs[0], None, secs[1])):
+        extra = sec[1] * sec[2] if sec else 0
+        fl = 2 * T * d * (n + extra) + (2 * T * extra * BN if sec else 0)
+        k += _t(fl, el * (T * d + n * d + T * n + T * extra))
+    # backward: rank pass per adapted section, dX GEMM over [dY | dZ], dD = dZᵀ X
+    for sec in secs:
+        if sec:
+            n, L, RB = sec
+            k += _t(2 * 2 * T * n * RB, el * (T * n + 2 * T * L * RB))
+    k += _t(2 * T * d * (N + Mz), el * (T * N + T * Mz + (N + Mz) * d + T * d))
+    k += _t(2 * T * Mz * d, el * (T * Mz + T * d))
+    tiny += 10                          # bias folds and reductions
+    host = tiny * ROOF["tiny_us"] * 1e-6
+    # unfused LoRA, same budget, on q and v (rank rl): base GEMMs + A, B GEMMs + scale + add
+    from kfused.modules.headwise_presets import count_parameters
+    import dataclasses
+    from kfused.modules.headwise import ProjRanks
+    budget = count_parameters(dataclasses.replace(cfg, o=ProjRanks()), d, H, n_kv_heads=Hkv)
+    rl = max(1, round(budget / ((d + Nq) + (d + Nkv))))
+    lora = frozen
+    for n in (Nq, Nkv):
+        lora += _t(2 * T * d * rl, el * (T * d + T * rl))              # z = x Aᵀ
+        lora += _t(2 * T * rl * n, el * (T * rl + T * n))              # z Bᵀ
+        lora += 2 * _t(0, el * 3 * T * n)                              # scale, add
+        lora += _t(2 * T * n * rl, el * (T * n + T * rl))              # dz = dy B
+        lora += _t(2 * T * n * rl, el * (T * n + T * rl))              # dB = dyᵀ z
+        lora += _t(2 * T * rl * d, el * (T * rl + T * d))              # dA = dzᵀ x
+        lora += _t(2 * T * rl * d, el * (T * rl + T * d))              # dx += dz A
+        lora += _t(0, el * 3 * T * d) + _t(0, el * 2 * T * n)          # dx add, scale bwd
+        lora += 8 * ROOF["tiny_us"] * 1e-6
+    out["qkv"] = dict(frozen=frozen * 1e6, kernels=k * 1e6, host=host * 1e6,
+                      kfused=(k + host) * 1e6, lora=lora * 1e6, lora_rank=rl)
+    # ---- output projection
+    if cfg.o.wise or cfg.o.shared:
+        HP = H * p
+        M = H * cfg.o.wise + cfg.o.shared
+        frozen_o = 2 * _t(2 * T * HP * d, el * (T * HP + HP * d + T * d))
+        ko = _t(2 * T * HP * M, el * (T * HP + T * M))                  # Z = O D_oᵀ
+        ko += _t(2 * T * (HP + M) * d, el * (T * HP + T * M + T * d + (HP + M) * d))
+        ko += _t(2 * T * d * M, el * (T * d + T * M))                   # dZ = dY B
+        ko += _t(2 * T * (d + M) * HP, el * (T * d + T * M + T * HP + (d + M) * HP))
+        ko += _t(2 * T * d * M, el * (T * d + T * M))                   # dB = dYᵀ Z
+        ko += _t(2 * T * M * HP, el * (T * M + T * HP))                 # dD_o = dZᵀ O
+        ko += _t(0, el * T * d)                                         # db
+        host_o = 30 * ROOF["tiny_us"] * 1e-6   # D_o / B builds (fwd and bwd), casts, A gather
+        budget_o = count_parameters(dataclasses.replace(cfg, q=ProjRanks(), v=ProjRanks()),
+                                    d, H)
+        rlo = max(1, round(budget_o / (HP + d)))
+        lo = frozen_o + _t(2 * T * HP * rlo, el * (T * HP + T * rlo)) \
+            + _t(2 * T * rlo * d, el * (T * rlo + T * d)) + 2 * _t(0, el * 3 * T * d) \
+            + 2 * _t(2 * T * d * rlo, el * (T * d + T * rlo)) \
+            + 2 * _t(2 * T * rlo * HP, el * (T * rlo + T * HP)) + _t(0, el * 3 * T * HP) \
+            + 8 * ROOF["tiny_us"] * 1e-6
+        out["oproj"] = dict(frozen=frozen_o * 1e6, kernels=ko * 1e6, host=host_o * 1e6,
+                            kfused=(ko + host_o) * 1e6, lora=lo * 1e6, lora_rank=rlo)
+    return out
+
+
+def roofline_table(tokens: int = 16384) -> str:
+    rows = ["PREDICTED (roofline model, bf16, H100 SXM; not measured)",
+            f"{'model':<13} {'preset':<28} {'op':<6} {'frozen':>7} {'kernels':>7} {'host':>6} "
+            f"{'lora':>7} {'kern/frozen':>11} {'total/frozen':>12} {'total/lora':>10}  (us)"]
+    for model in MODELS:
+        for preset in BENCH_PRESETS:
+            for op, r in roofline(model, preset, tokens).items():
+                rows.append(f"{model:<13} {preset:<28} {op:<6} {r['frozen']:7.1f} "
+                            f"{r['kernels']:7.1f} {r['host']:6.1f} {r['lora']:7.1f} "
+                            f"{r['kernels'] / r['frozen']:11.3f} "
+                            f"{r['kfused'] / r['frozen']:12.3f} {r['kfused'] / r['lora']:10.3f}")
+    return "\n".join(rows)
+
+
 def main() -> None:  # pragma: no cover
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--roofline", action="store_true",
+                    help="print the predicted roofline table (no GPU needed) and exit")
     args = ap.parse_args()
+    if args.roofline:
+        print(roofline_table())
+        return
     dtype = getattr(torch, args.dtype)
     for case in cases(args.device, dtype, args.quick):
         for row in measure(case, args.device, rep_ms=args.rep_ms):

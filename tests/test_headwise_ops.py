@@ -390,3 +390,136 @@ def test_lowrank_cuda_extension(dtype, per_head):
     args = (basis.to(DEVICE, dtype)[0], inputs["A"].to(DEVICE, dtype),
             inputs["B"].to(DEVICE, dtype), inputs["bias"].to(DEVICE, dtype))
     torch.library.opcheck(torch.ops.kfused.headwise_lowrank_cuda_fwd.default, args)
+
+
+# ------------------------------------------------------------------------------------------
+# Probe findings (issue 13): strides, output width 1, argument checks, fp16 lite accuracy
+
+
+@pytest.mark.parametrize("layout", ["slice", "expand", "transpose"])
+def test_qkv_and_oproj_strided_inputs(layout):
+    # A stride taken from one tensor and used for another (issue 13 item 1) shows up as wrong
+    # values or out-of-bounds accesses for column slices, stride-0 expands and transposes.
+    H, Hkv, p, d, T = 2, 1, 24, 40, 21
+    q = make_factors(H, p, d, shared=2, wise=1)
+    v = make_factors(Hkv, p, d, lite=2, shared=1)
+
+    def view(base, n):
+        if layout == "slice":
+            return base[:, 3:3 + n]
+        if layout == "expand":
+            return base[:1, :n].expand(T, n)
+        return base[:n, :T].t()
+
+    base = rnd(T + 40, 2 * d + H * p)
+    inputs = dict(base=base, w_q=rnd(d, H * p), w_k=rnd(Hkv * p, d), w_v=rnd(Hkv * p, d),
+                  b_k=rnd(Hkv * p), **flat_inputs("q", q), **flat_inputs("v", v))
+
+    def run(backend):
+        def fn(base, w_q, w_k, w_v, b_k, **kw):
+            return headwise_qkv(view(base, d), w_q.t(), w_k, w_v, None, b_k, None, n_heads=H,
+                                n_kv_heads=Hkv, q=gather("q", kw, 0.75),
+                                v=gather("v", kw, 0.75), backend=backend)
+        return fn
+
+    assert_against_reference(run("triton"), run("reference"), inputs, torch.float32, DEVICE,
+                             grad_names=[k for k in inputs if not k.startswith("w_")],
+                             out_names=["Q", "K", "V"])
+    dout = 24
+    o_in = dict(base=base, w_o=rnd(H * p, dout), wise_A=rnd(H, 2, p), wise_B=rnd(dout, H * 2),
+                shared_A=rnd(3, H * p), shared_B=rnd(dout, 3))
+
+    def orun(backend):
+        def fn(base, w_o, **kw):
+            return headwise_oproj(view(base, H * p), w_o.t(), n_heads=H, scale=0.5,
+                                  backend=backend, **kw)
+        return fn
+
+    assert_against_reference(orun("triton"), orun("reference"), o_in, torch.float32, DEVICE,
+                             grad_names=[k for k in o_in if k != "w_o"])
+
+
+def test_oproj_output_width_one():
+    # issue 13 item 6: d_out = 1 with per-head and shared parts made two factor gradients
+    # views of one buffer ("custom op output may not alias").
+    H, p, T = 3, 16, 37
+    inputs = dict(o=rnd(T, H * p), w_o=rnd(1, H * p), b_o=rnd(1), wise_A=rnd(H, 2, p),
+                  wise_B=rnd(1, H * 2), wise_c=rnd(1), shared_A=rnd(2, H * p),
+                  shared_B=rnd(1, 2))
+
+    def run(backend):
+        return lambda **kw: headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend)
+
+    assert_against_reference(run("triton"), run("reference"), inputs, torch.float32, DEVICE,
+                             grad_names=[k for k in inputs if k != "w_o"])
+
+
+def test_argument_checks_name_the_argument():
+    # issue 13 item 8: every public argument is checked, the error names it.
+    H, p, d, T = 2, 4, 8, 3
+    x = torch.randn(T, d)
+    w = torch.randn(H * p, d)
+    lite = HeadFactors(lite_A=torch.randn(H, 1, p), lite_B=torch.randn(H, p, 1))
+    with pytest.raises(TypeError, match="b_k"):
+        headwise_projection(x, w, n_heads=H, factors=lite, w_k=w, b_k=torch.randn(H * p).double())
+    with pytest.raises(ValueError, match="b_k"):
+        headwise_projection(x, w, n_heads=H, factors=lite, w_k=w, b_k=torch.randn(H * p, 1))
+    with pytest.raises(ValueError, match="n_key_heads"):
+        headwise_projection(x, w, n_heads=H, factors=lite, w_k=w, n_key_heads=1.0)
+    o, wo = torch.randn(T, H * p), torch.randn(5, H * p)
+    sA, sB = torch.randn(2, H * p), torch.randn(5, 2)
+    with pytest.raises(ValueError, match="scale"):
+        headwise_oproj(o, wo, n_heads=H, shared_A=sA, shared_B=sB, scale=torch.ones(2))
+    with pytest.raises(TypeError, match="scale"):
+        headwise_oproj(o, wo, n_heads=H, shared_A=sA, shared_B=sB, scale="2")
+    with pytest.raises(TypeError, match="scale"):
+        headwise_oproj(o, wo, n_heads=H, shared_A=sA, shared_B=sB, scale=float("nan"))
+    with pytest.raises(TypeError, match=r"q\.scale"):
+        headwise_qkv(x, w, w, w, n_heads=H,
+                     q=HeadFactors(shared_A=torch.randn(1, d), shared_B=torch.randn(H * p, 1),
+                                   scale=[1.0]))
+    with pytest.raises(TypeError, match="b_o"):
+        headwise_oproj(o, wo, b_o=torch.randn(5).numpy(), n_heads=H)
+    with pytest.raises(TypeError, match="shared_B"):
+        headwise_oproj(o, wo, n_heads=H, shared_A=sA, shared_B=sB.half())
+    with pytest.raises(TypeError, match="per_head"):
+        headwise_lowrank(x, torch.randn(H, 2, d), torch.randn(H, p, 2), per_head="yes")
+    with pytest.raises(TypeError, match="fused_output"):
+        headwise_qkv(x, w, w, w, n_heads=H, fused_output=1)
+    with pytest.raises(ValueError, match="n_heads"):
+        headwise_qkv(x, w, w, w, n_heads=True)
+    with pytest.raises(ValueError, match="n_heads"):
+        headwise_oproj(o, wo, n_heads=2.0)
+    # a one-element tensor scale is accepted (and differentiable)
+    s = torch.tensor(0.5, requires_grad=True)
+    y = headwise_oproj(o, wo, n_heads=H, shared_A=sA, shared_B=sB, scale=s)
+    y.sum().backward()
+    assert s.grad is not None
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_qkv_lite_fp16_cancelling_key(seed):
+    # issue 13 item 10: fp16 gradients through lite parts exceeded 2x torch's error (9 of 64
+    # fuzzed cases; worst H = H_kv = 1, p = 1, d = 14, T = 8, x a column slice, lite on q and
+    # v with lite_c on v). The kernel was at fault: the folded basis A_h W_k^h was rounded to
+    # fp16, so Z's error scaled with Σ|x_k (A W_k)_k| instead of |K A_hᵀ|. Seeds 1, 8 and 15
+    # failed before the hi/lo split of the folded basis.
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    H = Hkv = p = 1
+    d, T = 14, 8
+    inputs = dict(wide=r(T, 2 * d), w_q=r(H * p, d), w_k=r(Hkv * p, d), w_v=r(Hkv * p, d),
+                  b_q=r(H * p), b_k=r(Hkv * p), b_v=r(Hkv * p), q_lite_A=r(H, 2, p),
+                  q_lite_B=r(H, p, 2), v_lite_A=r(Hkv, 3, p), v_lite_B=r(Hkv, p, 3),
+                  v_lite_c=r(Hkv, p))
+
+    def run(backend):
+        def fn(wide, w_q, w_k, w_v, b_q, b_k, b_v, **kw):
+            return headwise_qkv(wide[:, 3:3 + d], w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H,
+                                n_kv_heads=Hkv, q=gather("q", kw, 1.0), v=gather("v", kw, 1.0),
+                                backend=backend)
+        return fn
+
+    assert_against_reference(run("triton"), run("reference"), inputs, torch.float16, DEVICE,
+                             grad_names=[k for k in inputs if not k.startswith("w_")],
+                             out_names=["Q", "K", "V"], seed=seed)

@@ -17,6 +17,13 @@ Custom ops (each with a fake and, for the forward, an autograd registration):
     kfused::headwise_qkv_triton_fwd / _bwd
     kfused::headwise_oproj_triton_fwd / _bwd
 
+``headwise_lowrank`` is deliberately not wired into ``modules/`` or ``integration/``: every
+module use (Kernel-wise on X, lite on K, the shared part) is a special case of the fused
+projections, which read X once for the frozen GEMM and every down-projection; a module built
+on ``headwise_lowrank`` would add passes over X (or K) and Y. It stays a public op (with its
+Triton kernels, the CUDA C++ extension and their tests) for callers that hold a basis
+themselves, e.g. an attention implementation that already computed K.
+
 The fused projections take the user's factors (:class:`HeadFactors`), build the kernel-level
 factors on the host with differentiable torch ops on tiny tensors (stack Kernel-wise and lite
 down-projections along the rank, the lite bases ``A_h W_k^h`` and ``b_k^h A_hᵀ``, fold the
@@ -57,6 +64,32 @@ def _no_float64(t: torch.Tensor):
             return "the headwise kernels compute in float32; float64 runs the reference"
         return None
     return unfit
+
+
+def _check_int(name: str, v, *, lo: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+def _check_flag(name: str, v, optional: bool = False) -> None:
+    if not (isinstance(v, bool) or (optional and v is None)):
+        raise TypeError(f"{name} must be {'None or ' if optional else ''}a bool, got {v!r}")
+
+
+def _check_scale(name: str, s, ref: torch.Tensor) -> None:
+    """A scale is a finite real number, or a one-element floating tensor on ref's device."""
+    import math
+    import numbers
+
+    if isinstance(s, torch.Tensor):
+        if not s.is_floating_point() or s.numel() != 1:
+            raise ValueError(f"{name} must be a real number or a one-element floating-point "
+                             f"tensor, got a {s.dtype} tensor of shape {tuple(s.shape)}")
+        if s.device != ref.device:
+            raise ValueError(f"{name} is on {s.device} but the inputs are on {ref.device}")
+        return
+    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(float(s)):
+        raise TypeError(f"{name} must be a finite real number, got {s!r}")
 
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
@@ -210,6 +243,7 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     any floating dtype (reference).
     """
     _validate.check_tensor("basis", basis, min_ndim=1)
+    _check_flag("per_head", per_head, optional=True)
     _validate.check_tensor("A", A, ndim=3)
     _validate.check_tensor("B", B, ndim=3)
     H, r, db_ = A.shape
@@ -267,22 +301,22 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim)
 
 
-def _zwidth(HQ, HV, q_down, q_sdown, v_down, v_sdown):
+def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
+    """Width of the packed rank-space buffer (see kfused.triton_kernels.headwise)."""
     rq = q_down.shape[1] if q_down is not None else 0
     rsq = q_sdown.shape[0] if q_sdown is not None else 0
     rv = v_down.shape[1] if v_down is not None else 0
     rsv = v_sdown.shape[0] if v_sdown is not None else 0
-    return HQ * rq + rsq + HV * rv + rsv
+    return _tk().qkv_zwidth(HQ, HV, head_dim, (rq, rsq), (rv, rsv), device)
 
 
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
       v_down, v_zb, v_up, v_sdown, v_sup, head_dim):
     T = x.shape[0]
-    M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, q_down, q_sdown, v_down,
-                v_sdown)
-    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]),
-            x.new_empty(T, M, dtype=torch.float32))
+    M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
+                v_down, v_sdown, x.device)
+    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]), x.new_empty(T, M))
 
 
 @torch.library.custom_op("kfused::headwise_qkv_triton_bwd", mutates_args=())
@@ -386,6 +420,7 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
 
     if (f.shared_A is None) != (f.shared_B is None):
         raise ValueError(f"{name}: shared_A and shared_B must be given together")
+    _check_scale(f"{name}.scale", f.scale, ref)
     if (f.wise_A is None) != (f.wise_B is None):
         raise ValueError(f"{name}: wise_A and wise_B must be given together")
     if (f.lite_A is None) != (f.lite_B is None):
@@ -414,18 +449,28 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
 
 
 def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
-             w_k: Optional[torch.Tensor], b_k: Optional[torch.Tensor]):
+             w_k: Optional[torch.Tensor], b_k: Optional[torch.Tensor],
+             dtype: torch.dtype = torch.float32):
     """Kernel-level factors of one section with ``H`` heads and the bias delta (per-head c's),
     built with differentiable torch ops on the small factor tensors. Lite uses key head
-    ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``."""
+    ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``.
+
+    ``dtype``: the activations' dtype. For 16-bit activations the lite basis ``A_h W_k^h``
+    (a product the same-precision torch path never rounds: it rounds ``K`` instead) is split
+    into two rows ``hi = round(A_h W_k^h)`` and ``lo = round(A_h W_k^h - hi)`` sharing one
+    up-projection, so the tensor-core dot ``X [hi; lo]ᵀ`` carries it to float32 accuracy.
+    Rounding it once instead made Z's error scale with ``Σ_k |x_k (A W_k)_k|`` rather than
+    ``|K A_hᵀ|``, which lost to torch whenever ``K`` cancels (issue 13 item 10: fp16 lite
+    gradients up to 2.3x torch's error, 9 of 64 fuzzed cases)."""
     if f is None or f.empty:
         return (None,) * 5, None
     # Kernel-level factors are float32 whatever the activations' dtype: they are tiny, the
     # kernel casts the down-projection tiles to the activation dtype for its dots, and the
     # products that build them (lite bases, folded scales and biases) are not rounded twice.
     f = f.map(lambda t: t.float())
-    w_k = w_k.float() if w_k is not None else None
-    b_k = b_k.float() if b_k is not None else None
+    # The frozen key projection is only needed (and cast: a full (H_k·p, d) copy) for lite.
+    w_k = w_k.float() if (w_k is not None and f.has_lite) else None
+    b_k = b_k.float() if (b_k is not None and f.has_lite) else None
     downs, zbs, ups, cs = [], [], [], []
     if f.has_wise:
         downs.append(f.wise_A)
@@ -438,15 +483,27 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
         wk = w_k.reshape(Hk, p, d)
         if g is not None:
             wk = wk.index_select(0, g)
-        downs.append(torch.einsum("hrp,hpd->hrd", f.lite_A, wk))
+        lite = torch.einsum("hrp,hpd->hrd", f.lite_A, wk)
+        rl = f.lite_A.shape[1]
+        split = dtype in (torch.float16, torch.bfloat16)
+        if split:
+            # Both rows see the same dZ, so d(hi) = d(lo) = the gradient of the basis: let it
+            # flow through lo only (hi is a constant rounding of it).
+            hi = lite.detach().to(dtype).float()
+            downs += [hi, lite - hi]
+        else:
+            downs.append(lite)
         if b_k is not None:
             bk = b_k.reshape(Hk, p)
             if g is not None:
                 bk = bk.index_select(0, g)
             zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk))
         else:
-            zbs.append(f.lite_A.new_zeros(H, f.lite_A.shape[1]))
+            zbs.append(f.lite_A.new_zeros(H, rl))
         ups.append(f.lite_B)
+        if split:
+            zbs.append(f.lite_A.new_zeros(H, rl))
+            ups.append(f.lite_B)
         if f.lite_c is not None:
             cs.append(f.lite_c)
     cat = lambda ts, dim: (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).contiguous()  # noqa
@@ -501,18 +558,20 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel
     writes (GPT-2's ``c_attn`` layout; no copy).
 
-    Triton plan: one kernel reads X once per output tile for the frozen GEMM and all the
-    down-projections (Kernel-wise A_h, lite bases A_h W_k^h precomputed per call as an
-    (H·r × d) product, shared A_s) and adds the block-diagonal up-projections and biases in
-    its epilogue before writing Q and V. Backward: one kernel for dX and the rank-space
-    gradients (one pass over dQ, dK, dV), then token reductions for the factor gradients.
+    Triton plan: one augmented GEMM per section reads X once per output tile for the frozen
+    GEMM and the down-projections whose up-projection touches the tile (Kernel-wise A_h, lite
+    bases A_h W_k^h precomputed per call, shared A_s; packed into one >= 16-wide block) and
+    adds the up-projections and biases in its epilogue before writing Q and V. Backward: one
+    rank pass over dQ and dV (dZ, up-projection and bias gradients), dX as one GEMM over
+    [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections.
     """
     _validate.check_tensor("x", x, min_ndim=1)
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     H = n_heads
     Hkv = n_kv_heads if n_kv_heads is not None else H
-    if not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
+    _check_flag("fused_output", fused_output)
+    if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
         raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing "
                          f"n_heads={H}")
     d = x.shape[-1]
@@ -558,8 +617,8 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
-    qf, dcq = _section(q, H, Hk, p, d, kw, kb)
-    vf, dcv = _section(v, Hkv, Hk, p, d, kw, kb)
+    qf, dcq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
+    vf, dcv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
         _fold_bias(b_v, dcv), *qf, *vf, p)
@@ -582,7 +641,7 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
     ``w_k.shape[0] // p``). Returns (..., H·p).
     """
     _validate.check_tensor("x", x, min_ndim=1)
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     H = n_heads
     d = x.shape[-1]
@@ -607,11 +666,15 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
                 raise ValueError("factors has a Kernel-wise-lite part: pass the frozen key "
                                  "projection as w_k (and b_k)")
             _validate.check_tensor("w_k", w_k, ndim=2)
+            if n_key_heads is not None:
+                _check_int("n_key_heads", n_key_heads)
             Hk = n_key_heads if n_key_heads is not None else w_k.shape[0] // p
             if Hk < 1 or H % Hk != 0:
                 raise ValueError(f"n_key_heads={Hk} must be a positive divisor of n_heads={H}")
             _check_linear("w_k", w_k, Hk * p, d, x)
             if b_k is not None:
+                _validate.check_tensor("b_k", b_k, ndim=1)
+                _validate.check_same("x", x, b_k=b_k)
                 _validate.check_shape("b_k", b_k, (Hk * p,), "bias of the key projection")
     be = select_backend("headwise_projection", backend, [x], impls=_IMPLS,
                         extra_unfit=_no_float64(x))
@@ -648,8 +711,7 @@ def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
 def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads):
     M = (A.shape[0] * A.shape[1] if A is not None else 0) + \
         (shared_A.shape[0] if shared_A is not None else 0)
-    return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M,
-                                                               dtype=torch.float32)
+    return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
 
 
 @torch.library.custom_op("kfused::headwise_oproj_triton_bwd", mutates_args=())
@@ -723,13 +785,12 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
             rank-r update of each row block W_o^h).
         shared_A ``(r_s, H·p)``, shared_B ``(d, r_s)``, scale: the shared LoRA part.
 
-    Triton plan: one kernel per (tokens × d) tile walks the heads of O once for the frozen
-    GEMM, the per-head down-projections (applied through B in the same iteration) and the
-    shared down-projection. Backward: one kernel per (tokens × head) computes dO and the
-    rank-space gradients in one pass over dY; token reductions give the factor gradients.
+    Triton plan: Z = O D_oᵀ (D_o: block-diagonal A_h and A_s; a thin GEMM, cuBLAS for 16-bit
+    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM. Backward: dZ = dY B,
+    dO = [dY | dZ]·[W_o; D_o] (one GEMM), token reductions dYᵀ Z and dZᵀ O.
     """
     _validate.check_tensor("o", o, min_ndim=1)
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     H = n_heads
     HP = o.shape[-1]
@@ -738,6 +799,11 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
                          f"n_heads={H} heads")
     p = HP // H
     _validate.check_tensor("w_o", w_o, ndim=2)
+    for name, t, nd in (("b_o", b_o, 1), ("wise_A", wise_A, 3), ("wise_B", wise_B, 2),
+                        ("wise_c", wise_c, 1), ("shared_A", shared_A, 2),
+                        ("shared_B", shared_B, 2)):
+        if t is not None:
+            _validate.check_tensor(name, t, ndim=nd)
     _validate.check_same("o", o, w_o=w_o, b_o=b_o, wise_A=wise_A, wise_B=wise_B, wise_c=wise_c,
                          shared_A=shared_A, shared_B=shared_B)
     if w_o.shape[1] != HP:
@@ -758,6 +824,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         _validate.check_shape("wise_B", wise_B, (dout, H * r), "(d_out, H·r)")
         if wise_c is not None:
             _validate.check_shape("wise_c", wise_c, (dout,), "(d_out,)")
+    _check_scale("scale", scale, o)
     if shared_A is not None:
         _validate.check_tensor("shared_A", shared_A, ndim=2)
         rs = shared_A.shape[0]
