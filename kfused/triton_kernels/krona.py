@@ -110,7 +110,7 @@ def _krona_fwd_kernel(
 def _kron_grad_kernel(
     X, G, A, B, DX, DA, DB,
     T, a_out, a_in, b_out, b_in,
-    stride_xt, stride_gt, stride_ai, stride_ak, stride_bj, stride_bl,
+    stride_xt, stride_gt, stride_dxt, stride_ai, stride_ak, stride_bj, stride_bl,
     scale, n_blocks,
     COMPUTE_DX: tl.constexpr, COMPUTE_DAB: tl.constexpr,
     BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
@@ -158,7 +158,7 @@ def _kron_grad_kernel(
             dx = tl.reshape(tl.permute(tl.reshape(dxt, (BT, BIP, AIP)), (0, 2, 1)),
                             (BT * AIP, BIP))
             x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
-            tl.store(DX + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
+            tl.store(DX + (t0 + rx_t)[:, None] * stride_dxt + rx_k[:, None] * b_in + li[None, :],
                      (dx * scale).to(DX.dtype.element_ty), mask=x_ok)
         if COMPUTE_DAB:
             x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
@@ -180,6 +180,39 @@ def _kron_grad_kernel(
                  mask=(io[:, None] < a_out) & (ki[None, :] < a_in))
         tl.store(DB + pid * b_out * b_in + jo[:, None] * b_in + li[None, :], db * scale,
                  mask=(jo[:, None] < b_out) & (li[None, :] < b_in))
+
+
+@triton.jit
+def _kron_fold_kernel(
+    W, A, B, OUT,
+    d_out, d_in, b_out, b_in,
+    stride_wo, stride_wc, stride_ai, stride_ak, stride_bj, stride_bl, stride_oo,
+    scale,
+    HAS_W: tl.constexpr, BO: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+):
+    """OUT = W + scale · (A ⊗ B) for one (BO × BC) tile, in float32 (float64 for float64
+    inputs, interpreter only), rounded once.
+
+    Element (o, c) with o = i·b_out + j, c = k·b_in + l is W[o, c] + s·A[i, k]·B[j, l]; the
+    A and B gathers hit L1/L2 (the factors are a few KB), so the pass streams W once and
+    writes OUT once: a d_out×d_in pass on the CUDA cores, no dot.
+    """
+    oo = tl.program_id(0) * BO + tl.arange(0, BO)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    o_ok = oo < d_out
+    c_ok = cc < d_in
+    ok = o_ok[:, None] & c_ok[None, :]
+    i = oo // b_out
+    j = oo % b_out
+    k = cc // b_in
+    l = cc % b_in
+    a = tl.load(A + i[:, None] * stride_ai + k[None, :] * stride_ak, mask=ok, other=0.0)
+    b = tl.load(B + j[:, None] * stride_bj + l[None, :] * stride_bl, mask=ok, other=0.0)
+    acc = scale * (a.to(ACC) * b.to(ACC))
+    if HAS_W:
+        w = tl.load(W + oo[:, None] * stride_wo + cc[None, :] * stride_wc, mask=ok, other=0.0)
+        acc += w.to(ACC)
+    tl.store(OUT + oo[:, None] * stride_oo + cc[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------
@@ -259,6 +292,31 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     return y
 
 
+def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
+                scale: float = 1.0) -> torch.Tensor:
+    """W' = W + scale · (A ⊗ B) as a new contiguous (d_out, d_in) tensor in A's dtype.
+
+    Each element is formed in float32 and rounded once (torch's ``W + s * torch.kron(A, B)``
+    rounds three times). weight: (a_out*b_out, a_in*b_in) any strides, or None (then W' is
+    ``scale · A ⊗ B``).
+    """
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    d_out, d_in = a_out * b_out, a_in * b_in
+    out = _alloc.empty(d_out, d_in, dtype=A.dtype, device=A.device)
+    gpu = targets_gpu(A.device)
+    BO, BC = (32, 128) if gpu else (16, 64)
+    w = weight if weight is not None else A
+    grid = (triton.cdiv(d_out, BO), triton.cdiv(d_in, BC))
+    _kron_fold_kernel[grid](
+        w, A, B, out, d_out, d_in, b_out, b_in,
+        w.stride(0), w.stride(1) if weight is not None else 0,
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1), out.stride(0), float(scale),
+        HAS_W=weight is not None, BO=BO, BC=BC, num_warps=4,
+        ACC=tl.float64 if A.dtype == torch.float64 else tl.float32)
+    return out
+
+
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
                  device: torch.device) -> dict:
     """Block sizes for _kron_grad_kernel: BT tokens per step, every factor dim padded to a
@@ -316,7 +374,8 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     _kron_grad_kernel[(n_prog,)](
         x, g, A, B, dx if dx is not None else x, da, db,
         T, a_out, a_in, b_out, b_in,
-        x.stride(0), g.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         float(scale), n_blocks,
         COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
         ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
