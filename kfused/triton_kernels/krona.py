@@ -1,8 +1,12 @@
 """Triton kernels for the Kronecker adapter (SPEC §1).
 
-Two kernels serve every KronA computation:
+``_kron_fold_kernel``  W' = W + s · (A ⊗ B), one d_out×d_in pass (CUDA cores, no dot).
+    krona_linear's default path on a GPU at T ≥ 1024 in float16/bfloat16 (``exact=False``):
+    y = x W'ᵀ + b and dx = dy W' are then the frozen GEMM itself (cuBLAS), and the adapter adds
+    only this pass per direction plus the factor-gradient pass below.
 
-``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program.
+``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program — the exact
+    factored path (``exact=True``, float32, small T; kron_matvec always).
     The output tile is a (BI × BJ) block of the (i, j) grid of output features
     o = i·b_out + j (BJ a power of two dividing b_out), so the Kronecker term of the tile is
     ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
@@ -14,10 +18,49 @@ Two kernels serve every KronA computation:
 ``_kron_grad_kernel``  one pass over (x, dy) for dA, dB (and optionally dx):
     dA = Σ_t G[t] B X[t]ᵀ,  dB = Σ_t G[t]ᵀ A X[t],  dX[t] = Aᵀ G[t] B,
     a grid-stride loop over token blocks with float32 partial sums per program, reduced on
-    the host (deterministic, no atomics).
+    the host (deterministic, no atomics). With every (padded) factor dim ≥ 16 the four
+    products are tensor-core dots (sm_90: HGMMA/HMMA in the SASS); dims < 16 (the paper's
+    A 2×384, B 384×2) use exact broadcast products on the CUDA cores.
 
 Products keep the reference's order (A X first, then ·Bᵀ) and round the intermediate to the
 input dtype as torch does, so 16-bit results track ``torch_t`` under SPEC §4.
+
+Roofline (H100 SXM, bfloat16, T = 16384; all times *predicted*, not measured). Model: cuBLAS
+GEMM 600 TFLOP/s effective, Triton mma.sync dots 300 TFLOP/s, CUDA-core float64 30 TFLOP/s,
+HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 µs.
+
+    frozen linear, fwd + dx:   2 × max(2·T·d_in·d_out / 600T, 2·(T·d_in + T·d_out + d_in·d_out) / 2.8T)
+                               768→768: 2 × 32.2 µs (compute-bound; bytes 15 µs)
+                               768→3072: 2 × 128.8 µs
+    fold (each direction):     read W, write W': 4·d_in·d_out B → 0.4 µs (768²), 1.7 µs (768→3072),
+                               + 2 µs launch; the adapter costs no MAC in either GEMM
+    factor gradients:          reads x and dy once: 2·T·(d_in + d_out) B = 50 MB (768²),
+                               126 MB (768→3072) → 18 / 45 µs at full bandwidth; tensor-core
+                               FLOPs per token 2·(a·b·c) over W1 = G B, dA, V = A X, dB
+                               (≈ 0.2 MFLOP/token at 24/32 factors: 2.8 GFLOP, 9 µs on mma.sync,
+                               hidden under the bytes). At the sm_90 register budget (2 tokens
+                               of 32×32 factors per step, 157 registers, no spill) we assume 60 %
+                               of bandwidth: 38 µs (768²), 83 µs (768→3072).
+
+    → predicted fwd+bwd: 768² ≈ 108 µs = 1.68 × frozen (target 1.15×: missed),
+      768→3072 ≈ 351 µs = 1.36 ×; torch.kron materialised (5 GEMMs + adds): 2.1–2.3 × slower
+      than this path; torch.compile of the reference (bmm/mm + pointwise, ≈ 8 passes over
+      T·d bytes): 1.9–3.4 × slower.
+
+    Why 1.15× is out of reach with a separate factor-gradient pass: it must read x and dy
+    (50 MB at 768² = 18 µs even at 100 % bandwidth) while the budget is 0.15 × 64 µs = 10 µs.
+    What would reach it: fuse dA/dB into the dx GEMM (the only pass that already reads dy);
+    that GEMM is compute-bound (32 µs of MMA against 27 µs of bytes with x added), so the x
+    read hides and the cost is the 2.8 GFLOP of factor products (+15 %) — predicted 1.12 × if
+    that Triton GEMM matched cuBLAS, ≈ 1.25 × at 85 % of cuBLAS.
+
+Numerics of the fold (measured on the CPU in float16, scripts in the KronA notes of the
+report): W' rounds the update to the weight's ulp, so the part of s·A⊗B below half an ulp of W
+is lost from y and dx (with |s·A⊗B| ≈ 1e-3·|W| a quarter of the update, at 1e-4 most of
+it); the resulting output error stays within SPEC §4 (the same-precision torch path rounds y
+at the same scale), and dA, dB are computed from the factors exactly. ``exact=True`` keeps the
+factored kernels for small T, inference with tiny updates, and float32 (which always uses
+them: the fold fails SPEC §4 there).
 """
 
 from __future__ import annotations
@@ -219,6 +262,14 @@ def _kron_fold_kernel(
 # host functions
 
 
+# GPU register budgets, set from the sm_90 compile (python -m kfused.triton_kernels._aot krona):
+# elements of the largest per-step tile in _kron_grad_kernel (2 tokens of a 32x32 factor pair:
+# 157 registers, no spill; 4 tokens spilled 16 B, 8 tokens 232 B), and float64 broadcast-product
+# elements in _krona_fwd_kernel's narrow (< 16) products.
+_GRAD_GPU_TILE = 2048
+_FWD_GPU_TMP = 16384
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     d = 1
     while n % (d * 2) == 0 and d * 2 <= cap:
@@ -256,7 +307,7 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
         m_u, m_y = BM * LC, BM * BI
         tmp_u = 0 if use_dot(m_u, KC, BI) else m_u * KC * BI
         tmp_y = 0 if use_dot(m_y, LC, BJ) else m_y * LC * BJ
-        if max(tmp_u, tmp_y) <= (16384 if gpu else 65536):
+        if max(tmp_u, tmp_y) <= (_FWD_GPU_TMP if gpu else 65536):
             break
         BM //= 2
     return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC,
@@ -325,7 +376,7 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
     BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
     per_tok = max(AOP * BOP, AIP * BIP, AOP * BIP)
-    budget = 4096 if gpu else 8192
+    budget = _GRAD_GPU_TILE if gpu else 8192
     tmp_budget = 8192 if gpu else 65536
     BT = 1
     while BT * 2 * per_tok <= budget and BT * 2 <= max(1, next_pow2(T)):
@@ -394,22 +445,23 @@ def krona_bwd_input(g: torch.Tensor, weight: Optional[torch.Tensor], A: torch.Te
 
 @_aot.register("krona")
 def _aot_launches() -> None:
-    """Representative launches for the sm_90 compile check (see _aot.py)."""
+    """Representative launches for the sm_90 compile check (see _aot.py): the benchmark
+    factor shapes (768², 768→3072: sqrt split, B 24×32, B 384×2) and an odd one."""
     # bfloat16 on every shape (the interpreter never runs it), float32 (IEEE dots) on one.
     shapes = [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (48, 24, 64, 32),
-              (3, 5, 7, 2)]
+              (128, 24, 24, 32), (8, 384, 384, 2), (3, 5, 7, 2)]
     runs = [(torch.bfloat16, s) for s in shapes] + [(torch.float32, shapes[0])]
     for dtype, (a_out, a_in, b_out, b_in) in runs:
-        if True:
-            T = 4096
-            x = torch.empty(T, a_in * b_in, dtype=dtype)
-            g = torch.empty(T, a_out * b_out, dtype=dtype)
-            W = torch.empty(a_out * b_out, a_in * b_in, dtype=dtype)
-            bias = torch.empty(a_out * b_out, dtype=dtype)
-            A = torch.empty(a_out, a_in, dtype=dtype)
-            B = torch.empty(b_out, b_in, dtype=dtype)
-            krona_fwd(x, W, bias, A, B, 0.5)
-            krona_fwd(x, None, None, A, B, 1.0)
-            krona_bwd_input(g, W, A, B, 0.5)
-            kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=True)
-            kron_grad(g, x, A, B, 0.5, compute_dx=False, compute_dab=True)
+        T = 4096
+        x = torch.empty(T, a_in * b_in, dtype=dtype)
+        g = torch.empty(T, a_out * b_out, dtype=dtype)
+        W = torch.empty(a_out * b_out, a_in * b_in, dtype=dtype)
+        bias = torch.empty(a_out * b_out, dtype=dtype)
+        A = torch.empty(a_out, a_in, dtype=dtype)
+        B = torch.empty(b_out, b_in, dtype=dtype)
+        fold_weight(W, A, B, 0.5)
+        krona_fwd(x, W, bias, A, B, 0.5)
+        krona_fwd(x, None, None, A, B, 1.0)
+        krona_bwd_input(g, W, A, B, 0.5)
+        kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=True)
+        kron_grad(g, x, A, B, 0.5, compute_dx=False, compute_dab=True)
