@@ -8,7 +8,7 @@
 ``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program — the exact
     factored path (``exact=True``, float32, small T; kron_matvec always).
     The output tile is a (BI × BJ) block of the (i, j) grid of output features
-    o = i·b_out + j (BJ a power of two dividing b_out), so the Kronecker term of the tile is
+    o = i·b_out + j (BJ a power of two; a partial last j-block is masked), so the Kronecker term of the tile is
     ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
     x rows the frozen GEMM has just streamed (they are in L2), in the factored form: A ⊗ B is
     never formed, not even per tile. With HAS_W=False it is the plain ``kron_matvec``; the
@@ -92,7 +92,7 @@ def _krona_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    n_jb = b_out // BJ
+    n_jb = tl.cdiv(b_out, BJ)
     ib = pid_n // n_jb
     jb = pid_n % n_jb
     d_in = a_in * b_in
@@ -264,10 +264,11 @@ def _kron_fold_kernel(
 
 # GPU register budgets, set from the sm_90 compile (python -m kfused.triton_kernels._aot krona):
 # elements of the largest per-step tile in _kron_grad_kernel (2 tokens of a 32x32 factor pair:
-# 157 registers, no spill; 4 tokens spilled 16 B, 8 tokens 232 B), and float64 broadcast-product
-# elements in _krona_fwd_kernel's narrow (< 16) products.
+# 135 registers with 4 warps, no spill; with 8 warps 4 tokens spilled 16 B, 8 tokens 232 B),
+# and float64 broadcast-product elements in _krona_fwd_kernel's narrow (< 16) products (16384
+# spilled 1.2 KB on the paper's 2x384 / 384x2 factors).
 _GRAD_GPU_TILE = 2048
-_FWD_GPU_TMP = 16384
+_FWD_GPU_TMP = 4096
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -281,14 +282,16 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
                 device: torch.device) -> dict:
     """Block sizes for _krona_fwd_kernel.
 
-    The output tile is BI rows of A times BJ columns of B. On a GPU, BI = BJ = 16 (a 256-wide
-    tile) when the factors allow it, so that both Kronecker products are tensor-core dots
-    (tl.dot needs every dim >= 16); otherwise BJ is the largest power of two dividing b_out and
-    the narrow product falls back to the broadcast path, which is kept small.
+    The output tile is BI rows of A times BJ columns of B. When a_out, b_out >= 16, BI = BJ =
+    16 (a 256-wide tile), so that both Kronecker products are tensor-core dots (tl.dot needs
+    every dim >= 16); a b_out that 16 does not divide (24) is padded to whole blocks (masked
+    columns: 1/4 of the work wasted at 24, instead of 8-wide broadcast products). Otherwise BJ
+    is the largest power of two dividing b_out and the narrow product falls back to the
+    broadcast path, which is kept small.
     """
     gpu = targets_gpu(device)
     p2 = _pow2_divisor(b_out, 128)
-    if gpu and p2 >= 16 and a_out >= 16:
+    if b_out >= 16 and a_out >= 16:
         BJ, BI = 16, 16
     else:
         bn_target = 128 if gpu else 64
@@ -303,13 +306,25 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
     # dim < 16) within a temporary budget.
     while BM > 16 and BM * LC * max(KC, BI) > 16384:
         BM //= 2
-    while BM > 1:
-        m_u, m_y = BM * LC, BM * BI
+
+    def widest_broadcast(bm: int, lc: int) -> int:
+        m_u, m_y = bm * lc, bm * BI
         tmp_u = 0 if use_dot(m_u, KC, BI) else m_u * KC * BI
-        tmp_y = 0 if use_dot(m_y, LC, BJ) else m_y * LC * BJ
-        if max(tmp_u, tmp_y) <= (_FWD_GPU_TMP if gpu else 65536):
+        tmp_y = 0 if use_dot(m_y, lc, BJ) else m_y * lc * BJ
+        tmp_w = 0 if (not has_w or use_dot(bm, BK, BI * BJ)) else bm * BK * BI * BJ
+        return max(tmp_u, tmp_y, tmp_w)
+
+    # Narrow the l chunk first, then the token block — but with W, not below 16 tokens: the
+    # frozen product is a tensor-core dot only from BM = 16 (an 8-token block turned it into a
+    # broadcast product and spilled 1.2 KB in the sm_90 compile).
+    bm_floor = 16 if has_w else 1
+    while widest_broadcast(BM, LC) > (_FWD_GPU_TMP if gpu else 65536):
+        if LC > 2:
+            LC //= 2
+        elif BM > bm_floor:
+            BM //= 2
+        else:
             break
-        BM //= 2
     return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC,
                 DOT_W=has_w and use_dot(BM, BK, BI * BJ),
                 DOT_U=use_dot(BM * LC, KC, BI), DOT_Y=use_dot(BM * BI, LC, BJ),
@@ -331,7 +346,7 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     if T == 0:
         return y
     cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device)
-    grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * (b_out // cfg["BJ"]))
+    grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * triton.cdiv(b_out, cfg["BJ"]))
     w = weight if weight is not None else x
     _krona_fwd_kernel[grid](
         x, w, bias if bias is not None else x, A, B, y,
@@ -376,10 +391,20 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
     BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
     per_tok = max(AOP * BOP, AIP * BIP, AOP * BIP)
-    budget = _GRAD_GPU_TILE if gpu else 8192
+    # Every product a tensor-core dot (all padded factor dims >= 16) or some on the CUDA cores.
+    dots = min(AOP, AIP, BOP, BIP) >= 16
+    if gpu:
+        # Dots: 4 warps, at least 2 tokens per step (32x32 factors: 135 registers, so 3 CTAs
+        # per SM keep 18 KB of x/dy loads in flight per SM, against 6 KB with 8 warps at 157
+        # registers and 1 CTA per SM). Broadcast products: 8 warps, 4096-element tiles.
+        budget = max(_GRAD_GPU_TILE, 2 * per_tok) if dots else 4096
+        warps = 4 if dots else 8
+    else:
+        budget, warps = 8192, 4
     tmp_budget = 8192 if gpu else 65536
     BT = 1
-    while BT * 2 * per_tok <= budget and BT * 2 <= max(1, next_pow2(T)):
+    bt_cap = 64 if gpu else 1 << 30  # 128 tokens of (3, 5, 7, 2) factors spilled 24 B on sm_90
+    while BT * 2 * per_tok <= budget and BT * 2 <= min(bt_cap, max(1, next_pow2(T))):
         BT *= 2
 
     def flags(bt):
@@ -394,7 +419,7 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     while BT > 1 and tmp > tmp_budget:
         BT //= 2
         f, tmp = flags(BT)
-    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=8 if gpu else 4, **f)
+    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=warps, **f)
 
 
 def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
