@@ -134,3 +134,48 @@ def cases(device, dtype=torch.bfloat16, quick=False):
                     bytes_fwd=el * (T * (d_in + d_out) + d_in * d_out),
                 ))
     return out
+
+
+def fold_numerics(T=512, dtypes=(torch.float16, torch.bfloat16), s=0.5):
+    """What folding ``s·A⊗B`` into a 16-bit W costs, on the CPU (no GPU needed).
+
+    For update sizes |s·A⊗B| / |W| from 1 to 1e-4, prints for the fold (W' = W + s·A⊗B rounded
+    once, then one GEMM) and the unfused same-precision torch path: the max error against the
+    float64 reference with the SPEC §4 bound, and the relative error of the adapter's
+    contribution to the output, ‖(y - x Wᵀ) - s (A⊗B) x‖ / ‖s (A⊗B) x‖.
+    """
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for dt in dtypes:
+        for rel in (1.0, 1e-1, 1e-2, 1e-3, 1e-4):
+            for (ao, ai), (bo, bi) in (((24, 24), (32, 32)), ((2, 384), (384, 2))):
+                d_in, d_out = ai * bi, ao * bo
+                r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+                x = r(T, d_in).to(dt).double()
+                W = (r(d_out, d_in) / d_in ** 0.5).to(dt).double()
+                A = r(ao, ai).to(dt).double()
+                B = (r(bo, bi) * rel / d_in ** 0.5).to(dt).double()
+                ref = krona_linear_ref(x, W, None, A, B, s)
+                tor = krona_linear_ref(x.to(dt), W.to(dt), None, A.to(dt), B.to(dt), s).double()
+                w_fold = (W + s * torch.kron(A, B)).to(dt)
+                fold = F.linear(x.to(dt), w_fold).double()
+                frozen = F.linear(x, W)
+                upd = ref - frozen
+                e_t = (tor - ref).abs().max().item()
+                e_f = (fold - ref).abs().max().item()
+                bound = 2 * e_t + torch.finfo(dt).eps * ref.abs().max().item()
+                u_f = ((fold - frozen) - upd).norm().item() / upd.norm().item()
+                u_t = ((tor - frozen) - upd).norm().item() / upd.norm().item()
+                rows.append((dt, (ao, ai), (bo, bi), rel, e_t, e_f, bound, u_f, u_t))
+                print(f"{str(dt)[6:]:9} A={(ao, ai)} B={(bo, bi)} |sA⊗B|/|W|={rel:<6g} "
+                      f"err torch_t {e_t:.2e} fold {e_f:.2e} (SPEC §4 bound {bound:.2e}, "
+                      f"{'ok' if e_f <= bound else 'FAIL'}); adapter-term rel. err fold "
+                      f"{u_f:.2e} torch_t {u_t:.2e}")
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--fold-numerics" in sys.argv:
+        fold_numerics()
