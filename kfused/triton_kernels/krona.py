@@ -283,7 +283,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: bool,
-                device: torch.device) -> dict:
+                device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _krona_fwd_kernel.
 
     The output tile is BI rows of A times BJ columns of B. When a_out, b_out >= 16, BI = BJ =
@@ -304,7 +304,8 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
     LC = max(2, min(next_pow2(b_in), 16))
     KC = max(2, min(next_pow2(a_in), 16))
     BK = 64 if gpu else 128
-    BM = 64 if gpu else 32
+    # 4-byte inputs: 32-token tiles on a GPU (64 spilled 64 B with float32 in the sm_90 compile).
+    BM = (64 if elem_bytes <= 2 else 32) if gpu else 32
     BM = min(BM, max(16, next_pow2(T)))
     # Registers: the U tile (BM*LC, BI) and the X chunk (BM*LC, KC); broadcast products (a tile
     # dim < 16) within a temporary budget.
@@ -349,7 +350,8 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     y = _alloc.empty(T, a_out * b_out, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device)
+    cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device,
+                      x.element_size())
     grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * triton.cdiv(b_out, cfg["BJ"]))
     w = weight if weight is not None else x
     _krona_fwd_kernel[grid](
@@ -382,13 +384,13 @@ def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor
         w, A, B, out, d_out, d_in, b_out, b_in,
         w.stride(0), w.stride(1) if weight is not None else 0,
         A.stride(0), A.stride(1), B.stride(0), B.stride(1), out.stride(0), float(scale),
-        HAS_W=weight is not None, BO=BO, BC=BC, num_warps=4,
+        HAS_W=weight is not None, BO=BO, BC=BC, num_warps=8 if gpu else 4,
         ACC=tl.float64 if A.dtype == torch.float64 else tl.float32)
     return out
 
 
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
-                 device: torch.device) -> dict:
+                 device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _kron_grad_kernel: BT tokens per step, every factor dim padded to a
     power of two. GPU budgets come from the sm_90 compile check (registers, no spills)."""
     gpu = targets_gpu(device)
@@ -401,13 +403,17 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
         # Dots: 4 warps, at least 2 tokens per step (32x32 factors: 135 registers, so 3 CTAs
         # per SM keep 18 KB of x/dy loads in flight per SM, against 6 KB with 8 warps at 157
         # registers and 1 CTA per SM). Broadcast products: 8 warps, 4096-element tiles.
-        budget = max(_GRAD_GPU_TILE, 2 * per_tok) if dots else 4096
+        # 2 tokens of 64-wide factors: 135-156 registers; of 128-wide (A 128x24): 144 B spilled.
+        wide = max(AOP, AIP, BOP, BIP) > 64
+        budget = (_GRAD_GPU_TILE if wide else max(_GRAD_GPU_TILE, 2 * per_tok)) if dots else 4096
         warps = 4 if dots else 8
+        if elem_bytes > 2:  # float32 tiles and float64 token sums: half the tile, 8 warps
+            budget, warps = _GRAD_GPU_TILE // 2, 8
     else:
         budget, warps = 8192, 4
     tmp_budget = 8192 if gpu else 65536
     BT = 1
-    bt_cap = 64 if gpu else 1 << 30  # 128 tokens of (3, 5, 7, 2) factors spilled 24 B on sm_90
+    bt_cap = 32 if gpu else 1 << 30  # 64 tokens of (3, 5, 7, 2) factors spilled 24 B on sm_90
     while BT * 2 * per_tok <= budget and BT * 2 <= min(bt_cap, max(1, next_pow2(T))):
         BT *= 2
 
@@ -423,6 +429,8 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     while BT > 1 and tmp > tmp_budget:
         BT //= 2
         f, tmp = flags(BT)
+    if gpu and BT == 1 and tmp > 4096 and elem_bytes <= 2:
+        warps = 16  # one token of A 8x384 / B 384x2 with 8 warps spilled 8 B
     return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=warps, **f)
 
 
@@ -442,7 +450,7 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         zA = torch.zeros_like(A) if compute_dab else None
         zB = torch.zeros_like(B) if compute_dab else None
         return dx, zA, zB
-    cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device)
+    cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device, x.element_size())
     n_blocks = triton.cdiv(T, cfg["BT"])
     n_prog = grid_programs(x.device, n_blocks)
     if compute_dab:
