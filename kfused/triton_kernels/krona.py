@@ -304,8 +304,10 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
     LC = max(2, min(next_pow2(b_in), 16))
     KC = max(2, min(next_pow2(a_in), 16))
     BK = 64 if gpu else 128
-    # 4-byte inputs: 32-token tiles on a GPU (64 spilled 64 B with float32 in the sm_90 compile).
-    BM = (64 if elem_bytes <= 2 else 32) if gpu else 32
+    # 4-byte inputs: 16-token tiles and 8 warps on a GPU (IEEE float32 dots run on the CUDA
+    # cores; in the sm_90 compile 64 tokens spilled 64 B, 32 tokens or 4 warps 8-24 B; 16
+    # tokens with 8 warps: 142-166 registers, no spill).
+    BM = (64 if elem_bytes <= 2 else 16) if gpu else 32
     BM = min(BM, max(16, next_pow2(T)))
     # Registers: the U tile (BM*LC, BI) and the X chunk (BM*LC, KC); broadcast products (a tile
     # dim < 16) within a temporary budget.
@@ -333,7 +335,7 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
     return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC,
                 DOT_W=has_w and use_dot(BM, BK, BI * BJ),
                 DOT_U=use_dot(BM * LC, KC, BI), DOT_Y=use_dot(BM * BI, LC, BJ),
-                num_warps=8 if gpu and BM * BI * BJ >= 8192 else 4)
+                num_warps=8 if gpu and (BM * BI * BJ >= 8192 or elem_bytes > 2) else 4)
 
 
 def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -406,7 +408,7 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
         # 2 tokens of 64-wide factors: 135-156 registers; of 128-wide (A 128x24): 144 B spilled.
         wide = max(AOP, AIP, BOP, BIP) > 64
         budget = (_GRAD_GPU_TILE if wide else max(_GRAD_GPU_TILE, 2 * per_tok)) if dots else 4096
-        warps = 4 if dots else 8
+        warps = 4 if dots and not wide else 8  # 1 token of A 128x24 with 4 warps: 48 B spilled
         if elem_bytes > 2:  # float32 tiles and float64 token sums: half the tile, 8 warps
             budget, warps = _GRAD_GPU_TILE // 2, 8
     else:
@@ -429,8 +431,6 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     while BT > 1 and tmp > tmp_budget:
         BT //= 2
         f, tmp = flags(BT)
-    if gpu and BT == 1 and tmp > 4096 and elem_bytes <= 2:
-        warps = 16  # one token of A 8x384 / B 384x2 with 8 warps spilled 8 B
     return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=warps, **f)
 
 
