@@ -39,7 +39,8 @@ HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 �
                                FLOPs per token 2·(a·b·c) over W1 = G B, dA, V = A X, dB
                                (≈ 0.2 MFLOP/token at 24/32 factors: 2.8 GFLOP, 9 µs on mma.sync,
                                hidden under the bytes). At the sm_90 register budget (2 tokens
-                               of 32×32 factors per step, 157 registers, no spill) we assume 60 %
+                               of 32×32 factors per step, 4 warps, 135 registers, no spill: 3 CTAs and 18 KB of loads in
+                               flight per SM) we assume 60 %
                                of bandwidth: 38 µs (768²), 83 µs (768→3072).
 
     → predicted fwd+bwd: 768² ≈ 108 µs = 1.68 × frozen (target 1.15×: missed),
