@@ -46,7 +46,9 @@ HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 �
     → predicted fwd+bwd: 768² ≈ 108 µs = 1.68 × frozen (target 1.15×: missed),
       768→3072 ≈ 351 µs = 1.36 ×; torch.kron materialised (5 GEMMs + adds): 2.1–2.3 × slower
       than this path; torch.compile of the reference (bmm/mm + pointwise, ≈ 8 passes over
-      T·d bytes): 1.9–3.4 × slower.
+      T·d bytes): 1.9–3.4 × slower. The paper's A 2×384 / B 384×2 factors (CUDA-core
+      broadcast products, 1 CTA per SM, assumed 30–35 % of bandwidth): 2.0 × frozen at 768²,
+      1.65 × at 768→3072, and only 1.8–1.9 × faster than torch.kron.
 
     Why 1.15× is out of reach with a separate factor-gradient pass: it must read x and dy
     (50 MB at 768² = 18 µs even at 100 % bandwidth) while the budget is 0.15 × 64 µs = 10 µs.
