@@ -96,6 +96,78 @@ def test_krona_linear_triton(shape, dtype):
         grad_names=["x", "A", "B"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_krona_linear_folded_triton(shape, dtype):
+    # exact=False: W' = W + s·A⊗B folded once, then the frozen GEMM; dA/dB from the factored
+    # kernel. Same SPEC §4 rule as the factored path.
+    a_out, a_in, b_out, b_in = shape
+    x, A, B = _factors(shape, lead=(random.randint(1, 70),))
+    W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / (a_in * b_in) ** 0.5
+    with_bias = sum(shape) % 2 == 1
+    inputs = {"x": x, "weight": W, "bias": torch.randn(a_out * b_out, dtype=torch.float64)
+              if with_bias else None, "A": A, "B": B}
+    assert_against_reference(
+        lambda **kw: krona_linear(**kw, scale=0.5, backend="triton", exact=False),
+        lambda **kw: krona_linear_ref(**kw, scale=0.5), inputs, dtype, DEVICE,
+        grad_names=["x", "A", "B"])
+
+
+def test_fold_weight_matches_dense_kron():
+    from kfused.triton_kernels.krona import fold_weight
+
+    A = torch.randn(5, 3, dtype=torch.float64)
+    B = torch.randn(7, 4, dtype=torch.float64)
+    W = torch.randn(12, 35, dtype=torch.float64).t()      # (35, 12) transposed view
+    got = fold_weight(W.to(DEVICE), A.to(DEVICE), B.to(DEVICE), 0.3).cpu()
+    torch.testing.assert_close(got, W + 0.3 * torch.kron(A, B), rtol=1e-14, atol=1e-14)
+    got = fold_weight(None, A.to(DEVICE), B.to(DEVICE), 2.0).cpu()
+    torch.testing.assert_close(got, 2.0 * torch.kron(A, B), rtol=1e-14, atol=1e-14)
+
+
+def test_folded_weight_rounds_away_sub_ulp_update():
+    # The documented cost of exact=False: in float16 an update below half an ulp of W does
+    # not survive W + s·A⊗B, while the factored path (exact=True) keeps it.
+    x = torch.ones(3, 4, dtype=torch.float16, device=DEVICE)
+    W = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float16, device=DEVICE).repeat(4, 1)
+    A = torch.full((2, 2), 1e-2, dtype=torch.float16, device=DEVICE)
+    B = torch.full((2, 2), 1e-2, dtype=torch.float16, device=DEVICE)   # ΔW ≈ 1e-4 < ulp(1)/2
+    y_fold = krona_linear(x, W, None, A, B, backend="triton", exact=False)
+    assert torch.equal(y_fold, torch.zeros_like(y_fold))          # x Wᵀ = 0, update lost
+    y_exact = krona_linear(x, W, None, A, B, backend="triton", exact=True)
+    expected = 4 * A[0, 0].double() * B[0, 0].double()            # Σ_c ΔW[o, c] = 4.0e-4
+    torch.testing.assert_close(y_exact.double(), torch.full((3, 4), expected.item(),
+                                                            dtype=torch.float64),
+                               rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("op", ["kron_matvec", "krona_linear", "krona_linear_folded"])
+@pytest.mark.parametrize("kind", ["column_slice", "expand"])
+def test_triton_strided_rows(op, kind):
+    # Issue 13 item 1: dx was stored with x's row stride into a contiguous buffer; a column
+    # slice of a wider tensor wrote out of bounds, an expanded x gave dx ~1e28.
+    A = torch.randn(4, 5, dtype=torch.float64)
+    B = torch.randn(3, 4, dtype=torch.float64)
+    if kind == "column_slice":
+        inputs = {"src": torch.randn(6, 40, dtype=torch.float64)}
+        view = lambda src: src[:, :20]                              # noqa: E731
+    else:
+        inputs = {"src": torch.randn(1, 20, dtype=torch.float64)}
+        view = lambda src: src.expand(6, 20)                        # noqa: E731
+    inputs.update(A=A, B=B)
+    if op == "kron_matvec":
+        fn = lambda src, A, B: kron_matvec(view(src), A, B, backend="triton")  # noqa: E731
+        ref = lambda src, A, B: kron_matvec_ref(view(src), A, B)            # noqa: E731
+    else:
+        inputs["W"] = torch.randn(12, 20, dtype=torch.float64) / 20 ** 0.5
+        exact = op == "krona_linear"
+        fn = lambda src, A, B, W: krona_linear(view(src), W, None, A, B, 0.5,  # noqa: E731
+                                               backend="triton", exact=exact)
+        ref = lambda src, A, B, W: krona_linear_ref(view(src), W, None, A, B, 0.5)  # noqa: E731
+    for dtype in (torch.float32, torch.float16):
+        assert_against_reference(fn, ref, inputs, dtype, DEVICE, grad_names=["src", "A", "B"])
+
+
 def test_krona_linear_triton_weight_and_bias_grads():
     # A frozen weight normally has no gradient; if the caller asks for one it must be right.
     x, A, B = _factors((3, 4, 5, 2), lead=(2, 9))
@@ -161,6 +233,11 @@ def test_opcheck_triton_ops():
                           (x, W, None, A, B, 0.5))
     torch.library.opcheck(torch.ops.kfused.krona_linear_triton_bwd,
                           (g, x.detach(), W, A.detach(), B.detach(), 0.5, True, True))
+    torch.library.opcheck(torch.ops.kfused.krona_linear_folded_fwd,
+                          (x.detach(), W, b, A.detach(), B.detach(), 0.5))
+    torch.library.opcheck(torch.ops.kfused.krona_linear_folded_fwd, (x, W, None, A, B, 0.5))
+    torch.library.opcheck(torch.ops.kfused.krona_linear_folded_bwd,
+                          (g, x.detach(), W, A.detach(), B.detach(), 0.5, True, True))
 
 
 def test_torch_compile_fullgraph():
@@ -210,6 +287,27 @@ def test_bad_ranks_dtypes_devices():
         kron_matvec(x, [[1.0]], torch.randn(2, 2))
     with pytest.raises(ValueError, match=r"A is on meta but x is on cpu"):
         kron_matvec(x, torch.randn(2, 3, device="meta"), torch.randn(2, 2))
+
+
+def test_bad_scale_and_exact():
+    x, A, B, W = torch.randn(4, 6), torch.randn(2, 3), torch.randn(2, 2), torch.randn(4, 6)
+    for bad in ("2", None, True, [2.0], 1j):
+        with pytest.raises(TypeError, match=r"scale must be a real number"):
+            krona_linear(x, W, None, A, B, scale=bad)
+    with pytest.raises(TypeError, match=r"scale must be a Python float, got a torch.Tensor"):
+        krona_linear(x, W, None, A, B, scale=torch.tensor(2.0))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"scale must be finite"):
+            krona_linear(x, W, None, A, B, scale=bad)
+    with pytest.raises(TypeError, match=r"exact must be True, False or None, got str"):
+        krona_linear(x, W, None, A, B, exact="yes")
+    with pytest.raises(TypeError, match=r"scale must be a real number"):
+        KronALinear(nn.Linear(6, 4), a_shape=(2, 3), scale="2")
+    with pytest.raises(ValueError, match=r"scale must be finite"):
+        KronABlock(nn.Linear(6, 6), d_in=6, scale=float("nan"))
+    import numpy as np
+    y = krona_linear(x, W, None, A, B, scale=np.float32(0.5), backend="reference")
+    torch.testing.assert_close(y, krona_linear_ref(x, W, None, A, B, 0.5))
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -13,7 +13,7 @@ from torch import nn
 
 from kfused.modules._linear import (WrappedLinear, autocast_input, check_init, is_conv1d,
                                     linear_dims, linear_weight, lora_init_)
-from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.ops.krona import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
 _is_conv1d = is_conv1d  # kept for callers of the old private name
@@ -94,7 +94,7 @@ class KronALinear(_KronFactors, WrappedLinear):
         super().__init__(base)
         d_in, d_out = linear_dims(base)
         a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
-        self.scale = float(scale)
+        self.scale = check_scale(scale)
         self.backend = backend
         w = base.weight
         self._init_factors(a_shape, b_shape, init, w.dtype, w.device)
@@ -151,7 +151,7 @@ class KronABlock(_KronFactors, nn.Module):
         ref = next(iter(block.parameters()), None)
         dtype = dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
         device = device or (ref.device if ref is not None else None)
-        self.scale = float(scale)
+        self.scale = check_scale(scale)
         self.backend = backend
         self._init_factors(a_shape, b_shape, init, dtype, device)
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype, device=device)) if bias else None

@@ -5,12 +5,15 @@ Public functions:
     krona_linear(x, weight, bias, A, B, scale=1.0)    -> x Wᵀ + b + scale · (A ⊗ B) x
 
 Custom ops (one per backend kernel, each with a fake and an autograd registration):
-    kfused::kron_matvec_triton_fwd / _bwd, kfused::krona_linear_triton_fwd / _bwd,
+    kfused::kron_matvec_triton_fwd / _bwd, kfused::krona_linear_triton_fwd / _bwd (factored),
+    kfused::krona_linear_folded_fwd / _bwd (W + s·A⊗B folded into the weight, then cuBLAS),
     kfused::kron_matvec_cuda_fwd / _bwd (the compiled extension; see csrc/).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import List, Optional, Tuple
 
 import torch
@@ -129,6 +132,58 @@ def _krona_triton_backward(ctx, g):
 _krona_linear_triton_fwd.register_autograd(_krona_triton_backward, setup_context=_krona_setup)
 
 # ------------------------------------------------------------------------------------------
+# Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
+
+
+@torch.library.custom_op("kfused::krona_linear_folded_fwd", mutates_args=())
+def _krona_linear_folded_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    w_fold = _tk().fold_weight(weight, A, B, scale)
+    return torch.nn.functional.linear(x, w_fold, bias)
+
+
+@_krona_linear_folded_fwd.register_fake
+def _(x, weight, bias, A, B, scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("kfused::krona_linear_folded_bwd", mutates_args=())
+def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             A: torch.Tensor, B: torch.Tensor, scale: float,
+                             need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+    k = _tk()
+    # W' is recomputed (one d_out×d_in pass) rather than saved: no extra activation memory.
+    dx = torch.matmul(g, k.fold_weight(weight, A, B, scale)) if need_dx else x.new_zeros(0)
+    if need_dab:
+        _, dA, dB = k.kron_grad(g, x, A, B, scale, compute_dx=False, compute_dab=True)
+    else:
+        dA, dB = A.new_zeros(0), B.new_zeros(0)
+    return [dx, dA, dB]
+
+
+@_krona_linear_folded_bwd.register_fake
+def _(g, x, weight, A, B, scale, need_dx, need_dab):
+    return [torch.empty_like(x) if need_dx else x.new_empty(0),
+            torch.empty_like(A) if need_dab else A.new_empty(0),
+            torch.empty_like(B) if need_dab else B.new_empty(0)]
+
+
+def _krona_folded_backward(ctx, g):
+    x, weight, A, B = ctx.saved_tensors
+    nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
+    g = g.contiguous()
+    need_dab = nA or nB
+    dx, dA, dB = torch.ops.kfused.krona_linear_folded_bwd(g, x, weight, A, B, ctx.scale, nx,
+                                                          need_dab)
+    dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
+    db = g.sum(0) if (nb and ctx.has_bias) else None
+    return (dx if nx else None, dW, db, dA if need_dab else None, dB if need_dab else None,
+            None)
+
+
+_krona_linear_folded_fwd.register_autograd(_krona_folded_backward, setup_context=_krona_setup)
+
+# ------------------------------------------------------------------------------------------
 # CUDA C++ extension: kron_matvec
 
 
@@ -192,6 +247,43 @@ def _check_factors(x: torch.Tensor, A, B, x_name: str = "x") -> Tuple[int, int, 
     return a_out, a_in, b_out, b_in
 
 
+def check_scale(scale) -> float:
+    """The adapter scale as a float: a real Python/NumPy number, finite; TypeError/ValueError
+    naming ``scale`` otherwise."""
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("scale must be a Python float, got a torch.Tensor; use a module "
+                        "parameter for a learned scale")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (int or float), got "
+                        f"{type(scale).__name__} {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+# Tokens from which krona_linear(exact=None) folds the adapter into the weight on a GPU: the
+# fold is one d_out×d_in pass (plus one launch) per direction, under 5% of the frozen GEMM
+# from here on (see the roofline in kfused/triton_kernels/krona.py).
+FOLD_MIN_TOKENS = 1024
+
+
+def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
+    """Whether krona_linear folds the adapter into the weight (see its ``exact`` argument).
+
+    Only 16-bit inputs fold: there the single rounding of W' costs no more than the rounding
+    the same-precision torch path does anyway (it meets SPEC §4). In float32 it does not
+    (W' rounded to float32 then one float32 GEMM: dx error 3.5e-5 against a SPEC §4 bound of
+    2.6e-5 at (24, 24, 32, 32)), so float32 always takes the exact factored kernels.
+    """
+    if exact or x2.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if exact is not None:
+        return True
+    return x2.device.type == "cuda" and x2.shape[0] >= FOLD_MIN_TOKENS
+
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -224,7 +316,7 @@ def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,
 
 def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
-                 backend: Optional[str] = None) -> torch.Tensor:
+                 backend: Optional[str] = None, exact: Optional[bool] = None) -> torch.Tensor:
     """Frozen linear plus Kronecker adapter: ``x Wᵀ + b + scale · (A ⊗ B) x``, fused.
 
     Args:
@@ -235,8 +327,19 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         A: (a_out, a_in).  B: (b_out, b_in).  scale: the adapter scale s.
         backend: "auto", "triton" or "reference" (the CUDA extension implements kron_matvec
             only; "cuda" raises BackendError here).
+        exact: how the Triton backend applies the adapter.
+            False: fold it into the weight — ``W' = W + s·(A⊗B)`` (one d_out×d_in pass, each
+            element rounded once to the weight dtype), then the frozen GEMM (cuBLAS) on W'
+            for y and for dx; dA, dB from the factored tensor-core kernel. Fastest at large T,
+            but in a 16-bit dtype the part of ``s·A⊗B`` below half an ulp of W is rounded
+            away in the forward and dx (the factor gradients stay exact).
+            True: the factored kernels — the adapter term is computed from A and B exactly
+            as SPEC §1 writes it, never rounded into W.
+            None (default): False for float16/bfloat16 CUDA inputs with at least
+            ``FOLD_MIN_TOKENS`` tokens, True otherwise (small T, the interpreter).
+            float32 inputs always take the exact path (the fold would not meet SPEC §4).
     Returns:
-        (..., d_out). The Triton kernel reads x once for the frozen GEMM and the adapter and
+        (..., d_out). The factored kernel reads x once for the frozen GEMM and the adapter and
         its backward produces dx for both terms in one pass over dy.
     """
     a_out, a_in, b_out, b_in = _check_factors(x, A, B)
@@ -247,11 +350,17 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if bias is not None:
         _validate.check_tensor("bias", bias, ndim=1)
         _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
-    if isinstance(scale, torch.Tensor):
-        raise TypeError("scale must be a Python float; use a module parameter for a learned scale")
+    scale = check_scale(scale)
+    if exact is not None and not isinstance(exact, bool):
+        raise TypeError(f"exact must be True, False or None, got {type(exact).__name__} "
+                        f"{exact!r}")
     be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton",))
     if be == "reference":
         return krona_linear_ref(x, weight, bias, A, B, scale)
     lead = x.shape[:-1]
-    y = torch.ops.kfused.krona_linear_triton_fwd(_rows(x), weight, bias, A, B, float(scale))
+    x2 = _rows(x)
+    if use_folded_weight(x2, exact):
+        y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)
+    else:
+        y = torch.ops.kfused.krona_linear_triton_fwd(x2, weight, bias, A, B, scale)
     return y.reshape(*lead, a_out * b_out)

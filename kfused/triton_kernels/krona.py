@@ -1,10 +1,14 @@
 """Triton kernels for the Kronecker adapter (SPEC §1).
 
-Two kernels serve every KronA computation:
+``_kron_fold_kernel``  W' = W + s · (A ⊗ B), one d_out×d_in pass (CUDA cores, no dot).
+    krona_linear's default path on a GPU at T ≥ 1024 in float16/bfloat16 (``exact=False``):
+    y = x W'ᵀ + b and dx = dy W' are then the frozen GEMM itself (cuBLAS), and the adapter adds
+    only this pass per direction plus the factor-gradient pass below.
 
-``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program.
+``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program — the exact
+    factored path (``exact=True``, float32, small T; kron_matvec always).
     The output tile is a (BI × BJ) block of the (i, j) grid of output features
-    o = i·b_out + j (BJ a power of two dividing b_out), so the Kronecker term of the tile is
+    o = i·b_out + j (BJ a power of two; a partial last j-block is masked), so the Kronecker term of the tile is
     ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
     x rows the frozen GEMM has just streamed (they are in L2), in the factored form: A ⊗ B is
     never formed, not even per tile. With HAS_W=False it is the plain ``kron_matvec``; the
@@ -14,10 +18,56 @@ Two kernels serve every KronA computation:
 ``_kron_grad_kernel``  one pass over (x, dy) for dA, dB (and optionally dx):
     dA = Σ_t G[t] B X[t]ᵀ,  dB = Σ_t G[t]ᵀ A X[t],  dX[t] = Aᵀ G[t] B,
     a grid-stride loop over token blocks with float32 partial sums per program, reduced on
-    the host (deterministic, no atomics).
+    the host (deterministic, no atomics). With every (padded) factor dim ≥ 16 the four
+    products are tensor-core dots (sm_90: HGMMA/HMMA in the SASS); dims < 16 (the paper's
+    A 2×384, B 384×2) use exact broadcast products on the CUDA cores.
 
 Products keep the reference's order (A X first, then ·Bᵀ) and round the intermediate to the
 input dtype as torch does, so 16-bit results track ``torch_t`` under SPEC §4.
+
+Roofline (H100 SXM, bfloat16, T = 16384; all times *predicted*, not measured). Model: cuBLAS
+GEMM 600 TFLOP/s effective, Triton mma.sync dots 300 TFLOP/s, CUDA-core float64 30 TFLOP/s,
+HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 µs.
+
+    frozen linear, fwd + dx:   2 × max(2·T·d_in·d_out / 600T, 2·(T·d_in + T·d_out + d_in·d_out) / 2.8T)
+                               768→768: 2 × 32.2 µs (compute-bound; bytes 15 µs)
+                               768→3072: 2 × 128.8 µs
+    fold (each direction):     read W, write W': 4·d_in·d_out B → 0.4 µs (768²), 1.7 µs (768→3072),
+                               + 2 µs launch; the adapter costs no MAC in either GEMM
+    factor gradients:          reads x and dy once: 2·T·(d_in + d_out) B = 50 MB (768²),
+                               126 MB (768→3072) → 18 / 45 µs at full bandwidth; tensor-core
+                               FLOPs per token 2·(a·b·c) over W1 = G B, dA, V = A X, dB
+                               (≈ 0.2 MFLOP/token at 24/32 factors: 2.8 GFLOP, 9 µs on mma.sync,
+                               hidden under the bytes). At the sm_90 register budget (2 tokens
+                               of 32×32 factors per step, 4 warps, 135 registers, no spill: 3 CTAs and 18 KB of loads in
+                               flight per SM) we assume 60 %
+                               of bandwidth: 38 µs (768²), 83 µs (768→3072).
+
+    → predicted fwd+bwd: 768² ≈ 108 µs = 1.68 × frozen (target 1.15×: missed),
+      768→3072 ≈ 351 µs = 1.36 ×; torch.kron materialised (5 GEMMs + adds): 2.1–2.3 × slower
+      than this path; torch.compile of the reference (bmm/mm + pointwise, ≈ 8 passes over
+      T·d bytes): 1.9–3.4 × slower. The paper's A 2×384 / B 384×2 factors (CUDA-core
+      broadcast products, 1 CTA per SM, assumed 30–35 % of bandwidth): 2.0 × frozen at 768²,
+      1.65 × at 768→3072, and only 1.8–1.9 × faster than torch.kron.
+
+    Why 1.15× is out of reach with a separate factor-gradient pass: it must read x and dy
+    (50 MB at 768² = 18 µs even at 100 % bandwidth) while the budget is 0.15 × 64 µs = 10 µs.
+    What would reach it: fuse dA/dB into the dx GEMM (the only pass that already reads dy);
+    that GEMM is compute-bound (32 µs of MMA against 27 µs of bytes with x added), so the x
+    read hides and the cost is the 2.8 GFLOP of factor products (+15 %) — predicted 1.12 × if
+    that Triton GEMM matched cuBLAS, ≈ 1.25 × at 85 % of cuBLAS.
+
+Numerics of the fold (measured on the CPU, ``python benchmarks/bench_krona.py
+--fold-numerics``, T = 512, factors 24x24/32x32 and 2x384/384x2, |s·A⊗B| / |W| from 1 to 1e-4):
+W' rounds the update to W's ulp, so the part of s·A⊗B below half an ulp of W is lost from y
+and dx. At the output this costs nothing measurable against the unfused same-precision torch
+path, which rounds y at the same scale: the fold's max error is at or below torch_t's in every
+case (float16 and bfloat16; SPEC §4 met everywhere), and the relative error of the adapter's
+contribution to y is the same for both (float16: 6e-4 at |ΔW| ≈ |W|, 6e-2 at 1e-2, ≈ 0.6 at
+1e-3; bfloat16: 5e-3, 0.45, 3.3). dA and dB never see W' (they come from the factors).
+``exact=True`` keeps the factored kernels (the adapter term accumulated in float32 next to the
+frozen product, one rounding of y) for small T and tiny updates at inference; float32 always
+uses them (there the fold's W' rounding fails SPEC §4).
 """
 
 from __future__ import annotations
@@ -49,7 +99,7 @@ def _krona_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    n_jb = b_out // BJ
+    n_jb = tl.cdiv(b_out, BJ)
     ib = pid_n // n_jb
     jb = pid_n % n_jb
     d_in = a_in * b_in
@@ -110,7 +160,7 @@ def _krona_fwd_kernel(
 def _kron_grad_kernel(
     X, G, A, B, DX, DA, DB,
     T, a_out, a_in, b_out, b_in,
-    stride_xt, stride_gt, stride_ai, stride_ak, stride_bj, stride_bl,
+    stride_xt, stride_gt, stride_dxt, stride_ai, stride_ak, stride_bj, stride_bl,
     scale, n_blocks,
     COMPUTE_DX: tl.constexpr, COMPUTE_DAB: tl.constexpr,
     BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
@@ -158,7 +208,7 @@ def _kron_grad_kernel(
             dx = tl.reshape(tl.permute(tl.reshape(dxt, (BT, BIP, AIP)), (0, 2, 1)),
                             (BT * AIP, BIP))
             x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
-            tl.store(DX + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
+            tl.store(DX + (t0 + rx_t)[:, None] * stride_dxt + rx_k[:, None] * b_in + li[None, :],
                      (dx * scale).to(DX.dtype.element_ty), mask=x_ok)
         if COMPUTE_DAB:
             x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
@@ -182,8 +232,50 @@ def _kron_grad_kernel(
                  mask=(jo[:, None] < b_out) & (li[None, :] < b_in))
 
 
+@triton.jit
+def _kron_fold_kernel(
+    W, A, B, OUT,
+    d_out, d_in, b_out, b_in,
+    stride_wo, stride_wc, stride_ai, stride_ak, stride_bj, stride_bl, stride_oo,
+    scale,
+    HAS_W: tl.constexpr, BO: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr,
+):
+    """OUT = W + scale · (A ⊗ B) for one (BO × BC) tile, in float32 (float64 for float64
+    inputs, interpreter only), rounded once.
+
+    Element (o, c) with o = i·b_out + j, c = k·b_in + l is W[o, c] + s·A[i, k]·B[j, l]; the
+    A and B gathers hit L1/L2 (the factors are a few KB), so the pass streams W once and
+    writes OUT once: a d_out×d_in pass on the CUDA cores, no dot.
+    """
+    oo = tl.program_id(0) * BO + tl.arange(0, BO)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    o_ok = oo < d_out
+    c_ok = cc < d_in
+    ok = o_ok[:, None] & c_ok[None, :]
+    i = oo // b_out
+    j = oo % b_out
+    k = cc // b_in
+    l = cc % b_in
+    a = tl.load(A + i[:, None] * stride_ai + k[None, :] * stride_ak, mask=ok, other=0.0)
+    b = tl.load(B + j[:, None] * stride_bj + l[None, :] * stride_bl, mask=ok, other=0.0)
+    acc = scale * (a.to(ACC) * b.to(ACC))
+    if HAS_W:
+        w = tl.load(W + oo[:, None] * stride_wo + cc[None, :] * stride_wc, mask=ok, other=0.0)
+        acc += w.to(ACC)
+    tl.store(OUT + oo[:, None] * stride_oo + cc[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
+
+
 # ------------------------------------------------------------------------------------------
 # host functions
+
+
+# GPU register budgets, set from the sm_90 compile (python -m kfused.triton_kernels._aot krona):
+# elements of the largest per-step tile in _kron_grad_kernel (2 tokens of a 32x32 factor pair:
+# 135 registers with 4 warps, no spill; with 8 warps 4 tokens spilled 16 B, 8 tokens 232 B),
+# and float64 broadcast-product elements in _krona_fwd_kernel's narrow (< 16) products (16384
+# spilled 1.2 KB on the paper's 2x384 / 384x2 factors).
+_GRAD_GPU_TILE = 2048
+_FWD_GPU_TMP = 4096
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -194,17 +286,19 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: bool,
-                device: torch.device) -> dict:
+                device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _krona_fwd_kernel.
 
-    The output tile is BI rows of A times BJ columns of B. On a GPU, BI = BJ = 16 (a 256-wide
-    tile) when the factors allow it, so that both Kronecker products are tensor-core dots
-    (tl.dot needs every dim >= 16); otherwise BJ is the largest power of two dividing b_out and
-    the narrow product falls back to the broadcast path, which is kept small.
+    The output tile is BI rows of A times BJ columns of B. When a_out, b_out >= 16, BI = BJ =
+    16 (a 256-wide tile), so that both Kronecker products are tensor-core dots (tl.dot needs
+    every dim >= 16); a b_out that 16 does not divide (24) is padded to whole blocks (masked
+    columns: 1/4 of the work wasted at 24, instead of 8-wide broadcast products). Otherwise BJ
+    is the largest power of two dividing b_out and the narrow product falls back to the
+    broadcast path, which is kept small.
     """
     gpu = targets_gpu(device)
     p2 = _pow2_divisor(b_out, 128)
-    if gpu and p2 >= 16 and a_out >= 16:
+    if b_out >= 16 and a_out >= 16:
         BJ, BI = 16, 16
     else:
         bn_target = 128 if gpu else 64
@@ -213,23 +307,38 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
     LC = max(2, min(next_pow2(b_in), 16))
     KC = max(2, min(next_pow2(a_in), 16))
     BK = 64 if gpu else 128
-    BM = 64 if gpu else 32
+    # 4-byte inputs: 16-token tiles and 8 warps on a GPU (IEEE float32 dots run on the CUDA
+    # cores; in the sm_90 compile 64 tokens spilled 64 B, 32 tokens or 4 warps 8-24 B; 16
+    # tokens with 8 warps: 142-166 registers, no spill).
+    BM = (64 if elem_bytes <= 2 else 16) if gpu else 32
     BM = min(BM, max(16, next_pow2(T)))
     # Registers: the U tile (BM*LC, BI) and the X chunk (BM*LC, KC); broadcast products (a tile
     # dim < 16) within a temporary budget.
     while BM > 16 and BM * LC * max(KC, BI) > 16384:
         BM //= 2
-    while BM > 1:
-        m_u, m_y = BM * LC, BM * BI
+
+    def widest_broadcast(bm: int, lc: int) -> int:
+        m_u, m_y = bm * lc, bm * BI
         tmp_u = 0 if use_dot(m_u, KC, BI) else m_u * KC * BI
-        tmp_y = 0 if use_dot(m_y, LC, BJ) else m_y * LC * BJ
-        if max(tmp_u, tmp_y) <= (16384 if gpu else 65536):
+        tmp_y = 0 if use_dot(m_y, lc, BJ) else m_y * lc * BJ
+        tmp_w = 0 if (not has_w or use_dot(bm, BK, BI * BJ)) else bm * BK * BI * BJ
+        return max(tmp_u, tmp_y, tmp_w)
+
+    # Narrow the l chunk first, then the token block — but with W, not below 16 tokens: the
+    # frozen product is a tensor-core dot only from BM = 16 (an 8-token block turned it into a
+    # broadcast product and spilled 1.2 KB in the sm_90 compile).
+    bm_floor = 16 if has_w else 1
+    while widest_broadcast(BM, LC) > (_FWD_GPU_TMP if gpu else 65536):
+        if LC > 2:
+            LC //= 2
+        elif BM > bm_floor:
+            BM //= 2
+        else:
             break
-        BM //= 2
     return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC,
                 DOT_W=has_w and use_dot(BM, BK, BI * BJ),
                 DOT_U=use_dot(BM * LC, KC, BI), DOT_Y=use_dot(BM * BI, LC, BJ),
-                num_warps=8 if gpu and BM * BI * BJ >= 8192 else 4)
+                num_warps=8 if gpu and (BM * BI * BJ >= 8192 or elem_bytes > 2) else 4)
 
 
 def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -246,8 +355,9 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     y = _alloc.empty(T, a_out * b_out, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device)
-    grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * (b_out // cfg["BJ"]))
+    cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device,
+                      x.element_size())
+    grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * triton.cdiv(b_out, cfg["BJ"]))
     w = weight if weight is not None else x
     _krona_fwd_kernel[grid](
         x, w, bias if bias is not None else x, A, B, y,
@@ -259,18 +369,57 @@ def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     return y
 
 
+def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
+                scale: float = 1.0) -> torch.Tensor:
+    """W' = W + scale · (A ⊗ B) as a new contiguous (d_out, d_in) tensor in A's dtype.
+
+    Each element is formed in float32 and rounded once (torch's ``W + s * torch.kron(A, B)``
+    rounds three times). weight: (a_out*b_out, a_in*b_in) any strides, or None (then W' is
+    ``scale · A ⊗ B``).
+    """
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    d_out, d_in = a_out * b_out, a_in * b_in
+    out = _alloc.empty(d_out, d_in, dtype=A.dtype, device=A.device)
+    gpu = targets_gpu(A.device)
+    BO, BC = (32, 128) if gpu else (16, 64)
+    w = weight if weight is not None else A
+    grid = (triton.cdiv(d_out, BO), triton.cdiv(d_in, BC))
+    _kron_fold_kernel[grid](
+        w, A, B, out, d_out, d_in, b_out, b_in,
+        w.stride(0), w.stride(1) if weight is not None else 0,
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1), out.stride(0), float(scale),
+        HAS_W=weight is not None, BO=BO, BC=BC, num_warps=8 if gpu else 4,
+        ACC=tl.float64 if A.dtype == torch.float64 else tl.float32)
+    return out
+
+
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
-                 device: torch.device) -> dict:
+                 device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _kron_grad_kernel: BT tokens per step, every factor dim padded to a
     power of two. GPU budgets come from the sm_90 compile check (registers, no spills)."""
     gpu = targets_gpu(device)
     AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
     BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
     per_tok = max(AOP * BOP, AIP * BIP, AOP * BIP)
-    budget = 4096 if gpu else 8192
+    # Every product a tensor-core dot (all padded factor dims >= 16) or some on the CUDA cores.
+    dots = min(AOP, AIP, BOP, BIP) >= 16
+    if gpu:
+        # Dots: 4 warps, at least 2 tokens per step (32x32 factors: 135 registers, so 3 CTAs
+        # per SM keep 18 KB of x/dy loads in flight per SM, against 6 KB with 8 warps at 157
+        # registers and 1 CTA per SM). Broadcast products: 8 warps, 4096-element tiles.
+        # 2 tokens of 64-wide factors: 135-156 registers; of 128-wide (A 128x24): 144 B spilled.
+        wide = max(AOP, AIP, BOP, BIP) > 64
+        budget = (_GRAD_GPU_TILE if wide else max(_GRAD_GPU_TILE, 2 * per_tok)) if dots else 4096
+        warps = 4 if dots and not wide else 8  # 1 token of A 128x24 with 4 warps: 48 B spilled
+        if elem_bytes > 2:  # float32 tiles and float64 token sums: half the tile, 8 warps
+            budget, warps = _GRAD_GPU_TILE // 2, 8
+    else:
+        budget, warps = 8192, 4
     tmp_budget = 8192 if gpu else 65536
     BT = 1
-    while BT * 2 * per_tok <= budget and BT * 2 <= max(1, next_pow2(T)):
+    bt_cap = 32 if gpu else 1 << 30  # 64 tokens of (3, 5, 7, 2) factors spilled 24 B on sm_90
+    while BT * 2 * per_tok <= budget and BT * 2 <= min(bt_cap, max(1, next_pow2(T))):
         BT *= 2
 
     def flags(bt):
@@ -285,7 +434,7 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     while BT > 1 and tmp > tmp_budget:
         BT //= 2
         f, tmp = flags(BT)
-    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=8 if gpu else 4, **f)
+    return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=warps, **f)
 
 
 def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -304,7 +453,7 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         zA = torch.zeros_like(A) if compute_dab else None
         zB = torch.zeros_like(B) if compute_dab else None
         return dx, zA, zB
-    cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device)
+    cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device, x.element_size())
     n_blocks = triton.cdiv(T, cfg["BT"])
     n_prog = grid_programs(x.device, n_blocks)
     if compute_dab:
@@ -316,7 +465,8 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     _kron_grad_kernel[(n_prog,)](
         x, g, A, B, dx if dx is not None else x, da, db,
         T, a_out, a_in, b_out, b_in,
-        x.stride(0), g.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         float(scale), n_blocks,
         COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
         ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
@@ -335,22 +485,23 @@ def krona_bwd_input(g: torch.Tensor, weight: Optional[torch.Tensor], A: torch.Te
 
 @_aot.register("krona")
 def _aot_launches() -> None:
-    """Representative launches for the sm_90 compile check (see _aot.py)."""
+    """Representative launches for the sm_90 compile check (see _aot.py): the benchmark
+    factor shapes (768², 768→3072: sqrt split, B 24×32, B 384×2) and an odd one."""
     # bfloat16 on every shape (the interpreter never runs it), float32 (IEEE dots) on one.
     shapes = [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (48, 24, 64, 32),
-              (3, 5, 7, 2)]
+              (128, 24, 24, 32), (8, 384, 384, 2), (3, 5, 7, 2)]
     runs = [(torch.bfloat16, s) for s in shapes] + [(torch.float32, shapes[0])]
     for dtype, (a_out, a_in, b_out, b_in) in runs:
-        if True:
-            T = 4096
-            x = torch.empty(T, a_in * b_in, dtype=dtype)
-            g = torch.empty(T, a_out * b_out, dtype=dtype)
-            W = torch.empty(a_out * b_out, a_in * b_in, dtype=dtype)
-            bias = torch.empty(a_out * b_out, dtype=dtype)
-            A = torch.empty(a_out, a_in, dtype=dtype)
-            B = torch.empty(b_out, b_in, dtype=dtype)
-            krona_fwd(x, W, bias, A, B, 0.5)
-            krona_fwd(x, None, None, A, B, 1.0)
-            krona_bwd_input(g, W, A, B, 0.5)
-            kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=True)
-            kron_grad(g, x, A, B, 0.5, compute_dx=False, compute_dab=True)
+        T = 4096
+        x = torch.empty(T, a_in * b_in, dtype=dtype)
+        g = torch.empty(T, a_out * b_out, dtype=dtype)
+        W = torch.empty(a_out * b_out, a_in * b_in, dtype=dtype)
+        bias = torch.empty(a_out * b_out, dtype=dtype)
+        A = torch.empty(a_out, a_in, dtype=dtype)
+        B = torch.empty(b_out, b_in, dtype=dtype)
+        fold_weight(W, A, B, 0.5)
+        krona_fwd(x, W, bias, A, B, 0.5)
+        krona_fwd(x, None, None, A, B, 1.0)
+        krona_bwd_input(g, W, A, B, 0.5)
+        kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=True)
+        kron_grad(g, x, A, B, 0.5, compute_dx=False, compute_dab=True)
