@@ -148,7 +148,9 @@ def _inducer_attn_fwd_kernel(
             0, N_K, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
             HEAD_DIM, BLOCK_N, True, False, HAS_KMASK, PREC)
 
-    has = l_i > 0.0
+    # A row is empty only when its sum is exactly 0 (no visible column): a NaN sum (a NaN or
+    # infinite visible key) is not empty and propagates into f, LSE, λ like the reference.
+    has = l_i != 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), _EMPTY_LSE)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
@@ -164,9 +166,12 @@ def _inducer_attn_fwd_kernel(
         s0 = tl.load(S0 + row, mask=m_ok, other=0.0).to(tl.float32)
         # λ and 1 − λ both as sigmoids: 1 − λ formed by subtraction loses its digits as λ → 1
         # |s0 − LSE| is clamped to 88 (exp stays finite in float32; σ(±88) is already 1 / ~0)
-        x = tl.minimum(tl.maximum(s0 - lse, -88.0), 88.0)
-        tl.store(LAM + row, 1.0 / (1.0 + tl.exp(-x)), mask=m_ok)
-        tl.store(LAM + N_ROWS + row, 1.0 / (1.0 + tl.exp(x)), mask=m_ok)
+        x_raw = s0 - lse
+        x = tl.minimum(tl.maximum(x_raw, -88.0), 88.0)
+        is_nan = x_raw != x_raw              # the clamp would turn NaN into a number
+        tl.store(LAM + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(-x))), mask=m_ok)
+        tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(x))),
+                 mask=m_ok)
 
 
 @triton.jit
