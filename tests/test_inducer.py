@@ -306,30 +306,39 @@ def test_prefix_len_zero_is_plain_attention():
 # op registration
 
 
-def _op_args(with_s0=True, with_prefix=True, causal=True, with_mask=True):
-    B, H, n, p = 1, 2, 19, 32
+def _op_args(with_mlp=True, with_prefix=True, causal=True, with_mask=True, u_fp32=False):
+    B, H, n, p, L, r = 1, 2, 19, 32, 3, 5
     q, k, v = (torch.randn(B, H, n, p, device=DEVICE, requires_grad=True) for _ in range(3))
-    s0 = torch.randn(B, H, n, device=DEVICE, requires_grad=True) if with_s0 else None
+    mlp = [None] * 6
+    if with_mlp:
+        mlp = [torch.randn(*s, device=DEVICE, requires_grad=True) * 0.5
+               for s in ((H, p, L), (H, L), (H, L, p), (H, p), (H, p, r), (H, r))]
+        mlp = [t.detach().requires_grad_(True) for t in mlp]
     pk = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
     pv = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
     mask = (torch.rand(B, n, device=DEVICE) > 0.3) if with_mask else None
-    return (q, k, v, s0, pk, pv, mask, causal, 0.2)
+    return (q, k, v, *mlp, pk, pv, mask, causal, 0.2, u_fp32)
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(with_s0=False, with_prefix=False,
-                                                  causal=False, with_mask=False)])
+@pytest.mark.parametrize("variant", [dict(), dict(u_fp32=True),
+                                     dict(with_mlp=False, with_prefix=False, causal=False,
+                                          with_mask=False)])
 def test_opcheck_forward(variant):
     torch.library.opcheck(_triton_fwd, _op_args(**variant))
 
 
 def test_opcheck_backward():
-    q, k, v, s0, pk, pv, mask, causal, scale = _op_args()
+    args = _op_args()
+    q, k, v = args[:3]
+    mlp = args[3:9]
+    pk, pv, mask, causal, scale, u_fp32 = args[9:]
     with torch.no_grad():
-        out, lse, lam, stats = _triton_fwd(q, k, v, s0, pk, pv, mask, causal, scale)
-    args = (torch.randn_like(out), torch.randn_like(lam), None, q.detach(), k.detach(),
-            v.detach(), out, lse, stats, lam, s0.detach(), pk.detach(), pv.detach(), mask,
-            causal, scale)
-    torch.library.opcheck(_triton_bwd, args)
+        out, u, lse, lam, stats = _triton_fwd(*args)
+    det = [t.detach() for t in mlp]
+    bargs = (torch.randn_like(out), torch.randn_like(u), torch.randn_like(lam), None,
+             q.detach(), k.detach(), v.detach(), out, lse, stats, lam, *det, pk.detach(),
+             pv.detach(), mask, causal, scale)
+    torch.library.opcheck(_triton_bwd, bargs)
 
 
 def test_torch_compile_fullgraph():
