@@ -114,36 +114,48 @@ def _dot_nf(a, b, IS16: tl.constexpr):
 
 
 @triton.jit
-def _mlp_weights(AK, AKB, BK, CK, W1, B1, h, L, R, offs_d, d_ok,
-                 HEAD_DIM: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
-    """Head h's inducer weights (contiguous (H, p, L), (H, L), (H, L, p), (H, p), (H, p, r),
-    (H, r)), zero-padded to (D_PAD, L_PAD) etc.; the biases in float32."""
+def _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+                 L_PAD: tl.constexpr):
+    """Head h's key-MLP weights (contiguous (H, p, L), (H, L), (H, L, p), (H, p)) zero-padded:
+    Ak (D_PAD, L_PAD), ak (L_PAD,) float32, Bkᵀ (D_PAD, L_PAD), ck (D_PAD,) float32."""
     offs_l = tl.arange(0, L_PAD)
-    offs_r = tl.arange(0, R_PAD)
     l_ok = offs_l < L
-    r_ok = offs_r < R
     ak_w = tl.load(AK + h * HEAD_DIM * L + offs_d[:, None] * L + offs_l[None, :],
                    mask=d_ok[:, None] & l_ok[None, :], other=0.0)
     ak_b = tl.load(AKB + h * L + offs_l, mask=l_ok, other=0.0).to(tl.float32)
-    bk_w = tl.load(BK + h * L * HEAD_DIM + offs_l[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=l_ok[:, None] & d_ok[None, :], other=0.0)
+    bk_t = tl.load(BK + h * L * HEAD_DIM + offs_l[None, :] * HEAD_DIM + offs_d[:, None],
+                   mask=d_ok[:, None] & l_ok[None, :], other=0.0)
     ck = tl.load(CK + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
-                 mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-    b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-    return ak_w, ak_b, bk_w, ck, w1, b1
+    return ak_w, ak_b, bk_t, ck
 
 
 @triton.jit
-def _mlp_rows(q, ak_w, ak_b, bk_w, ck, w1, b1, scale, IS16: tl.constexpr):
-    """Per query row: g = tanh(q Ak + ak), p_k = q + g Bk + ck, s0 = τ ⟨q, p_k⟩ and the value
-    hidden tanh(q W1 + b1) (padding columns are tanh(0) = 0)."""
+def _key_rows(q, ak_w, ak_b, bk_t, IS16: tl.constexpr):
+    """g = tanh(q Ak + ak) and t = q Bkᵀ (BLOCK_M, L_PAD), both float32 (padding: 0)."""
     g = _tanh(_dot_nn(q, ak_w, IS16) + ak_b[None, :])
+    t = _dot_nn(q, bk_t, IS16)
+    return g, t
+
+
+@triton.jit
+def _key_logit(q, g, t, ck, scale):
+    """s0 = τ ⟨q, q + g Bk + ck⟩ = τ (Σ q (q + ck) + Σ_l g_l (q Bkᵀ)_l): only (BLOCK_M, L)
+    products, no (BLOCK_M, p) intermediate."""
     qf = q.to(tl.float32)
-    pk = qf + _dot_fn(g, bk_w, IS16) + ck[None, :]
-    s0 = tl.sum(qf * pk, 1) * scale
-    hid = _tanh(_dot_nn(q, w1, IS16) + b1[None, :])
-    return g, pk, s0, hid
+    return (tl.sum(qf * (qf + ck[None, :]), 1) + tl.sum(g * t, 1)) * scale
+
+
+@triton.jit
+def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
+                  IS16: tl.constexpr):
+    """tanh(q W1 + b1) (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0) and W1 (D_PAD,
+    R_PAD) of head h (contiguous (H, p, r), (H, r))."""
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
+                 mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+    b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    return _tanh(_dot_nn(q, w1, IS16) + b1[None, :]), w1
 
 
 @triton.jit
@@ -233,10 +245,12 @@ def _inducer_attn_fwd_kernel(
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_MLP:
-        # prologue: the inducer MLP on the q tile in registers
-        ak_w, ak_b, bk_w, ck, w1, b1 = _mlp_weights(AK, AKB, BK, CK, W1, B1, h, L, R, offs_d,
-                                                    d_ok, HEAD_DIM, L_PAD, R_PAD)
-        g, pk, s0, hid = _mlp_rows(q, ak_w, ak_b, bk_w, ck, w1, b1, scale, IS16)
+        # prologue: the virtual key's logit from the q tile in registers (one float per row
+        # stays live through the key loop)
+        ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
+                                            L_PAD)
+        g, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        s0 = _key_logit(q, g, t, ck, scale)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -301,6 +315,7 @@ def _inducer_attn_fwd_kernel(
         tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(x))),
                  mask=m_ok)
         offs_r = tl.arange(0, R_PAD)
+        hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
         u = lam[:, None] * hid
         tl.store(U + row[:, None] * R + offs_r[None, :], u.to(U.dtype.element_ty),
                  mask=m_ok[:, None] & (offs_r < R)[None, :])
@@ -508,13 +523,11 @@ def _inducer_attn_bwd_dq_kernel(
         adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
     if HAS_MLP:
         offs_r = tl.arange(0, R_PAD)
-        ak_w, ak_b, bk_w, ck, w1, b1 = _mlp_weights(AK, AKB, BK, CK, W1, B1, h, L, R, offs_d,
-                                                    d_ok, HEAD_DIM, L_PAD, R_PAD)
-        g, pk, s0, hid = _mlp_rows(q, ak_w, ak_b, bk_w, ck, w1, b1, scale, IS16)
         lam = tl.load(LAM + row, mask=m_ok, other=0.0)
         lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
         dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_DU:
+            hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
                          mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
             dlam += tl.sum(du * hid, 1)
@@ -558,14 +571,20 @@ def _inducer_attn_bwd_dq_kernel(
                    HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
     dq = dq * scale
     if HAS_MLP:
-        # epilogue: the MLP's share of dq and this tile's parameter-gradient partial sums
+        # epilogue: the MLP's share of dq and this tile's parameter-gradient partial sums.
+        # The MLP rows are recomputed here (weights reloaded) rather than kept live through
+        # the key loop: registers there belong to the attention tiles.
+        ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
+                                            L_PAD)
+        g, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
         c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
         qf = q.to(tl.float32)
-        dq += c[:, None] * (pk + qf)
-        t = _dot_nn(q, tl.trans(bk_w), IS16)               # q Bkᵀ (BLOCK_M, L_PAD)
-        dz = c[:, None] * t * (1.0 - g * g)
-        dq += _dot_fn(dz, tl.trans(ak_w), IS16)
         cg = c[:, None] * g
+        dz = c[:, None] * t * (1.0 - g * g)
+        # d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
+        dq += c[:, None] * (2.0 * qf + ck[None, :])
+        dq += _dot_fn(cg, tl.trans(bk_t), IS16)
+        dq += _dot_fn(dz, tl.trans(ak_w), IS16)
         base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * (
             2 * D_PAD * L_PAD + D_PAD * R_PAD + D_PAD + L_PAD + R_PAD)
         offs_l = tl.arange(0, L_PAD)
@@ -580,6 +599,9 @@ def _inducer_attn_bwd_dq_kernel(
         tl.store(base + offs_l, tl.sum(dz, 0))                          # dak
         base += L_PAD
         if HAS_DU:
+            hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
+                         mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
             dz1 = (lam[:, None] * du) * (1.0 - hid * hid)
             dq += _dot_fn(dz1, tl.trans(w1), IS16)
             tl.store(base + offs_r, tl.sum(dz1, 0))                     # db1
@@ -605,16 +627,22 @@ def _fwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[int, int, int, int]:
         return 64, 64, 4, 1            # the interpreter is fastest with few, large tiles
     if dtype == torch.float32:
         return 64, (32 if d_pad > 64 else 64), 4, 1
-    # 128-row tiles (two warpgroups of 64 rows at p = 128) keep K/V reuse high
-    return 128, 64, (4 if d_pad <= 64 else 8), (3 if d_pad <= 64 else 2)
+    # 128-row tiles at p <= 64; at p > 64 they spill on sm_90 (ptxas, checked with _aot)
+    if d_pad <= 64:
+        return 128, 64, 4, 3
+    return 64, 64, 8, 2
 
 
-def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[int, int, int, int]:
+def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int], Tuple[int, int],
+                                                         int, int]:
+    """((dQ rows, dQ key tile), (dK/dV query tile, dK/dV keys), num_warps, num_stages)."""
     if triton_interpret():
-        return 64, 64, 4, 1
+        return (64, 64), (64, 64), 4, 1
     if dtype == torch.float32:
-        return 32, 32, 4, 1
-    return 64, 64, (4 if d_pad <= 64 else 8), 2
+        return (32, 32), (32, 32), 4, 1
+    if d_pad <= 64:
+        return (64, 64), (32, 128), 4, 2
+    return (64, 32), (32, 64), 8, 2
 
 
 def _key_mask_u8(key_mask: Optional[torch.Tensor], q: torch.Tensor):
@@ -718,7 +746,7 @@ def inducer_attention_backward(
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
-    BM, BN, warps, stages = _bwd_config(q.dtype, d_pad)
+    (BM, BN), (BM_KV, BN_KV), warps, stages = _bwd_config(q.dtype, d_pad)
     (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
     has_mlp = has_mlp and lam is not None and lam.numel() > 0
     has_du = has_mlp and du is not None
@@ -745,9 +773,9 @@ def inducer_attention_backward(
         dpk_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
         dpv_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
     prec = dot_precision(q.dtype)
-    kw = dict(HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
-              HAS_KMASK=has_km, EXACT_DELTA=exact_delta, PREC=prec,
-              num_warps=warps, num_stages=stages)
+    kw = dict(HEAD_DIM=p, D_PAD=d_pad, CAUSAL=bool(causal), HAS_KMASK=has_km,
+              EXACT_DELTA=exact_delta, PREC=prec, num_warps=warps, num_stages=stages)
+    kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, **kw)
     if B * H * n_q > 0:
         _inducer_attn_bwd_dq_kernel[(grid_m, B * H)](
             q, k, v, pk, pv, km, dout, out, stats, lam if has_mlp else lse, du, dlam, dlse,
@@ -756,17 +784,17 @@ def inducer_attention_backward(
             *out.stride(), H, group, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
             float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad, HAS_PREFIX=has_prefix,
             HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam, HAS_DLSE=has_dlse,
-            IS16=q.dtype in (torch.float16, torch.bfloat16), **kw)
+            IS16=q.dtype in (torch.float16, torch.bfloat16), BLOCK_M=BM, BLOCK_N=BN, **kw)
     if B * h_kv * n_k > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * h_kv)](
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](
             q, k, v, km, dout, stats, B * H * n_q, delta, adj, dk, dv, *q.stride(),
             *k.stride(), *v.stride(), smb, *dout.stride(), H, h_kv, group, n_q, n_k,
-            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=False, **kw)
+            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=False, **kv_kw)
     if has_prefix and B * H > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN_KV), B * H)](
             q, pk, pv, km, dout, stats, B * H * n_q, delta, adj, dpk_part, dpv_part,
             *q.stride(), 0, *spk, 0, *spv, smb, *dout.stride(), H, H, 1, n_q, n_prefix,
-            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=True, **kw)
+            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=True, **kv_kw)
     dpk = dpv = None
     if has_prefix:
         dpk = dpk_part.sum(0).to(prefix_k.dtype)
@@ -819,6 +847,8 @@ def _aot_launches() -> None:
             km = torch.ones(B, n, dtype=torch.bool) if masked else None
             pk = torch.empty(H, 16, p, dtype=dtype) if prefix else None
             pv = torch.empty(H, 16, p, dtype=dtype) if prefix else None
+            if not causal:                     # plain attention (no inducer) too
+                inducer_attention_forward(q, k, v, None, pk, pv, km, causal)
             out, u, lse, lam, stats = inducer_attention_forward(q, k, v, mlp, pk, pv, km, causal)
             lam = torch.full((2, B, H, n), 0.5)
             inducer_attention_backward(torch.zeros_like(out), torch.zeros(B, H, n, r, dtype=dtype),
