@@ -306,30 +306,39 @@ def test_prefix_len_zero_is_plain_attention():
 # op registration
 
 
-def _op_args(with_s0=True, with_prefix=True, causal=True, with_mask=True):
-    B, H, n, p = 1, 2, 19, 32
+def _op_args(with_mlp=True, with_prefix=True, causal=True, with_mask=True, u_fp32=False):
+    B, H, n, p, L, r = 1, 2, 19, 32, 3, 5
     q, k, v = (torch.randn(B, H, n, p, device=DEVICE, requires_grad=True) for _ in range(3))
-    s0 = torch.randn(B, H, n, device=DEVICE, requires_grad=True) if with_s0 else None
+    mlp = [None] * 6
+    if with_mlp:
+        mlp = [torch.randn(*s, device=DEVICE, requires_grad=True) * 0.5
+               for s in ((H, p, L), (H, L), (H, L, p), (H, p), (H, p, r), (H, r))]
+        mlp = [t.detach().requires_grad_(True) for t in mlp]
     pk = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
     pv = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
     mask = (torch.rand(B, n, device=DEVICE) > 0.3) if with_mask else None
-    return (q, k, v, s0, pk, pv, mask, causal, 0.2)
+    return (q, k, v, *mlp, pk, pv, mask, causal, 0.2, u_fp32)
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(with_s0=False, with_prefix=False,
-                                                  causal=False, with_mask=False)])
+@pytest.mark.parametrize("variant", [dict(), dict(u_fp32=True),
+                                     dict(with_mlp=False, with_prefix=False, causal=False,
+                                          with_mask=False)])
 def test_opcheck_forward(variant):
     torch.library.opcheck(_triton_fwd, _op_args(**variant))
 
 
 def test_opcheck_backward():
-    q, k, v, s0, pk, pv, mask, causal, scale = _op_args()
+    args = _op_args()
+    q, k, v = args[:3]
+    mlp = args[3:9]
+    pk, pv, mask, causal, scale, u_fp32 = args[9:]
     with torch.no_grad():
-        out, lse, lam, stats = _triton_fwd(q, k, v, s0, pk, pv, mask, causal, scale)
-    args = (torch.randn_like(out), torch.randn_like(lam), None, q.detach(), k.detach(),
-            v.detach(), out, lse, stats, lam, s0.detach(), pk.detach(), pv.detach(), mask,
-            causal, scale)
-    torch.library.opcheck(_triton_bwd, args)
+        out, u, lse, lam, stats = _triton_fwd(*args)
+    det = [t.detach() for t in mlp]
+    bargs = (torch.randn_like(out), torch.randn_like(u), torch.randn_like(lam), None,
+             q.detach(), k.detach(), v.detach(), out, lse, stats, lam, *det, pk.detach(),
+             pv.detach(), mask, causal, scale)
+    torch.library.opcheck(_triton_bwd, bargs)
 
 
 def test_torch_compile_fullgraph():
@@ -445,3 +454,113 @@ def test_cuda_inference_kernel_matches_reference(p, causal):
             lambda **kw: inducer_attention(**kw, causal=causal, backend="cuda"),
             lambda **kw: inducer_attention_ref(**kw, causal=causal), inputs, dtype, DEVICE,
             grad_names=[])
+
+
+# ------------------------------------------------------------------------------------------
+# non-finite inputs, argument checks, strides (issue 13: items 7, 8, 1)
+
+
+@pytest.mark.parametrize("composition", ["add", "gate"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_key_propagates_like_reference(bad, composition):
+    """A NaN/Inf in a visible key makes f, λ and u non-finite exactly where the reference's
+    are (rows that see it), and leaves the rows that do not see it (causal) untouched."""
+    B, H, n, p = 2, 2, 24, 32
+    X = {k_: t.float() for k_, t in _qkv(B, H, n, p).items()}
+    P = {k_: t.float() for k_, t in _params(H, p, composition=composition).items()}
+    X["k"][0, 1, 9, 3] = bad                       # rows i >= 9 of (b 0, h 1) see it
+    X["q"][1, 0, 5, 7] = float("nan")              # one NaN query row
+    got = inducer_attention(**{k_: t.to(DEVICE) for k_, t in X.items()},
+                            **{k_: t.to(DEVICE) for k_, t in P.items()},
+                            composition=composition, causal=True, backend="triton")
+    ref = inducer_attention_ref(**{k_: t.double() for k_, t in X.items()},
+                                **{k_: t.double() for k_, t in P.items()},
+                                composition=composition, causal=True)
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+            continue
+        g = g.cpu().double()
+        bad_ref = ~torch.isfinite(r)
+        assert bad_ref.any()
+        assert torch.equal(~torch.isfinite(g), bad_ref)
+        torch.testing.assert_close(g[~bad_ref], r[~bad_ref], atol=1e-4, rtol=1e-4)
+    # the backward propagates too (no gradient silently finite from a NaN forward)
+    Xg = {k_: t.to(DEVICE).requires_grad_(True) for k_, t in X.items()}
+    out, u = inducer_attention(**Xg, **{k_: t.to(DEVICE) for k_, t in P.items()},
+                               composition=composition, causal=True, backend="triton")
+    loss = out[0, 1].sum() + (u[0, 1].sum() if u is not None else 0)
+    dq, = torch.autograd.grad(loss, [Xg["q"]])
+    assert not torch.isfinite(dq[0, 1, 9:]).all()
+
+
+def test_output_projection_checks_every_argument():
+    B, H, n, p, r, d = 2, 3, 5, 8, 4, 20
+    f, u = torch.randn(B, H, n, p), torch.randn(B, H, n, r)
+    W_o, b_o = torch.randn(d, H * p), torch.randn(d)
+    W2, b2 = torch.randn(H, r, d), torch.randn(d)
+    ok = inducer_output_projection(f, u, W_o, b_o, W2, b2)
+    assert ok.shape == (B, n, d)
+    with pytest.raises(ValueError, match=r"b_o has shape \(1,\)"):
+        inducer_output_projection(f, u, W_o, torch.randn(1), W2, b2)
+    with pytest.raises(ValueError, match="b_o must have 1 dimensions"):
+        inducer_output_projection(f, u, W_o, torch.randn(1, d), W2, b2)
+    with pytest.raises(ValueError, match=r"b2 has shape \(1,\)"):
+        inducer_output_projection(f, u, W_o, b_o, W2, torch.randn(1))
+    with pytest.raises(ValueError, match="u is None"):
+        inducer_output_projection(f, None, W_o, b_o, None, b2)
+    with pytest.raises(ValueError, match="u is None"):
+        inducer_output_projection(f, None, W_o, b_o, W2, None)
+    with pytest.raises(ValueError, match="W2 .* is required"):
+        inducer_output_projection(f, u, W_o, b_o, None, b2)
+    with pytest.raises(ValueError, match="W2 has shape"):
+        inducer_output_projection(f, u, W_o, b_o, W2[:, :, :1], b2)
+    with pytest.raises(TypeError, match="W_o has dtype"):
+        inducer_output_projection(f, u, W_o.double(), b_o, W2, b2)
+    with pytest.raises(TypeError, match="b_o has dtype"):
+        inducer_output_projection(f, u, W_o, b_o.half(), W2, b2)
+    with pytest.raises(TypeError, match="u has dtype"):
+        inducer_output_projection(f, u.double(), W_o, b_o, W2, b2)
+    with pytest.raises(TypeError, match="W2 has dtype"):
+        inducer_output_projection(f, u, W_o, b_o, W2.double(), b2)
+    with pytest.raises(TypeError, match="b2 has dtype"):
+        inducer_output_projection(f, u, W_o, b_o, W2, b2.double())
+    with pytest.raises(TypeError, match="b_o must be a torch.Tensor"):
+        inducer_output_projection(f, u, W_o, 1.0, W2, b2)
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match="b2 is on meta"):
+        inducer_output_projection(f, u, W_o, b_o, W2, b2.to(meta))
+
+
+def test_strided_inputs_match_contiguous():
+    """Sliced, transposed and expanded q/k/v/prefix and a non-contiguous upstream gradient
+    give bit-for-bit what their contiguous copies give (no stride read off another tensor)."""
+    B, H, H_kv, n, p = 2, 4, 2, 21, 32
+    g = torch.Generator().manual_seed(1)
+    # q as a column slice of a fused (B, n, 3·H·p) projection, viewed as heads
+    fused = torch.randn(B, n, 3 * H * p + 5, generator=g)
+    q = fused[:, :, 5:5 + H * p].view(B, n, H, p).transpose(1, 2)
+    # k expanded over the batch (stride 0), v a slice of a wider head dim
+    k = torch.randn(1, H_kv, n, p, generator=g).expand(B, H_kv, n, p)
+    v = torch.randn(B, H_kv, n, 2 * p, generator=g)[..., ::2]
+    pk = torch.randn(1, 3, p, generator=g).expand(H, 3, p)
+    pv = torch.randn(H, p, 3, generator=g).transpose(1, 2)
+    P = {k_: t.float() for k_, t in _params(H, p).items()}
+    mask = torch.rand(B, n, generator=g) > 0.3
+    gy = torch.randn(B, n, H, p, generator=g).transpose(1, 2)       # non-contiguous dout
+    gu = torch.randn(B, n, H, 5, generator=g).transpose(1, 2)
+
+    def run(q, k, v, pk, pv):
+        leaves = [t.detach().clone() if t.is_contiguous() else t.detach()
+                  for t in (q, k, v, pk, pv)]
+        for t in leaves:
+            t.requires_grad_(True)
+        out, u = inducer_attention(*leaves[:3], **P, causal=True, key_padding_mask=mask,
+                                   prefix_k=leaves[3], prefix_v=leaves[4], backend="triton")
+        grads = torch.autograd.grad((out, u), leaves, (gy, gu))
+        return (out, u) + grads
+
+    a = run(q, k, v, pk, pv)
+    b = run(*(t.contiguous() for t in (q, k, v, pk, pv)))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)

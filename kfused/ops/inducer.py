@@ -12,15 +12,16 @@ with three optional additions, all O(n) memory on the Triton backend:
   masked, part of ordinary attention ``f`` and of ``LSE``);
 * masks: causal (bottom-right aligned), key padding (boolean mask and/or sequence lengths).
 
-Layers: the per-row inducer MLP (``s0`` and ``tanh(q W1 + b1)``, O(n·(L + r)) per head) runs in
-PyTorch in float32 and autograd differentiates it; the attention core is the custom op
-``kfused::inducer_attention_triton_fwd`` (flash forward: f, LSE, λ) whose autograd calls
-``kfused::inducer_attention_triton_bwd`` (flash backward with ``D − dLSE``; SPEC §3).
+Layers: the attention core is the custom op ``kfused::inducer_attention_triton_fwd`` (flash
+forward with the per-row inducer MLP in its prologue and epilogue: f, u, LSE, λ) whose autograd
+calls ``kfused::inducer_attention_triton_bwd`` (flash backward with ``D − dLSE``, the MLP
+gradients in the dQ kernel; SPEC §3). ``"gate"`` composes ``(1 − λ) f + u W2 + λ b2`` in
+PyTorch (O(n·r·p), autograd).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -43,77 +44,94 @@ def _empty(like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("kfused::inducer_attention_triton_fwd", mutates_args=())
-def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor],
-                prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
-                key_mask: Optional[Tensor], causal: bool, scale: float
-                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, Ak: Optional[Tensor], ak: Optional[Tensor],
+                Bk: Optional[Tensor], ck: Optional[Tensor], W1: Optional[Tensor],
+                b1: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
+                key_mask: Optional[Tensor], causal: bool, scale: float, u_fp32: bool
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, u, lse, lam, stats); the inducer MLP (Ak … b1, all or none) runs in the kernel."""
     from kfused.triton_kernels.inducer import inducer_attention_forward
 
-    return inducer_attention_forward(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale)
+    mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
+    return inducer_attention_forward(q, k, v, mlp, prefix_k, prefix_v, key_mask, causal, scale,
+                                     torch.float32 if u_fp32 else None)
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale):
+def _(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale, u_fp32):
     B, H, n_q, p = q.shape
+    u_dtype = torch.float32 if u_fp32 else q.dtype
     out = q.new_empty((B, H, n_q, p))
     lse = q.new_empty((B, H, n_q), dtype=torch.float32)
-    lam = q.new_empty((2, B, H, n_q), dtype=torch.float32) if s0 is not None else _empty(q)
+    if Ak is not None:
+        u = q.new_empty((B, H, n_q, W1.shape[2]), dtype=u_dtype)
+        lam = q.new_empty((2, B, H, n_q), dtype=torch.float32)
+    else:
+        u = q.new_empty((0,), dtype=u_dtype)
+        lam = _empty(q)
     stats = q.new_empty((2, B, H, n_q), dtype=torch.float32)
-    return out, lse, lam, stats
+    return out, u, lse, lam, stats
 
 
 @torch.library.custom_op("kfused::inducer_attention_triton_bwd", mutates_args=())
-def _triton_bwd(dout: Tensor, dlam: Optional[Tensor], dlse: Optional[Tensor], q: Tensor,
-                k: Tensor, v: Tensor, out: Tensor, lse: Tensor, stats: Tensor, lam: Tensor,
-                s0: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
-                key_mask: Optional[Tensor], causal: bool, scale: float
-                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
+                dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                lse: Tensor, stats: Tensor, lam: Tensor, Ak: Optional[Tensor],
+                ak: Optional[Tensor], Bk: Optional[Tensor], ck: Optional[Tensor],
+                W1: Optional[Tensor], b1: Optional[Tensor], prefix_k: Optional[Tensor],
+                prefix_v: Optional[Tensor], key_mask: Optional[Tensor], causal: bool,
+                scale: float) -> List[Tensor]:
+    """[dq, dk, dv, dAk, dak, dBk, dck, dW1, db1, dprefix_k, dprefix_v] (empty where absent)."""
     from kfused.triton_kernels.inducer import inducer_attention_backward
 
-    dq, dk, dv, ds0, dpk, dpv = inducer_attention_backward(
-        dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask, causal,
-        scale)
-    return (dq, dk, dv, ds0 if ds0 is not None else _empty(q),
-            dpk if dpk is not None else _empty(q), dpv if dpv is not None else _empty(q))
+    mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
+    dq, dk, dv, dmlp, dpk, dpv = inducer_attention_backward(
+        dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, mlp, prefix_k, prefix_v, key_mask,
+        causal, scale)
+    dmlp = list(dmlp) if dmlp is not None else [_empty(q) for _ in range(6)]
+    return [dq, dk, dv, *dmlp, dpk if dpk is not None else _empty(q),
+            dpv if dpv is not None else _empty(q)]
 
 
 @_triton_bwd.register_fake
-def _(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask, causal,
-      scale):
-    has_s0 = s0 is not None and lam.numel() > 0 and dlam is not None
+def _(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
+      prefix_v, key_mask, causal, scale):
+    has_mlp = Ak is not None and lam.numel() > 0
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format),
-            s0.new_empty(s0.shape) if has_s0 else _empty(q),
-            torch.empty_like(prefix_k, memory_format=torch.contiguous_format)
-            if has_prefix else _empty(q),
-            torch.empty_like(prefix_v, memory_format=torch.contiguous_format)
-            if has_prefix else _empty(q))
+
+    def like(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    mlp = [like(t) if has_mlp else _empty(q) for t in (Ak, ak, Bk, ck, W1, b1)]
+    return [like(q), like(k), like(v), *mlp, like(prefix_k) if has_prefix else _empty(q),
+            like(prefix_v) if has_prefix else _empty(q)]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, s0, prefix_k, prefix_v, key_mask, causal, scale = inputs
-    out, lse, lam, stats = output
-    ctx.save_for_backward(q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask)
-    ctx.has_s0 = s0 is not None
+    (q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale,
+     u_fp32) = inputs
+    out, u, lse, lam, stats = output
+    ctx.save_for_backward(q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
+                          prefix_v, key_mask)
+    ctx.has_mlp = Ak is not None
     ctx.causal = causal
     ctx.scale = scale
 
 
-def _backward(ctx, dout, dlse, dlam, dstats):
-    q, k, v, out, lse, stats, lam, s0, prefix_k, prefix_v, key_mask = ctx.saved_tensors
+def _backward(ctx, dout, du, dlse, dlam, dstats):
+    (q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v,
+     key_mask) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    if not ctx.has_s0:
-        dlam = None
-    dq, dk, dv, ds0, dpk, dpv = _triton_bwd(dout, dlam, dlse, q, k, v, out, lse, stats, lam, s0,
-                                            prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale)
+    if not ctx.has_mlp:
+        du = dlam = None
+    grads = _triton_bwd(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck,
+                        W1, b1, prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale)
+    dq, dk, dv = grads[:3]
+    dmlp = grads[3:9] if ctx.has_mlp else [None] * 6
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
-    return (dq, dk, dv,
-            ds0 if (ctx.has_s0 and ds0.numel() > 0) else None,
-            dpk if has_prefix else None, dpv if has_prefix else None,
-            None, None, None)
+    return (dq, dk, dv, *dmlp, grads[9] if has_prefix else None,
+            grads[10] if has_prefix else None, None, None, None, None)
 
 
 _triton_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -341,24 +359,21 @@ def inducer_attention(
                                seq_lens, prefix_k, prefix_v, float(scale), has_inducer)
     key_mask = _combined_key_mask(key_padding_mask, seq_lens, k.shape[2], q.device)
     if not has_inducer:
-        f, _, _, _ = _triton_fwd(q, k, v, None, prefix_k, prefix_v, key_mask, bool(causal),
-                              float(scale))
+        f = _triton_fwd(q, k, v, None, None, None, None, None, None, prefix_k, prefix_v,
+                        key_mask, bool(causal), float(scale), False)[0]
         return f, None
-    # Per-row inducer MLP (O(n) memory; autograd differentiates it) one precision level above
-    # the inputs: float32 for 16-bit inputs, float64 for float32 ones. It is O(n·p·(L + r))
-    # work next to the kernel's O(n²·p), and it keeps s0 — whose error enters λ(1 − λ) and
-    # every key-side gradient — well inside the SPEC §4 bound.
+    # The inducer MLP (s0, λ and u = λ tanh(q W1 + b1)) runs inside the kernel, in float32
+    # (see kfused/triton_kernels/inducer.py); "gate" composes f, λ and u in one precision
+    # level above the inputs: (1 − λ) f + λ (tanh(q W1 + b1) W2 + b2) = (1 − λ) f + u W2 + λ b2.
+    gate = composition == "gate"
+    f, u, _, lam, _ = _triton_fwd(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask,
+                                  bool(causal), float(scale), gate)
+    if not gate:
+        return f, u
     up = torch.float64 if q.dtype == torch.float32 else torch.float32
-    qf = q.to(up)
-    s0 = inducer_key_logit(qf, Ak.to(up), ak.to(up), Bk.to(up), ck.to(up), scale)
-    f, _, lam, _ = _triton_fwd(q, k, v, s0, prefix_k, prefix_v, key_mask, bool(causal),
-                               float(scale))
-    hidden = inducer_value_hidden(qf, W1.to(up), b1.to(up))
     lam, one_minus_lam = lam.unsqueeze(-1).to(up).unbind(0)   # λ and 1 − λ, each accurate
-    if composition == "add":
-        return f, (lam * hidden).to(q.dtype)
-    pv = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
-    return (one_minus_lam * f.to(up) + lam * pv).to(q.dtype), None
+    pv = torch.matmul(u.to(up), W2.to(up)) + lam * b2.to(up)[:, None, :]
+    return (one_minus_lam * f.to(up) + pv).to(q.dtype), None
 
 
 def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal, seq_lens,
@@ -389,28 +404,45 @@ def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,
     """``y = concat_h(f^h) W_oᵀ + b_o + Σ_h u^h W2_h + b2`` as one GEMM over ``[f | u]``.
 
     f (B, H, n, p), u (B, H, n, r) or None, W_o (d, H·p) (nn.Linear layout), b_o (d,),
-    W2 (H, r, d), b2 (d,) -> (B, n, d).
+    W2 (H, r, d), b2 (d,) -> (B, n, d). ``W2``/``b2`` belong to ``u`` and need it; every tensor
+    shares f's dtype and device (no broadcasting of wrongly shaped biases).
     """
     _validate.check_tensor("f", f, ndim=4)
     B, H, n, p = f.shape
     _validate.check_tensor("W_o", W_o, ndim=2)
+    _validate.check_same("f", f, W_o=W_o)
     if W_o.shape[1] != H * p:
         raise ValueError(f"W_o has shape {tuple(W_o.shape)}, expected (d, {H * p}) for "
                          f"{H} heads of width {p}")
     d = W_o.shape[0]
+    if b_o is not None:
+        _validate.check_tensor("b_o", b_o, ndim=1)
+        _validate.check_shape("b_o", b_o, (d,), "(d,): the output projection's bias")
+        _validate.check_same("f", f, b_o=b_o)
+    if u is None:
+        if W2 is not None or b2 is not None:
+            raise ValueError("W2/b2 map the inducer's u to the output space: they were given "
+                             "but u is None (pass u from inducer_attention(..., "
+                             "composition='add'))")
     x = f.transpose(1, 2).reshape(B, n, H * p)
     weight = W_o.transpose(0, 1)
     bias = b_o
     if u is not None:
         _validate.check_tensor("u", u, ndim=4)
+        _validate.check_same("f", f, u=u)
         r = u.shape[-1]
         _validate.check_shape("u", u, (B, H, n, r), "(batch, heads, n, r)")
         if W2 is None:
-            raise ValueError("W2 (heads, r, d) is required when u is given")
+            raise ValueError(f"W2 ({H}, {r}, {d}) is required when u is given")
+        _validate.check_tensor("W2", W2, ndim=3)
         _validate.check_shape("W2", W2, (H, r, d), "(heads, value_bottleneck, d)")
+        _validate.check_same("f", f, W2=W2)
         x = torch.cat([x, u.transpose(1, 2).reshape(B, n, H * r)], dim=-1)
         weight = torch.cat([weight, W2.reshape(H * r, d)], dim=0)
         if b2 is not None:
+            _validate.check_tensor("b2", b2, ndim=1)
+            _validate.check_shape("b2", b2, (d,), "(d,): the inducer value path's bias")
+            _validate.check_same("f", f, b2=b2)
             bias = b2 if bias is None else bias + b2
     y = torch.matmul(x, weight)
     return y if bias is None else y + bias

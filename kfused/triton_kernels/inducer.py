@@ -1,26 +1,43 @@
 """Flash-style Triton kernels for inducer attention and prefix tuning (SPEC §3).
 
-Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores):
-for each query tile, an online softmax over the l prefix columns (never masked), then over the
-sequence key tiles (causal / key-padding masked; tiles wholly below the causal diagonal skip
-the compare) gives f (ordinary attention over the real columns), LSE over the real columns
-and, when the virtual key's logit s0 is given, λ = sigmoid(s0 − LSE) and 1 − λ in the epilogue.
+Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores).
+The prologue runs the inducer's key MLP on the query tile already in registers,
+``s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩``, and the value bottleneck ``tanh(q W1 + b1)``
+(L, r ≤ 16 padded to 16 for the tensor cores); then an online softmax in base 2 (log2 e folded
+into the scale) over the l prefix columns (never masked) and the sequence key tiles: interior
+tiles load and compute without any mask, only the last (ragged) tile checks bounds and only
+tiles that straddle the causal diagonal compare positions; tiles wholly above it are never
+visited. The epilogue gives f (ordinary attention over the real columns), LSE over the real
+columns, λ = sigmoid(s0 − LSE) and 1 − λ, and u = λ · tanh(q W1 + b1). Nothing of the MLP
+touches HBM except its O(H·p·(L + r)) weights and the (n, r) output u.
 
 The virtual column is one more term of the softmax; it joins in the epilogue instead of
 seeding the running max/sum, because ``f`` is normalised over the real columns only: seeding
 would force ``f = acc / (l − exp(s0 − m))``, a cancellation that loses every digit when λ → 1.
 ``sigmoid(s0 − LSE)`` is the same number without cancellation, and with no real column at all
-(a fully masked row) it gives λ = 1, f = 0 and the finite LSE sentinel ``_EMPTY_LSE``.
+(a fully masked row) it gives λ = 1, f = 0 and the finite LSE sentinel ``_EMPTY_LSE``. A NaN or
+infinite visible logit makes the row sum NaN, and NaN flows into f, LSE, λ and u as in the
+reference.
 
 Backward (SPEC §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``,
 ``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient), evaluated as
 ``dS_ij = P_ij ((dP_ij − D_i) + dLSE_i)``: dLSE is usually far smaller than D, and folding it
 into D first would round it away (a row with one visible column has dP − D = 0 exactly and
-dS = P·dLSE). ``P = exp(s − m) / l`` is recomputed from q, k and the saved row max and row
-sum. The dQ kernel walks key tiles per query tile (in float32 it first forms
-``D_i = Σ_j P_ij dP_ij`` from the same dP values, see ``EXACT_DELTA``); the dK/dV kernel walks
-query tiles per key tile, over every query head of its kv head (grouped-query attention). The prefix tiles' dK/dV are written per batch element
-(B·H·l·p floats) and summed on the host. Extra memory is O(n) per head (LSE, λ, stats, D).
+dS = P·dLSE). ``P = 2^(s·log2 e − m) / l`` is recomputed from q, k and the saved row max and
+row sum. The dQ kernel runs first; its prologue recomputes the row's MLP from the q tile,
+forms dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient), ds0 = dλ λ (1 − λ), −dLSE and
+D_i = ⟨dO_i, O_i⟩ (in float32 ``D_i = Σ_j P_ij dP_ij`` from the same dP values, see
+``EXACT_DELTA``) and stores the two per-row numbers the dK/dV kernel needs; its epilogue adds
+the MLP's share of dq and writes this tile's partial sums of dAk, dak, dBk, dck, dW1, db1
+(summed over tiles on the host in a fixed order: deterministic). The dK/dV kernel walks query
+tiles per key tile, over every query head of its kv head (grouped-query attention). The
+prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed on the host.
+Extra memory is O(n) per head.
+
+The MLP's products run on the tensor cores for 16-bit inputs: products of two 16-bit numbers
+are exact in the float32 accumulator, and a float32 operand (tanh outputs, gradients) is split
+into a 16-bit high and low part (two products, ~16 mantissa bits) so that nothing is rounded
+to 16 bits between MLP stages; float32 inputs use IEEE float32 products throughout.
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -32,57 +49,167 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kfused import _alloc
 from kfused.triton_kernels import _aot
 from kfused.backends import triton_interpret
-from kfused.triton_kernels._common import dot_precision, next_pow2
+from kfused.triton_kernels._common import _INTERPRETED, _mm, dot_precision, next_pow2
 
 # LSE of a row with no visible real column (log 0): finite so that nothing downstream is NaN;
 # exp(s − LSE) is never evaluated on such a row because every column is masked.
 _EMPTY_LSE = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may read only constexpr globals
+_LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = 1.4426950408889634
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)
 
 
+# ------------------------------------------------------------------------------------------
+# small helpers
+
+
 @triton.jit
-def _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED: tl.constexpr,
+def _tanh(x):
+    """tanh in float32: libdevice on the GPU; the interpreter (no libdevice) evaluates it in
+    float64 from exp, which is exact to float32 rounding."""
+    if _INTERPRETED:
+        xd = x.to(tl.float64)
+        t = tl.exp(-2.0 * tl.abs(xd))
+        y = (1.0 - t) / (1.0 + t)
+        return tl.where(xd < 0.0, -y, y).to(tl.float32)
+    else:
+        return libdevice.tanh(x)
+
+
+@triton.jit
+def _dot_nn(a, b, IS16: tl.constexpr):
+    """a @ b, both in the input dtype -> float32 (16-bit products are exact in float32)."""
+    if IS16:
+        return tl.dot(a, b, out_dtype=tl.float32)
+    else:
+        return _mm(a, b, True, "ieee")
+
+
+@triton.jit
+def _dot_fn(a, b, IS16: tl.constexpr):
+    """a (float32) @ b (input dtype) -> float32; 16-bit: a = hi + lo in b's dtype."""
+    if IS16:
+        a_hi = a.to(b.dtype)
+        a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
+        return tl.dot(a_hi, b, out_dtype=tl.float32) + tl.dot(a_lo, b, out_dtype=tl.float32)
+    else:
+        return _mm(a, b, True, "ieee")
+
+
+@triton.jit
+def _dot_nf(a, b, IS16: tl.constexpr):
+    """a (input dtype) @ b (float32) -> float32; 16-bit: b = hi + lo in a's dtype."""
+    if IS16:
+        b_hi = b.to(a.dtype)
+        b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
+        return tl.dot(a, b_hi, out_dtype=tl.float32) + tl.dot(a, b_lo, out_dtype=tl.float32)
+    else:
+        return _mm(a, b, True, "ieee")
+
+
+@triton.jit
+def _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+                 L_PAD: tl.constexpr):
+    """Head h's key-MLP weights (contiguous (H, p, L), (H, L), (H, L, p), (H, p)) zero-padded:
+    Ak (D_PAD, L_PAD), ak (L_PAD,) float32, Bkᵀ (D_PAD, L_PAD), ck (D_PAD,) float32."""
+    offs_l = tl.arange(0, L_PAD)
+    l_ok = offs_l < L
+    ak_w = tl.load(AK + h * HEAD_DIM * L + offs_d[:, None] * L + offs_l[None, :],
+                   mask=d_ok[:, None] & l_ok[None, :], other=0.0)
+    ak_b = tl.load(AKB + h * L + offs_l, mask=l_ok, other=0.0).to(tl.float32)
+    bk_t = tl.load(BK + h * L * HEAD_DIM + offs_l[None, :] * HEAD_DIM + offs_d[:, None],
+                   mask=d_ok[:, None] & l_ok[None, :], other=0.0)
+    ck = tl.load(CK + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    return ak_w, ak_b, bk_t, ck
+
+
+@triton.jit
+def _key_rows(q, ak_w, ak_b, bk_t, IS16: tl.constexpr):
+    """g = tanh(q Ak + ak) and t = q Bkᵀ (BLOCK_M, L_PAD), both float32 (padding: 0)."""
+    g = _tanh(_dot_nn(q, ak_w, IS16) + ak_b[None, :])
+    t = _dot_nn(q, bk_t, IS16)
+    return g, t
+
+
+@triton.jit
+def _key_logit(q, g, t, ck, scale):
+    """s0 = τ ⟨q, q + g Bk + ck⟩ = τ (Σ q (q + ck) + Σ_l g_l (q Bkᵀ)_l): only (BLOCK_M, L)
+    products, no (BLOCK_M, p) intermediate."""
+    qf = q.to(tl.float32)
+    return (tl.sum(qf * (qf + ck[None, :]), 1) + tl.sum(g * t, 1)) * scale
+
+
+@triton.jit
+def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
+                  IS16: tl.constexpr):
+    """tanh(q W1 + b1) (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0) and W1 (D_PAD,
+    R_PAD) of head h (contiguous (H, p, r), (H, r))."""
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
+                 mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+    b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    return _tanh(_dot_nn(q, w1, IS16) + b1[None, :]), w1
+
+
+@triton.jit
+def _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, BOUNDS: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr):
     """(BLOCK_M, BLOCK_N) mask of the real keys each query row sees in this tile."""
-    valid = n_ok[None, :] & (offs_m[:, None] >= 0)
-    if MASKED:
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-        if HAS_KMASK:
-            km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
-            valid = valid & (km != 0)[None, :]
+    valid = (offs_n[None, :] >= 0) & (offs_m[:, None] >= 0)
+    if BOUNDS:
+        valid = valid & n_ok[None, :]
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+    if HAS_KMASK:
+        km = tl.load(kmask_base + offs_n, mask=n_ok, other=0)
+        valid = valid & (km != 0)[None, :]
     return valid
+
+
+# ------------------------------------------------------------------------------------------
+# forward
 
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
+    """Key tiles [lo, hi): BOUNDS checks n < n_valid (the ragged last tile), CAUSAL compares
+    positions (diagonal tiles), HAS_KMASK reads the key padding mask; none of them: no mask."""
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_valid
-        kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-        valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL,
-                         HAS_KMASK)
-        s = tl.where(valid, s, float("-inf"))
+        if BOUNDS:
+            kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                         mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            vt = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                         mask=d_ok[:, None], other=0.0)
+            vt = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                         mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * qk_scale
+        if BOUNDS or CAUSAL or HAS_KMASK:
+            valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, BOUNDS, CAUSAL,
+                             HAS_KMASK)
+            s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible column yet keeps m = -inf; shift by 0 there so that
         # exp(-inf - -inf) never happens.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC,
                                             out_dtype=tl.float32)
         m_i = m_new
@@ -91,7 +218,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 @triton.jit
 def _inducer_attn_fwd_kernel(
-    Q, K, V, PK, PV, KMASK, S0, O, LSE, LAM, STATS, N_ROWS,
+    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, U, LSE, LAM, STATS, N_ROWS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -99,10 +226,11 @@ def _inducer_attn_fwd_kernel(
     stride_pvh, stride_pvn, stride_pvd,
     stride_mb,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, GROUP, N_Q, N_K, N_PREFIX, causal_off, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    H, GROUP, N_Q, N_K, N_PREFIX, L, R, causal_off, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    HAS_S0: tl.constexpr, PREC: tl.constexpr,
+    HAS_MLP: tl.constexpr, IS16: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -116,6 +244,13 @@ def _inducer_attn_fwd_kernel(
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_MLP:
+        # prologue: the virtual key's logit from the q tile in registers (one float per row
+        # stays live through the key loop)
+        ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
+                                            L_PAD)
+        g, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        s0 = _key_logit(q, g, t, ck, scale)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -125,48 +260,69 @@ def _inducer_attn_fwd_kernel(
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, PK + h * stride_pkh, PV + h * stride_pvh,
             stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
-            offs_m, offs_d, kmask_base, causal_off, scale,
-            HEAD_DIM, BLOCK_N, False, False, False, PREC)
+            offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            HEAD_DIM, BLOCK_N, True, False, False, PREC)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     if CAUSAL:
-        # tiles wholly below the diagonal skip the causal compare; the rest apply it
+        # tiles wholly below the diagonal need no compare (and are in bounds); tiles wholly
+        # above it are never visited
         hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M + causal_off)
         full = tl.minimum(tl.maximum(pid_m * BLOCK_M + causal_off + 1, 0) // BLOCK_N * BLOCK_N,
                           tl.maximum(hi, 0))
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            0, full, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
-            HEAD_DIM, BLOCK_N, True, False, HAS_KMASK, PREC)
+            0, full, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            HEAD_DIM, BLOCK_N, False, False, HAS_KMASK, PREC)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            full, hi, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
+            full, hi, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, True, True, HAS_KMASK, PREC)
     else:
+        n_full = N_K // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            0, N_K, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
+            0, n_full, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            HEAD_DIM, BLOCK_N, False, False, HAS_KMASK, PREC)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            n_full, N_K, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, True, False, HAS_KMASK, PREC)
 
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), _EMPTY_LSE)
+    # A row is empty only when its sum is exactly 0 (no visible column): a NaN sum (a NaN or
+    # infinite visible key) is not empty and propagates into f, LSE, λ like the reference.
+    has = l_i != 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * _LN2, _EMPTY_LSE)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
              + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     tl.store(LSE + row, lse, mask=m_ok)
-    # The backward recomputes P = exp(s − m) / l from the row max and sum: exp(s − LSE)
+    # The backward recomputes P = 2^(s − m) / l from the row max (base 2) and sum: exp(s − LSE)
     # would carry LSE's absolute rounding (eps·|LSE|) into every P in float32.
     tl.store(STATS + row, tl.where(m_i == float("-inf"), 0.0, m_i), mask=m_ok)
-    tl.store(STATS + N_ROWS + row, tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0), mask=m_ok)
-    if HAS_S0:
-        s0 = tl.load(S0 + row, mask=m_ok, other=0.0).to(tl.float32)
-        # λ and 1 − λ both as sigmoids: 1 − λ formed by subtraction loses its digits as λ → 1
-        # |s0 − LSE| is clamped to 88 (exp stays finite in float32; σ(±88) is already 1 / ~0)
-        x = tl.minimum(tl.maximum(s0 - lse, -88.0), 88.0)
-        tl.store(LAM + row, 1.0 / (1.0 + tl.exp(-x)), mask=m_ok)
-        tl.store(LAM + N_ROWS + row, 1.0 / (1.0 + tl.exp(x)), mask=m_ok)
+    tl.store(STATS + N_ROWS + row, tl.where(has, 1.0 / l_safe, 0.0), mask=m_ok)
+    if HAS_MLP:
+        # epilogue: λ and 1 − λ both as sigmoids (1 − λ formed by subtraction loses its digits
+        # as λ → 1); |s0 − LSE| clamped to 88 (σ(±88) is already 1 / ~0), NaN kept
+        x_raw = s0 - lse
+        x = tl.minimum(tl.maximum(x_raw, -88.0), 88.0)
+        is_nan = x_raw != x_raw
+        lam = tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(-x)))
+        tl.store(LAM + row, lam, mask=m_ok)
+        tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(x))),
+                 mask=m_ok)
+        offs_r = tl.arange(0, R_PAD)
+        hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+        u = lam[:, None] * hid
+        tl.store(U + row[:, None] * R + offs_r[None, :], u.to(U.dtype.element_ty),
+                 mask=m_ok[:, None] & (offs_r < R)[None, :])
+
+
+# ------------------------------------------------------------------------------------------
+# backward
 
 
 @triton.jit
@@ -177,7 +333,7 @@ def _inducer_attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, H_KV, GROUP, N_Q, N_K, causal_off, scale,
+    H, H_KV, GROUP, N_Q, N_K, causal_off, qk_scale, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PREFIX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
     EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
@@ -240,14 +396,14 @@ def _inducer_attn_bwd_dkdv_kernel(
                 q_r = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                               mask=m_ok[:, None] & d_ok[None, :], other=0.0)
                 sT = tl.trans(tl.dot(q_r, kT_r, input_precision=PREC,
-                                     out_dtype=tl.float32) * scale)
+                                     out_dtype=tl.float32) * qk_scale)
             else:
-                sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * scale
+                sT = tl.dot(kt, qT, input_precision=PREC, out_dtype=tl.float32) * qk_scale
             valid = key_ok[:, None] & m_ok[None, :]
             if not IS_PREFIX:
                 if CAUSAL:
                     valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
-            pT = tl.exp(tl.where(valid, sT - mrow[None, :], float("-inf"))) * inv_l[None, :]
+            pT = tl.exp2(tl.where(valid, sT - mrow[None, :], float("-inf"))) * inv_l[None, :]
             dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=PREC,
                          out_dtype=tl.float32)
             if EXACT_DELTA:
@@ -273,53 +429,48 @@ def _inducer_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _p_dp_tile(q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-               offs_n, n_ok, offs_m, offs_d, d_ok, kmask_base, causal_off, scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
-               PREC: tl.constexpr):
-    """One key tile of the backward: Kᵀ, the recomputed P = exp(s − m) / l and dP = dO Vᵀ."""
+               offs_n, n_ok, offs_m, offs_d, d_ok, kmask_base, causal_off, qk_scale,
+               CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of the backward: Kᵀ, the recomputed P = 2^(s − m) / l and dP = dO Vᵀ."""
     kT = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                  mask=d_ok[:, None] & n_ok[None, :], other=0.0)
     vT = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
                  mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-    s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * scale
-    valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, MASKED, CAUSAL, HAS_KMASK)
-    p = tl.exp(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
+    s = tl.dot(q, kT, input_precision=PREC, out_dtype=tl.float32) * qk_scale
+    valid = _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, True, CAUSAL, HAS_KMASK)
+    p = tl.exp2(tl.where(valid, s - mrow[:, None], float("-inf"))) * inv_l[:, None]
     dp = tl.dot(do, vT, input_precision=PREC, out_dtype=tl.float32)
     return kT, p, dp
 
 
 @triton.jit
 def _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                 stride_vd,
-                 lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
-    """D_i = Σ_j P_ij dP_ij from the very dP values the gradient kernels use (see EXACT_DELTA)."""
+                 stride_vd, lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_valid
         kT, p, dp = _p_dp_tile(q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
                                stride_vn, stride_vd, offs_n, n_ok, offs_m, offs_d, d_ok,
-                               kmask_base, causal_off, scale, MASKED, CAUSAL, HAS_KMASK, PREC)
+                               kmask_base, causal_off, qk_scale, CAUSAL, HAS_KMASK, PREC)
         dsum += tl.sum(p * dp, 1)
     return dsum
 
 
 @triton.jit
 def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, stride_kd,
-              stride_vn,
-              stride_vd,
-              lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off, scale,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
+              stride_vn, stride_vd, lo, hi, n_valid, offs_m, offs_d, kmask_base, causal_off,
+              qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_KMASK: tl.constexpr, PREC: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_valid
         kT, p, dp = _p_dp_tile(q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
                                stride_vn, stride_vd, offs_n, n_ok, offs_m, offs_d, d_ok,
-                               kmask_base, causal_off, scale, MASKED, CAUSAL, HAS_KMASK, PREC)
+                               kmask_base, causal_off, qk_scale, CAUSAL, HAS_KMASK, PREC)
         ds = p * ((dp - delta[:, None]) - adj[:, None])
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC, out_dtype=tl.float32)
     return dq
@@ -327,7 +478,8 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
 
 @triton.jit
 def _inducer_attn_bwd_dq_kernel(
-    Q, K, V, PK, PV, KMASK, DO, STATS, N_ROWS, DELTA, ADJ, DQ, DELTA_OUT,
+    Q, K, V, PK, PV, KMASK, DO, O, STATS, LAM, DU, DLAM, DLSE,
+    AK, AKB, BK, CK, W1, B1, N_ROWS, DQ, DELTA, ADJ, PART,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -335,15 +487,18 @@ def _inducer_attn_bwd_dq_kernel(
     stride_pvh, stride_pvn, stride_pvd,
     stride_mb,
     stride_dob, stride_doh, stride_don, stride_dod,
-    H, GROUP, N_Q, N_K, N_PREFIX, causal_off, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, GROUP, N_Q, N_K, N_PREFIX, L, R, causal_off, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
+    HAS_MLP: tl.constexpr, HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr,
+    HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr, IS16: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dQ for one query tile. ADJ holds −dLSE. With EXACT_DELTA a first pass forms
-    D_i = Σ_j P_ij dP_ij from the same dP the gradient uses (stored to DELTA_OUT for the dK/dV
-    kernel), so dP_ij − D_i cancels exactly where it should (a row with a single visible
-    column has dS = P·dLSE, not rounding noise). Otherwise DELTA = ⟨dO_i, O_i⟩."""
+    """dQ for one query tile, with the per-row preprocessing in its prologue (−dLSE from the
+    recomputed MLP, D_i) and the MLP gradients in its epilogue (see the module docstring).
+    Writes DELTA and ADJ (= −dLSE) for the dK/dV kernel; PART gets this tile's partial sums
+    of dAk (D_PAD, L_PAD), dBk (L_PAD, D_PAD), dW1 (D_PAD, R_PAD), dck, dak, db1."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -361,7 +516,28 @@ def _inducer_attn_bwd_dq_kernel(
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     mrow = tl.load(STATS + row, mask=m_ok, other=0.0)
     inv_l = tl.load(STATS + N_ROWS + row, mask=m_ok, other=0.0)
-    adj = tl.load(ADJ + row, mask=m_ok, other=0.0)
+
+    # prologue: −dLSE = ds0 − dlse, ds0 = dλ λ (1 − λ), dλ = ⟨du, tanh(q W1 + b1)⟩ + dlam
+    adj = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_DLSE:
+        adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+    if HAS_MLP:
+        offs_r = tl.arange(0, R_PAD)
+        lam = tl.load(LAM + row, mask=m_ok, other=0.0)
+        lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
+        dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_DU:
+            hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
+                         mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
+            dlam += tl.sum(du * hid, 1)
+        if HAS_DLAM:
+            dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
+                     - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
+        ds0 = dlam * (lam * lam_c)
+        adj += ds0
+    tl.store(ADJ + row, adj, mask=m_ok)
+
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kmask_base = KMASK + b * stride_mb
     hi = N_K
@@ -372,26 +548,71 @@ def _inducer_attn_bwd_dq_kernel(
         if HAS_PREFIX:
             dsum = _delta_tiles(dsum, q, do, mrow, inv_l, PK + h * stride_pkh, PV + h * stride_pvh,
                                 stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX,
-                                N_PREFIX, offs_m, offs_d, kmask_base, causal_off, scale,
-                                HEAD_DIM, BLOCK_N, False, False, False, PREC)
+                                N_PREFIX, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+                                HEAD_DIM, BLOCK_N, False, False, PREC)
         dsum = _delta_tiles(dsum, q, do, mrow, inv_l, K + b * stride_kb + hk * stride_kh,
                             V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn,
                             stride_vd, 0, hi, N_K, offs_m, offs_d, kmask_base, causal_off,
-                            scale, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
+                            qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
         delta = dsum
-        tl.store(DELTA_OUT + row, delta, mask=m_ok)
     else:
-        delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+        o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+                    + offs_d[None, :] * stride_od, mask=io_mask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + row, delta, mask=m_ok)
     if HAS_PREFIX:
         dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, PK + h * stride_pkh, PV + h * stride_pvh,
                        stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
-                       offs_m, offs_d, kmask_base, causal_off, scale,
-                       HEAD_DIM, BLOCK_N, False, False, False, PREC)
+                       offs_m, offs_d, kmask_base, causal_off, qk_scale,
+                       HEAD_DIM, BLOCK_N, False, False, PREC)
     dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, K + b * stride_kb + hk * stride_kh,
                    V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, hi, N_K, offs_m, offs_d, kmask_base, causal_off, scale,
-                   HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_KMASK, PREC)
+                   0, hi, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+                   HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
     dq = dq * scale
+    if HAS_MLP:
+        # epilogue: the MLP's share of dq and this tile's parameter-gradient partial sums.
+        # The MLP rows are recomputed here (weights reloaded) rather than kept live through
+        # the key loop: registers there belong to the attention tiles.
+        ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
+                                            L_PAD)
+        g, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
+        qf = q.to(tl.float32)
+        cg = c[:, None] * g
+        dz = c[:, None] * t * (1.0 - g * g)
+        # d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
+        dq += c[:, None] * (2.0 * qf + ck[None, :])
+        dq += _dot_fn(cg, tl.trans(bk_t), IS16)
+        dq += _dot_fn(dz, tl.trans(ak_w), IS16)
+        base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * (
+            2 * D_PAD * L_PAD + D_PAD * R_PAD + D_PAD + L_PAD + R_PAD)
+        offs_l = tl.arange(0, L_PAD)
+        tl.store(base + offs_d[:, None] * L_PAD + offs_l[None, :],
+                 _dot_nf(tl.trans(q), dz, IS16))                        # dAk
+        base += D_PAD * L_PAD
+        tl.store(base + offs_l[:, None] * D_PAD + offs_d[None, :],
+                 _dot_fn(tl.trans(cg), q, IS16))                        # dBk
+        base += D_PAD * L_PAD
+        tl.store(base + offs_d, tl.sum(c[:, None] * qf, 0))             # dck
+        base += D_PAD
+        tl.store(base + offs_l, tl.sum(dz, 0))                          # dak
+        base += L_PAD
+        if HAS_DU:
+            hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
+                         mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
+            dz1 = (lam[:, None] * du) * (1.0 - hid * hid)
+            dq += _dot_fn(dz1, tl.trans(w1), IS16)
+            tl.store(base + offs_r, tl.sum(dz1, 0))                     # db1
+            base += R_PAD
+            tl.store(base + offs_d[:, None] * R_PAD + offs_r[None, :],
+                     _dot_nf(tl.trans(q), dz1, IS16))                   # dW1
+        else:
+            tl.store(base + offs_r, tl.zeros([R_PAD], dtype=tl.float32))
+            base += R_PAD
+            tl.store(base + offs_d[:, None] * R_PAD + offs_r[None, :],
+                     tl.zeros([D_PAD, R_PAD], dtype=tl.float32))
     tl.store(DQ + (row[:, None] * HEAD_DIM + offs_d[None, :]), dq.to(DQ.dtype.element_ty),
              mask=io_mask)
 
@@ -406,15 +627,22 @@ def _fwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[int, int, int, int]:
         return 64, 64, 4, 1            # the interpreter is fastest with few, large tiles
     if dtype == torch.float32:
         return 64, (32 if d_pad > 64 else 64), 4, 1
-    return (128 if d_pad <= 64 else 64), 64, (4 if d_pad <= 64 else 8), 2
+    # 128-row tiles on 8 warps at p <= 64 (no spills); at p > 64 they spill on sm_90 (_aot)
+    if d_pad <= 64:
+        return 128, 64, 8, 3
+    return 64, 64, 8, 2
 
 
-def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[int, int, int, int]:
+def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int], Tuple[int, int],
+                                                         int, int]:
+    """((dQ rows, dQ key tile), (dK/dV query tile, dK/dV keys), num_warps, num_stages)."""
     if triton_interpret():
-        return 64, 64, 4, 1
+        return (64, 64), (64, 64), 4, 1
     if dtype == torch.float32:
-        return 32, 32, 4, 1
-    return 32, 64, (4 if d_pad <= 64 else 8), 2
+        return (32, 32), (32, 32), 4, 1
+    if d_pad <= 64:
+        return (64, 64), (32, 128), 4, 2
+    return (64, 32), (32, 64), 8, 2
 
 
 def _key_mask_u8(key_mask: Optional[torch.Tensor], q: torch.Tensor):
@@ -431,20 +659,36 @@ def _prefix_args(prefix_k, prefix_v, k):
             prefix_k.shape[1], True)
 
 
+Mlp = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _mlp_args(mlp: Optional[Mlp], q: torch.Tensor):
+    """(Ak, ak, Bk, ck, W1, b1) made contiguous (the kernels index them by shape), L, r and
+    the padded widths; dummies without an inducer."""
+    if mlp is None:
+        return (q,) * 6, 1, 1, 16, 16, False
+    ts = tuple(t.contiguous() for t in mlp)
+    L, r = ts[0].shape[2], ts[4].shape[2]
+    return ts, L, r, max(16, next_pow2(L)), max(16, next_pow2(r)), True
+
+
 def inducer_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: Optional[torch.Tensor] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mlp: Optional[Mlp] = None,
     prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    u_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
-    query attention: query head h reads kv head h // (H / H_kv)); s0 (B, H, n_q) or None;
-    prefix_k/v (H, l, p) or None; key_mask (B, n_k) bool (True = real key) or None.
+    query attention: query head h reads kv head h // (H / H_kv)); mlp = (Ak (H, p, L),
+    ak (H, L), Bk (H, L, p), ck (H, p), W1 (H, p, r), b1 (H, r)) or None; prefix_k/v (H, l, p)
+    or None; key_mask (B, n_k) bool (True = real key) or None.
 
-    Returns ``out`` (B, H, n_q, p) in q's dtype (contiguous), ``lse`` (B, H, n_q) float32 over
-    the real columns (``_EMPTY_LSE`` for rows with none), ``lam`` (2, B, H, n_q) float32 holding
-    λ and 1 − λ (an empty tensor when s0 is None) and ``stats`` (2, B, H, n_q) float32: the
-    row max and the reciprocal row sum the backward uses to recompute P. Any strides are
-    accepted.
+    Returns ``out`` (B, H, n_q, p) in q's dtype (contiguous), ``u`` = λ tanh(q W1 + b1)
+    (B, H, n_q, r) in ``u_dtype`` (default q's), ``lse`` (B, H, n_q) float32 over the real
+    columns (``_EMPTY_LSE`` for rows with none), ``lam`` (2, B, H, n_q) float32 holding λ and
+    1 − λ, and ``stats`` (2, B, H, n_q) float32: the row max (base 2) and the reciprocal row
+    sum the backward uses to recompute P. ``u`` and ``lam`` are empty without an inducer.
+    Any strides are accepted.
     """
     B, H, n_q, p = q.shape
     n_k, h_kv = k.shape[2], k.shape[1]
@@ -452,40 +696,45 @@ def inducer_attention_forward(
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
     BM, BN, warps, stages = _fwd_config(q.dtype, d_pad)
+    (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
     out = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
     lse = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     stats = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
-    has_s0 = s0 is not None
-    if has_s0:
-        s0 = s0.contiguous()
+    if has_mlp:
         lam = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
+        u = _alloc.empty(B, H, n_q, r, dtype=u_dtype or q.dtype, device=q.device)
     else:
         lam = torch.empty(0, dtype=torch.float32, device=q.device)
+        u = torch.empty(0, dtype=u_dtype or q.dtype, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
-            q, k, v, pk, pv, km, s0 if has_s0 else lse, out, lse, lam if has_s0 else lse, stats,
-            B * H * n_q,
+            q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out,
+            u if has_mlp else lse, lse, lam if has_mlp else lse, stats, B * H * n_q,
             *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *out.stride(),
-            H, H // h_kv, n_q, n_k, n_prefix, n_k - n_q, float(scale),
-            HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
-            HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_S0=has_s0,
-            PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
-    return out, lse, lam, stats
+            H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
+            float(scale) * LOG2E,
+            HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
+            CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
+            IS16=q.dtype in (torch.float16, torch.bfloat16), PREC=dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages)
+    return out, u, lse, lam, stats
 
 
 def inducer_attention_backward(
-    dout: torch.Tensor, dlam: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    stats: torch.Tensor, lam: Optional[torch.Tensor], s0: Optional[torch.Tensor] = None,
-    prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
-    key_mask: Optional[torch.Tensor] = None, causal: bool = False,
-    scale: Optional[float] = None,
+    dout: torch.Tensor, du: Optional[torch.Tensor], dlam: Optional[torch.Tensor],
+    dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor, lam: Optional[torch.Tensor],
+    mlp: Optional[Mlp] = None, prefix_k: Optional[torch.Tensor] = None,
+    prefix_v: Optional[torch.Tensor] = None, key_mask: Optional[torch.Tensor] = None,
+    causal: bool = False, scale: Optional[float] = None,
 ):
-    """Flash backward. Returns ``(dq, dk, dv, ds0, dprefix_k, dprefix_v)``; ``ds0`` is None
-    without an inducer (``lam`` None/empty), the prefix grads None without a prefix.
+    """Flash backward. Returns ``(dq, dk, dv, dmlp, dprefix_k, dprefix_v)``: ``dmlp`` the
+    gradients of (Ak, ak, Bk, ck, W1, b1) (None without an inducer), the prefix grads None
+    without a prefix. ``du`` (B, H, n_q, r), ``dlam`` (2, B, H, n_q) (gradients of λ and of
+    1 − λ) and ``dlse`` may each be None (zero).
 
     ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (SPEC §3); the kernels use
     ``dS = P ((dP − D) + dLSE)``. In float32, ``D_i`` is formed inside the dQ kernel as
@@ -497,89 +746,111 @@ def inducer_attention_backward(
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
-    BM, BN, warps, stages = _bwd_config(q.dtype, d_pad)
-    # −dLSE, with dLSE = dlse − dλ λ (1 − λ); λ(1 − λ) = σ(x) σ(−x) with x = s0 − LSE (1 − λ
-    # formed by subtraction would lose every digit when λ → 1).
-    adj = torch.zeros(B, H, n_q, dtype=torch.float32, device=q.device)
-    ds0 = None
-    if s0 is not None and dlam is not None and lam is not None and lam.numel() > 0:
-        wide = torch.float64 if s0.dtype == torch.float64 else torch.float32
-        x = s0.to(wide) - lse.to(wide)
-        dl = dlam.to(wide)
-        dl = dl[0] - dl[1]                     # lam holds (λ, 1 − λ)
-        ds0 = dl * (torch.sigmoid(x) * torch.sigmoid(-x))
-        adj = adj + ds0.float()
-        ds0 = ds0.to(s0.dtype)
-    if dlse is not None:
-        adj = adj - dlse.float()
+    (BM, BN), (BM_KV, BN_KV), warps, stages = _bwd_config(q.dtype, d_pad)
+    (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
+    has_mlp = has_mlp and lam is not None and lam.numel() > 0
+    has_du = has_mlp and du is not None
+    has_dlam = has_mlp and dlam is not None
+    du = du.contiguous() if has_du else lse
+    dlam = dlam.contiguous() if has_dlam else lse
+    has_dlse = dlse is not None
+    dlse = dlse.contiguous() if has_dlse else lse
     exact_delta = q.dtype == torch.float32
-    adj = adj.contiguous()
-    if exact_delta:
-        delta = adj          # unused: the dQ kernel forms D_i = Σ_j P_ij dP_ij into delta_out
-        delta_out = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    else:
-        delta = (dout.float() * out.float()).sum(-1)
-        delta_out = delta
-    delta = delta.contiguous()
     lse = lse.contiguous()
+    delta = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    adj = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
     dq = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
     dk = _alloc.empty(B, h_kv, n_k, p, dtype=k.dtype, device=q.device)
     dv = _alloc.empty(B, h_kv, n_k, p, dtype=v.dtype, device=q.device)
+    grid_m = triton.cdiv(n_q, BM)
+    part_size = 2 * d_pad * l_pad + d_pad * r_pad + d_pad + l_pad + r_pad
+    part = (_alloc.empty(grid_m * B, H, part_size, dtype=torch.float32, device=q.device)
+            if has_mlp else lse)
     dpk_part = dpv_part = None
     if has_prefix:
         dpk_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
         dpv_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
-    common = (*q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *dout.stride())
-    kw = dict(HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
-              HAS_KMASK=has_km, EXACT_DELTA=exact_delta, PREC=dot_precision(q.dtype),
-              num_warps=warps, num_stages=stages)
+    prec = dot_precision(q.dtype)
+    kw = dict(HEAD_DIM=p, D_PAD=d_pad, CAUSAL=bool(causal), HAS_KMASK=has_km,
+              EXACT_DELTA=exact_delta, PREC=prec, num_warps=warps, num_stages=stages)
+    kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, **kw)
     if B * H * n_q > 0:
-        grid = (triton.cdiv(n_q, BM), B * H)
-        _inducer_attn_bwd_dq_kernel[grid](
-            q, k, v, pk, pv, km, dout, stats, B * H * n_q, delta, adj, dq, delta_out,
-            *common, H, group, n_q, n_k, n_prefix, n_k - n_q, float(scale),
-            HEAD_DIM=p, D_PAD=d_pad, BLOCK_M=BM, BLOCK_N=BN, CAUSAL=bool(causal),
-            HAS_KMASK=has_km, HAS_PREFIX=has_prefix, EXACT_DELTA=exact_delta,
-            PREC=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages)
+        _inducer_attn_bwd_dq_kernel[(grid_m, B * H)](
+            q, k, v, pk, pv, km, dout, out, stats, lam if has_mlp else lse, du, dlam, dlse,
+            ak_w, ak_b, bk_w, ck, w1, b1, B * H * n_q, dq, delta, adj, part,
+            *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *dout.stride(),
+            *out.stride(), H, group, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
+            float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad, HAS_PREFIX=has_prefix,
+            HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam, HAS_DLSE=has_dlse,
+            IS16=q.dtype in (torch.float16, torch.bfloat16), BLOCK_M=BM, BLOCK_N=BN, **kw)
     if B * h_kv * n_k > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN), B * h_kv)](
-            q, k, v, km, dout, stats, B * H * n_q, delta_out, adj, dk, dv, *q.stride(), *k.stride(),
-            *v.stride(), smb, *dout.stride(), H, h_kv, group, n_q, n_k, n_k - n_q, float(scale),
-            IS_PREFIX=False, **kw)
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](
+            q, k, v, km, dout, stats, B * H * n_q, delta, adj, dk, dv, *q.stride(),
+            *k.stride(), *v.stride(), smb, *dout.stride(), H, h_kv, group, n_q, n_k,
+            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=False, **kv_kw)
     if has_prefix and B * H > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN), B * H)](
-            q, pk, pv, km, dout, stats, B * H * n_q, delta_out, adj, dpk_part, dpv_part, *q.stride(),
-            0, *spk, 0, *spv,
-            smb, *dout.stride(), H, H, 1, n_q, n_prefix, n_k - n_q, float(scale), IS_PREFIX=True,
-            **kw)
+        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN_KV), B * H)](
+            q, pk, pv, km, dout, stats, B * H * n_q, delta, adj, dpk_part, dpv_part,
+            *q.stride(), 0, *spk, 0, *spv, smb, *dout.stride(), H, H, 1, n_q, n_prefix,
+            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=True, **kv_kw)
     dpk = dpv = None
     if has_prefix:
         dpk = dpk_part.sum(0).to(prefix_k.dtype)
         dpv = dpv_part.sum(0).to(prefix_v.dtype)
-    return dq, dk, dv, ds0, dpk, dpv
+    dmlp = None
+    if has_mlp:
+        dmlp = _mlp_grads(part, H, p, L, r, d_pad, l_pad, r_pad, mlp)
+    return dq, dk, dv, dmlp, dpk, dpv
+
+
+def _mlp_grads(part, H, p, L, r, d_pad, l_pad, r_pad, mlp):
+    """Sum the dQ tiles' partials (fixed order: deterministic) and cut off the padding."""
+    if part.shape[0] == 0:
+        return tuple(torch.zeros_like(t) for t in mlp)
+    tot = part.sum(0)                                           # (H, part_size)
+    o = 0
+
+    def take(n):
+        nonlocal o
+        t = tot[:, o:o + n]
+        o += n
+        return t
+
+    d_ak = take(d_pad * l_pad).view(H, d_pad, l_pad)[:, :p, :L]
+    d_bk = take(l_pad * d_pad).view(H, l_pad, d_pad)[:, :L, :p]
+    d_ck = take(d_pad)[:, :p]
+    d_akb = take(l_pad)[:, :L]
+    d_b1 = take(r_pad)[:, :r]
+    d_w1 = take(d_pad * r_pad).view(H, d_pad, r_pad)[:, :p, :r]
+    grads = (d_ak, d_akb, d_bk, d_ck, d_w1, d_b1)
+    # copies: views of one buffer would make the custom op's outputs alias each other
+    return tuple(g.to(dtype=t.dtype, memory_format=torch.contiguous_format, copy=True)
+                 for g, t in zip(grads, mlp))
 
 
 @_aot.register("inducer_attention")
 def _aot_launches() -> None:
     """Representative launches for the sm_90 compile check (see _aot.py): bfloat16 on every
     head width with the mask / prefix / causal variants, float32 (IEEE dots) on one."""
-    B, H, n = 2, 2, 256
+    B, H, n, L, r = 2, 2, 256, 4, 8
     runs = [(torch.bfloat16, p) for p in (32, 64, 80, 96, 128)] + [(torch.float32, 64)]
     for dtype, p in runs:
         for causal, masked, prefix in ((False, False, False), (True, True, True)):
             q = torch.empty(B, H, n, p, dtype=dtype)
             k = torch.empty(B, H, n, p, dtype=dtype)
             v = torch.empty(B, H, n, p, dtype=dtype)
-            s0 = torch.zeros(B, H, n, dtype=torch.float32)
+            mlp = (torch.empty(H, p, L, dtype=dtype), torch.empty(H, L, dtype=dtype),
+                   torch.empty(H, L, p, dtype=dtype), torch.empty(H, p, dtype=dtype),
+                   torch.empty(H, p, r, dtype=dtype), torch.empty(H, r, dtype=dtype))
             km = torch.ones(B, n, dtype=torch.bool) if masked else None
             pk = torch.empty(H, 16, p, dtype=dtype) if prefix else None
             pv = torch.empty(H, 16, p, dtype=dtype) if prefix else None
-            out, lse, lam, stats = inducer_attention_forward(q, k, v, s0, pk, pv, km, causal)
-            lse.zero_()
+            if not causal:                     # plain attention (no inducer) too
+                inducer_attention_forward(q, k, v, None, pk, pv, km, causal)
+            out, u, lse, lam, stats = inducer_attention_forward(q, k, v, mlp, pk, pv, km, causal)
             lam = torch.full((2, B, H, n), 0.5)
-            inducer_attention_backward(torch.zeros_like(out), torch.zeros(2, B, H, n), None,
-                                       q, k, v, torch.zeros_like(out), lse, stats, lam, s0,
-                                       pk, pv, km, causal)
+            inducer_attention_backward(torch.zeros_like(out), torch.zeros(B, H, n, r, dtype=dtype),
+                                       None, None, q, k, v, torch.zeros_like(out),
+                                       torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal)
