@@ -48,10 +48,19 @@ def _info() -> int:
         print(f"device: {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
     else:
         print(f"device: cpu (TRITON_INTERPRET={int(backends.triton_interpret())})")
+    reasons: List[str] = []  # each distinct reason printed once, as a numbered note
+
+    def why(reason: str) -> str:
+        if reason not in reasons:
+            reasons.append(reason)
+        return f"no [{reasons.index(reason) + 1}]"
+
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         status = kfused.available_backends("kron_matvec", device=dev, dtype=dt)
         print(f"  {str(dt).replace('torch.', ''):<9} " + ", ".join(
-            f"{k}: {'yes' if v is None else 'no (' + v + ')'}" for k, v in status.items()))
+            f"{k}: {'yes' if v is None else why(v)}" for k, v in status.items()))
+    for i, reason in enumerate(reasons, 1):
+        print(f"  [{i}] {reason}")
     return 0
 
 
