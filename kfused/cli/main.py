@@ -9,8 +9,9 @@ from typing import List, Optional
 USAGE = """usage: kfused <command> [options]
 
 commands:
-  demo    fine-tune a GPT-2-shaped model with kfused adapters (fused and reference runs)
-  bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results
+  demo    the main job: adapt the shipped pretrained base with LoRA and each kfused method,
+          score generations (BLEU, slot accuracy); fused vs reference on a GPU
+  bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results/local
   check   every available kernel on this device against the float64 reference (SPEC §4)
   info    versions, device and which backends can run
 

@@ -11,7 +11,7 @@ in float16 (the demo loads them as float32 and keeps the base frozen) with ``con
 and ``pretrain.json`` (steps, tokens, time, load, final training and held-out loss of the
 float16 weights, versions, sha256 of the weights) beside them:
 
-    python -m kfused.data.pretrain_base                 # about 7 min on 2 idle CPU cores
+    python -m kfused.data.pretrain_base                 # about 4 min on 2 idle CPU cores
     python -m kfused.data.pretrain_base --steps 20 --out /tmp/base   # a quick try
 """
 
@@ -41,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=12, help="sequences per step")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=SHAPE["max_len"],
                    help="tokens per packed sequence")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
     p.add_argument("--docs", type=int, default=24000, help="corpus documents to generate")
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -121,7 +121,7 @@ def pretrain(args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        if step % 50 == 0 or step == args.steps - 1:
+        if step % 25 == 0 or step == args.steps - 1:
             el = time.perf_counter() - t_train
             print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {el:7.1f} s", flush=True)
     train_s = time.perf_counter() - t_train
