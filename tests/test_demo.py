@@ -104,8 +104,8 @@ def test_pretrained_base_ships_and_matches_its_record():
     assert os.path.getsize(weights) < 4 * 2**20
     info = json.load(open(os.path.join(BASE_DIR, "pretrain.json")))
     assert info["train_seconds"] > 0 and info["shape"] == SHAPE
-    model = transformers.AutoModelForCausalLM.from_pretrained(BASE_DIR, dtype=torch.float32,
-                                                              attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        BASE_DIR, attn_implementation="eager").float()
     assert model.config.n_embd == SHAPE["d_model"] and model.config.vocab_size == 260
     # the recorded held-out loss is what the shipped weights give (nats/byte; uniform is 5.56)
     held = encode_documents(documents(400, seed=4321), ByteTokenizer())

@@ -131,8 +131,9 @@ def _build_model(args, vocab: int, device: torch.device):
         from kfused.data.pretrain_base import BASE_DIR
 
         path = args.model_dir or BASE_DIR
-        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                        attn_implementation="eager")
+        # float32 compute (the shipped weights are stored in float16)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="eager").float()
         if model.get_input_embeddings().num_embeddings < vocab:
             model.resize_token_embeddings(vocab)
     else:

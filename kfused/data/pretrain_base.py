@@ -11,7 +11,7 @@ in float16 (the demo loads them as float32 and keeps the base frozen) with ``con
 and ``pretrain.json`` (steps, tokens, time, load, final training and held-out loss of the
 float16 weights, versions, sha256 of the weights) beside them:
 
-    python -m kfused.data.pretrain_base                 # about 4 min on 2 idle CPU cores
+    python -m kfused.data.pretrain_base                 # a few minutes on 2 idle CPU cores
     python -m kfused.data.pretrain_base --steps 20 --out /tmp/base   # a quick try
 """
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=SHAPE["max_len"],
                    help="tokens per packed sequence")
