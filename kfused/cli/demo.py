@@ -8,8 +8,8 @@ What runs (defaults):
   :mod:`kfused.data.pretrain_base` on generated English (``kfused/data/base/``, ships with the
   package; ``--model-dir`` loads another local checkpoint, ``--base random`` a random one);
 * the **task**: the bundled E2E-style set (``kfused/data/e2e_tiny.jsonl``): 60 held-out
-  meaning representations, the rest for training (pairs whose representation equals a
-  held-out one are dropped from training);
+  meaning representations (held-out loss on all 60, generation for the first 40), the rest
+  for training (pairs whose representation equals a held-out one are dropped from training);
 * the **rows**: the frozen base, then LoRA, KronA, Kernel-mix and inducer+LoRA (``--methods``),
   each trained with the same seed and the same batches in the same order; per row the
   trainable parameters, the training and held-out loss, and for the held-out representations
@@ -91,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timings")
-    p.add_argument("--gen-examples", type=int, default=60,
+    p.add_argument("--gen-examples", type=int, default=40,
                    help="held-out meaning representations to generate for and score "
                         "(0: no generation)")
-    p.add_argument("--max-new-tokens", type=int, default=240,
+    p.add_argument("--max-new-tokens", type=int, default=200,
                    help="generation length limit in bytes")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the adapter initialisation and of the batch order")
@@ -217,7 +217,7 @@ def _trim(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def generate(model, mrs: List[str], device, dtype, max_new: int, batch: int = 30) -> List[str]:
+def generate(model, mrs: List[str], device, dtype, max_new: int, batch: int = 64) -> List[str]:
     """Greedy continuation of ``BOS mr SEP`` for each representation, cut at EOS."""
     from kfused.data import ByteTokenizer
 
