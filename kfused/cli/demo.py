@@ -141,7 +141,7 @@ def _build_model(args, vocab: int, device: torch.device):
 
         _seed(args.seed)
         model = tiny_model("gpt2", d_model=args.d_model, n_layers=args.layers,
-                           n_heads=args.heads, vocab=vocab, max_len=max(args.seq_len, 64))
+                           n_heads=args.heads, vocab=vocab, max_len=max(args.seq_len, 384))
     return model.to(device)
 
 
@@ -227,6 +227,8 @@ def generate(model, mrs: List[str], device, dtype, max_new: int, batch: int = 64
     texts = []
     for i in range(0, len(mrs), batch):
         prompts = [[tok.BOS] + tok.encode(mr) + [tok.SEP] for mr in mrs[i:i + batch]]
+        room = max(1, min(max_new, n_pos // 2))  # a model with few positions: cut the prompt
+        prompts = [q[-(n_pos - room):] for q in prompts]
         L = max(len(q) for q in prompts)
         ids = torch.full((len(prompts), L), tok.PAD, dtype=torch.long)
         mask = torch.zeros((len(prompts), L), dtype=torch.long)
