@@ -394,7 +394,7 @@ def _plot(report: dict, path: str) -> Optional[str]:
         for name, r in by_backend.items():
             ax.plot(range(1, len(r["losses"]) + 1), r["losses"], color=colors[i % len(colors)],
                     linestyle="-" if name == "fused" else "--", linewidth=1.4,
-                    label=f"{_label(method)} ({name}: {r['backend']})")
+                    label=f"{_label(method)} ({name})")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/byte)")
     ax.set_title("fine-tuning loss" + ("; fused solid, reference dashed"
