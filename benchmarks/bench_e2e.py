@@ -12,7 +12,7 @@ float32 adapters, for
 ``cases(device, dtype, quick=False)`` returns :class:`kfused.bench.BenchCase` lists for the
 shared harness; each provider's ``fn()`` runs a whole training step and returns the detached
 loss, so the harness's "fwd" mode times the full step. ``shape["tokens"]`` gives tokens/s.
-Standalone: ``python benchmarks/bench_e2e.py [--quick] [--out benchmarks/results]`` writes
+Standalone: ``python benchmarks/bench_e2e.py [--quick] [--out benchmarks/results/local]`` writes
 ``e2e_<device>.json``, prints one table and draws ``e2e_<device>.png``.
 """
 
@@ -52,6 +52,17 @@ def _model_specs(quick: bool) -> Dict[str, dict]:
         # TinyLlama-1.1B's shape (22 layers, d 2048, 32 heads, 4 KV heads, FFN 5632).
         "llama-1b-width": dict(arch="llama", layers=22, d=2048, heads=32, kv=4, ff=5632,
                                vocab=32000, seq=512, batch=8),
+    }
+
+
+def _cpu_quick_specs() -> Dict[str, dict]:
+    """``--quick`` on a CPU: the same two model families, shrunk so that every provider's
+    training step takes milliseconds (the GPU sizes take minutes per step on a CPU)."""
+    return {
+        "gpt2-tiny": dict(arch="gpt2", layers=2, d=64, heads=4, ff=256, vocab=512, seq=64,
+                          batch=2),
+        "llama-tiny": dict(arch="llama", layers=2, d=64, heads=4, kv=2, ff=176, vocab=512,
+                           seq=64, batch=2),
     }
 
 
@@ -188,8 +199,13 @@ def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
     except ImportError as exc:
         peft_skip = f"peft not installed ({exc})"
     fused_skip = None if device.type == "cuda" else "fused kernels need a CUDA device"
+    specs = _model_specs(quick)
+    if quick and device.type != "cuda":
+        # CPU: tiny models in float32 (bfloat16 autocast on a CPU is slow and not what a
+        # CPU user runs); the GPU-sized cases stay for `cases(...)` without quick
+        specs, dtype = _cpu_quick_specs(), torch.float32
     out = []
-    for model_name, spec in _model_specs(quick).items():
+    for model_name, spec in specs.items():
         tokens = spec["batch"] * spec["seq"]
         provs = [_provider("frozen-floor", spec, device, dtype, _floor)]
         for which in ("lora", "lokr", "prefix"):
@@ -277,10 +293,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--quick", action="store_true", help="2-layer models, seq 128, batch 2")
+    p.add_argument("--quick", action="store_true",
+                   help="2-layer models, seq 128, batch 2 (on a CPU: d 64, seq 64, float32)")
     p.add_argument("--rep-ms", type=float, default=2000.0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results"))
+                                                 "results", "local"))
     a = p.parse_args(argv)
     run(a.device, getattr(torch, a.dtype), a.quick, a.out, a.rep_ms)
     return 0

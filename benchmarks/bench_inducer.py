@@ -29,6 +29,16 @@ L_KEY, R_VALUE = 4, 8
 _MATERIALISED_LIMIT = 8 * 2**30       # skip eager/compile when the score matrix exceeds 8 GiB
 
 
+def _no_donated_buffers():
+    """AOTAutograd's buffer donation off (torch >= 2.6 has the switch; older ones never donate)."""
+    import contextlib
+
+    cfg = getattr(getattr(torch, "_functorch", None), "config", None)
+    if cfg is None or not hasattr(cfg, "donated_buffer"):
+        return contextlib.nullcontext()
+    return cfg.patch(donated_buffer=False)
+
+
 def _make_inputs(B, H, n, p, device, dtype, grad=True):
     def t(*shape, s=1.0):
         x = torch.randn(*shape, device=device, dtype=dtype) * s
@@ -114,7 +124,10 @@ def cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
                     q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
                     ref = torch.compile(inducer_attention_ref)
                     def fn():
-                        return ref(q, k, v, **params, causal=causal)
+                        # the harness replays one backward (retain_graph=True): compiled
+                        # graphs that donate their saved buffers refuse that, so no donation
+                        with _no_donated_buffers():
+                            return ref(q, k, v, **params, causal=causal)
                     return fn, _leaves(q, k, v, params)
 
                 too_big = (f"materialised scores need {score_bytes / 2**30:.1f} GiB"

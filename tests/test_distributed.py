@@ -161,7 +161,9 @@ def test_demo_torchrun_ddp(tmp_path):
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(_free_port()), "-m", "kfused.cli.demo", "--distributed", "ddp",
-           "--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32",
+           "--steps", "3", "--base", "random", "--methods", "lora", "--gen-examples", "2",
+           "--max-new-tokens", "4", "--layers", "1", "--d-model", "32", "--heads", "2",
+           "--seq-len", "32",
            "--batch-size", "4", "--warmup", "1", "--no-progress", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

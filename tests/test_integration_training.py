@@ -1,7 +1,7 @@
-"""Issue 5, item 5 and the demo: torch.compile without graph breaks, autocast with float32
-adapters, gradient checkpointing, the transformers Trainer, and a tiny `kfused demo` run."""
+"""Issue 5, item 5: torch.compile without graph breaks, autocast with float32 adapters,
+gradient checkpointing and the transformers Trainer (the `kfused demo` tests are in
+tests/test_demo.py)."""
 
-import json
 import os
 
 import pytest
@@ -109,23 +109,6 @@ def test_transformers_trainer(tmp_path):
                if n not in set(get_state(model).param_names))
 
 
-def test_demo_cpu_smoke(tmp_path, capsys):
-    from kfused.cli.demo import run_demo
-
-    rc = run_demo(["--steps", "4", "--layers", "1", "--d-model", "32", "--heads", "2",
-                   "--seq-len", "48", "--batch-size", "4", "--warmup", "1", "--no-progress",
-                   "--device", "cpu", "--out", str(tmp_path)])
-    assert rc == 0
-    out = capsys.readouterr().out
-    assert "reference only" in out and "skipped" in out and "tokens/s" in out
-    report = json.loads((tmp_path / "demo.json").read_text())
-    assert "reference" in report["runs"] and "fused" not in report["runs"]
-    assert report["skipped"]["fused"]
-    assert len(report["runs"]["reference"]["losses"]) == 4
-    assert report["checkpoint"]["reload_bit_exact"] is True
-    assert os.path.getsize(tmp_path / "loss_curve.png") > 1000
-
-
 def test_bench_e2e_cases_cpu(monkeypatch):
     import sys
 
@@ -174,19 +157,3 @@ def test_krona_fused_runs_in_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.float16):
         y_ref = m(x)
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
-
-
-def test_demo_local_checkpoint_dir(tmp_path, capsys):
-    from kfused.cli.demo import run_demo
-    from kfused.integration.models import tiny_model
-
-    torch.manual_seed(0)
-    tiny_model("gpt2", d_model=32, n_layers=1, n_heads=2, vocab=200).save_pretrained(
-        tmp_path / "gpt2-local")  # smaller vocab than the byte tokenizer: embeddings resized
-    rc = run_demo(["--model-dir", str(tmp_path / "gpt2-local"), "--method", "lora", "--steps", "2",
-                   "--seq-len", "32", "--batch-size", "2", "--warmup", "0", "--no-progress",
-                   "--device", "cpu", "--out", str(tmp_path / "out")])
-    assert rc == 0
-    assert "from " + str(tmp_path / "gpt2-local") in capsys.readouterr().out
-    report = json.loads((tmp_path / "out" / "demo.json").read_text())
-    assert report["checkpoint"]["reload_bit_exact"] is True

@@ -1,7 +1,7 @@
 """`kfused bench`: run the benchmark scripts of benchmarks/ through the shared harness.
 
 Each benchmarks/bench_<op>.py exposes ``cases(device, dtype, quick)``. Results go to
-``<out>/<op>_<device>_<utc>.json`` with the device, driver, versions, git commit and the two
+``<out>/<op>_<device>_<utc>.json`` (default ``benchmarks/results/local/``, git-ignored) with the device, driver, versions, git commit and the two
 device ceilings measured in the same run (a large device-to-device copy and an 8192³ matmul),
 plus a PNG drawn from the JSON by :func:`plot_results`.
 """
@@ -210,12 +210,16 @@ def run(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="kfused bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ops", nargs="*", help="ops to benchmark (default: all in benchmarks/)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="compute dtype (default: bf16 on CUDA, fp32 on the CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer, smaller shapes (on a CPU: tiny float32 cases, about a minute)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rep-ms", type=float, default=None,
                    help="measuring time per point (default 200 on GPU, 50 on CPU)")
-    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--out", default=None,
+                   help="results folder (default benchmarks/results/local, git-ignored; "
+                        "committed results live in benchmarks/results/<device>/)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="list the ops and exit")
     args = p.parse_args(argv)
@@ -224,7 +228,9 @@ def run(argv: Optional[List[str]] = None) -> int:
         return 0
     device = torch.device(args.device)
     ops = args.ops or available_ops()
-    out_dir = Path(args.out) if args.out else bench_dir() / "results"
+    if args.dtype is None:
+        args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    out_dir = Path(args.out) if args.out else bench_dir() / "results" / "local"
     out_dir.mkdir(parents=True, exist_ok=True)
     rep = args.rep_ms or (200 if device.type == "cuda" else 50)
     if device.type != "cuda":

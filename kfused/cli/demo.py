@@ -1,13 +1,30 @@
-"""``kfused demo``: fine-tune a GPT-2-shaped model with kfused adapters on a small data-to-text
-task, once with the fused kernels and once with the unfused reference, and compare.
+"""``kfused demo``: the main job — adapt a pretrained GPT-2-shaped base to a data-to-text task
+with LoRA and each kfused family, generate text for held-out meaning representations and score
+it; on a GPU also fused kernels against the unfused reference.
 
-The model is built offline from a config with random weights (``--model-dir`` loads a local
-transformers checkpoint instead); the data ships with the package (``kfused/data``). On a CPU
-only the reference run happens (Triton needs a GPU; its CPU interpreter is far too slow to
-train) and the report says so. Results: ``<out>/demo.json`` and ``<out>/loss_curve.png``.
+What runs (defaults):
 
-    python -m kfused.cli.demo                          # CPU: a few minutes
-    python -m kfused.cli.demo --method lora --steps 300 --compile
+* the **base**: the small byte-level GPT-2-shaped model pretrained by
+  :mod:`kfused.data.pretrain_base` on generated English (``kfused/data/base/``, ships with the
+  package; ``--model-dir`` loads another local checkpoint, ``--base random`` a random one);
+* the **task**: the bundled E2E-style set (``kfused/data/e2e_tiny.jsonl``): 60 held-out
+  meaning representations (held-out loss on all 60, generation for the first 40), the rest
+  for training (pairs whose representation equals a held-out one are dropped from training);
+* the **rows**: the frozen base, then LoRA, KronA, Kernel-mix and inducer+LoRA (``--methods``),
+  each trained with the same seed and the same batches in the same order; per row the
+  trainable parameters, the training and held-out loss, and for the held-out representations
+  greedy generations scored by BLEU (sacrebleu) and slot realisation accuracy
+  (:mod:`kfused.data.e2e_metrics` defines it);
+* **fused vs reference**: on CUDA every method trains twice, fused kernels and unfused
+  reference, on identical batches; the report overlays their loss curves and gives the largest
+  loss difference, tokens/s and peak memory of each. On a CPU only the reference runs (the
+  Triton kernels need a GPU; their CPU interpreter is far too slow to train) and the report
+  says so.
+
+Results: a table on stdout, ``<out>/demo.json`` and ``<out>/demo.png``.
+
+    python -m kfused.cli.demo                                 # CPU: about 1-2 minutes
+    python -m kfused.cli.demo --methods lora,kernel-mix-qvo-intermediate --steps 200
     torchrun --nproc-per-node 2 -m kfused.cli.demo --distributed ddp
 """
 
@@ -23,41 +40,64 @@ import random
 import resource
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
+
+# The demo's rows: name -> (label, AdapterConfig keyword arguments). Anything else passed to
+# --methods is a preset name (kfused.integration.PRESETS) or a registered method.
+METHODS: Dict[str, Tuple[str, dict]] = {
+    "lora": ("LoRA", dict(method="lora", r=8)),
+    "krona": ("KronA", dict(method="krona")),
+    "kernel_mix": ("Kernel-mix", dict(method="kernel_mix", targets=["q", "v", "o"], r=4)),
+    "inducer_lora": ("inducer+LoRA", dict(method="inducer_lora", r=8)),
+}
+DEFAULT_METHODS = ",".join(METHODS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kfused demo",
-        description="Fine-tune a GPT-2-shaped model with kfused adapters on the bundled "
-                    "data-to-text set, fused kernels vs the unfused reference.",
+        description="Adapt the shipped pretrained GPT-2-shaped base to the bundled "
+                    "data-to-text task with LoRA and each kfused method; generate for held-out "
+                    "meaning representations and score BLEU and slot accuracy; fused kernels "
+                    "vs the unfused reference on a GPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", default="krona",
-                   help="adapter method (kfused.integration.methods()) e.g. krona, lora, krona_b")
-    p.add_argument("--preset", default=None, help="a named preset instead of --method "
-                   "(kfused.integration.PRESETS)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated rows: " + ", ".join(METHODS) + ", a preset name "
+                        "(kfused.integration.PRESETS) or any registered method")
+    p.add_argument("--method", default=None, help="one method only (same as --methods NAME)")
+    p.add_argument("--preset", default=None, help="one preset only (same as --methods NAME)")
     p.add_argument("--targets", default=None,
-                   help="comma-separated roles/regexes (default: every linear layer, "
-                        "qkv,o,ffn_in,ffn_out, for linear methods; the method's defaults "
-                        "otherwise)")
-    p.add_argument("--rank", type=int, default=8, help="rank r (LoRA-style methods)")
-    p.add_argument("--scale", type=float, default=1.0, help="adapter scale s (KronA)")
+                   help="comma-separated roles/regexes for every row (default: each method's)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="rank r for every row (default: each row's, 8 for LoRA)")
+    p.add_argument("--scale", type=float, default=None, help="adapter scale s (KronA)")
+    p.add_argument("--base", default="pretrained", choices=["pretrained", "random"],
+                   help="pretrained: the base shipped in kfused/data/base; random: a randomly "
+                        "initialised model of --layers/--d-model/--heads")
     p.add_argument("--model-dir", default=None,
-                   help="local transformers GPT-2 checkpoint directory (default: random weights)")
-    p.add_argument("--layers", type=int, default=4, help="layers of the built model")
-    p.add_argument("--d-model", type=int, default=128, help="width of the built model")
-    p.add_argument("--heads", type=int, default=4, help="attention heads of the built model")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per example (bytes)")
-    p.add_argument("--target-only", action="store_true",
-                   help="loss on the sentence only (mask the meaning representation); use "
-                        "--seq-len 256 so the sentences fit")
+                   help="local transformers GPT-2 checkpoint directory (overrides --base)")
+    p.add_argument("--layers", type=int, default=4, help="layers of a --base random model")
+    p.add_argument("--d-model", type=int, default=128, help="width of a --base random model")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of a --base random model")
+    p.add_argument("--seq-len", type=int, default=384,
+                   help="longest training sequence in bytes (batches are cut to their longest "
+                        "example; at most the model's positions)")
+    p.add_argument("--loss", default="target", choices=["target", "all"],
+                   help="target: loss on the sentence only (the meaning representation is the "
+                        "prompt); all: on the whole sequence")
     p.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    p.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timings")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gen-examples", type=int, default=40,
+                   help="held-out meaning representations to generate for and score "
+                        "(0: no generation)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="generation length limit in bytes")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the adapter initialisation and of the batch order")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype (auto: bfloat16 on CUDA, float32 on the CPU); adapter "
@@ -65,9 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default="auto", choices=["auto", "both", "fused", "reference"],
                    help="auto: fused + reference on CUDA, reference only on the CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (less memory)")
     p.add_argument("--distributed", default="none", choices=["none", "ddp", "fsdp2"],
                    help="multi-process training (launch with torchrun)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=os.path.join("runs", "demo"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -84,8 +127,13 @@ def _seed(seed: int) -> None:
 def _build_model(args, vocab: int, device: torch.device):
     import transformers as tf
 
-    if args.model_dir:
-        model = tf.AutoModelForCausalLM.from_pretrained(args.model_dir)
+    if args.model_dir or args.base == "pretrained":
+        from kfused.data.pretrain_base import BASE_DIR
+
+        path = args.model_dir or BASE_DIR
+        # float32 compute (the shipped weights are stored in float16)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="eager").float()
         if model.get_input_embeddings().num_embeddings < vocab:
             model.resize_token_embeddings(vocab)
     else:
@@ -93,23 +141,31 @@ def _build_model(args, vocab: int, device: torch.device):
 
         _seed(args.seed)
         model = tiny_model("gpt2", d_model=args.d_model, n_layers=args.layers,
-                           n_heads=args.heads, vocab=vocab, max_len=max(args.seq_len, 64))
+                           n_heads=args.heads, vocab=vocab, max_len=max(args.seq_len, 384))
     return model.to(device)
 
 
-def _adapter_config(args, backend: str):
-    from kfused.integration import AdapterConfig, preset
+def _max_positions(model) -> int:
+    cfg = model.config
+    return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
 
-    from kfused.integration import get_method
+
+def _adapter_config(name: str, args, backend: str):
+    from kfused.integration import PRESETS, AdapterConfig, get_method, preset
 
     targets = args.targets.split(",") if args.targets else None
-    if targets is None and not args.preset and get_method(args.method).site == "linear":
-        targets = ["qkv", "o", "ffn_in", "ffn_out"]
-    if args.preset:
-        cfg = preset(args.preset, backend=backend)
-        return cfg.replace(targets=targets) if targets else cfg
-    return AdapterConfig(method=args.method, targets=targets, r=args.rank, scale=args.scale,
-                         backend=backend)
+    over = {k: v for k, v in (("r", args.rank), ("scale", args.scale), ("targets", targets))
+            if v is not None}
+    if name in PRESETS:
+        return preset(name, backend=backend, **over)
+    kw = dict(METHODS[name][1]) if name in METHODS else {"method": name, "r": 8}
+    get_method(kw["method"])  # unknown / not installed: a clear error now
+    kw.update(over)
+    return AdapterConfig(backend=backend, **kw)
+
+
+def _label(name: str) -> str:
+    return METHODS[name][0] if name in METHODS else name
 
 
 def _peak_memory(device: torch.device) -> Dict[str, object]:
@@ -128,23 +184,103 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def train_run(name: str, backend: str, args, data: Dict[str, torch.Tensor],
-              eval_data: Dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-              vocab: int, progress: bool) -> Dict[str, object]:
-    """One fine-tuning run; returns its metrics and per-step losses."""
+def _use_backend(backend: str):
     from kfused.integration import use_backend
 
-    # The environment default reaches adapter modules that take the backend per call.
-    with use_backend(None if backend == "auto" else backend):
-        return _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progress)
+    # The environment default reaches ops that take the backend per call.
+    return use_backend(None if backend == "auto" else backend)
 
 
-def _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progress):
+@torch.no_grad()
+def eval_loss(model, data: Dict[str, torch.Tensor], device, dtype, batch: int = 16) -> float:
+    """Mean loss per labelled token over ``data`` (nats/byte)."""
+    model.eval()
+    tot, count = 0.0, 0
+    for i in range(0, data["input_ids"].shape[0], batch):
+        b = _trim({k: v[i:i + batch] for k, v in data.items()})
+        b = {k: v.to(device) for k, v in b.items()}
+        with _autocast(device, dtype):
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        lab = b["labels"][:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), lab.reshape(-1),
+            ignore_index=-100, reduction="sum")
+        tot += float(nll)
+        count += int((lab != -100).sum())
+    return tot / max(count, 1)
+
+
+def _trim(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Cut a right-padded batch to its longest example."""
+    n = int(batch["attention_mask"].sum(1).max())
+    return {k: v[:, :max(n, 1)] for k, v in batch.items()}
+
+
+@torch.no_grad()
+def generate(model, mrs: List[str], device, dtype, max_new: int, batch: int = 64) -> List[str]:
+    """Greedy continuation of ``BOS mr SEP`` for each representation, cut at EOS."""
+    from kfused.data import ByteTokenizer
+
+    tok = ByteTokenizer()
+    model.eval()
+    n_pos = _max_positions(model)
+    texts = []
+    for i in range(0, len(mrs), batch):
+        prompts = [[tok.BOS] + tok.encode(mr) + [tok.SEP] for mr in mrs[i:i + batch]]
+        room = max(1, min(max_new, n_pos // 2))  # a model with few positions: cut the prompt
+        prompts = [q[-(n_pos - room):] for q in prompts]
+        L = max(len(q) for q in prompts)
+        ids = torch.full((len(prompts), L), tok.PAD, dtype=torch.long)
+        mask = torch.zeros((len(prompts), L), dtype=torch.long)
+        for j, q in enumerate(prompts):  # left padding: every prompt ends at column L
+            ids[j, L - len(q):] = torch.tensor(q)
+            mask[j, L - len(q):] = 1
+        with _autocast(device, dtype):
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=max(1, min(max_new, n_pos - L)),
+                                 do_sample=False, pad_token_id=tok.PAD, eos_token_id=tok.EOS,
+                                 bos_token_id=tok.BOS)
+        for row in out[:, L:].tolist():
+            if tok.EOS in row:
+                row = row[:row.index(tok.EOS)]
+            texts.append(tok.decode(row).strip())
+    return texts
+
+
+def _generate_and_score(model, pairs, args, device, dtype) -> Dict[str, object]:
+    from kfused.data.e2e_metrics import score
+
+    if args.gen_examples <= 0 or args.distributed == "fsdp2":
+        return {}
+    from kfused.integration import unwrap
+
+    held = pairs[:args.gen_examples]
+    t0 = time.perf_counter()
+    hyps = generate(unwrap(model), [e["mr"] for e in held], device, dtype, args.max_new_tokens)
+    s = score([e["mr"] for e in held], hyps, [e["ref"] for e in held])
+    s["generate_s"] = time.perf_counter() - t0
+    s["samples"] = [{"mr": e["mr"], "ref": e["ref"], "generated": h}
+                    for e, h in zip(held[:3], hyps[:3])]
+    return s
+
+
+def train_run(name: str, backend: str, method: str, args, data: Dict[str, torch.Tensor],
+              eval_data: Dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+              vocab: int, progress: bool) -> Dict[str, object]:
+    """One fine-tuning run; returns its metrics, per-step losses and the model."""
+    with _use_backend(backend):
+        return _train_run(name, backend, method, args, data, eval_data, device, dtype, vocab,
+                          progress)
+
+
+def _train_run(name, backend, method, args, data, eval_data, device, dtype, vocab, progress):
     from kfused import distributed as kd
     from kfused.integration import count_parameters, inject
 
+    t_run = time.perf_counter()
     model = _build_model(args, vocab, device)
-    inject(model, _adapter_config(args, backend))
+    _seed(args.seed)  # the same adapter initialisation for the fused and the reference run
+    inject(model, _adapter_config(method, args, backend))
     trainable, total = count_parameters(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -154,9 +290,7 @@ def _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progr
                              and dtype != torch.float32 else {}))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    step_fn = model
-    if args.compile:
-        step_fn = torch.compile(model)
+    step_fn = torch.compile(model) if args.compile else model
     n = data["input_ids"].shape[0]
     g = torch.Generator().manual_seed(args.seed)  # same batches, same order, for every run
     order = torch.cat([torch.randperm(n, generator=g)
@@ -171,10 +305,11 @@ def _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progr
     if progress and kd.is_main():
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=args.steps, desc=f"{name:>9}", unit="step", leave=True)
+        bar = tqdm(total=args.steps, desc=f"{_label(method)} ({name})", unit="step",
+                   leave=False)
     for step in range(args.steps):
         idx = order[step * args.batch_size:(step + 1) * args.batch_size]
-        batch = {k: v[idx] for k, v in data.items()}
+        batch = _trim({k: v[idx] for k, v in data.items()})
         if args.distributed != "none":
             batch = kd.shard_batch(batch)
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -191,59 +326,31 @@ def _train_run(name, backend, args, data, eval_data, device, dtype, vocab, progr
         losses.append(loss_val)
         if step >= args.warmup:
             times.append(dt)
-            tokens += int(batch["attention_mask"].numel()) * kd.world_size()
+            tokens += int(batch["attention_mask"].sum()) * kd.world_size()
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_val:.4f}")
     if bar is not None:
         bar.close()
-    model.eval()
-    with torch.no_grad(), _autocast(device, dtype):
-        ev = {k: v.to(device) for k, v in eval_data.items()}
-        eval_loss = float(model(**ev).loss.float().item())
+    ev = eval_loss(model, eval_data, device, dtype)
     mem = _peak_memory(device)
-    step_ms = 1e3 * sum(times) / max(len(times), 1)
-    result = {
-        "name": name, "backend": backend, "steps": args.steps,
+    return {
+        "name": name, "backend": backend, "method": method, "steps": args.steps,
         "trainable_params": trainable, "total_params": total,
-        "final_loss": losses[-1], "eval_loss": eval_loss,
-        "mean_step_ms": step_ms,
+        "final_loss": losses[-1], "eval_loss": ev,
+        "mean_step_ms": 1e3 * sum(times) / max(len(times), 1),
         "tokens_per_s": tokens / sum(times) if times else float("nan"),
-        **mem, "losses": losses,
+        "train_s": time.perf_counter() - t_run,
+        **mem, "losses": losses, "_model": model,
     }
-    result["_model"] = model
-    return result
 
 
-def _plot(runs: Dict[str, dict], path: str, title: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as exc:  # pragma: no cover
-        return f"matplotlib unavailable ({exc})"
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in runs.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{name} ({r['backend']})",
-                linestyle="-" if name == "fused" else "--")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
-
-
-def _checkpoint_roundtrip(model, args, vocab, device, out_dir, eval_data, dtype):
+def _checkpoint_roundtrip(model, method, args, vocab, device, out_dir, eval_data):
     """save -> load into a fresh model -> compare; merge where the method allows."""
     from kfused.integration import (adapter_state_dict, get_method, get_state, is_mergeable,
                                     load, merge, save, unwrap)
 
-    ckpt = os.path.join(out_dir, "adapter")
+    ckpt = os.path.join(out_dir, f"adapter_{method}")
     save(model, ckpt)
     inner = unwrap(model)
     info: Dict[str, object] = {"checkpoint": ckpt}
@@ -253,18 +360,90 @@ def _checkpoint_roundtrip(model, args, vocab, device, out_dir, eval_data, dtype)
     load(fresh, ckpt)
     a, b = adapter_state_dict(inner), adapter_state_dict(fresh)
     info["reload_bit_exact"] = all(torch.equal(a[k], b[k]) for k in a)
-    method = get_state(fresh).config.method
-    if is_mergeable(method):
+    cfg_method = get_state(fresh).config.method
+    if is_mergeable(cfg_method):
         fresh.eval()
-        ev = {k: v.to(device) for k, v in eval_data.items()}
+        ev = _trim({k: v[:8].to(device) for k, v in eval_data.items()})
         with torch.no_grad():
             y0 = fresh(**ev).logits
             merge(fresh)
             y1 = fresh(**ev).logits
         info["merge_max_abs_logit_change"] = float((y1 - y0).abs().max().item())
     else:
-        info["merge"] = f"not mergeable ({get_method(method).description})"
+        info["merge"] = f"not mergeable ({get_method(cfg_method).description})"
     return info
+
+
+# ------------------------------------------------------------------------------------------
+# report
+
+
+def _plot(report: dict, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # pragma: no cover
+        return f"matplotlib unavailable ({exc})"
+    runs = report["runs"]
+    rows = report["rows"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (method, by_backend) in enumerate(runs.items()):
+        for name, r in by_backend.items():
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], color=colors[i % len(colors)],
+                    linestyle="-" if name == "fused" else "--", linewidth=1.4,
+                    label=f"{_label(method)} ({name})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title("fine-tuning loss" + ("; fused solid, reference dashed"
+                                      if any(len(v) > 1 for v in runs.values()) else ""),
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    scored = [r for r in rows if "bleu" in r]
+    if scored:
+        xs = range(len(scored))
+        w = 0.4
+        bx.bar([x - w / 2 for x in xs], [r["bleu"] for r in scored], w, label="BLEU")
+        bx.bar([x + w / 2 for x in xs], [100 * r["slot_accuracy"] for r in scored], w,
+               label="slot accuracy (%)")
+        bx.set_xticks(list(xs))
+        bx.set_xticklabels([f"{r['label']}\n{r['trainable_params']:,d} params" for r in scored],
+                           fontsize=8)
+        bx.set_ylim(0, 100)
+        bx.legend(fontsize=8)
+        bx.set_title(f"{len(report['heldout_mrs'])} held-out meaning representations, greedy",
+                     fontsize=10)
+    else:
+        bx.axis("off")
+    fig.suptitle(report["title"], fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _fmt(v, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) \
+        else f"{v:>{width}{spec}}"
+
+
+def _print_table(report: dict) -> None:
+    print()
+    print(f"{'row':<14} {'trainable':>10} {'%':>6} {'backend':<10} {'train loss':>10} "
+          f"{'eval loss':>9} {'BLEU':>6} {'slot acc':>8} {'all slots':>9} {'added/ex':>8} "
+          f"{'tokens/s':>9} {'run s':>6}")
+    for r in report["rows"]:
+        pct = 100 * r["trainable_params"] / r["total_params"]
+        print(f"{r['label']:<14} {r['trainable_params']:>10,d} {pct:>6.2f} "
+              f"{r.get('backend') or '-':<10} {_fmt(r.get('final_loss'), '.3f', 10)} "
+              f"{_fmt(r.get('eval_loss'), '.3f', 9)} {_fmt(r.get('bleu'), '.1f', 6)} "
+              f"{_fmt(100 * r['slot_accuracy'] if 'slot_accuracy' in r else None, '.1f', 7)}% "
+              f"{_fmt(100 * r['all_slots'] if 'all_slots' in r else None, '.1f', 8)}% "
+              f"{_fmt(r.get('added_per_example'), '.2f', 8)} "
+              f"{_fmt(r.get('tokens_per_s'), '.0f', 9)} {_fmt(r.get('run_s'), '.1f', 6)}")
 
 
 def run_demo(argv: Optional[List[str]] = None) -> int:
@@ -273,6 +452,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     from kfused import distributed as kd
     from kfused.data import ByteTokenizer, encode_pairs, load_pairs
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.distributed != "none":
         _, world, device = kd.init_distributed()
         if args.batch_size % world:
@@ -290,108 +471,174 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     main = kd.is_main()
     say = print if main else (lambda *a, **k: None)
 
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.method or args.preset:
+        methods = [args.preset or args.method]
     runs_wanted = args.runs
-    notes = []
+    notes: List[str] = []
     if runs_wanted == "auto":
         runs_wanted = "both" if device.type == "cuda" else "reference"
     plan = {"both": [("fused", "auto"), ("reference", "reference")],
             "fused": [("fused", "auto")], "reference": [("reference", "reference")]}[runs_wanted]
-    if device.type != "cuda" and any(b == "auto" for _, b in plan):
-        notes.append("fused run on the CPU uses the reference path (the fused kernels need a "
-                     "CUDA GPU)")
-    if device.type != "cuda" and args.runs == "auto":
-        notes.append("CPU: running the unfused reference only; the fused run is skipped because "
-                     "the Triton kernels need a CUDA GPU (their CPU interpreter is far too slow "
-                     "to train)")
-
+    if "fused" not in dict(plan):
+        fused_skip = ("CPU: running the unfused reference only; the fused run is skipped "
+                      "because the Triton kernels need a CUDA GPU (their CPU interpreter is far "
+                      "too slow to train)" if device.type != "cuda" and args.runs == "auto"
+                      else f"not requested (--runs {args.runs})")
+        notes.append(fused_skip)
+    else:
+        fused_skip = None
+        if device.type != "cuda":
+            notes.append("the fused run on the CPU uses the reference path (the fused kernels "
+                         "need a CUDA GPU)")
     try:  # a bad method / preset / target is a usage error, not a traceback
-        _adapter_config(args, "reference")
+        for m in methods:
+            _adapter_config(m, args, "reference")
     except (ValueError, NotImplementedError) as exc:
         print(f"kfused demo: {exc}", file=sys.stderr)
         return 2
 
     tok = ByteTokenizer()
     vocab = tok.vocab_size
+    base_model = _build_model(args, vocab, device)
+    n_pos = _max_positions(base_model)
+    if args.seq_len > n_pos:
+        notes.append(f"--seq-len {args.seq_len} cut to the model's {n_pos} positions")
+        args.seq_len = n_pos
     pairs = load_pairs()
-    n_eval = min(64, len(pairs) // 10)
-    data = encode_pairs(pairs[n_eval:], args.seq_len, tok, target_only=args.target_only)
-    eval_data = encode_pairs(pairs[:n_eval], args.seq_len, tok, target_only=args.target_only)
-    built = (f"from {args.model_dir}" if args.model_dir
-             else f"{args.layers} layers, d={args.d_model}, random weights")
-    say(f"kfused demo: {args.preset or args.method} adapters on a GPT-2-shaped model "
-        f"({built}), "
-        f"{len(pairs) - n_eval} train / {n_eval} eval examples, seq {args.seq_len}, "
-        f"batch {args.batch_size}, {args.steps} steps, device {device}, "
-        f"compute dtype {str(dtype).replace('torch.', '')}"
+    n_eval = min(60, len(pairs) // 10)
+    held = pairs[:n_eval]
+    held_mrs = {e["mr"] for e in held}
+    train = [e for e in pairs[n_eval:] if e["mr"] not in held_mrs]
+    target_only = args.loss == "target"
+    data = encode_pairs(train, args.seq_len, tok, target_only=target_only)
+    eval_data = encode_pairs(held, args.seq_len, tok, target_only=target_only)
+    truncated = int((data["attention_mask"].sum(1) >= args.seq_len).sum())
+    if args.model_dir:
+        built = f"from {args.model_dir}"
+    elif args.base == "pretrained":
+        built = "the shipped pretrained base (kfused/data/base)"
+    else:
+        built = f"{args.layers} layers, d={args.d_model}, random weights"
+    say(f"kfused demo: {', '.join(_label(m) for m in methods)} on a GPT-2-shaped model "
+        f"({built}), {len(train)} train / {n_eval} held-out examples, batch "
+        f"{args.batch_size}, {args.steps} steps, lr {args.lr}, seed {args.seed}, device "
+        f"{device}, compute dtype {str(dtype).replace('torch.', '')}"
         + (f", {args.distributed} x {kd.world_size()}" if args.distributed != "none" else ""))
+    if truncated:
+        notes.append(f"{truncated} training examples longer than --seq-len {args.seq_len} "
+                     "are truncated")
     for note in notes:
         say(f"note: {note}")
 
-    results: Dict[str, dict] = {}
-    roundtrip = {}
     t_start = time.perf_counter()
-    for name, backend in plan:
-        r = train_run(name, backend, args, data, eval_data, device, dtype, vocab,
-                      progress=not args.no_progress)
-        model = r.pop("_model")
-        if (name, backend) == plan[-1]:
-            os.makedirs(args.out, exist_ok=True) if main else None
-            roundtrip = _checkpoint_roundtrip(model, args, vocab, device, args.out, eval_data,
-                                              dtype)
-        del model
-        results[name] = r
+    total_params = sum(p.numel() for p in base_model.parameters())
+    t0 = time.perf_counter()
+    base_row: Dict[str, object] = {
+        "label": "frozen base", "method": None, "backend": None, "trainable_params": 0,
+        "total_params": total_params, "final_loss": None,
+        "eval_loss": eval_loss(base_model, eval_data, device, dtype)}
+    base_row.update(_generate_and_score(base_model, held, args, device, dtype))
+    base_row["run_s"] = time.perf_counter() - t0
+    del base_model
+    rows = [base_row]
+    runs: Dict[str, Dict[str, dict]] = {}
+    checkpoints: Dict[str, dict] = {}
+    comparisons: Dict[str, dict] = {}
+    if main:
+        os.makedirs(args.out, exist_ok=True)
+    for method in methods:
+        t0 = time.perf_counter()
+        runs[method] = {}
+        row: Dict[str, object] = {}
+        for name, backend in plan:
+            r = train_run(name, backend, method, args, data, eval_data, device, dtype, vocab,
+                          progress=not args.no_progress)
+            model = r.pop("_model")
+            if not row:  # the first run of the plan (fused where it runs) is generated from
+                row = {"label": _label(method), **{k: v for k, v in r.items()
+                                                   if k not in ("losses", "name")}}
+                row.update(_generate_and_score(model, held, args, device, dtype))
+                checkpoints[method] = _checkpoint_roundtrip(model, method, args, vocab, device,
+                                                            args.out, eval_data)
+            del model
+            runs[method][name] = r
+        if len(runs[method]) == 2:
+            a, b = runs[method]["fused"], runs[method]["reference"]
+            comparisons[method] = {
+                "max_abs_loss_difference": max(abs(x - y) for x, y in
+                                               zip(a["losses"], b["losses"])),
+                "final_loss_difference": abs(a["losses"][-1] - b["losses"][-1]),
+                "tokens_per_s": {"fused": a["tokens_per_s"], "reference": b["tokens_per_s"]},
+                "peak_memory_bytes": {"fused": a["peak_memory_bytes"],
+                                      "reference": b["peak_memory_bytes"]}}
+        row["run_s"] = time.perf_counter() - t0
+        rows.append(row)
+        say(f"  {_label(method):<14} done in {row['run_s']:.1f} s: eval loss "
+            f"{row['eval_loss']:.3f}" + (f", BLEU {row['bleu']:.1f}, slot accuracy "
+                                         f"{100 * row['slot_accuracy']:.1f}%"
+                                         if "bleu" in row else ""))
     wall = time.perf_counter() - t_start
 
+    base_info = {}
+    if not args.model_dir and args.base == "pretrained":
+        from kfused.data.pretrain_base import BASE_DIR
+
+        with open(os.path.join(BASE_DIR, "pretrain.json")) as f:
+            base_info = json.load(f)
+            base_info.pop("loss_every_50_steps", None)
     report = {
+        "title": f"kfused demo: GPT-2-shaped byte-level base ({total_params:,d} params), "
+                 f"E2E-style data-to-text, {args.steps} steps, {device.type}",
         "device": str(device), "device_name": (torch.cuda.get_device_name(device)
                                                 if device.type == "cuda" else platform.processor()
                                                 or platform.machine()),
         "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-        "args": vars(args), "notes": notes, "wall_s": wall,
-        "runs": {k: v for k, v in results.items()},
-        "skipped": {"fused": notes[-1]} if "fused" not in results else {},
-        "checkpoint": roundtrip,
+        "cpu_threads": torch.get_num_threads(), "args": vars(args), "notes": notes,
+        "wall_s": wall, "base": base_info,
+        "metrics": "BLEU: sacrebleu corpus BLEU, one reference; slot accuracy, all slots, "
+                   "added/example: kfused.data.e2e_metrics (realised slots / all slots; "
+                   "examples with every slot realised; slot values stated but not in the "
+                   "representation)",
+        "heldout_mrs": [e["mr"] for e in held[:max(args.gen_examples, 0)]],
+        "rows": [{k: v for k, v in r.items()} for r in rows],
+        "runs": runs, "fused_vs_reference": comparisons,
+        "skipped": {"fused": fused_skip} if fused_skip else {},
+        "checkpoint": checkpoints,
     }
-    if "fused" in results and "reference" in results:
-        a, b = results["fused"]["losses"], results["reference"]["losses"]
-        report["max_abs_loss_difference"] = max(abs(x - y) for x, y in zip(a, b))
-        report["final_loss_difference"] = abs(a[-1] - b[-1])
+    try:
+        report["load_average"] = os.getloadavg()
+    except OSError:  # pragma: no cover
+        pass
     if main:
-        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "demo.json"), "w") as f:
             json.dump(report, f, indent=2, default=str)
-        err = _plot(results, os.path.join(args.out, "loss_curve.png"),
-                    f"kfused demo: {args.preset or args.method}, GPT-2-shaped, {device.type}")
+        err = _plot(report, os.path.join(args.out, "demo.png"))
+        _print_table(report)
         print()
-        print(f"{'run':<10} {'backend':<10} {'tokens/s':>10} {'step ms':>9} {'peak mem MiB':>13} "
-              f"{'final loss':>11} {'eval loss':>10}")
-        for name, r in results.items():
-            print(f"{name:<10} {r['backend']:<10} {r['tokens_per_s']:>10.0f} "
-                  f"{r['mean_step_ms']:>9.1f} "
-                  f"{r['peak_memory_bytes'] / 2**20:>13.1f} {r['final_loss']:>11.4f} "
-                  f"{r['eval_loss']:>10.4f}")
-        if "fused" not in results:
-            print(f"{'fused':<10} skipped: {notes[-1] if notes else 'not requested'}")
-        if "max_abs_loss_difference" in report:
-            print(f"largest |fused - reference| loss difference over {args.steps} steps: "
-                  f"{report['max_abs_loss_difference']:.3e} (final step: "
-                  f"{report['final_loss_difference']:.3e})")
+        if comparisons:
+            print("fused vs reference (identical batches in identical order):")
+            for m, c in comparisons.items():
+                mem = c["peak_memory_bytes"]
+                print(f"  {_label(m):<14} largest |fused - reference| loss difference "
+                      f"{c['max_abs_loss_difference']:.3e} (final {c['final_loss_difference']:.3e})"
+                      f"; tokens/s {c['tokens_per_s']['fused']:.0f} vs "
+                      f"{c['tokens_per_s']['reference']:.0f}; peak memory "
+                      f"{mem['fused'] / 2**20:.1f} vs {mem['reference'] / 2**20:.1f} MiB")
         else:
-            print("largest fused/reference loss difference: n/a (only one run)")
-        first = next(iter(results.values()))
-        print(f"trainable params: {first['trainable_params']:,d} of {first['total_params']:,d} "
-              f"({100 * first['trainable_params'] / first['total_params']:.2f}%); "
-              f"peak memory: {first['peak_memory_kind']}")
-        if roundtrip:
-            print(f"adapter checkpoint: {roundtrip.get('checkpoint')} "
-                  + (f"(reload bit-exact: {roundtrip['reload_bit_exact']})"
-                     if "reload_bit_exact" in roundtrip else "")
-                  + ("; merge changes logits by at most "
-                     f"{roundtrip['merge_max_abs_logit_change']:.2e}"
-                     if "merge_max_abs_logit_change" in roundtrip
-                     else (f"; {roundtrip['merge']}" if "merge" in roundtrip else "")))
+            print(f"fused vs reference: fused run skipped: {fused_skip}")
+        first = rows[1] if len(rows) > 1 else rows[0]
+        print(f"peak memory: {first.get('peak_memory_kind', '-')}; metrics: "
+              "kfused.data.e2e_metrics")
+        for m, info in checkpoints.items():
+            print(f"adapter checkpoint {info.get('checkpoint')}"
+                  + (f": reload bit-exact {info['reload_bit_exact']}"
+                     if "reload_bit_exact" in info else "")
+                  + (f"; merge changes logits by at most "
+                     f"{info['merge_max_abs_logit_change']:.2e}"
+                     if "merge_max_abs_logit_change" in info else ""))
         print(f"wrote {os.path.join(args.out, 'demo.json')}"
-              + (f" and {os.path.join(args.out, 'loss_curve.png')}" if err is None
+              + (f" and {os.path.join(args.out, 'demo.png')}" if err is None
                  else f" (no plot: {err})") + f"; total {wall:.1f} s")
     if args.distributed != "none":
         kd.cleanup()

@@ -9,8 +9,9 @@ from typing import List, Optional
 USAGE = """usage: kfused <command> [options]
 
 commands:
-  demo    fine-tune a GPT-2-shaped model with kfused adapters (fused and reference runs)
-  bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results
+  demo    the main job: adapt the shipped pretrained base with LoRA and each kfused method,
+          score generations (BLEU, slot accuracy); fused vs reference on a GPU
+  bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results/local
   check   every available kernel on this device against the float64 reference (SPEC §4)
   info    versions, device and which backends can run
 
@@ -48,10 +49,19 @@ def _info() -> int:
         print(f"device: {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
     else:
         print(f"device: cpu (TRITON_INTERPRET={int(backends.triton_interpret())})")
+    reasons: List[str] = []  # each distinct reason printed once, as a numbered note
+
+    def why(reason: str) -> str:
+        if reason not in reasons:
+            reasons.append(reason)
+        return f"no [{reasons.index(reason) + 1}]"
+
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         status = kfused.available_backends("kron_matvec", device=dev, dtype=dt)
         print(f"  {str(dt).replace('torch.', ''):<9} " + ", ".join(
-            f"{k}: {'yes' if v is None else 'no (' + v + ')'}" for k, v in status.items()))
+            f"{k}: {'yes' if v is None else why(v)}" for k, v in status.items()))
+    for i, reason in enumerate(reasons, 1):
+        print(f"  [{i}] {reason}")
     return 0
 
 

@@ -172,9 +172,13 @@ def check_supported(model: nn.Module) -> None:
 
 def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck: int = 4,
                  composition: str = "add", prefix_len: int = 0, inducer: bool = True,
-                 init: str = "paper") -> List[InducerAttention]:
+                 init: str = "paper", freeze_base: bool = True) -> List[InducerAttention]:
     """Attach an adapter to every self-attention layer and switch the model to
     ``"kfused_inducer"``. Returns the adapters (the trainable parameters).
+
+    ``freeze_base`` (default True, like :func:`kfused.inject`): every parameter the model had
+    before is set ``requires_grad=False``, so only the adapters train; pass False to keep the
+    base's ``requires_grad`` flags as they were (full fine-tuning alongside the adapters).
 
     Raises ValueError (before changing the model) for models the kernel cannot run exactly
     (T5's relative position bias, see :func:`unsupported_reason`) and for models with no
@@ -186,6 +190,9 @@ def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: found no GPT-2, RoBERTa/BERT or Llama-style "
                          f"self-attention layer in {type(model).__name__}")
     register()
+    if freeze_base:
+        for p in model.parameters():
+            p.requires_grad_(False)
     adapters = []
     for attn, parent, attr, heads, hd in layers:
         w = getattr(parent, attr).weight

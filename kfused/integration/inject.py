@@ -23,7 +23,7 @@ from torch import nn
 from kfused.integration import methods as _builtin_methods  # noqa: F401  (registers builtins)
 from kfused.integration.arch import ArchSpec, detect_arch, model_dims, model_type_of
 from kfused.integration.config import AdapterConfig, preset
-from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable
+from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable, methods
 from kfused.modules._linear import is_conv1d as _is_conv1d, linear_dims
 
 _SITE_ORDER = {"linear": 0, "block": 1, "attention": 2, "model": 2}
@@ -299,6 +299,9 @@ def set_backend(model: nn.Module, backend: Optional[str]) -> None:
             if hasattr(sub, "backend") and not isinstance(getattr(type(sub), "backend", None),
                                                            property):
                 sub.backend = backend
+    for sub in unwrap(model).modules():  # attention layers running inducer attention
+        if hasattr(sub, "kfused_backend"):
+            sub.kfused_backend = backend
 
 
 @contextlib.contextmanager
@@ -320,6 +323,19 @@ def use_backend(backend: Optional[str]):
             os.environ["KFUSED_BACKEND"] = old
 
 
+def mergeable_methods() -> List[str]:
+    """Names of the registered methods that merge() can fold (plugins loaded first)."""
+    names = []
+    for name in sorted(methods()):
+        try:
+            get_method(name)
+        except (NotImplementedError, ValueError):
+            continue
+        if is_mergeable(name):
+            names.append(name)
+    return names
+
+
 def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:
     state = get_state(model)
     method = state.config.method
@@ -327,7 +343,8 @@ def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:
         raise ValueError(
             f"cannot {verb} method {method!r}: it is not a linear update of frozen weights "
             "(block-parallel, attention-changing and composite methods add computation the "
-            "base layers cannot absorb). Mergeable methods: krona, lora.")
+            "base layers cannot absorb). Mergeable methods: "
+            + ", ".join(mergeable_methods()) + ".")
     mods = adapter_modules(model)
     missing = [n for n, m in mods.items() if not hasattr(m, "merge")]
     if missing:

@@ -56,9 +56,24 @@ def headwise_config(method: str, cfg: AdapterConfig) -> HeadwiseConfig:
     return HeadwiseConfig(**ranks, scale=cfg.scale, init=init)
 
 
+def _backend_default(module: nn.Module, args, kwargs):
+    """Forward pre-hook: the module's ``backend`` (AdapterConfig.backend, or what
+    :func:`kfused.integration.set_backend` set) when the caller passes none."""
+    backend = getattr(module, "backend", None)
+    if backend is not None and len(args) < 2 and kwargs.get("backend") is None:
+        kwargs = dict(kwargs, backend=backend)
+    return args, kwargs
+
+
 def _make(method: str):
     def apply(model: nn.Module, target: Target, cfg: AdapterConfig):
-        return attach_headwise(model, headwise_config(method, cfg))
+        new = attach_headwise(model, headwise_config(method, cfg))
+        # The headwise modules take the backend per call and the model never passes one:
+        # remember the configured backend on each module and supply it on every call.
+        for mod in new.values():
+            mod.backend = cfg.backend
+            mod.register_forward_pre_hook(_backend_default, with_kwargs=True)
+        return new
 
     return apply
 

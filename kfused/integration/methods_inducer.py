@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.hf_attention import add_inducers, check_supported
+from kfused.integration.hf_attention import add_inducers, attention_layers, check_supported
 from kfused.integration.registry import Target, register_method
 
 
@@ -29,17 +29,31 @@ def _init(cfg: AdapterConfig) -> str:
     return {"lora": "zero", "random": "paper"}.get(cfg.init, cfg.init)
 
 
+def _set_backend(model: nn.Module, cfg: AdapterConfig):
+    # The attention forward reads the backend from the attention layer (``kfused_backend``);
+    # without this, AdapterConfig.backend would be ignored and the environment would decide.
+    for attn, *_ in attention_layers(model):
+        attn.kfused_backend = cfg.backend
+
+
 def _inducer(model: nn.Module, target: Target, cfg: AdapterConfig):
     o = cfg.options
-    return add_inducers(model, key_bottleneck=int(o.get("key_bottleneck", cfg.r)),
-                        value_bottleneck=int(o.get("value_bottleneck", cfg.r)),
-                        composition=o.get("composition", "add"),
-                        prefix_len=int(o.get("prefix_len", 0)), inducer=True, init=_init(cfg))
+    # inject() freezes the base itself (and must not freeze a composite's other parts here)
+    out = add_inducers(model, key_bottleneck=int(o.get("key_bottleneck", cfg.r)),
+                       value_bottleneck=int(o.get("value_bottleneck", cfg.r)),
+                       composition=o.get("composition", "add"),
+                       prefix_len=int(o.get("prefix_len", 0)), inducer=True, init=_init(cfg),
+                       freeze_base=False)
+    _set_backend(model, cfg)
+    return out
 
 
 def _prefix(model: nn.Module, target: Target, cfg: AdapterConfig):
-    return add_inducers(model, prefix_len=int(cfg.r), inducer=False,
-                        composition=cfg.options.get("composition", "add"), init=_init(cfg))
+    out = add_inducers(model, prefix_len=int(cfg.r), inducer=False,
+                       composition=cfg.options.get("composition", "add"), init=_init(cfg),
+                       freeze_base=False)
+    _set_backend(model, cfg)
+    return out
 
 
 def _check(model: nn.Module, arch) -> None:

@@ -1,0 +1,89 @@
+"""Scores for the demo's data-to-text task: corpus BLEU (sacrebleu) and slot realisation.
+
+**Slot realisation accuracy** (the E2E challenge's slot error rate, made exact for this data
+set): a meaning representation ``name[Cotto], eatType[pub], familyFriendly[yes]`` has one slot
+per ``key[value]``. A slot is *realised* when the generated text states its value:
+
+* ``familyFriendly[yes]``: "family friendly", "kids are welcome" or "children are welcome"
+  appears and no negated form does; ``familyFriendly[no]``: "not family friendly", "not
+  suitable for children" or "no kids" appears;
+* every other slot: the value appears verbatim (case-insensitive, on word boundaries), e.g.
+  ``priceRange[£20-25]`` needs "£20-25", ``customer rating[5 out of 5]`` needs "5 out of 5".
+
+``slot_accuracy`` = realised slots / all slots over the held-out set; ``all_slots`` = the
+fraction of examples with every slot realised; ``added`` = slot values the text states that
+the representation does not hold (another restaurant's name, another cuisine, area, eat type
+or landmark), per example: hallucinations, which slot accuracy alone would not punish. The
+reference sentences score slot accuracy 1.0 and added 0 (a test checks this).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Sequence
+
+from kfused.data.make_e2e import AREA, EAT, FOOD, NAMES, NEAR
+
+_MR = re.compile(r"\s*([^\[\],]+)\[([^\]]*)\]")
+_YES = ("family friendly", "kids are welcome", "children are welcome")
+_NO = ("not family friendly", "not suitable for children", "no kids", "not kid friendly",
+       "not child friendly")
+_POOLS = {"name": NAMES, "food": FOOD, "area": AREA, "eatType": EAT, "near": NEAR}
+
+
+def parse_mr(mr: str) -> Dict[str, str]:
+    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``."""
+    return {k.strip(): v.strip() for k, v in _MR.findall(mr)}
+
+
+def _has(text: str, value: str, case: bool = False) -> bool:
+    pat = r"(?<!\w)" + re.escape(value) + r"(?!\w)"
+    return re.search(pat, text, 0 if case else re.IGNORECASE) is not None
+
+
+def slot_realised(key: str, value: str, text: str) -> bool:
+    if key == "familyFriendly":
+        low = text.lower()
+        neg = any(p in low for p in _NO)
+        if value == "no":
+            return neg
+        return not neg and any(p in low for p in _YES)
+    return _has(text, value)
+
+
+def added_values(slots: Dict[str, str], text: str) -> List[str]:
+    """Values of name/food/area/eatType/near stated in ``text`` but absent from ``slots``."""
+    mr_values = " | ".join(slots.values()).lower()
+    out = []
+    for key, pool in _POOLS.items():
+        for value in pool:
+            if slots.get(key) == value or value.lower() in mr_values:
+                continue
+            if _has(text, value, case=key in ("name", "near")):
+                out.append(f"{key}[{value}]")
+    return out
+
+
+def slot_scores(mrs: Sequence[str], texts: Sequence[str]) -> Dict[str, float]:
+    total = realised = complete = added = 0
+    for mr, text in zip(mrs, texts):
+        slots = parse_mr(mr)
+        hit = [slot_realised(k, v, text) for k, v in slots.items()]
+        total += len(hit)
+        realised += sum(hit)
+        complete += all(hit)
+        added += len(added_values(slots, text))
+    n = max(len(mrs), 1)
+    return {"slot_accuracy": realised / max(total, 1), "all_slots": complete / n,
+            "added_per_example": added / n, "slots": total}
+
+
+def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
+    """Corpus BLEU (sacrebleu defaults: 13a tokenisation, one reference per example)."""
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(list(hyps), [list(refs)]).score)
+
+
+def score(mrs: Sequence[str], hyps: Sequence[str], refs: Sequence[str]) -> Dict[str, float]:
+    return {"bleu": bleu(hyps, refs), **slot_scores(mrs, hyps)}

@@ -1,0 +1,267 @@
+"""The pretraining text of the shipped base model: descriptive English, generated here.
+
+No model hub and no text corpus can be downloaded, so the small GPT-2-shaped base that ships in
+``kfused/data/base/`` is pretrained on English that this module writes from a hand-made grammar
+(seeded, so the corpus is the same on every machine). Three kinds of document, one per line:
+
+* **prose** about towns, travel, weather, shops, hotels, museums, parks, cafés, pubs and
+  restaurants: several sentences with varied openings, clauses and connectives;
+* **notes**: a short record in a ``Key: value | Key: value`` layout, the separator token, then
+  a description of it (general "structured data, then text" material, as web text has);
+* **short dialogue-style** questions and answers about places.
+
+Distinct from the demo's data-to-text task (:mod:`kfused.data.make_e2e`): no document uses the
+task's ``key[value]`` meaning-representation syntax or its slot names, and every venue and
+landmark name is drawn from pools disjoint from the task's ``NAMES`` and ``NEAR`` lists (a test
+checks this). So the held-out meaning representations and their reference sentences never
+appear in pretraining; none of the task's training pairs are used either.
+
+    python -m kfused.data.make_corpus            # prints statistics of the corpus
+"""
+
+from __future__ import annotations
+
+import random
+from typing import List, Tuple
+
+# Venue names: none of them is (or contains) a name of the data-to-text task (tested).
+VENUE_NAMES = [
+    "The Copper Kettle", "The Old Forge", "Harbour Lights", "The Silver Birch", "Maple House",
+    "The Red Lion Yard", "Rosewood", "The Lantern", "Northgate Hall", "The Bluebell",
+    "Kingfisher Lodge", "The Orchard", "Juniper", "The Willow Tree", "Saffron Court",
+    "The Stag and Hound", "Pebble Beach", "The Granary", "Hillside", "The Tinners Arms",
+    "Marigold", "The Brass Monkey", "Oak and Ivy", "The Lighthouse", "Seven Bridges",
+    "The Chestnut", "Bay Leaf", "The Weavers", "Castle View", "The Harvest Moon",
+    "Meadowbank", "The Ferryman", "Larkspur", "The Tollhouse", "Riverbend", "The Quarry",
+    "Fig and Olive", "The Anchor House", "Foxglove", "The Market Cross", "Elm Street Kitchen",
+    "The Cobbler", "Thistle Lane", "The Oak Barrel", "Windmill Corner", "The Pelican",
+    "Cedar and Sage", "The Bell Tower", "Wren House", "The Nightingale", "Sunflower Deli",
+    "The Salt Store", "Lavender Hill", "The Clockmaker", "Amber Rooms", "The Signal Box",
+]
+LANDMARKS = [
+    "the railway station", "the cathedral", "the town hall", "the old bridge", "the harbour",
+    "the market square", "the university", "the botanic garden", "the bus station",
+    "the castle", "the museum of science", "the public library", "the football ground",
+    "the art college", "the clock tower", "the swimming pool", "the war memorial",
+    "the theatre royal", "the canal basin", "the city park", "the main post office",
+]
+TOWNS = ["Whitby", "Bath", "York", "Norwich", "Exeter", "Durham", "Lincoln", "Chester",
+         "Salisbury", "Ludlow", "Kendal", "Truro", "Hexham", "Ripon", "Wells", "Oban",
+         "Stirling", "Conwy", "Tenby", "Harrogate", "Keswick", "Lewes", "Rye", "Totnes"]
+CUISINES = ["Thai", "Greek", "Spanish", "Turkish", "Mexican", "Korean", "Vietnamese",
+            "Lebanese", "Italian", "French", "Chinese", "Indian", "Japanese", "English",
+            "Moroccan", "Portuguese", "vegetarian", "seafood"]
+DISHES = ["fresh pasta", "grilled fish", "slow-cooked stews", "homemade soups", "stone-baked "
+          "pizza", "curries", "noodle bowls", "roast dinners", "tapas", "dumplings", "salads",
+          "pies", "pancakes", "sandwiches", "cakes and pastries", "burgers", "kebabs"]
+VENUE_KINDS = ["restaurant", "coffee shop", "pub", "hotel", "bakery", "bookshop", "museum",
+               "gallery", "tea room", "wine bar", "bistro", "guest house", "deli", "cinema",
+               "inn", "brasserie", "noodle bar", "market hall"]
+FOOD_KINDS = {"restaurant", "coffee shop", "pub", "bakery", "tea room", "wine bar", "bistro",
+              "deli", "inn", "brasserie", "noodle bar"}
+PRICE_WORDS = [("cheap", "low prices"), ("inexpensive", "fair prices"),
+               ("moderately priced", "moderate prices"), ("mid-range", "average prices"),
+               ("expensive", "high prices"), ("upmarket", "high prices"),
+               ("affordable", "reasonable prices"), ("pricey", "steep prices")]
+MONEY = ["under £10", "about £15", "£10-20", "around £25", "over £30", "£20-30", "less than £15",
+         "more than £40"]
+RATINGS = ["poor", "mixed", "average", "good", "very good", "excellent", "outstanding"]
+STARS = ["1 star", "2 stars", "3 stars", "4 stars", "5 stars", "2 out of 5", "4 out of 5",
+         "3 out of 5", "5 out of 5", "1 out of 5"]
+AREAS = ["the city centre", "the riverside", "the old town", "the harbour front", "the suburbs",
+         "the university quarter", "the high street", "a quiet side street", "the seafront",
+         "the north end of town", "the shopping district", "the village green"]
+PEOPLE = ["families", "students", "couples", "tourists", "walkers", "business travellers",
+          "children", "older visitors", "locals", "groups of friends", "cyclists", "dog owners"]
+HOURS = ["from early morning", "until late", "every day except Monday", "at weekends only",
+         "from noon until ten", "all year round", "in the summer months", "seven days a week"]
+WEATHER = ["sunny", "wet", "windy", "foggy", "cold", "mild", "warm", "grey", "bright", "stormy"]
+SEASONS = ["spring", "summer", "autumn", "winter"]
+TIMES = ["in the morning", "in the afternoon", "in the evening", "at night", "at lunchtime",
+         "on Sundays", "on market days", "during the holidays"]
+ADJ_PLACE = ["small", "busy", "quiet", "friendly", "charming", "modern", "old", "popular",
+             "lively", "cosy", "spacious", "family-run", "well-known", "bright", "tiny"]
+FEATURES = ["a garden at the back", "a view of the river", "outdoor seating", "free wifi",
+            "a log fire", "live music on Fridays", "a children's corner", "a roof terrace",
+            "parking nearby", "wheelchair access", "a large function room", "a reading room",
+            "a play area", "a terrace by the water", "bicycle racks outside"]
+VERBS_SERVE = ["serves", "offers", "specialises in", "is known for", "has a menu of",
+               "sells", "cooks"]
+CONNECT = ["Also,", "In addition,", "Besides this,", "On top of that,", "What is more,", ""]
+OPINION = ["Visitors say it is worth the trip.", "It can be crowded at busy times.",
+           "Booking ahead is a good idea.", "The staff are helpful and polite.",
+           "It is a good place to meet friends.", "Service can be slow when it is full.",
+           "Many people come back again and again.", "It is easy to miss from the road.",
+           "Prices have gone up this year.", "It gets quieter after nine.",
+           "The portions are generous.", "It is best visited on a weekday."]
+
+
+def _a(word: str) -> str:
+    return ("an " if word[0].lower() in "aeiou" else "a ") + word
+
+
+def _cap(s: str) -> str:
+    return s[0].upper() + s[1:] if s else s
+
+
+def _venue(rng: random.Random) -> dict:
+    kind = rng.choice(VENUE_KINDS)
+    v = {"name": rng.choice(VENUE_NAMES), "kind": kind, "town": rng.choice(TOWNS),
+         "adj": rng.choice(ADJ_PLACE)}
+    if kind in FOOD_KINDS and rng.random() < 0.8:
+        v["cuisine"] = rng.choice(CUISINES)
+        v["dish"] = rng.choice(DISHES)
+    if rng.random() < 0.7:
+        v["price"] = rng.choice(PRICE_WORDS)
+    if rng.random() < 0.4:
+        v["money"] = rng.choice(MONEY)
+    if rng.random() < 0.6:
+        v["rating"] = rng.choice(RATINGS if rng.random() < 0.5 else STARS)
+    if rng.random() < 0.7:
+        v["area"] = rng.choice(AREAS)
+    if rng.random() < 0.5:
+        v["near"] = rng.choice(LANDMARKS)
+    if rng.random() < 0.5:
+        v["people"] = rng.choice(PEOPLE)
+        v["suits"] = rng.random() < 0.75
+    if rng.random() < 0.5:
+        v["feature"] = rng.choice(FEATURES)
+    if rng.random() < 0.4:
+        v["hours"] = rng.choice(HOURS)
+    return v
+
+
+def _venue_sentences(v: dict, rng: random.Random) -> List[str]:
+    name, kind = v["name"], v["kind"]
+    first = rng.choice([
+        f"{name} is {_a(v['adj'])} {kind} in {v['town']}.",
+        f"In {v['town']} there is {_a(v['adj'])} {kind} called {name}.",
+        f"{name} is {_a(kind)}" + (f" in {v['area']}" if "area" in v else "") + ".",
+        f"If you are in {v['town']}, {name} is {_a(v['adj'])} {kind} worth knowing.",
+        f"{name}, {_a(v['adj'])} {kind}, opened in {v['town']} some years ago.",
+    ])
+    out = [first]
+    pending = []
+    if "cuisine" in v:
+        pending.append(rng.choice([
+            f"It {rng.choice(VERBS_SERVE)} {v['cuisine']} food.",
+            f"The kitchen {rng.choice(VERBS_SERVE)} {v['dish']} and other {v['cuisine']} dishes.",
+            f"The menu is mostly {v['cuisine']}, with {v['dish']} as the favourite.",
+            f"You can eat {v['cuisine']} food there.",
+        ]))
+    if "price" in v:
+        word, phrase = v["price"]
+        pending.append(rng.choice([f"It is {word}.", f"It has {phrase}.",
+                                   f"Most people find it {word}.",
+                                   f"The prices are {phrase.split()[0]}."]))
+    if "money" in v:
+        pending.append(rng.choice([f"A meal costs {v['money']} per person.",
+                                   f"Expect to pay {v['money']}.",
+                                   f"Most things cost {v['money']}."]))
+    if "rating" in v:
+        r = v["rating"]
+        if "star" in r or "out of" in r:
+            pending.append(rng.choice([f"Reviewers give it {r}.", f"It is rated {r}.",
+                                       f"Its rating is {r}."]))
+        else:
+            pending.append(rng.choice([f"Reviews are {r}.", f"It has {_a(r)} reputation.",
+                                       f"Guests rate it as {r}."]))
+    if "area" in v and v["area"] not in first:
+        pending.append(rng.choice([f"It is in {v['area']}.", f"You will find it in {v['area']}.",
+                                   f"It sits in {v['area']}."]))
+    if "near" in v:
+        pending.append(rng.choice([f"It is near {v['near']}.", f"It is close to {v['near']}.",
+                                   f"It is a short walk from {v['near']}.",
+                                   f"Look for it next to {v['near']}."]))
+    if "people" in v:
+        p = v["people"]
+        pending.append(rng.choice([f"It is good for {p}.", f"It is popular with {p}.",
+                                   f"{_cap(p)} are welcome."] if v["suits"] else
+                                  [f"It is not ideal for {p}.", f"It is not suited to {p}.",
+                                   f"{_cap(p)} may prefer somewhere else."]))
+    if "feature" in v:
+        pending.append(rng.choice([f"There is {v['feature']}.", f"It has {v['feature']}.",
+                                   f"Inside you will find {v['feature']}."]))
+    if "hours" in v:
+        pending.append(rng.choice([f"It is open {v['hours']}.",
+                                   f"The doors are open {v['hours']}."]))
+    rng.shuffle(pending)
+    for i, s in enumerate(pending):
+        c = rng.choice(CONNECT) if i and rng.random() < 0.25 else ""
+        out.append((c + " " + s[0].lower() + s[1:]) if c else s)
+    if rng.random() < 0.5:
+        out.append(rng.choice(OPINION))
+    return out
+
+
+def prose(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.55:
+        return " ".join(_venue_sentences(_venue(rng), rng))
+    if r < 0.75:
+        town, w, s = rng.choice(TOWNS), rng.choice(WEATHER), rng.choice(SEASONS)
+        lm = rng.choice(LANDMARKS)
+        parts = [rng.choice([f"{town} is {_a(rng.choice(ADJ_PLACE))} town.",
+                             f"The weather in {town} was {w} today.",
+                             f"In {s}, {town} is often {w}.",
+                             f"Many {rng.choice(PEOPLE)} visit {town} in {s}."]),
+                 rng.choice([f"The best way to see it is on foot, starting at {lm}.",
+                             f"Most visitors begin at {lm}.",
+                             f"Buses leave from {lm} {rng.choice(TIMES)}.",
+                             f"It is {rng.choice(WEATHER)} {rng.choice(TIMES)}, so bring a coat."]),
+                 rng.choice([f"There are {rng.choice(['two', 'three', 'four', 'several', 'many'])}"
+                             f" {rng.choice(VENUE_KINDS)}s in {rng.choice(AREAS)}.",
+                             f"{rng.choice(VENUE_NAMES)} is the place people mention most.",
+                             rng.choice(OPINION)])]
+        return " ".join(parts)
+    if r < 0.9:  # two venues compared
+        a, b = _venue(rng), _venue(rng)
+        pa, pb = a.get("price", ("cheap", ""))[0], b.get("price", ("expensive", ""))[0]
+        return (f"{a['name']} and {b['name']} are both in {a['town']}. "
+                f"{a['name']} is {_a(a['kind'])} and {b['name']} is {_a(b['kind'])}. "
+                f"The first is {pa}, while the second is {pb}. "
+                + rng.choice(["Both are worth a visit.", "Locals prefer the first one.",
+                              "The second one is easier to reach.",
+                              "Neither takes bookings."]))
+    v = _venue(rng)
+    return (f"Where can I find {_a(v['kind'])} in {v['town']}? "
+            + " ".join(_venue_sentences(v, rng)[:3]))
+
+
+_NOTE_KEYS = [("Kind", "kind"), ("Town", "town"), ("Cuisine", "cuisine"), ("Prices", "price"),
+              ("Cost", "money"), ("Rating", "rating"), ("Area", "area"), ("Near", "near"),
+              ("Good for", "people"), ("Extras", "feature"), ("Open", "hours")]
+
+
+def note(rng: random.Random) -> Tuple[str, str]:
+    """A ``Key: value | ...`` record and a description of it."""
+    v = _venue(rng)
+    fields = [f"Name: {v['name']}"]
+    for label, key in _NOTE_KEYS:
+        if key not in v:
+            continue
+        val = v[key]
+        if key == "price":
+            val = val[0]
+        if key == "people":
+            val = ("" if v["suits"] else "not ") + val
+        fields.append(f"{label}: {val}")
+    return " | ".join(fields), " ".join(_venue_sentences(v, rng))
+
+
+def documents(n: int, seed: int = 1234, note_fraction: float = 0.3) -> List[Tuple[str, str]]:
+    """``n`` documents as (record, text); record is "" for prose."""
+    rng = random.Random(seed)
+    return [note(rng) if rng.random() < note_fraction else ("", prose(rng)) for _ in range(n)]
+
+
+def main() -> None:  # pragma: no cover
+    docs = documents(20000)
+    chars = sum(len(a) + len(b) for a, b in docs)
+    print(f"{len(docs)} documents, {chars} characters, {sum(bool(a) for a, _ in docs)} notes")
+    for a, b in docs[:6]:
+        print((a + "  =>  " if a else "") + b)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

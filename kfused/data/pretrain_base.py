@@ -1,0 +1,170 @@
+"""Pretrain the small GPT-2-shaped base model that ships in ``kfused/data/base/``.
+
+No model hub can be reached, so ``kfused demo`` adapts a base that this script pretrains on
+the generated English of :mod:`kfused.data.make_corpus` (descriptive prose about places plus
+"record, separator, description" notes; none of the demo task's data). Byte-level like the
+demo: :class:`kfused.data.ByteTokenizer` (bytes 0-255 plus PAD/BOS/SEP/EOS, vocab 260).
+
+Reproducible: a fixed seed, a fixed corpus, a fixed number of steps, float32 on the CPU
+(bit-identical weights need the same torch version and thread count). The weights are stored
+in float16 (the demo loads them as float32 and keeps the base frozen) with ``config.json``
+and ``pretrain.json`` (steps, tokens, time, load, final training and held-out loss of the
+float16 weights, versions, sha256 of the weights) beside them:
+
+    python -m kfused.data.pretrain_base                 # a few minutes on 2 idle CPU cores
+    python -m kfused.data.pretrain_base --steps 20 --out /tmp/base   # a quick try
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from typing import List
+
+import torch
+
+from kfused.data import ByteTokenizer
+from kfused.data.make_corpus import documents
+
+BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base")
+
+# The shipped base's shape (GPT-2 layout, learned positions, tied embeddings).
+SHAPE = dict(d_model=128, n_layers=4, n_heads=4, d_ff=512, max_len=384)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=SHAPE["max_len"],
+                   help="tokens per packed sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    p.add_argument("--docs", type=int, default=24000, help="corpus documents to generate")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--out", default=BASE_DIR, help="output directory")
+    return p
+
+
+def encode_documents(docs, tok: ByteTokenizer) -> torch.Tensor:
+    """One token stream: BOS [record SEP] text EOS, document after document."""
+    ids: List[int] = []
+    for record, text in docs:
+        ids.append(tok.BOS)
+        if record:
+            ids += tok.encode(record) + [tok.SEP]
+        ids += tok.encode(text) + [tok.EOS]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def build_model(seed: int = 0):
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(seed)
+    model = tiny_model("gpt2", d_model=SHAPE["d_model"], n_layers=SHAPE["n_layers"],
+                       n_heads=SHAPE["n_heads"], d_ff=SHAPE["d_ff"],
+                       vocab=ByteTokenizer.vocab_size, max_len=SHAPE["max_len"])
+    tok = ByteTokenizer()  # the special tokens, for generate()
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.BOS, tok.EOS, tok.PAD
+    return model
+
+
+@torch.no_grad()
+def mean_loss(model, chunks: torch.Tensor, batch: int = 16) -> float:
+    model.eval()
+    tot = 0.0
+    for i in range(0, chunks.shape[0], batch):
+        x = chunks[i:i + batch]
+        tot += float(model(input_ids=x, labels=x).loss) * x.shape[0]
+    return tot / chunks.shape[0]
+
+
+def pretrain(args) -> dict:
+    torch.set_num_threads(args.threads)
+    tok = ByteTokenizer()
+    t0 = time.perf_counter()
+    stream = encode_documents(documents(args.docs, seed=1234), tok)
+    held = encode_documents(documents(400, seed=4321), tok)  # a separate held-out corpus
+    T = args.seq_len
+    chunks = stream[: (stream.numel() // T) * T].view(-1, T)
+    held = held[: (held.numel() // T) * T].view(-1, T)
+    model = build_model(args.seed)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(args.seed)
+    epochs = math.ceil(args.steps * args.batch_size / chunks.shape[0]) + 1
+    order = torch.cat([torch.randperm(chunks.shape[0], generator=g) for _ in range(epochs)])
+    losses = []
+    t_train = time.perf_counter()
+    for step in range(args.steps):
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x = chunks[order[step * args.batch_size:(step + 1) * args.batch_size]]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % 25 == 0 or step == args.steps - 1:
+            el = time.perf_counter() - t_train
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {el:7.1f} s", flush=True)
+    train_s = time.perf_counter() - t_train
+    model.half().float()  # evaluate exactly what is stored (float16)
+    held_loss = mean_loss(model, held)
+    os.makedirs(args.out, exist_ok=True)
+    model.half().save_pretrained(args.out, safe_serialization=True)
+    path = os.path.join(args.out, "model.safetensors")
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    try:
+        load = os.getloadavg()
+    except OSError:  # pragma: no cover
+        load = None
+    import transformers
+
+    info = {
+        "what": "GPT-2-shaped byte-level LM pretrained by kfused.data.pretrain_base on the "
+                "generated English of kfused.data.make_corpus (none of the demo task's data)",
+        "shape": SHAPE, "vocab": tok.vocab_size,
+        "params": sum(p.numel() for p in model.parameters()),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "corpus_tokens": int(stream.numel()), "train_tokens": args.steps * args.batch_size * T,
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.perf_counter() - t0, 1),
+        "final_train_loss_nats_per_byte": round(sum(losses[-20:]) / min(20, len(losses)), 4),
+        "first_train_loss": round(losses[0], 4),
+        "heldout_loss_nats_per_byte_float16_weights": round(held_loss, 4),
+        "loss_every_50_steps": [round(x, 4) for x in losses[::50]],
+        "load_average_at_end": load, "cpu_threads": args.threads,
+        "machine": platform.machine(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "weights_dtype": "float16",
+        "weights_sha256": sha,
+    }
+    with open(os.path.join(args.out, "pretrain.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(f"held-out loss {held_loss:.4f} nats/byte; trained {train_s:.0f} s; wrote {args.out}")
+    return info
+
+
+def main(argv=None) -> None:  # pragma: no cover
+    pretrain(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,165 @@
+"""`kfused demo` (issue 18): the shipped pretrained base, its pretraining script and corpus, the
+task metrics, and the demo's CPU path (reference only, said so), report, plot and determinism."""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("sacrebleu")
+
+from kfused.cli.demo import build_parser, run_demo  # noqa: E402
+from kfused.data import load_pairs  # noqa: E402
+from kfused.data import e2e_metrics as em  # noqa: E402
+from kfused.data.make_corpus import LANDMARKS, VENUE_NAMES, documents  # noqa: E402
+from kfused.data.make_e2e import NAMES, NEAR  # noqa: E402
+from kfused.data.pretrain_base import BASE_DIR  # noqa: E402
+
+TINY = ["--base", "random", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len",
+        "64", "--batch-size", "4", "--warmup", "1", "--gen-examples", "3", "--max-new-tokens",
+        "6", "--no-progress", "--device", "cpu"]
+
+
+def test_demo_cpu_reference_only_report_and_plot(tmp_path, capsys):
+    rc = run_demo(TINY + ["--steps", "4", "--methods", "lora,inducer_lora", "--out",
+                          str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    # the CPU path says that only the reference runs, and why
+    assert "reference only" in out and "fused run skipped" in out and "CUDA GPU" in out
+    assert "BLEU" in out and "slot acc" in out and "frozen base" in out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert [r["label"] for r in report["rows"]] == ["frozen base", "LoRA", "inducer+LoRA"]
+    assert report["rows"][0]["trainable_params"] == 0
+    for row in report["rows"][1:]:
+        assert 0 < row["trainable_params"] < row["total_params"]
+        assert {"bleu", "slot_accuracy", "all_slots", "eval_loss"} <= set(row)
+    assert set(report["runs"]["lora"]) == {"reference"}  # no fused run on the CPU
+    assert len(report["runs"]["lora"]["reference"]["losses"]) == 4
+    assert report["skipped"]["fused"] and not report["fused_vs_reference"]
+    assert report["checkpoint"]["lora"]["reload_bit_exact"] is True
+    assert "merge_max_abs_logit_change" in report["checkpoint"]["lora"]
+    assert os.path.getsize(tmp_path / "demo.png") > 1000
+
+
+def test_demo_runs_reference_explicitly(tmp_path, capsys):
+    # `--runs reference` used to raise IndexError after training (no note to report)
+    rc = run_demo(TINY + ["--steps", "2", "--methods", "krona", "--runs", "reference",
+                          "--gen-examples", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "not requested (--runs reference)" in capsys.readouterr().out
+
+
+def test_demo_deterministic(tmp_path):
+    args = TINY + ["--steps", "3", "--methods", "kernel_mix"]
+    reports = []
+    for i in range(2):
+        assert run_demo(args + ["--out", str(tmp_path / str(i))]) == 0
+        reports.append(json.loads((tmp_path / str(i) / "demo.json").read_text()))
+    a, b = reports
+    assert a["runs"]["kernel_mix"]["reference"]["losses"] == \
+        b["runs"]["kernel_mix"]["reference"]["losses"]
+    assert [r.get("samples") for r in a["rows"]] == [r.get("samples") for r in b["rows"]]
+
+
+def test_demo_bad_method_is_a_usage_error(tmp_path, capsys):
+    assert run_demo(TINY + ["--methods", "no_such_method", "--out", str(tmp_path)]) == 2
+    assert "no_such_method" in capsys.readouterr().err
+
+
+def test_demo_local_checkpoint_dir(tmp_path, capsys):
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("gpt2", d_model=32, n_layers=1, n_heads=2, vocab=200).save_pretrained(
+        tmp_path / "gpt2-local")  # smaller vocab than the byte tokenizer: embeddings resized
+    rc = run_demo(["--model-dir", str(tmp_path / "gpt2-local"), "--method", "lora", "--steps",
+                   "2", "--seq-len", "32", "--batch-size", "2", "--warmup", "0",
+                   "--gen-examples", "2", "--max-new-tokens", "4", "--no-progress",
+                   "--device", "cpu", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    assert "from " + str(tmp_path / "gpt2-local") in capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "demo.json").read_text())
+    assert report["checkpoint"]["lora"]["reload_bit_exact"] is True
+
+
+def test_demo_help_documents_every_option():
+    for action in build_parser()._actions:
+        assert action.help and action.help.strip(), action.option_strings
+
+
+# ------------------------------------------------------------------------------------------
+# the shipped base
+
+
+def test_pretrained_base_ships_and_matches_its_record():
+    import transformers
+
+    from kfused.data.pretrain_base import SHAPE, encode_documents, mean_loss
+    from kfused.data import ByteTokenizer
+
+    weights = os.path.join(BASE_DIR, "model.safetensors")
+    assert os.path.getsize(weights) < 4 * 2**20
+    info = json.load(open(os.path.join(BASE_DIR, "pretrain.json")))
+    assert info["train_seconds"] > 0 and info["shape"] == SHAPE
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        BASE_DIR, attn_implementation="eager").float()
+    assert model.config.n_embd == SHAPE["d_model"] and model.config.vocab_size == 260
+    # the recorded held-out loss is what the shipped weights give (nats/byte; uniform is 5.56)
+    held = encode_documents(documents(400, seed=4321), ByteTokenizer())
+    T = SHAPE["max_len"]
+    held = held[: (held.numel() // T) * T].view(-1, T)
+    loss = mean_loss(model, held[:32])
+    assert abs(loss - info["heldout_loss_nats_per_byte_float16_weights"]) < 0.1
+    assert loss < 2.5
+
+
+def test_pretrain_script_runs(tmp_path):
+    from kfused.data.pretrain_base import build_parser as pp, pretrain
+
+    info = pretrain(pp().parse_args(["--steps", "2", "--docs", "40", "--batch-size", "2",
+                                     "--seq-len", "64", "--out", str(tmp_path)]))
+    assert info["train_tokens"] == 2 * 2 * 64
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (257, 259, 256)
+    assert (tmp_path / "model.safetensors").exists()
+
+
+def test_pretraining_corpus_is_disjoint_from_the_task():
+    docs = documents(3000)
+    text = "\n".join(a + " " + b for a, b in docs)
+    for name in NAMES + NEAR:  # no task venue or landmark name, in any case
+        assert name.lower() not in text.lower(), name
+    for v in VENUE_NAMES + LANDMARKS:
+        assert not any(v.lower() in n.lower() or n.lower() in v.lower() for n in NAMES + NEAR)
+    assert "[" not in text  # never the task's key[value] syntax
+    refs = {e["ref"] for e in load_pairs()}
+    assert not any(r in text for r in refs)
+
+
+# ------------------------------------------------------------------------------------------
+# metrics
+
+
+def test_metrics_reference_sentences_score_perfectly():
+    pairs = load_pairs()
+    mrs, refs = [e["mr"] for e in pairs], [e["ref"] for e in pairs]
+    s = em.score(mrs, refs, refs)
+    assert s["slot_accuracy"] == 1.0 and s["all_slots"] == 1.0 and s["added_per_example"] == 0
+    assert s["bleu"] > 99.9
+
+
+def test_metrics_slot_rules():
+    mr = "name[Cotto], eatType[pub], food[fast food], familyFriendly[no], near[Burger King]"
+    good = "Cotto is a pub serving fast food near Burger King. It is not family friendly."
+    assert em.slot_scores([mr], [good])["slot_accuracy"] == 1.0
+    # a negation flips familyFriendly; a missing value is not realised
+    bad = "Cotto is a pub near Burger King. It is family friendly."
+    s = em.slot_scores([mr], [bad])
+    assert s["slot_accuracy"] == 3 / 5 and s["all_slots"] == 0.0
+    # a stated value that the representation lacks is counted as added
+    assert em.added_values(em.parse_mr(mr), "Cotto is an Italian pub in the riverside.") == \
+        ["food[Italian]", "area[riverside]"]
+    assert not em.slot_realised("eatType", "pub", "Cotto is public.")  # word boundaries
