@@ -12,7 +12,8 @@ SPEC §4):
   (``lora_A.weight`` -> ``A``, ``lora_B.weight`` -> ``B``, ``scaling = lora_alpha / r``, or
   ``lora_alpha / √r`` with rsLoRA, kept as kfused's ``alpha / r``). Per-module ``rank_pattern`` /
   ``alpha_pattern`` are kept as kfused per-module ranks and alpha as long as every module's
-  ``scaling · r`` is the same number (kfused has one ``alpha``); otherwise refused.
+  ``scaling · r`` is the same number (kfused has one ``alpha``) or every scaling is 1 (kfused's
+  ``alpha=None``); otherwise refused.
   ``lora_dropout`` becomes kfused's LoRA input dropout (same placement, same p).
 * PEFT LoKr on ``nn.Linear`` -> :class:`KronALinear`: ``ΔW = (alpha / r) · w1 ⊗ w2`` becomes
   ``s · A ⊗ B`` with ``A = w1``, ``B = w2``, ``s = alpha / r``. The low-rank forms
@@ -268,6 +269,8 @@ def _build_config(sites: List[_Site], method: str, backend, adapter_dtype) -> Ad
         alphas = {s.alpha for s in sites}
         a0 = sites[0].alpha
         bad = [s.name for s in sites if not math.isclose(s.alpha, a0, rel_tol=1e-12, abs_tol=0)]
+        if bad and all(s.alpha == s.r for s in sites):
+            a0, bad = None, []  # scaling 1 everywhere: kfused's alpha=None (alpha = r per module)
         if bad:
             raise PeftConversionError(
                 "PEFT LoRA scaling·r differs between layers (alpha_pattern, or rsLoRA with "
