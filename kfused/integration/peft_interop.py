@@ -23,20 +23,25 @@ SPEC §4):
   further training follows a different (full-factor) path. Every module must share one scale
   (kfused's KronA has one ``scale``).
 
-What is refused, with the layer and the reason, *before* the model is changed: any other PEFT
-method (IA3, LoHa, AdaLoRA, OFT, prompt tuning, ...), PEFT prefix tuning (see below), DoRA and
-other LoRA variants, ``lora_bias``, trainable biases (``bias != "none"``), ``modules_to_save`` /
-trainable tokens, adapters on embeddings or convolutions (including LoKr's Tucker-decomposed
-convolution ``lokr_t2`` / ``use_effective_conv2d``), LoKr ``rank_dropout`` / ``module_dropout``
-> 0 (they drop rows / the whole update at random in training mode; KronA has no such dropout,
-so training would differ — set them to 0 to convert), merged adapters (``unmerge_adapter()``
-first) and models holding more than one PEFT adapter.
+* PEFT prefix tuning (``prefix_projection=False``) on GPT-2 and Llama-style models with one
+  key/value head per query head -> kfused's ``"prefix"`` method (SPEC §3) with
+  ``prefix_k[layer] = E[:, 2·layer]``, ``prefix_v[layer] = E[:, 2·layer + 1]`` from PEFT's
+  ``prompt_embeddings`` E viewed as (l, 2·layers, heads, head_dim). PEFT keeps the prefix in the
+  key/value cache, so the real tokens sit at positions ``l … l + n - 1``; the converted model
+  records ``options["position_offset"] = l`` and shifts its positions the same way (a forward
+  pre-hook on the model: call the returned model, not its inner ``.transformer`` / ``.model``).
 
-PEFT prefix tuning is refused in both directions: PEFT puts its prefix into the key/value cache,
-so the real tokens get positions ``l … l + n - 1`` (absolute position embeddings and RoPE see the
-shift; PEFT also adds ``num_virtual_tokens`` to explicit ``position_ids``) and it keeps one prefix
-per *key/value* head; kfused's prefix adapter (SPEC §3) numbers tokens from 0 and keeps one
-prefix per query head. The logits would differ, so nothing is converted.
+What is refused, with the layer and the reason, *before* the model is changed: any other PEFT
+method (IA3, LoHa, AdaLoRA, OFT, prompt tuning, ...), DoRA and other LoRA variants,
+``lora_bias``, trainable biases (``bias != "none"``), ``modules_to_save`` / trainable tokens,
+adapters on embeddings or convolutions (including LoKr's Tucker-decomposed convolution
+``lokr_t2`` / ``use_effective_conv2d``), LoKr ``rank_dropout`` / ``module_dropout`` > 0 (they drop
+rows / the whole update at random in training mode; KronA has no such dropout, so training
+would differ — set them to 0 to convert), merged adapters (``unmerge_adapter()`` first), models
+holding more than one PEFT adapter, and prefix tuning with ``prefix_projection=True`` (its MLP
+reparametrisation has no kfused equivalent), on encoder-decoder or BERT-style models (their
+positions depend on padding), or on grouped-query models (PEFT keeps one prefix per key/value
+head, kfused one per query head: the gradients would differ).
 
 :func:`from_peft` strips the PEFT layers and calls :func:`kfused.integration.inject` with an
 :class:`AdapterConfig` naming exactly the adapted modules, then copies the factors in: the
@@ -76,9 +81,8 @@ _KEY_PREFIX = "base_model.model."
 
 _PREFIX_REASON = (
     "PEFT prefix tuning stores its prefix in the key/value cache, so the real tokens take "
-    "positions l..l+n-1 (position embeddings / RoPE see the shift) and it keeps one prefix per "
-    "key/value head, while kfused's prefix adapter (SPEC §3) numbers tokens from 0 and keeps one "
-    "prefix per query head: the logits would differ, so it is not converted")
+    "positions l..l+n-1; a kfused prefix adapter injected without options['position_offset'] = l "
+    "numbers tokens from 0, so the logits would differ")
 
 
 class PeftConversionError(ValueError):
@@ -121,13 +125,22 @@ def _check_config(cfg, where: str) -> str:
     """Refuse (PeftConversionError) config-level features kfused cannot represent; returns the
     kfused method ("lora" or "krona")."""
     pt = _ptype(cfg)
-    if pt == "PREFIX_TUNING":
-        raise PeftConversionError(f"{where}: {_PREFIX_REASON}")
-    if pt not in ("LORA", "LOKR"):
+    if pt not in ("LORA", "LOKR", "PREFIX_TUNING"):
         raise PeftConversionError(
-            f"{where}: PEFT method {pt!r} has no kfused equivalent; from_peft converts LORA and "
-            "LOKR adapters")
+            f"{where}: PEFT method {pt!r} has no kfused equivalent; from_peft converts LORA, "
+            "LOKR and PREFIX_TUNING adapters")
     problems = []
+    if pt == "PREFIX_TUNING":
+        if getattr(cfg, "prefix_projection", False):
+            problems.append("prefix_projection=True (the MLP reparametrisation of the prefix has "
+                            "no kfused equivalent; its gradients would differ)")
+        if int(getattr(cfg, "num_transformer_submodules", 1) or 1) != 1:
+            problems.append("an encoder-decoder prefix (num_transformer_submodules="
+                            f"{cfg.num_transformer_submodules})")
+        if problems:
+            raise PeftConversionError(f"{where}: cannot convert this PEFT prefix-tuning adapter "
+                                      "exactly: " + "; ".join(problems))
+        return "prefix"
     if getattr(cfg, "modules_to_save", None):
         problems.append(f"modules_to_save={cfg.modules_to_save!r} (fully trained copies of "
                         "whole modules are not adapters kfused records)")
@@ -328,6 +341,8 @@ def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
                         "from_peft(base_model, folder)")
     adapter = _only_adapter(configs)
     method = _check_config(configs[adapter], f"PEFT adapter {adapter!r}")
+    if method == "prefix":
+        return _convert_prefix(peft_model, configs[adapter], adapter, backend, adapter_dtype)
     tuner = peft_model.base_model
     base = getattr(tuner, "model", None)
     if not isinstance(base, nn.Module):
@@ -356,6 +371,60 @@ def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
     return base
 
 
+def _check_prefix_model(base: nn.Module, cfg, where: str) -> None:
+    from kfused.integration.arch import model_dims
+    from kfused.integration.hf_attention import attention_layers, unsupported_reason
+    from kfused.integration.methods_inducer import POSITION_OFFSET_MODEL_TYPES
+
+    mcfg = getattr(base, "config", None)
+    mt = getattr(mcfg, "model_type", None)
+    if mt not in POSITION_OFFSET_MODEL_TYPES:
+        raise PeftConversionError(
+            f"{where}: prefix tuning on model_type {mt!r} is not converted: kfused reproduces "
+            f"PEFT's position shift only for {POSITION_OFFSET_MODEL_TYPES} (positions "
+            "arange(past, past + n)); BERT-style positions depend on padding")
+    reason = unsupported_reason(base)
+    if reason is not None:
+        raise PeftConversionError(f"{where}: {reason}")
+    dims = model_dims(base)
+    H, p = dims["n_heads"], dims["head_dim"]
+    kv = getattr(mcfg, "num_key_value_heads", None) or H
+    if kv != H:
+        raise PeftConversionError(
+            f"{where}: the model uses grouped-query attention ({kv} key/value heads for {H} "
+            "query heads): PEFT keeps one prefix per key/value head and kfused one per query "
+            "head, so the adapter gradients (and training) would differ")
+    n_layers = len(attention_layers(base))
+    want = {"num_layers": n_layers, "num_attention_heads": H, "token_dim": H * p}
+    got = {k: getattr(cfg, k, None) for k in want}
+    if got != want:
+        raise PeftConversionError(f"{where}: the prefix was made for {got}, this model has "
+                                  f"{want}")
+
+
+def _convert_prefix(peft_model, cfg, adapter, backend, adapter_dtype) -> nn.Module:
+    base = peft_model.base_model
+    where = f"PEFT prefix-tuning adapter {adapter!r}"
+    if get_state(base, required=False) is not None:
+        raise PeftConversionError("the base model already has kfused adapters")
+    _check_prefix_model(base, cfg, where)
+    E = peft_model.prompt_encoder[adapter].embedding.weight.detach()
+    l, L, H = int(cfg.num_virtual_tokens), int(cfg.num_layers), int(cfg.num_attention_heads)
+    p = int(cfg.token_dim) // H
+    Ev = E[:l].reshape(l, 2 * L, H, p)
+    config = AdapterConfig(method="prefix", r=l, options={"position_offset": l},
+                           backend=backend, adapter_dtype=adapter_dtype or _dtype_name(E))
+    inject(base, config)
+    mods = adapter_modules(base)
+    if len(mods) != L:  # pragma: no cover - checked above
+        raise RuntimeError(f"expected {L} prefix adapters, got {len(mods)}")
+    with torch.no_grad():
+        for i, mod in enumerate(mods.values()):
+            mod.prefix_k.copy_(Ev[:, 2 * i].permute(1, 0, 2))
+            mod.prefix_v.copy_(Ev[:, 2 * i + 1].permute(1, 0, 2))
+    return base
+
+
 def _prevalidate_folder(model: nn.Module, folder: str) -> None:
     """Checks on an adapter folder before PeftModel.from_pretrained changes the model."""
     peft = _peft()
@@ -363,6 +432,9 @@ def _prevalidate_folder(model: nn.Module, folder: str) -> None:
         raise FileNotFoundError(f"PEFT adapter folder {folder!r} does not exist")
     cfg = peft.PeftConfig.from_pretrained(folder)
     method = _check_config(cfg, f"PEFT adapter folder {folder!r}")
+    if method == "prefix":
+        _check_prefix_model(model, cfg, f"PEFT adapter folder {folder!r}")
+        return
     from safetensors import safe_open
 
     path = os.path.join(folder, PEFT_WEIGHTS)
@@ -439,7 +511,8 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
     try:
         return _convert(pm, backend, adapter_dtype)
     except BaseException:
-        pm.base_model.unload()  # put the original layers back
+        if hasattr(pm.base_model, "unload"):
+            pm.base_model.unload()  # put the original layers back (LoRA / LoKr)
         raise
 
 
@@ -518,8 +591,7 @@ def _peft_config(model: nn.Module, task_type: Optional[str]):
     state = get_state(m)
     method = state.config.method
     if method == "prefix":
-        raise PeftConversionError(f"to_peft: kfused prefix adapters are not exported: "
-                                  f"{_PREFIX_REASON}")
+        return _prefix_peft_config(m, state, task_type)
     if method not in ("lora", "krona"):
         raise PeftConversionError(
             f"to_peft: kfused method {method!r} has no PEFT equivalent (PEFT has LoRA and LoKr; "
@@ -587,6 +659,28 @@ def _peft_config(model: nn.Module, task_type: Optional[str]):
     return cfg, tensors
 
 
+def _prefix_peft_config(m: nn.Module, state, task_type: Optional[str]):
+    peft = _peft()
+    l = int(state.config.r)
+    offset = int(state.config.options.get("position_offset", 0) or 0)
+    if offset != l:
+        raise PeftConversionError(f"to_peft: this kfused prefix adapter has position_offset="
+                                  f"{offset}, prefix length {l}: {_PREFIX_REASON}")
+    mods = list(adapter_modules(m).values())
+    H, p = mods[0].num_heads, mods[0].head_dim
+    cfg = peft.PrefixTuningConfig(num_virtual_tokens=l, task_type=task_type or "CAUSAL_LM",
+                                  num_layers=len(mods), token_dim=H * p, num_attention_heads=H,
+                                  encoder_hidden_size=H * p, prefix_projection=False,
+                                  num_transformer_submodules=1,
+                                  base_model_name_or_path=getattr(m, "name_or_path", None) or None)
+    with torch.no_grad():
+        kv = []
+        for mod in mods:
+            kv += [mod.prefix_k.permute(1, 0, 2), mod.prefix_v.permute(1, 0, 2)]
+        E = torch.stack(kv, dim=1).reshape(l, -1)
+    return cfg, {"prompt_embeddings": E}
+
+
 def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> str:
     """Write the kfused LoRA / KronA adapters of ``model`` as a PEFT adapter folder.
 
@@ -595,14 +689,16 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
     ``kfused_export.json`` (the hashes of the files to_peft wrote). LoRA -> PEFT LoRA (per-module
     ranks / alphas as ``rank_pattern`` / ``alpha_pattern``); KronA -> PEFT LoKr with ``w1 = A``,
     ``w2 = B`` and ``alpha / r = s``, when one ``decompose_factor`` makes PEFT's factorisation
-    produce every layer's (A, B) shapes (true for kfused's default shapes).
+    produce every layer's (A, B) shapes (true for kfused's default shapes); a prefix adapter
+    that came from PEFT (``options["position_offset"]`` equal to its length) -> PEFT prefix
+    tuning.
 
     Args:
         model: a model with kfused adapters (``kfused.inject`` or :func:`from_peft`).
         path: the folder to write (created). An existing folder is replaced only if it is empty
             or holds exactly what an earlier to_peft wrote, unchanged.
         task_type: PEFT task type recorded in the config (e.g. "CAUSAL_LM"; None: plain
-            PeftModel).
+            PeftModel for LoRA / LoKr, "CAUSAL_LM" for prefix tuning).
     Returns: the folder's absolute path.
     Raises:
         PeftConversionError: a method or layout PEFT has no equivalent for (nothing is written).
