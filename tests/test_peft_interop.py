@@ -225,6 +225,87 @@ def test_from_peft_folder_and_kfused_api():
 
 
 # ------------------------------------------------------------------------------------------
+# prefix tuning
+
+
+PREFIX_ARCHS = [("gpt2", {}), ("llama", {"n_heads": 1})]  # Llama with one kv head per head
+
+
+@pytest.mark.parametrize("arch,kw", PREFIX_ARCHS)
+def test_from_peft_prefix_spec4(arch, kw):
+    """PEFT's prompt_embeddings E (l, 2·layers·d) -> per-layer prefix_k / prefix_v; logits and
+    dE under SPEC §4 (the kfused gradient reaches E through the same reshape)."""
+    l = 3
+    base = make(arch, **kw)
+    torch.manual_seed(5)
+    pm = get_peft_model(base, PrefixTuningConfig(num_virtual_tokens=l,
+                                                 task_type="CAUSAL_LM")).eval()
+    ref64, ref32 = copy.deepcopy(pm).double(), copy.deepcopy(pm)
+    kf = kfused.from_peft(pm, backend="reference").eval()
+    assert kf.kfused_state.config.method == "prefix"
+    assert kf.kfused_state.config.options == {"position_offset": l}
+    mods = list(kfused.integration.adapter_modules(kf).values())
+    H, p = mods[0].num_heads, mods[0].head_dim
+    ename = "prompt_encoder.default.embedding.weight"
+    inputs = {"emb": torch.randn(2, 5, kf.config.hidden_size, dtype=torch.float64),
+              "E": pm.get_parameter(ename).detach().double()}
+
+    def kernel_fn(emb, E):
+        Ev = E.reshape(l, 2 * len(mods), H, p)
+        over = {}
+        for i, name in enumerate(kfused.integration.adapter_modules(kf)):
+            over[f"{name}.prefix_k"] = Ev[:, 2 * i].permute(1, 0, 2)
+            over[f"{name}.prefix_v"] = Ev[:, 2 * i + 1].permute(1, 0, 2)
+        return torch.func.functional_call(kf, over, (), {"inputs_embeds": emb}).logits
+
+    def ref_fn(emb, E):
+        model = ref64 if emb.dtype == torch.float64 else ref32
+        return torch.func.functional_call(model, {ename: E}, (), {"inputs_embeds": emb}).logits
+
+    assert_against_reference(kernel_fn, ref_fn, inputs, torch.float32)
+
+
+@pytest.mark.parametrize("arch,kw", PREFIX_ARCHS)
+def test_prefix_round_trip_and_training(arch, kw, tmp_path):
+    l = 4
+    pm = get_peft_model(make(arch, **kw), PrefixTuningConfig(num_virtual_tokens=l,
+                                                             task_type="CAUSAL_LM")).eval()
+    inputs = batch(arch)
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+    pm.save_pretrained(tmp_path / "orig")
+    kf = kfused.from_peft(make(arch, **kw), tmp_path / "orig", backend="reference").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(kf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    out = kfused.to_peft(kf, tmp_path / "back")
+    a = load_file(tmp_path / "orig" / "adapter_model.safetensors")
+    b = load_file(os.path.join(out, "adapter_model.safetensors"))
+    assert torch.equal(a["prompt_embeddings"], b["prompt_embeddings"])
+    # kfused checkpoint round trip keeps the position shift (it is in the config)
+    kfused.save(kf, tmp_path / "kf")
+    again = kfused.load(make(arch, **kw), tmp_path / "kf").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, kf(input_ids=ids).logits)
+    # one SGD step on each side: the same prefix afterwards; exported, PEFT gives kfused's logits
+    for model in (pm, kf):
+        model.train()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        model(**inputs).loss.backward()
+        opt.step()
+        model.eval()
+    out = kfused.to_peft(kf, tmp_path / "back")
+    torch.testing.assert_close(load_file(os.path.join(out, "adapter_model.safetensors"))[
+        "prompt_embeddings"], pm.get_parameter("prompt_encoder.default.embedding.weight"),
+        rtol=1e-4, atol=1e-6)
+    back = PeftModel.from_pretrained(make(arch, **kw), out).eval()
+    with torch.no_grad():
+        got, exp = back(input_ids=ids).logits, kf(input_ids=ids).logits
+    assert not torch.allclose(exp, want)
+    torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
 # round trips and training
 
 
@@ -330,7 +411,11 @@ def test_to_peft_from_inject(arch, cfg, tmp_path):
 
 
 @pytest.mark.parametrize("arch,cfg,match", [
-    ("gpt2", PrefixTuningConfig(num_virtual_tokens=3, task_type="CAUSAL_LM"), "positions"),
+    ("gpt2", PrefixTuningConfig(num_virtual_tokens=3, task_type="CAUSAL_LM",
+                                prefix_projection=True, encoder_hidden_size=16),
+     "prefix_projection"),
+    ("llama", PrefixTuningConfig(num_virtual_tokens=3, task_type="CAUSAL_LM"),
+     "grouped-query"),
     ("llama", IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
      "'IA3' has no kfused equivalent"),
     ("llama", LoraConfig(target_modules=["q_proj"], use_dora=True), "use_dora"),
@@ -364,7 +449,7 @@ def test_from_peft_folder_refusal_leaves_model_alone(tmp_path):
     ("gpt2", AdapterConfig(method="krona"), "Conv1D"),
     ("llama", AdapterConfig(method="parallel_adapter", r=4), "no PEFT equivalent"),
     ("llama", AdapterConfig(method="krona_b"), "no PEFT equivalent"),
-    ("llama", AdapterConfig(method="prefix", r=3), "positions"),
+    ("gpt2", AdapterConfig(method="prefix", r=3), "positions"),
     ("llama", AdapterConfig(method="krona", targets=["q"], a_shape=(8, 2)),
      "no single PEFT LoKr decompose_factor"),
 ])
