@@ -85,8 +85,8 @@ def add_position_offset(model: nn.Module, offset: int):
         past = kwargs.get("past_key_values")
         start = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
         n = ref.shape[1]
-        kwargs["position_ids"] = torch.arange(offset + start, offset + start + n,
-                                              device=ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+        pos = torch.arange(offset + start, offset + start + n, device=ref.device)
+        kwargs["position_ids"] = pos.unsqueeze(0).expand(ref.shape[0], -1)
         return args, kwargs
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)

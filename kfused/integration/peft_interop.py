@@ -3,7 +3,7 @@ kfused LoRA / KronA adapter as a PEFT adapter folder.
 
     model = kfused.from_peft(peft_model)                 # a PeftModel (LoRA or LoKr)
     model = kfused.from_peft(base_model, "adapter_dir")  # a PEFT adapter folder
-    kfused.to_peft(model, "peft_dir")                    # PeftModel.from_pretrained(base, "peft_dir")
+    kfused.to_peft(model, "peft_dir")                    # then PeftModel.from_pretrained(base, ...)
 
 What converts (exactly: same factors, same scale, so logits and adapter gradients agree under
 SPEC §4):
@@ -226,8 +226,9 @@ def _collect_sites(base: nn.Module, adapter: str, method: str) -> List[_Site]:
     sites: List[_Site] = []
     for name, mod in base.named_modules():
         tname = type(mod).__name__
+        convertible = isinstance(mod, (lora_linear, lokr_linear))
         if tname in ("ModulesToSaveWrapper", "TrainableTokensWrapper") or (
-                isinstance(mod, BaseTunerLayer) and not isinstance(mod, (lora_linear, lokr_linear))):
+                isinstance(mod, BaseTunerLayer) and not convertible):
             raise PeftConversionError(
                 f"PEFT layer {name!r} ({type(mod).__module__}.{tname}) cannot be converted: "
                 "from_peft converts LoRA / LoKr layers on nn.Linear and transformers Conv1D "
@@ -712,7 +713,8 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(parent,
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     try:
         cfg.save_pretrained(tmp)
