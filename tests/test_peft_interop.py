@@ -500,3 +500,12 @@ def test_from_peft_bad_arguments(tmp_path):
         kfused.from_peft(make("llama"))
     with pytest.raises(FileNotFoundError):
         kfused.from_peft(make("llama"), str(tmp_path / "missing"))
+
+
+def test_prefix_position_offset_refused_where_positions_differ():
+    """The position shift is only offered where positions are arange(past, past + n)."""
+    model = make("roberta")
+    before = _state(model)
+    with pytest.raises(ValueError, match="position_offset"):
+        kfused.inject(model, AdapterConfig(method="prefix", r=2, options={"position_offset": 2}))
+    _assert_unchanged(model, before)
