@@ -509,3 +509,30 @@ def test_prefix_position_offset_refused_where_positions_differ():
     with pytest.raises(ValueError, match="position_offset"):
         kfused.inject(model, AdapterConfig(method="prefix", r=2, options={"position_offset": 2}))
     _assert_unchanged(model, before)
+
+
+def test_lokr_per_module_factor_shapes_round_trip(tmp_path):
+    """decompose_factor=6 gives q_proj (32->32) A (4, 4) and up_proj (32->96) A (6, 4): no single
+    a_shape / b_shape fits, so the shapes are recorded per module; save / load and to_peft keep
+    them."""
+    cfg = LoKrConfig(target_modules=["q_proj", "up_proj"], r=8, alpha=8, decompose_factor=6,
+                     init_weights=False)
+    base = make("llama", d_ff=96)
+    torch.manual_seed(2)
+    pm = get_peft_model(base, cfg).eval()
+    ids = batch("llama")["input_ids"]
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+    kf = kfused.from_peft(pm, backend="reference").eval()
+    shapes = kf.kfused_state.config.options["krona_shapes"]
+    assert shapes["model.layers.0.mlp.up_proj"] == [[6, 4], [16, 8]]
+    assert shapes["model.layers.0.self_attn.q_proj"] == [[4, 4], [8, 8]]
+    with torch.no_grad():
+        torch.testing.assert_close(kf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    kfused.save(kf, tmp_path / "kf")
+    again = kfused.load(make("llama", d_ff=96), tmp_path / "kf").eval()
+    out = kfused.to_peft(again, tmp_path / "peft")
+    assert json.load(open(os.path.join(out, "adapter_config.json")))["decompose_factor"] == 6
+    back = PeftModel.from_pretrained(make("llama", d_ff=96), out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, want)
