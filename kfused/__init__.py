@@ -10,7 +10,8 @@ comes from $KFUSED_BACKEND, else "auto"):
                                                     Kernel-wise(-lite) + shared LoRA updates
     inducer_attention(q, k, v, ...)                 flash inducer attention + prefix tuning  SPEC §3
 
-Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset.
+Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset;
+PEFT interop: from_peft (PEFT LoRA / LoKr -> kfused layers), to_peft (-> PEFT adapter folder).
 Modules: :mod:`kfused.modules`. References (float64 oracles, CPU fallback):
 :mod:`kfused.reference`. The SPEC §4 comparison: :mod:`kfused.testing`.
 """
@@ -28,6 +29,7 @@ from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwisePro
 from kfused.integration import (AdapterConfig, inject, load, merge, merge_and_unload, preset,
                                 print_trainable_parameters, register_method, save, unmerge)
 from kfused.modules.lora import LoRALinear
+from kfused.integration.peft_interop import PeftConversionError, from_peft, to_peft
 
 __version__ = "0.1.0"
 
@@ -40,4 +42,5 @@ __all__ = [
     "InducerOutputProjection",
     "AdapterConfig", "inject", "save", "load", "merge", "unmerge", "merge_and_unload",
     "print_trainable_parameters", "preset", "register_method", "LoRALinear",
+    "from_peft", "to_peft", "PeftConversionError",
 ]

@@ -28,7 +28,12 @@ def _lora(module: nn.Module, target: Target, cfg: AdapterConfig) -> nn.Module:
 
 
 def _krona(module: nn.Module, target: Target, cfg: AdapterConfig) -> nn.Module:
-    return KronALinear(module, a_shape=cfg.a_shape, b_shape=cfg.b_shape, scale=cfg.scale,
+    a_shape, b_shape = cfg.a_shape, cfg.b_shape
+    # per-module factor shapes, {module name: [a_shape, b_shape]} (e.g. from kfused.from_peft)
+    per_module = (cfg.options.get("krona_shapes") or {}).get(target.name)
+    if per_module is not None:
+        a_shape, b_shape = tuple(per_module[0]), tuple(per_module[1])
+    return KronALinear(module, a_shape=a_shape, b_shape=b_shape, scale=cfg.scale,
                        init=cfg.init, backend=cfg.backend)
 
 
