@@ -358,7 +358,9 @@ def cache_dir() -> str:
 
 def _ttir_dots(ttir: str) -> Dict[str, int]:
     """tt.dot ops in the TTIR by operand element type (f16/bf16 -> tensor-core able;
-    f32 ieee / f64 -> CUDA cores)."""
+    f32 / f64 -> CUDA cores unless TF32). "dot_f32_ieee" counts lines that print "ieee";
+    the TTIR printer may omit a default precision, so "dot_tf32" holds the other float32
+    dots (kfused requests IEEE for every float32 dot; see report.launch_violations)."""
     out = {"dot16": 0, "dot_f32_ieee": 0, "dot_tf32": 0, "dot_f64": 0, "dot_other": 0}
     for line in ttir.splitlines():
         if "tt.dot " not in line and "tt.dot\t" not in line:

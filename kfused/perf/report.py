@@ -24,8 +24,12 @@ KNOWN = os.path.join(HERE, "known_violations.json")
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "predicted")
 
-# CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA). Name fragments.
-CSRC_GEMM_KERNELS = ("kron", "headwise", "inducer")
+# CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA): every 16-bit (Half /
+# BFloat16 template) instantiation in csrc/ except those whose name contains one of these
+# fragments (pure reductions, the split-KV merge). float32 instantiations compute in IEEE
+# float32 (SPEC §4) and are not required to use tensor cores.
+CSRC_NOT_GEMM = ("reduce", "merge")
+CSRC_16BIT = ("Half", "BFloat16")
 
 
 def _versions() -> Dict[str, str]:
@@ -111,10 +115,21 @@ def launch_violations(stats: dict, dtypes: List[str]) -> List[dict]:
     if sixteen and n_dots:
         if not (sass.get("hgmma", 0) or sass.get("hmma", 0)):
             v.append(dict(what="no_tensor_core", value=1))
-        cc = dots.get("dot_f32_ieee", 0) + dots.get("dot_f64", 0)
+        # float32/float64 operand dots run on CUDA cores (kfused never requests TF32: SPEC §4
+        # asks IEEE float32; the TTIR printer omits the default precision, so both float32
+        # buckets count here)
+        cc = dots.get("dot_f32_ieee", 0) + dots.get("dot_tf32", 0) + dots.get("dot_f64", 0)
         if cc:
             v.append(dict(what="cuda_core_dots", value=int(cc)))
     return v
+
+
+def csrc_kernel_name(mangled: str) -> str:
+    """The mangled name without nvcc's anonymous-namespace tag, which hashes the file's path
+    and so differs between checkouts."""
+    import re
+
+    return re.sub(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w*?_cu_[0-9a-f]{8}", "(anon)", mangled)
 
 
 def csrc_violations(csrc: dict) -> List[dict]:
@@ -122,11 +137,14 @@ def csrc_violations(csrc: dict) -> List[dict]:
     for rel, per_arch in sorted(csrc.get("files", {}).items()):
         for arch, kernels in per_arch.items():
             for name, st in sorted(kernels.items()):
-                base = dict(kernel=name, where=f"csrc/{rel}", arch=f"sm_{arch}")
+                base = dict(kernel=csrc_kernel_name(name), where=f"csrc/{rel}",
+                            arch=f"sm_{arch}")
                 if st.get("spill_bytes", 0) > 0:
                     out.append(dict(base, what="spill_bytes", value=int(st["spill_bytes"])))
                 sass = st.get("sass", {})
-                if any(f in name for f in CSRC_GEMM_KERNELS) and not (
+                gemm = (any(f in name for f in CSRC_16BIT)
+                        and not any(f in name for f in CSRC_NOT_GEMM))
+                if gemm and not (
                         sass.get("hgmma", 0) or sass.get("hmma", 0)):
                     out.append(dict(base, what="no_tensor_core", value=1))
     return out
@@ -159,6 +177,12 @@ def compare_known(found: List[dict], known: List[dict], scope: Optional[set] = N
             gone.append(f"IMPROVED {key} = {fmap[key]['value']} (known: {k['value']}): lower "
                         "the entry (`kfused perf --update-known`)")
     return bad, gone
+
+
+def _cases_for(ops):
+    from kfused.perf import cases as C
+
+    return [c for c in C.all_cases() if not ops or any(c.op.startswith(o) for o in ops)]
 
 
 def load_known() -> List[dict]:
@@ -415,7 +439,12 @@ def run(argv=None) -> int:
         print(f"wrote {KNOWN}")
     elif a.check:
         found = [v for v in report["violations"] if v["arch"] == "sm_90"]
-        bad, gone = compare_known(found, load_known())
+        scope = None
+        if ops or a.no_csrc:
+            scope = {c.compile_group for c in _cases_for(ops)}
+            if not a.no_csrc:
+                scope.add("csrc/")
+        bad, gone = compare_known(found, load_known(), scope)
         for line in bad + gone:
             print(line)
         if bad or gone:
