@@ -285,7 +285,7 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
             predicted_min_t_s=max(case.useful_flops / R.WGMMA_RATE, case.min_bytes / R.HBM_BW),
             kernels=rows, glue=dict(n_ops=len(glue_rows), t_s=sum(g["t"] for g in glue_rows),
                                     bytes=sum(g["bytes"] for g in glue_rows),
-                                    ops=glue_rows),
+                                    by_op=_glue_by_op(glue_rows)),
             baselines=base, targets=targets))
     # representative launches: compile failures and violations (compile coverage)
     for op, launches in rep:
@@ -311,6 +311,17 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
 
 # ------------------------------------------------------------------------------------------
 # output
+
+
+def _glue_by_op(rows: List[dict]) -> Dict[str, dict]:
+    out: Dict[str, dict] = {}
+    for g in rows:
+        d = out.setdefault(g["op"], dict(n=0, bytes=0.0, flops=0.0, t_s=0.0))
+        d["n"] += 1
+        d["bytes"] += g["bytes"]
+        d["flops"] += g["flops"]
+        d["t_s"] += g["t"]
+    return out
 
 
 def _fmt_t(t: float) -> str:
@@ -426,7 +437,11 @@ def run(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(report, f, indent=1, default=str)
     if not a.structure_only:
-        print(table(report))
+        text = table(report)
+        print(text)
+        if path:
+            with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+                f.write(f"{report['label']}\n{json.dumps(report['versions'])}\n\n{text}\n")
     print(f"\n{len(report['failures'])} compile failures, {len(report['violations'])} "
           f"violations; {report['elapsed_s']:.0f} s" + (f"; JSON: {path}" if path else ""))
     rc = 1 if report["failures"] else 0
