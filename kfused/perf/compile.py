@@ -227,7 +227,8 @@ def spec_key(fn, spec, arch: int) -> str:
                        sorted((str(k), _jsonable(v)) for k, v in consts.items()),
                        sorted((str(k), _jsonable(v)) for k, v in attrs.items()),
                        _jsonable(keep), arch, triton.__version__,
-                       os.environ.get("TRITON_DEFAULT_FP_FUSION", "")], sort_keys=True)
+                       # unset = enabled in Triton <= 3.9 (options carry the effective flag)
+                       os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") or "1"], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
