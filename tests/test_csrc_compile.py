@@ -205,3 +205,26 @@ def test_links_and_imports(compiled):
     res = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, so], capture_output=True,
                          text=True, timeout=TIMEOUT_S)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_compiled_structure_ratchet(compiled):
+    """Structure of the sm_90 code in the objects (kfused/perf/known_violations.json ratchet):
+    no spill, and HMMA/HGMMA in every GEMM-shaped kernel (kron, headwise, inducer). A new or
+    worse violation fails; a listed one that disappeared fails too (delete its entry, or run
+    `python -m kfused.cli.main perf --update-known`)."""
+    from kfused.perf import report as R
+    from kfused.perf.compile import csrc_object_stats
+
+    files = {}
+    for src in SOURCES:
+        if not src.endswith(".cu"):
+            continue
+        if compiled[src][1] != 0:
+            pytest.skip("some source failed to compile (reported by test_compiles)")
+        files[os.path.relpath(src, CSRC)] = {90: csrc_object_stats(compiled[src][4], 90)}
+    n_kernels = sum(len(v[90]) for v in files.values())
+    assert n_kernels > 0, "no kernels found in the compiled objects"
+    found = R.csrc_violations({"files": files})
+    known = [k for k in R.load_known() if k["where"].startswith("csrc/")]
+    bad, gone = R.compare_known(found, known)
+    assert not bad and not gone, "\n".join(bad + gone)

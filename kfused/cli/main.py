@@ -14,6 +14,7 @@ commands:
   bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results/local
   check   every available kernel on this device against the float64 reference (SPEC §4)
   info    versions, device and which backends can run
+  perf    compile every kernel launch (sm_90/sm_80), SASS stats, PREDICTED H100 roofline
 
 `kfused <command> --help` for the options of each."""
 
@@ -86,6 +87,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_demo(rest)
     if cmd == "info":
         return _info()
+    if cmd == "perf":
+        from kfused.perf import report
+
+        return report.run(rest)
     print(f"kfused: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,554 @@
+"""One compile tool: record Triton launches, compile them as the JIT would, read the cubin.
+
+* :func:`recording` — inside the block ``kernel[grid](...)`` records a :class:`Launch` (the
+  kernel, its bound arguments, options and grid) instead of running it; host functions pick
+  their GPU configurations (``_common._AOT_TARGET``), so CPU tensors stand in for CUDA ones.
+* :func:`jit_spec` — the (signature, constexprs, attrs, options) Triton's own JIT derives
+  from those arguments: its binder (``create_function_from_signature``) and ``_pack_args``
+  for the CUDA backend of the target, so integer arguments equal to 1 become constexprs and
+  pointers / integers divisible by 16 get ``tt.divisibility`` exactly as at run time. Older
+  Triton without that path falls back to a hand-written equivalent (:func:`_manual_spec`).
+* :func:`compile_launch` — ``triton.compile`` for ``sm_<arch>`` and :func:`cubin_stats`:
+  registers, spill (local) bytes, shared memory, CTAs per SM and the SASS instruction mix
+  (cuobjdump / nvdisasm shipped with Triton). Results are cached as JSON under
+  ``$KFUSED_CACHE`` or ``~/.cache/kfused/perf``, keyed on the kernel's source hash (Triton's
+  ``cache_key`` covers the functions it calls), the specialisation, the options, the arch and
+  the Triton version.
+* :func:`csrc_stats` — the same statistics for the CUDA C++ objects in ``csrc/``.
+
+Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# ------------------------------------------------------------------------------------------
+# hardware limits used for occupancy (CUDA C Programming Guide, "Compute capabilities" table)
+
+SM_LIMITS = {
+    90: dict(regs=65536, smem=233472, smem_per_block=232448, threads=2048, ctas=32,
+             reserved_smem=1024, sms=132),
+    80: dict(regs=65536, smem=167936, smem_per_block=166912, threads=2048, ctas=32,
+             reserved_smem=1024, sms=108),
+}
+
+
+def occupancy(regs: int, shared: int, num_warps: int, arch: int) -> int:
+    """CTAs per SM from registers (allocated per warp in units of 256), shared memory (plus the
+    1 KB the driver reserves per CTA) and threads."""
+    lim = SM_LIMITS[arch]
+    threads = 32 * num_warps
+    regs_per_warp = ((max(regs, 1) * 32 + 255) // 256) * 256
+    by_regs = lim["regs"] // (regs_per_warp * num_warps)
+    by_threads = lim["threads"] // threads
+    by_smem = (lim["smem"] // (shared + lim["reserved_smem"])) if shared else lim["ctas"]
+    if shared > lim["smem_per_block"]:
+        by_smem = 0
+    return int(max(0, min(by_regs, by_threads, by_smem, lim["ctas"])))
+
+
+# ------------------------------------------------------------------------------------------
+# recording launches
+
+
+@dataclasses.dataclass
+class Launch:
+    fn: object               # triton JITFunction
+    args: tuple
+    kwargs: dict
+    grid: Tuple[int, int, int]
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def bound(self) -> Dict[str, object]:
+        """Every argument by name (defaults applied), options included."""
+        out = dict(zip(self.fn.arg_names, self.args))
+        out.update(self.kwargs)
+        for name, p in zip(self.fn.arg_names, self.fn.params):
+            if name not in out and p.has_default:
+                out[name] = p.default
+        return out
+
+    def programs(self) -> int:
+        g = self.grid
+        return int(g[0] * g[1] * g[2])
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, ``kernel[grid](...)`` records a :class:`Launch` instead of running it;
+    host functions choose their GPU configurations (``_common._AOT_TARGET``)."""
+    from triton.runtime.jit import JITFunction
+
+    from kfused.triton_kernels import _common
+
+    launches: List[Launch] = []
+    orig = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        g = grid
+        if callable(g):
+            g = g(dict(zip(self.arg_names, args), **kwargs))
+        g = tuple(int(v) for v in g) + (1,) * (3 - len(g))
+        launches.append(Launch(self, args, dict(kwargs), g))
+        return None
+
+    JITFunction.run = run
+    old = dict(_common._AOT_TARGET)
+    _common._AOT_TARGET["on"] = True
+    try:
+        yield launches
+    finally:
+        JITFunction.run = orig
+        _common._AOT_TARGET.clear()
+        _common._AOT_TARGET.update(old)
+
+
+# ------------------------------------------------------------------------------------------
+# the JIT's specialisation
+
+_TORCH_TO_TRITON = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
+    torch.int64: "i64", torch.bool: "i1",
+}
+
+
+def _target(arch: int):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch, 32)
+
+
+def jit_spec(fn, args: tuple, kwargs: dict, arch: int = 90):
+    """(signature, constexprs, attrs, options dict) exactly as ``JITFunction.run`` builds them."""
+    try:
+        return _triton_spec(fn, args, dict(kwargs), arch)
+    except Exception:  # older / newer Triton without these internals: the same rules by hand
+        return _manual_spec(fn, args, dict(kwargs), arch)
+
+
+def _triton_spec(fn, args, kwargs, arch):
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(_target(arch))
+    kwargs["debug"] = kwargs.get("debug", getattr(fn, "debug", None)) or knobs.runtime.debug
+    for k, v in (("instrumentation_mode", "instrumentation_mode"),
+                 ("fpsan_homomorphic_casts", "fpsan_homomorphic_casts")):
+        if hasattr(knobs.compilation, v):
+            kwargs[k] = getattr(knobs.compilation, v)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                          specialization, options)
+    return signature, constexprs, attrs, dict(options.__dict__)
+
+
+def _manual_spec(fn, args, kwargs, arch):
+    """Triton's rules (runtime/jit.py specialize_impl): tensors -> pointer, 16-byte aligned
+    data -> divisibility 16; ints equal to 1 -> constexpr; ints % 16 == 0 -> divisibility 16;
+    ints beyond i32 -> i64; bools -> i1; floats -> fp32 (never specialised)."""
+    import triton.language as tl
+
+    names = fn.arg_names
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+               if k in kwargs}
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(names, fn.params)):
+        if name not in bound:
+            bound[name] = param.default
+        v = bound[name]
+        if param.is_constexpr or v is None or isinstance(v, (tl.dtype, str)):
+            signature[name] = "constexpr"
+            constexprs[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _TORCH_TO_TRITON[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]] if v.data_ptr() % 16 == 0 else []
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not param.do_not_specialize:
+                signature[name] = "constexpr"
+                constexprs[(i,)] = 1
+                continue
+            signature[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            attrs[(i,)] = [["tt.divisibility", 16]] if v % 16 == 0 else []
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {name}={v!r}")
+    options.setdefault("num_warps", 4)
+    options.setdefault("num_stages", 3)
+    options["arch"] = f"sm{arch}"
+    return signature, constexprs, attrs, options
+
+
+def _jsonable(v):
+    if hasattr(v, "name") and not isinstance(v, (str, bytes)):
+        return str(v.name)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def spec_key(fn, spec, arch: int) -> str:
+    import triton
+
+    sig, consts, attrs, opts = spec
+    keep = {k: opts[k] for k in sorted(opts) if k in ("num_warps", "num_stages", "num_ctas",
+                                                        "maxnreg", "enable_fp_fusion",
+                                                        "debug", "arch")}
+    text = json.dumps([fn.cache_key, sorted(sig.items()),
+                       sorted((str(k), _jsonable(v)) for k, v in consts.items()),
+                       sorted((str(k), _jsonable(v)) for k, v in attrs.items()),
+                       _jsonable(keep), arch, triton.__version__,
+                       # unset = enabled in Triton <= 3.9 (options carry the effective flag)
+                       os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") or "1"], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def constexpr_summary(fn, spec) -> Dict[str, object]:
+    """Named constexprs (block sizes, flags) and warps/stages of a spec, for reports."""
+    sig, consts, _, opts = spec
+    names = fn.arg_names
+    out = {}
+    for k, v in consts.items():
+        name = names[k[0]]
+        if fn.params[k[0]].is_constexpr:
+            out[name] = _jsonable(v)
+    out["num_warps"] = opts.get("num_warps")
+    out["num_stages"] = opts.get("num_stages")
+    return out
+
+
+def spec_dtypes(spec) -> List[str]:
+    return sorted({t[1:] for t in spec[0].values() if isinstance(t, str) and t.startswith("*")})
+
+
+# ------------------------------------------------------------------------------------------
+# tools and SASS statistics
+
+
+def _nv_bin(tool: str) -> str:
+    try:
+        import triton.backends.nvidia as nv
+
+        path = os.path.join(os.path.dirname(nv.__file__), "bin", tool)
+        if os.path.exists(path):
+            return path
+    except Exception:
+        pass
+    found = shutil.which(tool)
+    if found:
+        return found
+    return os.path.join("/usr/local/cuda/bin", tool)
+
+
+_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.x]*)",
+                     re.MULTILINE)
+
+
+def classify_sass(opcodes: Sequence[str]) -> Dict[str, int]:
+    """Static instruction mix. Counts are instructions in the code, not executions."""
+    mix = dict(hgmma=0, hmma=0, dmma=0, ffma=0, fmul_fadd=0, dfma=0, hfma2=0, mufu=0,
+               ldg128=0, ldg64=0, ldg_narrow=0, ldgsts128=0, ldgsts_narrow=0, tma_load=0,
+               stg128=0, stg_narrow=0, total=0)
+    for op in opcodes:
+        mix["total"] += 1
+        head = op.split(".")[0]
+        if head == "HGMMA":
+            mix["hgmma"] += 1
+        elif head == "HMMA":
+            mix["hmma"] += 1
+        elif head == "DMMA":
+            mix["dmma"] += 1
+        elif head == "FFMA":
+            mix["ffma"] += 1
+        elif head in ("FMUL", "FADD"):
+            mix["fmul_fadd"] += 1
+        elif head in ("DFMA", "DADD", "DMUL"):
+            mix["dfma"] += 1
+        elif head in ("HFMA2", "HMUL2", "HADD2"):
+            mix["hfma2"] += 1
+        elif head == "MUFU":
+            mix["mufu"] += 1
+        elif head == "LDG":
+            w = ".128" in op and "ldg128" or ".64" in op and "ldg64" or "ldg_narrow"
+            mix[w] += 1
+        elif head == "LDGSTS":
+            mix["ldgsts128" if ".128" in op else "ldgsts_narrow"] += 1
+        elif head in ("UTMALDG", "UBLKCP"):
+            mix["tma_load"] += 1
+        elif head == "STG":
+            mix["stg128" if ".128" in op else "stg_narrow"] += 1
+    return mix
+
+
+def cubin_stats(cubin: bytes) -> Dict[str, Dict[str, object]]:
+    """Per kernel function in the cubin (or object file): regs, stack/local bytes, static
+    shared bytes and the SASS instruction mix."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return file_stats(path)
+
+
+def file_stats(path: str) -> Dict[str, Dict[str, object]]:
+    res = subprocess.run([_nv_bin("cuobjdump"), "-res-usage", path], capture_output=True,
+                         text=True, timeout=120).stdout
+    funcs: Dict[str, Dict[str, object]] = {}
+    cur = None
+    for line in res.splitlines():
+        m = re.search(r"Function (\S+):", line)
+        if m:
+            cur = m.group(1)
+            funcs[cur] = {}
+            continue
+        if cur and "REG:" in line:
+            for key, pat in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)"),
+                             ("shared_static", r"SHARED:(\d+)"), ("local", r"LOCAL:(\d+)")):
+                mm = re.search(pat, line)
+                funcs[cur][key] = int(mm.group(1)) if mm else 0
+    sass = subprocess.run([_nv_bin("cuobjdump"), "-sass", path], capture_output=True,
+                          text=True, timeout=300).stdout
+    # split per function
+    parts = re.split(r"\n\s*Function : (\S+)\n", "\n" + sass)
+    for i in range(1, len(parts) - 1, 2):
+        name, body = parts[i], parts[i + 1]
+        funcs.setdefault(name, {})["sass"] = classify_sass(_OPCODE.findall(body))
+    return funcs
+
+
+# ------------------------------------------------------------------------------------------
+# compiling Triton launches (cached)
+
+
+def cache_dir() -> str:
+    d = os.environ.get("KFUSED_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                        "kfused")
+    d = os.path.join(d, "perf")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _ttir_dots(ttir: str) -> Dict[str, int]:
+    """tt.dot ops in the TTIR by operand element type (f16/bf16 -> tensor-core able;
+    f32 / f64 -> CUDA cores unless TF32). "dot_f32_ieee" counts lines that print "ieee";
+    the TTIR printer may omit a default precision, so "dot_tf32" holds the other float32
+    dots (kfused requests IEEE for every float32 dot; see report.launch_violations)."""
+    out = {"dot16": 0, "dot_f32_ieee": 0, "dot_tf32": 0, "dot_f64": 0, "dot_other": 0}
+    for line in ttir.splitlines():
+        if "tt.dot " not in line and "tt.dot\t" not in line:
+            continue
+        m = re.search(r":\s*tensor<[0-9x]+x(\w+)", line)
+        ety = m.group(1) if m else ""
+        if ety in ("f16", "bf16"):
+            out["dot16"] += 1
+        elif ety == "f32":
+            out["dot_f32_ieee" if "ieee" in line else "dot_tf32"] += 1
+        elif ety == "f64":
+            out["dot_f64"] += 1
+        else:
+            out["dot_other"] += 1
+    return out
+
+
+def compile_launch(fn, spec, arch: int = 90, use_cache: bool = True) -> Dict[str, object]:
+    """Compile one specialisation for sm_<arch>; returns its statistics (cached)."""
+    key = spec_key(fn, spec, arch)
+    path = os.path.join(cache_dir(), f"{fn.__name__}-sm{arch}-{key}.json")
+    if use_cache and os.path.exists(path):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except Exception:
+            pass
+    import triton
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs, opts = spec
+    opts = {k: v for k, v in opts.items() if k != "arch"}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=_target(arch), options=opts)
+    stats = cubin_stats(k.asm["cubin"])
+    name = getattr(k.metadata, "name", fn.__name__)
+    st = stats.get(name) or (next(iter(stats.values())) if stats else {})
+    shared = int(getattr(k.metadata, "shared", 0) or 0)
+    warps = int(getattr(k.metadata, "num_warps", opts.get("num_warps", 4)))
+    regs = int(st.get("regs", 0))
+    info = dict(kernel=fn.__name__, arch=arch, regs=regs,
+                spill_bytes=int(st.get("local", 0) or 0), stack_bytes=int(st.get("stack", 0)),
+                shared_bytes=shared, num_warps=warps,
+                num_stages=int(getattr(k.metadata, "num_stages", opts.get("num_stages", 3))),
+                ctas_per_sm=occupancy(regs, shared, warps, arch),
+                sass=st.get("sass", {}), dots=_ttir_dots(k.asm.get("ttir", "")))
+    tmp = path + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+    return info
+
+
+_WORK: List[tuple] = []
+
+
+def _work_one(i: int):
+    fn, spec, arch = _WORK[i]
+    try:
+        return compile_launch(fn, spec, arch), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {str(exc)[:1500]}"
+
+
+def compile_many(items: Sequence[tuple], jobs: int = 2) -> List[Tuple[Optional[dict],
+                                                                       Optional[str]]]:
+    """items: (fn, spec, arch). Compiles the uncached ones in ``jobs`` forked processes."""
+    results: List[Tuple[Optional[dict], Optional[str]]] = [(None, None)] * len(items)
+    todo = []
+    for i, (fn, spec, arch) in enumerate(items):
+        path = os.path.join(cache_dir(), f"{fn.__name__}-sm{arch}-{spec_key(fn, spec, arch)}.json")
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    results[i] = (json.load(f), None)
+                continue
+            except Exception:
+                pass
+        todo.append(i)
+    if not todo:
+        return results
+    _WORK[:] = list(items)
+    if jobs <= 1 or len(todo) == 1:
+        for i in todo:
+            results[i] = _work_one(i)
+        return results
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
+        for i, r in zip(todo, ex.map(_work_one, todo)):
+            results[i] = r
+    return results
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA C++ objects
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CSRC = os.path.join(ROOT, "csrc")
+
+
+def find_nvcc() -> Optional[str]:
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(env)
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.path.isfile("/usr/local/cuda/bin/nvcc") else None
+
+
+def csrc_sources_hash() -> str:
+    h = hashlib.sha256()
+    for p in sorted(glob.glob(os.path.join(CSRC, "**", "*"), recursive=True)):
+        if os.path.isfile(p) and p.endswith((".cu", ".cuh", ".h", ".cpp")):
+            h.update(os.path.relpath(p, CSRC).encode())
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:24]
+
+
+def csrc_object_stats(obj: str, arch: int = 90) -> Dict[str, Dict[str, object]]:
+    """Statistics of every kernel in an object file / cubin (its sm_<arch> code)."""
+    out = {}
+    for name, st in file_stats(obj).items():
+        out[name] = dict(kernel=name, arch=arch, regs=int(st.get("regs", 0)),
+                         spill_bytes=int(st.get("local", 0) or 0),
+                         stack_bytes=int(st.get("stack", 0)),
+                         shared_bytes=int(st.get("shared_static", 0)), sass=st.get("sass", {}))
+    return out
+
+
+def csrc_stats(archs: Sequence[int] = (90,), jobs: int = 2) -> Dict[str, object]:
+    """Compile each csrc/*.cu to a cubin per arch (cached on the sources' hash and nvcc's
+    version) and return {"files": {rel: {arch: {kernel: stats}}}} or {"skipped": reason}."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return {"skipped": "nvcc not found"}
+    ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    vhash = hashlib.sha256((ver + csrc_sources_hash()).encode()).hexdigest()[:24]
+    out_dir = os.path.join(cache_dir(), f"csrc-{vhash}")
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import include_paths
+
+        incs = [CSRC] + list(include_paths())
+    except Exception:
+        incs = [CSRC]
+    import sysconfig
+
+    incs.append(sysconfig.get_paths()["include"])
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+        flags = list(COMMON_NVCC_FLAGS)
+    except Exception:
+        flags = ["--expt-relaxed-constexpr"]
+    srcs = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
+    jobs_l = []
+    for src in srcs:
+        for arch in archs:
+            cub = os.path.join(out_dir, os.path.relpath(src, CSRC).replace("/", "_")
+                               + f".sm{arch}.cubin")
+            if not os.path.exists(cub):
+                cmd = [nvcc, "-cubin", "-std=c++17", f"-arch=sm_{arch}", "-x", "cu", *flags,
+                       "-Xcudafe", "--diag_suppress=3306", "-DTORCH_EXTENSION_NAME=_C",
+                       "-DTORCH_API_INCLUDE_EXTENSION_H", *[f"-I{i}" for i in incs], src,
+                       "-o", cub + ".tmp"]
+                jobs_l.append((cmd, cub))
+
+    def run(job):
+        cmd, cub = job
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode == 0:
+            os.replace(cub + ".tmp", cub)
+        return r.returncode, r.stderr[-3000:]
+
+    errors = []
+    with cf.ThreadPoolExecutor(max_workers=jobs) as ex:
+        for (cmd, cub), (rc, err) in zip(jobs_l, ex.map(run, jobs_l)):
+            if rc:
+                errors.append(f"{os.path.basename(cub)}: {err}")
+    files: Dict[str, Dict[int, dict]] = {}
+    for src in srcs:
+        rel = os.path.relpath(src, CSRC)
+        for arch in archs:
+            cub = os.path.join(out_dir, rel.replace("/", "_") + f".sm{arch}.cubin")
+            if os.path.exists(cub):
+                files.setdefault(rel, {})[arch] = csrc_object_stats(cub, arch)
+    return {"files": files, "errors": errors}

@@ -1,0 +1,471 @@
+"""`kfused perf`: compile every benchmark launch, model it, predict, check the structure.
+
+    python -m kfused.cli.main perf                  # table + JSON (benchmarks/results/predicted)
+    python -m kfused.cli.main perf --ops krona      # one op family
+    python -m kfused.cli.main perf --update-known   # rewrite kfused/perf/known_violations.json
+    python -m kfused.cli.main perf --structure-only --arch 90 --json out.json   # what CI runs
+
+Every time and ratio it prints is PREDICTED by kfused.perf.roofline (no GPU involved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KNOWN = os.path.join(HERE, "known_violations.json")
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "predicted")
+
+# CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA): every 16-bit (Half /
+# BFloat16 template) instantiation in csrc/ except those whose name contains one of these
+# fragments (pure reductions, the split-KV merge). float32 instantiations compute in IEEE
+# float32 (SPEC §4) and are not required to use tensor cores.
+CSRC_NOT_GEMM = ("reduce", "merge")
+CSRC_16BIT = ("Half", "BFloat16")
+
+
+def _versions() -> Dict[str, str]:
+    import torch
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", ROOT, "status", "--porcelain"],
+                                    capture_output=True, text=True).stdout.strip())
+    except Exception:
+        commit, dirty = "", False
+    return dict(commit=commit + ("-dirty" if dirty else ""), triton=triton.__version__,
+                torch=torch.__version__, python=sys.version.split()[0])
+
+
+# ------------------------------------------------------------------------------------------
+# collecting launches
+
+
+def collect(ops: Optional[List[str]] = None):
+    """Trace every case; returns [(case, launches, glue)]."""
+    from kfused.perf import cases as C
+    from kfused.perf.trace import trace
+
+    out = []
+    for case in C.all_cases():
+        if ops and not any(case.op.startswith(o) for o in ops):
+            continue
+        launches, glue = trace(case.run)
+        out.append((case, launches, glue))
+    return out
+
+
+def representative_launches(ops: Optional[List[str]] = None):
+    """The kernel modules' own representative launches (``_aot.register`` drivers: odd head
+    widths, masks, prefix, float32) — compile coverage beyond the benchmark shapes."""
+    from kfused.perf.compile import recording
+    from kfused.triton_kernels import _aot
+
+    _aot._load_drivers()
+    out = []
+    for op, drv in _aot._DRIVERS.items():
+        if ops and not any(op.startswith(o) for o in ops):
+            continue
+        with recording() as launches:
+            drv()
+        out.append((op, launches))
+    return out
+
+
+def _spec_items(launches, archs):
+    from kfused.perf.compile import jit_spec, spec_key
+
+    items, index = [], {}
+    keys = []
+    for L in launches:
+        row = {}
+        for arch in archs:
+            spec = jit_spec(L.fn, L.args, L.kwargs, arch)
+            k = (L.name, spec_key(L.fn, spec, arch))
+            if k not in index:
+                index[k] = len(items)
+                items.append((L.fn, spec, arch))
+            row[arch] = index[k]
+        keys.append(row)
+    return items, keys
+
+
+# ------------------------------------------------------------------------------------------
+# violations (the structural checks)
+
+
+def launch_violations(stats: dict, dtypes: List[str]) -> List[dict]:
+    v = []
+    if stats.get("spill_bytes", 0) > 0:
+        v.append(dict(what="spill_bytes", value=int(stats["spill_bytes"])))
+    sixteen = any(d in ("bf16", "fp16") for d in dtypes)
+    dots = stats.get("dots", {})
+    n_dots = sum(dots.values()) if dots else 0
+    sass = stats.get("sass", {})
+    if sixteen and n_dots:
+        if not (sass.get("hgmma", 0) or sass.get("hmma", 0)):
+            v.append(dict(what="no_tensor_core", value=1))
+        # float32/float64 operand dots run on CUDA cores (kfused never requests TF32: SPEC §4
+        # asks IEEE float32; the TTIR printer omits the default precision, so both float32
+        # buckets count here)
+        cc = dots.get("dot_f32_ieee", 0) + dots.get("dot_tf32", 0) + dots.get("dot_f64", 0)
+        if cc:
+            v.append(dict(what="cuda_core_dots", value=int(cc)))
+    return v
+
+
+def csrc_kernel_name(mangled: str) -> str:
+    """The mangled name without nvcc's anonymous-namespace tag, which hashes the file's path
+    and so differs between checkouts."""
+    import re
+
+    return re.sub(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w*?_cu_[0-9a-f]{8}", "(anon)", mangled)
+
+
+def csrc_violations(csrc: dict) -> List[dict]:
+    out = []
+    for rel, per_arch in sorted(csrc.get("files", {}).items()):
+        for arch, kernels in per_arch.items():
+            for name, st in sorted(kernels.items()):
+                base = dict(kernel=csrc_kernel_name(name), where=f"csrc/{rel}",
+                            arch=f"sm_{arch}")
+                if st.get("spill_bytes", 0) > 0:
+                    out.append(dict(base, what="spill_bytes", value=int(st["spill_bytes"])))
+                sass = st.get("sass", {})
+                gemm = (any(f in name for f in CSRC_16BIT)
+                        and not any(f in name for f in CSRC_NOT_GEMM))
+                if gemm and not (
+                        sass.get("hgmma", 0) or sass.get("hmma", 0)):
+                    out.append(dict(base, what="no_tensor_core", value=1))
+    return out
+
+
+def _vkey(v: dict) -> str:
+    return f"{v['arch']} | {v['where']} | {v['kernel']} | {v['what']}"
+
+
+def compare_known(found: List[dict], known: List[dict], scope: Optional[set] = None):
+    """(new-or-worse, disappeared) lists. ``scope``: only judge known entries whose 'where'
+    starts with one of these prefixes (so a partial run does not call others disappeared)."""
+    kmap = {_vkey(k): k for k in known}
+    fmap = {_vkey(f): f for f in found}
+    bad = []
+    for key, f in sorted(fmap.items()):
+        k = kmap.get(key)
+        if k is None:
+            bad.append(f"NEW   {key} = {f['value']}  (not in known_violations.json)")
+        elif f["value"] > k["value"]:
+            bad.append(f"WORSE {key} = {f['value']} (known: {k['value']})")
+    gone = []
+    for key, k in sorted(kmap.items()):
+        if scope is not None and not any(k["where"].startswith(s) for s in scope):
+            continue
+        if key not in fmap:
+            gone.append(f"FIXED {key}: delete this entry from kfused/perf/known_violations.json "
+                        "(or run `kfused perf --update-known`)")
+        elif fmap[key]["value"] < k["value"]:
+            gone.append(f"IMPROVED {key} = {fmap[key]['value']} (known: {k['value']}): lower "
+                        "the entry (`kfused perf --update-known`)")
+    return bad, gone
+
+
+def _cases_for(ops):
+    from kfused.perf import cases as C
+
+    return [c for c in C.all_cases() if not ops or any(c.op.startswith(o) for o in ops)]
+
+
+def load_known() -> List[dict]:
+    if not os.path.exists(KNOWN):
+        return []
+    with open(KNOWN) as f:
+        return json.load(f)["violations"]
+
+
+# ------------------------------------------------------------------------------------------
+# main analysis
+
+
+def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=True,
+            with_representative=True, structure_only=False) -> dict:
+    from kfused.perf import cases as C
+    from kfused.perf import roofline as R
+    from kfused.perf.compile import (compile_many, constexpr_summary, csrc_stats, jit_spec,
+                                     spec_dtypes)
+
+    t0 = time.time()
+    traced = collect(ops)
+    rep = representative_launches(ops) if with_representative else []
+    all_launches = [L for _, ls, _ in traced for L in ls] + [L for _, ls in rep for L in ls]
+    items, _ = _spec_items(all_launches, archs)
+    results = compile_many(items, jobs=jobs)
+    by_key = {}
+    from kfused.perf.compile import spec_key
+    for (fn, spec, arch), res in zip(items, results):
+        by_key[(fn.__name__, spec_key(fn, spec, arch), arch)] = (spec, res)
+
+    def stats_of(L, arch):
+        spec = jit_spec(L.fn, L.args, L.kwargs, arch)
+        return spec, by_key[(L.name, spec_key(L.fn, spec, arch), arch)][1]
+
+    report = dict(label="PREDICTED (static model, no GPU): kfused.perf", versions=_versions(),
+                  date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+                  constants=R.CONSTANTS, archs=list(archs), cases=[], launches=[],
+                  failures=[], violations=[])
+    seen_launch = set()
+    for case, launches, glue in traced:
+        counts: Dict[str, int] = {}
+        rows = []
+        for L in launches:
+            counts[L.name] = counts.get(L.name, 0) + 1
+            where = f"{case.compile_group} #{counts[L.name]}"
+            per_arch = {}
+            for arch in archs:
+                spec, (st, err) = stats_of(L, arch)
+                if err:
+                    report["failures"].append(dict(kernel=L.name, where=where, arch=arch,
+                                                   error=err))
+                    continue
+                per_arch[arch] = st
+                for v in launch_violations(st, spec_dtypes(spec)):
+                    v.update(kernel=L.name, where=where, arch=f"sm_{arch}")
+                    k = _vkey(v)
+                    if k not in seen_launch:
+                        seen_launch.add(k)
+                        report["violations"].append(v)
+            if structure_only:
+                continue
+            work, modelled = C.model_launch(L)
+            st90 = per_arch.get(90, {})
+            pred = R.predict(work, st90.get("sass", {}), L.programs(),
+                             st90.get("ctas_per_sm", 1))
+            spec90 = jit_spec(L.fn, L.args, L.kwargs, 90)
+            rows.append(dict(kernel=L.name, where=where, grid=list(L.grid),
+                             config=constexpr_summary(L.fn, spec90), modelled=modelled,
+                             work=work, predicted=pred,
+                             compiled={f"sm_{a}": {k: s.get(k) for k in (
+                                 "regs", "spill_bytes", "shared_bytes", "ctas_per_sm",
+                                 "num_warps", "num_stages", "sass", "dots")}
+                                 for a, s in per_arch.items()}))
+        if structure_only:
+            continue
+        glue_rows = []
+        for g in glue:
+            t = (max(g.flops / R.WGMMA_RATE, g.bytes / R.HBM_BW) + R.KERNEL_OVERHEAD_S)
+            glue_rows.append(dict(op=g.name, bytes=g.bytes, flops=g.flops, t=t))
+        t_k = sum(r["predicted"]["t"] for r in rows) + sum(g["t"] for g in glue_rows)
+        issued = sum(r["work"]["dot16_flops"] + r["work"]["fma32_flops"] + r["work"]["fma64_flops"]
+                     for r in rows) + sum(g["flops"] for g in glue_rows)
+        moved = sum(r["work"]["hbm_bytes"] for r in rows) + sum(g["bytes"] for g in glue_rows)
+        base = {}
+        for name, fn in case.baselines.items():
+            parts = fn()
+            base[name] = dict(t=sum(p["t"] for p in parts), parts=parts)
+        targets = []
+        for tg in case.targets:
+            ratio = t_k / base[tg.baseline]["t"]
+            targets.append(dict(issue=tg.issue, baseline=tg.baseline, text=tg.text,
+                                max_ratio=tg.max_ratio, predicted_ratio=ratio,
+                                met=ratio <= tg.max_ratio))
+        report["cases"].append(dict(
+            op=case.op, label=case.label, shape=case.shape,
+            useful_flops=case.useful_flops, min_bytes=case.min_bytes,
+            issued_flops=issued, hbm_bytes=moved,
+            predicted_t_s=t_k,
+            predicted_min_t_s=max(case.useful_flops / R.WGMMA_RATE, case.min_bytes / R.HBM_BW),
+            kernels=rows, glue=dict(n_ops=len(glue_rows), t_s=sum(g["t"] for g in glue_rows),
+                                    bytes=sum(g["bytes"] for g in glue_rows),
+                                    by_op=_glue_by_op(glue_rows)),
+            baselines=base, targets=targets))
+    # representative launches: compile failures and violations (compile coverage)
+    for op, launches in rep:
+        for L in launches:
+            for arch in archs:
+                spec, (st, err) = stats_of(L, arch)
+                if err:
+                    report["failures"].append(dict(kernel=L.name, where=f"representative {op}",
+                                                   arch=arch, error=err))
+    if with_csrc:
+        cs = csrc_stats(archs=tuple(a for a in archs), jobs=jobs)
+        report["csrc"] = cs
+        report["violations"] += csrc_violations(cs)
+        for e in cs.get("errors", []):
+            report["failures"].append(dict(kernel="csrc", where="csrc", arch="", error=e))
+    if with_grounding and not structure_only:
+        from kfused.perf import grounding
+
+        report["grounding"] = grounding.run(jobs=jobs)
+    report["elapsed_s"] = time.time() - t0
+    return report
+
+
+# ------------------------------------------------------------------------------------------
+# output
+
+
+def _glue_by_op(rows: List[dict]) -> Dict[str, dict]:
+    out: Dict[str, dict] = {}
+    for g in rows:
+        d = out.setdefault(g["op"], dict(n=0, bytes=0.0, flops=0.0, t_s=0.0))
+        d["n"] += 1
+        d["bytes"] += g["bytes"]
+        d["flops"] += g["flops"]
+        d["t_s"] += g["t"]
+    return out
+
+
+def _fmt_t(t: float) -> str:
+    return f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+
+
+def table(report: dict) -> str:
+    out = ["PREDICTED (static roofline model of an H100 SXM5; nothing here was measured)", ""]
+    out.append(f"{'case':<58} {'kfused':>11} {'min':>10} | target (issue)"
+               f"{'':<38} {'pred. ratio':>11} {'limit':>6}  met")
+    for c in report["cases"]:
+        first = True
+        tg = c["targets"] or [None]
+        for t in tg:
+            head = (f"{c['op'] + ' ' + c['label']:<58.58} {_fmt_t(c['predicted_t_s']):>11} "
+                    f"{_fmt_t(c['predicted_min_t_s']):>10}" if first else " " * 81)
+            first = False
+            if t is None:
+                out.append(head + " | (no target at this shape)")
+            else:
+                out.append(head + f" | #{t['issue']} {t['text'][:40]:<40} vs {t['baseline']:<10}"
+                           f" {t['predicted_ratio']:>7.2f}x {t['max_ratio']:>6.2f}  "
+                           f"{'yes' if t['met'] else 'NO'}")
+    out.append("")
+    out.append("Per kernel (sm_90; predicted time, bound, registers, spill, CTAs/SM, "
+               "instruction for 16-bit dots):")
+    seen = set()
+    for c in report["cases"]:
+        for r in c["kernels"]:
+            key = (r["kernel"], r["where"])
+            if key in seen:
+                continue
+            seen.add(key)
+            s = r["compiled"].get("sm_90", {})
+            sass = s.get("sass") or {}
+            mma = "wgmma" if sass.get("hgmma") else "mma.sync" if sass.get("hmma") else "none"
+            p = r["predicted"]
+            out.append(f"  {r['kernel']:<32} {r['where']:<52.52} {_fmt_t(p['t']):>10} "
+                       f"{p['bound']:<7} regs={s.get('regs')} spill={s.get('spill_bytes')} "
+                       f"ctas/SM={s.get('ctas_per_sm')} tc={mma} "
+                       f"ldg128={sass.get('ldg128', 0) + sass.get('ldgsts128', 0)} "
+                       f"ldg<128={sass.get('ldg_narrow', 0) + sass.get('ldg64', 0) + sass.get('ldgsts_narrow', 0)}"
+                       + ("" if r["modelled"] else "  [UNMODELLED]"))
+    g = report.get("grounding")
+    if g:
+        out.append("")
+        out.append("Grounding (predicted vs published/measured H100 figures):")
+        for row in g["rows"]:
+            out.append(f"  {row['name']:<54} predicted {row['predicted_tflops']:7.1f} TFLOP/s "
+                       f"| reference {row['reference_tflops']:7.1f} ({row['source'][:60]}) "
+                       f"| error {row['error_pct']:+.1f} %  {'OK' if abs(row['error_pct']) <= 25 else 'OUTSIDE 25 %'}")
+    if report["violations"]:
+        out.append("")
+        out.append("Structural violations (see kfused/perf/known_violations.json):")
+        for v in sorted(report["violations"], key=_vkey):
+            out.append(f"  {_vkey(v)} = {v['value']}")
+    if report["failures"]:
+        out.append("")
+        out.append("COMPILE FAILURES:")
+        for f in report["failures"]:
+            out.append(f"  {f['arch']} {f['where']} {f['kernel']}: {f['error'][:300]}")
+    return "\n".join(out)
+
+
+def write_known(report: dict) -> None:
+    v = sorted(report["violations"], key=_vkey)
+    with open(KNOWN, "w") as f:
+        json.dump(dict(
+            about="Structural violations known today (ratchet). tests/test_perf_structure.py "
+                  "fails on a violation not listed here, on one worse than listed, and on a "
+                  "listed one that has disappeared or improved: then regenerate with "
+                  "`python -m kfused.cli.main perf --update-known` and commit the smaller file.",
+            versions=report["versions"], violations=v), f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
+def run(argv=None) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.call([sys.executable, "-m", "kfused.perf.report", *(argv or [])],
+                               env=env)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    p = argparse.ArgumentParser(prog="kfused perf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="", help="comma-separated op prefixes (krona,headwise,"
+                   "inducer); default all")
+    p.add_argument("--arch", default="90,80", help="comma-separated SM versions (default 90,80)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--no-csrc", action="store_true")
+    p.add_argument("--no-grounding", action="store_true")
+    p.add_argument("--no-representative", action="store_true",
+                   help="skip the kernel modules' own representative launches")
+    p.add_argument("--structure-only", action="store_true",
+                   help="compile and check structure only (no model, no grounding)")
+    p.add_argument("--json", default=None, help="write the JSON here (default "
+                   "benchmarks/results/predicted/perf-<commit>.json unless --structure-only)")
+    p.add_argument("--update-known", action="store_true",
+                   help="rewrite kfused/perf/known_violations.json from this run (sm_90)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 on compile failures or violations beyond the known list")
+    a = p.parse_args(argv)
+    ops = [o for o in a.ops.split(",") if o] or None
+    archs = tuple(int(x) for x in a.arch.split(",") if x)
+    report = analyse(ops, archs, a.jobs, with_csrc=not a.no_csrc,
+                     with_grounding=not a.no_grounding,
+                     with_representative=not a.no_representative,
+                     structure_only=a.structure_only)
+    path = a.json
+    if path is None and not a.structure_only:
+        os.makedirs(OUT_DIR, exist_ok=True)
+        path = os.path.join(OUT_DIR, "perf-latest.json")
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    if not a.structure_only:
+        text = table(report)
+        print(text)
+        if path:
+            with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+                f.write(f"{report['label']}\n{json.dumps(report['versions'])}\n\n{text}\n")
+    print(f"\n{len(report['failures'])} compile failures, {len(report['violations'])} "
+          f"violations; {report['elapsed_s']:.0f} s" + (f"; JSON: {path}" if path else ""))
+    rc = 1 if report["failures"] else 0
+    if a.update_known:
+        if ops or 90 not in archs or a.no_csrc:
+            print("--update-known needs a full run (all ops, sm_90, csrc)", file=sys.stderr)
+            return 2
+        report["violations"] = [v for v in report["violations"] if v["arch"] == "sm_90"]
+        write_known(report)
+        print(f"wrote {KNOWN}")
+    elif a.check:
+        found = [v for v in report["violations"] if v["arch"] == "sm_90"]
+        scope = None
+        if ops or a.no_csrc:
+            scope = {c.compile_group for c in _cases_for(ops)}
+            if not a.no_csrc:
+                scope.add("csrc/")
+        bad, gone = compare_known(found, load_known(), scope)
+        for line in bad + gone:
+            print(line)
+        if bad or gone:
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""H100 roofline: every constant, where it comes from, and how a predicted time is formed.
+
+All times this module produces are PREDICTED (a model of an H100 SXM5 80 GB), never measured.
+
+Work of one kernel launch (or torch op) is split by the unit that executes it:
+
+  dot16_flops   16-bit matrix products (tl.dot on bf16/fp16 tiles). Their rate depends on the
+                instruction the compiler chose, read from the SASS: HGMMA (wgmma, sm_90
+                asynchronous warpgroup MMA) or HMMA (mma.sync); neither -> CUDA-core FMA.
+  fma32_flops   float32 products on CUDA cores (tl.dot with input_precision="ieee" on float32
+                tiles lowers to FFMA; also broadcast-and-sum products).
+  fma64_flops   float64 products / accumulations (DFMA/DADD).
+  sfu_ops       transcendental instructions (MUFU: exp, exp2, log, rcp).
+  alu_ops       other float32 element-wise instructions per element (scale, mask, max, sum...).
+  hbm_bytes     bytes moved to/from HBM (the kernel's tiling + an L2 re-use rule below).
+
+  t_compute = t_dot16 + t_fma32 + t_fma64 + t_sfu + t_alu     (pipes not overlapped: none of
+              today's kernels software-pipelines softmax against MMA like FlashAttention-3)
+  t_mem     = hbm_bytes / HBM_BW
+  t         = max(t_compute / wave_eff, t_mem) + KERNEL_OVERHEAD_S
+  wave_eff  = programs / (ceil(programs / (SMS * ctas_per_sm)) * SMS * ctas_per_sm)
+              (tail effect: the last wave of CTAs leaves SMs idle; persistent grids ~1)
+
+L2 re-use rule: an operand that a kernel re-reads in P passes (for instance x re-read for
+every output-column block) costs its size once if it fits in L2_RESIDENT, P times if it is
+twice that or larger, linearly in between.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+# --- H100 SXM5 (sm_90), NVIDIA H100 Tensor Core GPU datasheet / architecture whitepaper ------
+SMS = 132                              # streaming multiprocessors
+PEAK_BF16_DENSE = 989e12               # FLOP/s, bf16/fp16 tensor core, dense (datasheet)
+PEAK_HBM = 3.35e12                     # B/s, HBM3 (datasheet)
+# Achievable ceilings (issue 10): cuBLAS bf16 GEMM measured at 798 TFLOP/s at 8192^3 on this
+# project's H100; 3.0 TB/s is the usual achieved copy bandwidth (~90 % of 3.35).
+WGMMA_RATE = 798e12
+HBM_BW = 3.0e12
+# mma.sync (HMMA) on sm_90 reaches roughly 60-65 % of the wgmma peak (FlashAttention-3 paper,
+# Shah et al. 2024, section 1; FA2 on H100 ~ 335-370 TFLOP/s): 0.62 x the achievable ceiling.
+MMA_SYNC_FRACTION = 0.62
+MMA_RATE = MMA_SYNC_FRACTION * WGMMA_RATE
+# CUDA cores: 128 FP32 lanes/SM x 132 SMs x 1.98 GHz boost = 33.5 T FMA/s = 67 TFLOP/s
+# (datasheet "FP32 67 TFLOPS"); 80 % achievable like the tensor cores.
+FMA32_RATE = 67e12 * 0.8
+ALU32_RATE = 33.5e12 * 0.8             # element-wise instructions per second (1 per lane-clk)
+FMA64_RATE = 34e12 * 0.8               # datasheet "FP64 34 TFLOPS" (non-tensor)
+# MUFU (exp2, rcp, ...): 16 per SM per clock (CUDA C Programming Guide, arithmetic
+# instruction throughput, cc 9.0) -> 132 x 16 x 1.98e9 = 4.2e12 /s.
+SFU_RATE = 132 * 16 * 1.98e9
+# Fixed cost per kernel: launch gap + ramp-up/drain of a short kernel (~2-3 us observed for
+# back-to-back launches on H100 with CUDA graphs off); the model uses 3 us.
+KERNEL_OVERHEAD_S = 3e-6
+L2_BYTES = 50 * 2**20                  # H100 SXM5 L2
+L2_RESIDENT = L2_BYTES // 2            # what an operand may occupy and still be re-used
+
+CONSTANTS = {k: v for k, v in dict(
+    SMS=SMS, PEAK_BF16_DENSE=PEAK_BF16_DENSE, PEAK_HBM=PEAK_HBM, WGMMA_RATE=WGMMA_RATE,
+    HBM_BW=HBM_BW, MMA_SYNC_FRACTION=MMA_SYNC_FRACTION, MMA_RATE=MMA_RATE,
+    FMA32_RATE=FMA32_RATE, ALU32_RATE=ALU32_RATE, FMA64_RATE=FMA64_RATE, SFU_RATE=SFU_RATE,
+    KERNEL_OVERHEAD_S=KERNEL_OVERHEAD_S, L2_BYTES=L2_BYTES, L2_RESIDENT=L2_RESIDENT).items()}
+
+
+def reread_bytes(size: float, passes: float) -> float:
+    """HBM bytes for an operand of ``size`` bytes read in ``passes`` passes (L2 rule above)."""
+    if passes <= 1:
+        return size
+    miss = min(1.0, max(0.0, (size - L2_RESIDENT) / L2_RESIDENT))
+    return size * (1 + (passes - 1) * miss)
+
+
+def dot16_rate(sass: Dict[str, int]) -> float:
+    """Rate of 16-bit products from the instruction the compiler chose."""
+    if sass.get("hgmma", 0):
+        return WGMMA_RATE
+    if sass.get("hmma", 0):
+        return MMA_RATE
+    return FMA32_RATE
+
+
+def wave_efficiency(programs: int, ctas_per_sm: int) -> float:
+    if programs <= 0 or ctas_per_sm <= 0:
+        return 1.0
+    slots = SMS * ctas_per_sm
+    waves = math.ceil(programs / slots)
+    return programs / (waves * slots)
+
+
+def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
+            ctas_per_sm: int) -> Dict[str, float]:
+    """Predicted time (seconds) of one launch, with its parts."""
+    t_dot = work.get("dot16_flops", 0.0) / dot16_rate(sass)
+    t_fma = work.get("fma32_flops", 0.0) / FMA32_RATE
+    t_f64 = work.get("fma64_flops", 0.0) / FMA64_RATE
+    t_sfu = work.get("sfu_ops", 0.0) / SFU_RATE
+    t_alu = work.get("alu_ops", 0.0) / ALU32_RATE
+    t_comp = t_dot + t_fma + t_f64 + t_sfu + t_alu
+    eff = wave_efficiency(programs, max(1, ctas_per_sm)) if programs else 1.0
+    t_mem = work.get("hbm_bytes", 0.0) / HBM_BW
+    t = max(t_comp / eff, t_mem) + KERNEL_OVERHEAD_S
+    bound = "memory" if t_mem >= t_comp / eff else "compute"
+    return dict(t=t, t_dot16=t_dot, t_fma32=t_fma, t_fma64=t_f64, t_sfu=t_sfu, t_alu=t_alu,
+                t_mem=t_mem, wave_eff=eff, bound=bound)
+
+
+def gemm_time(M: int, N: int, K: int, el: int = 2, rate: float = WGMMA_RATE,
+              out_el: int = 2) -> float:
+    """cuBLAS-class GEMM: max(FLOPs at the achievable ceiling, minimum bytes) + overhead."""
+    flops = 2.0 * M * N * K
+    bytes_ = el * (M * K + K * N) + out_el * M * N
+    return max(flops / rate, bytes_ / HBM_BW) + KERNEL_OVERHEAD_S
+
+
+def stream_time(nbytes: float) -> float:
+    """A memory-bound torch element-wise / reduction kernel."""
+    return nbytes / HBM_BW + KERNEL_OVERHEAD_S

@@ -1,0 +1,107 @@
+"""Run an op's forward and backward on CPU stand-in tensors and record what a GPU would run.
+
+Triton launches are recorded (not run) by :func:`kfused.perf.compile.recording`; every other
+torch operation (the "glue" between kernels: casts, reductions, small MLPs, allocations) is
+recorded by a dispatch mode and evaluated on the meta device only, so benchmark shapes cost
+no CPU time. The Triton backend is forced on (it refuses CPU tensors otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, List, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from kfused.perf.compile import Launch, recording
+
+# aten ops that move no data (allocation, metadata, views are skipped via func.is_view)
+_FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+         "_local_scalar_dense", "detach", "lift_fresh", "alias", "_to_copy_meta", "set_",
+         "resize_", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+_MATMUL = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm"}
+
+
+@dataclasses.dataclass
+class GlueOp:
+    """One torch operation between kernels: bytes read + written, matmul FLOPs if any."""
+    name: str
+    bytes: float
+    flops: float
+    shapes: List[Tuple[int, ...]]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Glue(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: List[GlueOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "kfused":
+            from torch._library.custom_ops import OPDEFS
+
+            opdef = OPDEFS[func._schema.name]
+            with self:
+                return opdef._init_fn(*args, **kwargs)
+        short = func._schema.name.split("::")[-1]
+        if func.is_view or short in ("_local_scalar_dense", "sym_size", "sym_stride"):
+            return func(*args, **kwargs)
+        to_meta = lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a  # noqa: E731
+        try:
+            out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            real = False
+        except (NotImplementedError, RuntimeError):   # e.g. a copy to a device: run it
+            out = func(*args, **kwargs)
+            real = True
+        if short not in _FREE:
+            ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            outs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+            nb = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+            if short in ("zero_", "fill_", "zeros", "ones", "full", "zeros_like", "ones_like",
+                         "full_like", "new_zeros", "new_ones", "new_full"):
+                nb = sum(_nbytes(t) for t in outs)          # write only
+            flops = 0.0
+            if short in _MATMUL and outs:
+                k = ins[-1].shape[-2] if short in ("mm", "bmm", "addmm", "baddbmm") else \
+                    ins[0].shape[-1]
+                flops = 2.0 * outs[0].numel() * k
+            self.ops.append(GlueOp(short, float(nb), flops, [tuple(t.shape) for t in ins]))
+        if real:
+            return out
+        if func._schema.is_mutable:
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    return kwargs.get(a.name, args[i] if i < len(args) else None)
+        alloc = (lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)  # noqa: E731
+                 if isinstance(m, torch.Tensor) else m)
+        return tree_map(alloc, out)
+
+
+@contextlib.contextmanager
+def _triton_forced():
+    import kfused.backends as kb
+
+    orig = kb.triton_unfit
+    kb.triton_unfit = lambda device, dtype: None
+    try:
+        yield
+    finally:
+        kb.triton_unfit = orig
+
+
+def trace(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
+    """Call ``run()`` (which runs an op forward and backward on CPU tensors); return the Triton
+    launches it made and the torch glue operations between them."""
+    with _triton_forced(), recording() as launches:
+        mode = _Glue()
+        with mode:
+            run()
+    return launches, mode.ops

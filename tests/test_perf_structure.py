@@ -1,0 +1,78 @@
+"""CI checks of what the compiled code is (not of time), as a ratchet.
+
+At the benchmark shapes, on sm_90: no kernel spills; every GEMM-shaped 16-bit Triton kernel
+issues tensor-core instructions (HGMMA/HMMA) and no float32/float64 CUDA-core dots. Today's
+violations are listed in kfused/perf/known_violations.json: a violation not listed, or worse
+than listed, fails; a listed one that disappeared (or improved) fails too, asking for the
+entry to be deleted/lowered (``python -m kfused.cli.main perf --update-known``), so the list
+only shrinks. The CUDA C++ half of the ratchet is in tests/test_csrc_compile.py.
+"""
+
+import pytest
+
+from kfused.perf import report as R
+from tests._perf_helpers import structure_report
+
+
+def _triton_known():
+    """Known Triton violations; the list was generated with one Triton version and the
+    compiled code differs between versions (e.g. spills), so another version skips."""
+    import json
+
+    import triton
+
+    with open(R.KNOWN) as f:
+        made_with = json.load(f).get("versions", {}).get("triton", "")
+    mm = lambda v: ".".join(v.split(".")[:2])  # noqa: E731
+    if mm(made_with) != mm(triton.__version__):
+        pytest.skip(f"known_violations.json was generated with triton {made_with}, this is "
+                    f"{triton.__version__}: regenerate with `kfused perf --update-known` to "
+                    "ratchet on this version")
+    return [k for k in R.load_known() if not k["where"].startswith("csrc/")]
+
+
+def test_no_new_or_worse_violations():
+    pytest.importorskip("triton.backends.nvidia")
+    rep = structure_report()
+    found = [v for v in rep["violations"] if v["arch"] == "sm_90"]
+    bad, _ = R.compare_known(found, _triton_known())
+    assert not bad, ("structural regressions (fix the kernel; the list only shrinks):\n"
+                     + "\n".join(bad))
+
+
+def test_known_violations_still_exist():
+    pytest.importorskip("triton.backends.nvidia")
+    rep = structure_report()
+    found = [v for v in rep["violations"] if v["arch"] == "sm_90"]
+    _, gone = R.compare_known(found, _triton_known())
+    assert not gone, "\n".join(gone)
+
+
+def test_ratchet_logic():
+    known = [dict(arch="sm_90", where="w", kernel="k", what="spill_bytes", value=100),
+             dict(arch="sm_90", where="w", kernel="k2", what="no_tensor_core", value=1)]
+    same = [dict(k) for k in known]
+    assert R.compare_known(same, known) == ([], [])
+    worse = [dict(known[0], value=200), known[1]]
+    bad, gone = R.compare_known(worse, known)
+    assert len(bad) == 1 and "WORSE" in bad[0] and not gone
+    new = same + [dict(known[0], kernel="k3")]
+    bad, _ = R.compare_known(new, known)
+    assert len(bad) == 1 and "NEW" in bad[0]
+    fixed = [known[1]]
+    bad, gone = R.compare_known(fixed, known)
+    assert not bad and len(gone) == 1 and "delete" in gone[0]
+    better = [dict(known[0], value=50), known[1]]
+    _, gone = R.compare_known(better, known)
+    assert len(gone) == 1 and "IMPROVED" in gone[0]
+
+
+def test_violation_rules():
+    st = dict(spill_bytes=8, dots=dict(dot16=2, dot_f32_ieee=1), sass=dict(hgmma=0, hmma=0))
+    what = {v["what"]: v["value"] for v in R.launch_violations(st, ["bf16"])}
+    assert what == {"spill_bytes": 8, "no_tensor_core": 1, "cuda_core_dots": 1}
+    st = dict(spill_bytes=0, dots=dict(dot16=2), sass=dict(hgmma=4))
+    assert R.launch_violations(st, ["bf16"]) == []
+    # float32 launches are not required to use tensor cores (IEEE dots by SPEC §4)
+    st = dict(spill_bytes=0, dots=dict(dot_f32_ieee=2), sass={})
+    assert R.launch_violations(st, ["fp32"]) == []
