@@ -196,5 +196,82 @@ __device__ __forceinline__ void load_tile(T* s, int pitch, const T* g, int64_t l
   }
 }
 
+
+// Two adjacent outputs (n, n + 1) of a row at `base`: one 32-bit store when both are in
+// range and the pair is 4-byte aligned (`pair_ok`: even row length, aligned row), else
+// element by element; nothing at or beyond ncols is written.
+template <typename T>
+__device__ __forceinline__ void store2(T* base, int n, int ncols, bool pair_ok, float v0,
+                                       float v1) {
+  if (pair_ok && n + 1 < ncols) {
+    *reinterpret_cast<uint32_t*>(base + n) = pack2<T>(v0, v1);
+  } else {
+    if (n < ncols) base[n] = static_cast<T>(v0);
+    if (n + 1 < ncols) base[n + 1] = static_cast<T>(v1);
+  }
+}
+
+// ---- block-wide tensor-core GEMM on shared-memory operands --------------------------------
+//
+// For every output batch ob < nbatch, C_ob (16 tm x 16 tn tiles) = sum over reduction batches
+// kb < kbatch and k-steps ks < ksteps of A_(ob,kb) (16 x 16 at rows 16 tm, k 16 ks) times
+// B_(ob,kb); operand (ob, kb) starts at p + ob * ob_stride + kb * kb_stride. A_KMAJOR /
+// B_KMAJOR select the layouts documented at the top of this file. The warp tiles
+// (ob, tm, tn) are dealt to the block's warps round robin; each warp accumulates a 16 x 16
+// tile in float (2 mma per k-step, one ldmatrix.x4 per operand) and hands it to
+// epi(ob, m, n, v(m, n), v(m, n + 1)) with n even. Every element of C goes to exactly one
+// thread once (deterministic). All padded rows / columns / k's must hold finite values
+// (zeros in k): nothing is masked inside.
+struct SmemOp {
+  const void* p;
+  int pitch;
+  int ob_stride;
+  int kb_stride;
+};
+
+template <typename T, bool A_KMAJOR, bool B_KMAJOR, typename Epi>
+__device__ __forceinline__ void block_mma(int nbatch, int tiles_m, int tiles_n, int kbatch,
+                                          int ksteps, const SmemOp& A, const SmemOp& B,
+                                          Epi epi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int per = tiles_m * tiles_n;
+  const int total = nbatch * per;
+  for (int tile = warp; tile < total; tile += nwarps) {
+    const int ob = tile / per;
+    const int rem = tile - ob * per;
+    const int tm = rem / tiles_n, tn = rem - tm * tiles_n;
+    float c[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[h][e] = 0.f;
+    const T* pa = static_cast<const T*>(A.p) + ob * A.ob_stride;
+    const T* pb = static_cast<const T*>(B.p) + ob * B.ob_stride;
+    for (int kb = 0; kb < kbatch; ++kb) {
+      const T* a = pa + kb * A.kb_stride;
+      const T* b = pb + kb * B.kb_stride;
+      for (int ks = 0; ks < ksteps; ++ks) {
+        uint32_t af[4], bf[4];
+        if constexpr (A_KMAJOR)
+          load_a_kmajor<T>(af, a, A.pitch, tm * 16, ks * 16);
+        else
+          load_a_mnmajor<T>(af, a, A.pitch, tm * 16, ks * 16);
+        if constexpr (B_KMAJOR)
+          load_b2_kmajor<T>(bf, b, B.pitch, tn * 16, ks * 16);
+        else
+          load_b2_mnmajor<T>(bf, b, B.pitch, tn * 16, ks * 16);
+        mma16816<T>(c[0], af, bf[0], bf[1]);
+        mma16816<T>(c[1], af, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        epi(ob, tm * 16 + g + 8 * i, tn * 16 + 8 * h + 2 * q, c[h][2 * i], c[h][2 * i + 1]);
+  }
+}
+
 }  // namespace mma
 }  // namespace kfused

@@ -18,6 +18,7 @@
 //       output column, tokens split over blockIdx.y, float partials reduced in a fixed order.
 
 #include "common/common.cuh"
+#include "common/mma.cuh"
 #include "kfused.h"
 
 namespace kfused {
@@ -258,6 +259,186 @@ __global__ void __launch_bounds__(256) headwise_colreduce_kernel(const ColReduce
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// Tensor-core forward (float16 / bfloat16)
+// ------------------------------------------------------------------------------------------
+//
+// A block owns 64 tokens x a group of HG heads (shared basis: HG = 64 / r8 heads, r8 = r
+// rounded up to 8, so one GEMM serves HG heads; per-head basis: HG = 1). Two GEMMs on
+// mma.sync m16n8k16, 4 warps, each warp 16 token rows:
+//   U (64 x HG*r8) = basis (64 x d_b) A_group^T   K = d_b streamed in 64-wide chunks,
+//                    basis and A chunks double buffered by 16-byte cp.async; float
+//                    accumulators stay in registers; U rounded to T into shared memory
+//                    (per head a 16-wide zero-padded slot)
+//   out_h (64 x p) = U_h B_h^T + bias_h         K = r (padded to 16), B_h staged once.
+constexpr int kHwBM = 64, kHwBK = 64, kHwThreads = 128, kHwMaxN = 64;
+
+struct HeadwiseTcParams {
+  const void* basis;
+  const void* A;
+  const void* B;
+  const void* bias;
+  void* out;
+  HeadwiseShape s;
+  int64_t basis_ld;  // elements between consecutive tokens' basis rows
+  int r8, r16, p16, HG;
+  bool vec;  // 16-byte cp.async rows for basis and A
+};
+
+struct HeadwiseTcSmem {
+  int PK, PU, PB;
+  size_t xs, as, us, bs, total;  // byte offsets / total
+};
+
+inline HeadwiseTcSmem headwise_tc_smem(int HG, int r16, int p16) {
+  HeadwiseTcSmem m;
+  m.PK = kHwBK + 8;
+  m.PU = HG * r16 + 8;
+  m.PB = r16 + 8;
+  m.xs = 0;
+  m.as = m.xs + 2 * size_t(2) * kHwBM * m.PK;
+  m.us = m.as + 2 * size_t(2) * kHwMaxN * m.PK;
+  m.bs = m.us + size_t(2) * kHwBM * m.PU;
+  m.total = m.bs + size_t(2) * HG * p16 * m.PB;
+  return m;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const HeadwiseTcParams P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const HeadwiseShape s = P.s;
+  const HeadwiseTcSmem L = headwise_tc_smem(P.HG, P.r16, P.p16);
+  T* Xs = reinterpret_cast<T*>(smem_raw + L.xs);  // (2, 64, PK)
+  T* Aw = reinterpret_cast<T*>(smem_raw + L.as);  // (2, 64, PK)
+  T* Us = reinterpret_cast<T*>(smem_raw + L.us);  // (64, PU)
+  T* Bs = reinterpret_cast<T*>(smem_raw + L.bs);  // (HG, p16, PB)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, qd = lane & 3;
+  const int h0 = blockIdx.y * P.HG;
+  const int hg = s.H - h0 < P.HG ? s.H - h0 : P.HG;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kHwBM;
+  const int nt = static_cast<int>(s.T - t0 < kHwBM ? s.T - t0 : kHwBM);
+  const int N = hg * P.r8;              // GEMM 1 columns (h_local, j)
+  const int N16 = (N + 15) / 16 * 16;   // rows of the A chunk that are read
+  const int r8 = P.r8, r16 = P.r16, p16 = P.p16;
+  const T* basis = static_cast<const T*>(P.basis) +
+                   (s.shared ? t0 * s.d_b : (t0 * s.H + h0) * s.d_b);
+  const T* A = static_cast<const T*>(P.A);
+  const T* B = static_cast<const T*>(P.B);
+  const int PK = L.PK, PU = L.PU, PB = L.PB;
+
+  // B_h, zero padded to (p16, r16), and the zero columns [r8, r16) of every U slot.
+  for (int e = tid; e < P.HG * p16 * r16; e += kHwThreads) {
+    const int hl = e / (p16 * r16), rem = e - hl * p16 * r16;
+    const int o = rem / r16, j = rem - o * r16;
+    Bs[(hl * p16 + o) * PB + j] =
+        (hl < hg && o < s.p && j < s.r) ? B[((int64_t(h0) + hl) * s.p + o) * s.r + j] : T(0.f);
+  }
+  if (r16 > r8)
+    for (int e = tid; e < kHwBM * P.HG * (r16 - r8); e += kHwThreads) {
+      const int m = e / (P.HG * (r16 - r8)), rem = e - m * P.HG * (r16 - r8);
+      const int hl = rem / (r16 - r8), j = r8 + rem - hl * (r16 - r8);
+      Us[m * PU + hl * r16 + j] = T(0.f);
+    }
+
+  auto load_chunk = [&](int kc, int buf) {
+    const int k0 = kc * kHwBK;
+    const int kw = s.d_b - k0 < kHwBK ? s.d_b - k0 : kHwBK;
+    mma::load_tile<T>(Xs + buf * kHwBM * PK, PK, basis + k0, P.basis_ld, nt, kw, kHwBM, kHwBK,
+                      P.vec, tid, kHwThreads);
+    T* aw = Aw + buf * kHwMaxN * PK;
+    for (int e = tid; e < N16 * (kHwBK / 8); e += kHwThreads) {
+      const int n = e / (kHwBK / 8), c = (e - n * (kHwBK / 8)) * 8;
+      const int hl = n / r8, j = n - hl * r8;
+      const bool row_ok = hl < hg && j < s.r;
+      const T* src = A + ((int64_t(h0) + hl) * s.r + j) * s.d_b + k0 + c;
+      if (P.vec) {
+        const bool ok = row_ok && c < kw;
+        mma::cp_async16(aw + n * PK + c, ok ? src : A, ok);
+      } else {
+        alignas(16) T v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (row_ok && c + i < kw) ? src[i] : T(0.f);
+        *reinterpret_cast<uint4*>(aw + n * PK + c) = *reinterpret_cast<const uint4*>(v);
+      }
+    }
+  };
+
+  float acc[kHwMaxN / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHwMaxN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  const int nk = (s.d_b + kHwBK - 1) / kHwBK;
+  load_chunk(0, 0);
+  mma::cp_async_commit();
+  for (int kc = 0; kc < nk; ++kc) {
+    if (kc + 1 < nk) {
+      load_chunk(kc + 1, (kc + 1) & 1);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* xs = Xs + (kc & 1) * kHwBM * PK;
+    const T* aw = Aw + (kc & 1) * kHwMaxN * PK;
+#pragma unroll
+    for (int ks = 0; ks < kHwBK / 16; ++ks) {
+      uint32_t af[4];
+      mma::load_a_kmajor<T>(af, xs, PK, warp * 16, ks * 16);
+#pragma unroll
+      for (int np = 0; np < kHwMaxN / 16; ++np) {
+        if (np * 16 < N16) {
+          uint32_t bf[4];
+          mma::load_b2_kmajor<T>(bf, aw, PK, np * 16, ks * 16);
+          mma::mma16816<T>(acc[2 * np], af, bf[0], bf[1]);
+          mma::mma16816<T>(acc[2 * np + 1], af, bf[2], bf[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // U (rounded) into its per-head slots; columns n = 8 jt + 2 qd (+1) of rows g, g + 8.
+#pragma unroll
+  for (int jt = 0; jt < kHwMaxN / 8; ++jt) {
+    if (jt * 8 >= N) continue;
+    const int n = jt * 8 + 2 * qd;
+    const int hl = n / r8, j = n - hl * r8;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int m = warp * 16 + g + 8 * i;
+      *reinterpret_cast<uint32_t*>(Us + m * PU + hl * r16 + j) =
+          mma::pack2<T>(acc[jt][2 * i], acc[jt][2 * i + 1]);
+    }
+  }
+  __syncthreads();
+  // out[t, h0 + hl, o] = U_hl B_hl^T + bias.
+  T* out = static_cast<T*>(P.out);
+  const T* bias = static_cast<const T*>(P.bias);
+  const bool pair = s.p % 2 == 0;
+  mma::block_mma<T, true, true>(
+      hg, kHwBM / 16, p16 / 16, 1, r16 / 16, mma::SmemOp{Us, PU, r16, 0},
+      mma::SmemOp{Bs, PB, p16 * PB, 0}, [&](int hl, int m, int o, float v0, float v1) {
+        if (m >= nt) return;
+        const int64_t hh = int64_t(h0) + hl;
+        if (bias) {
+          if (o < s.p) v0 += to_float(bias[hh * s.p + o]);
+          if (o + 1 < s.p) v1 += to_float(bias[hh * s.p + o + 1]);
+        }
+        mma::store2<T>(out + ((t0 + m) * s.H + hh) * s.p, o, s.p, pair, v0, v1);
+      });
+}
+
+template <typename T>
+void launch_headwise_tc(const HeadwiseTcParams& P, size_t smem, cudaStream_t stream) {
+  set_smem(headwise_mma_kernel<T>, smem, "headwise_mma_kernel");
+  const dim3 grid(static_cast<unsigned>(ceil_div(P.s.T, kHwBM)),
+                  static_cast<unsigned>(ceil_div(P.s.H, P.HG)));
+  headwise_mma_kernel<T><<<grid, kHwThreads, smem, stream>>>(P);
+  check_launch("headwise_mma_kernel");
+}
+
 HeadwiseShape check_headwise(const char* op, const at::Tensor& basis, const at::Tensor& A,
                              const at::Tensor& B) {
   check_float_cuda(basis, "basis");
@@ -307,6 +488,32 @@ at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
                              basis.options());
   if (out.numel() == 0) return out;
   DeviceGuard guard(basis);
+  cudaStream_t stream = current_stream();
+  if (basis.scalar_type() != at::kFloat && s.r <= kHwMaxN) {
+    // Tensor-core kernel (r <= 64 and its tiles fit in shared memory).
+    HeadwiseTcParams Q{};
+    Q.basis = basis.data_ptr();
+    Q.A = A.data_ptr();
+    Q.B = B.data_ptr();
+    Q.bias = has_bias ? bias->data_ptr() : nullptr;
+    Q.out = out.data_ptr();
+    Q.s = s;
+    Q.basis_ld = s.shared ? s.d_b : int64_t(s.H) * s.d_b;
+    Q.r8 = (s.r + 7) / 8 * 8;
+    Q.r16 = (s.r + 15) / 16 * 16;
+    Q.p16 = (s.p + 15) / 16 * 16;
+    Q.HG = s.shared ? std::max(1, std::min(s.H, kHwMaxN / Q.r8)) : 1;
+    auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+    Q.vec = s.d_b % 8 == 0 && al(Q.basis) && al(Q.A);
+    const size_t smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
+    if (static_cast<int64_t>(smem) <= max_smem_optin()) {
+      if (basis.scalar_type() == at::kHalf)
+        launch_headwise_tc<c10::Half>(Q, smem, stream);
+      else
+        launch_headwise_tc<c10::BFloat16>(Q, smem, stream);
+      return out;
+    }
+  }
   HeadwiseFwdParams P{};
   P.basis = basis.data_ptr();
   P.A = A.data_ptr();
@@ -316,7 +523,6 @@ at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
   P.s = s;
   const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kWarps * kTokensPerWarp)), s.H);
   const size_t smem = sizeof(float) * kWarps * kTokensPerWarp * std::max(s.r, 1);
-  cudaStream_t stream = current_stream();
   KFUSED_DISPATCH_FLOAT(basis.scalar_type(), "headwise_lowrank_fwd", [&] {
     set_smem(headwise_rows_kernel<scalar_t, false>, smem, "headwise_rows_kernel");
     headwise_rows_kernel<scalar_t, false><<<grid, kWarps * 32, smem, stream>>>(P);

@@ -661,6 +661,17 @@ void launch_inducer_mma_d(const InducerParams& P, bool decode, dim3 grid, cudaSt
     launch_inducer_mma<T, D, kPrefillBN, kPrefillRW, 1>(P, grid, stream);
 }
 
+template <typename T>
+void launch_inducer_mma_p(const InducerParams& P, bool decode, int chunks, dim3 grid,
+                          cudaStream_t stream) {
+  switch (chunks) {
+    case 1: launch_inducer_mma_d<T, 32>(P, decode, grid, stream); break;
+    case 2: launch_inducer_mma_d<T, 64>(P, decode, grid, stream); break;
+    case 3: launch_inducer_mma_d<T, 96>(P, decode, grid, stream); break;
+    default: launch_inducer_mma_d<T, 128>(P, decode, grid, stream); break;
+  }
+}
+
 template <typename T, int CH>
 void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t stream) {
   set_smem(inducer_fwd_kernel<T, CH>, smem, "inducer_fwd_kernel");
@@ -834,16 +845,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
     for (int64_t st : {P.q_sb, P.q_sh, P.q_sn, P.k_sb, P.k_sh, P.k_sn, P.v_sb, P.v_sh, P.v_sn})
       vec = vec && st % 8 == 0;
     P.vec = vec;
-    KFUSED_DISPATCH_FLOAT(q.scalar_type(), "inducer_attention_fwd", [&] {
-      if constexpr (mma::Is16<scalar_t>::value) {
-        switch (chunks) {
-          case 1: launch_inducer_mma_d<scalar_t, 32>(P, decode, grid, stream); break;
-          case 2: launch_inducer_mma_d<scalar_t, 64>(P, decode, grid, stream); break;
-          case 3: launch_inducer_mma_d<scalar_t, 96>(P, decode, grid, stream); break;
-          default: launch_inducer_mma_d<scalar_t, 128>(P, decode, grid, stream); break;
-        }
-      }
-    });
+    if (q.scalar_type() == at::kHalf)
+      launch_inducer_mma_p<c10::Half>(P, decode, chunks, grid, stream);
+    else
+      launch_inducer_mma_p<c10::BFloat16>(P, decode, chunks, grid, stream);
     return {f, lse, lam};
   }
   const int64_t optin = max_smem_optin();
