@@ -12,7 +12,7 @@ loads" and no STL / LDL instruction in the SASS). A kernel name missing from the
 (a renamed kernel must be renamed here).
 
 Compiles run in parallel processes (one per file, at most 2 at a time) and are cached under
-``~/.cache/kfused/sass/<hash>`` keyed by the sources (csrc/**), the nvcc version and the flags,
+``~/.cache/kfused/sass/<hash>`` keyed by the sources (csrc/**/*.{cu,cuh,h,hpp,cpp}), the nvcc version and the flags,
 so a second run costs only the disassembly. Skipped without nvcc or without cuobjdump.
 """
 
@@ -36,7 +36,7 @@ import test_csrc_compile as _cc  # noqa: E402  (nvcc / include discovery shared 
 ROOT = _cc.ROOT
 CSRC = _cc.CSRC
 CU_SOURCES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
-TIMEOUT_S = 900  # per file; a loaded shared 2-core machine is several times slower than idle
+TIMEOUT_S = _cc.TIMEOUT_S
 CACHE = os.path.join(os.path.expanduser(os.environ.get("KFUSED_CACHE", "~/.cache/kfused")), "sass")
 
 # file (relative to csrc/) -> substrings of the (mangled) names of its GEMM-shaped kernels.
@@ -82,7 +82,7 @@ def _command(src, nvcc, out):
 def _key(src, nvcc):
     h = hashlib.sha256()
     for f in sorted(glob.glob(os.path.join(CSRC, "**", "*"), recursive=True)):
-        if os.path.isfile(f):
+        if os.path.isfile(f) and f.endswith((".cu", ".cuh", ".h", ".hpp", ".cpp")):
             h.update(os.path.relpath(f, CSRC).encode())
             with open(f, "rb") as fh:
                 h.update(fh.read())
