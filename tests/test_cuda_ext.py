@@ -153,6 +153,55 @@ def test_kron_matvec_large_factors():
         _C.kron_matvec_bwd(torch.randn_like(y), x, A, B)
 
 
+def _unaligned(t):
+    """A contiguous copy of t whose data pointer is 2 bytes past a 16-byte boundary: the
+    tensor-core kernels must take their scalar (non cp.async) load path."""
+    flat = torch.empty(t.numel() + 8, device=t.device, dtype=t.dtype)
+    out = flat[1:1 + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0 and out.is_contiguous()
+    return out
+
+
+def _kron_case(shape, T, dtype, unaligned=False):
+    a_out, a_in, b_out, b_in = shape
+    x = torch.randn(T, a_in * b_in, dtype=torch.float64)
+    A = torch.randn(a_out, a_in, dtype=torch.float64) / math.sqrt(a_in)
+    B = torch.randn(b_out, b_in, dtype=torch.float64) / math.sqrt(b_in)
+    g = torch.randn(T, a_out * b_out, dtype=torch.float64)
+    inputs = {"x": x, "A": A, "B": B}
+    with no_tf32():
+        y64, (dx64, dA64, dB64) = _grads(kron_ref, inputs, ["x", "A", "B"], g)
+        dev_in = {k: v.to(DEV, dtype) for k, v in inputs.items()}
+        yt, (dxt, dAt, dBt) = _grads(kron_ref, dev_in, ["x", "A", "B"], g.to(DEV, dtype))
+    xk, gk = dev_in["x"], g.to(DEV, dtype)
+    if unaligned:
+        xk, gk = _unaligned(xk), _unaligned(gk)
+    _poison_allocator()
+    y = _C.kron_matvec_fwd(xk, dev_in["A"], dev_in["B"])
+    _poison_allocator()
+    dx, dA, dB = _C.kron_matvec_bwd(gk, xk, dev_in["A"], dev_in["B"])
+    torch.cuda.synchronize()
+    _check([compare("y", y, y64, yt, dtype), compare("dx", dx, dx64, dxt, dtype),
+            compare("dA", dA, dA64, dAt, dtype), compare("dB", dB, dB64, dBt, dtype)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("shape", [(24, 24, 32, 32), (3, 5, 7, 11), (17, 33, 9, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_kron_matvec_many_tiles(shape, dtype):
+    # Enough tokens that every block of the persistent tensor-core kernels walks several
+    # token tiles: the cp.async double buffer is refilled while the other half is consumed.
+    _kron_case(shape, 16411, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("shape", [(24, 24, 32, 32), (8, 16, 16, 8)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_kron_matvec_unaligned(shape, dtype):
+    _kron_case(shape, 301, dtype, unaligned=True)
+
+
 def test_kron_matvec_deterministic():
     x = torch.randn(4099, 768, device=DEV, dtype=torch.float16)
     A = torch.randn(24, 24, device=DEV, dtype=torch.float16)
@@ -202,6 +251,11 @@ HEADWISE_CASES = [  # T, H, r, d_b, p, shared basis, bias
     (1025, 2, 12, 96, 32, False, False),  # r > 8: two rank chunks
     (5, 4, 17, 40, 24, True, True),
     (1, 1, 2, 7, 3, False, True),
+    (300, 40, 2, 64, 64, True, True),      # tensor-core path: 8 heads per block, 5 groups
+    (130, 3, 64, 96, 128, False, True),    # r = 64: the largest rank of the tensor-core path
+    (70, 2, 65, 48, 16, True, False),      # r = 65: CUDA-core fallback
+    (4099, 12, 8, 768, 64, True, True),    # Kernel-wise size, many token blocks / K splits
+    (257, 5, 3, 36, 10, False, False),     # d_b % 8 != 0: scalar loads
 ]
 
 
@@ -232,6 +286,42 @@ def test_headwise_lowrank(case, dtype):
     if not has_bias:
         assert grads[3].numel() == 0
     _check(res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("shared", [True, False])
+def test_headwise_lowrank_unaligned(shared, dtype):
+    T, H, r, d_b, p = 203, 4, 8, 64, 32
+    basis = torch.randn(*((T, d_b) if shared else (T, H, d_b)), dtype=torch.float64)
+    A = torch.randn(H, r, d_b, dtype=torch.float64) / math.sqrt(d_b)
+    B = torch.randn(H, p, r, dtype=torch.float64) / math.sqrt(r)
+    g = torch.randn(T, H, p, dtype=torch.float64)
+    inputs = {"basis": basis, "A": A, "B": B}
+    names = ["basis", "A", "B"]
+    with no_tf32():
+        out64, g64 = _grads(headwise_ref, inputs, names, g)
+        dev_in = {k: v.to(DEV, dtype) for k, v in inputs.items()}
+        outt, gt = _grads(headwise_ref, dev_in, names, g.to(DEV, dtype))
+    bu, Au = _unaligned(dev_in["basis"]), _unaligned(dev_in["A"])
+    out = _C.headwise_lowrank_fwd(bu, Au, dev_in["B"], None)
+    grads = _C.headwise_lowrank_bwd(_unaligned(g.to(DEV, dtype)), bu, Au, dev_in["B"], False)
+    torch.cuda.synchronize()
+    res = [compare("out", out, out64, outt, dtype)]
+    for n, k, r64, rt in zip(names, grads, g64, gt):
+        res.append(compare("d" + n, k, r64, rt, dtype))
+    _check(res)
+
+
+def test_headwise_lowrank_deterministic():
+    T, H, r, d_b, p = 4099, 12, 8, 768, 64
+    basis = torch.randn(T, d_b, device=DEV, dtype=torch.bfloat16)
+    A = torch.randn(H, r, d_b, device=DEV, dtype=torch.bfloat16) / 28
+    B = torch.randn(H, p, r, device=DEV, dtype=torch.bfloat16) / 3
+    g = torch.randn(T, H, p, device=DEV, dtype=torch.bfloat16)
+    r1 = _C.headwise_lowrank_bwd(g, basis, A, B, True)
+    r2 = _C.headwise_lowrank_bwd(g, basis, A, B, True)
+    for a, b in zip(r1, r2):
+        assert torch.equal(a, b)
 
 
 def test_headwise_lowrank_empty():
@@ -298,6 +388,12 @@ INDUCER_CASES = [  # B, H, n_q, n_k, p, l, causal, lens
     (1, 4, 33, 33, 96, 3, True, [33]),
     (1, 2, 5, 40, 32, 0, True, None),             # chunked prefill on a KV cache
     (2, 16, 64, 200, 128, 4, True, [200, 150]),
+    (1, 3, 16, 300, 64, 0, True, None),           # n_q = 16: largest decode schedule
+    (1, 3, 17, 300, 64, 2, True, None),           # n_q = 17: prefill schedule, one row tile
+    (2, 1, 1, 5000, 64, 0, True, [5000, 4097]),   # long decode: many key splits
+    (1, 2, 70, 90, 40, 0, False, None),           # p = 40 (padded to 64)
+    (2, 2, 9, 50, 17, 3, True, [50, 20]),         # p % 8 != 0: scalar loads
+    (1, 1, 130, 130, 128, 0, True, None),         # 3 row tiles, few blocks: key splits in prefill
 ]
 
 
@@ -330,6 +426,30 @@ def test_inducer_attention_fwd(case, dtype):
     torch.cuda.synchronize()
     assert f.dtype == dtype and lse.dtype == torch.float32 and lam.dtype == torch.float32
     assert not torch.isnan(f).any() and not torch.isnan(lse).any() and not torch.isnan(lam).any()
+    _check([compare("f", f, f64, ft, dtype), compare("lse", lse, lse64, lset, dtype),
+            compare("lam", lam, lam64, lamt, dtype)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("n_q", [1, 40])
+def test_inducer_attention_unaligned(n_q, dtype):
+    # q / k / v views whose rows are not 16-byte aligned: the tensor-core kernel's scalar path.
+    Bn, H, n_k, p, l = 2, 3, 77, 64, 2
+    q = torch.randn(Bn, H, n_q, p, dtype=torch.float64)
+    k = torch.randn(Bn, H, n_k, p, dtype=torch.float64)
+    v = torch.randn(Bn, H, n_k, p, dtype=torch.float64)
+    s0 = torch.randn(Bn, H, n_q, dtype=torch.float64)
+    pk = torch.randn(H, l, p, dtype=torch.float64)
+    pv = torch.randn(H, l, p, dtype=torch.float64)
+    f64, lse64, lam64 = inducer_ref(q, k, v, s0, pk, pv, None, True)
+    cast = lambda t: t.to(DEV, dtype)  # noqa: E731
+    with no_tf32():
+        ft, lset, lamt = inducer_ref(cast(q), cast(k), cast(v), cast(s0), cast(pk), cast(pv),
+                                     None, True)
+    f, lse, lam = _C.inducer_attention_fwd(_unaligned(cast(q)), _unaligned(cast(k)),
+                                           _unaligned(cast(v)), cast(s0), cast(pk), cast(pv),
+                                           None, True)
+    torch.cuda.synchronize()
     _check([compare("f", f, f64, ft, dtype), compare("lse", lse, lse64, lset, dtype),
             compare("lam", lam, lam64, lamt, dtype)])
 

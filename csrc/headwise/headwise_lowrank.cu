@@ -18,6 +18,7 @@
 //       output column, tokens split over blockIdx.y, float partials reduced in a fixed order.
 
 #include "common/common.cuh"
+#include "common/mma.cuh"
 #include "kfused.h"
 
 namespace kfused {
@@ -97,8 +98,8 @@ __device__ __forceinline__ const T* basis_row(const HeadwiseFwdParams& P, int64_
   return s.shared ? basis + t * s.d_b : basis + (t * s.H + h) * s.d_b;
 }
 
-// grid (ceil(T / 32), H); block kWarps warps. kBackward: write U, dU to the workspaces
-// instead of the output.
+// grid (ceil(T / 32), H); block kWarps warps. kBackward: write U to its workspace instead of
+// computing the output.
 template <typename T, bool kBackward>
 __global__ void __launch_bounds__(kWarps * 32) headwise_rows_kernel(const HeadwiseFwdParams P) {
   extern __shared__ float smem[];
@@ -127,20 +128,7 @@ __global__ void __launch_bounds__(kWarps * 32) headwise_rows_kernel(const Headwi
     }
   }
 
-  if (kBackward) {
-    // dU[t][j] = sum_o g[t][h][o] B_h[o][j]
-    const T* g = static_cast<const T*>(P.g);
-    const T* grows[kTokensPerWarp];
-#pragma unroll
-    for (int tt = 0; tt < kTokensPerWarp; ++tt)
-      grows[tt] = t0 + tt < s.T ? g + ((t0 + tt) * s.H + h) * s.p : nullptr;
-    for (int j0 = 0; j0 < s.r; j0 += kRankChunk) {
-      const int nj = s.r - j0 < kRankChunk ? s.r - j0 : kRankChunk;
-      const float du = round_to<T>(warp_dots<T>(grows, B + j0, 1, s.r, nj, s.p));
-      if (jj_l < nj && t_l < s.T) P.dUw[(t_l * s.H + h) * s.r + j0 + jj_l] = du;
-    }
-    return;
-  }
+  if (kBackward) return;  // dU: headwise_du_kernel
 
   __syncwarp();
   // out[t][h][o] = bias[h][o] + sum_j B_h[o][j] U[t][j]
@@ -258,6 +246,522 @@ __global__ void __launch_bounds__(256) headwise_colreduce_kernel(const ColReduce
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// Tensor-core forward (float16 / bfloat16)
+// ------------------------------------------------------------------------------------------
+//
+// A block owns 64 tokens x a group of HG heads (shared basis: HG = 64 / r8 heads, r8 = r
+// rounded up to 8, so one GEMM serves HG heads; per-head basis: HG = 1). Two GEMMs on
+// mma.sync m16n8k16, 4 warps, each warp 16 token rows:
+//   U (64 x HG*r8) = basis (64 x d_b) A_group^T   K = d_b streamed in 64-wide chunks,
+//                    basis and A chunks double buffered by 16-byte cp.async; float
+//                    accumulators stay in registers; U rounded to T into shared memory
+//                    (per head a 16-wide zero-padded slot)
+//   out_h (64 x p) = U_h B_h^T + bias_h         K = r (padded to 16), B_h staged once.
+constexpr int kHwBM = 64, kHwBK = 64, kHwThreads = 128, kHwMaxN = 64;
+
+struct HeadwiseTcParams {
+  const void* basis;
+  const void* A;
+  const void* B;
+  const void* bias;
+  void* out;
+  HeadwiseShape s;
+  int64_t basis_ld;  // elements between consecutive tokens' basis rows
+  int r8, r16, p16, HG;
+  bool vec;     // 16-byte cp.async rows for basis and A
+  void* u_out;  // backward: write U (T, H, r) rounded here and skip the output GEMM
+};
+
+struct HeadwiseTcSmem {
+  int PK, PU, PB;
+  size_t xs, as, us, bs, total;  // byte offsets / total
+};
+
+__host__ __device__ inline HeadwiseTcSmem headwise_tc_smem(int HG, int r16, int p16) {
+  HeadwiseTcSmem m;
+  m.PK = kHwBK + 8;
+  m.PU = HG * r16 + 8;
+  m.PB = r16 + 8;
+  m.xs = 0;
+  m.as = m.xs + 2 * size_t(2) * kHwBM * m.PK;
+  m.us = m.as + 2 * size_t(2) * kHwMaxN * m.PK;
+  m.bs = m.us + size_t(2) * kHwBM * m.PU;
+  m.total = m.bs + size_t(2) * HG * p16 * m.PB;
+  return m;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const HeadwiseTcParams P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const HeadwiseShape s = P.s;
+  const HeadwiseTcSmem L = headwise_tc_smem(P.HG, P.r16, P.p16);
+  T* Xs = reinterpret_cast<T*>(smem_raw + L.xs);  // (2, 64, PK)
+  T* Aw = reinterpret_cast<T*>(smem_raw + L.as);  // (2, 64, PK)
+  T* Us = reinterpret_cast<T*>(smem_raw + L.us);  // (64, PU)
+  T* Bs = reinterpret_cast<T*>(smem_raw + L.bs);  // (HG, p16, PB)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, qd = lane & 3;
+  const int h0 = blockIdx.y * P.HG;
+  const int hg = s.H - h0 < P.HG ? s.H - h0 : P.HG;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kHwBM;
+  const int nt = static_cast<int>(s.T - t0 < kHwBM ? s.T - t0 : kHwBM);
+  const int N = hg * P.r8;              // GEMM 1 columns (h_local, j)
+  const int N16 = (N + 15) / 16 * 16;   // rows of the A chunk that are read
+  const int r8 = P.r8, r16 = P.r16, p16 = P.p16;
+  const T* basis = static_cast<const T*>(P.basis) +
+                   (s.shared ? t0 * s.d_b : (t0 * s.H + h0) * s.d_b);
+  const T* A = static_cast<const T*>(P.A);
+  const T* B = static_cast<const T*>(P.B);
+  const int PK = L.PK, PU = L.PU, PB = L.PB;
+
+  // B_h, zero padded to (p16, r16), and the zero columns [r8, r16) of every U slot.
+  for (int e = tid; e < P.HG * p16 * r16; e += kHwThreads) {
+    const int hl = e / (p16 * r16), rem = e - hl * p16 * r16;
+    const int o = rem / r16, j = rem - o * r16;
+    Bs[(hl * p16 + o) * PB + j] =
+        (hl < hg && o < s.p && j < s.r) ? B[((int64_t(h0) + hl) * s.p + o) * s.r + j] : T(0.f);
+  }
+  if (r16 > r8)
+    for (int e = tid; e < kHwBM * P.HG * (r16 - r8); e += kHwThreads) {
+      const int m = e / (P.HG * (r16 - r8)), rem = e - m * P.HG * (r16 - r8);
+      const int hl = rem / (r16 - r8), j = r8 + rem - hl * (r16 - r8);
+      Us[m * PU + hl * r16 + j] = T(0.f);
+    }
+
+  auto load_chunk = [&](int kc, int buf) {
+    const int k0 = kc * kHwBK;
+    const int kw = s.d_b - k0 < kHwBK ? s.d_b - k0 : kHwBK;
+    mma::load_tile<T>(Xs + buf * kHwBM * PK, PK, basis + k0, P.basis_ld, nt, kw, kHwBM, kHwBK,
+                      P.vec, tid, kHwThreads);
+    T* aw = Aw + buf * kHwMaxN * PK;
+    for (int e = tid; e < N16 * (kHwBK / 8); e += kHwThreads) {
+      const int n = e / (kHwBK / 8), c = (e - n * (kHwBK / 8)) * 8;
+      const int hl = n / r8, j = n - hl * r8;
+      const bool row_ok = hl < hg && j < s.r;
+      const T* src = A + ((int64_t(h0) + hl) * s.r + j) * s.d_b + k0 + c;
+      if (P.vec) {
+        const bool ok = row_ok && c < kw;
+        mma::cp_async16(aw + n * PK + c, ok ? src : A, ok);
+      } else {
+        alignas(16) T v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (row_ok && c + i < kw) ? src[i] : T(0.f);
+        *reinterpret_cast<uint4*>(aw + n * PK + c) = *reinterpret_cast<const uint4*>(v);
+      }
+    }
+  };
+
+  float acc[kHwMaxN / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHwMaxN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  const int nk = (s.d_b + kHwBK - 1) / kHwBK;
+  load_chunk(0, 0);
+  mma::cp_async_commit();
+  for (int kc = 0; kc < nk; ++kc) {
+    if (kc + 1 < nk) {
+      load_chunk(kc + 1, (kc + 1) & 1);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* xs = Xs + (kc & 1) * kHwBM * PK;
+    const T* aw = Aw + (kc & 1) * kHwMaxN * PK;
+#pragma unroll
+    for (int ks = 0; ks < kHwBK / 16; ++ks) {
+      uint32_t af[4];
+      mma::load_a_kmajor<T>(af, xs, PK, warp * 16, ks * 16);
+#pragma unroll
+      for (int np = 0; np < kHwMaxN / 16; ++np) {
+        if (np * 16 < N16) {
+          uint32_t bf[4];
+          mma::load_b2_kmajor<T>(bf, aw, PK, np * 16, ks * 16);
+          mma::mma16816<T>(acc[2 * np], af, bf[0], bf[1]);
+          mma::mma16816<T>(acc[2 * np + 1], af, bf[2], bf[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // U (rounded) into its per-head slots; columns n = 8 jt + 2 qd (+1) of rows g, g + 8.
+#pragma unroll
+  for (int jt = 0; jt < kHwMaxN / 8; ++jt) {
+    if (jt * 8 >= N) continue;
+    const int n = jt * 8 + 2 * qd;
+    const int hl = n / r8, j = n - hl * r8;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int m = warp * 16 + g + 8 * i;
+      *reinterpret_cast<uint32_t*>(Us + m * PU + hl * r16 + j) =
+          mma::pack2<T>(acc[jt][2 * i], acc[jt][2 * i + 1]);
+    }
+  }
+  if (P.u_out) {  // backward: U (T, H, r) in the input dtype (block-uniform branch)
+    T* u = static_cast<T*>(P.u_out);
+    const bool upair = s.r % 2 == 0;
+#pragma unroll
+    for (int jt = 0; jt < kHwMaxN / 8; ++jt) {
+      if (jt * 8 >= N) continue;
+      const int n = jt * 8 + 2 * qd;
+      const int hl = n / r8, j = n - hl * r8;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int m = warp * 16 + g + 8 * i;
+        if (m < nt && hl < hg)
+          mma::store2<T>(u + ((t0 + m) * s.H + h0 + hl) * s.r, j, s.r, upair, acc[jt][2 * i],
+                         acc[jt][2 * i + 1]);
+      }
+    }
+    return;
+  }
+  __syncthreads();
+  // out[t, h0 + hl, o] = U_hl B_hl^T + bias.
+  T* out = static_cast<T*>(P.out);
+  const T* bias = static_cast<const T*>(P.bias);
+  const bool pair = s.p % 2 == 0;
+  mma::block_mma<T, true, true>(
+      hg, kHwBM / 16, p16 / 16, 1, r16 / 16, mma::SmemOp{Us, PU, r16, 0},
+      mma::SmemOp{Bs, PB, p16 * PB, 0}, [&](int hl, int m, int o, float v0, float v1) {
+        if (m >= nt) return;
+        const int64_t hh = int64_t(h0) + hl;
+        if (bias) {
+          if (o < s.p) v0 += to_float(bias[hh * s.p + o]);
+          if (o + 1 < s.p) v1 += to_float(bias[hh * s.p + o + 1]);
+        }
+        mma::store2<T>(out + ((t0 + m) * s.H + hh) * s.p, o, s.p, pair, v0, v1);
+      });
+}
+
+template <typename T>
+void launch_headwise_tc(const HeadwiseTcParams& P, size_t smem, cudaStream_t stream) {
+  set_smem(headwise_mma_kernel<T>, smem, "headwise_mma_kernel");
+  const dim3 grid(static_cast<unsigned>(ceil_div(P.s.T, kHwBM)),
+                  static_cast<unsigned>(ceil_div(P.s.H, P.HG)));
+  headwise_mma_kernel<T><<<grid, kHwThreads, smem, stream>>>(P);
+  check_launch("headwise_mma_kernel");
+}
+
+
+// dU[t][h][j] = sum_o g[t][h][o] B_h[o][j], rounded to T, stored as W (float workspace for the
+// CUDA-core path, T for the tensor-core path). One thread per (t, h, j); r * p FMAs each
+// (cheap next to the d_b-long products).
+template <typename T, typename W>
+__global__ void __launch_bounds__(256) headwise_du_kernel(const T* __restrict__ g,
+                                                          const T* __restrict__ B,
+                                                          W* __restrict__ dU,
+                                                          const HeadwiseShape s) {
+  const int64_t n = s.T * s.H * s.r;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int j = static_cast<int>(e % s.r);
+    const int64_t th = e / s.r;
+    const int h = static_cast<int>(th % s.H);
+    const T* gr = g + th * s.p;
+    const T* bh = B + int64_t(h) * s.p * s.r + j;
+    float acc = 0.f;
+    for (int o = 0; o < s.p; ++o) acc = fmaf(to_float(gr[o]), to_float(bh[o * s.r]), acc);
+    dU[e] = static_cast<W>(round_to<T>(acc));
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Tensor-core streaming GEMM for the backward (float16 / bfloat16)
+// ------------------------------------------------------------------------------------------
+//
+// C_z (M x N) = A_z (M x K) B_z (K x N) for z = blockIdx.y (a head or 1), K split over
+// blockIdx.z. A is K-major (element (m, k) at a[m * lda + k]) or M-major (a[k * lda + m]);
+// B is N-major (b[k * ldb + n]). 64 x 64 block tile, 4 warps of 32 x 32, K in 32-wide
+// chunks double buffered by cp.async (16-byte rows when `vec`), zero padded at every edge.
+// Output: T to c[z * c_batch + m * ldc + n] (nsplit == 1 and c != nullptr) or float to
+// part[((split * nbatch + z) * M + m) * N + n] for a fixed-order reduction.
+constexpr int kSgBM = 64, kSgBN = 64, kSgBK = 32, kSgThreads = 128;
+
+struct StreamGemmParams {
+  const void* a;
+  const void* b;
+  void* c;
+  float* part;
+  int64_t lda, ldb, ldc;
+  int64_t a_batch, b_batch, c_batch;
+  int M, N, K;
+  int nbatch, nsplit, k_per_split;
+  bool vec;
+};
+
+template <typename T, bool A_KMAJOR>
+__global__ void __launch_bounds__(kSgThreads) stream_gemm_mma_kernel(const StreamGemmParams P) {
+  constexpr int PAK = kSgBK + 8, PMN = kSgBN + 8;
+  constexpr int A_ELEMS = A_KMAJOR ? kSgBM * PAK : kSgBK * PMN;
+  constexpr int B_ELEMS = kSgBK * PMN;
+  __shared__ __align__(16) T As[2][A_ELEMS];
+  __shared__ __align__(16) T Bs[2][B_ELEMS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, qd = lane & 3;
+  const int tiles_n = (P.N + kSgBN - 1) / kSgBN;
+  const int tm = blockIdx.x / tiles_n, tn = blockIdx.x - tm * tiles_n;
+  const int m0 = tm * kSgBM, n0 = tn * kSgBN;
+  const int z = blockIdx.y, split = blockIdx.z;
+  const int kbeg = split * P.k_per_split;
+  const int kend = kbeg + P.k_per_split < P.K ? kbeg + P.k_per_split : P.K;
+  const T* a = static_cast<const T*>(P.a) + z * P.a_batch;
+  const T* b = static_cast<const T*>(P.b) + z * P.b_batch;
+  const int mrows = P.M - m0 < kSgBM ? P.M - m0 : kSgBM;
+  const int ncols = P.N - n0 < kSgBN ? P.N - n0 : kSgBN;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+
+  auto load = [&](int k0, int buf) {
+    const int kw = kend - k0 < kSgBK ? kend - k0 : kSgBK;
+    if constexpr (A_KMAJOR)
+      mma::load_tile<T>(As[buf], PAK, a + m0 * P.lda + k0, P.lda, mrows, kw, kSgBM, kSgBK, P.vec,
+                        tid, kSgThreads);
+    else
+      mma::load_tile<T>(As[buf], PMN, a + int64_t(k0) * P.lda + m0, P.lda, kw, mrows, kSgBK,
+                        kSgBM, P.vec, tid, kSgThreads);
+    mma::load_tile<T>(Bs[buf], PMN, b + int64_t(k0) * P.ldb + n0, P.ldb, kw, ncols, kSgBK, kSgBN,
+                      P.vec, tid, kSgThreads);
+  };
+
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  const int nk = kend > kbeg ? (kend - kbeg + kSgBK - 1) / kSgBK : 0;
+  if (nk > 0) load(kbeg, 0);
+  mma::cp_async_commit();
+  for (int it = 0; it < nk; ++it) {
+    if (it + 1 < nk) {
+      load(kbeg + (it + 1) * kSgBK, (it + 1) & 1);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* as = As[it & 1];
+    const T* bs = Bs[it & 1];
+#pragma unroll
+    for (int ks = 0; ks < kSgBK / 16; ++ks) {
+      uint32_t af[2][4], bf[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if constexpr (A_KMAJOR)
+          mma::load_a_kmajor<T>(af[i], as, PAK, wm + 16 * i, ks * 16);
+        else
+          mma::load_a_mnmajor<T>(af[i], as, PMN, wm + 16 * i, ks * 16);
+      }
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) mma::load_b2_mnmajor<T>(bf[jp], bs, PMN, wn + 16 * jp, ks * 16);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {
+          mma::mma16816<T>(acc[i][2 * jp], af[i], bf[jp][0], bf[jp][1]);
+          mma::mma16816<T>(acc[i][2 * jp + 1], af[i], bf[jp][2], bf[jp][3]);
+        }
+    }
+    __syncthreads();
+  }
+  mma::cp_async_wait<0>();
+
+  const bool direct = P.c != nullptr && P.nsplit == 1;
+  T* c = direct ? static_cast<T*>(P.c) + z * P.c_batch : nullptr;
+  float* part = direct ? nullptr
+                       : P.part + (int64_t(split) * P.nbatch + z) * int64_t(P.M) * P.N;
+  const bool pair = P.ldc % 2 == 0 && P.c_batch % 2 == 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hrow = 0; hrow < 2; ++hrow) {
+        const int m = m0 + wm + 16 * i + g + 8 * hrow;
+        const int n = n0 + wn + 8 * j + 2 * qd;
+        if (m >= P.M) continue;
+        const float v0 = acc[i][j][2 * hrow], v1 = acc[i][j][2 * hrow + 1];
+        if (direct) {
+          mma::store2<T>(c + m * P.ldc, n, P.N, pair, v0, v1);
+        } else {
+          if (n < P.N) part[int64_t(m) * P.N + n] = v0;
+          if (n + 1 < P.N) part[int64_t(m) * P.N + n + 1] = v1;
+        }
+      }
+}
+
+template <typename T, bool A_KMAJOR>
+void launch_stream_gemm(StreamGemmParams P, cudaStream_t stream, const char* name) {
+  const int tiles = static_cast<int>(ceil_div(P.M, kSgBM) * ceil_div(P.N, kSgBN));
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(P.nbatch),
+                  static_cast<unsigned>(P.nsplit));
+  stream_gemm_mma_kernel<T, A_KMAJOR><<<grid, kSgThreads, 0, stream>>>(P);
+  check_launch(name);
+}
+
+// K splits for a reduction over K = T tokens: enough blocks for the device, >= 256 per split.
+inline int stream_splits(int64_t blocks, int64_t K) {
+  const int64_t sms = sm_count();
+  int64_t sp = std::max<int64_t>(1, ceil_div(2 * sms, std::max<int64_t>(blocks, 1)));
+  sp = std::min<int64_t>(sp, std::max<int64_t>(1, K / 256));
+  return static_cast<int>(std::min<int64_t>(sp, 65535));
+}
+
+inline bool al16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+HeadwiseTcParams headwise_tc_params(const HeadwiseShape& s, const at::Tensor& basis,
+                                    const at::Tensor& A, const at::Tensor& B, const void* bias,
+                                    void* out) {
+  HeadwiseTcParams Q{};
+  Q.basis = basis.data_ptr();
+  Q.A = A.data_ptr();
+  Q.B = B.data_ptr();
+  Q.bias = bias;
+  Q.out = out;
+  Q.s = s;
+  Q.basis_ld = s.shared ? s.d_b : int64_t(s.H) * s.d_b;
+  Q.r8 = (s.r + 7) / 8 * 8;
+  Q.r16 = (s.r + 15) / 16 * 16;
+  Q.p16 = (s.p + 15) / 16 * 16;
+  Q.HG = s.shared ? std::max(1, std::min(s.H, kHwMaxN / Q.r8)) : 1;
+  Q.vec = s.d_b % 8 == 0 && al16(Q.basis) && al16(Q.A);
+  Q.u_out = nullptr;
+  return Q;
+}
+
+// Tensor-core backward: U (mma kernel), dU, dbasis = dU A, dA = dU^T basis, dB = g^T U,
+// dbias = sum_t g; weight gradients split over tokens and reduced in a fixed order.
+template <typename T>
+void headwise_bwd_tc(const HeadwiseShape& s, const at::Tensor& g, const at::Tensor& basis,
+                     const at::Tensor& A, const at::Tensor& B, bool has_bias, at::Tensor& dbasis,
+                     at::Tensor& dA, at::Tensor& dB, at::Tensor& dbias, const HeadwiseTcParams& Q,
+                     size_t qsmem, cudaStream_t stream) {
+  const int64_t hr = int64_t(s.H) * s.r;
+  at::Tensor Uw = at::empty({s.T, hr}, basis.options());
+  at::Tensor dUw = at::empty({s.T, hr}, basis.options());
+  const auto fopts = basis.options().dtype(at::kFloat);
+  {
+    HeadwiseTcParams P = Q;
+    P.u_out = Uw.data_ptr();
+    launch_headwise_tc<T>(P, qsmem, stream);
+  }
+  {
+    const int64_t n = s.T * hr;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
+    headwise_du_kernel<T, T><<<blocks, 256, 0, stream>>>(
+        g.data_ptr<T>(), B.data_ptr<T>(), dUw.data_ptr<T>(), s);
+    check_launch("headwise_du_kernel");
+  }
+  const T* basis_p = basis.data_ptr<T>();
+  const int64_t bld = s.shared ? s.d_b : hr / s.r * s.d_b;  // basis row stride
+  // dbasis (T, [H,] d_b) = dU (T, H*r) A (H*r, d_b): shared -> one GEMM with K = H*r;
+  // per head -> batch h: K = r, A rows of head h, output columns of head h.
+  if (dbasis.numel() > 0) {
+    StreamGemmParams G{};
+    G.a = dUw.data_ptr();
+    G.b = A.data_ptr();
+    G.c = dbasis.data_ptr();
+    G.lda = hr;
+    G.ldb = s.d_b;
+    G.ldc = bld;
+    G.M = static_cast<int>(std::min<int64_t>(s.T, INT32_MAX));
+    G.N = s.d_b;
+    G.nsplit = 1;
+    if (s.shared) {
+      G.K = static_cast<int>(hr);
+      G.nbatch = 1;
+    } else {
+      G.K = s.r;
+      G.nbatch = s.H;
+      G.a_batch = s.r;
+      G.b_batch = int64_t(s.r) * s.d_b;
+      G.c_batch = s.d_b;
+    }
+    G.k_per_split = G.K;
+    G.vec = hr % 8 == 0 && s.d_b % 8 == 0 && (s.shared || s.r % 8 == 0) && al16(G.a) &&
+            al16(G.b);
+    launch_stream_gemm<T, true>(G, stream, "stream_gemm_mma_kernel<dbasis>");
+  }
+  // dA (H, r, d_b): shared -> (H*r x d_b) = dU^T basis in one GEMM; per head -> batch h.
+  {
+    StreamGemmParams G{};
+    G.a = dUw.data_ptr();
+    G.b = basis_p;
+    G.lda = hr;
+    G.ldb = bld;
+    G.M = s.shared ? static_cast<int>(hr) : s.r;
+    G.N = s.d_b;
+    G.K = static_cast<int>(s.T);
+    G.nbatch = s.shared ? 1 : s.H;
+    G.a_batch = s.shared ? 0 : s.r;
+    G.b_batch = s.shared ? 0 : s.d_b;
+    const int64_t tiles = ceil_div(G.M, kSgBM) * ceil_div(G.N, kSgBN) * G.nbatch;
+    G.nsplit = stream_splits(tiles, s.T);
+    G.k_per_split = static_cast<int>(ceil_div(ceil_div(s.T, G.nsplit), kSgBK) * kSgBK);
+    G.nsplit = static_cast<int>(ceil_div(s.T, G.k_per_split));
+    at::Tensor part = at::empty({int64_t(G.nsplit) * hr * s.d_b}, fopts);
+    G.part = part.data_ptr<float>();
+    G.vec = hr % 8 == 0 && bld % 8 == 0 && s.d_b % 8 == 0 && (s.shared || s.r % 8 == 0) &&
+            al16(G.a) && al16(G.b);
+    launch_stream_gemm<T, false>(G, stream, "stream_gemm_mma_kernel<dA>");
+    reduce_partials<T>(G.part, G.nsplit, hr * s.d_b, hr * s.d_b, dA.data_ptr<T>(), nullptr,
+                       stream);
+  }
+  // dB_h (p x r) = g_h^T U_h, batch h.
+  {
+    StreamGemmParams G{};
+    G.a = g.data_ptr();
+    G.b = Uw.data_ptr();
+    G.lda = int64_t(s.H) * s.p;
+    G.ldb = hr;
+    G.M = s.p;
+    G.N = s.r;
+    G.K = static_cast<int>(s.T);
+    G.nbatch = s.H;
+    G.a_batch = s.p;
+    G.b_batch = s.r;
+    const int64_t tiles = ceil_div(G.M, kSgBM) * ceil_div(G.N, kSgBN) * G.nbatch;
+    G.nsplit = stream_splits(tiles, s.T);
+    G.k_per_split = static_cast<int>(ceil_div(ceil_div(s.T, G.nsplit), kSgBK) * kSgBK);
+    G.nsplit = static_cast<int>(ceil_div(s.T, G.k_per_split));
+    at::Tensor part = at::empty({int64_t(G.nsplit) * s.H * s.p * s.r}, fopts);
+    G.part = part.data_ptr<float>();
+    G.vec = s.p % 8 == 0 && s.r % 8 == 0 && al16(G.a) && al16(G.b);
+    launch_stream_gemm<T, false>(G, stream, "stream_gemm_mma_kernel<dB>");
+    const int64_t nB = int64_t(s.H) * s.p * s.r;
+    reduce_partials<T>(G.part, G.nsplit, nB, nB, dB.data_ptr<T>(), nullptr, stream);
+  }
+  if (has_bias) {
+    const int64_t hp = int64_t(s.H) * s.p;
+    const int64_t sms = sm_count();
+    int64_t sp = std::max<int64_t>(1, ceil_div(4 * sms, ceil_div(hp, 256)));
+    sp = std::min<int64_t>(std::min<int64_t>(sp, std::max<int64_t>(1, ceil_div(s.T, 32))), 65535);
+    at::Tensor part = at::empty({sp * hp}, fopts);
+    ColReduceParams R{};
+    R.data = g.data_ptr();
+    R.ds = hp;
+    R.dh = s.p;
+    R.coef = nullptr;
+    R.part = part.data_ptr<float>();
+    R.n_total = hp;
+    R.T = s.T;
+    R.tokens_per_split = ceil_div(s.T, sp);
+    R.H = s.H;
+    R.r = 0;
+    R.W = s.p;
+    R.layout = 1;
+    R.ones = true;
+    const dim3 cgrid(static_cast<unsigned>(ceil_div(hp, 256)), static_cast<unsigned>(sp));
+    headwise_colreduce_kernel<T><<<cgrid, 256, 0, stream>>>(R);
+    check_launch("headwise_colreduce_kernel<dbias>");
+    reduce_partials<T>(R.part, sp, hp, hp, dbias.data_ptr<T>(), nullptr, stream);
+  }
+}
+
 HeadwiseShape check_headwise(const char* op, const at::Tensor& basis, const at::Tensor& A,
                              const at::Tensor& B) {
   check_float_cuda(basis, "basis");
@@ -307,6 +811,20 @@ at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
                              basis.options());
   if (out.numel() == 0) return out;
   DeviceGuard guard(basis);
+  cudaStream_t stream = current_stream();
+  if (basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN && s.d_b >= 1 && s.p >= 1) {
+    // Tensor-core kernel (r <= 64 and its tiles fit in shared memory).
+    HeadwiseTcParams Q = headwise_tc_params(s, basis, A, B, has_bias ? bias->data_ptr() : nullptr,
+                                            out.data_ptr());
+    const size_t smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
+    if (static_cast<int64_t>(smem) <= max_smem_optin()) {
+      if (basis.scalar_type() == at::kHalf)
+        launch_headwise_tc<c10::Half>(Q, smem, stream);
+      else
+        launch_headwise_tc<c10::BFloat16>(Q, smem, stream);
+      return out;
+    }
+  }
   HeadwiseFwdParams P{};
   P.basis = basis.data_ptr();
   P.A = A.data_ptr();
@@ -316,7 +834,6 @@ at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
   P.s = s;
   const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kWarps * kTokensPerWarp)), s.H);
   const size_t smem = sizeof(float) * kWarps * kTokensPerWarp * std::max(s.r, 1);
-  cudaStream_t stream = current_stream();
   KFUSED_DISPATCH_FLOAT(basis.scalar_type(), "headwise_lowrank_fwd", [&] {
     set_smem(headwise_rows_kernel<scalar_t, false>, smem, "headwise_rows_kernel");
     headwise_rows_kernel<scalar_t, false><<<grid, kWarps * 32, smem, stream>>>(P);
@@ -348,6 +865,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
   }
   DeviceGuard guard(basis);
   cudaStream_t stream = current_stream();
+  if (basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN && s.d_b >= 1 && s.p >= 1) {
+    HeadwiseTcParams Q = headwise_tc_params(s, basis, A, B, nullptr, nullptr);
+    const size_t smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
+    if (static_cast<int64_t>(smem) <= max_smem_optin()) {
+      if (basis.scalar_type() == at::kHalf)
+        headwise_bwd_tc<c10::Half>(s, g, basis, A, B, has_bias, dbasis, dA, dB, dbias, Q, smem,
+                                   stream);
+      else
+        headwise_bwd_tc<c10::BFloat16>(s, g, basis, A, B, has_bias, dbasis, dA, dB, dbias, Q,
+                                       smem, stream);
+      return {dbasis, dA, dB, dbias};
+    }
+  }
   const auto fopts = basis.options().dtype(at::kFloat);
   const int64_t hr = int64_t(s.H) * s.r;
   at::Tensor Uw = at::empty({s.T, hr}, fopts);
@@ -381,6 +911,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
     const dim3 grid(static_cast<unsigned>(ceil_div(s.T, kWarps * kTokensPerWarp)), s.H);
     headwise_rows_kernel<scalar_t, true><<<grid, kWarps * 32, smem, stream>>>(P);
     check_launch("headwise_rows_kernel<bwd>");
+    {
+      const int64_t n = s.T * hr;
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
+      headwise_du_kernel<scalar_t, float><<<blocks, 256, 0, stream>>>(
+          g.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(), P.dUw, s);
+      check_launch("headwise_du_kernel");
+    }
 
     if (dbasis.numel() > 0) {
       const int C = s.shared ? s.H * s.r : s.r;

@@ -30,69 +30,15 @@
 // Tiles beyond the last key any row of the block can see (lengths, causal) are skipped.
 
 #include "common/common.cuh"
+#include "inducer/inducer.cuh"
 #include "kfused.h"
 
 #include <cmath>
 
 namespace kfused {
+namespace inducer {
 namespace {
 
-constexpr int kBK = 32;  // keys per tile (one per lane)
-constexpr int kWarps = 4;
-constexpr int kRowsPerWarp = 4;
-constexpr float kFullyMaskedLse = -1e30f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-struct InducerParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  const float* s0;  // (B, H, n_q) contiguous float32
-  const void* pk;   // (H, l, p) contiguous or nullptr
-  const void* pv;
-  const int* lens;  // (B,) int32 or nullptr
-  void* f;          // (B, H, n_q, p) contiguous
-  float* lse;       // (B, H, n_q)
-  float* lam;       // (B, H, n_q)
-  int64_t q_sb, q_sh, q_sn;
-  int64_t k_sb, k_sh, k_sn;
-  int64_t v_sb, v_sh, v_sn;
-  int B, H, n_q, n_k, p, l;
-  int pitch;  // row pitch (elements) of the K/V tiles in shared memory
-  float scale_log2;
-  bool causal;
-  int ksplit;
-  int nsplit;           // key splits over blocks (1: no workspace)
-  int tiles_per_split;  // key tiles per split
-  float* part_o;        // (B, H, n_q, nsplit, p) unnormalised P V        (nsplit > 1)
-  float* part_ml;       // (B, H, n_q, nsplit, 2) running max (log2), sum (nsplit > 1)
-};
-
-// f = o / l, lse = ln(sum exp S), lam = sigmoid(s0 - lse); the row's lanes hold o[c] for
-// features lane + 32 c. m is the running max in the log2 domain.
-template <typename T, int CH>
-__device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t ridx, float m,
-                                             float lsum, const float (&o)[CH]) {
-  const int lane = threadIdx.x & 31;
-  const bool any = lsum > 0.f;
-  const float inv = any ? 1.f / lsum : 0.f;
-  T* f = static_cast<T*>(P.f);
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int d = lane + 32 * c;
-    if (d < P.p) f[ridx * P.p + d] = static_cast<T>(o[c] * inv);
-  }
-  if (lane == 0) {
-    const float lse = any ? (m + log2f(lsum)) * kLn2 : kFullyMaskedLse;
-    const float x = P.s0[ridx] - lse;  // lam = sigmoid(x), evaluated without overflow
-    const float lam = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
-    P.lse[ridx] = lse;
-    P.lam[ridx] = lam;
-  }
-}
-
-// Shared-memory row pitch for K/V tiles: 32 lanes reading 32 different rows at the same
-// column must hit 32 different banks.
 inline int kv_pitch(int p, size_t elem) {
   int pitch = p;
   if (elem == 4) {
@@ -300,31 +246,6 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
 }
 
 // Merge the key splits of each row (one warp per row, splits in order).
-template <typename T, int CH>
-__global__ void __launch_bounds__(128) inducer_merge_kernel(const InducerParams P) {
-  const int lane = threadIdx.x & 31;
-  const int64_t ridx = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  if (ridx >= static_cast<int64_t>(P.B) * P.H * P.n_q) return;
-  const int64_t sbase = ridx * P.nsplit;
-  float M = -INFINITY;
-  for (int sp = 0; sp < P.nsplit; ++sp) M = fmaxf(M, P.part_ml[2 * (sbase + sp)]);
-  float L = 0.f, o[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) o[c] = 0.f;
-  if (M != -INFINITY) {
-    for (int sp = 0; sp < P.nsplit; ++sp) {
-      const float ms = P.part_ml[2 * (sbase + sp)];
-      const float sc = ms == -INFINITY ? 0.f : exp2f(ms - M);
-      L += P.part_ml[2 * (sbase + sp) + 1] * sc;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const int d = lane + 32 * c;
-        if (d < P.p) o[c] += P.part_o[(sbase + sp) * P.p + d] * sc;
-      }
-    }
-  }
-  finalize_row<T, CH>(P, ridx, M, L, o);
-}
 
 template <typename T, int CH>
 void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t stream) {
@@ -338,7 +259,11 @@ void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t
   }
 }
 
+
 }  // namespace
+}  // namespace inducer
+
+using namespace inducer;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
@@ -417,17 +342,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
   at::Tensor s0f = s0.to(at::kFloat).contiguous();
 
   const int64_t sms = sm_count();
-  const int64_t blocks1 = ceil_div(n_q, kWarps * kRowsPerWarp) * Bn * H;
-  const int ksplit = (n_q <= kRowsPerWarp || (blocks1 < sms && l + n_k > 4 * kBK)) ? 4 : 1;
-  const int rows_blk = ksplit == 1 ? kWarps * kRowsPerWarp : kRowsPerWarp;
+  // float16 / bfloat16: tensor-core kernel (prefill: 64 rows per block; decode, n_q <= 16:
+  // 16 rows, 4 warps splitting each stage's keys). float32: the CUDA-core kernel (tensor
+  // cores would need TF32, which fails the SPEC §4 rule): 16 rows per block, or 4 rows with
+  // the warps splitting the keys (ksplit = 4) for decode / few blocks.
+  const bool tc = q.scalar_type() != at::kFloat;
+  const bool decode = tc && n_q <= 16;
+  int ksplit = 1, rows_blk = 0;
+  int64_t stage_keys = kBK, min_steps = 1;
+  if (tc) {
+    rows_blk = decode ? 16 : 16 * kPrefillRW;
+    stage_keys = decode ? kDecodeBN * kDecodeKW : kPrefillBN;
+  } else {
+    const int64_t blocks1 = ceil_div(n_q, kWarps * kRowsPerWarp) * Bn * H;
+    ksplit = (n_q <= kRowsPerWarp || (blocks1 < sms && l + n_k > 4 * kBK)) ? 4 : 1;
+    rows_blk = ksplit == 1 ? kWarps * kRowsPerWarp : kRowsPerWarp;
+    min_steps = 2 * ksplit;
+  }
   // Flash-decoding: split the keys over blocks when the (row tile, head, batch) blocks cannot
-  // fill the device; every split walks at least 2 steps of ksplit tiles.
+  // fill the device (CUDA-core kernel: every split walks at least 2 steps of ksplit tiles;
+  // tensor-core kernel: at least one stage).
   const int64_t row_tiles = ceil_div(n_q, rows_blk);
   const int64_t blocks = row_tiles * Bn * H;
-  const int64_t ntiles = ceil_div(l + n_k, kBK);
+  const int64_t ntiles = ceil_div(l + n_k, stage_keys);
   int64_t nsplit = 1;
   if (blocks < sms) {
-    nsplit = std::min<int64_t>(ceil_div(2 * sms, blocks), ntiles / (2 * ksplit));
+    nsplit = std::min<int64_t>(ceil_div(2 * sms, blocks), ntiles / min_steps);
     nsplit = std::max<int64_t>(1, std::min<int64_t>(nsplit, 64));
   }
   const int64_t tiles_per_split = std::max<int64_t>(1, ceil_div(ntiles, nsplit));
@@ -476,8 +416,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
                   static_cast<unsigned>(Bn));
   const int chunks = static_cast<int>(ceil_div(p, 32));
   cudaStream_t stream = current_stream();
+  if (tc) {
+    // 16-byte cp.async rows need 16-byte aligned rows: p and every row stride a multiple of 8
+    // elements and aligned base pointers; otherwise the same kernel stages with scalar loads.
+    auto al = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+    bool vec = p % 8 == 0 && al(P.q) && al(P.k) && al(P.v) && (!has_pk || (al(P.pk) && al(P.pv)));
+    for (int64_t st : {P.q_sb, P.q_sh, P.q_sn, P.k_sb, P.k_sh, P.k_sn, P.v_sb, P.v_sh, P.v_sn})
+      vec = vec && st % 8 == 0;
+    P.vec = vec;
+    if (q.scalar_type() == at::kHalf)
+      launch_inducer_mma_p<c10::Half>(P, decode, chunks, grid, stream);
+    else
+      launch_inducer_mma_p<c10::BFloat16>(P, decode, chunks, grid, stream);
+    return {f, lse, lam};
+  }
   const int64_t optin = max_smem_optin();
-  KFUSED_DISPATCH_FLOAT(q.scalar_type(), "inducer_attention_fwd", [&] {
+  {
+    using scalar_t = float;
     P.pitch = kv_pitch(P.p, sizeof(scalar_t));
     const size_t kv_bytes = 2 * sizeof(scalar_t) * size_t(ksplit) * kBK * P.pitch;
     const size_t merge_bytes = sizeof(float) * kWarps * kRowsPerWarp * (p + 2);
@@ -491,7 +446,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
       case 3: launch_inducer<scalar_t, 3>(P, grid, smem, stream); break;
       default: launch_inducer<scalar_t, 4>(P, grid, smem, stream); break;
     }
-  });
+  }
   return {f, lse, lam};
 }
 

@@ -24,6 +24,7 @@
 // d around 28k) the host raises a clear error.
 
 #include "common/common.cuh"
+#include "common/mma.cuh"
 #include "kfused.h"
 
 #include <climits>
@@ -235,6 +236,325 @@ __global__ void __launch_bounds__(kThreads) kron_bwd_kernel(const KronBwdParams 
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// Tensor-core path (float16 / bfloat16): the same products on mma.sync m16n8k16
+// ------------------------------------------------------------------------------------------
+//
+// Shared memory holds the operands in the input dtype, every dimension padded with zeros to a
+// multiple of 16 and rows of pitch mma::pitch_for(cols) (conflict-free ldmatrix):
+//   As  (ao_p, a_in)   Bs (bo_p, b_in)                       staged once per block
+//   Xs  2 x TT x (ai_p, b_in)     Gs 2 x TT x (ao_p, b_out)  token tiles, double buffered:
+//                                 the next tile lands by 16-byte cp.async during this one
+//   Vs  TT x (ao_p, b_in)         Ws TT x (ao_p, b_in)       rounded intermediates
+// Token t's rows are padded to ao_p / ai_p, so the stacked rows (t, j) of Vs / Ws / Gs form
+// one K-major operand (Y = V B^T and W = G B are one GEMM over the whole tile) and a 16-wide
+// k-step never mixes tokens (dX, dA, dB). The padded rows and columns of V and W come out of
+// the GEMMs as exact zeros (products with zero padding), so no extra clearing is needed.
+// GEMMs (block_mma, 16 x 16 warp tiles, float accumulation):
+//   forward   V[t] = A X[t]          (per token)         -> Vs rounded to T
+//             Y    = V B^T           (stacked rows)      -> y
+//   backward  W    = G B             (stacked rows)      -> Ws rounded to T
+//             V[t] = A X[t]                              -> Vs rounded to T
+//             dX[t] = A^T W[t]       (per token)         -> dx
+//             dA  += sum_t W[t] X[t]^T,  dB += sum_t G[t]^T V[t]   (float, block-private)
+
+struct KronTcDims {
+  int ao_p, ai_p, bo_p, bi_p;  // padded to 16
+  int PA, PB, PX, PG, PV;      // pitches (elements)
+  int sX, sG, sV;              // per-token strides (elements)
+};
+
+inline bool mma_aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+inline int r16(int n) { return (n + 15) / 16 * 16; }
+
+inline KronTcDims kron_tc_dims(const KronShape& s) {
+  KronTcDims d;
+  d.ao_p = r16(s.a_out);
+  d.ai_p = r16(s.a_in);
+  d.bo_p = r16(s.b_out);
+  d.bi_p = r16(s.b_in);
+  d.PA = mma::pitch_for(s.a_in);
+  d.PB = mma::pitch_for(s.b_in);
+  d.PX = mma::pitch_for(s.b_in);
+  d.PG = mma::pitch_for(s.b_out);
+  d.PV = mma::pitch_for(s.b_in);
+  d.sX = d.ai_p * d.PX;
+  d.sG = d.ao_p * d.PG;
+  d.sV = d.ao_p * d.PV;
+  return d;
+}
+
+struct KronTcParams {
+  const void* x;
+  const void* g;  // backward only
+  void* y;        // forward: y; backward: dx
+  int64_t T;
+  const void* A;
+  const void* B;
+  int64_t sA0, sA1, sB0, sB1;
+  float* part;     // backward: (gridDim.x, nA + nB)
+  int64_t ntiles;  // ceil(T / TT), computed on the host (no 64-bit division on the device)
+  KronShape s;
+  KronTcDims d;
+  int TT;
+  bool vec_x, vec_g;  // 16-byte cp.async rows possible for x / g
+  bool acc_smem;
+};
+
+// Factor (rows x cols, strides s0, s1) into a zero-padded (rpad, pitch) tile.
+template <typename T>
+__device__ void stage_factor_tc(T* dst, int pitch, int rpad, const T* src, int rows, int cols,
+                                int64_t s0, int64_t s1) {
+  for (int e = threadIdx.x; e < rpad * pitch; e += blockDim.x) {
+    const int r = e / pitch, c = e - r * pitch;
+    dst[e] = (r < rows && c < cols) ? src[r * s0 + c * s1] : T(0.f);
+  }
+}
+
+// nt tokens of `rows` rows x `cols` columns (global row stride `cols`, token stride
+// rows * cols) into per-token tiles of (rpad, pitch) with zero padding up to (rpad, cpad).
+template <typename T>
+__device__ __forceinline__ void load_tokens(T* dst, int pitch, int tok_stride, const T* src,
+                                            int nt, int rows, int cols, int rpad, int cpad,
+                                            bool vec) {
+  const int cchunks = cpad / 8;
+  const int per = rpad * cchunks;
+  for (int e = threadIdx.x; e < nt * per; e += blockDim.x) {
+    const int t = e / per;
+    const int rem = e - t * per;
+    const int r = rem / cchunks, c = (rem - r * cchunks) * 8;
+    T* d = dst + t * tok_stride + r * pitch + c;
+    const T* sp = src + (static_cast<int64_t>(t) * rows + r) * cols + c;
+    const bool ok = r < rows && c < cols;
+    if (vec) {
+      mma::cp_async16(d, ok ? sp : src, ok);
+    } else {
+      alignas(16) T v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = (ok && c + i < cols) ? sp[i] : T(0.f);
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(v);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) kron_mma_fwd_kernel(const KronTcParams P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const KronShape s = P.s;
+  const KronTcDims d = P.d;
+  const int d_in = s.a_in * s.b_in, d_out = s.a_out * s.b_out;
+  T* As = reinterpret_cast<T*>(smem_raw);
+  T* Bs = As + d.ao_p * d.PA;
+  T* Xs = Bs + d.bo_p * d.PB;  // 2 buffers
+  T* Vs = Xs + 2 * P.TT * d.sX;
+  stage_factor_tc<T>(As, d.PA, d.ao_p, static_cast<const T*>(P.A), s.a_out, s.a_in, P.sA0,
+                     P.sA1);
+  stage_factor_tc<T>(Bs, d.PB, d.bo_p, static_cast<const T*>(P.B), s.b_out, s.b_in, P.sB0,
+                     P.sB1);
+  const T* x = static_cast<const T*>(P.x);
+  T* y = static_cast<T*>(P.y);
+  const int64_t ntiles = P.ntiles;
+  auto ntok = [&](int64_t tile) {
+    const int64_t r = P.T - tile * P.TT;
+    return static_cast<int>(r < P.TT ? r : P.TT);
+  };
+  const bool pair_y = s.b_out % 2 == 0;
+  if (blockIdx.x < ntiles)
+    load_tokens<T>(Xs, d.PX, d.sX, x + int64_t(blockIdx.x) * P.TT * d_in, ntok(blockIdx.x), s.a_in,
+                   s.b_in, d.ai_p, d.bi_p, P.vec_x);
+  mma::cp_async_commit();
+  int it = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
+    const int64_t next = tile + gridDim.x;
+    if (next < ntiles) {
+      load_tokens<T>(Xs + ((it + 1) & 1) * P.TT * d.sX, d.PX, d.sX, x + next * P.TT * d_in,
+                     ntok(next), s.a_in, s.b_in, d.ai_p, d.bi_p, P.vec_x);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();  // tile `it` (and the factors) visible to every warp
+    const int nt = ntok(tile);
+    const T* Xb = Xs + (it & 1) * P.TT * d.sX;
+    // V[t] = A X[t]: M = a_out, N = b_in, K = a_in, per token.
+    mma::block_mma<T, true, false>(
+        nt, d.ao_p / 16, d.bi_p / 16, 1, d.ai_p / 16, mma::SmemOp{As, d.PA, 0, 0},
+        mma::SmemOp{Xb, d.PX, d.sX, 0}, [&](int t, int j, int k, float v0, float v1) {
+          *reinterpret_cast<uint32_t*>(Vs + t * d.sV + j * d.PV + k) = mma::pack2<T>(v0, v1);
+        });
+    __syncthreads();
+    // Y[(t, j)] = V[(t, j)] B^T: stacked rows r = t * ao_p + j.
+    T* yt = y + tile * P.TT * d_out;
+    mma::block_mma<T, true, true>(
+        1, nt * d.ao_p / 16, d.bo_p / 16, 1, d.bi_p / 16, mma::SmemOp{Vs, d.PV, 0, 0},
+        mma::SmemOp{Bs, d.PB, 0, 0}, [&](int, int r, int o, float v0, float v1) {
+          const int t = r / d.ao_p, j = r - t * d.ao_p;
+          if (j < s.a_out) mma::store2<T>(yt + t * d_out + j * s.b_out, o, s.b_out, pair_y, v0, v1);
+        });
+    __syncthreads();  // Vs and buffer (it & 1) are reused by the next tile
+  }
+  mma::cp_async_wait<0>();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) kron_mma_bwd_kernel(const KronTcParams P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const KronShape s = P.s;
+  const KronTcDims d = P.d;
+  const int d_in = s.a_in * s.b_in, d_out = s.a_out * s.b_out;
+  const int nA = s.a_out * s.a_in, nB = s.b_out * s.b_in;
+  T* As = reinterpret_cast<T*>(smem_raw);
+  T* Bs = As + d.ao_p * d.PA;
+  T* Xs = Bs + d.bo_p * d.PB;      // 2 buffers
+  T* Gs = Xs + 2 * P.TT * d.sX;    // 2 buffers
+  T* Ws = Gs + 2 * P.TT * d.sG;
+  T* Vs = Ws + P.TT * d.sV;
+  T* end16 = Vs + P.TT * d.sV;
+  float* part = P.part + static_cast<int64_t>(blockIdx.x) * (nA + nB);
+  float* acc = part;
+  if (P.acc_smem) {
+    uintptr_t a = (reinterpret_cast<uintptr_t>(end16) + 15) & ~uintptr_t(15);
+    acc = reinterpret_cast<float*>(a);
+  }
+  float* dAacc = acc;
+  float* dBacc = acc + nA;
+  for (int e = threadIdx.x; e < nA + nB; e += blockDim.x) acc[e] = 0.f;
+  stage_factor_tc<T>(As, d.PA, d.ao_p, static_cast<const T*>(P.A), s.a_out, s.a_in, P.sA0,
+                     P.sA1);
+  stage_factor_tc<T>(Bs, d.PB, d.bo_p, static_cast<const T*>(P.B), s.b_out, s.b_in, P.sB0,
+                     P.sB1);
+  const T* x = static_cast<const T*>(P.x);
+  const T* g = static_cast<const T*>(P.g);
+  T* dx = static_cast<T*>(P.y);
+  const int64_t ntiles = P.ntiles;
+  auto ntok = [&](int64_t tile) {
+    const int64_t r = P.T - tile * P.TT;
+    return static_cast<int>(r < P.TT ? r : P.TT);
+  };
+  auto load = [&](int64_t tile, int buf) {
+    const int nt = ntok(tile);
+    load_tokens<T>(Xs + buf * P.TT * d.sX, d.PX, d.sX, x + tile * P.TT * d_in, nt, s.a_in,
+                   s.b_in, d.ai_p, d.bi_p, P.vec_x);
+    load_tokens<T>(Gs + buf * P.TT * d.sG, d.PG, d.sG, g + tile * P.TT * d_out, nt, s.a_out,
+                   s.b_out, d.ao_p, d.bo_p, P.vec_g);
+  };
+  const bool pair_x = s.b_in % 2 == 0;
+  if (blockIdx.x < ntiles) load(blockIdx.x, 0);
+  mma::cp_async_commit();
+  int it = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
+    const int64_t next = tile + gridDim.x;
+    if (next < ntiles) {
+      load(next, (it + 1) & 1);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int nt = ntok(tile);
+    const T* Xb = Xs + (it & 1) * P.TT * d.sX;
+    const T* Gb = Gs + (it & 1) * P.TT * d.sG;
+    // W = G B (stacked rows (t, j)): M = nt * ao_p, N = b_in, K = b_out; rounded.
+    mma::block_mma<T, true, false>(
+        1, nt * d.ao_p / 16, d.bi_p / 16, 1, d.bo_p / 16, mma::SmemOp{Gb, d.PG, 0, 0},
+        mma::SmemOp{Bs, d.PB, 0, 0}, [&](int, int r, int k, float v0, float v1) {
+          *reinterpret_cast<uint32_t*>(Ws + r * d.PV + k) = mma::pack2<T>(v0, v1);
+        });
+    // V[t] = A X[t]; rounded.
+    mma::block_mma<T, true, false>(
+        nt, d.ao_p / 16, d.bi_p / 16, 1, d.ai_p / 16, mma::SmemOp{As, d.PA, 0, 0},
+        mma::SmemOp{Xb, d.PX, d.sX, 0}, [&](int t, int j, int k, float v0, float v1) {
+          *reinterpret_cast<uint32_t*>(Vs + t * d.sV + j * d.PV + k) = mma::pack2<T>(v0, v1);
+        });
+    __syncthreads();
+    // dX[t] = A^T W[t]: M = a_in, N = b_in, K = a_out.
+    T* dxt = dx + tile * P.TT * d_in;
+    mma::block_mma<T, false, false>(
+        nt, d.ai_p / 16, d.bi_p / 16, 1, d.ao_p / 16, mma::SmemOp{As, d.PA, 0, 0},
+        mma::SmemOp{Ws, d.PV, d.sV, 0}, [&](int t, int i, int k, float v0, float v1) {
+          if (i < s.a_in) mma::store2<T>(dxt + t * d_in + i * s.b_in, k, s.b_in, pair_x, v0, v1);
+        });
+    // dA += sum_t W[t] X[t]^T: M = a_out, N = a_in, K = (t, k).
+    mma::block_mma<T, true, true>(
+        1, d.ao_p / 16, d.ai_p / 16, nt, d.bi_p / 16, mma::SmemOp{Ws, d.PV, 0, d.sV},
+        mma::SmemOp{Xb, d.PX, 0, d.sX}, [&](int, int j, int i, float v0, float v1) {
+          if (j < s.a_out) {
+            if (i < s.a_in) dAacc[j * s.a_in + i] += v0;
+            if (i + 1 < s.a_in) dAacc[j * s.a_in + i + 1] += v1;
+          }
+        });
+    // dB += sum_t G[t]^T V[t]: M = b_out, N = b_in, K = (t, j).
+    mma::block_mma<T, false, false>(
+        1, d.bo_p / 16, d.bi_p / 16, nt, d.ao_p / 16, mma::SmemOp{Gb, d.PG, 0, d.sG},
+        mma::SmemOp{Vs, d.PV, 0, d.sV}, [&](int, int o, int k, float v0, float v1) {
+          if (o < s.b_out) {
+            if (k < s.b_in) dBacc[o * s.b_in + k] += v0;
+            if (k + 1 < s.b_in) dBacc[o * s.b_in + k + 1] += v1;
+          }
+        });
+    __syncthreads();
+  }
+  mma::cp_async_wait<0>();
+  if (P.acc_smem) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < nA + nB; e += blockDim.x) part[e] = acc[e];
+  }
+}
+
+// Elements (16-bit) of the fixed part and of one token, forward / backward.
+inline int64_t kron_tc_fixed(const KronTcDims& d) {
+  return int64_t(d.ao_p) * d.PA + int64_t(d.bo_p) * d.PB;
+}
+inline int64_t kron_tc_token_fwd(const KronTcDims& d) { return 2 * int64_t(d.sX) + d.sV; }
+inline int64_t kron_tc_token_bwd(const KronTcDims& d) {
+  return 2 * int64_t(d.sX) + 2 * int64_t(d.sG) + 2 * int64_t(d.sV);
+}
+
+// Tokens per tile for the tensor-core kernels (0: does not fit -> CUDA-core kernel).
+inline int kron_tc_tokens(int64_t fixed_bytes, int64_t token_bytes, int64_t T, int64_t optin) {
+  constexpr int64_t kPreferred = 100 * 1024;  // two blocks per SM on sm_90
+  auto fit = [&](int64_t budget) {
+    const int64_t avail = budget - fixed_bytes;
+    return avail < token_bytes ? int64_t(0) : std::min<int64_t>(kTileMaxTokens, avail / token_bytes);
+  };
+  int64_t tt = fit(std::min<int64_t>(kPreferred, optin));
+  if (tt == 0) tt = fit(optin);
+  if (tt == 0) return 0;
+  const int64_t sms = sm_count();
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tt, ceil_div(T, 2 * sms))));
+}
+
+template <typename Kernel>
+inline unsigned persistent_grid(Kernel kernel, size_t smem, int64_t ntiles) {
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+  per_sm = std::max(per_sm, 1);
+  return static_cast<unsigned>(std::min<int64_t>(ntiles, int64_t(per_sm) * sm_count()));
+}
+
+template <typename T>
+void launch_kron_tc_fwd(KronTcParams P, size_t smem, cudaStream_t stream) {
+  set_smem(kron_mma_fwd_kernel<T>, smem, "kron_mma_fwd_kernel");
+  const unsigned grid = persistent_grid(kron_mma_fwd_kernel<T>, smem, P.ntiles);
+  kron_mma_fwd_kernel<T><<<grid, kThreads, smem, stream>>>(P);
+  check_launch("kron_mma_fwd_kernel");
+}
+
+template <typename T>
+void launch_kron_tc_bwd(KronTcParams P, size_t smem, int64_t nAB, int64_t nA, at::Tensor& dA,
+                        at::Tensor& dB, cudaStream_t stream) {
+  set_smem(kron_mma_bwd_kernel<T>, smem, "kron_mma_bwd_kernel");
+  const unsigned grid = persistent_grid(kron_mma_bwd_kernel<T>, smem, P.ntiles);
+  at::Tensor part = at::empty({int64_t(grid), nAB}, dA.options().dtype(at::kFloat));
+  P.part = part.data_ptr<float>();
+  kron_mma_bwd_kernel<T><<<grid, kThreads, smem, stream>>>(P);
+  check_launch("kron_mma_bwd_kernel");
+  reduce_partials<T>(P.part, grid, nAB, nA, dA.data_ptr<T>(), dB.data_ptr<T>(), stream);
+}
+
 // Tokens per tile that fit `budget` bytes next to `fixed` floats (0: not even one token).
 inline int64_t fit_tokens(int64_t fixed, int64_t per_token, int64_t budget_bytes) {
   const int64_t avail = budget_bytes / 4 - fixed;
@@ -273,11 +593,43 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
   at::Tensor y = at::empty({T, static_cast<int64_t>(s.a_out) * s.b_out}, x.options());
   if (T == 0) return y;
   DeviceGuard guard(x);
+  cudaStream_t stream = current_stream();
+  const int64_t optin = max_smem_optin();
+
+  if (x.scalar_type() != at::kFloat) {
+    // Tensor-core kernel when its zero-padded tiles fit in shared memory.
+    const KronTcDims d = kron_tc_dims(s);
+    const int64_t fixed_b = 2 * kron_tc_fixed(d), token_b = 2 * kron_tc_token_fwd(d);
+    const int TT = kron_tc_tokens(fixed_b, token_b, T, optin);
+    if (TT > 0) {
+      KronTcParams P{};
+      P.x = x.data_ptr();
+      P.y = y.data_ptr();
+      P.T = T;
+      P.A = A.data_ptr();
+      P.B = B.data_ptr();
+      P.sA0 = A.stride(0);
+      P.sA1 = A.stride(1);
+      P.sB0 = B.stride(0);
+      P.sB1 = B.stride(1);
+      P.s = s;
+      P.d = d;
+      P.TT = TT;
+      P.vec_x = s.b_in % 8 == 0 && mma_aligned(x.data_ptr());
+      const size_t smem = static_cast<size_t>(fixed_b + TT * token_b);
+      const int64_t ntiles = ceil_div(T, TT);
+      P.ntiles = ntiles;
+      if (x.scalar_type() == at::kHalf)
+        launch_kron_tc_fwd<c10::Half>(P, smem, stream);
+      else
+        launch_kron_tc_fwd<c10::BFloat16>(P, smem, stream);
+      return y;
+    }
+  }
 
   const int64_t d_in = int64_t(s.a_in) * s.b_in;
   const int64_t fixed = int64_t(s.a_out) * s.a_in + int64_t(s.b_out) * odd_pitch(s.b_in);
   const int64_t per_token = d_in + int64_t(s.a_out) * s.b_in;
-  const int64_t optin = max_smem_optin();
   bool stage = true;
   int64_t TT = fit_tokens(fixed, per_token, std::min<int64_t>(kPreferredSmem, optin));
   if (TT == 0) TT = fit_tokens(fixed, per_token, optin);
@@ -316,7 +668,6 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
   P.stage = stage;
   const int64_t ntiles = ceil_div(T, TT);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ntiles, int64_t(1) << 30));
-  cudaStream_t stream = current_stream();
   KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_fwd", [&] {
     set_smem(kron_fwd_kernel<scalar_t>, smem, "kron_fwd_kernel");
     kron_fwd_kernel<scalar_t><<<grid, kThreads, smem, stream>>>(P);
@@ -344,6 +695,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   at::Tensor dB = at::empty({s.b_out, s.b_in}, x.options());
   if (T == 0) return {dx, dA.zero_(), dB.zero_()};
   DeviceGuard guard(x);
+  cudaStream_t stream = current_stream();
+  const int64_t optin = max_smem_optin();
+  const int64_t sms = sm_count();
+
+  if (x.scalar_type() != at::kFloat) {
+    // Tensor-core kernel when its zero-padded tiles fit (float dA | dB accumulators in shared
+    // memory when they fit too, else in the block's slice of the partials workspace).
+    const KronTcDims d = kron_tc_dims(s);
+    const int64_t nAB = int64_t(s.a_out) * s.a_in + int64_t(s.b_out) * s.b_in;
+    const int64_t token_b = 2 * kron_tc_token_bwd(d);
+    const int64_t fixed16 = 2 * kron_tc_fixed(d);
+    bool acc_smem = true;
+    int TT = kron_tc_tokens(fixed16 + 16 + 4 * nAB, token_b, T, optin);
+    if (TT == 0) {
+      acc_smem = false;
+      TT = kron_tc_tokens(fixed16, token_b, T, optin);
+    }
+    if (TT > 0) {
+      KronTcParams P{};
+      P.x = x.data_ptr();
+      P.g = g.data_ptr();
+      P.y = dx.data_ptr();
+      P.T = T;
+      P.A = A.data_ptr();
+      P.B = B.data_ptr();
+      P.sA0 = A.stride(0);
+      P.sA1 = A.stride(1);
+      P.sB0 = B.stride(0);
+      P.sB1 = B.stride(1);
+      P.s = s;
+      P.d = d;
+      P.TT = TT;
+      P.vec_x = s.b_in % 8 == 0 && mma_aligned(x.data_ptr());
+      P.vec_g = s.b_out % 8 == 0 && mma_aligned(g.data_ptr());
+      P.acc_smem = acc_smem;
+      const size_t smem =
+          static_cast<size_t>(fixed16 + TT * token_b + (acc_smem ? 16 + 4 * nAB : 0));
+      const int64_t ntiles = ceil_div(T, TT);
+      P.ntiles = ntiles;
+      if (x.scalar_type() == at::kHalf)
+        launch_kron_tc_bwd<c10::Half>(P, smem, nAB, int64_t(s.a_out) * s.a_in, dA, dB, stream);
+      else
+        launch_kron_tc_bwd<c10::BFloat16>(P, smem, nAB, int64_t(s.a_out) * s.a_in, dA, dB,
+                                          stream);
+      return {dx, dA, dB};
+    }
+  }
 
   const int64_t nA = int64_t(s.a_out) * s.a_in, nB = int64_t(s.b_out) * s.b_in;
   const int64_t pX = odd_pitch(s.b_in);
@@ -351,7 +749,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   const int64_t fixed_acc = nA + nB;
   const int64_t per_token = int64_t(s.a_in) * pX + int64_t(s.a_out) * s.b_out +
                             2 * int64_t(s.a_out) * s.b_in;
-  const int64_t optin = max_smem_optin();
   bool stage = true, acc_smem = true;
   int64_t TT = fit_tokens(fixed_stage + fixed_acc, per_token,
                           std::min<int64_t>(kPreferredSmem, optin));
@@ -369,7 +766,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
               "the device allows ",
               optin, " per block; A ", A.sizes(), " / B ", B.sizes(),
               " are too large for the CUDA kernel (use the triton or reference backend)");
-  const int64_t sms = sm_count();
   TT = std::max<int64_t>(1, std::min<int64_t>(TT, ceil_div(T, 2 * sms)));
   const int64_t ntiles = ceil_div(T, TT);
   const int64_t grid = std::min<int64_t>(ntiles, 2 * sms);
@@ -402,7 +798,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   P.pX = static_cast<int>(pX);
   P.stage = stage;
   P.acc_smem = acc_smem;
-  cudaStream_t stream = current_stream();
   KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_bwd", [&] {
     set_smem(kron_bwd_kernel<scalar_t>, smem, "kron_bwd_kernel");
     kron_bwd_kernel<scalar_t><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(P);

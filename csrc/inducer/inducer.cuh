@@ -1,0 +1,112 @@
+// Shared pieces of the inducer attention forward (SPEC §3): the kernel parameters, the row
+// finalisation, the split-KV merge kernel, and the entry point of the tensor-core kernels,
+// which are compiled in their own translation units (inducer_mma_f16.cu, inducer_mma_bf16.cu)
+// so that the three dtypes build in parallel. See inducer_attention_fwd.cu for the design.
+#pragma once
+
+#include <cmath>
+
+#include "common/common.cuh"
+
+namespace kfused {
+namespace inducer {
+
+constexpr int kBK = 32;  // keys per tile (one per lane)
+constexpr int kWarps = 4;
+constexpr int kRowsPerWarp = 4;
+constexpr float kFullyMaskedLse = -1e30f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Tile shapes of the two tensor-core schedules (a GPU session tunes them here).
+constexpr int kPrefillBN = 64, kPrefillRW = 4;
+constexpr int kDecodeBN = 16, kDecodeKW = 4;
+
+struct InducerParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* s0;  // (B, H, n_q) contiguous float32
+  const void* pk;   // (H, l, p) contiguous or nullptr
+  const void* pv;
+  const int* lens;  // (B,) int32 or nullptr
+  void* f;          // (B, H, n_q, p) contiguous
+  float* lse;       // (B, H, n_q)
+  float* lam;       // (B, H, n_q)
+  int64_t q_sb, q_sh, q_sn;
+  int64_t k_sb, k_sh, k_sn;
+  int64_t v_sb, v_sh, v_sn;
+  int B, H, n_q, n_k, p, l;
+  int pitch;  // row pitch (elements) of the K/V tiles in shared memory
+  float scale_log2;
+  bool causal;
+  int ksplit;
+  int nsplit;           // key splits over blocks (1: no workspace)
+  int tiles_per_split;  // key tiles per split
+  float* part_o;        // (B, H, n_q, nsplit, p) unnormalised P V        (nsplit > 1)
+  float* part_ml;       // (B, H, n_q, nsplit, 2) running max (log2), sum (nsplit > 1)
+  bool vec;             // tensor-core path: 16-byte cp.async rows (see inducer_attention_fwd)
+};
+
+// f = o / l, lse = ln(sum exp S), lam = sigmoid(s0 - lse); the row's lanes hold o[c] for
+// features lane + 32 c. m is the running max in the log2 domain.
+
+template <typename T, int CH>
+__device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t ridx, float m,
+                                             float lsum, const float (&o)[CH]) {
+  const int lane = threadIdx.x & 31;
+  const bool any = lsum > 0.f;
+  const float inv = any ? 1.f / lsum : 0.f;
+  T* f = static_cast<T*>(P.f);
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int d = lane + 32 * c;
+    if (d < P.p) f[ridx * P.p + d] = static_cast<T>(o[c] * inv);
+  }
+  if (lane == 0) {
+    const float lse = any ? (m + log2f(lsum)) * kLn2 : kFullyMaskedLse;
+    const float x = P.s0[ridx] - lse;  // lam = sigmoid(x), evaluated without overflow
+    const float lam = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+    P.lse[ridx] = lse;
+    P.lam[ridx] = lam;
+  }
+}
+
+// Shared-memory row pitch for K/V tiles: 32 lanes reading 32 different rows at the same
+// column must hit 32 different banks.
+
+template <typename T, int CH>
+__global__ void __launch_bounds__(128) inducer_merge_kernel(const InducerParams P) {
+  const int lane = threadIdx.x & 31;
+  const int64_t ridx = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (ridx >= static_cast<int64_t>(P.B) * P.H * P.n_q) return;
+  const int64_t sbase = ridx * P.nsplit;
+  float M = -INFINITY;
+  for (int sp = 0; sp < P.nsplit; ++sp) M = fmaxf(M, P.part_ml[2 * (sbase + sp)]);
+  float L = 0.f, o[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) o[c] = 0.f;
+  if (M != -INFINITY) {
+    for (int sp = 0; sp < P.nsplit; ++sp) {
+      const float ms = P.part_ml[2 * (sbase + sp)];
+      const float sc = ms == -INFINITY ? 0.f : exp2f(ms - M);
+      L += P.part_ml[2 * (sbase + sp) + 1] * sc;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int d = lane + 32 * c;
+        if (d < P.p) o[c] += P.part_o[(sbase + sp) * P.p + d] * sc;
+      }
+    }
+  }
+  finalize_row<T, CH>(P, ridx, M, L, o);
+}
+
+
+// Tensor-core forward for T = c10::Half / c10::BFloat16 (inducer_mma.cuh; instantiated in
+// inducer_mma_f16.cu / inducer_mma_bf16.cu). decode: the 16-row schedule (n_q <= 16);
+// chunks = ceil(p / 32) picks the padded head width D = 32 * chunks.
+template <typename T>
+void launch_inducer_mma_p(const InducerParams& P, bool decode, int chunks, dim3 grid,
+                          cudaStream_t stream);
+
+}  // namespace inducer
+}  // namespace kfused

@@ -1,0 +1,353 @@
+// Tensor-core (mma.sync m16n8k16) flash kernel of the inducer attention forward for float16 /
+// bfloat16; included by inducer_mma_f16.cu and inducer_mma_bf16.cu only.
+#pragma once
+
+#include "common/mma.cuh"
+#include "inducer/inducer.cuh"
+
+namespace kfused {
+namespace inducer {
+
+// ------------------------------------------------------------------------------------------
+// Tensor-core path (float16 / bfloat16): flash attention on mma.sync m16n8k16
+// ------------------------------------------------------------------------------------------
+//
+// A block has RW x KW warps. Warp (rw, kw) owns query rows [16 rw, 16 rw + 16) of the block's
+// BM = 16 RW rows and key tile kw of every stage; a stage is KW tiles of BN keys (SK keys),
+// staged for the whole block in shared memory by 16-byte cp.async copies, double buffered
+// (stage i + 1 is in flight while stage i is consumed). Two instantiation families:
+//   prefill: RW = 4, KW = 1, BN = 64   (64 rows per block; every warp walks every key tile)
+//   decode : RW = 1, KW = 4, BN = 16   (16 rows per block, n_q <= 16; the 4 warps split the
+//                                       keys of a stage and merge their states at the end)
+// plus the flash-decoding split over blocks (nsplit, workspace + inducer_merge_kernel) when
+// the (row tile, head, batch) blocks cannot fill the device.
+// Per warp and key tile: S = Q K^T (16 x BN, float accumulators; Q fragments stay in
+// registers for the whole kernel, K fragments by ldmatrix from rows of pitch D + 8, which
+// is conflict-free), masking and the online softmax in the log2 domain on the accumulator
+// registers (a row lives in the 4 lanes of a quad), then O += P V with P re-packed from the
+// accumulators into A fragments (rounded to the input dtype, as the reference's P is) and V
+// fragments by ldmatrix.trans. The head width is padded with zeros to D (32, 64, 96, 128).
+template <typename T, int D, int BN, int RW, int KW>
+struct InducerMmaCfg {
+  static constexpr int kThreads = 32 * RW * KW;
+  static constexpr int kBM = 16 * RW;
+  static constexpr int kSK = BN * KW;
+  static constexpr int kPitch = mma::pitch_for(D);
+  static_assert(D % 32 == 0 && BN % 16 == 0, "tile shapes");
+  static constexpr size_t kKvBytes = 2 * 2 * size_t(kSK) * kPitch * sizeof(T);
+  static constexpr size_t kMergeBytes = sizeof(float) * (size_t(KW) * 16 * D + 2 * KW * 16);
+  static constexpr size_t kSmem = sizeof(T) * size_t(kBM) * kPitch +
+                                  (KW > 1 && kMergeBytes > kKvBytes ? kMergeBytes : kKvBytes);
+};
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Final (or per-split) row output from float state: f = o / l (or the raw state to the
+// split workspace), lse and lam by the caller's `lead` thread of the row.
+template <typename T>
+__device__ __forceinline__ void store_row_state(const InducerParams& P, int64_t ridx, int split,
+                                                int col, float v, bool lead, float m, float l) {
+  if (P.nsplit == 1) {
+    if (col < P.p) static_cast<T*>(P.f)[ridx * P.p + col] = static_cast<T>(l > 0.f ? v / l : 0.f);
+    if (lead) {
+      const bool any = l > 0.f;
+      const float lse = any ? (m + log2f(l)) * kLn2 : kFullyMaskedLse;
+      const float x = P.s0[ridx] - lse;
+      P.lse[ridx] = lse;
+      P.lam[ridx] = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+    }
+  } else {
+    const int64_t sidx = ridx * P.nsplit + split;
+    if (col < P.p) P.part_o[sidx * P.p + col] = v;
+    if (lead) {
+      P.part_ml[2 * sidx] = m;
+      P.part_ml[2 * sidx + 1] = l;
+    }
+  }
+}
+
+template <typename T, int D, int BN, int RW, int KW>
+__global__ void __launch_bounds__(32 * RW * KW)
+    inducer_mma_kernel(const InducerParams P) {
+  using Cfg = InducerMmaCfg<T, D, BN, RW, KW>;
+  constexpr int NT = Cfg::kThreads, BM = Cfg::kBM, SK = Cfg::kSK, PITCH = Cfg::kPitch;
+  constexpr int NJ = BN / 8;  // n8 score tiles per warp and key tile
+  constexpr int ND = D / 8;   // n8 output tiles
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);  // (BM, PITCH)
+  T* Ks = Qs + BM * PITCH;                 // (2, SK, PITCH)
+  T* Vs = Ks + 2 * SK * PITCH;             // (2, SK, PITCH)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rw = warp % RW, kw = warp / RW;
+  const int g = lane >> 2, qd = lane & 3;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int split = blockIdx.x % P.nsplit;
+  const int row0 = (blockIdx.x / P.nsplit) * BM;
+  const int p = P.p, l = P.l;
+
+  int len = P.n_k;
+  if (P.lens) {
+    len = P.lens[b];
+    len = len < 0 ? 0 : (len > P.n_k ? P.n_k : len);
+  }
+  const int last_row = (row0 + BM < P.n_q ? row0 + BM : P.n_q) - 1;
+  int seq_end = len;
+  if (P.causal) {
+    const int lim = P.n_k - P.n_q + last_row + 1;
+    seq_end = lim < seq_end ? lim : seq_end;
+  }
+  seq_end = seq_end < 0 ? 0 : seq_end;
+  const int kend = l + seq_end;
+  const int nst_vis = (kend + SK - 1) / SK;
+  const int st_beg = split * P.tiles_per_split;
+  int st_end = st_beg + P.tiles_per_split;
+  st_end = st_end < nst_vis ? st_end : nst_vis;
+  const int nsteps = st_end > st_beg ? st_end - st_beg : 0;
+
+  const T* qb = static_cast<const T*>(P.q) + b * P.q_sb + h * P.q_sh;
+  const T* kseq = static_cast<const T*>(P.k) + b * P.k_sb + h * P.k_sh;
+  const T* vseq = static_cast<const T*>(P.v) + b * P.v_sb + h * P.v_sh;
+  const T* kpre = P.pk ? static_cast<const T*>(P.pk) + static_cast<int64_t>(h) * l * p : nullptr;
+  const T* vpre = P.pv ? static_cast<const T*>(P.pv) + static_cast<int64_t>(h) * l * p : nullptr;
+
+  {
+    const int nrows = P.n_q - row0 < BM ? P.n_q - row0 : BM;
+    mma::load_tile<T>(Qs, PITCH, qb + row0 * P.q_sn, P.q_sn, nrows, p, BM, D, P.vec, tid, NT);
+  }
+  // Keys [st * SK, st * SK + SK): prefix keys, then sequence keys, zero beyond kend / p.
+  auto load_stage = [&](int st, int buf) {
+    T* ks = Ks + buf * SK * PITCH;
+    T* vs = Vs + buf * SK * PITCH;
+    constexpr int CH = D / 8;
+    for (int e = tid; e < SK * CH; e += NT) {
+      const int r = e / CH, c = (e - r * CH) * 8;
+      const int key = st * SK + r;
+      const T* kp = qb;  // any valid 16-byte aligned address when nothing is read
+      const T* vp = qb;
+      if (key < l) {
+        kp = kpre + key * p + c;
+        vp = vpre + key * p + c;
+      } else if (key < kend) {
+        kp = kseq + static_cast<int64_t>(key - l) * P.k_sn + c;
+        vp = vseq + static_cast<int64_t>(key - l) * P.v_sn + c;
+      }
+      const bool ok = key < kend && c < p;
+      if (P.vec) {
+        mma::cp_async16(ks + r * PITCH + c, ok ? kp : qb, ok);
+        mma::cp_async16(vs + r * PITCH + c, ok ? vp : qb, ok);
+      } else {
+        alignas(16) T kv[8], vv[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const bool in = ok && c + i < p;
+          kv[i] = in ? kp[i] : T(0.f);
+          vv[i] = in ? vp[i] : T(0.f);
+        }
+        *reinterpret_cast<uint4*>(ks + r * PITCH + c) = *reinterpret_cast<const uint4*>(kv);
+        *reinterpret_cast<uint4*>(vs + r * PITCH + c) = *reinterpret_cast<const uint4*>(vv);
+      }
+    }
+  };
+
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
+  float o[ND][4];
+#pragma unroll
+  for (int j = 0; j < ND; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+  uint32_t qf[D / 16][4];
+  const int rowA = row0 + rw * 16 + g;  // this thread's rows: rowA and rowA + 8
+  const int diag = P.n_k - P.n_q;       // causal: sequence key j visible to row i iff j <= diag + i
+
+  if (nsteps > 0) load_stage(st_beg, 0);
+  mma::cp_async_commit();
+  for (int it = 0; it < nsteps; ++it) {
+    if (it + 1 < nsteps) {
+      load_stage(st_beg + it + 1, (it + 1) & 1);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (it == 0) {
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) mma::load_a_kmajor<T>(qf[kc], Qs, PITCH, rw * 16, kc * 16);
+    }
+    const T* ks = Ks + ((it & 1) * SK + kw * BN) * PITCH;
+    const T* vs = Vs + ((it & 1) * SK + kw * BN) * PITCH;
+    const int key0 = (st_beg + it) * SK + kw * BN;
+
+    float s[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+      for (int np = 0; np < NJ / 2; ++np) {
+        uint32_t bf[4];
+        mma::load_b2_kmajor<T>(bf, ks, PITCH, np * 16, kc * 16);
+        mma::mma16816<T>(s[2 * np], qf[kc], bf[0], bf[1]);
+        mma::mma16816<T>(s[2 * np + 1], qf[kc], bf[2], bf[3]);
+      }
+    }
+    // Scale, mask, online softmax (rows rowA (e = 0, 1) and rowA + 8 (e = 2, 3)).
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * j + 2 * qd + (e & 1);
+        const int row = rowA + (e >> 1) * 8;
+        const bool vis =
+            key < l || (key < kend && (!P.causal || key - l <= diag + row));
+        s[j][e] = vis ? s[j][e] * P.scale_log2 : -INFINITY;
+      }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+      const float m_new = fmaxf(m_r[i], quad_max(mx));
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_r[i] - m_use);
+      m_r[i] = m_new;
+      float rs = 0.f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        s[j][2 * i] = exp2f(s[j][2 * i] - m_use);
+        s[j][2 * i + 1] = exp2f(s[j][2 * i + 1] - m_use);
+        rs += s[j][2 * i] + s[j][2 * i + 1];
+      }
+      l_r[i] = l_r[i] * alpha + rs;
+#pragma unroll
+      for (int j = 0; j < ND; ++j) {
+        o[j][2 * i] *= alpha;
+        o[j][2 * i + 1] *= alpha;
+      }
+    }
+    // O += P V.
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const uint32_t a[4] = {mma::pack2<T>(s[2 * kc][0], s[2 * kc][1]),
+                             mma::pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                             mma::pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                             mma::pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < ND / 2; ++dp) {
+        uint32_t bf[4];
+        mma::load_b2_mnmajor<T>(bf, vs, PITCH, dp * 16, kc * 16);
+        mma::mma16816<T>(o[2 * dp], a, bf[0], bf[1]);
+        mma::mma16816<T>(o[2 * dp + 1], a, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();  // buffer (it & 1) is refilled by iteration it + 1
+  }
+  mma::cp_async_wait<0>();  // nothing may still be landing in shared memory (nsteps == 0)
+  l_r[0] = quad_sum(l_r[0]);
+  l_r[1] = quad_sum(l_r[1]);
+
+  const int64_t rbase = (static_cast<int64_t>(b) * P.H + h) * P.n_q;
+  if constexpr (KW == 1) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = rowA + 8 * i;
+      if (row >= P.n_q) continue;
+#pragma unroll
+      for (int j = 0; j < ND; ++j) {
+        const int col = 8 * j + 2 * qd;
+        store_row_state<T>(P, rbase + row, split, col, o[j][2 * i], j == 0 && qd == 0, m_r[i],
+                           l_r[i]);
+        store_row_state<T>(P, rbase + row, split, col + 1, o[j][2 * i + 1], false, m_r[i],
+                           l_r[i]);
+      }
+    }
+  } else {
+    // Merge the KW warps' states of the same 16 rows through shared memory (fixed order).
+    __syncthreads();
+    float* Ob = reinterpret_cast<float*>(Ks);  // (KW, 16, D)
+    float* Mb = Ob + KW * 16 * D;              // (KW, 16)
+    float* Lb = Mb + KW * 16;                  // (KW, 16)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = g + 8 * i;
+#pragma unroll
+      for (int j = 0; j < ND; ++j) {
+        Ob[(kw * 16 + r) * D + 8 * j + 2 * qd] = o[j][2 * i];
+        Ob[(kw * 16 + r) * D + 8 * j + 2 * qd + 1] = o[j][2 * i + 1];
+      }
+      if (qd == 0) {
+        Mb[kw * 16 + r] = m_r[i];
+        Lb[kw * 16 + r] = l_r[i];
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < 16 * D; e += NT) {
+      const int r = e / D, col = e - r * D;
+      const int row = row0 + r;
+      if (row >= P.n_q || col >= p) continue;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < KW; ++w) M = fmaxf(M, Mb[w * 16 + r]);
+      float L = 0.f, acc = 0.f;
+      if (M != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < KW; ++w) {
+          const float mw = Mb[w * 16 + r];
+          const float sc = mw == -INFINITY ? 0.f : exp2f(mw - M);
+          L += Lb[w * 16 + r] * sc;
+          acc += Ob[(w * 16 + r) * D + col] * sc;
+        }
+      }
+      store_row_state<T>(P, rbase + row, split, col, acc, col == 0, M, L);
+    }
+  }
+}
+
+template <typename T, int D, int BN, int RW, int KW>
+void launch_inducer_mma(const InducerParams& P, dim3 grid, cudaStream_t stream) {
+  using Cfg = InducerMmaCfg<T, D, BN, RW, KW>;
+  auto kernel = inducer_mma_kernel<T, D, BN, RW, KW>;
+  set_smem(kernel, Cfg::kSmem, "inducer_mma_kernel");
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(P);
+  check_launch("inducer_mma_kernel");
+  if (P.nsplit > 1) {
+    const int64_t rows = static_cast<int64_t>(P.B) * P.H * P.n_q;
+    constexpr int CH = (D + 31) / 32;
+    inducer_merge_kernel<T, CH><<<static_cast<unsigned>(ceil_div(rows, 4)), 128, 0, stream>>>(P);
+    check_launch("inducer_merge_kernel");
+  }
+}
+
+
+template <typename T, int D>
+void launch_inducer_mma_d(const InducerParams& P, bool decode, dim3 grid, cudaStream_t stream) {
+  if (decode)
+    launch_inducer_mma<T, D, kDecodeBN, 1, kDecodeKW>(P, grid, stream);
+  else
+    launch_inducer_mma<T, D, kPrefillBN, kPrefillRW, 1>(P, grid, stream);
+}
+
+template <typename T>
+void launch_inducer_mma_p(const InducerParams& P, bool decode, int chunks, dim3 grid,
+                          cudaStream_t stream) {
+  switch (chunks) {
+    case 1: launch_inducer_mma_d<T, 32>(P, decode, grid, stream); break;
+    case 2: launch_inducer_mma_d<T, 64>(P, decode, grid, stream); break;
+    case 3: launch_inducer_mma_d<T, 96>(P, decode, grid, stream); break;
+    default: launch_inducer_mma_d<T, 128>(P, decode, grid, stream); break;
+  }
+}
+
+}  // namespace inducer
+}  // namespace kfused

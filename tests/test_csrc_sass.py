@@ -1,0 +1,204 @@
+"""Machine-code check of the CUDA C++ kernels (CPU CI, no GPU needed).
+
+Every .cu file under csrc/ is compiled for sm_90 to a cubin (device code only, with
+``-Xptxas -v``), disassembled with cuobjdump (the copy that ships with Triton when the toolkit
+has none), and every GEMM-shaped kernel listed in ``TENSOR_CORE_KERNELS`` must contain
+
+* tensor-core instructions (HMMA or HGMMA),
+* 128-bit global loads (LDG.E.128 / LDG.E.128.CONSTANT, or the 16-byte cp.async LDGSTS...128),
+
+and no kernel of the file may use local memory (ptxas "0 bytes spill stores, 0 bytes spill
+loads" and no STL / LDL instruction in the SASS). A kernel name missing from the SASS fails too
+(a renamed kernel must be renamed here).
+
+Compiles run in parallel processes (one per file, at most 2 at a time) and are cached under
+``~/.cache/kfused/sass/<hash>`` keyed by the sources (csrc/**/*.{cu,cuh,h,hpp,cpp}), the nvcc version and the flags,
+so a second run costs only the disassembly. Skipped without nvcc or without cuobjdump.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_csrc_compile as _cc  # noqa: E402  (nvcc / include discovery shared with the compile check)
+
+ROOT = _cc.ROOT
+CSRC = _cc.CSRC
+CU_SOURCES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
+TIMEOUT_S = _cc.TIMEOUT_S
+CACHE = os.path.join(os.path.expanduser(os.environ.get("KFUSED_CACHE", "~/.cache/kfused")), "sass")
+
+# file (relative to csrc/) -> substrings of the (mangled) names of its GEMM-shaped kernels.
+# Only the 16-bit instantiations are tensor-core kernels: float32 keeps the CUDA-core path
+# (TF32 would fail the SPEC §4 rule), so each entry names the templates that are instantiated
+# for c10::Half / c10::BFloat16 only.
+TENSOR_CORE_KERNELS = {
+    "inducer/inducer_mma_f16.cu": ["inducer_mma_kernel"],
+    "inducer/inducer_mma_bf16.cu": ["inducer_mma_kernel"],
+    "krona/kron_matvec.cu": ["kron_mma_fwd_kernel", "kron_mma_bwd_kernel"],
+    "headwise/headwise_lowrank.cu": ["headwise_mma_kernel", "stream_gemm_mma_kernel"],
+}
+
+_VEC_LOAD = re.compile(r"\b(LDG\.E\.128|LDG\.E\.128\.CONSTANT|LDG\.E\.CONSTANT\.128|"
+                       r"LDGSTS\.E(\.[A-Z0-9_]+)*\.128)\b")
+_TENSOR = re.compile(r"\b(HMMA|HGMMA)\.")
+_LOCAL = re.compile(r"\b(STL|LDL)(\.|\s)")
+
+
+def _cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+
+        cand = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "cuobjdump")
+        if os.path.isfile(cand):
+            return cand
+    except ImportError:
+        pass
+    return None
+
+
+def _command(src, nvcc, out):
+    defines = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    return [nvcc, "-cubin", "-std=c++17", "-arch=sm_90", "-x", "cu", *_cc._nvcc_torch_flags(),
+            "-Xcudafe", "--diag_suppress=3306", "-Xptxas", "-v", *defines,
+            *_cc._include_flags(nvcc), src, "-o", out]
+
+
+def _key(src, nvcc):
+    h = hashlib.sha256()
+    for f in sorted(glob.glob(os.path.join(CSRC, "**", "*"), recursive=True)):
+        if os.path.isfile(f) and f.endswith((".cu", ".cuh", ".h", ".hpp", ".cpp")):
+            h.update(os.path.relpath(f, CSRC).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+    h.update(os.path.relpath(src, CSRC).encode())
+    ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    h.update(ver.encode())
+    h.update(" ".join(_command(src, nvcc, "OUT")[1:]).encode())
+    return h.hexdigest()[:24]
+
+
+def _build(src, nvcc, dump):
+    """(returncode, ptxas log, sass text, seconds, cached)."""
+    key = _key(src, nvcc)
+    d = os.path.join(CACHE, key)
+    cub, log, sass = (os.path.join(d, n) for n in ("k.cubin", "ptxas.log", "k.sass"))
+    if os.path.isfile(sass) and os.path.isfile(log):
+        with open(log) as f1, open(sass) as f2:
+            return 0, f1.read(), f2.read(), 0.0, True
+    os.makedirs(d, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(_command(src, nvcc, cub), capture_output=True, text=True,
+                             timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {TIMEOUT_S} s", "", time.perf_counter() - t0, False
+    out = res.stderr + res.stdout
+    if res.returncode != 0:
+        return res.returncode, out, "", time.perf_counter() - t0, False
+    dis = subprocess.run([dump, "-sass", cub], capture_output=True, text=True)
+    if dis.returncode != 0:
+        return dis.returncode, out + dis.stderr, "", time.perf_counter() - t0, False
+    with open(log + ".tmp", "w") as f:
+        f.write(out)
+    with open(sass + ".tmp", "w") as f:
+        f.write(dis.stdout)
+    os.replace(log + ".tmp", log)
+    os.replace(sass + ".tmp", sass)
+    return 0, out, dis.stdout, time.perf_counter() - t0, False
+
+
+def _functions(sass):
+    """{mangled kernel name: its SASS text}."""
+    funcs, name, buf = {}, None, []
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            if name:
+                funcs[name] = "\n".join(buf)
+            name, buf = m.group(1), []
+        elif name:
+            buf.append(line)
+    if name:
+        funcs[name] = "\n".join(buf)
+    return funcs
+
+
+def _spills(log):
+    """[(kernel, line)] for every ptxas report with non-zero spill stores or loads."""
+    bad, fn = [], None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            fn = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and (int(m.group(1)) or int(m.group(2))):
+            bad.append((fn, line.strip()))
+    return bad
+
+
+@pytest.fixture(scope="module")
+def built():
+    nvcc = _cc._find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: SASS check skipped")
+    dump = _cuobjdump()
+    if dump is None:
+        pytest.skip("cuobjdump not found (neither the CUDA toolkit's nor Triton's)")
+    pytest.importorskip("torch")
+    t0 = time.perf_counter()
+    order = sorted(CU_SOURCES, key=lambda s: -os.path.getsize(s))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futs = {s: pool.submit(_build, s, nvcc, dump) for s in order}
+        res = {s: f.result() for s, f in futs.items()}
+    total = time.perf_counter() - t0
+    print(f"\ncsrc SASS check: {len(res)} files in {total:.1f} s (2 in parallel)\n" + "\n".join(
+        f"  {os.path.relpath(s, ROOT)}: {'cached' if r[4] else f'{r[3]:.1f} s'}"
+        for s, r in res.items()), file=sys.stderr)
+    return res
+
+
+def test_every_listed_file_exists():
+    for rel in TENSOR_CORE_KERNELS:
+        assert os.path.isfile(os.path.join(CSRC, rel)), rel
+
+
+@pytest.mark.parametrize("src", CU_SOURCES, ids=[os.path.relpath(s, CSRC) for s in CU_SOURCES])
+def test_sass(built, src):
+    rc, log, sass, secs, _ = built[src]
+    rel = os.path.relpath(src, CSRC)
+    if rc != 0:
+        pytest.fail(f"{rel}: cubin build failed (exit {rc}, {secs:.1f} s)\n{log[-4000:]}",
+                    pytrace=False)
+    funcs = _functions(sass)
+    assert funcs, f"{rel}: no kernel in the SASS"
+    problems = [f"{k}: {line}" for k, line in _spills(log)]
+    for name, text in funcs.items():
+        if _LOCAL.search(text):
+            problems.append(f"{name}: local memory (STL/LDL) in the SASS")
+    for want in TENSOR_CORE_KERNELS.get(rel, []):
+        hits = [n for n in funcs if want in n]
+        if not hits:
+            problems.append(f"no kernel named *{want}* in {rel} (kernels: {sorted(funcs)})")
+        for n in hits:
+            text = funcs[n]
+            if not _TENSOR.search(text):
+                problems.append(f"{n}: no HMMA/HGMMA instruction")
+            if not _VEC_LOAD.search(text):
+                problems.append(f"{n}: no 128-bit global load (LDG.E.128 / LDGSTS .128)")
+    assert not problems, f"{rel}:\n" + "\n".join(problems)
