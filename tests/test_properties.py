@@ -8,8 +8,6 @@ printed on failure): the same seed replays the same examples. Shrinking is off (
 runs Triton kernels in the CPU interpreter); a failure prints every drawn value.
 """
 
-import functools
-import math
 
 import pytest
 import torch
@@ -92,27 +90,10 @@ def check(kernel, ref, inputs, dtype, grad_names=None):
 # KronA
 
 
-@functools.lru_cache(maxsize=None)
-def krona_dx_row_stride_ok() -> bool:
-    """Issue 13 item 1 probe: does the kron_matvec Triton backward honour x's row stride?
-    Checked on an expanded x (row stride 0: a wrong dx, never an out-of-bounds write). Until it
-    does, the property tests draw no row-strided x for kron_matvec (a column slice would write
-    out of bounds and kill the process); test_kron_matvec_expanded_x_grad is the strict xfail."""
-    g = torch.Generator().manual_seed(0)
-    x0 = rnd(g, 1, 4).float().requires_grad_(True)
-    A, B = rnd(g, 2, 2).float(), rnd(g, 3, 2).float()
-    gy = rnd(g, 3, 6).float()
-    dx_k, = torch.autograd.grad(kron_matvec(x0.expand(3, 4), A, B, backend="triton"), x0, gy)
-    dx_r, = torch.autograd.grad(kron_matvec_ref(x0.expand(3, 4), A, B), x0, gy)
-    return bool(torch.allclose(dx_k, dx_r, rtol=1e-4, atol=1e-4))
-
-
 def _x_layouts():
-    return LAYOUTS if krona_dx_row_stride_ok() else ("contiguous", "transpose")
+    return LAYOUTS
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 1: kron_matvec Triton backward stores dx "
-                                       "with x's row stride; fixed on branch krona")
 def test_kron_matvec_expanded_x_grad():
     g = torch.Generator().manual_seed(1)
     x0 = rnd(g, 1, 20)
@@ -313,8 +294,6 @@ def test_headwise_oproj_property(seed):
         H, p = data.draw(st.integers(1, 4), label="H"), data.draw(st.integers(1, 6), label="p")
         dout = data.draw(st.integers(1, 12), label="d_out")
         wise, shared = (data.draw(st.booleans(), label=k) for k in ("wise", "shared"))
-        if dout == 1 and wise and shared:  # issue 13 item 6, see test_oproj_width_one_*
-            dout = 2
         lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
         g = gen(data)
         os_, ov = strided(data, g, "o", (*lead, H * p))
@@ -336,9 +315,6 @@ def test_headwise_oproj_property(seed):
     run_property(seed, body, 10)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 item 6: headwise_oproj backward with d_out = 1 "
-                                       "and both per-head and shared parts ('custom op output "
-                                       "may not alias'); fixed on branch headwise")
 def test_oproj_width_one_with_wise_and_shared():
     g = torch.Generator().manual_seed(3)
     H, p = 2, 3
@@ -571,29 +547,6 @@ OPS = {
 
 KINDS = ("rank", "shape", "dtype", "device", "type")
 
-# Known gaps: argument checks another engineer adds (issue 13 item 8). strict: they must fail
-# today; the mark is removed when the fix is merged.
-GAPS = {
-    ("inducer_output_projection", "b_o", "shape"): "inducer",
-    ("inducer_output_projection", "b2", "shape"): "inducer",
-    ("inducer_output_projection", "b_o", "rank"): "inducer",
-    ("inducer_output_projection", "b2", "rank"): "inducer",
-    **{("inducer_output_projection", a, k): "inducer"
-       for a in ("f", "u", "W_o", "b_o", "W2", "b2") for k in ("dtype", "device")},
-    ("inducer_output_projection", "b_o", "type"): "inducer",
-    ("inducer_output_projection", "b2", "type"): "inducer",
-    ("inducer_output_projection", "W2", "type"): "inducer",
-    ("headwise_projection", "b_k", "dtype"): "headwise",
-    ("headwise_projection", "b_k", "device"): "headwise",
-    ("headwise_projection", "b_k", "type"): "headwise",
-    ("headwise_oproj", "scale", "type"): "headwise",
-    ("krona_linear", "scale", "type"): "krona",
-}
-
-
-@pytest.mark.xfail(strict=True, reason="issue 13 item 8: headwise_projection infers n_key_heads "
-                                       "from w_k's rows and then blames n_key_heads, not w_k; "
-                                       "fixed on branch headwise")
 def test_projection_short_w_k_names_w_k():
     g = torch.Generator().manual_seed(0)
     kw = {k: v.float() for k, v in _valid_projection(g).items()}
@@ -610,11 +563,7 @@ def _cases():
             for kind in kinds:
                 if kind == "shape" and not dims.get(arg):
                     continue
-                owner = GAPS.get((op, arg, kind))
-                marks = [pytest.mark.xfail(strict=True, reason=(
-                    f"issue 13 item 8: {op} does not check {arg} ({kind}); fixed on branch "
-                    f"{owner}"))] if owner else []
-                yield pytest.param(op, arg, kind, id=f"{op}-{arg}-{kind}", marks=marks)
+                yield pytest.param(op, arg, kind, id=f"{op}-{arg}-{kind}")
 
 
 def _corrupt(data, t, arg, kind, fixed_dims):

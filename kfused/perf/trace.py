@@ -97,11 +97,30 @@ def _triton_forced():
         kb.triton_unfit = orig
 
 
+def _clear_kernel_caches() -> None:
+    """Forget every memoised value of the kernel and op modules (``functools.lru_cache``:
+    index maps, packings). Under tracing those are built from stand-in tensors whose contents
+    are never computed, so they must not outlive the trace, nor be picked up by it."""
+    import sys
+
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(("kfused.triton_kernels", "kfused.ops")) or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            clear = getattr(obj, "cache_clear", None)
+            if callable(clear):
+                clear()
+
+
 def trace(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
     """Call ``run()`` (which runs an op forward and backward on CPU tensors); return the Triton
     launches it made and the torch glue operations between them."""
-    with _triton_forced(), recording() as launches:
-        mode = _Glue()
-        with mode:
-            run()
+    _clear_kernel_caches()
+    try:
+        with _triton_forced(), recording() as launches:
+            mode = _Glue()
+            with mode:
+                run()
+    finally:
+        _clear_kernel_caches()
     return launches, mode.ops
