@@ -276,11 +276,19 @@ def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
     (W' rounded to float32 then one float32 GEMM: dx error 3.5e-5 against a SPEC §4 bound of
     2.6e-5 at (24, 24, 32, 32)), so float32 always takes the exact factored kernels.
     """
-    if exact or x2.dtype not in (torch.float16, torch.bfloat16):
+    return fold_decision(x2.dtype, x2.shape[0], exact, x2.device.type == "cuda")
+
+
+def fold_decision(dtype: torch.dtype, tokens: int, exact: Optional[bool], on_cuda: bool) -> bool:
+    """The rule of :func:`use_folded_weight` on plain values: whether ``tokens`` rows of
+    ``dtype`` on a CUDA device (``on_cuda``) or not fold the adapter into the weight. The
+    static performance model (kfused.perf) evaluates it with ``on_cuda=True`` to follow the
+    path a GPU takes although it traces CPU stand-in tensors."""
+    if exact or dtype not in (torch.float16, torch.bfloat16):
         return False
     if exact is not None:
         return True
-    return x2.device.type == "cuda" and x2.shape[0] >= FOLD_MIN_TOKENS
+    return bool(on_cuda) and tokens >= FOLD_MIN_TOKENS
 
 
 

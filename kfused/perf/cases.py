@@ -118,60 +118,107 @@ def _m_kron_grad(L) -> Dict[str, float]:
     return w
 
 
-@kernel("_hw_qkv_fwd_kernel")
-def _m_qkv_fwd(L) -> Dict[str, float]:
+@kernel("_kron_fold_kernel")
+def _m_kron_fold(L) -> Dict[str, float]:
+    """W' = W + s·A⊗B: one (BO × BC) tile per program, element-wise on the CUDA cores (the
+    A and B gathers are L1/L2 hits: the factors are a few KB). Per element: two conversions,
+    s·(a·b) (2 multiplies), + w, one conversion on store."""
     a = L.bound()
-    x = a["x_ptr"]
-    x16 = _is16(x)
-    T, D, P = a["T"], a["D"], a["P"]
-    HQ, HK, HV = a["HQ"], a["HK"], a["HV"]
-    BT, BK, PB = a["BT"], a["BK"], a["PB"]
-    nT = L.grid[0]
-    Dk = cdiv(D, BK) * BK
+    A, OUT = a["A"], a["OUT"]
+    d_out, d_in = a["d_out"], a["d_in"]
+    elems = L.programs() * a["BO"] * a["BC"]                # padded tiles: every lane issues
     w = _work()
-    for H, hw, sh, RB, RSB in ((HQ, a["HWQ"], a["SHQ"], a["RBQ"], a["RSBQ"]), (HK, False, False, 0, 0),
-                               (HV, a["HWV"], a["SHV"], a["RBV"], a["RSBV"])):
-        progs = nT * H
-        _prod(w, "W", progs * 2.0 * BT * PB * Dk, a["DOT"], x16)
-        if hw:
-            _prod(w, "D", progs * 2.0 * BT * RB * Dk, a["DOT"], x16)
-            w["fma32_flops"] += progs * 2.0 * BT * PB * RB            # up-projection, ieee
-        if sh:
-            _prod(w, "S", progs * 2.0 * BT * RSB * Dk, a["DOT"], x16)  # shared down, per head
-            w["fma32_flops"] += progs * 2.0 * BT * PB * RSB
-    el = _el(x)
-    y = a["y_ptr"]
-    wbytes = sum(t.numel() * _el(t) for t in (a["wq_ptr"], a["wk_ptr"], a["wv_ptr"]))
-    z = a["z_ptr"]
-    w["hbm_bytes"] = (R.reread_bytes(T * D * el, HQ + HK + HV) + wbytes + y.numel() * _el(y)
-                      + z.numel() * _el(z))
+    w["alu_ops"] = elems * (6 if a["HAS_W"] else 4)
+    w["hbm_bytes"] = (d_out * d_in * (_el(a["W"]) if a["HAS_W"] else 0)   # W once
+                      + d_out * d_in * _el(OUT)                            # W' once
+                      + A.numel() * _el(A) + a["B"].numel() * _el(a["B"]))
     return w
 
 
-@kernel("_hw_qkv_bwd_kernel")
-def _m_qkv_bwd(L) -> Dict[str, float]:
+def _k_pad(K: int, BK: int) -> int:
+    return cdiv(K, BK) * BK if K > 0 else 0
+
+
+@kernel("_gemm_kernel")
+def _m_hw_gemm(L) -> Dict[str, float]:
+    """headwise's augmented GEMM C = Σ_i A_i B_i (+ bias) (+ packed low-rank epilogue), or
+    its split-K mode (float32 partials). Products: tl.dot on (BM × BK)·(BK × BN) tiles, K
+    padded to BK per segment (masked lanes still issue); the LR epilogue adds the (BM × BK)·
+    (BK × RB) down-projection in segment 0's K loop and the (BM × RB)·(RB × BN) up-projection.
+    16-bit operands: tensor cores; float32 ("ieee"): CUDA-core FMA.
+
+    HBM: the grid runs in grouped order (GROUP row blocks walk every column tile before the
+    next group starts), so a group's A rows stay in L2 while its column tiles pass (A read
+    once if GROUP·BM rows of every segment fit in L2_RESIDENT) and B is read once per group
+    of row blocks (the L2 rule decides whether those passes hit L2)."""
+    a = L.bound()
+    A0 = a["a0_ptr"]
+    x16 = _is16(A0)
+    el = _el(A0)
+    M, N, BM, BN, BK, RB = a["M"], a["N"], a["BM"], a["BN"], a["BK"], a["RB"]
+    GROUP = a.get("GROUP", 8)
+    n_m, n_n = cdiv(M, BM), cdiv(N, BN)
+    P = n_m * n_n
+    w = _work()
+    unit = "dot16_flops" if x16 else "fma32_flops"
+    C = a["c_ptr"]
+    if a["SPLIT"]:
+        S, K0, K_PER = L.grid[1], a["K0"], a["K_PER"]
+        kp = sum(_k_pad(max(0, min(K_PER, K0 - s * K_PER)), BK) for s in range(S))
+        w[unit] += P * 2.0 * BM * BN * kp
+        w["alu_ops"] += P * S * BM * BN                        # float32 store of the partials
+        b_el = _el(a["b0_ptr"])
+        w["hbm_bytes"] = (R.reread_bytes(M * K0 * el, n_n) + R.reread_bytes(K0 * N * b_el, n_m)
+                          + S * M * N * 4)
+        return w
+    segs = [(a[f"a{i}_ptr"], a[f"b{i}_ptr"], a[f"K{i}"]) for i in range(a["NSEG"])]
+    ksum = sum(K for _, _, K in segs)
+    for _, _, K in segs:
+        w[unit] += P * 2.0 * BM * BN * _k_pad(K, BK)
+    a_bytes = sum(M * K * _el(A) for A, _, K in segs)
+    b_bytes = sum(K * N * _el(B) for _, B, K in segs)
+    group_rows = GROUP * BM * ksum * el
+    by = (a_bytes if group_rows <= R.L2_RESIDENT else R.reread_bytes(a_bytes, n_n))
+    by += R.reread_bytes(b_bytes, cdiv(n_m, GROUP))
+    if a["LR"]:
+        K0 = a["K0"]
+        w[unit] += P * 2.0 * BM * RB * _k_pad(K0, BK)          # Z_l = A_0 D_lᵀ (packed rows)
+        w[unit] += P * 2.0 * BM * RB * BN                      # + Z_l U_l (epilogue)
+        w["alu_ops"] += P * BM * RB * 2                        # + zb, round to the input dtype
+        D = a["d_ptr"]
+        by += (R.reread_bytes(D.numel() * _el(D), cdiv(n_m, GROUP))   # D_l per row group
+               + M * n_n * RB * el                                     # Z stored
+               + a["u_ptr"].numel() * _el(a["u_ptr"]) + a["zb_ptr"].numel() * 4)
+    if a["HAS_BIAS"]:
+        by += N * _el(a["bias_ptr"])
+    w["alu_ops"] += P * BM * BN * (2 if a["HAS_BIAS"] else 1)  # (+ bias), convert on store
+    by += M * N * _el(C)
+    w["hbm_bytes"] = by
+    return w
+
+
+@kernel("_lr_rank_bwd_kernel")
+def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
+    """One pass over a packed section's output gradient: per token block dZ_l = dY_l U_lᵀ
+    (BT × BN)·(BN × RB) and Z_lᵀ dY_l (RB × BT)·(BT × BN), column sums of dZ and dY; float32
+    partials per token split. Token blocks padded to BT per split."""
     a = L.bound()
     g = a["g_ptr"]
     x16 = _is16(g)
-    T, D, P = a["T"], a["D"], a["P"]
-    HQ, HK, HV = a["HQ"], a["HK"], a["HV"]
-    BT, BD, PB = a["BT"], a["BD"], a["PB"]
-    progs = L.programs()
-    w = _work()
-    for H, hw, sh, RB, RSB in ((HQ, a["HWQ"], a["SHQ"], a["RBQ"], a["RSBQ"]),
-                               (HK, False, False, 0, 0),
-                               (HV, a["HWV"], a["SHV"], a["RBV"], a["RSBV"])):
-        _prod(w, "GW", progs * H * 2.0 * BT * PB * BD, a["DOT"], x16)
-        if hw:   # dZ recomputed for every D-block, then dZ·D
-            w["fma32_flops"] += progs * H * 2.0 * BT * (PB * RB + RB * BD)
-        if sh:
-            w["fma32_flops"] += progs * (H * 2.0 * BT * PB * RSB + 2.0 * BT * RSB * BD)
     el = _el(g)
-    N = (HQ + HK + HV) * P
-    wbytes = sum(t.numel() * _el(t) for t in (a["wq_ptr"], a["wk_ptr"], a["wv_ptr"]))
-    dz = a["dz_ptr"]
-    w["hbm_bytes"] = (R.reread_bytes(T * N * el, L.grid[1]) + wbytes + T * D * el
-                      + dz.numel() * _el(dz))
+    T, T_PER, Lt, N = a["T"], a["T_PER"], a["L"], a["N"]
+    BT, BN, RB = a["BT"], a["BN"], a["RB"]
+    S = L.grid[1]
+    tp = sum(_k_pad(max(0, min(T_PER, T - s * T_PER)), BT) for s in range(S))
+    w = _work()
+    unit = "dot16_flops" if x16 else "fma32_flops"
+    w[unit] += Lt * 2 * 2.0 * tp * BN * RB                      # dZ and dU products
+    w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
+    z = a["z_ptr"]
+    w["hbm_bytes"] = (T * N * el                                # dY once (own columns)
+                      + 2 * T * Lt * RB * _el(z)                # Z read, dZ written
+                      + a["u_ptr"].numel() * _el(a["u_ptr"])
+                      + S * (Lt * RB * BN + Lt * RB + N) * 4)   # float32 partials
     return w
 
 
@@ -219,48 +266,98 @@ def _attn_common(a):
     return q, _is16(q), a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"], bool(a["CAUSAL"])
 
 
+def _flash(w: Dict[str, float], flops: float, x16: bool) -> None:
+    """Products of a flash loop (S = QKᵀ, PV, dP, dS·K, ...): tensor cores for 16-bit (the
+    rate of the instruction in the SASS: the Triton-tutorial forward at this rate is within
+    3 % of its H100 measurement, see grounding.py), IEEE FMA for float32."""
+    w["dot16_flops" if x16 else "fma32_flops"] += flops
+
+
+def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int, x16: bool,
+               w: Dict[str, float]) -> None:
+    """``n`` MLP products of a (BM × DP)·(DP × width) shape (or its transposes) per program;
+    a float32 operand split hi/lo counts twice (the caller passes n accordingly)."""
+    _prod(w, "MLP", programs * n * 2.0 * BM * DP * width, True, x16)
+
+
 @kernel("_inducer_attn_fwd_kernel")
 def _m_ind_fwd(L) -> Dict[str, float]:
+    """Per query tile: prologue q·Ak, q·Bkᵀ (the virtual key's logit, L padded to L_PAD), the
+    online softmax in base 2 over the visited key tiles (causal: tiles above the diagonal are
+    skipped, see _attn_tiles), epilogue λ, 1 − λ and u = λ tanh(q W1 + b1) (R_PAD)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
     n_q, n_k, off = a["N_Q"], a["N_K"], a["causal_off"]
     BH = L.grid[1]
+    progs = L.programs()
     tiles = BH * (_attn_tiles(n_q, n_k, BM, BN, causal, off)
                   + (cdiv(a["N_PREFIX"], BN) * cdiv(n_q, BM) if a["HAS_PREFIX"] else 0))
     w = _work()
-    _prod(w, "QK+PV", tiles * 2 * 2.0 * BM * BN * DP, True, x16)
-    w["sfu_ops"] = tiles * BM * BN                                   # exp per score
+    _flash(w, tiles * 2 * 2.0 * BM * BN * DP, x16)                  # S = QKᵀ, PV
+    w["sfu_ops"] = tiles * BM * BN                                   # exp2 per score
     w["alu_ops"] = tiles * (BM * BN * 8 + BM * DP)                   # scale, mask, max, sub,
     el = _el(q)                                                      # sum, cvt; acc rescale
+    if a["HAS_MLP"]:
+        LP, RP = a["L_PAD"], a["R_PAD"]
+        _mlp_units(progs, BM, DP, LP, 2, x16, w)                     # q Ak, q Bkᵀ
+        _mlp_units(progs, BM, DP, RP, 1, x16, w)                     # q W1
+        w["sfu_ops"] += progs * BM * (2 * (LP + RP) + 4)             # tanh (ex2+rcp), σ twice
+        w["alu_ops"] += progs * BM * (3 * DP + 4 * (LP + RP) + 16)   # logit dot, σ, u
     p = a["HEAD_DIM"]
     kv = a["K"].numel() * el * 2
     per_head_kv = n_k * p * el * 2
+    u = a["U"]
     w["hbm_bytes"] = (q.numel() * el * 2 + R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT
                                                           else cdiv(n_q, BM))
-                      + BH * n_q * 4 * 6)                              # lse, stats, λ, s0
+                      + BH * n_q * 4 * 5                             # lse, stats ×2, λ ×2
+                      + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
     return w
 
 
 @kernel("_inducer_attn_bwd_dq_kernel")
 def _m_ind_dq(L) -> Dict[str, float]:
+    """Per query tile: prologue (tanh(q W1 + b1) -> dλ, ds0, −dLSE; D_i = ⟨dO, O⟩), then per
+    visited key tile S = QKᵀ, dP = dO Vᵀ, dQ += dS K (3 products; float32 EXACT_DELTA: a
+    first pass forming D_i from P and dP adds 2 more), epilogue: the MLP's share of dq and
+    this tile's float32 partials of dAk, dBk, dW1, dck, dak, db1 (written per tile, summed on
+    the host)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
     n_q, n_k, off = a["N_Q"], a["N_K"], a["causal_off"]
     BH = L.grid[1]
-    tiles = BH * _attn_tiles(n_q, n_k, BM, BN, causal, off)
-    if a["EXACT_DELTA"]:
-        tiles *= 1.5       # a first pass forms D from recomputed P, dP (2 of the 3 products)
+    progs = L.programs()
+    tiles = BH * (_attn_tiles(n_q, n_k, BM, BN, causal, off)
+                  + (cdiv(a["N_PREFIX"], BN) * cdiv(n_q, BM) if a["HAS_PREFIX"] else 0))
+    passes = 1.0 + (2.0 / 3.0 if a["EXACT_DELTA"] else 0.0)
     w = _work()
-    _prod(w, "S,dP,dQ", tiles * 3 * 2.0 * BM * BN * DP, True, x16)
-    w["sfu_ops"] = tiles * BM * BN
-    w["alu_ops"] = tiles * BM * BN * 8
+    _flash(w, tiles * passes * 3 * 2.0 * BM * BN * DP, x16)
+    w["sfu_ops"] = tiles * BM * BN * (2 if a["EXACT_DELTA"] else 1)
+    w["alu_ops"] = tiles * BM * BN * 8 * passes
     el = _el(q)
-    w["hbm_bytes"] = q.numel() * el * 3 + a["K"].numel() * el * 2 + BH * n_q * 4 * 5
+    by = q.numel() * el * 3 + a["K"].numel() * el * 2 + BH * n_q * 4 * 9
+    if not a["EXACT_DELTA"]:
+        by += q.numel() * el                                         # O for D_i = ⟨dO, O⟩
+    if a["HAS_MLP"]:
+        LP, RP = a["L_PAD"], a["R_PAD"]
+        s = 2 if x16 else 1                                          # hi/lo split products
+        _mlp_units(progs, BM, DP, LP, 2 + 2 * s + s + s, x16, w)     # key rows; dq; dAk, dBk
+        if a["HAS_DU"]:
+            _mlp_units(progs, BM, DP, RP, 2 + s + s, x16, w)         # hidden ×2; dq; dW1
+        w["sfu_ops"] += progs * BM * 2 * (LP + 2 * RP)
+        w["alu_ops"] += progs * BM * (6 * DP + 8 * (LP + RP))
+        part = 2 * DP * LP + DP * RP + DP + LP + RP
+        by += progs * part * 4                                       # per-tile MLP partials
+        if a["HAS_DU"]:
+            by += BH * n_q * a["R"] * _el(a["DU"])
+    w["hbm_bytes"] = by
     return w
 
 
 @kernel("_inducer_attn_bwd_dkdv_kernel")
 def _m_ind_dkdv(L) -> Dict[str, float]:
+    """Per key tile, over every query tile that sees it (causal: from the diagonal on) of each
+    query head of its kv head: S, dV += Pᵀ dO, dP, dK += dSᵀ Q (4 products; float32
+    EXACT_DELTA recomputes S and dP in the dQ kernel's orientation: same count)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
     n_q, n_k, off, group = a["N_Q"], a["N_K"], a["causal_off"], a["GROUP"]
@@ -269,7 +366,7 @@ def _m_ind_dkdv(L) -> Dict[str, float]:
         causal = False
     tiles = BHkv * group * _attn_tiles_kv(n_q, n_k, BM, BN, causal, off)
     w = _work()
-    _prod(w, "S,dV,dP,dK", tiles * 4 * 2.0 * BM * BN * DP, True, x16)
+    _flash(w, tiles * 4 * 2.0 * BM * BN * DP, x16)
     w["sfu_ops"] = tiles * BM * BN
     w["alu_ops"] = tiles * BM * BN * 8
     el = _el(q)
@@ -359,9 +456,20 @@ def _grad(outs, leaves):
 # --- KronA (issue 11) ---------------------------------------------------------------------
 
 
-def _krona_case(T, d_in, d_out, A_shape, B_shape, fac):
+def _krona_case(T, d_in, d_out, A_shape, B_shape, fac, path="gpu-default"):
+    """path "gpu-default": what ``krona_linear(exact=None)`` runs on a GPU for bfloat16 at this
+    T (``kfused.ops.krona.fold_decision`` evaluated as on CUDA: the folded W' + cuBLAS path
+    from T ≥ FOLD_MIN_TOKENS); "exact": the factored kernels (``exact=True``, also what
+    float32 and small T run)."""
+    from kfused.ops.krona import fold_decision
+
     (a_out, a_in), (b_out, b_in) = A_shape, B_shape
     assert a_out * b_out == d_out and a_in * b_in == d_in
+    if path == "exact":
+        exact, tag = True, "exact"
+    else:
+        folded = fold_decision(torch.bfloat16, T, None, on_cuda=True)
+        exact, tag = (not folded), ("fold+cuBLAS" if folded else "exact")
 
     def run():
         import kfused
@@ -369,7 +477,7 @@ def _krona_case(T, d_in, d_out, A_shape, B_shape, fac):
         x = _e(T, d_in, grad=True)
         W, b = _e(d_out, d_in), _e(d_out)
         A, B = _e(a_out, a_in, grad=True), _e(b_out, b_in, grad=True)
-        y = kfused.krona_linear(x, W, b, A, B, 0.5, backend="triton")
+        y = kfused.krona_linear(x, W, b, A, B, 0.5, backend="triton", exact=exact)
         _grad(y, [x, A, B])
 
     gemm = 2.0 * T * d_in * d_out
@@ -398,8 +506,10 @@ def _krona_case(T, d_in, d_out, A_shape, B_shape, fac):
                 _stream("dA = Σ dU Xᵀ", U + T * d_in * el), _stream("dB = Σ Gᵀ U", U + T * d_out * el)]
 
     return Case(
-        op="krona_linear", label=f"T={T} {d_in}->{d_out} A{a_out}x{a_in} B{b_out}x{b_in} ({fac})",
-        shape=dict(T=T, d_in=d_in, d_out=d_out, A=[a_out, a_in], B=[b_out, b_in]), run=run,
+        op="krona_linear",
+        label=f"T={T} {d_in}->{d_out} A{a_out}x{a_in} B{b_out}x{b_in} ({fac}; {tag})",
+        shape=dict(T=T, d_in=d_in, d_out=d_out, A=[a_out, a_in], B=[b_out, b_in],
+                   path=tag), run=run,
         useful_flops=2 * gemm + 4 * kron,
         min_bytes=el * (2 * T * d_in + 2 * T * d_out + d_in * d_out),
         baselines={"floor": floor, "kron-dense": kron_dense, "compile": compiled},
@@ -415,8 +525,10 @@ def _krona_cases():
     out = []
     for d_in, d_out in ((768, 768), (768, 3072)):
         (ao, bo), (ai, bi) = factorize(d_out), factorize(d_in)
-        out.append(_krona_case(16384, d_in, d_out, (ao, ai), (bo, bi), "balanced"))
-        out.append(_krona_case(16384, d_in, d_out, (d_out // 384, 384), (384, 2), "paper"))
+        for path in ("gpu-default", "exact"):
+            out.append(_krona_case(16384, d_in, d_out, (ao, ai), (bo, bi), "balanced", path))
+            out.append(_krona_case(16384, d_in, d_out, (d_out // 384, 384), (384, 2), "paper",
+                                   path))
     return out
 
 

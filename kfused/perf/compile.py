@@ -72,6 +72,10 @@ class Launch:
     args: tuple
     kwargs: dict
     grid: Tuple[int, int, int]
+    # Launches recorded for one autotuned call (one per config: the autotuner would time them
+    # on a GPU and run the fastest) share an ``alt`` id >= 0; the report keeps the one with the
+    # lowest predicted time. -1: an ordinary launch.
+    alt: int = -1
 
     @property
     def name(self) -> str:

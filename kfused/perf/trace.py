@@ -112,12 +112,62 @@ def _clear_kernel_caches() -> None:
                 clear()
 
 
+_IS16 = (torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def _gpu_dispatch(launches: List[Launch]):
+    """Make the host code take the branches it takes on a CUDA device although the stand-in
+    tensors are on the CPU, and tag autotuned alternatives.
+
+    * ``headwise.reduce_tokens`` and ``headwise._thin`` hand 16-bit CUDA operands to cuBLAS
+      (``torch.matmul``) and only fall back to the Triton GEMM otherwise: the same branch is
+      taken here for 16-bit operands, so the trace records the cuBLAS GEMM (priced as a
+      matmul glue op) instead of a split-K Triton launch that the GPU never runs. The
+      conditions mirror those two functions (their ``device.type == "cuda"`` test is the only
+      difference).
+    * ``headwise._launch`` records one launch per autotuning config while compiling for a GPU;
+      those launches share an ``alt`` id so the report keeps only the fastest predicted one.
+    """
+    import kfused.triton_kernels.headwise as hw
+
+    orig = dict(reduce_tokens=hw.reduce_tokens, _thin=hw._thin, _launch=hw._launch)
+    counter = [0]
+
+    def reduce_tokens(a_t, b):
+        if b.dtype in _IS16 and a_t.shape[0] and a_t.shape[1] and b.shape[1]:
+            return torch.matmul(a_t.t(), b).float()
+        return orig["reduce_tokens"](a_t, b)
+
+    def _thin(a, b, out):
+        if a.dtype in _IS16:
+            return torch.matmul(a, b, out=out)
+        return orig["_thin"](a, b, out)
+
+    def _launch(kernel, grid, args, kwargs):
+        n0 = len(launches)
+        orig["_launch"](kernel, grid, args, kwargs)
+        if len(launches) - n0 > 1:
+            for L in launches[n0:]:
+                L.alt = counter[0]
+            counter[0] += 1
+
+    hw.reduce_tokens, hw._thin, hw._launch = reduce_tokens, _thin, _launch
+    try:
+        yield
+    finally:
+        hw.reduce_tokens, hw._thin, hw._launch = (orig["reduce_tokens"], orig["_thin"],
+                                                  orig["_launch"])
+
+
 def trace(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
     """Call ``run()`` (which runs an op forward and backward on CPU tensors); return the Triton
-    launches it made and the torch glue operations between them."""
+    launches it made and the torch glue operations between them. Host-side dispatch follows
+    the GPU's choices (:func:`_gpu_dispatch`; KronA's fold-or-factored choice is made by the
+    benchmark case itself from ``kfused.ops.krona.fold_decision``)."""
     _clear_kernel_caches()
     try:
-        with _triton_forced(), recording() as launches:
+        with _triton_forced(), recording() as launches, _gpu_dispatch(launches):
             mode = _Glue()
             with mode:
                 run()
