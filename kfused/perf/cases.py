@@ -516,7 +516,8 @@ def _krona_case(T, d_in, d_out, A_shape, B_shape, fac, path="gpu-default"):
         targets=[Target(11, "floor", 1.15, "≤ 1.15× the frozen linear"),
                  Target(11, "kron-dense", 0.5, "≥ 2× faster than materialised kron"),
                  Target(11, "compile", 1 / 1.3, "≥ 1.3× faster than torch.compile")],
-        compile_group=f"krona {d_in}->{d_out} A{a_out}x{a_in} B{b_out}x{b_in}")
+        compile_group=f"krona {d_in}->{d_out} A{a_out}x{a_in} B{b_out}x{b_in}"
+                      + (" exact" if path == "exact" else ""))
 
 
 def _krona_cases():

@@ -20,7 +20,7 @@ from kfused.perf.compile import Launch, recording
 
 # aten ops that move no data (allocation, metadata, views are skipped via func.is_view)
 _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-         "_local_scalar_dense", "detach", "lift_fresh", "alias", "_to_copy_meta", "set_",
+         "_local_scalar_dense", "detach", "detach_", "lift_fresh", "alias", "_to_copy_meta", "set_",
          "resize_", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
 _MATMUL = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm"}
 
@@ -160,17 +160,29 @@ def _gpu_dispatch(launches: List[Launch]):
                                                   orig["_launch"])
 
 
-def trace(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
+def _traced(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
+    with _triton_forced(), recording() as launches, _gpu_dispatch(launches):
+        mode = _Glue()
+        with mode:
+            run()
+    return launches, mode.ops
+
+
+def trace(run: Callable[[], None], warm: bool = True) -> Tuple[List[Launch], List[GlueOp]]:
     """Call ``run()`` (which runs an op forward and backward on CPU tensors); return the Triton
     launches it made and the torch glue operations between them. Host-side dispatch follows
     the GPU's choices (:func:`_gpu_dispatch`; KronA's fold-or-factored choice is made by the
-    benchmark case itself from ``kfused.ops.krona.fold_decision``)."""
+    benchmark case itself from ``kfused.ops.krona.fold_decision``).
+
+    ``warm``: run once unrecorded first, so that what the ops memoise per shape (index maps,
+    packings by dimensions: ``functools.lru_cache``) is built, and record the second call:
+    the steady state of a training loop, which builds those once, not every step. Whatever
+    depends on the factor values (packing them) is rebuilt by every call and is recorded."""
     _clear_kernel_caches()
     try:
-        with _triton_forced(), recording() as launches, _gpu_dispatch(launches):
-            mode = _Glue()
-            with mode:
-                run()
+        if warm:
+            _traced(run)
+        launches, ops = _traced(run)
     finally:
         _clear_kernel_caches()
-    return launches, mode.ops
+    return launches, ops

@@ -1,0 +1,205 @@
+"""The per-kernel work models of kfused.perf.cases against hand counts on tiny launches.
+
+Launches are recorded (never run) by kfused.perf.trace on CPU stand-in tensors with the GPU
+configurations chosen (``_AOT_TARGET``), in a subprocess without TRITON_INTERPRET (recording
+intercepts compiled JIT functions, not the interpreter). Each hand count below is written
+from the kernel's loop structure, independently of the model's code.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r"""
+import json, math, torch
+from kfused.perf import cases as C
+from kfused.perf.trace import trace
+
+bf = torch.bfloat16
+cd = lambda a, b: -(-a // b)
+pad = lambda k, b: cd(k, b) * b
+out = {}
+
+# ---- headwise _gemm_kernel: two K segments, bias; one launch per autotuning config
+import kfused.triton_kernels.headwise as hw
+M, N, K0, K1 = 100, 200, 40, 24
+a0, b0 = torch.empty(M, K0, dtype=bf), torch.empty(K0, N, dtype=bf)
+a1, b1 = torch.empty(M, K1, dtype=bf), torch.empty(K1, N, dtype=bf)
+c, bias = torch.empty(M, N, dtype=bf), torch.empty(N, dtype=bf)
+L, G = trace(lambda: hw.gemm([(a0, b0), (a1, b1)], c, bias=bias))
+rows = []
+for l in L:
+    a = l.bound()
+    BM, BN, BK = a["BM"], a["BN"], a["BK"]
+    P = cd(M, BM) * cd(N, BN)
+    hand = P * 2 * BM * BN * (pad(K0, BK) + pad(K1, BK))
+    w, modelled = C.model_launch(l)
+    rows.append(dict(model=w["dot16_flops"], hand=hand, modelled=modelled, alt=l.alt,
+                     fma=w["fma32_flops"], bytes=w["hbm_bytes"],
+                     min_bytes=2 * (M * K0 + K0 * N + M * K1 + K1 * N + M * N + N)))
+out["gemm"] = rows
+
+# ---- split-K mode (float32 token reduction: the Triton path also on a GPU)
+T, Mr, Nr = 300, 40, 50
+at, bt = torch.empty(T, Mr), torch.empty(T, Nr)
+L, G = trace(lambda: hw.reduce_tokens(at, bt))
+rows = []
+for l in L:
+    a = l.bound()
+    BM, BN, BK, S, KP = a["BM"], a["BN"], a["BK"], l.grid[1], a["K_PER"]
+    P = cd(Mr, BM) * cd(Nr, BN)
+    hand = P * 2 * BM * BN * sum(pad(min(KP, T - s * KP), BK) for s in range(S))
+    w, modelled = C.model_launch(l)
+    rows.append(dict(model=w["fma32_flops"], hand=hand, modelled=modelled, dot16=w["dot16_flops"]))
+out["split"] = rows
+
+# ---- 16-bit token reduction: cuBLAS on a GPU, so the trace records a matmul, no launch
+at16, bt16 = at.to(bf), bt.to(bf)
+L, G = trace(lambda: hw.reduce_tokens(at16, bt16))
+out["reduce16"] = dict(launches=len(L), mm_flops=sum(g.flops for g in G), hand=2 * T * Mr * Nr)
+
+# ---- headwise _lr_rank_bwd_kernel
+Tt, Lt, RB, BNt = 200, 2, 16, 128
+g = torch.empty(Tt, Lt * BNt, dtype=bf)
+lr = hw.LowRankTiles(torch.empty(Lt, RB, 64, dtype=bf), torch.empty(Lt, RB),
+                     torch.empty(Lt, RB, BNt, dtype=bf), torch.empty(Tt, Lt * RB, dtype=bf))
+dz = torch.empty(Tt, Lt * RB, dtype=bf)
+L, G = trace(lambda: hw.lr_rank_backward(g, lr, dz))
+(l,) = L
+a = l.bound()
+BT, S, TP = a["BT"], l.grid[1], a["T_PER"]
+tp = sum(pad(min(TP, Tt - s * TP), BT) for s in range(S))
+w, modelled = C.model_launch(l)
+out["lr_rank"] = dict(model=w["dot16_flops"], hand=Lt * 2 * (2 * tp * BNt * RB),
+                      modelled=modelled, grid=list(l.grid))
+
+# ---- KronA _kron_fold_kernel
+import kfused.triton_kernels.krona as kk
+A, B = torch.empty(3, 5, dtype=bf), torch.empty(7, 11, dtype=bf)
+W = torch.empty(21, 55, dtype=bf)
+L, G = trace(lambda: kk.fold_weight(W, A, B, 0.5))
+(l,) = L
+a = l.bound()
+w, modelled = C.model_launch(l)
+out["fold"] = dict(alu=w["alu_ops"], hand_alu=l.programs() * a["BO"] * a["BC"] * 6,
+                   bytes=w["hbm_bytes"], hand_bytes=2 * 21 * 55 * 2 + 2 * (15 + 77),
+                   flops=w["dot16_flops"] + w["fma32_flops"] + w["fma64_flops"],
+                   modelled=modelled)
+
+# ---- KronA on the GPU's default path: the fold, cuBLAS GEMMs as matmul glue
+from kfused.ops.krona import fold_decision
+out["decision"] = [fold_decision(bf, 16384, None, True), fold_decision(bf, 16384, None, False),
+                   fold_decision(torch.float32, 16384, None, True),
+                   fold_decision(bf, 100, None, True), fold_decision(bf, 100, False, False),
+                   fold_decision(bf, 16384, True, True)]
+krona_cases = [c for c in C.all_cases() if c.op == "krona_linear"]
+c0 = next(c for c in krona_cases if "fold+cuBLAS" in c.label and "768->768 A24x24" in c.label)
+L, G = trace(c0.run)
+out["krona_fold_case"] = dict(names=[l.name for l in L],
+                              mm_flops=sum(g.flops for g in G),
+                              hand=2 * (2 * 16384 * 768 * 768))
+c1 = next(c for c in krona_cases if "exact" in c.label and "768->768 A24x24" in c.label)
+L, G = trace(c1.run)
+out["krona_exact_case"] = dict(names=[l.name for l in L])
+
+# ---- inducer forward / dQ / dK-dV: flash products + MLP products
+from kfused.ops.inducer import inducer_attention
+Bq, H, n, p, Lk, r = 1, 2, 200, 64, 4, 8
+e = lambda *s: torch.empty(*s, dtype=bf, requires_grad=True)
+def run():
+    q, k, v = e(Bq, H, n, p), e(Bq, H, n, p), e(Bq, H, n, p)
+    prm = dict(Ak=e(H, p, Lk), ak=e(H, Lk), Bk=e(H, Lk, p), ck=e(H, p), W1=e(H, p, r),
+               b1=e(H, r))
+    f, u = inducer_attention(q, k, v, **prm, causal=True, backend="triton")
+    torch.autograd.grad([f, u], [q, k, v, *prm.values()],
+                        [torch.empty_like(f), torch.empty_like(u)])
+L, G = trace(run)
+res = {}
+for l in L:
+    a = l.bound()
+    w, modelled = C.model_launch(l)
+    BM, BN, DP = a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"]
+    # causal visits: query tile i sees key columns < (i + 1)·BM (n_q = n_k: offset 0)
+    if l.name == "_inducer_attn_bwd_dkdv_kernel":
+        tiles = sum(cd(n - (j * BN) // BM * BM, BM) for j in range(cd(n, BN)))
+        hand = Bq * H * tiles * 4 * 2 * BM * BN * DP
+    else:
+        tiles = sum(cd(min(n, (i + 1) * BM), BN) for i in range(cd(n, BM)))
+        P = cd(n, BM) * Bq * H
+        if l.name == "_inducer_attn_fwd_kernel":
+            hand = Bq * H * tiles * 2 * 2 * BM * BN * DP + P * 3 * 2 * BM * DP * 16
+        else:   # 3 flash products; MLP: 2 key rows + 4 dq (hi/lo) + 2 dAk + 2 dBk, value
+                # hidden twice + 2 dq + 2 dW1 (hi/lo)
+            hand = Bq * H * tiles * 3 * 2 * BM * BN * DP + P * (10 + 6) * 2 * BM * DP * 16
+    res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled)
+out["inducer"] = res
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    script = tmp_path_factory.mktemp("perf") / "models.py"
+    script.write_text(_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=root)
+    line = [s for s in r.stdout.splitlines() if s.startswith("RESULT")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+def test_headwise_gemm_model(counts):
+    rows = counts["gemm"]
+    assert rows and all(r["modelled"] for r in rows)
+    for r in rows:
+        assert r["model"] == r["hand"] and r["fma"] == 0
+        assert r["bytes"] >= r["min_bytes"]          # at least every operand once
+    if len(rows) > 1:                                # one launch per autotuning config
+        assert len({r["alt"] for r in rows}) == 1 and rows[0]["alt"] >= 0
+
+
+def test_headwise_split_k_model(counts):
+    rows = counts["split"]
+    assert rows and all(r["modelled"] for r in rows)
+    for r in rows:                                   # float32: IEEE dots on the CUDA cores
+        assert r["model"] == r["hand"] and r["dot16"] == 0
+
+
+def test_reduce_tokens_16bit_is_cublas_in_the_trace(counts):
+    r = counts["reduce16"]
+    assert r["launches"] == 0 and r["mm_flops"] == r["hand"]
+
+
+def test_lr_rank_bwd_model(counts):
+    r = counts["lr_rank"]
+    assert r["modelled"] and r["model"] == r["hand"]
+
+
+def test_kron_fold_model(counts):
+    r = counts["fold"]
+    assert r["modelled"] and r["flops"] == 0
+    assert r["alu"] == r["hand_alu"] and r["bytes"] == r["hand_bytes"]
+
+
+def test_krona_trace_follows_gpu_dispatch(counts):
+    assert counts["decision"] == [True, False, False, False, True, False]
+    f = counts["krona_fold_case"]
+    assert f["names"].count("_kron_fold_kernel") == 2 and "_krona_fwd_kernel" not in f["names"]
+    assert f["mm_flops"] == f["hand"]                # y = x W'ᵀ and dx = dy W' via cuBLAS
+    assert "_kron_fold_kernel" not in counts["krona_exact_case"]["names"]
+    assert "_krona_fwd_kernel" in counts["krona_exact_case"]["names"]
+
+
+def test_inducer_models(counts):
+    res = counts["inducer"]
+    assert set(res) == {"_inducer_attn_fwd_kernel", "_inducer_attn_bwd_dq_kernel",
+                        "_inducer_attn_bwd_dkdv_kernel"}
+    for name, r in res.items():
+        assert r["modelled"] and r["model"] == r["hand"], name
