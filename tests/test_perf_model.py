@@ -102,3 +102,16 @@ def test_jit_spec_matches_triton_specialisation(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_wgmma_feed_efficiency():
+    # m64n32k16 with both operands in shared memory: 3 KB per 16 tensor clocks at 128 B/clk
+    assert math.isclose(R.wgmma_feed_efficiency(32, False), 16 / 24)
+    assert R.wgmma_feed_efficiency(64, False) == 1.0       # 4 KB in 32 clocks: keeps up
+    assert R.wgmma_feed_efficiency(16, True) == 1.0        # A in registers: B alone keeps up
+    # the lost time is charged only where the compiler chose wgmma
+    w = dict(dot16_flops=R.WGMMA_RATE * 1e-3, dot16_feed_extra=R.WGMMA_RATE * 0.5e-3)
+    p = R.predict(w, {"hgmma": 1}, R.SMS, 1)
+    assert math.isclose(p["t_dot16"], 1.5e-3)
+    p2 = R.predict(w, {"hmma": 1}, R.SMS, 1)
+    assert math.isclose(p2["t_dot16"], 1e-3 / R.MMA_SYNC_FRACTION)

@@ -367,6 +367,12 @@ def _m_ind_dkdv(L) -> Dict[str, float]:
     tiles = BHkv * group * _attn_tiles_kv(n_q, n_k, BM, BN, causal, off)
     w = _work()
     _flash(w, tiles * 4 * 2.0 * BM * BN * DP, x16)
+    if x16:
+        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ have N = BLOCK_M (query rows) and both operands in shared
+        # memory (sm_90 PTX: m64n32k16 wgmma with a descriptor A at BLOCK_M = 32): the operand
+        # feed caps them at wgmma_feed_efficiency (2/3 at N = 32); dV, dK have N = HEAD_DIM.
+        eff = R.wgmma_feed_efficiency(BM, a_in_registers=False)
+        w["dot16_feed_extra"] = tiles * 2 * 2.0 * BM * BN * DP * (1.0 / eff - 1.0)
     w["sfu_ops"] = tiles * BM * BN
     w["alu_ops"] = tiles * BM * BN * 8
     el = _el(q)

@@ -72,6 +72,22 @@ def reread_bytes(size: float, passes: float) -> float:
     return size * (1 + (passes - 1) * miss)
 
 
+# wgmma operand feed: one m64nNk16 instruction does 2·64·N·16 FLOPs, i.e. N/2 clocks of an
+# SM's dense 16-bit tensor rate (989 TFLOP/s / 132 SMs / 1.83 GHz ~ 4096 FLOP/clk); it reads
+# its B operand (N×16, 2 B) and, unless A comes from registers, its A operand (64×16) from
+# shared memory at SMEM_BYTES_PER_CLK (32 banks × 4 B). Below N = 64 with A in shared memory
+# the feed, not the tensor core, sets the pace.
+SMEM_BYTES_PER_CLK = 128
+
+
+def wgmma_feed_efficiency(n: int, a_in_registers: bool) -> float:
+    """Fraction of the tensor-core rate an m64nNk16 wgmma stream can reach from its
+    shared-memory operand feed (1.0 when the feed keeps up)."""
+    tensor_clk = 2.0 * 64 * n * 16 / 4096
+    smem_clk = ((0 if a_in_registers else 64 * 16 * 2) + n * 16 * 2) / SMEM_BYTES_PER_CLK
+    return min(1.0, tensor_clk / smem_clk)
+
+
 def dot16_rate(sass: Dict[str, int]) -> float:
     """Rate of 16-bit products from the instruction the compiler chose."""
     if sass.get("hgmma", 0):
@@ -92,7 +108,10 @@ def wave_efficiency(programs: int, ctas_per_sm: int) -> float:
 def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
             ctas_per_sm: int) -> Dict[str, float]:
     """Predicted time (seconds) of one launch, with its parts."""
-    t_dot = work.get("dot16_flops", 0.0) / dot16_rate(sass)
+    # dot16_feed_extra: tensor-core time lost to a starved wgmma operand feed, in FLOP
+    # equivalents (see wgmma_feed_efficiency); only where the compiler chose wgmma
+    extra = work.get("dot16_feed_extra", 0.0) if sass.get("hgmma", 0) else 0.0
+    t_dot = (work.get("dot16_flops", 0.0) + extra) / dot16_rate(sass)
     t_fma = work.get("fma32_flops", 0.0) / FMA32_RATE
     t_f64 = work.get("fma64_flops", 0.0) / FMA64_RATE
     t_sfu = work.get("sfu_ops", 0.0) / SFU_RATE
