@@ -609,12 +609,63 @@ def _headwise_case(width, d, H, Hkv, preset, T):
         compile_group=f"headwise {width} {preset}")
 
 
+def _oproj_case(width, d, H, preset, T):
+    """headwise_oproj (Kernel-wise + shared LoRA on W_o, basis O) with the preset's o ranks."""
+    from kfused.modules.headwise_presets import PRESETS
+
+    p = d // H
+    HP = H * p
+    ro = PRESETS[preset].o
+    assert ro is not None and not ro.lite
+
+    def run():
+        from kfused.ops.headwise import headwise_oproj
+
+        o = _e(T, HP, grad=True)
+        w, b = _e(d, HP), _e(d)
+        kw, leaves = {}, [o]
+        if ro.wise:
+            kw.update(wise_A=_e(H, ro.wise, p, grad=True), wise_B=_e(d, H * ro.wise, grad=True),
+                      wise_c=_e(d, grad=True))
+        if ro.shared:
+            kw.update(shared_A=_e(ro.shared, HP, grad=True), shared_B=_e(d, ro.shared, grad=True))
+        leaves += [t for t in kw.values()]
+        y = headwise_oproj(o, w, b, n_heads=H, **kw, scale=0.5, backend="triton")
+        _grad(y, leaves)
+
+    el = 2
+    budget = ro.shared * (HP + d) + ro.wise * (H * p + d * H) + (d if ro.wise else 0)
+    r = max(1, round(budget / (HP + d)))
+
+    def floor():
+        return [_gemm("fwd GEMM W_o", T, d, HP), _gemm("dx GEMM", T, HP, d)]
+
+    def lora():
+        return floor() + [_gemm("down o·Aᵀ", T, r, HP), _gemm("up z·Bᵀ", T, d, r),
+                          _stream("add", 3 * T * d * el), _gemm("dz = g·B", T, r, d),
+                          _gemm("do += dz·A", T, HP, r), _stream("do add", 3 * T * HP * el),
+                          _gemm("dA", r, HP, T), _gemm("dB", d, r, T)]
+
+    cols = H * ro.wise + ro.shared
+    useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * cols * (p + d)
+    return Case(
+        op="headwise_oproj", label=f"{width} T={T} {preset} (o: wise {ro.wise}, shared "
+                                   f"{ro.shared})",
+        shape=dict(width=width, d=d, H=H, p=p, T=T, preset=preset, lora_rank=r), run=run,
+        useful_flops=useful, min_bytes=el * (2 * T * HP + 2 * T * d + d * HP),
+        baselines={"floor": floor, "peft-lora": lora},
+        targets=[Target(12, "floor", 1.25, "≤ 1.25× the frozen projections"),
+                 Target(12, "peft-lora", 1.0, "no slower than unfused LoRA (same budget)")],
+        compile_group=f"headwise-o {width} {preset}")
+
+
 def _headwise_cases():
     out = []
     for width, d, H, Hkv in (("gpt2-small", 768, 12, 12), ("gpt2-medium", 1024, 16, 16),
                              ("llama-7b-gqa", 4096, 32, 8)):
         for preset in ("kernel-mix-qvo-intermediate", "kernel-mix-lite-qv-small"):
             out.append(_headwise_case(width, d, H, Hkv, preset, 16384))
+        out.append(_oproj_case(width, d, H, "kernel-mix-qvo-intermediate", 16384))
     return out
 
 
