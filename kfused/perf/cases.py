@@ -649,8 +649,7 @@ def _oproj_case(width, d, H, preset, T):
     cols = H * ro.wise + ro.shared
     useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * cols * (p + d)
     return Case(
-        op="headwise_oproj", label=f"{width} T={T} {preset} (o: wise {ro.wise}, shared "
-                                   f"{ro.shared})",
+        op="headwise_oproj", label=f"{width} T={T} {preset}[o]",
         shape=dict(width=width, d=d, H=H, p=p, T=T, preset=preset, lora_rank=r), run=run,
         useful_flops=useful, min_bytes=el * (2 * T * HP + 2 * T * d + d * HP),
         baselines={"floor": floor, "peft-lora": lora},
