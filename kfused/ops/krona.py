@@ -279,7 +279,8 @@ def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
     return fold_decision(x2.dtype, x2.shape[0], exact, x2.device.type == "cuda")
 
 
-def fold_decision(dtype: torch.dtype, tokens: int, exact: Optional[bool], on_cuda: bool) -> bool:
+def fold_decision(dtype: torch.dtype, tokens: int, exact: Optional[bool],
+                  on_cuda: bool) -> bool:
     """The rule of :func:`use_folded_weight` on plain values: whether ``tokens`` rows of
     ``dtype`` on a CUDA device (``on_cuda``) or not fold the adapter into the weight. The
     static performance model (kfused.perf) evaluates it with ``on_cuda=True`` to follow the

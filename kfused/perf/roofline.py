@@ -13,6 +13,9 @@ Work of one kernel launch (or torch op) is split by the unit that executes it:
   sfu_ops       transcendental instructions (MUFU: exp, exp2, log, rcp).
   alu_ops       other float32 element-wise instructions per element (scale, mask, max, sum...).
   hbm_bytes     bytes moved to/from HBM (the kernel's tiling + an L2 re-use rule below).
+  dot16_feed_extra  tensor-core time lost to a starved wgmma operand feed (small-N products
+                with both operands in shared memory, :func:`wgmma_feed_efficiency`), in FLOP
+                equivalents at the dot16 rate; not counted as issued FLOPs.
 
   t_compute = t_dot16 + t_fma32 + t_fma64 + t_sfu + t_alu     (pipes not overlapped: none of
               today's kernels software-pipelines softmax against MMA like FlashAttention-3)
