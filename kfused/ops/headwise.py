@@ -668,6 +668,10 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
             _validate.check_tensor("w_k", w_k, ndim=2)
             if n_key_heads is not None:
                 _check_int("n_key_heads", n_key_heads)
+            if n_key_heads is None and (w_k.shape[0] < p or w_k.shape[0] % p != 0):
+                raise ValueError(f"w_k has shape {tuple(w_k.shape)}: expected (H_k*{p}, {d}), "
+                                 f"a whole number of key heads of width {p} (pass "
+                                 f"n_key_heads to say how many)")
             Hk = n_key_heads if n_key_heads is not None else w_k.shape[0] // p
             if Hk < 1 or H % Hk != 0:
                 raise ValueError(f"n_key_heads={Hk} must be a positive divisor of n_heads={H}")
