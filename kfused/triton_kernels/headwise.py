@@ -451,7 +451,7 @@ class _Packing:
 
 @triton.jit
 def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr,
-                 K, N, P, R, RS,
+                 K, N, P, R, RS, scale,
                  HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
                  BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
     # grid: (L, RB). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
@@ -496,7 +496,7 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
                      other=0.0).to(tl.float32)
     if SH:
         u += tl.load(sup_ptr + n * RS + js, mask=n < tl.where(is_sh, N, 0),
-                     other=0.0).to(tl.float32)
+                     other=0.0).to(tl.float32) * scale
     tl.store(u_ptr + (l * RB + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
 
 
@@ -508,7 +508,7 @@ def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.T
     c = lambda t: t.contiguous() if t is not None else D  # noqa: E731  (no copy when contiguous)
     _pack_kernel[(pk.L, pk.RB)](
         c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U,
-        K, pk.H * pk.P, pk.P, pk.R, pk.RS,
+        K, pk.H * pk.P, pk.P, pk.R, pk.RS, f.scale,
         HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, RB=pk.RB,
         BK=_blk(K, 16, 256 if targets_gpu(D.device) else 64), num_warps=4)
 
@@ -516,7 +516,7 @@ def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.T
 @triton.jit
 def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                    ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
-                   K, N, P, R, RS, L,
+                   K, N, P, R, RS, L, scale,
                    HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
                    BK: tl.constexpr):
     # grid: (H·R + RS + L,). Gradients of the packed operands -> the section's factor
@@ -580,7 +580,8 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
         tl.store(dbo_ptr + n, db, mask=nmask)
         if SH:
             js = tl.minimum(rk, tl.maximum(RS - 1, 0))
-            tl.store(dsu_ptr + n[None, :] * RS + js[:, None], du.to(dsu_ptr.dtype.element_ty),
+            tl.store(dsu_ptr + n[None, :] * RS + js[:, None],
+                     (du * scale).to(dsu_ptr.dtype.element_ty),
                      mask=(rk < RS)[:, None] & nmask[None, :])
         if HW:
             kk = tl.maximum(rk - RS, 0)
@@ -619,7 +620,7 @@ def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: tor
     out["db"] = dbo = _alloc.empty(N, dtype=F32, device=dev)
     _unpack_kernel[(H * R + RS + L,)](
         dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
-        ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L,
+        ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, f.scale,
         HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB,
         BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4)
     return out
@@ -640,6 +641,7 @@ def _pack_key(fs: Sequence["SectionFactors"], dtype: torch.dtype, BN: int):
         for t in (f.down, f.up, f.sdown, f.sup):  # not zb: the backward uses only D and U
             parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape),
                                                  t.stride(), t.dtype, str(t.device)))
+        parts.append(f.scale)
     return (tuple(parts), dtype, BN)
 
 
@@ -935,13 +937,15 @@ class SectionFactors:
     down (H, R, d): per-head down-projections (Kernel-wise A_h and lite A_h W_k^h stacked);
     zb (H, R): per-head down-projection bias (lite: b_k^h A_hᵀ; Kernel-wise: 0);
     up (H, p, R): per-head up-projections; sdown (R_s, d), sup (H·p, R_s): the shared LoRA
-    part with its scale folded into ``sup``. Absent parts are None. All contiguous.
+    part; ``scale`` multiplies ``sup`` (the packing folds it in float32). Absent parts are
+    None (zb None: zero). Any float dtypes (the kernels compute in float32); contiguous.
     """
 
-    __slots__ = ("down", "zb", "up", "sdown", "sup")
+    __slots__ = ("down", "zb", "up", "sdown", "sup", "scale")
 
-    def __init__(self, down=None, zb=None, up=None, sdown=None, sup=None):
+    def __init__(self, down=None, zb=None, up=None, sdown=None, sup=None, scale=1.0):
         self.down, self.zb, self.up, self.sdown, self.sup = down, zb, up, sdown, sup
+        self.scale = float(scale)
 
     @property
     def hw(self) -> bool:
