@@ -34,6 +34,7 @@ plain tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -477,7 +478,12 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     # (lite bases, a tensor scale) are formed in float32, so nothing is rounded twice.
     mixed = f.has_wise and f.has_lite
     if f.has_lite:
-        f = f.map(lambda t: t.float())
+        # float32: lite factors (they build the lite basis) and, when Kernel-wise rows are
+        # concatenated with them, Kernel-wise A and B. (wise_c is added to a float32 lite_c
+        # or cast by _fold_bias.)
+        fl = lambda t: t.float() if t is not None else None  # noqa: E731
+        f = dataclasses.replace(f, lite_A=fl(f.lite_A), lite_B=fl(f.lite_B),
+                                lite_c=fl(f.lite_c), wise_A=fl(f.wise_A), wise_B=fl(f.wise_B))
     # The frozen key projection is only needed (and cast: a full (H_k·p, d) copy) for lite.
     w_k = w_k.float() if (w_k is not None and f.has_lite) else None
     b_k = b_k.float() if (b_k is not None and f.has_lite) else None
@@ -490,12 +496,10 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
         if f.wise_c is not None:
             cs.append(f.wise_c)
     if f.has_lite:
-        g = kv_group_index(H, Hk, w_k.device) if H != Hk else None
-        wk = w_k.reshape(Hk, p, d)
-        if g is not None:
-            wk = wk.index_select(0, g)
-        lite = torch.einsum("hrp,hpd->hrd", f.lite_A, wk)
+        # Query head h = k·G + i uses key head k: batch over the key heads (no gather).
         rl = f.lite_A.shape[1]
+        la = f.lite_A.reshape(Hk, (H // Hk) * rl, p)
+        lite = torch.matmul(la, w_k.reshape(Hk, p, d)).reshape(H, rl, d)
         split = dtype in (torch.float16, torch.bfloat16)
         if split:
             # Both rows see the same dZ, so d(hi) = d(lo) = the gradient of the basis: let it
@@ -505,10 +509,7 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
         else:
             downs.append(lite)
         if b_k is not None:
-            bk = b_k.reshape(Hk, p)
-            if g is not None:
-                bk = bk.index_select(0, g)
-            zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk))
+            zbs.append(torch.matmul(la, b_k.reshape(Hk, p, 1)).reshape(H, rl))
         else:
             zbs.append(f.lite_A.new_zeros(H, rl))
         ups.append(f.lite_B)

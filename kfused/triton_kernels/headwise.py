@@ -1077,16 +1077,44 @@ def _oproj_index(H: int, R: int, P: int, device: str) -> torch.Tensor:
 
 
 def _oproj_down(A, As, H: int, P: int, dtype) -> torch.Tensor:
-    """Dense down-projection D_o (H·R + R_s, H·P) of the output projection, in ``dtype``."""
+    """Dense down-projection D_o (H·R + R_s, H·P) of the output projection, in ``dtype``
+    (built in ``dtype`` directly: each entry is one factor entry rounded once, as a float32
+    build then cast would give; three launches)."""
     R = A.shape[1] if A is not None else 0
     RS = As.shape[0] if As is not None else 0
     ref = A if A is not None else As
-    Do = ref.new_zeros(H * R + RS, H * P, dtype=F32)
+    Do = ref.new_zeros(H * R + RS, H * P, dtype=dtype)
     if A is not None:
-        Do.view(-1)[_oproj_index(H, R, P, str(ref.device))] = A.reshape(-1).float()
+        Do.view(-1)[_oproj_index(H, R, P, str(ref.device))] = A.reshape(-1).to(dtype)
     if As is not None:
-        Do[H * R:] = As.float()
-    return Do.to(dtype)
+        Do[H * R:] = As
+    return Do
+
+
+# D_o and [B | U_s] built by an output-projection forward, handed to its backward (same
+# contract as _PACKED: keyed by the factors' storage, version, shape and strides, valid only
+# for the very Z the forward returned; popped on use, bounded).
+_OPACKED: "collections.OrderedDict" = collections.OrderedDict()
+
+
+def _oproj_operands(A, Bw, As, Us, H: int, P: int, dtype, Z: torch.Tensor, keep: bool):
+    key = (tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride(),
+                                         t.dtype, str(t.device)) for t in (A, Bw, As, Us)),
+           dtype, H)
+    if not keep:
+        rec = _OPACKED.pop(key, None)
+        if rec is not None and rec[0]() is Z:
+            return rec[1]
+    Do = _oproj_down(A, As, H, P, dtype)
+    parts = [t for t in (Bw, Us) if t is not None]
+    Bcat = (parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts, 1).to(dtype))
+    out = (Do, Bcat.contiguous())
+    if keep:
+        _OPACKED.pop(key, None)
+        _OPACKED[key] = (weakref.ref(Z), out)
+        while len(_OPACKED) > _PACKED_MAX:
+            _OPACKED.popitem(last=False)
+    return out
 
 
 def _thin(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -1121,9 +1149,8 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
         return Y, Z
     segs = [(o, w.t())]
     if R or RS:
-        Do = _oproj_down(A, As, H, P, o.dtype)
+        Do, Bcat = _oproj_operands(A, Bw, As, Us, H, P, o.dtype, Z, keep=True)
         _thin(o, Do.t(), Z)
-        Bcat = torch.cat([t for t in (Bw, Us) if t is not None], 1).to(o.dtype)
         segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b)
     return Y, Z
@@ -1152,8 +1179,7 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             else:
                 dO.zero_()
         return dO, grads
-    Do = _oproj_down(A, As, H, P, dt)
-    Bcat = torch.cat([t for t in (Bw, Us) if t is not None], 1).to(dt)
+    Do, Bcat = _oproj_operands(A, Bw, As, Us, H, P, dt, Z, keep=False)
     dZ = _alloc.empty(T, M, dtype=dt, device=dev)
     _thin(g, Bcat, dZ)
     if need_do:
@@ -1208,6 +1234,11 @@ def _aot_launches() -> None:
                            e(Hkv * p, 8, dtype=f32))
         Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, q, v, p)
         headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, q, v, Z, p)
+        # factors as the ops pass them now: Kernel-wise + shared in the activation dtype, no
+        # zb, the shared scale folded by the pack/unpack kernels
+        qa = SectionFactors(e(H, 3, d), None, e(H, p, 3), e(12, d), e(H * p, 12), 0.5)
+        Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, qa, v, p)
+        headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, qa, v, Z, p)
         # single adapted projection (q slot only), Conv1D-style strided weight, no bias
         none = SectionFactors()
         wt = e(d, H * p).t()
