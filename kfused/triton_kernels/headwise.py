@@ -514,6 +514,37 @@ def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.T
 
 
 @triton.jit
+def _unpack_tile(l, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS, L, scale,
+             HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr):
+    # Tile l of _unpack_kernel: dup, dsu and db (a function of its own: the two roles'
+    # variables must not meet in one if/else).
+    c0 = l * BN
+    h0 = c0 // P
+    cn = tl.arange(0, BN)
+    n = c0 + cn
+    nmask = n < N
+    rk = tl.arange(0, RB)
+    du = tl.zeros((RB, BN), dtype=tl.float32)
+    db = tl.zeros((BN,), dtype=tl.float32)
+    for s in range(0, S_R):
+        du += tl.load(du_ptr + ((s * L + l) * RB + rk[:, None]) * BN + cn[None, :])
+        db += tl.load(db_ptr + s * N + n, mask=nmask, other=0.0)
+    tl.store(dbo_ptr + n, db, mask=nmask)
+    if SH:
+        js = tl.minimum(rk, tl.maximum(RS - 1, 0))
+        tl.store(dsu_ptr + n[None, :] * RS + js[:, None],
+                 (du * scale).to(dsu_ptr.dtype.element_ty),
+                 mask=(rk < RS)[:, None] & nmask[None, :])
+    if HW:
+        kk = tl.maximum(rk - RS, 0)
+        h = h0 + kk // R
+        j = kk % R
+        mine = (rk >= RS)[:, None] & (h[:, None] == n[None, :] // P) & nmask[None, :]
+        tl.store(dup_ptr + n[None, :] * R + j[:, None], du.to(dup_ptr.dtype.element_ty),
+                 mask=mine)
+
+
+@triton.jit
 def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                    ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
                    K, N, P, R, RS, L, scale,
@@ -565,31 +596,8 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                     z += tl.load(dzb_ptr + s * L * RB + slot)
             tl.store(dzbh_ptr + pid, z)
     else:
-        l = pid - HR - RS
-        c0 = l * BN
-        h0 = c0 // P
-        cn = tl.arange(0, BN)
-        n = c0 + cn
-        nmask = n < N
-        rk = tl.arange(0, RB)
-        du = tl.zeros((RB, BN), dtype=tl.float32)
-        db = tl.zeros((BN,), dtype=tl.float32)
-        for s in range(0, S_R):
-            du += tl.load(du_ptr + ((s * L + l) * RB + rk[:, None]) * BN + cn[None, :])
-            db += tl.load(db_ptr + s * N + n, mask=nmask, other=0.0)
-        tl.store(dbo_ptr + n, db, mask=nmask)
-        if SH:
-            js = tl.minimum(rk, tl.maximum(RS - 1, 0))
-            tl.store(dsu_ptr + n[None, :] * RS + js[:, None],
-                     (du * scale).to(dsu_ptr.dtype.element_ty),
-                     mask=(rk < RS)[:, None] & nmask[None, :])
-        if HW:
-            kk = tl.maximum(rk - RS, 0)
-            h = h0 + kk // R
-            j = kk % R
-            mine = (rk >= RS)[:, None] & (h[:, None] == n[None, :] // P) & nmask[None, :]
-            tl.store(dup_ptr + n[None, :] * R + j[:, None], du.to(dup_ptr.dtype.element_ty),
-                     mask=mine)
+        _unpack_tile(pid - HR - RS, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS,
+                     L, scale, HW, SH, BN, RB)
 
 
 def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: torch.Tensor,
@@ -622,7 +630,8 @@ def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: tor
         dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
         ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, f.scale,
         HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB,
-        BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4)
+        # sm_90: RB = 64 with 4 warps needed 255 registers (the (RB, BN) tile); 8 warps halve it
+        BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4 if RB * pk.BN <= 2048 else 8)
     return out
 
 
