@@ -34,6 +34,7 @@ plain tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -293,11 +294,11 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
              q_sup: Optional[torch.Tensor],
              v_down: Optional[torch.Tensor], v_zb: Optional[torch.Tensor],
              v_up: Optional[torch.Tensor], v_sdown: Optional[torch.Tensor],
-             v_sup: Optional[torch.Tensor], head_dim: int
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
+             v_sup: Optional[torch.Tensor], head_dim: int, q_scale: float = 1.0,
+             v_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
     k = _tk()
-    q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup)
-    v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup)
+    q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
+    v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
     return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim)
 
 
@@ -312,7 +313,7 @@ def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
 
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
-      v_down, v_zb, v_up, v_sdown, v_sup, head_dim):
+      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, q_scale=1.0, v_scale=1.0):
     T = x.shape[0]
     M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
                 v_down, v_sdown, x.device)
@@ -327,10 +328,11 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              v_down: Optional[torch.Tensor], v_up: Optional[torch.Tensor],
              v_sdown: Optional[torch.Tensor], v_sup: Optional[torch.Tensor],
              z: torch.Tensor, head_dim: int, need_dx: bool,
-             need_factors: bool) -> List[torch.Tensor]:
+             need_factors: bool, q_scale: float = 1.0,
+             v_scale: float = 1.0) -> List[torch.Tensor]:
     k = _tk()
-    q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup)
-    v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup)
+    q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup, q_scale)
+    v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup, v_scale)
     dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
                                          need_factors)
     out = [dx if dx is not None else _empty(x)]
@@ -343,7 +345,7 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
 
 @_qkv_bwd.register_fake
 def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-      v_sup, z, head_dim, need_dx, need_factors):
+      v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
     for down, up, sdown, sup, w in ((q_down, q_up, q_sdown, q_sup, w_q),
                                     (v_down, v_up, v_sdown, v_sup, w_v)):
@@ -365,10 +367,11 @@ def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
 
 def _qkv_setup(ctx, inputs, output):
     (x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
-     v_down, v_zb, v_up, v_sdown, v_sup, head_dim) = inputs
+     v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *scales) = inputs
     ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
                           v_down, v_up, v_sdown, v_sup, output[1])
     ctx.head_dim = head_dim
+    ctx.scales = tuple(scales) + (1.0,) * (2 - len(scales))
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
     ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
     ctx.mark_non_differentiable(output[1])
@@ -383,7 +386,7 @@ def _qkv_backward(ctx, gY, gZ):
     gY = gY.contiguous()
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6])
+        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6], *ctx.scales)
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
@@ -400,9 +403,11 @@ def _qkv_backward(ctx, gY, gZ):
     # The frozen weights normally have no gradient; when they do it is one plain GEMM.
     dw = [torch.matmul(gs[i].t(), x).to(w.dtype) if need[1 + i] else None
           for i, w in enumerate((w_q, w_k, w_v))]
-    fac = [_opt(sec[key]) for sec in (gq, gv) for key in _SEC_KEYS]
+    # (a factor that was None, e.g. the zero zb of a Kernel-wise-only section, gets None)
+    fac = [_opt(sec[key]) if need[7 + i] else None
+           for i, (sec, key) in enumerate((sec, key) for sec in (gq, gv) for key in _SEC_KEYS)]
     return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gq), bias_grad(1, None),
-            bias_grad(2, gv), *fac, None)
+            bias_grad(2, gv), *fac, None, None, None)
 
 
 _qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
@@ -463,28 +468,38 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     ``|K A_hᵀ|``, which lost to torch whenever ``K`` cancels (issue 13 item 10: fp16 lite
     gradients up to 2.3x torch's error, 9 of 64 fuzzed cases)."""
     if f is None or f.empty:
-        return (None,) * 5, None
-    # Kernel-level factors are float32 whatever the activations' dtype: they are tiny, the
-    # kernel casts the down-projection tiles to the activation dtype for its dots, and the
-    # products that build them (lite bases, folded scales and biases) are not rounded twice.
-    f = f.map(lambda t: t.float())
+        return (None,) * 5, None, 1.0
+    # Every launch here costs a few µs, as much as a kernel pass at GPT-2 widths (issue 12),
+    # so factors the kernels can read as they are (Kernel-wise A_h, B_h; shared A_s, B_s with
+    # a numeric scale, which the pack kernel folds in float32) are passed in the user's dtype:
+    # the pack kernel converts them to float32 and rounds the packed operands once, the
+    # unpack kernel writes their gradients in their dtype from float32 sums — the same
+    # values as casting to float32 here and back in autograd. Products that build factors
+    # (lite bases, a tensor scale) are formed in float32, so nothing is rounded twice.
+    mixed = f.has_wise and f.has_lite
+    if f.has_lite:
+        # float32: lite factors (they build the lite basis) and, when Kernel-wise rows are
+        # concatenated with them, Kernel-wise A and B. (wise_c is added to a float32 lite_c
+        # or cast by _fold_bias.)
+        fl = lambda t: t.float() if t is not None else None  # noqa: E731
+        f = dataclasses.replace(f, lite_A=fl(f.lite_A), lite_B=fl(f.lite_B),
+                                lite_c=fl(f.lite_c), wise_A=fl(f.wise_A), wise_B=fl(f.wise_B))
     # The frozen key projection is only needed (and cast: a full (H_k·p, d) copy) for lite.
     w_k = w_k.float() if (w_k is not None and f.has_lite) else None
     b_k = b_k.float() if (b_k is not None and f.has_lite) else None
     downs, zbs, ups, cs = [], [], [], []
     if f.has_wise:
         downs.append(f.wise_A)
-        zbs.append(f.wise_A.new_zeros(H, f.wise_A.shape[1]))
+        if mixed:   # Kernel-wise alone: no zb (the kernels read zero)
+            zbs.append(f.wise_A.new_zeros(H, f.wise_A.shape[1]))
         ups.append(f.wise_B)
         if f.wise_c is not None:
             cs.append(f.wise_c)
     if f.has_lite:
-        g = kv_group_index(H, Hk, w_k.device) if H != Hk else None
-        wk = w_k.reshape(Hk, p, d)
-        if g is not None:
-            wk = wk.index_select(0, g)
-        lite = torch.einsum("hrp,hpd->hrd", f.lite_A, wk)
+        # Query head h = k·G + i uses key head k: batch over the key heads (no gather).
         rl = f.lite_A.shape[1]
+        la = f.lite_A.reshape(Hk, (H // Hk) * rl, p)
+        lite = torch.matmul(la, w_k.reshape(Hk, p, d)).reshape(H, rl, d)
         split = dtype in (torch.float16, torch.bfloat16)
         if split:
             # Both rows see the same dZ, so d(hi) = d(lo) = the gradient of the basis: let it
@@ -494,10 +509,7 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
         else:
             downs.append(lite)
         if b_k is not None:
-            bk = b_k.reshape(Hk, p)
-            if g is not None:
-                bk = bk.index_select(0, g)
-            zbs.append(torch.einsum("hrp,hp->hr", f.lite_A, bk))
+            zbs.append(torch.matmul(la, b_k.reshape(Hk, p, 1)).reshape(H, rl))
         else:
             zbs.append(f.lite_A.new_zeros(H, rl))
         ups.append(f.lite_B)
@@ -511,11 +523,17 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     zb = cat(zbs, 1) if zbs else None
     up = cat(ups, 2) if ups else None
     sdown = f.shared_A.contiguous() if f.has_shared else None
-    sup = (f.shared_B * f.scale).contiguous() if f.has_shared else None
+    scale = 1.0
+    sup = None
+    if f.has_shared:
+        if isinstance(f.scale, torch.Tensor):   # differentiable: fold it here, in float32
+            sup = (f.shared_B.float() * f.scale).contiguous()
+        else:
+            sup, scale = f.shared_B.contiguous(), float(f.scale)
     dc = None
     for c in cs:
         dc = c.reshape(-1) if dc is None else dc + c.reshape(-1)
-    return (down, zb, up, sdown, sup), dc
+    return (down, zb, up, sdown, sup), dc, scale
 
 
 def _fold_bias(b: Optional[torch.Tensor], dc: Optional[torch.Tensor]):
@@ -617,11 +635,11 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
-    qf, dcq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
-    vf, dcv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
+    qf, dcq, sq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
+    vf, dcv, sv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
-        _fold_bias(b_v, dcv), *qf, *vf, p)
+        _fold_bias(b_v, dcv), *qf, *vf, p, sq, sv)
     return Y.reshape(*lead, Y.shape[-1])
 
 

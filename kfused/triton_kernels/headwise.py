@@ -289,18 +289,24 @@ def _splits(device: torch.device, K: int, programs: int, BK: int = 64) -> int:
     return max(1, min(chunks, want, 64))
 
 
-def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) -> torch.Tensor:
     """``a_tᵀ b`` in float32 for a (T, M) and b (T, N), any strides: the token reductions of
     the factor gradients. 16-bit on a GPU: cuBLAS (no fusion needed, float32 accumulation,
     deterministic). Otherwise the split-K Triton GEMM with exact float32 ("ieee") dots and
-    float32 partials summed in a fixed order — deterministic, no float64 accumulators."""
+    float32 partials summed in a fixed order — deterministic, no float64 accumulators.
+
+    partials=True: return the unsummed (S, M, N) partials instead (the cuBLAS result as
+    (1, M, N) in the input dtype), for a consumer that sums them itself (the unpack kernel)."""
     T, M = a_t.shape
     N = b.shape[1]
     dev = b.device
     if T == 0 or M == 0 or N == 0:
-        return torch.zeros(M, N, dtype=F32, device=dev)
+        z = torch.zeros(M, N, dtype=F32, device=dev)
+        return z[None] if partials else z
     if dev.type == "cuda" and b.dtype in (torch.float16, torch.bfloat16):
-        return torch.matmul(a_t.t(), b).float()
+        # cuBLAS accumulates in float32 and rounds its output to the input dtype.
+        r = torch.matmul(a_t.t(), b)
+        return r[None] if partials else r.float()
     BN = _tile_n(dev)
     BM_max = 128 if targets_gpu(dev) else 32
     programs = triton.cdiv(M, BM_max) * triton.cdiv(N, BN)
@@ -316,6 +322,8 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             [*segs, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0],
             dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False,
                  PREC=dot_precision(b.dtype)))
+    if partials:
+        return part
     return part.sum(0) if S > 1 else part[0]
 
 
@@ -362,9 +370,11 @@ def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
     tl.store(db_ptr + s * N + rn, db, mask=nmask)
 
 
-def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor):
+def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
+                     partials: bool = False):
     """g (T, N) view of the section's output gradient; dz (T, L·RB) view to fill.
-    Returns float32 (dU (L, RB, BN), dzb (L, RB), db (N,))."""
+    Returns float32 (dU (L, RB, BN), dzb (L, RB), db (N,)); partials=True: their unsummed
+    token-split partials (dU (S, L, RB, BN), dzb (S, L, RB), db (S, N))."""
     T, N = g.shape
     L, RB, BN = lr.U.shape
     dev = g.device
@@ -377,16 +387,31 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor):
     dzb = _alloc.empty(S, L, RB, dtype=F32, device=dev)
     db = _alloc.empty(S, N, dtype=F32, device=dev)
     if T == 0:
-        return du.zero_()[0], dzb.zero_()[0], db.zero_()[0]
+        du, dzb, db = du.zero_(), dzb.zero_(), db.zero_()
+        return (du, dzb, db) if partials else (du[0], dzb[0], db[0])
     _lr_rank_bwd_kernel[(L, S)](
         g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz, dz.stride(0),
         du, dzb, db, T, T_PER, L, BT=BT, BN=BN, RB=RB, PREC=dot_precision(g.dtype),
         num_warps=8 if targets_gpu(dev) else 4)
+    if partials:
+        return du, dzb, db
     return du.sum(0), dzb.sum(0), db.sum(0)
 
 
 # ------------------------------------------------------------------------------------------
 # Packing the low-rank rows of one section per output column tile
+#
+# Slots of tile l (output columns [l·BN, min((l+1)·BN, N)) of a section with H heads of width
+# P, per-head rank R and shared rank RS): the RS shared rows first, then R rows for every head
+# whose columns meet the tile (heads h0(l) = l·BN // P, ..., h1(l) = (min((l+1)·BN, N) - 1) // P),
+# then zero padding up to RB (>= 16, a power of 2). Slot k of tile l therefore holds
+#   k < RS:                     shared row k
+#   RS <= k < RS + nh(l)·R:     per-head row (h0(l) + (k - RS) // R, (k - RS) % R)
+#   otherwise:                  zero
+# and per-head row (h, j) occurs in tiles h·P // BN ... ((h+1)·P - 1) // BN, at slot
+# RS + (h - h0(l))·R + j. Both kernels below compute these maps from (H, P, R, RS, BN): no
+# index tensors, and one launch each per section (the torch version took ~40 small launches
+# per section and call, which dominated at GPT-2 widths).
 
 
 @functools.lru_cache(maxsize=1024)
@@ -415,126 +440,243 @@ def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int
 
 
 class _Packing:
-    """Index maps of one section (H heads of width P, per-head rank R, shared rank RS) tiled
-    in BN-wide output columns. Slots of tile l: the RS shared rows first, then R rows for
-    every head whose columns meet the tile, then zero padding up to RB (>= 16, a power of 2).
-    Global rows: per-head row (h, j) is h·R + j, shared row j is H·R + j, H·R + RS is zero."""
+    """Dimensions of one section's packing (see the comment above)."""
 
-    def __init__(self, H: int, P: int, R: int, RS: int, BN: int, device: torch.device):
-        N = H * P
-        HR = H * R
-        L, RB = pack_dims(H, P, R, RS, BN)
-        rows = []
-        for l in range(L):
-            c0, c1 = l * BN, min((l + 1) * BN, N)
-            heads = range(c0 // P, (c1 - 1) // P + 1)
-            rows.append([HR + j for j in range(RS)] + [h * R + j for h in heads for j in range(R)])
-        zero = HR + RS
-        idx = torch.full((L, RB), zero, dtype=torch.long)
-        for l, r in enumerate(rows):
-            idx[l, :len(r)] = torch.tensor(r, dtype=torch.long)
-        self.H, self.P, self.R, self.RS, self.BN, self.L, self.RB = H, P, R, RS, BN, L, RB
-        self.idx = idx.to(device)
-        # Occurrences of each per-head row in the flattened (L·RB) slots, padded with the index
-        # L·RB (a zero slot): the deterministic gather-sum that undoes the duplication.
-        occ = [[] for _ in range(HR)]
-        for l, r in enumerate(rows):
-            for k, gi in enumerate(r):
-                if gi < HR:
-                    occ[gi].append(l * RB + k)
-        mo = max([len(o) for o in occ] + [1])
-        self.occ = torch.tensor([o + [L * RB] * (mo - len(o)) for o in occ] or [[L * RB]],
-                                dtype=torch.long, device=device)[:HR]
-        # U slots: Up[l, k, c] for column n = l·BN + c and global row g = idx[l, k].
-        n = torch.arange(L)[:, None, None] * BN + torch.arange(BN)[None, None, :]
-        n = n.expand(L, RB, BN)
-        g = idx[:, :, None].expand(L, RB, BN)
-        valid_n = n < N
-        hw = valid_n & (g < HR) & (torch.div(g, max(R, 1), rounding_mode="floor") ==
-                                   torch.div(n, P, rounding_mode="floor"))
-        sh = valid_n & (g >= HR) & (g < HR + RS)
-        flat = torch.arange(L * RB * BN).view(L, RB, BN)
-        self.u_dst = flat[hw].to(device)
-        self.u_src = (n * R + (g % max(R, 1)))[hw].to(device)
-        self.s_dst = flat[sh].to(device)
-        self.s_src = (n * RS + (g - HR))[sh].to(device)
+    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB")
 
-    def pack(self, down, zb, up, sdown, sup, dtype) -> Tuple[torch.Tensor, torch.Tensor,
-                                                               torch.Tensor]:
-        """(D (L, RB, K) dtype, zb (L, RB) float32, U (L, RB, BN) dtype)."""
-        ref = down if down is not None else sdown
-        K = ref.shape[-1]
-        parts = []
-        zparts = []
-        if down is not None:
-            parts.append(down.reshape(-1, K).float())
-            zparts.append(zb.reshape(-1).float() if zb is not None
-                          else ref.new_zeros(down.shape[0] * down.shape[1], dtype=F32))
-        if sdown is not None:
-            parts.append(sdown.float())
-            zparts.append(ref.new_zeros(self.RS, dtype=F32))
-        parts.append(ref.new_zeros(1, K, dtype=F32))
-        zparts.append(ref.new_zeros(1, dtype=F32))
-        rows = torch.cat(parts)
-        flat_idx = self.idx.reshape(-1)
-        D = rows.index_select(0, flat_idx).view(self.L, self.RB, K).to(dtype).contiguous()
-        zbp = torch.cat(zparts).index_select(0, flat_idx).view(self.L, self.RB).contiguous()
-        U = ref.new_zeros(self.L * self.RB * self.BN, dtype=F32)
-        if up is not None:
-            U[self.u_dst] = up.reshape(-1).float()[self.u_src]
-        if sup is not None:
-            U[self.s_dst] = sup.reshape(-1).float()[self.s_src]
-        return D, zbp, U.view(self.L, self.RB, self.BN).to(dtype).contiguous()
-
-    def unpack(self, dD: torch.Tensor, dzb: torch.Tensor, dU: torch.Tensor):
-        """Gradients of the packed operands (float32) -> (ddown (H·R, K), dzb (H·R,),
-        dup (H·P·R,), dsdown (RS, K), dsup (N·RS,)); duplicates summed in a fixed order."""
-        K = dD.shape[-1]
-        HR = self.H * self.R
-        ddown = dzbh = dup = dsd = dsu = None
-        if self.R:
-            flatD = torch.cat([dD.reshape(-1, K), dD.new_zeros(1, K)])
-            ddown = flatD[self.occ].sum(1)
-            flatz = torch.cat([dzb.reshape(-1), dzb.new_zeros(1)])
-            dzbh = flatz[self.occ].sum(1)
-            dup = dU.new_zeros(HR * self.P)
-            dup[self.u_src] = dU.reshape(-1)[self.u_dst]
-        if self.RS:
-            dsd = dD[:, :self.RS].sum(0)
-            dsu = dU.new_zeros(self.H * self.P * self.RS)
-            dsu[self.s_src] = dU.reshape(-1)[self.s_dst]
-        return ddown, dzbh, dup, dsd, dsu
+    def __init__(self, H: int, P: int, R: int, RS: int, BN: int):
+        self.H, self.P, self.R, self.RS, self.BN = H, P, R, RS, BN
+        self.L, self.RB = pack_dims(H, P, R, RS, BN)
 
 
-# Packed operands built by a forward, handed to its backward (saves re-packing: ~10 small
-# launches per adapted section). Keyed by the factor tensors' storage, version, shape and
-# strides: the backward holds those very tensors (saved for backward), so an entry with its key
-# was built from identical contents (an in-place change bumps the version). Popped on use;
-# bounded for forwards whose backward never runs.
+@triton.jit
+def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr,
+                 K, N, P, R, RS, scale,
+                 HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
+                 BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+    # grid: (L, RB). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
+    # zb[l, k] (float32) and U[l, k, :] (input dtype) from the section's factors
+    # down (H·R, K), zb (H·R,), up (H·P, R), sdown (RS, K), sup (H·P, RS), all contiguous.
+    l = tl.program_id(0)
+    k = tl.program_id(1)
+    c0 = l * BN
+    h0 = c0 // P
+    nh = (tl.minimum(c0 + BN, N) - 1) // P - h0 + 1
+    is_sh = k < RS
+    kk = k - RS
+    is_hw = (kk >= 0) & (kk < nh * R)
+    rr = tl.maximum(R, 1)
+    h = h0 + tl.maximum(kk, 0) // rr
+    j = tl.maximum(kk, 0) % rr
+    g = h * R + j                       # global per-head row
+    js = tl.minimum(k, tl.maximum(RS - 1, 0))  # shared row (clamped: masked when not shared)
+    # Scalar conditions enter the vector masks as limits (the interpreter mishandles
+    # scalar & vector masks).
+    k_hw = tl.where(is_hw, K, 0)
+    k_sh = tl.where(is_sh, K, 0)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < K
+        row = tl.zeros((BK,), dtype=tl.float32)
+        if HW:
+            row += tl.load(down_ptr + g * K + ks, mask=ks < k_hw, other=0.0).to(tl.float32)
+        if SH:
+            row += tl.load(sdown_ptr + js * K + ks, mask=ks < k_sh, other=0.0).to(tl.float32)
+        tl.store(d_ptr + (l * RB + k) * K + ks, row.to(d_ptr.dtype.element_ty), mask=kmask)
+    zbv = 0.0
+    if HAS_ZB:
+        zbv = tl.load(zb_ptr + g, mask=is_hw, other=0.0).to(tl.float32)
+    tl.store(zbp_ptr + l * RB + k, zbv)
+    cn = tl.arange(0, BN)
+    n = c0 + cn
+    nmask = n < N
+    u = tl.zeros((BN,), dtype=tl.float32)
+    if HW:
+        u += tl.load(up_ptr + n * R + j, mask=(n < tl.where(is_hw, N, 0)) & (n // P == h),
+                     other=0.0).to(tl.float32)
+    if SH:
+        u += tl.load(sup_ptr + n * RS + js, mask=n < tl.where(is_sh, N, 0),
+                     other=0.0).to(tl.float32) * scale
+    tl.store(u_ptr + (l * RB + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
+
+
+def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.Tensor,
+                 U: torch.Tensor) -> None:
+    """Fill the packed operands of one section: D (L·RB, K) and U (L·RB, BN) in the input
+    dtype, zb (L·RB,) float32, all contiguous (one launch)."""
+    K = D.shape[1]
+    c = lambda t: t.contiguous() if t is not None else D  # noqa: E731  (no copy when contiguous)
+    _pack_kernel[(pk.L, pk.RB)](
+        c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U,
+        K, pk.H * pk.P, pk.P, pk.R, pk.RS, f.scale,
+        HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, RB=pk.RB,
+        BK=_blk(K, 16, 256 if targets_gpu(D.device) else 64), num_warps=4)
+
+
+@triton.jit
+def _unpack_tile(l, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS, L, scale,
+             HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr):
+    # Tile l of _unpack_kernel: dup, dsu and db (a function of its own: the two roles'
+    # variables must not meet in one if/else).
+    c0 = l * BN
+    h0 = c0 // P
+    cn = tl.arange(0, BN)
+    n = c0 + cn
+    nmask = n < N
+    rk = tl.arange(0, RB)
+    du = tl.zeros((RB, BN), dtype=tl.float32)
+    db = tl.zeros((BN,), dtype=tl.float32)
+    for s in range(0, S_R):
+        du += tl.load(du_ptr + ((s * L + l) * RB + rk[:, None]) * BN + cn[None, :])
+        db += tl.load(db_ptr + s * N + n, mask=nmask, other=0.0)
+    tl.store(dbo_ptr + n, db, mask=nmask)
+    if SH:
+        js = tl.minimum(rk, tl.maximum(RS - 1, 0))
+        tl.store(dsu_ptr + n[None, :] * RS + js[:, None],
+                 (du * scale).to(dsu_ptr.dtype.element_ty),
+                 mask=(rk < RS)[:, None] & nmask[None, :])
+    if HW:
+        kk = tl.maximum(rk - RS, 0)
+        h = h0 + kk // R
+        j = kk % R
+        mine = (rk >= RS)[:, None] & (h[:, None] == n[None, :] // P) & nmask[None, :]
+        tl.store(dup_ptr + n[None, :] * R + j[:, None], du.to(dup_ptr.dtype.element_ty),
+                 mask=mine)
+
+
+@triton.jit
+def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
+                   ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
+                   K, N, P, R, RS, L, scale,
+                   HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+                   BK: tl.constexpr):
+    # grid: (H·R + RS + L,). Gradients of the packed operands -> the section's factor
+    # gradients, every sum in a fixed order (no atomics):
+    #   programs [0, H·R):        per-head row g = (h, j): ddown[g] = Σ_occurrences Σ_s dD,
+    #                             dzbh[g] = Σ_occurrences Σ_s dzb
+    #   programs [H·R, H·R + RS): shared row j: dsd[j] = Σ_l Σ_s dD[l, j]
+    #   programs [.., + L):       tile l: dup, dsu (Σ_s dU scattered to the factor layouts)
+    #                             and the section bias gradient db = Σ_s db.
+    # dD: (S_D, L·RB, K) partials (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
+    # dU (S_R, L·RB, BN), db (S_R, N) float32 partials of the rank pass.
+    pid = tl.program_id(0)
+    HR = (N // P) * R
+    if pid < HR + RS:
+        rr = tl.maximum(R, 1)
+        h = pid // rr
+        j = pid % rr
+        l_lo = (h * P) // BN
+        l_hi = ((h + 1) * P - 1) // BN
+        if pid >= HR:
+            j = pid - HR
+            h = pid * 0
+            l_lo = pid * 0
+            l_hi = pid * 0 + L - 1
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            acc = tl.zeros((BK,), dtype=tl.float32)
+            for l in range(l_lo, l_hi + 1):
+                slot = l * RB + j
+                if pid < HR:
+                    slot = l * RB + RS + (h - (l * BN) // P) * R + j
+                for s in range(0, S_D):
+                    acc += tl.load(dd_ptr + s * s_dds + slot * s_ddm + ks, mask=kmask,
+                                   other=0.0).to(tl.float32)
+            if pid < HR:
+                tl.store(ddown_ptr + pid * K + ks, acc.to(ddown_ptr.dtype.element_ty),
+                         mask=kmask)
+            else:
+                tl.store(dsd_ptr + j * K + ks, acc.to(dsd_ptr.dtype.element_ty), mask=kmask)
+        if pid < HR:
+            z = pid.to(tl.float32) * 0.0
+            for l in range(l_lo, l_hi + 1):
+                slot = l * RB + RS + (h - (l * BN) // P) * R + j
+                for s in range(0, S_R):
+                    z += tl.load(dzb_ptr + s * L * RB + slot)
+            tl.store(dzbh_ptr + pid, z)
+    else:
+        _unpack_tile(pid - HR - RS, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS,
+                     L, scale, HW, SH, BN, RB)
+
+
+def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: torch.Tensor,
+                   dU: torch.Tensor, db: torch.Tensor) -> dict:
+    """Factor gradients of one section from the gradients of its packed operands (one
+    launch): dD (S_D, L·RB, K) token-reduction partials (any float dtype, unit last stride);
+    dzb (S, L·RB), dU (S, L·RB, BN), db (S, N) float32 partials of the rank pass.
+
+    Returns the dict of :func:`headwise_qkv_backward` (down, zb, up, sdown, sup in their
+    factor's dtype; zb and db float32)."""
+    H, P, R, RS, L, RB = pk.H, pk.P, pk.R, pk.RS, pk.L, pk.RB
+    K = dD.shape[-1]
+    N = H * P
+    dev = dD.device
+    out = {}
+    dummy = db
+    if f.hw:
+        out["down"] = ddown = _alloc.empty(H, R, K, dtype=f.down.dtype, device=dev)
+        out["zb"] = dzbh = _alloc.empty(H, R, dtype=F32, device=dev)
+        out["up"] = dup = _alloc.empty(H, P, R, dtype=f.up.dtype, device=dev)
+    else:
+        ddown = dzbh = dup = dummy
+    if f.sh:
+        out["sdown"] = dsd = _alloc.empty(RS, K, dtype=f.sdown.dtype, device=dev)
+        out["sup"] = dsu = _alloc.empty(N, RS, dtype=f.sup.dtype, device=dev)
+    else:
+        dsd = dsu = dummy
+    out["db"] = dbo = _alloc.empty(N, dtype=F32, device=dev)
+    _unpack_kernel[(H * R + RS + L,)](
+        dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
+        ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, f.scale,
+        HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB,
+        # sm_90: RB = 64 with 4 warps needed 255 registers (the (RB, BN) tile); 8 warps halve it
+        BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4 if RB * pk.BN <= 2048 else 8)
+    return out
+
+
+# Packed operands built by a forward, handed to its backward (saves re-packing). Keyed by the
+# factor tensors' storage, version, shape and strides: the backward holds those very tensors
+# (saved for backward), so an entry with its key was built from identical contents (an
+# in-place change bumps the version). Popped on use; bounded for forwards whose backward
+# never runs.
 _PACKED: "collections.OrderedDict" = collections.OrderedDict()
 _PACKED_MAX = 8
 
 
-def _pack_key(f: "SectionFactors", dtype: torch.dtype, BN: int):
+def _pack_key(fs: Sequence["SectionFactors"], dtype: torch.dtype, BN: int):
     parts = []
-    for t in (f.down, f.up, f.sdown, f.sup):   # not zb: the backward uses only D and U
-        parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape),
-                                             t.stride(), t.dtype, str(t.device)))
+    for f in fs:
+        for t in (f.down, f.up, f.sdown, f.sup):  # not zb: the backward uses only D and U
+            parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape),
+                                                 t.stride(), t.dtype, str(t.device)))
+        parts.append(f.scale)
     return (tuple(parts), dtype, BN)
 
 
-def _pack(pk: "_Packing", f: "SectionFactors", dtype: torch.dtype, Z: torch.Tensor,
-          keep: bool):
-    """pk.pack of f. The forward (keep=True) always packs and records the result with a weak
-    reference to its rank-space output Z; the backward (keep=False) consumes the record only
-    if it was made for the very Z object it received (else it packs again). The forward never
-    reads a record."""
-    key = _pack_key(f, dtype, pk.BN)
+def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tensor,
+              keep: bool):
+    """Packed operands of every adapted section in one set of buffers laid out like Z's
+    columns: D (M, K), U (M, BN) in ``dtype``, zb (M,) float32 (section s at rows
+    offs[s]:offs[s] + L·RB), so the dx GEMM reads D with no concatenation. The forward
+    (keep=True) always packs and records the result with a weak reference to its rank-space
+    output Z; the backward (keep=False) consumes the record only if it was made for the very
+    Z object it received (else it packs again). The forward never reads a record."""
+    dev = Z.device
+    BN = _tile_n(dev)
+    key = _pack_key(fs, dtype, BN)
     if not keep:
         rec = _PACKED.pop(key, None)
         if rec is not None and rec[0]() is Z:
             return rec[1]
-    out = pk.pack(f.down, f.zb, f.up, f.sdown, f.sup, dtype)
+    D = _alloc.empty(M, K, dtype=dtype, device=dev)
+    zb = _alloc.empty(M, dtype=F32, device=dev)
+    U = _alloc.empty(M, BN, dtype=dtype, device=dev)
+    for pk, off, f in zip(packs, offs, fs):
+        if pk is not None:
+            w = pk.L * pk.RB
+            pack_section(pk, f, D[off:off + w], zb[off:off + w], U[off:off + w])
+    out = (D, zb, U)
     if keep:
         _PACKED.pop(key, None)
         _PACKED[key] = (weakref.ref(Z), out)
@@ -544,9 +686,8 @@ def _pack(pk: "_Packing", f: "SectionFactors", dtype: torch.dtype, Z: torch.Tens
 
 
 @functools.lru_cache(maxsize=256)
-def _packing(H: int, P: int, R: int, RS: int, BN: int, device: str) -> _Packing:
-    return _Packing(H, P, R, RS, BN, torch.device(device))
-
+def _packing(H: int, P: int, R: int, RS: int, BN: int) -> _Packing:
+    return _Packing(H, P, R, RS, BN)
 
 
 # ------------------------------------------------------------------------------------------
@@ -805,13 +946,15 @@ class SectionFactors:
     down (H, R, d): per-head down-projections (Kernel-wise A_h and lite A_h W_k^h stacked);
     zb (H, R): per-head down-projection bias (lite: b_k^h A_hᵀ; Kernel-wise: 0);
     up (H, p, R): per-head up-projections; sdown (R_s, d), sup (H·p, R_s): the shared LoRA
-    part with its scale folded into ``sup``. Absent parts are None. All contiguous.
+    part; ``scale`` multiplies ``sup`` (the packing folds it in float32). Absent parts are
+    None (zb None: zero). Any float dtypes (the kernels compute in float32); contiguous.
     """
 
-    __slots__ = ("down", "zb", "up", "sdown", "sup")
+    __slots__ = ("down", "zb", "up", "sdown", "sup", "scale")
 
-    def __init__(self, down=None, zb=None, up=None, sdown=None, sup=None):
+    def __init__(self, down=None, zb=None, up=None, sdown=None, sup=None, scale=1.0):
         self.down, self.zb, self.up, self.sdown, self.sup = down, zb, up, sdown, sup
+        self.scale = float(scale)
 
     @property
     def hw(self) -> bool:
@@ -830,10 +973,9 @@ def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, i
     """Packings of the q and v sections (None when not adapted), the column offsets of their
     blocks in the rank-space buffer Z (T, M), and M."""
     BN = _tile_n(device)
-    dev = str(device)
     packs, offs, M = [], [], 0
     for H, (r, rs) in ((HQ, rq), (HV, rv)):
-        pk = _packing(H, P, r, rs, BN, dev) if (r or rs) and H else None
+        pk = _packing(H, P, r, rs, BN) if (r or rs) and H else None
         packs.append(pk)
         offs.append(M)
         if pk is not None:
@@ -860,14 +1002,18 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     Z = _alloc.empty(T, M, dtype=x.dtype, device=dev)
     if T == 0 or Y.shape[1] == 0:
         return Y, Z
+    if M:
+        Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
     col = 0
-    for w, b, f, pk, off in ((wq, bq, q, pq, oq), (wk, bk, None, None, 0), (wv, bv, v, pv, ov)):
+    for w, b, pk, off in ((wq, bq, pq, oq), (wk, bk, None, 0), (wv, bv, pv, ov)):
         n = w.shape[0]
         if n:
             lr = None
             if pk is not None:
-                Dp, zbp, Up = _pack(pk, f, x.dtype, Z, keep=True)
-                lr = LowRankTiles(Dp, zbp, Up, Z[:, off:off + pk.L * pk.RB])
+                L, RB = pk.L, pk.RB
+                s = slice(off, off + L * RB)
+                lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB),
+                                  Up[s].view(L, RB, pk.BN), Z[:, s])
             gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr)
         col += n
     return Y, Z
@@ -889,47 +1035,40 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     dev = x.device
     (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
     dZ = _alloc.empty(T, M, dtype=x.dtype, device=dev)
+    if M:
+        Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
     secs = []
-    for f, pk, off, c0, n in ((q, pq, oq, 0, Nq), (v, pv, ov, Nq + Nk, Nv)):
+    for pk, off, c0, n in ((pq, oq, 0, Nq), (pv, ov, Nq + Nk, Nv)):
         if pk is None:
             secs.append(None)
             continue
-        Dp, zbp, Up = _pack(pk, f, x.dtype, Z, keep=False)
-        w = pk.L * pk.RB
-        lr = LowRankTiles(Dp, zbp, Up, Z[:, off:off + w])
-        # The rank pass is needed by dx too (dZ is one of its K segments).
-        dU, dzb, db = lr_rank_backward(g[:, c0:c0 + n], lr, dZ[:, off:off + w])
-        secs.append((f, pk, off, w, Dp, dU, dzb, db))
+        L, RB = pk.L, pk.RB
+        s = slice(off, off + L * RB)
+        lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB), Up[s].view(L, RB, pk.BN),
+                          Z[:, s])
+        # The rank pass is needed by dx too (dZ is one of its K segments); its token-split
+        # partials are summed by the unpack kernel.
+        secs.append((s, lr_rank_backward(g[:, c0:c0 + n], lr, dZ[:, s], partials=True)))
     dx = None
     if need_dx:
         dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
         segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, wq), (Nq, Nk, wk),
                                                           (Nq + Nk, Nv, wv)) if n]
         if M:
-            Dall = torch.cat([s[4].reshape(-1, D) for s in secs if s is not None])
-            segs.append((dZ, Dall))
+            segs.append((dZ, Dp))
         if segs and T:
             gemm(segs, dx)
         else:
             dx.zero_()
     grads = [{}, {}]
     if need_factors and M:
-        dDall = reduce_tokens(dZ, x)                              # (M, d) float32
-        for out, sec in zip(grads, secs):
-            if sec is None:
-                continue
-            f, pk, off, w, _, dU, dzb, db = sec
-            ddown, dzbh, dup, dsd, dsu = pk.unpack(dDall[off:off + w].view(pk.L, pk.RB, D),
-                                                   dzb, dU)
-            H, R = pk.H, pk.R
-            if f.hw:
-                out["down"] = ddown.view(H, R, D).to(f.down.dtype)
-                out["zb"] = dzbh.view(H, R)
-                out["up"] = dup.view(H, P, R).to(f.up.dtype)
-            if f.sh:
-                out["sdown"] = dsd.to(f.sdown.dtype)
-                out["sup"] = dsu.view(H * P, pk.RS).to(f.sup.dtype)
-            out["db"] = db
+        dDall = reduce_tokens(dZ, x, partials=True)               # (S, M, d)
+        for i, (f, pk, sec) in enumerate(zip((q, v), (pq, pv), secs)):
+            if sec is not None:
+                s, (dU, dzb, db) = sec
+                S = dU.shape[0]
+                grads[i] = unpack_section(pk, f, dDall[:, s], dzb.view(S, -1),
+                                          dU.view(S, -1, pk.BN), db)
     return dx, grads[0], grads[1]
 
 
@@ -947,16 +1086,44 @@ def _oproj_index(H: int, R: int, P: int, device: str) -> torch.Tensor:
 
 
 def _oproj_down(A, As, H: int, P: int, dtype) -> torch.Tensor:
-    """Dense down-projection D_o (H·R + R_s, H·P) of the output projection, in ``dtype``."""
+    """Dense down-projection D_o (H·R + R_s, H·P) of the output projection, in ``dtype``
+    (built in ``dtype`` directly: each entry is one factor entry rounded once, as a float32
+    build then cast would give; three launches)."""
     R = A.shape[1] if A is not None else 0
     RS = As.shape[0] if As is not None else 0
     ref = A if A is not None else As
-    Do = ref.new_zeros(H * R + RS, H * P, dtype=F32)
+    Do = ref.new_zeros(H * R + RS, H * P, dtype=dtype)
     if A is not None:
-        Do.view(-1)[_oproj_index(H, R, P, str(ref.device))] = A.reshape(-1).float()
+        Do.view(-1)[_oproj_index(H, R, P, str(ref.device))] = A.reshape(-1).to(dtype)
     if As is not None:
-        Do[H * R:] = As.float()
-    return Do.to(dtype)
+        Do[H * R:] = As
+    return Do
+
+
+# D_o and [B | U_s] built by an output-projection forward, handed to its backward (same
+# contract as _PACKED: keyed by the factors' storage, version, shape and strides, valid only
+# for the very Z the forward returned; popped on use, bounded).
+_OPACKED: "collections.OrderedDict" = collections.OrderedDict()
+
+
+def _oproj_operands(A, Bw, As, Us, H: int, P: int, dtype, Z: torch.Tensor, keep: bool):
+    key = (tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride(),
+                                         t.dtype, str(t.device)) for t in (A, Bw, As, Us)),
+           dtype, H)
+    if not keep:
+        rec = _OPACKED.pop(key, None)
+        if rec is not None and rec[0]() is Z:
+            return rec[1]
+    Do = _oproj_down(A, As, H, P, dtype)
+    parts = [t for t in (Bw, Us) if t is not None]
+    Bcat = (parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts, 1).to(dtype))
+    out = (Do, Bcat.contiguous())
+    if keep:
+        _OPACKED.pop(key, None)
+        _OPACKED[key] = (weakref.ref(Z), out)
+        while len(_OPACKED) > _PACKED_MAX:
+            _OPACKED.popitem(last=False)
+    return out
 
 
 def _thin(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -991,9 +1158,8 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
         return Y, Z
     segs = [(o, w.t())]
     if R or RS:
-        Do = _oproj_down(A, As, H, P, o.dtype)
+        Do, Bcat = _oproj_operands(A, Bw, As, Us, H, P, o.dtype, Z, keep=True)
         _thin(o, Do.t(), Z)
-        Bcat = torch.cat([t for t in (Bw, Us) if t is not None], 1).to(o.dtype)
         segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b)
     return Y, Z
@@ -1022,8 +1188,7 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             else:
                 dO.zero_()
         return dO, grads
-    Do = _oproj_down(A, As, H, P, dt)
-    Bcat = torch.cat([t for t in (Bw, Us) if t is not None], 1).to(dt)
+    Do, Bcat = _oproj_operands(A, Bw, As, Us, H, P, dt, Z, keep=False)
     dZ = _alloc.empty(T, M, dtype=dt, device=dev)
     _thin(g, Bcat, dZ)
     if need_do:
@@ -1078,6 +1243,11 @@ def _aot_launches() -> None:
                            e(Hkv * p, 8, dtype=f32))
         Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, q, v, p)
         headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, q, v, Z, p)
+        # factors as the ops pass them now: Kernel-wise + shared in the activation dtype, no
+        # zb, the shared scale folded by the pack/unpack kernels
+        qa = SectionFactors(e(H, 3, d), None, e(H, p, 3), e(12, d), e(H * p, 12), 0.5)
+        Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, qa, v, p)
+        headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, qa, v, Z, p)
         # single adapted projection (q slot only), Conv1D-style strided weight, no bias
         none = SectionFactors()
         wt = e(d, H * p).t()

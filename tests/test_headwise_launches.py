@@ -1,0 +1,215 @@
+"""Launch counts of the fused per-head projections (issue 12: host-side factor work).
+
+At GPT-2 widths each tiny torch op on the factors costs a few µs of launch latency, as much as
+a whole pass of the kernels, so the number of device launches per forward+backward is part of
+the performance contract. This file counts them on the CPU (Triton interpreter) at a small
+shape: every aten op that launches a kernel on CUDA (views and bare allocations excluded) plus
+every Triton launch. The count does not depend on the shape, except that token reductions
+split into partials (summed on the host) only above a few hundred tokens: the shape here is
+large enough that they split, as they do at T = 16k on a GPU. One CUDA difference: there the
+16-bit token reductions are ``torch.matmul(...).float()`` (two launches) where the interpreter
+runs the split-K Triton GEMM and its partial sum (two launches): the same count.
+
+Run ``TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 tests/test_headwise_launches.py`` for the
+table (``-v`` lists the ops); the test keeps the counts at or under their budgets.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: interpret Triton before the kernels load
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kfused.ops.headwise import HeadFactors, headwise_oproj, headwise_qkv
+
+aten = torch.ops.aten
+
+# aten ops that launch no kernel: allocations without a fill, and metadata-only ops.
+_NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+              aten.new_empty_strided.default, aten.empty_like.default,
+              aten.lift_fresh.default, aten.sym_size.int, aten.sym_stride.int,
+              aten.sym_numel.default, aten.is_same_size.default, aten._local_scalar_dense.default}
+
+
+def _is_view(func) -> bool:
+    return bool(getattr(func, "is_view", False)) or func in (
+        aten.detach.default, aten.split.Tensor, aten.split_with_sizes.default,
+        aten.unbind.int, aten.chunk.default)
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "kfused":
+            # A custom op: count what its implementation launches (the mode is popped while
+            # this runs; push it again and go straight to the CPU kernel, the implementation).
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
+                                       *args, **kwargs)
+        if not self.paused and func not in _NO_KERNEL and not _is_view(func):
+            self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **kwargs)
+
+
+class LaunchCount:
+    """Context manager: ``.torch`` (Counter of aten ops by name), ``.triton`` (Counter of
+    Triton kernels by name), ``.total``."""
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._cls = InterpretedFunction
+        self._orig = InterpretedFunction.run
+        self.triton = collections.Counter()
+        self._mode = _Counter()
+        me = self
+
+        def run(fn_self, *args, **kwargs):
+            me.triton[fn_self.fn.__name__] += 1
+            me._mode.paused += 1           # the interpreter's own tensor traffic is not ours
+            try:
+                return me._orig(fn_self, *args, **kwargs)
+            finally:
+                me._mode.paused -= 1
+
+        InterpretedFunction.run = run
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._cls.run = self._orig
+        self.torch = self._mode.ops
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.torch.values()) + sum(self.triton.values())
+
+
+# The benchmark presets (benchmarks/bench_headwise.py): q|k|v part, and the o part.
+PRESETS = {
+    "kernel-mix-qvo-intermediate": dict(q=dict(wise=3, shared=12), v=dict(lite=8, shared=8),
+                                        o=dict(wise=8, shared=8)),
+    "kernel-mix-lite-qv-small": dict(q=dict(lite=2, shared=2), v=dict(lite=1, shared=2)),
+}
+# Small stand-ins for GPT-2 (H = H_kv) and Llama-7B with GQA (H_kv < H); T = 320 tokens so the
+# token reductions split (see the module docstring).
+SHAPES = {"gpt2-like": dict(d=64, H=4, Hkv=4, p=16, T=320),
+          "gqa-like": dict(d=64, H=4, Hkv=2, p=16, T=320)}
+
+
+def _factors(r, H, p, d, dtype, gen):
+    def t(*s):
+        return (torch.randn(*s, generator=gen) * 0.1).to(dtype).requires_grad_()
+
+    kw = {}
+    if r.get("shared"):
+        kw.update(shared_A=t(r["shared"], d), shared_B=t(H * p, r["shared"]))
+    if r.get("wise"):
+        kw.update(wise_A=t(H, r["wise"], d), wise_B=t(H, p, r["wise"]), wise_c=t(H, p))
+    if r.get("lite"):
+        kw.update(lite_A=t(H, r["lite"], p), lite_B=t(H, p, r["lite"]),
+                  lite_c=None if r.get("wise") else t(H, p))
+    return HeadFactors(**kw)
+
+
+def _leaves(f):
+    return [t for t in (f.shared_A, f.shared_B, f.wise_A, f.wise_B, f.wise_c, f.lite_A,
+                        f.lite_B, f.lite_c) if t is not None]
+
+
+def count(preset: str, shape: str, op: str = "qkv", dtype=torch.float16):
+    """(forward LaunchCount, backward LaunchCount) of one call as the benchmark makes it:
+    16-bit activations and factors, biases, autograd.grad into x and every factor."""
+    cfg, s = PRESETS[preset], SHAPES[shape]
+    d, H, Hkv, p, T = s["d"], s["H"], s["Hkv"], s["p"], s["T"]
+    gen = torch.Generator().manual_seed(0)
+    if op == "qkv":
+        x = torch.randn(T, d, generator=gen).to(dtype).requires_grad_()
+        W = [(torch.randn(n, d, generator=gen) / d ** 0.5).to(dtype)
+             for n in (H * p, Hkv * p, Hkv * p)]
+        b = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in (H * p, Hkv * p, Hkv * p)]
+        q = _factors(cfg["q"], H, p, d, dtype, gen)
+        v = _factors(cfg["v"], Hkv, p, d, dtype, gen)
+        leaves = [x, *_leaves(q), *_leaves(v)]
+
+        def fn():
+            return headwise_qkv(x, *W, *b, n_heads=H, n_kv_heads=Hkv, q=q, v=v,
+                                backend="triton", fused_output=True)
+    else:
+        r = cfg["o"]
+        o = torch.randn(T, H * p, generator=gen).to(dtype).requires_grad_()
+        w = (torch.randn(d, H * p, generator=gen) / (H * p) ** 0.5).to(dtype)
+        bo = (torch.randn(d, generator=gen) * 0.1).to(dtype)
+        f = dict(wise_A=torch.randn(H, r["wise"], p, generator=gen),
+                 wise_B=torch.randn(d, H * r["wise"], generator=gen),
+                 wise_c=torch.randn(d, generator=gen),
+                 shared_A=torch.randn(r["shared"], H * p, generator=gen),
+                 shared_B=torch.randn(d, r["shared"], generator=gen))
+        f = {k: (t * 0.1).to(dtype).requires_grad_() for k, t in f.items()}
+        leaves = [o, *f.values()]
+
+        def fn():
+            return headwise_oproj(o, w, bo, n_heads=H, scale=0.5, backend="triton", **f)
+    gY = None
+    for it in range(2):                      # the second call runs with warm caches
+        if it:
+            fwd = LaunchCount().__enter__()
+        Y = fn()
+        if it:
+            fwd.__exit__(None, None, None)
+        if gY is None:
+            gY = torch.randn(Y.shape, generator=gen).to(dtype)
+        if it:
+            bwd = LaunchCount().__enter__()
+        torch.autograd.grad([Y], leaves, [gY])
+        if it:
+            bwd.__exit__(None, None, None)
+    return fwd, bwd
+
+
+CASES = [(p, s, "qkv") for p in PRESETS for s in SHAPES] + \
+    [("kernel-mix-qvo-intermediate", "gpt2-like", "oproj")]
+
+# Launches per forward+backward (the redesign of issue 12's host side); a regression guard.
+BUDGET = {("kernel-mix-qvo-intermediate", "qkv"): 200,
+          ("kernel-mix-lite-qv-small", "qkv"): 200,
+          ("kernel-mix-qvo-intermediate", "oproj"): 200}
+
+
+@pytest.mark.parametrize("preset,shape,op", CASES)
+def test_launch_budget(preset, shape, op):
+    fwd, bwd = count(preset, shape, op)
+    assert fwd.total + bwd.total <= BUDGET[(preset, op)], (fwd.torch, fwd.triton, bwd.torch,
+                                                           bwd.triton)
+
+
+def main(argv):
+    verbose = "-v" in argv
+    print(f"{'preset':<28} {'shape':<10} {'op':<6} {'fwd':>4} {'(triton)':>8} {'bwd':>4} "
+          f"{'(triton)':>8} {'total':>5}")
+    for preset, shape, op in CASES:
+        fwd, bwd = count(preset, shape, op)
+        print(f"{preset:<28} {shape:<10} {op:<6} {fwd.total:4d} {sum(fwd.triton.values()):8d} "
+              f"{bwd.total:4d} {sum(bwd.triton.values()):8d} {fwd.total + bwd.total:5d}")
+        if verbose:
+            for name, lc in (("fwd", fwd), ("bwd", bwd)):
+                print(f"    {name} torch:  {dict(lc.torch.most_common())}")
+                print(f"    {name} triton: {dict(lc.triton)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
