@@ -25,7 +25,8 @@ from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.ops.headwise import (HeadFactors, headwise_lowrank, headwise_oproj,
                                  headwise_projection, headwise_qkv)
 from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
-                                     HeadwiseQKV, ProjRanks, attach_headwise)
+                                     HeadwiseQKV, ProjRanks)
+from kfused.integration.headwise import attach_headwise
 from kfused.integration import (AdapterConfig, inject, load, merge, merge_and_unload, preset,
                                 print_trainable_parameters, register_method, save, unmerge)
 from kfused.modules.lora import LoRALinear

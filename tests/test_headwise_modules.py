@@ -7,10 +7,13 @@ import torch
 from torch import nn
 
 from conftest import DEVICE
+from kfused.integration.headwise import HEADWISE_PRESETS as PRESETS
+from kfused.integration.headwise import adapter_parameters, attach_headwise
+from kfused.integration.headwise import headwise_parameter_count as count_parameters
+from kfused.integration.headwise import headwise_preset as preset
+from kfused.integration.headwise import mark_only_adapters_trainable, preset_table
 from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
-                                     HeadwiseQKV, ProjRanks, adapter_parameters,
-                                     attach_headwise, mark_only_adapters_trainable)
-from kfused.modules.headwise_presets import PRESETS, count_parameters, preset, preset_table
+                                     HeadwiseQKV, ProjRanks)
 from kfused.testing import assert_against_reference
 
 transformers = pytest.importorskip("transformers")

@@ -1,13 +1,15 @@
-"""Hugging Face integration (issue 5): inject adapters, train, save, reload, merge.
+"""Hugging Face integration: inject adapters, train, save, reload, merge.
 
     from kfused.integration import AdapterConfig, inject, save, load, merge
     inject(model, AdapterConfig(method="krona"))      # or inject(model, "lora-e2e")
     ... train ...; save(model, "ckpt/"); load(fresh_model, "ckpt/"); merge(model)
 
-Methods are plugged in through :func:`register_method` (see :mod:`kfused.integration.registry`).
+Methods are plugged in through :func:`register_method` (see :mod:`kfused.integration.registry`);
+where a model keeps its projections and attention blocks: :mod:`kfused.integration.arch`.
 """
 
-from kfused.integration.arch import ARCHS, ArchSpec, detect_arch, register_arch
+from kfused.integration.arch import (ARCHS, ArchSpec, AttentionBlock, AttentionLayout,
+                                     attention_blocks, detect_arch, register_arch)
 from kfused.integration.checkpoint import (CheckpointError, adapter_state_dict, load,
                                            read_checkpoint_config, save)
 from kfused.integration.config import PRESETS, AdapterConfig, preset
@@ -24,4 +26,5 @@ __all__ = [
     "use_backend", "adapter_state_dict", "read_checkpoint_config", "get_state", "unwrap", "InjectState",
     "CheckpointError", "register_method", "get_method", "methods", "is_mergeable", "MethodSpec",
     "Target", "register_arch", "ArchSpec", "ARCHS", "detect_arch", "merged_modules",
+    "AttentionLayout", "AttentionBlock", "attention_blocks",
 ]

@@ -550,7 +550,13 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
     meta, weights, wpath = _current(directory)
     cpath = os.path.join(os.path.dirname(wpath), CONFIG)
     try:
-        cfg = AdapterConfig.from_dict(meta["config"])
+        raw = dict(meta["config"])
+        # kfused 0.1 checkpoints wrote init="lora" for the methods' exact (or, for prefix
+        # tuning, default) start, which is what init=None means now; the loaded tensors replace
+        # the initial values in any case.
+        if raw.get("init") == "lora":
+            raw["init"] = None
+        cfg = AdapterConfig.from_dict(raw)
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{cpath}: invalid adapter config ({exc})") from exc
     if backend is not None:

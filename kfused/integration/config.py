@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from kfused.modules._init import INITS
+
 Rank = Union[int, Sequence[int]]
 
 
@@ -18,9 +20,9 @@ class AdapterConfig:
 
     Attributes:
         method: a registered method name (``kfused.integration.methods()`` lists them): "lora",
-            "krona", "krona_b", "krona_b_res", "parallel_adapter", and — once their modules land —
-            "kernel_wise", "kernel_wise_lite", "kernel_mix", "kernel_mix_lite", "inducer",
-            "inducer_lora", "mam_inducer", "prefix", "mam".
+            "krona", "krona_b", "krona_b_res", "parallel_adapter", "kernel_wise",
+            "kernel_wise_lite", "kernel_mix", "kernel_mix_lite", "inducer", "inducer_lora",
+            "mam_inducer", "prefix", "mam".
         targets: where to attach: role names ("q", "k", "v", "o", "qkv", "ffn_in", "ffn_out",
             "ffn", "attn"; see :mod:`kfused.integration.arch`) and/or regular expressions
             matched (``re.fullmatch``) against module names, or plain module-name suffixes.
@@ -32,8 +34,14 @@ class AdapterConfig:
         alpha: LoRA numerator (scale = alpha / r); None: alpha = r.
         scale: adapter output scale s for KronA / KronA^B / parallel adapters.
         a_shape, b_shape: KronA factor shapes (a_out, a_in) / (b_out, b_in); None: derived.
-        init: "lora" (exact start: the adapted model equals the frozen one), "random" (tests),
-            or a method-specific value (e.g. "paper" for Kernel-mix and inducer).
+        init: how the adapter parameters start, one vocabulary for every method (defined in
+            :mod:`kfused.modules._init`): "zero" (exact start: the adapted model equals the
+            frozen one), "random" (every factor kaiming-uniform: a non-zero update) or "paper"
+            (every tensor ``fmod(randn, 2)·0.01``, as the papers' released code). None: the
+            method's default, "zero" where the method has an exact start and "paper" for
+            prefix tuning, which has none. A method that cannot honour a value raises
+            ValueError at inject (``kfused.integration.methods()[name].inits`` lists each
+            method's values; a composite's parts can differ through ``options[part]``).
         dropout: adapter input dropout (LoRA).
         bias: block-parallel adapters get a learnable output bias (KronA^B).
         backend: kernel backend for the fused modules ("auto", "triton", "cuda", "reference";
@@ -54,7 +62,7 @@ class AdapterConfig:
     scale: float = 1.0
     a_shape: Optional[Tuple[int, int]] = None
     b_shape: Optional[Tuple[int, int]] = None
-    init: str = "lora"
+    init: Optional[str] = None
     dropout: float = 0.0
     bias: bool = False
     backend: Optional[str] = None
@@ -77,6 +85,10 @@ class AdapterConfig:
                 setattr(self, f, (int(v[0]), int(v[1])))
         if int(self.r) < 1:
             raise ValueError(f"r must be >= 1, got {self.r}")
+        if self.init is not None and self.init not in INITS:
+            raise ValueError(f"init={self.init!r} is not an init value; valid values: None (the "
+                             "method's default); "
+                             + "; ".join(f"{k!r} ({v})" for k, v in INITS.items()))
 
     def rank_for(self, role: Optional[str], name: str = "") -> Rank:
         """The rank for one target: ``ranks[role]``, else a ranks key that is a suffix of the
@@ -109,7 +121,9 @@ class AdapterConfig:
 
 
 # ------------------------------------------------------------------------------------------
-# Presets named after the papers' configurations. Values are AdapterConfig keyword arguments.
+# Presets named after the papers' configurations: the one preset table. Values are
+# AdapterConfig keyword arguments; kfused.integration.headwise derives the Kernel-mix paper's
+# HeadwiseConfig rows (and their closed-form parameter counts) from the same entries.
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # LoRA paper (004), GPT-2 on E2E: r = 4, alpha = 32 on W_q, W_v.
@@ -125,7 +139,9 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                          scale=16.0, bias=True),
     "krona_b_res-glue": dict(method="krona_b_res", targets=["ffn"], a_shape=(32, 24),
                              b_shape=(24, 32), scale=16.0, bias=True),
-    # Kernel-mix paper (000) table B.5; ranks are (wise, shared) per projection.
+    # Kernel-mix paper (000) table B.5; ranks are (wise, shared) per projection. LoRA-54: the
+    # table prints "0, 4"; its name and its 1.61 % budget mean rank 54 on q and v.
+    "lora-54": dict(method="lora", targets=["q", "v"], r=54),
     "kernel-mix-lite-qv-tiny": dict(method="kernel_mix_lite", targets=["q", "v"],
                                     ranks={"q": (1, 1), "v": (1, 1)}),
     "kernel-mix-lite-qv-small": dict(method="kernel_mix_lite", targets=["q", "v"],
@@ -138,6 +154,11 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     "kernel-mix-qvo-roberta-0.5pct": dict(method="kernel_mix", targets=["q", "v", "o"],
                                           ranks={"q": (1, 2), "v": (2, 4), "o": (2, 4)},
                                           options={"lite": ["v"]}),
+    # Kernel-mix paper (000) table 3 ablations (Kernel-wise only).
+    "kernel-wise-mq": dict(method="kernel_wise", targets=["q", "v"], ranks={"q": 12, "v": 4}),
+    "kernel-wise-mv": dict(method="kernel_wise", targets=["q", "v"], ranks={"q": 4, "v": 12}),
+    "kernel-wise-qvo": dict(method="kernel_wise", targets=["q", "v", "o"],
+                            ranks={"q": 5, "v": 10, "o": 10}, options={"lite": ["v"]}),
     # He et al. (002) §4.6: MAM adapter = prefix (l = 30) on attention + scaled parallel
     # adapter (r = 512, s = 4) on the FFN.
     "mam-adapter": dict(method="mam", options={"prefix": {"r": 30},

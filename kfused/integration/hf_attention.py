@@ -8,9 +8,14 @@ mask patterns the kernel cannot express (sliding window, chunked, packed sequenc
 masks) raise instead of being ignored.
 
 ``add_inducers(model, ...)`` attaches an :class:`~kfused.modules.inducer.InducerAttention` to
-every GPT-2, RoBERTa/BERT or Llama-style attention layer, wraps the output projection for the
-"add" composition (one GEMM over per-head ``[f_h | u_h]``), and switches the model to the
-implementation. Layers without an adapter run plain flash attention through the same kernel.
+every self-attention block :func:`kfused.integration.arch.attention_blocks` finds (GPT-2,
+RoBERTa/BERT, Llama-style), wraps the output projection for the "add" composition (one GEMM
+over per-head ``[f_h | u_h]``), and switches the model to the implementation. Layers without an
+adapter run plain flash attention through the same kernel. Models that add a learned bias to
+the attention scores (T5) are refused: the kernel takes no such bias.
+
+Prefix tuning keeps its prefix in place of the first positions when converted from PEFT:
+:func:`add_position_offset` shifts the model's token positions to match.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_archs,
+                                     detect_arch, model_type_of)
+from kfused.modules._init import check_init
+from kfused.modules._linear import linear_dims
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.ops.inducer import inducer_attention
 
@@ -106,29 +115,20 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
+def self_attention_blocks(model: nn.Module) -> List[AttentionBlock]:
+    """The self-attention blocks of ``model`` (inducer and prefix adapt these only)."""
+    return [b for b in attention_blocks(model) if not b.cross]
+
+
 def attention_layers(model: nn.Module) -> List[Tuple[nn.Module, nn.Module, str, int, int]]:
     """``(attention module, output-projection parent, attribute, heads, head_dim)`` for every
-    self-attention layer of GPT-2, RoBERTa/BERT and Llama-style models."""
-    found = []
-    for mod in model.modules():
-        name = type(mod).__name__
-        if hasattr(mod, "c_proj") and hasattr(mod, "c_attn") and name.endswith("Attention"):
-            if getattr(mod, "is_cross_attention", False):
-                continue
-            found.append((mod, mod, "c_proj", mod.num_heads, mod.head_dim))
-        elif hasattr(mod, "self") and hasattr(mod, "output") and hasattr(mod.output, "dense") \
-                and hasattr(mod.self, "num_attention_heads"):
-            s = mod.self
-            if not hasattr(s, "query") or "Cross" in type(s).__name__:
-                continue                      # self-attention only (as for GPT-2 above)
-            found.append((s, mod.output, "dense", s.num_attention_heads,
-                          s.attention_head_size))
-        elif hasattr(mod, "o_proj") and hasattr(mod, "q_proj") and hasattr(mod, "head_dim"):
-            cfg = getattr(mod, "config", None)
-            heads = (getattr(cfg, "num_attention_heads", None)
-                     or mod.q_proj.out_features // mod.head_dim)
-            found.append((mod, mod, "o_proj", heads, mod.head_dim))
-    return found
+    self-attention block: the module that runs attention and where its output projection is."""
+    out = []
+    for b in self_attention_blocks(model):
+        parent, _, attr = b.layout.o.rpartition(".")
+        out.append((b.get("attn"), b.module.get_submodule(parent) if parent else b.module, attr,
+                    b.n_heads, b.head_dim))
+    return out
 
 
 def attach_inducer(attention: nn.Module, adapter: InducerAttention, proj_parent: nn.Module,
@@ -142,21 +142,21 @@ def attach_inducer(attention: nn.Module, adapter: InducerAttention, proj_parent:
         setattr(proj_parent, proj_attr, InducerOutputProjection(base, adapter))
 
 
-_T5_MODEL_TYPES = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
-
-
 def unsupported_reason(model: nn.Module) -> Optional[str]:
     """Why inducer attention / prefix tuning cannot run on ``model``, or None if it can.
 
-    T5-family models add a learned relative position bias to every attention score (and use
-    no 1/√p scaling); the inducer kernel (SPEC §3) takes no additive score bias, so running it
-    would silently drop the bias and change the model. They are refused instead.
+    Models that add a learned bias to every attention score (T5's relative position bias, and
+    no 1/√p scaling) cannot: the inducer kernel (SPEC §3) takes no additive score bias, so
+    running it would silently drop the bias and change the model. They are refused instead.
+    The architecture says so (``ArchSpec.score_bias``); a module with a
+    ``relative_attention_bias`` marks a T5-family model of a type kfused has no layout for.
     """
-    mt = getattr(getattr(model, "config", None), "model_type", None)
-    t5_like = mt in _T5_MODEL_TYPES or any(
+    arch = detect_arch(model)
+    mt = model_type_of(model)
+    score_bias = (arch.score_bias if arch is not None else False) or any(
         hasattr(m, "has_relative_attention_bias") or isinstance(
             getattr(m, "relative_attention_bias", None), nn.Module) for m in model.modules())
-    if t5_like:
+    if score_bias:
         return (f"{type(model).__name__} (model_type={mt!r}) is a T5-family model: T5's relative "
                 "position bias is not supported by the inducer kernel (it adds a learned bias to "
                 "every attention score, which the kernel would drop, giving a wrong result)")
@@ -170,6 +170,30 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: cannot add inducer/prefix attention: {reason}")
 
 
+def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
+                         value_bottleneck: int = 4, composition: str = "add",
+                         prefix_len: int = 0, inducer: bool = True, init: str = "paper",
+                         backend: Optional[str] = None) -> InducerAttention:
+    """Put a new :class:`InducerAttention` on one self-attention block (float32 parameters on
+    the block's device) and point the block's attention at ``backend``; returns it."""
+    if block.cross:
+        raise ValueError(f"{block.name}: inducer/prefix attention adapts self-attention only")
+    attn = block.get("attn")
+    o = block.get("o")
+    if isinstance(o, InducerOutputProjection):
+        o = o.base
+    d_out = linear_dims(o)[1]
+    ad = InducerAttention(block.n_heads, block.head_dim, d_model=d_out,
+                          key_bottleneck=key_bottleneck, value_bottleneck=value_bottleneck,
+                          composition=composition, prefix_len=prefix_len, inducer=inducer,
+                          init=init, device=o.weight.device, dtype=torch.float32)
+    parent, _, attr = block.layout.o.rpartition(".")
+    attach_inducer(attn, ad, block.module.get_submodule(parent) if parent else block.module,
+                   attr)
+    attn.kfused_backend = backend
+    return ad
+
+
 def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck: int = 4,
                  composition: str = "add", prefix_len: int = 0, inducer: bool = True,
                  init: str = "paper", freeze_base: bool = True) -> List[InducerAttention]:
@@ -179,30 +203,27 @@ def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck:
     ``freeze_base`` (default True, like :func:`kfused.inject`): every parameter the model had
     before is set ``requires_grad=False``, so only the adapters train; pass False to keep the
     base's ``requires_grad`` flags as they were (full fine-tuning alongside the adapters).
+    ``init``: "paper" or "zero" (:mod:`kfused.modules._init`; "zero" needs ``inducer`` and no
+    prefix).
 
     Raises ValueError (before changing the model) for models the kernel cannot run exactly
     (T5's relative position bias, see :func:`unsupported_reason`) and for models with no
-    GPT-2, RoBERTa/BERT or Llama-style self-attention layer.
+    self-attention block of a known architecture.
     """
     check_supported(model)
-    layers = attention_layers(model)
-    if not layers:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: found no GPT-2, RoBERTa/BERT or Llama-style "
-                         f"self-attention layer in {type(model).__name__}")
+    blocks = self_attention_blocks(model)
+    if not blocks:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: found no {describe_archs()} self-attention "
+                         f"layer in {type(model).__name__}")
+    check_init(init, InducerAttention.inits_for(inducer, prefix_len), "add_inducers")
     register()
     if freeze_base:
         for p in model.parameters():
             p.requires_grad_(False)
-    adapters = []
-    for attn, parent, attr, heads, hd in layers:
-        w = getattr(parent, attr).weight
-        d_out = w.shape[0] if isinstance(getattr(parent, attr), nn.Linear) else w.shape[1]
-        ad = InducerAttention(heads, hd, d_model=d_out, key_bottleneck=key_bottleneck,
-                              value_bottleneck=value_bottleneck, composition=composition,
-                              prefix_len=prefix_len, inducer=inducer, init=init,
-                              device=w.device, dtype=torch.float32)
-        attach_inducer(attn, ad, parent, attr)
-        adapters.append(ad)
+    adapters = [attach_inducer_block(b, key_bottleneck=key_bottleneck,
+                                     value_bottleneck=value_bottleneck, composition=composition,
+                                     prefix_len=prefix_len, inducer=inducer, init=init)
+                for b in blocks]
     set_implementation(model)
     return adapters
 
@@ -218,7 +239,53 @@ def set_implementation(model: nn.Module) -> None:
     model.config._attn_implementation = ATTN_IMPLEMENTATION
 
 
+# ------------------------------------------------------------------------------------------
+# Token positions for prefixes converted from PEFT
+
+# ``options["position_offset"] = l`` (set by kfused.from_peft for PEFT prefix-tuning adapters):
+# PEFT keeps its prefix in the key/value cache, so the real tokens sit at positions l..l+n-1.
+# A forward pre-hook on the model gives kfused's prefix model the same positions. Only for models
+# whose default positions are ``arange(past, past + n)`` (GPT-2 and Llama-style causal LMs).
+POSITION_OFFSET_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+
+
+def check_position_offset(mt: Optional[str], offset: int) -> None:
+    """ValueError unless positions of model type ``mt`` can be shifted by ``offset``."""
+    if offset < 0:
+        raise ValueError(f"options['position_offset'] must be >= 0, got {offset}")
+    if mt not in POSITION_OFFSET_MODEL_TYPES:
+        raise ValueError(f"options['position_offset'] is supported for model types "
+                         f"{POSITION_OFFSET_MODEL_TYPES} (positions arange(past, past + n)); "
+                         f"this model is {mt!r}")
+
+
+def add_position_offset(model: nn.Module, offset: int):
+    """Shift the model's token positions by ``offset``: a forward pre-hook that passes
+    ``position_ids = arange(offset + past, offset + past + n)`` when none are given and adds
+    ``offset`` to explicit ones (as PEFT's prefix tuning does). Returns the hook handle."""
+
+    def hook(module, args, kwargs):
+        pos = kwargs.get("position_ids")
+        if pos is not None:
+            kwargs["position_ids"] = pos + offset
+            return args, kwargs
+        ref = kwargs.get("input_ids", args[0] if args else None)
+        if ref is None:
+            ref = kwargs.get("inputs_embeds")
+        if ref is None:
+            return None
+        past = kwargs.get("past_key_values")
+        start = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
+        n = ref.shape[1]
+        pos = torch.arange(offset + start, offset + start + n, device=ref.device)
+        kwargs["position_ids"] = pos.unsqueeze(0).expand(ref.shape[0], -1)
+        return args, kwargs
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 __all__ = ["ATTN_IMPLEMENTATION", "register", "add_inducers", "attach_inducer",
-           "unsupported_reason", "check_supported",
-           "attention_layers", "set_implementation", "kfused_inducer_attention_forward",
-           "kfused_inducer_mask"]
+           "attach_inducer_block", "unsupported_reason", "check_supported",
+           "self_attention_blocks", "attention_layers", "set_implementation",
+           "kfused_inducer_attention_forward", "kfused_inducer_mask", "add_position_offset",
+           "check_position_offset", "POSITION_OFFSET_MODEL_TYPES"]

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from kfused.integration import methods as _builtin_methods  # noqa: F401  (registers builtins)
-from kfused.integration.arch import ArchSpec, detect_arch, model_dims, model_type_of
+from kfused.integration.arch import (ArchSpec, attention_blocks, describe_archs, detect_arch,
+                                     model_dims, model_type_of)
 from kfused.integration.config import AdapterConfig, preset
 from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable, methods
 from kfused.modules._linear import is_conv1d as _is_conv1d, linear_dims
@@ -134,7 +135,8 @@ def _match_targets(model: nn.Module, targets: List[str], arch: Optional[ArchSpec
                    else (name == pat or name.endswith("." + pat)))
             if hit:
                 if role is None and arch is not None:  # infer the role so per-role ranks apply
-                    role = next((r for r, rx in arch.roles.items() if re.fullmatch(rx, name)), None)
+                    role = next((r for r, rx in arch.all_roles().items()
+                                 if re.fullmatch(rx, name)), None)
                 found.setdefault(name, (mod, role))
                 break
     if not found:
@@ -180,12 +182,40 @@ def _place_new_params(module: nn.Module, before, adapter_dtype, ref) -> None:
             b.data = b.data.to(ref.device)
 
 
-def _apply_model_level(model, part, cfg, arch, dims, before, adapter_dtype) -> List[str]:
+def _target(model, name, role, site, arch, dims, heads=None, head_dim=None) -> Target:
+    return Target(name=name, role=role, site=site, arch=arch, d_model=dims["d_model"],
+                  n_heads=heads or dims["n_heads"], head_dim=head_dim or dims["head_dim"],
+                  model_config=getattr(model, "config", None))
+
+
+def _apply_attention(model, part, cfg, arch, dims, exclude) -> list:
+    """Call the method's wrap on every attention block; returns the modules it placed."""
+    excl = [re.compile(e) for e in (exclude or [])]
+    blocks = [b for b in attention_blocks(model, arch)
+              if not any(e.fullmatch(b.name) for e in excl)]
+    if not blocks:
+        raise ValueError(f"method {part.name!r} adapts attention blocks, but found no "
+                         f"{describe_archs()} attention block in {type(model).__name__} "
+                         f"(model_type={model_type_of(model)!r}); pass AdapterConfig(arch=...) "
+                         "for a model of a known layout")
+    placed = []
+    for block in blocks:
+        target = _target(model, block.name, "attn", "attention", arch, dims, block.n_heads,
+                         block.head_dim)
+        placed.extend(part.wrap(block, target, cfg) or [])
+    if part.finish is not None:
+        part.finish(model, cfg)
+    return placed
+
+
+def _apply_whole(model, part, cfg, arch, dims, before, adapter_dtype, exclude) -> List[str]:
+    """The attention and model sites: the method places modules itself; they are named here
+    (by identity) and their new parameters moved to the base's device and adapter dtype."""
     ref = next(iter(model.parameters()), None)
-    target = Target(name="", role=None, site="model", arch=arch, d_model=dims["d_model"],
-                    n_heads=dims["n_heads"], head_dim=dims["head_dim"],
-                    model_config=getattr(model, "config", None))
-    placed = part.wrap(model, target, cfg)
+    if part.site == "attention":
+        placed = _apply_attention(model, part, cfg, arch, dims, exclude)
+    else:
+        placed = part.wrap(model, _target(model, "", None, "model", arch, dims), cfg)
     if isinstance(placed, dict):
         names = list(placed)
     else:
@@ -219,7 +249,6 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
             or None to build one from ``fields`` (e.g. ``inject(model, method="lora", r=4)``).
     Raises:
         ValueError: unknown method, no matching module, wrong module type, already injected.
-        NotImplementedError: a declared method whose modules are not installed.
     """
     if isinstance(config, str):
         config = preset(config, **fields)
@@ -237,15 +266,17 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     adapter_dtype = _resolve_dtype(config.adapter_dtype)
     before = {id(t) for t in target_model.parameters()} | {id(t) for t in target_model.buffers()}
 
-    plan = sorted(_expand(spec, config), key=lambda pc: _SITE_ORDER[pc[0].site])
+    plan = sorted(((part, cfg.replace(init=part.resolve_init(cfg.init)))
+                   for part, cfg in _expand(spec, config)),
+                  key=lambda pc: _SITE_ORDER[pc[0].site])
     for part, _ in plan:  # refuse unsupported models before any part changes the model
         if part.check is not None:
             part.check(target_model, arch)
     adapted: List[str] = []
     for part, cfg in plan:
-        if part.site == "model":
-            adapted.extend(_apply_model_level(target_model, part, cfg, arch, dims, before,
-                                              adapter_dtype))
+        if part.site in ("attention", "model"):
+            adapted.extend(_apply_whole(target_model, part, cfg, arch, dims, before,
+                                        adapter_dtype, cfg.exclude))
             continue
         targets = cfg.targets if cfg.targets is not None else part.targets_for(arch)
         if targets is None:
@@ -255,10 +286,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
                                                  part.name):
             if any(name == a or name.startswith(a + ".") for a in adapted):
                 continue  # inside an adapter already placed (e.g. its frozen base)
-            target = Target(name=name, role=role, site=part.site, arch=arch,
-                            d_model=dims["d_model"], n_heads=dims["n_heads"],
-                            head_dim=dims["head_dim"],
-                            model_config=getattr(target_model, "config", None))
+            target = _target(target_model, name, role, part.site, arch, dims)
             ref = next(iter(module.parameters()), None)
             if part.site == "linear":
                 if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
@@ -324,16 +352,8 @@ def use_backend(backend: Optional[str]):
 
 
 def mergeable_methods() -> List[str]:
-    """Names of the registered methods that merge() can fold (plugins loaded first)."""
-    names = []
-    for name in sorted(methods()):
-        try:
-            get_method(name)
-        except (NotImplementedError, ValueError):
-            continue
-        if is_mergeable(name):
-            names.append(name)
-    return names
+    """Names of the registered methods that merge() can fold."""
+    return [name for name in sorted(methods()) if is_mergeable(name)]
 
 
 def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:

@@ -1,18 +1,27 @@
-"""Built-in methods (LoRA, KronA, KronA^B, KronA^B_res, scaled parallel adapter) and the
-declarations of the methods whose modules land separately (Kernel-wise/-mix, inducer, prefix).
+"""Every built-in method, registered with :func:`kfused.integration.registry.register_method`:
+LoRA, KronA (linear sites), KronA^B, KronA^B_res, the scaled parallel adapter (block sites),
+Kernel-wise/-lite and Kernel-mix/-lite, inducer and prefix (attention sites) and the
+composites. ``_lora`` and ``_krona_b`` are complete examples of a method; the registry's
+docstring gives the contract.
 
-To plug one of the declared methods in, create the plugin module named below (for example
-``kfused/integration/methods_headwise.py``) containing one ``wrap`` function per method and a
-``register_method(...)`` call; see :mod:`kfused.integration.registry` for the contract and
-``_lora`` / ``_krona_b`` below for complete examples.
+Each method's ``inits`` are what its modules honour (see :mod:`kfused.modules._init`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from kfused.integration.arch import AttentionBlock
 from kfused.integration.config import AdapterConfig
+from kfused.integration.headwise import attach_headwise_block, headwise_config, use_module_backend
+from kfused.integration.hf_attention import (add_position_offset, attach_inducer_block,
+                                             check_position_offset, check_supported,
+                                             register as register_attention,
+                                             set_implementation)
 from kfused.integration.registry import Target, register_method
+from kfused.modules._init import PAIR_INITS
+from kfused.modules.headwise import INITS as HEADWISE_INITS
+from kfused.modules.inducer import InducerAttention
 from kfused.modules.krona import KronABlock, KronALinear
 from kfused.modules.lora import LoRALinear
 from kfused.modules.parallel_adapter import ScaledParallelAdapter
@@ -64,44 +73,105 @@ def _parallel_adapter(module: nn.Module, target: Target, cfg: AdapterConfig):
                                  init=cfg.init, backend=cfg.backend)
 
 
+# ------------------------------------------------------------------------------------------
+# attention sites
+
+
+def _headwise(block: AttentionBlock, target: Target, cfg: AdapterConfig):
+    placed = attach_headwise_block(block, headwise_config(cfg))
+    for mod in placed.values():
+        use_module_backend(mod, cfg.backend)
+    return list(placed.values())
+
+
+def _inducer_options(cfg: AdapterConfig, inducer: bool) -> dict:
+    o = cfg.options
+    if inducer:
+        return dict(key_bottleneck=int(o.get("key_bottleneck", cfg.r)),
+                    value_bottleneck=int(o.get("value_bottleneck", cfg.r)),
+                    prefix_len=int(o.get("prefix_len", 0)), inducer=True)
+    return dict(prefix_len=int(cfg.r), inducer=False)
+
+
+def _inducer_wrap(inducer: bool):
+    """inducer: key bottleneck L = ``options["key_bottleneck"]`` (default ``r``), value
+    bottleneck ``options["value_bottleneck"]`` (default ``r``), ``options["prefix_len"]``
+    prefix columns (default 0). prefix: ``r`` is the prefix length l. Both: composition =
+    ``options["composition"]`` ("add" default, or "gate"); self-attention blocks only."""
+
+    def wrap(block: AttentionBlock, target: Target, cfg: AdapterConfig):
+        offset = int(cfg.options.get("position_offset", 0) or 0)
+        if offset and not inducer:
+            check_position_offset(getattr(target.model_config, "model_type", None), offset)
+        if block.cross:
+            return []
+        register_attention()
+        return [attach_inducer_block(block, composition=cfg.options.get("composition", "add"),
+                                     init=cfg.init, backend=cfg.backend,
+                                     **_inducer_options(cfg, inducer))]
+
+    return wrap
+
+
+def _inducer_finish(model: nn.Module, cfg: AdapterConfig) -> None:
+    set_implementation(model)
+
+
+def _prefix_finish(model: nn.Module, cfg: AdapterConfig) -> None:
+    """``options["position_offset"]`` (GPT-2 / Llama-style models; checked by the wrap before
+    any block changes) shifts the token positions by that many, as PEFT's prefix tuning does
+    (see :func:`add_position_offset`)."""
+    set_implementation(model)
+    offset = int(cfg.options.get("position_offset", 0) or 0)
+    if offset:
+        add_position_offset(model, offset)
+
+
+def _inducer_check(model: nn.Module, arch) -> None:
+    # T5's relative position bias is not an input of the inducer kernel: refuse, never drop it
+    check_supported(model)
+
+
 QV = {"gpt2": ["qkv"], "*": ["q", "v"]}
 FFN = {"*": ["ffn"]}
-ATTN = {"*": ["attn"]}
 
 register_method("lora", site="linear", wrap=_lora, default_targets=QV, mergeable=True,
+                inits=LoRALinear.INITS,
                 description="LoRA: x Wᵀ + b + (alpha/r)·(x Aᵀ) Bᵀ", paper="004")
 register_method("krona", site="linear", wrap=_krona, default_targets=QV, mergeable=True,
+                inits=KronALinear.INITS,
                 description="KronA: x Wᵀ + b + s·(A ⊗ B) x (fused with the frozen GEMM)",
                 paper="003")
 register_method("krona_b", site="block", wrap=_krona_b, default_targets=FFN,
+                inits=KronABlock.INITS,
                 description="KronA^B: FFN(x) + s·(A ⊗ B) x parallel to the FFN block",
                 paper="003")
 register_method("krona_b_res", site="block", wrap=_krona_b_res, default_targets=FFN,
+                inits=KronABlock.INITS,
                 description="KronA^B_res: KronA^B + learnable s_res·x", paper="003")
 register_method("parallel_adapter", site="block", wrap=_parallel_adapter, default_targets=FFN,
+                inits=ScaledParallelAdapter.INITS,
                 description="scaled parallel adapter: FFN(x) + s·ReLU(x W_down) W_up",
                 paper="002")
 
-# ------------------------------------------------------------------------------------------
-# declared: implementations register themselves from these plugin modules when they land.
-
-_HEADWISE = "kfused.integration.methods_headwise"
-_INDUCER = "kfused.integration.methods_inducer"
-
+# Kernel-wise/-mix: cfg.targets are the projections of each block (q, v, o; default q, v) and
+# cfg.ranks their ranks, see kfused.integration.headwise.headwise_config.
 for _name, _desc in [
         ("kernel_wise", "Kernel-wise: per-head low-rank updates (SPEC §2)"),
         ("kernel_wise_lite", "Kernel-wise-lite: per-head updates on the key basis (SPEC §2)"),
         ("kernel_mix", "Kernel-mix: shared LoRA + Kernel-wise (SPEC §2)"),
         ("kernel_mix_lite", "Kernel-mix-lite: shared LoRA + Kernel-wise-lite (SPEC §2)")]:
-    register_method(_name, site="model", default_targets={"*": ["q", "v"]},
-                    description=_desc, paper="000", plugin=_HEADWISE)
+    register_method(_name, site="attention", wrap=_headwise, mergeable=True,
+                    inits=HEADWISE_INITS, description=_desc, paper="000")
 
-register_method("inducer", site="model", default_targets=ATTN, paper="001",
-                description="inducer attention: a per-query virtual key/value column (SPEC §3)",
-                plugin=_INDUCER)
-register_method("prefix", site="model", default_targets=ATTN, paper="002",
-                description="prefix tuning: l learned key/value columns per head (SPEC §3)",
-                plugin=_INDUCER)
+register_method("inducer", site="attention", wrap=_inducer_wrap(True), paper="001",
+                inits=InducerAttention.inits_for(True, 0), check=_inducer_check,
+                finish=_inducer_finish,
+                description="inducer attention: a per-query virtual key/value column (SPEC §3)")
+register_method("prefix", site="attention", wrap=_inducer_wrap(False), paper="002",
+                inits=InducerAttention.inits_for(False, 1), default_init="paper",
+                check=_inducer_check, finish=_prefix_finish,
+                description="prefix tuning: l learned key/value columns per head (SPEC §3)")
 
 # Composites: linear parts first, so the attention wrappers contain the adapted projections.
 register_method("inducer_lora", site="composite",

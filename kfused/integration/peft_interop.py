@@ -299,7 +299,7 @@ def _build_config(sites: List[_Site], method: str, backend, adapter_dtype) -> Ad
         ranks = {s.name: s.r for s in sites if s.r != r0}
         return AdapterConfig(method="lora", targets=names, r=r0, ranks=ranks, alpha=a0,
                              dropout=drops.pop(), backend=backend, adapter_dtype=dt,
-                             init="lora")
+                             init="zero")
     scales = {s.alpha for s in sites}
     if len(scales) > 1:
         raise PeftConversionError(
@@ -322,7 +322,7 @@ def _build_config(sites: List[_Site], method: str, backend, adapter_dtype) -> Ad
         chosen = (None, None)
         options["krona_shapes"] = {n: [list(a), list(b)] for n, (a, b) in shapes.items()}
     return AdapterConfig(method="krona", targets=names, a_shape=chosen[0], b_shape=chosen[1],
-                         scale=scales.pop(), backend=backend, adapter_dtype=dt, init="lora",
+                         scale=scales.pop(), backend=backend, adapter_dtype=dt, init="zero",
                          options=options)
 
 
@@ -374,8 +374,8 @@ def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
 
 def _check_prefix_model(base: nn.Module, cfg, where: str) -> None:
     from kfused.integration.arch import model_dims
-    from kfused.integration.hf_attention import attention_layers, unsupported_reason
-    from kfused.integration.methods_inducer import POSITION_OFFSET_MODEL_TYPES
+    from kfused.integration.hf_attention import (POSITION_OFFSET_MODEL_TYPES,
+                                                 self_attention_blocks, unsupported_reason)
 
     mcfg = getattr(base, "config", None)
     mt = getattr(mcfg, "model_type", None)
@@ -388,14 +388,13 @@ def _check_prefix_model(base: nn.Module, cfg, where: str) -> None:
     if reason is not None:
         raise PeftConversionError(f"{where}: {reason}")
     dims = model_dims(base)
-    H, p = dims["n_heads"], dims["head_dim"]
-    kv = getattr(mcfg, "num_key_value_heads", None) or H
+    H, p, kv = dims["n_heads"], dims["head_dim"], dims["n_kv_heads"]
     if kv != H:
         raise PeftConversionError(
             f"{where}: the model uses grouped-query attention ({kv} key/value heads for {H} "
             "query heads): PEFT keeps one prefix per key/value head and kfused one per query "
             "head, so the adapter gradients (and training) would differ")
-    n_layers = len(attention_layers(base))
+    n_layers = len(self_attention_blocks(base))
     want = {"num_layers": n_layers, "num_attention_heads": H, "token_dim": H * p}
     got = {k: getattr(cfg, k, None) for k in want}
     if got != want:

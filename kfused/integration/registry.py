@@ -2,49 +2,51 @@
 
 A method is a :class:`MethodSpec`. Most methods need one function,
 
-    wrap(module: nn.Module, target: Target, cfg: AdapterConfig) -> nn.Module
+    wrap(site, target: Target, cfg: AdapterConfig) -> replacement or placed modules
 
-that receives the frozen module found at a target site and returns its replacement (the
-replacement owns the original as a submodule and the new adapter parameters). The framework
-finds the sites, calls ``wrap``, swaps the module in place, freezes the base, makes the new
-parameters trainable (in ``cfg.adapter_dtype``), and saves, loads, merges and reports them —
-a method never deals with checkpoints or freezing.
+that receives what inject found at a target site. The framework finds the sites (through
+:mod:`kfused.integration.arch`), calls ``wrap``, swaps modules in place, freezes the base, makes
+the new parameters trainable (in ``cfg.adapter_dtype``), and saves, loads, merges and reports
+them — a method never deals with checkpoints or freezing. ``cfg.init`` reaches ``wrap``
+resolved: the method's ``default_init`` for None, and always one of the method's ``inits``
+(inject raises ValueError otherwise, naming the value and the accepted ones).
 
 Sites:
-    "linear"    nn.Linear / transformers Conv1D (roles q k v o qkv ffn_in ffn_out).
+    "linear"    nn.Linear / transformers Conv1D (roles q k v o qkv ffn_in ffn_out); ``wrap``
+                gets the frozen module and returns its replacement (which owns the original as
+                a submodule and the new adapter parameters).
     "block"     a whole block for block-parallel adapters (role ffn); ``wrap`` returns a module
                 called as ``m(x, *args, **kw)`` computing ``block(x) + Δ(x)``. For BERT's
                 ``XOutput(h, x)`` the framework hands ``wrap`` a zero block and adds the
                 returned module's output before the LayerNorm (see ``_BertOutputParallel``).
-    "attention" the attention module (role attn) for methods that change attention itself
-                (inducer, prefix). ``wrap`` gets the HF attention module and ``target`` (with
-                d_model, n_heads, head_dim, arch) and returns a drop-in replacement that keeps
-                the original's forward signature.
-    "model"     the whole model, for methods whose own attach function walks the model (e.g.
-                ``attach_headwise(model, cfg)``, ``add_inducers(model, ...)``). ``wrap`` gets
-                the model, a Target with ``name=""`` and the config, changes the model in place
-                and returns the adapter modules it placed, as ``{name: module}`` or a list of
-                modules (names are then looked up). New parameters are found by identity, so
-                the apply function may create them anywhere.
+    "attention" every attention block (:func:`kfused.integration.arch.attention_blocks`), for
+                methods that adapt several projections of a block together (Kernel-wise/-mix)
+                or attention itself (inducer, prefix). ``wrap`` gets the
+                :class:`~kfused.integration.arch.AttentionBlock` (projections, head counts,
+                head width, cross-attention) and a Target with the block's name, changes the
+                block in place and returns the adapter modules it placed (a list; may be
+                empty for a block the method leaves alone). ``finish(model, cfg)``, if given,
+                runs once after every block (e.g. to switch the attention implementation).
+    "model"     the whole model, for third-party methods with their own attach function.
+                ``wrap`` gets the model, a Target with ``name=""`` and the config, changes the
+                model in place and returns the adapter modules it placed, as ``{name: module}``
+                or a list of modules (names are then looked up). New parameters are found by
+                identity, so the apply function may create them anywhere.
     Composite methods list ``parts``: ``(method, default_targets or None)`` applied in order
     (linear parts first is best: later attention/block wrappers then contain the adapted
     linears). Per-part overrides come from ``cfg.options[part]``.
-
-Methods whose modules are not installed yet are *declared* with ``plugin="module.path"``: the
-first inject() with that method imports the module, which must call :func:`register_method`
-for it (replacing the declaration). Until then inject raises NotImplementedError naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from kfused.integration.arch import ArchSpec
 from kfused.integration.config import AdapterConfig
+from kfused.modules._init import INITS, check_init
 
 SITES = ("linear", "block", "attention", "model", "composite")
 
@@ -55,7 +57,7 @@ class Target:
 
     name: str                      # full module name, e.g. "transformer.h.0.attn.c_attn"
     role: Optional[str]            # canonical role ("qkv", "v", "ffn", ...) or None (regex target)
-    site: str                      # "linear" | "block" | "attention"
+    site: str                      # "linear" | "block" | "attention" | "model"
     arch: Optional[ArchSpec]
     d_model: Optional[int]
     n_heads: Optional[int]
@@ -78,7 +80,12 @@ class MethodSpec:
     parts: Tuple[Tuple[str, Optional[List[str]]], ...] = ()
     description: str = ""
     paper: str = ""
-    plugin: Optional[str] = None   # module that registers the real implementation on import
+    # the init values the method honours (see kfused.modules._init) and the one None means;
+    # a composite honours the values every part honours, and each part resolves None itself
+    inits: Tuple[str, ...] = tuple(INITS)
+    default_init: Optional[str] = "zero"
+    # attention site: finish(model, cfg) runs once after wrap has seen every block
+    finish: Optional[Callable[[nn.Module, AdapterConfig], None]] = None
     # check(model, arch) raises ValueError if the method cannot run on this model; inject calls
     # it for every part before changing the model (so a refused composite leaves no residue)
     check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None
@@ -90,9 +97,10 @@ class MethodSpec:
             return list(self.default_targets["*"])
         return None
 
-    @property
-    def available(self) -> bool:
-        return self.site == "composite" or self.wrap is not None
+    def resolve_init(self, init: Optional[str]) -> str:
+        """``init`` (None: the default) if this method honours it, else ValueError."""
+        return check_init(self.default_init if init is None else init, self.inits,
+                          f"method {self.name!r}")
 
 
 _METHODS: Dict[str, MethodSpec] = {}
@@ -102,19 +110,24 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
                     default_targets: Optional[Dict[str, Sequence[str]]] = None,
                     mergeable: bool = False,
                     parts: Sequence[Tuple[str, Optional[Sequence[str]]]] = (),
-                    description: str = "", paper: str = "", plugin: Optional[str] = None,
+                    description: str = "", paper: str = "",
+                    inits: Sequence[str] = tuple(INITS), default_init: str = "zero",
+                    finish: Optional[Callable[[nn.Module, AdapterConfig], None]] = None,
                     check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None,
                     replace: bool = True) -> MethodSpec:
     """Register (or replace) an adapter method. See the module docstring for the contract.
 
     Args:
         name: the ``AdapterConfig.method`` value.
-        site: "linear", "block", "attention" or "composite".
-        wrap: the module factory (None for composites and for plugin declarations).
+        site: "linear", "block", "attention", "model" or "composite".
+        wrap: the module factory (None for composites).
         default_targets: arch name ("gpt2", "llama", "bert", "t5", or "*" for any) -> roles.
         mergeable: the method's modules implement ``merge()`` / ``unmerge()`` exactly.
         parts: for composites, ``(method, targets or None)`` in application order.
-        plugin: import path of the module that registers the implementation.
+        inits: the init values (:mod:`kfused.modules._init`) the method honours; default_init:
+            the one ``init=None`` means. Composites: both derived (the values every part
+            honours; each part resolves None to its own default).
+        finish: attention site only: ``finish(model, cfg)`` after every block is adapted.
         check: ``check(model, arch)`` raising ValueError (with the reason) when the method
             cannot run on ``model``; called by inject before any part changes the model.
     """
@@ -122,6 +135,18 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         raise ValueError(f"site must be one of {SITES}, got {site!r}")
     if site == "composite" and not parts:
         raise ValueError(f"composite method {name!r} needs parts")
+    if site != "composite" and wrap is None:
+        raise ValueError(f"method {name!r} needs a wrap function")
+    if site == "composite":
+        inits = tuple(i for i in INITS
+                      if all(p not in _METHODS or i in _METHODS[p].inits for p, _ in parts))
+        default_init = None
+    else:
+        for value in (*inits, default_init):
+            check_init(value, tuple(INITS), f"method {name!r}")
+        if default_init not in inits:
+            raise ValueError(f"method {name!r}: default_init={default_init!r} is not among its "
+                             f"inits {tuple(inits)}")
     if not replace and name in _METHODS:
         raise ValueError(f"method {name!r} is already registered")
     spec = MethodSpec(
@@ -129,32 +154,18 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         default_targets={k: list(v) for k, v in (default_targets or {}).items()},
         mergeable=mergeable,
         parts=tuple((p, list(t) if t is not None else None) for p, t in parts),
-        description=description, paper=paper, plugin=plugin, check=check)
+        description=description, paper=paper, inits=tuple(inits), default_init=default_init,
+        finish=finish, check=check)
     _METHODS[name] = spec
     return spec
 
 
 def get_method(name: str) -> MethodSpec:
-    """The spec for ``name``, importing its plugin first if it is only declared."""
+    """The spec registered as ``name``."""
     if name not in _METHODS:
         raise ValueError(f"unknown adapter method {name!r}; "
                          f"registered: {', '.join(sorted(_METHODS))}")
-    spec = _METHODS[name]
-    if not spec.available and spec.plugin:
-        try:
-            importlib.import_module(spec.plugin)
-        except ImportError as exc:
-            raise NotImplementedError(
-                f"adapter method {name!r} is declared but not installed: importing its plugin "
-                f"{spec.plugin!r} failed ({exc}). It lands with the {spec.description or name} "
-                "modules; the plugin must call kfused.integration.register_method("
-                f"{name!r}, site=..., wrap=...).") from exc
-        spec = _METHODS[name]
-    if not spec.available:
-        raise NotImplementedError(
-            f"adapter method {name!r} is declared but has no implementation registered"
-            + (f" (plugin {spec.plugin!r} did not register it)" if spec.plugin else ""))
-    return spec
+    return _METHODS[name]
 
 
 def is_mergeable(name: str) -> bool:
@@ -165,5 +176,5 @@ def is_mergeable(name: str) -> bool:
 
 
 def methods() -> Dict[str, MethodSpec]:
-    """Every registered or declared method by name."""
+    """Every registered method by name."""
     return dict(_METHODS)

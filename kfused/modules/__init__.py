@@ -1,12 +1,13 @@
-"""nn.Modules: they own adapter parameters and call the functional ops."""
+"""nn.Modules: they own adapter parameters (and their init, merge/unmerge and factorization)
+and call the functional ops. Placing them in a model is :mod:`kfused.integration`'s work."""
 
 from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
-                                     HeadwiseQKV, ProjRanks, attach_headwise)
-from kfused.modules.headwise_presets import PRESETS as HEADWISE_PRESETS
+                                     HeadwiseQKV, ProjRanks)
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.modules.krona import KronABlock, KronALinear, factorize
 from kfused.modules.lora import LoRALinear
+from kfused.modules.parallel_adapter import ScaledParallelAdapter
 
 __all__ = ["KronALinear", "KronABlock", "factorize", "LoRALinear", "HeadwiseConfig",
-           "HeadwiseOutput", "HeadwiseProjection", "HeadwiseQKV", "ProjRanks", "attach_headwise",
-           "HEADWISE_PRESETS", "InducerAttention", "InducerOutputProjection"]
+           "HeadwiseOutput", "HeadwiseProjection", "HeadwiseQKV", "ProjRanks",
+           "InducerAttention", "InducerOutputProjection", "ScaledParallelAdapter"]

@@ -5,31 +5,8 @@ from __future__ import annotations
 
 from typing import Tuple
 
-import math
-
 import torch
 from torch import nn
-
-INITS = ("lora", "random")
-
-
-def check_init(init: str) -> str:
-    if init not in INITS:
-        raise ValueError("init must be 'lora' (first factor kaiming-uniform, second = 0) or "
-                         f"'random', got {init!r}")
-    return init
-
-
-def lora_init_(first: torch.Tensor, second: torch.Tensor, init: str) -> None:
-    """The LoRA / LyCORIS init of a factor pair: ``first`` kaiming-uniform (a=√5) and
-    ``second`` zero, so the adapted model starts exactly at the frozen one; "random" makes
-    both kaiming-uniform (tests and benchmarks)."""
-    nn.init.kaiming_uniform_(first, a=math.sqrt(5))
-    if init == "lora":
-        nn.init.zeros_(second)
-    else:
-        nn.init.kaiming_uniform_(second, a=math.sqrt(5))
-
 
 def is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT-2): weight is (in, out) and y = x @ W + b."""

@@ -17,10 +17,11 @@ of :mod:`kfused.ops.headwise`:
 
 Ranks are given per projection with :class:`ProjRanks` (``wise`` = Kernel-wise rank with basis
 X, ``lite`` = Kernel-wise-lite rank with basis K, ``shared`` = LoRA rank), as in SPEC §2's
-table. ``init="lora"`` (default: A kaiming-uniform(a=√5) per head, B = 0, c = 0, so the
-adapted model starts exactly at the frozen one) or ``init="paper"`` (``fmod(randn, 2)·0.01``
-for A, B and c, as the released code). The per-head part has scale 1; the shared part has
-scale ``scale`` (default 1).
+table. ``init`` takes the values of :mod:`kfused.modules._init`: "zero" (default: A
+kaiming-uniform(a=√5) per head, B = 0, c = 0, so the adapted model starts exactly at the frozen
+one), "random" (A and B kaiming-uniform, c = 0) or "paper" (``fmod(randn, 2)·0.01`` for A, B
+and c, as the released code). The per-head part has scale 1; the shared part has scale
+``scale`` (default 1).
 
 Grouped-query attention (Llama with ``num_key_value_heads < num_attention_heads``): lite on q
 uses, for query head h, the key head it attends with, ``h // (H / H_kv)``; lite on v (which
@@ -31,29 +32,27 @@ head share the basis ``W_k^{g(h)}`` but keep their own A_h, B_h.
 formed once); ``unmerge()`` subtracts the same ΔW. While merged, the module runs the plain
 frozen projection. Do not train while merged.
 
-Hugging Face: :func:`attach_headwise` replaces the projections of every attention block of a
-GPT-2, BERT/RoBERTa, Llama-style or T5 model according to a :class:`HeadwiseConfig` and freezes
-nothing else by itself (use :func:`mark_only_adapters_trainable`).
+Placing these modules in a Hugging Face model: :func:`kfused.integration.headwise.attach_headwise`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
+from kfused.modules._init import check_init, init_pair_
+from kfused.modules._linear import is_conv1d
 from kfused.ops.headwise import (HeadFactors, headwise_oproj, headwise_projection,
                                  headwise_qkv)
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 
 __all__ = ["ProjRanks", "HeadwiseConfig", "HeadwiseProjection", "HeadwiseQKV",
-           "HeadwiseOutput", "attach_headwise", "mark_only_adapters_trainable",
-           "adapter_parameters"]
+           "HeadwiseOutput", "HEADWISE_MODULES"]
 
-INITS = ("lora", "paper")
+INITS = ("zero", "random", "paper")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,29 +88,23 @@ class HeadwiseConfig:
     v: ProjRanks = ProjRanks()
     o: ProjRanks = ProjRanks()
     scale: float = 1.0
-    init: str = "lora"
+    init: str = "zero"
     head_bias: Optional[bool] = None
 
     def __post_init__(self):
         if self.o.lite:
             raise ValueError("HeadwiseConfig.o.lite must be 0: Kernel-wise-lite is defined for "
                              "q and v only (SPEC §2)")
-        if self.init not in INITS:
-            raise ValueError(f"init={self.init!r}; expected one of {INITS}")
+        check_init(self.init, INITS, "HeadwiseConfig")
 
 
 # ------------------------------------------------------------------------------------------
 # Frozen-weight access (no copies)
 
 
-def _is_conv1d(mod: nn.Module) -> bool:
-    # transformers.pytorch_utils.Conv1D: weight (in, out), y = x @ W + b.
-    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")
-
-
 def _linear_weight(mod: nn.Module) -> torch.Tensor:
     """The module's weight as an (out, in) view."""
-    return mod.weight.t() if _is_conv1d(mod) else mod.weight
+    return mod.weight.t() if is_conv1d(mod) else mod.weight
 
 
 def _out_in(mod: nn.Module) -> Tuple[int, int]:
@@ -119,30 +112,21 @@ def _out_in(mod: nn.Module) -> Tuple[int, int]:
     return w.shape[0], w.shape[1]
 
 
+def _head_width(width: int, n_heads: int, what: str, heads: str = "n_heads") -> int:
+    """The head width p of ``width`` features split into ``n_heads`` heads (ValueError if
+    they do not split)."""
+    if n_heads < 1 or width % n_heads != 0:
+        raise ValueError(f"{what} has {width} features, which do not split into "
+                         f"{heads}={n_heads} heads")
+    return width // n_heads
+
+
 def _add_to_weight(mod: nn.Module, dW: torch.Tensor, rows: slice = slice(None)) -> None:
     """Add an (out, in) update to rows ``rows`` of the module's (out, in) weight, in place."""
-    if _is_conv1d(mod):
+    if is_conv1d(mod):
         mod.weight.data[:, rows] += dW.t().to(mod.weight.dtype)
     else:
         mod.weight.data[rows] += dW.to(mod.weight.dtype)
-
-
-def _init_factors(init: str, A: Optional[nn.Parameter], B: Optional[nn.Parameter],
-                  c: Optional[nn.Parameter]) -> None:
-    with torch.no_grad():
-        if init == "lora":
-            if A is not None:
-                fan_in = A.shape[-1]
-                bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=√5) of each (r, d_in) block
-                A.uniform_(-bound, bound)
-            if B is not None:
-                B.zero_()
-            if c is not None:
-                c.zero_()
-        else:
-            for t in (A, B, c):
-                if t is not None:
-                    t.copy_(torch.fmod(torch.randn_like(t), 2) * 0.01)
 
 
 class _QVFactors(nn.Module):
@@ -166,13 +150,12 @@ class _QVFactors(nn.Module):
         self.c = P(H, p) if (head_bias and has_head) else None
         self.reset_parameters(init)
 
-    def reset_parameters(self, init: str = "lora") -> None:
-        if init not in INITS:
-            raise ValueError(f"init={init!r}; expected one of {INITS}")
-        _init_factors(init, self.shared_A, self.shared_B, None)
-        _init_factors(init, self.wise_A, self.wise_B, None)
-        _init_factors(init, self.lite_A, self.lite_B, None)
-        _init_factors(init, None, None, self.c)
+    def reset_parameters(self, init: str = "zero") -> None:
+        check_init(init, INITS, "headwise q/v adapter")
+        init_pair_(self.shared_A, self.shared_B, init)
+        init_pair_(self.wise_A, self.wise_B, init)
+        init_pair_(self.lite_A, self.lite_B, init)
+        init_pair_(None, None, init, bias=self.c)
 
     def factors(self) -> HeadFactors:
         wise = self.wise_A is not None
@@ -184,9 +167,10 @@ class _QVFactors(nn.Module):
 
 
 class _FoldsIntoBase:
-    """merge()/unmerge() for an adapter of one frozen projection ``self.base``: folds
-    ``delta_weight() -> (dW, db)`` in (exact float round trip: the same delta is added, then
-    subtracted). Subclasses say with ``_active()`` whether any update exists."""
+    """merge()/unmerge(): ``_fold(+1)`` adds the update to the frozen weights, ``_fold(-1)``
+    subtracts the same update (an exact float round trip). The default ``_fold`` folds
+    ``delta_weight() -> (dW, db)`` into one frozen projection ``self.base`` when ``_active()``;
+    modules over several projections override ``_fold``."""
 
     def _active(self) -> bool:
         raise NotImplementedError
@@ -226,15 +210,12 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
 
     def __init__(self, base: nn.Module, n_heads: int, ranks: ProjRanks, *,
                  key: Optional[nn.Module] = None, n_key_heads: Optional[int] = None,
-                 scale: float = 1.0, head_bias: Optional[bool] = None, init: str = "lora"):
+                 scale: float = 1.0, head_bias: Optional[bool] = None, init: str = "zero"):
         super().__init__()
         out, d = _out_in(base)
         if head_bias is None:
             head_bias = getattr(base, "bias", None) is not None
-        if out % n_heads != 0:
-            raise ValueError(f"base projection has {out} outputs, which do not split into "
-                             f"n_heads={n_heads} heads")
-        p = out // n_heads
+        p = _head_width(out, n_heads, "base projection")
         if ranks.lite and key is None:
             raise ValueError("ranks.lite > 0 needs the frozen key projection (key=...)")
         if key is not None:
@@ -293,7 +274,7 @@ def _add_bias(mod: nn.Module, db: Optional[torch.Tensor], rows: slice = slice(No
     mod.bias.data[rows] += db.to(mod.bias.dtype)
 
 
-class HeadwiseQKV(nn.Module):
+class HeadwiseQKV(_FoldsIntoBase, nn.Module):
     """Fused attention-input projection with updates on q and v (SPEC §2).
 
     Give either ``fused`` (GPT-2's ``c_attn``: one Conv1D/Linear whose outputs are
@@ -312,7 +293,7 @@ class HeadwiseQKV(nn.Module):
                  k: Optional[nn.Module] = None, v: Optional[nn.Module] = None, n_heads: int,
                  n_kv_heads: Optional[int] = None, q_ranks: ProjRanks = ProjRanks(),
                  v_ranks: ProjRanks = ProjRanks(), scale: float = 1.0,
-                 head_bias: Optional[bool] = None, init: str = "lora"):
+                 head_bias: Optional[bool] = None, init: str = "zero"):
         super().__init__()
         if (fused is None) == (q is None or k is None or v is None):
             raise ValueError("give either fused= (one q|k|v projection) or all of q=, k=, v=")
@@ -322,17 +303,13 @@ class HeadwiseQKV(nn.Module):
             raise ValueError(f"n_kv_heads={Hkv} must divide n_heads={H}")
         if fused is not None:
             out, d = _out_in(fused)
-            if out % (H + 2 * Hkv) != 0:
-                raise ValueError(f"fused projection has {out} outputs; expected (n_heads + 2 * "
-                                 f"n_kv_heads) * head_dim with n_heads={H}, n_kv_heads={Hkv}")
-            p = out // (H + 2 * Hkv)
+            p = _head_width(out, H + 2 * Hkv, "fused q|k|v projection",
+                            heads=f"n_heads + 2 * n_kv_heads = {H} + 2 * {Hkv}, in all")
             self.fused = fused
             self.q = self.k = self.v = None
         else:
             (nq, d), (nk, dk), (nv, dv) = _out_in(q), _out_in(k), _out_in(v)
-            if nq % H != 0:
-                raise ValueError(f"q projection has {nq} outputs, not divisible by n_heads={H}")
-            p = nq // H
+            p = _head_width(nq, H, "q projection")
             if nk != Hkv * p or nv != Hkv * p or dk != d or dv != d:
                 raise ValueError(f"k/v projections of shapes ({nk}, {dk}), ({nv}, {dv}) do not "
                                  f"match n_kv_heads={Hkv} heads of width {p} over input {d}")
@@ -413,16 +390,6 @@ class HeadwiseQKV(nn.Module):
             _add_to_weight(mod, sign * dW, rows)
             _add_bias(mod, sign * db if db is not None else None, rows)
 
-    def merge(self) -> None:
-        if not self.merged:
-            self._fold(1.0)
-            self.merged = True
-
-    def unmerge(self) -> None:
-        if self.merged:
-            self.merged = False
-            self._fold(-1.0)
-
 
 class HeadwiseOutput(_FoldsIntoBase, nn.Module):
     """Adapted output projection (SPEC §2, basis O), wrapping a frozen nn.Linear / Conv1D.
@@ -436,17 +403,14 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
     """
 
     def __init__(self, base: nn.Module, n_heads: int, ranks: ProjRanks, *, scale: float = 1.0,
-                 head_bias: Optional[bool] = None, init: str = "lora"):
+                 head_bias: Optional[bool] = None, init: str = "zero"):
         super().__init__()
         if head_bias is None:
             head_bias = getattr(base, "bias", None) is not None
         if ranks.lite:
             raise ValueError("ranks.lite must be 0 for the output projection")
         dout, din = _out_in(base)
-        if din % n_heads != 0:
-            raise ValueError(f"output projection has {din} inputs, which do not split into "
-                             f"n_heads={n_heads} heads")
-        p = din // n_heads
+        p = _head_width(din, n_heads, "output projection (its input)")
         self.base = base
         self.ranks = ranks
         self.n_heads, self.head_dim, self.out_features = n_heads, p, dout
@@ -463,11 +427,10 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
         self.reset_parameters(init)
         self.merged = False
 
-    def reset_parameters(self, init: str = "lora") -> None:
-        if init not in INITS:
-            raise ValueError(f"init={init!r}; expected one of {INITS}")
-        _init_factors(init, self.wise_A, self.wise_B, self.c)
-        _init_factors(init, self.shared_A, self.shared_B, None)
+    def reset_parameters(self, init: str = "zero") -> None:
+        check_init(init, INITS, "HeadwiseOutput")
+        init_pair_(self.wise_A, self.wise_B, init, bias=self.c)
+        init_pair_(self.shared_A, self.shared_B, init)
 
     def forward(self, o: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         if self.merged or not self.ranks.active:
@@ -485,166 +448,4 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
         return self.ranks.active
 
 
-# ------------------------------------------------------------------------------------------
-# Hugging Face attachment
-
-
-def _heads_of(attn: nn.Module) -> Tuple[int, int]:
-    cfg = getattr(attn, "config", None)
-    for name in ("num_heads", "num_attention_heads"):
-        if isinstance(getattr(attn, name, None), int):
-            H = getattr(attn, name)
-            break
-    else:
-        H = getattr(cfg, "num_attention_heads", None)
-    if H is None:
-        raise ValueError(f"cannot find the number of heads of {type(attn).__name__}")
-    Hkv = getattr(attn, "num_key_value_heads", None)
-    if not isinstance(Hkv, int):
-        Hkv = getattr(cfg, "num_key_value_heads", None) or H
-    return H, Hkv
-
-
-def _is_t5_attention(mod: nn.Module) -> bool:
-    """T5Attention and forks: bias-free q, k, v, o plus ``n_heads`` / ``key_value_proj_dim``."""
-    return (all(isinstance(getattr(mod, a, None), nn.Module) for a in ("q", "k", "v", "o"))
-            and isinstance(getattr(mod, "n_heads", None), int)
-            and isinstance(getattr(mod, "key_value_proj_dim", None), int))
-
-
-def attach_headwise(model: nn.Module, config: HeadwiseConfig) -> Dict[str, nn.Module]:
-    """Replace the attention projections of every block by headwise adapter modules.
-
-    Recognised layouts (by attribute names, so subclasses and forks work):
-      * GPT-2: an attention module with ``c_attn`` (fused q|k|v Conv1D) and ``c_proj``
-        -> ``c_attn`` becomes :class:`HeadwiseQKV` (one fused kernel for Q, K, V) and
-        ``c_proj`` :class:`HeadwiseOutput`. Cross-attention blocks (``q_attn``) are skipped.
-      * BERT/RoBERTa: a self-attention with ``query``/``key``/``value`` -> ``query``/``value``
-        become :class:`HeadwiseProjection` (lite uses ``key``); the sibling
-        ``attention.output.dense`` becomes :class:`HeadwiseOutput`.
-      * Llama-style: ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (GQA aware) -> q/v become
-        :class:`HeadwiseProjection`, ``o_proj`` :class:`HeadwiseOutput`.
-      * T5 (``T5Attention``: bias-free ``q``/``k``/``v``/``o``, ``n_heads`` heads of width
-        ``key_value_proj_dim`` = d_kv; the inner width H·d_kv may differ from d_model) -> q/v
-        become :class:`HeadwiseProjection` (lite uses ``k``), ``o`` :class:`HeadwiseOutput`, in
-        the encoder self-attention, the decoder self-attention and the decoder cross-attention
-        (``EncDecAttention``). T5 has no projection biases, so no per-head bias ``c`` is added
-        unless ``head_bias=True`` (and then merge() refuses, as there is no bias to fold into).
-
-        Cross-attention: ``q`` reads the decoder states X, while ``k`` and ``v`` both read the
-        encoder output. The updates keep SPEC §2's definitions with each projection's own input
-        as basis: Kernel-wise on q uses X = decoder states; Kernel-wise on v uses the encoder
-        output (v's input); Kernel-wise-lite on v uses ``K^h`` = encoder output · W_k^h, which
-        *is* the cross-attention's key (k and v read the same states, exactly as in
-        self-attention); o is adapted as in self-attention. Kernel-wise-lite on **q** is not
-        defined there (the keys belong to the encoder tokens, so a decoder token has no K^h to
-        reuse), so q's lite part is left out in cross-attention: with kernel_wise_lite q is
-        not adapted there, with kernel_mix_lite only q's shared LoRA part is. Every update
-        stays a linear change of W_q / W_v / W_o, so merge()/unmerge() are exact.
-
-    On BERT and Llama the q and v projections are called separately by the model's own
-    attention code, so each runs its own fused kernel (frozen GEMM + its updates in one pass
-    over X); the all-in-one q|k|v kernel is used where the model has one fused projection
-    (GPT-2) or through :class:`HeadwiseQKV` / ``kfused.ops.headwise.headwise_qkv`` directly.
-
-    Returns {qualified name: new module}. Parameters of the frozen model are not touched;
-    call :func:`mark_only_adapters_trainable` to freeze everything else.
-    """
-    cfgkw = dict(scale=config.scale, head_bias=config.head_bias, init=config.init)
-    replaced: Dict[str, nn.Module] = {}
-    todo = []
-    # T5's cross-attention is the child "EncDecAttention" of a T5LayerCrossAttention
-    cross = {id(getattr(m, "EncDecAttention")) for m in model.modules()
-             if isinstance(getattr(m, "EncDecAttention", None), nn.Module)}
-    for name, mod in model.named_modules():
-        if isinstance(mod, (HeadwiseQKV, HeadwiseProjection, HeadwiseOutput)):
-            continue
-        if _is_t5_attention(mod):
-            todo.append(("t5-cross" if id(mod) in cross else "t5", name, mod))
-        elif hasattr(mod, "c_attn") and hasattr(mod, "c_proj") and not hasattr(mod, "q_attn"):
-            todo.append(("gpt2", name, mod))
-        elif all(hasattr(mod, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            todo.append(("llama", name, mod))
-        elif all(hasattr(mod, a) for a in ("query", "key", "value")):
-            todo.append(("bert", name, mod))
-        elif (hasattr(mod, "self") and hasattr(mod, "output")
-              and hasattr(getattr(mod, "output"), "dense")
-              and all(hasattr(mod.self, a) for a in ("query", "key", "value"))):
-            todo.append(("bert-out", name, mod))
-    prefix = lambda n: f"{n}." if n else ""  # noqa: E731
-    for kind, name, mod in todo:
-        if kind == "gpt2":
-            H, _ = _heads_of(mod)
-            if config.q.active or config.v.active:
-                if isinstance(mod.c_attn, HeadwiseQKV):
-                    continue
-                mod.c_attn = HeadwiseQKV(fused=mod.c_attn, n_heads=H, q_ranks=config.q,
-                                         v_ranks=config.v, **cfgkw)
-                replaced[prefix(name) + "c_attn"] = mod.c_attn
-            if config.o.active and not isinstance(mod.c_proj, HeadwiseOutput):
-                mod.c_proj = HeadwiseOutput(mod.c_proj, H, config.o, **cfgkw)
-                replaced[prefix(name) + "c_proj"] = mod.c_proj
-        elif kind == "llama":
-            H, Hkv = _heads_of(mod)
-            for attr, ranks, Hs in (("q_proj", config.q, H), ("v_proj", config.v, Hkv)):
-                if ranks.active and not isinstance(getattr(mod, attr), HeadwiseProjection):
-                    new = HeadwiseProjection(getattr(mod, attr), Hs, ranks, key=mod.k_proj,
-                                             n_key_heads=Hkv, **cfgkw)
-                    setattr(mod, attr, new)
-                    replaced[prefix(name) + attr] = new
-            if config.o.active and not isinstance(mod.o_proj, HeadwiseOutput):
-                mod.o_proj = HeadwiseOutput(mod.o_proj, H, config.o, **cfgkw)
-                replaced[prefix(name) + "o_proj"] = mod.o_proj
-        elif kind in ("t5", "t5-cross"):
-            H = int(mod.n_heads)
-            q_ranks = config.q
-            if kind == "t5-cross" and q_ranks.lite:
-                # no K^h for decoder tokens in cross-attention (see the docstring)
-                q_ranks = ProjRanks(wise=q_ranks.wise, lite=0, shared=q_ranks.shared)
-            for attr, ranks in (("q", q_ranks), ("v", config.v)):
-                if ranks.active and not isinstance(getattr(mod, attr), HeadwiseProjection):
-                    new = HeadwiseProjection(getattr(mod, attr), H, ranks, key=mod.k,
-                                             n_key_heads=H, **cfgkw)
-                    setattr(mod, attr, new)
-                    replaced[prefix(name) + attr] = new
-            if config.o.active and not isinstance(mod.o, HeadwiseOutput):
-                mod.o = HeadwiseOutput(mod.o, H, config.o, **cfgkw)
-                replaced[prefix(name) + "o"] = mod.o
-        elif kind == "bert":
-            H, _ = _heads_of(mod)
-            for attr, ranks in (("query", config.q), ("value", config.v)):
-                if ranks.active and not isinstance(getattr(mod, attr), HeadwiseProjection):
-                    new = HeadwiseProjection(getattr(mod, attr), H, ranks, key=mod.key,
-                                             n_key_heads=H, **cfgkw)
-                    setattr(mod, attr, new)
-                    replaced[prefix(name) + attr] = new
-        elif kind == "bert-out":
-            H, _ = _heads_of(mod.self)
-            if config.o.active and not isinstance(mod.output.dense, HeadwiseOutput):
-                mod.output.dense = HeadwiseOutput(mod.output.dense, H, config.o, **cfgkw)
-                replaced[prefix(name) + "output.dense"] = mod.output.dense
-    if not replaced and (config.q.active or config.v.active or config.o.active):
-        raise ValueError(f"attach_headwise found no GPT-2, BERT/RoBERTa, Llama-style or T5 "
-                         f"attention block in {type(model).__name__}")
-    return replaced
-
-
-def adapter_parameters(model: nn.Module) -> List[nn.Parameter]:
-    """Every parameter owned by a headwise adapter module (not the frozen projections)."""
-    params = []
-    for mod in model.modules():
-        if isinstance(mod, (HeadwiseProjection, HeadwiseQKV, HeadwiseOutput)):
-            for n, prm in mod.named_parameters():
-                if not n.startswith(("base.", "fused.", "q.", "k.", "v.")):
-                    params.append(prm)
-    return params
-
-
-def mark_only_adapters_trainable(model: nn.Module) -> int:
-    """Freeze every parameter except the headwise adapters'; returns the trainable count."""
-    keep = {id(p) for p in adapter_parameters(model)}
-    n = 0
-    for prm in model.parameters():
-        prm.requires_grad_(id(prm) in keep)
-        n += prm.numel() if id(prm) in keep else 0
-    return n
+HEADWISE_MODULES = (HeadwiseProjection, HeadwiseQKV, HeadwiseOutput)

@@ -26,16 +26,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from kfused.modules._init import check_init, paper_
 from kfused.ops.inducer import COMPOSITIONS, inducer_attention
-
-INITS = ("paper", "zero")
-
-
-def _paper_init_(t: Tensor) -> Tensor:
-    """The released code's ``fmod(randn, 2) · 0.01``."""
-    with torch.no_grad():
-        t.copy_(torch.fmod(torch.randn_like(t), 2.0) * 0.01)
-    return t
 
 
 class InducerAttention(nn.Module):
@@ -48,8 +40,8 @@ class InducerAttention(nn.Module):
         super().__init__()
         if composition not in COMPOSITIONS:
             raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        check_init(init, self.inits_for(inducer, prefix_len),
+                   f"InducerAttention(inducer={bool(inducer)}, prefix_len={prefix_len})")
         if num_heads < 1 or head_dim < 1:
             raise ValueError(f"num_heads and head_dim must be >= 1, got {num_heads}, {head_dim}")
         if prefix_len < 0:
@@ -83,15 +75,18 @@ class InducerAttention(nn.Module):
             self.prefix_v = nn.Parameter(torch.empty(H, prefix_len, p, **fk))
         self.reset_parameters()
 
+    @staticmethod
+    def inits_for(inducer: bool, prefix_len: int) -> Tuple[str, ...]:
+        """The init values this adapter can honour: "zero" needs the inducer and no prefix
+        (prefix columns take softmax weight from step 0, so there is no exact start)."""
+        return ("zero", "paper") if inducer and prefix_len == 0 else ("paper",)
+
     def reset_parameters(self) -> None:
         """init="paper": fmod(randn, 2)·0.01 for every tensor (u ≈ 0 at the start);
         init="zero": the same, then W2 = b2 = 0, so the adapted layer starts exactly at the
-        frozen one (without a prefix). Prefix keys/values always use the paper init (prefix
-        tuning has no exact-identity start: its columns take softmax weight from step 0)."""
+        frozen one."""
         for name in ("Ak", "ak", "Bk", "ck", "W1", "b1", "W2", "b2", "prefix_k", "prefix_v"):
-            t = getattr(self, name, None)
-            if t is not None:
-                _paper_init_(t)
+            paper_(getattr(self, name, None))
         if self.inducer and self.init == "zero":
             with torch.no_grad():
                 self.W2.zero_()

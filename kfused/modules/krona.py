@@ -11,13 +11,12 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from kfused.modules._linear import (WrappedLinear, autocast_input, check_init, is_conv1d,
-                                    linear_dims, linear_weight, lora_init_)
+from kfused.modules._init import PAIR_INITS, check_init, init_pair_
+from kfused.modules._linear import WrappedLinear, autocast_input, linear_dims, linear_weight
 from kfused.ops.krona import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
-_is_conv1d = is_conv1d  # kept for callers of the old private name
-__all__ = ["KronALinear", "KronABlock", "factorize", "linear_dims", "linear_weight"]
+__all__ = ["KronALinear", "KronABlock", "factorize"]
 
 
 def factorize(d: int) -> Tuple[int, int]:
@@ -61,15 +60,17 @@ def _resolve_shapes(d_in: int, d_out: int, a_shape, b_shape) -> Tuple[Tuple[int,
 class _KronFactors:
     """Mixin: the A, B factors of a Kronecker adapter (nn.Module subclasses only)."""
 
+    INITS = PAIR_INITS
+
     def _init_factors(self, a_shape, b_shape, init: str, dtype, device):
-        check_init(init)
+        check_init(init, self.INITS, type(self).__name__)
         self.A = nn.Parameter(torch.empty(*a_shape, dtype=dtype, device=device))
         self.B = nn.Parameter(torch.empty(*b_shape, dtype=dtype, device=device))
         self.init = init
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        lora_init_(self.A, self.B, self.init)  # paper table 4 / LyCORIS
+        init_pair_(self.A, self.B, self.init)  # paper table 4 / LyCORIS
 
     def delta_weight(self) -> torch.Tensor:
         """``scale · A ⊗ B`` in (out, in) layout (materialised: for merge and inspection)."""
@@ -84,13 +85,13 @@ class KronALinear(_KronFactors, WrappedLinear):
             transposed view). Its parameters are frozen.
         a_shape: (a_out, a_in) of A; b_shape: (b_out, b_in) of B. Either may be omitted and is
             then derived; with both omitted, each width is split by :func:`factorize`.
-        scale: s (default 1). init: "lora" (A kaiming-uniform, B = 0) or "random".
+        scale: s (default 1). init: "zero" (A kaiming-uniform, B = 0) or "random".
         backend: forwarded to :func:`kfused.krona_linear` (None = auto / $KFUSED_BACKEND).
     """
 
     def __init__(self, base: nn.Module, a_shape: Optional[Tuple[int, int]] = None,
                  b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
-                 init: str = "lora", backend: Optional[str] = None):
+                 init: str = "zero", backend: Optional[str] = None):
         super().__init__(base)
         d_in, d_out = linear_dims(base)
         a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
@@ -137,7 +138,7 @@ class KronABlock(_KronFactors, nn.Module):
     def __init__(self, block: nn.Module, d_in: int, d_out: Optional[int] = None,
                  a_shape: Optional[Tuple[int, int]] = None,
                  b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
-                 bias: bool = False, residual: bool = False, init: str = "lora",
+                 bias: bool = False, residual: bool = False, init: str = "zero",
                  backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                  device=None):
         super().__init__()

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfused.modules._linear import WrappedLinear, check_init, linear_dims, lora_init_
+from kfused.modules._init import PAIR_INITS, check_init, init_pair_
+from kfused.modules._linear import WrappedLinear, linear_dims
 
 
 class LoRALinear(WrappedLinear):
@@ -24,16 +25,18 @@ class LoRALinear(WrappedLinear):
         base: the frozen layer (nn.Linear (out, in) weight, or Conv1D (in, out) weight).
         r: rank (>= 1). alpha: scaling numerator, ``s = alpha / r`` (default alpha = r, s = 1).
         dropout: dropout on the adapter's input only (as PEFT does).
-        init: "lora" (A kaiming-uniform a=√5, B = 0: starts exactly at the frozen model) or
-            "random" (both kaiming-uniform; for tests and benchmarks).
+        init: "zero" (A kaiming-uniform a=√5, B = 0: starts exactly at the frozen model) or
+            "random" (both kaiming-uniform); see :mod:`kfused.modules._init`.
         backend: accepted for interface symmetry with the fused modules and ignored.
     """
 
+    INITS = PAIR_INITS
+
     def __init__(self, base: nn.Module, r: int = 8, alpha: Optional[float] = None,
-                 dropout: float = 0.0, init: str = "lora", backend: Optional[str] = None):
+                 dropout: float = 0.0, init: str = "zero", backend: Optional[str] = None):
         if int(r) < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {r}")
-        check_init(init)
+        check_init(init, self.INITS, "LoRALinear")
         super().__init__(base)
         d_in, d_out = linear_dims(base)
         self.r = int(r)
@@ -48,7 +51,7 @@ class LoRALinear(WrappedLinear):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        lora_init_(self.A, self.B, self.init)
+        init_pair_(self.A, self.B, self.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

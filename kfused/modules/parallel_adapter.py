@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfused.modules._linear import check_init, lora_init_
+from kfused.modules._init import PAIR_INITS, check_init, init_pair_
 
 
 class ScaledParallelAdapter(nn.Module):
@@ -22,12 +22,14 @@ class ScaledParallelAdapter(nn.Module):
         block: the frozen module, called as ``block(x, *args, **kwargs)``.
         d_model: input and output width of the block. r: bottleneck width.
         scale: s (the paper uses 4 for the FFN adapter of the MAM adapter).
-        init: "lora" (down kaiming-uniform a=√5, up = 0: exact start, as the paper's released
+        init: "zero" (down kaiming-uniform a=√5, up = 0: exact start, as the paper's released
             code does for its "lora" init) or "random".
     """
 
+    INITS = PAIR_INITS
+
     def __init__(self, block: nn.Module, d_model: int, r: int = 64, scale: float = 4.0,
-                 init: str = "lora", dtype: Optional[torch.dtype] = None, device=None,
+                 init: str = "zero", dtype: Optional[torch.dtype] = None, device=None,
                  backend: Optional[str] = None):
         super().__init__()
         if int(r) < 1:
@@ -39,9 +41,7 @@ class ScaledParallelAdapter(nn.Module):
         dtype = dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
         device = device or (ref.device if ref is not None else None)
         self.r, self.scale, self.backend = int(r), float(scale), backend
-        # A composite method's init ("paper"/"zero" for its inducer part) means, for this
-        # adapter, the released code's exact-start init, which is the "lora" one.
-        self.init = check_init("lora" if init in ("paper", "zero") else init)
+        self.init = check_init(init, self.INITS, "ScaledParallelAdapter")
         self.down = nn.Parameter(torch.empty(self.r, d_model, dtype=dtype, device=device))
         self.down_bias = nn.Parameter(torch.zeros(self.r, dtype=dtype, device=device))
         self.up = nn.Parameter(torch.empty(d_model, self.r, dtype=dtype, device=device))
@@ -49,7 +49,7 @@ class ScaledParallelAdapter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        lora_init_(self.down, self.up, self.init)
+        init_pair_(self.down, self.up, self.init)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         params = (self.down, self.down_bias, self.up, self.up_bias)

@@ -543,7 +543,7 @@ def _krona_cases():
 
 
 def _headwise_case(width, d, H, Hkv, preset, T):
-    from kfused.modules.headwise_presets import PRESETS
+    from kfused.integration.headwise import HEADWISE_PRESETS as PRESETS
     from kfused.reference.headwise import HeadFactors
 
     p = d // H
@@ -611,7 +611,7 @@ def _headwise_case(width, d, H, Hkv, preset, T):
 
 def _oproj_case(width, d, H, preset, T):
     """headwise_oproj (Kernel-wise + shared LoRA on W_o, basis O) with the preset's o ranks."""
-    from kfused.modules.headwise_presets import PRESETS
+    from kfused.integration.headwise import HEADWISE_PRESETS as PRESETS
 
     p = d // H
     HP = H * p
