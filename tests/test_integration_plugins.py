@@ -1,8 +1,5 @@
-"""The plugged-in methods (Kernel-wise/-mix, inducer, prefix and their composites) through
+"""The attention-site methods (Kernel-wise/-mix, inducer, prefix and their composites) through
 inject / train / save / load / merge, and fused vs reference model outputs (SPEC §4).
-
-Skipped until their modules (kfused.modules.headwise, kfused.integration.hf_attention) are on
-this branch; the plugins are kfused/integration/methods_headwise.py and methods_inducer.py.
 """
 
 import copy

@@ -86,7 +86,7 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------
-# small helpers
+# hashing, durable writes and version folders
 
 
 def _version() -> str:

@@ -38,8 +38,8 @@ class AdapterConfig:
             :mod:`kfused.modules._init`): "zero" (exact start: the adapted model equals the
             frozen one), "random" (every factor kaiming-uniform: a non-zero update) or "paper"
             (every tensor ``fmod(randn, 2)·0.01``, as the papers' released code). None: the
-            method's default, "zero" where the method has an exact start and "paper" for
-            prefix tuning, which has none. A method that cannot honour a value raises
+            method's default, "zero" where the method has an exact start, "random" for
+            KronA^B_res and "paper" for prefix tuning, which have none. A method that cannot honour a value raises
             ValueError at inject (``kfused.integration.methods()[name].inits`` lists each
             method's values; a composite's parts can differ through ``options[part]``).
         dropout: adapter input dropout (LoRA).

@@ -43,7 +43,7 @@ class InjectState:
 
 
 # ------------------------------------------------------------------------------------------
-# helpers
+# finding and replacing sites
 
 
 def unwrap(model: nn.Module) -> nn.Module:

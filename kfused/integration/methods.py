@@ -143,11 +143,11 @@ register_method("krona", site="linear", wrap=_krona, default_targets=QV, mergeab
                 description="KronA: x Wᵀ + b + s·(A ⊗ B) x (fused with the frozen GEMM)",
                 paper="003")
 register_method("krona_b", site="block", wrap=_krona_b, default_targets=FFN,
-                inits=KronABlock.INITS,
+                inits=KronABlock.inits_for(residual=False),
                 description="KronA^B: FFN(x) + s·(A ⊗ B) x parallel to the FFN block",
                 paper="003")
 register_method("krona_b_res", site="block", wrap=_krona_b_res, default_targets=FFN,
-                inits=KronABlock.INITS,
+                inits=KronABlock.inits_for(residual=True), default_init="random",
                 description="KronA^B_res: KronA^B + learnable s_res·x", paper="003")
 register_method("parallel_adapter", site="block", wrap=_parallel_adapter, default_targets=FFN,
                 inits=ScaledParallelAdapter.INITS,

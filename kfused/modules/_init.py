@@ -16,6 +16,8 @@ Each module lists the values it can honour in its ``INITS`` and raises ValueErro
 value and the accepted ones) for any other; nothing maps one value onto another.
 
     LoRALinear, KronALinear, KronABlock, ScaledParallelAdapter   zero, random
+    KronABlock(residual=True) (KronA^B_res)                     random (its s_res·x term starts
+                                                                at s_res = 1: no exact start)
     HeadwiseProjection, HeadwiseQKV, HeadwiseOutput             zero, random, paper
     InducerAttention (inducer, no prefix)                       zero, paper
     InducerAttention with prefix columns                        paper (a prefix takes softmax

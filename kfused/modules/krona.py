@@ -62,8 +62,9 @@ class _KronFactors:
 
     INITS = PAIR_INITS
 
-    def _init_factors(self, a_shape, b_shape, init: str, dtype, device):
-        check_init(init, self.INITS, type(self).__name__)
+    def _init_factors(self, a_shape, b_shape, init: str, dtype, device,
+                      accepted: Tuple[str, ...] = PAIR_INITS):
+        check_init(init, accepted, type(self).__name__)
         self.A = nn.Parameter(torch.empty(*a_shape, dtype=dtype, device=device))
         self.B = nn.Parameter(torch.empty(*b_shape, dtype=dtype, device=device))
         self.init = init
@@ -129,16 +130,23 @@ class KronABlock(_KronFactors, nn.Module):
     Args:
         block: the frozen module (its parameters are frozen); called as ``block(x)``.
         d_in, d_out: the block's input and output widths (d_out defaults to d_in).
-        a_shape, b_shape, scale, init, backend: as in :class:`KronALinear`.
+        a_shape, b_shape, scale, backend: as in :class:`KronALinear`.
         bias: add a learnable output bias (zero-initialised).
         residual: KronA^B_res — add ``s_res · x`` with a learnable ``s_res`` initialised to 1
-            (needs d_in == d_out).
+            (needs d_in == d_out). That term makes every start non-exact, so KronA^B_res
+            honours init "random" only.
+        init: :meth:`inits_for` lists the accepted values; None: the first of them ("zero"
+            for KronA^B, "random" for KronA^B_res).
     """
+
+    @staticmethod
+    def inits_for(residual: bool) -> Tuple[str, ...]:
+        return ("random",) if residual else PAIR_INITS
 
     def __init__(self, block: nn.Module, d_in: int, d_out: Optional[int] = None,
                  a_shape: Optional[Tuple[int, int]] = None,
                  b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
-                 bias: bool = False, residual: bool = False, init: str = "zero",
+                 bias: bool = False, residual: bool = False, init: Optional[str] = None,
                  backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                  device=None):
         super().__init__()
@@ -154,7 +162,8 @@ class KronABlock(_KronFactors, nn.Module):
         device = device or (ref.device if ref is not None else None)
         self.scale = check_scale(scale)
         self.backend = backend
-        self._init_factors(a_shape, b_shape, init, dtype, device)
+        accepted = self.inits_for(residual)
+        self._init_factors(a_shape, b_shape, init or accepted[0], dtype, device, accepted)
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype, device=device)) if bias else None
         self.res_scale = (nn.Parameter(torch.ones((), dtype=dtype, device=device))
                           if residual else None)

@@ -1,0 +1,179 @@
+"""Attention-block discovery (kfused.integration.arch) on tiny GPT-2, BERT (with
+cross-attention), Llama (GQA) and T5 models built from local configs, and the one init
+vocabulary of every method (kfused.modules._init)."""
+
+import pytest
+import torch
+from torch import nn
+
+from kfused.integration import (AdapterConfig, attention_blocks, detect_arch, get_state, inject,
+                                methods, use_backend)
+from kfused.modules._init import INITS
+from kfused.modules._linear import is_conv1d, linear_dims
+
+from _hf_helpers import make
+
+transformers = pytest.importorskip("transformers")
+t = transformers
+
+
+def gpt2():
+    return t.GPT2LMHeadModel(t.GPT2Config(n_embd=24, n_layer=2, n_head=3, vocab_size=40,
+                                          n_positions=16))
+
+
+def bert_decoder():
+    return t.BertLMHeadModel(t.BertConfig(hidden_size=24, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=16,
+                                          vocab_size=40, max_position_embeddings=20,
+                                          is_decoder=True, add_cross_attention=True))
+
+
+def llama_gqa():
+    return t.LlamaForCausalLM(t.LlamaConfig(hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=20, vocab_size=40,
+                                            max_position_embeddings=20))
+
+
+def t5():
+    return t.T5ForConditionalGeneration(t.T5Config(d_model=32, d_kv=12, num_heads=4,
+                                                   num_layers=2, num_decoder_layers=2, d_ff=16,
+                                                   vocab_size=40))
+
+
+def _out_width(mod):
+    return linear_dims(mod)[1]
+
+
+def test_gpt2_fused_conv1d_qkv():
+    model = gpt2()
+    blocks = attention_blocks(model)
+    assert [b.name for b in blocks] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    for i, b in enumerate(blocks):
+        attn = model.transformer.h[i].attn
+        assert b.module is attn and b.fused_qkv and not b.cross and not b.score_bias
+        assert (b.n_heads, b.n_kv_heads, b.head_dim) == (3, 3, 8)
+        assert b.get("qkv") is attn.c_attn and is_conv1d(b.get("qkv"))
+        assert _out_width(b.get("qkv")) == (b.n_heads + 2 * b.n_kv_heads) * b.head_dim
+        assert b.get("q") is None and b.get("k") is None and b.get("v") is None
+        assert b.get("o") is attn.c_proj and b.get("attn") is attn
+        assert b.qualified("qkv") == f"transformer.h.{i}.attn.c_attn"
+        assert b.qualified("o") == f"transformer.h.{i}.attn.c_proj"
+    # the linear-layer roles come from the same layout: q, k, v map onto the fused projection
+    arch = detect_arch(model)
+    assert arch.canonical("q") == "qkv"
+    import re
+    names = [n for n, _ in model.named_modules() if re.fullmatch(arch.role_regex("v"), n)]
+    assert names == [b.qualified("qkv") for b in blocks]
+
+
+def test_bert_self_and_cross_attention():
+    model = bert_decoder()
+    blocks = attention_blocks(model)
+    assert [(b.name, b.cross) for b in blocks] == [
+        ("bert.encoder.layer.0.attention", False), ("bert.encoder.layer.0.crossattention", True),
+        ("bert.encoder.layer.1.attention", False), ("bert.encoder.layer.1.crossattention", True)]
+    for b in blocks:
+        assert not b.fused_qkv and (b.n_heads, b.n_kv_heads, b.head_dim) == (4, 4, 6)
+        for role in ("q", "k", "v"):
+            assert isinstance(b.get(role), nn.Linear)
+            assert _out_width(b.get(role)) == b.n_heads * b.head_dim
+        assert b.get("attn") is b.module.self and b.get("o") is b.module.output.dense
+        assert b.qualified("q") == b.name + ".self.query"
+        assert b.qualified("o") == b.name + ".output.dense"
+
+
+def test_llama_gqa():
+    model = llama_gqa()
+    blocks = attention_blocks(model)
+    assert [b.name for b in blocks] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for b in blocks:
+        assert (b.n_heads, b.n_kv_heads, b.head_dim) == (4, 2, 8)
+        assert _out_width(b.get("q")) == 4 * 8
+        assert _out_width(b.get("k")) == _out_width(b.get("v")) == 2 * 8
+        assert b.get("o") is b.module.o_proj and not b.cross
+    # a submodule (the inner model) is found through its own config
+    assert [b.name for b in attention_blocks(model.model)] == ["layers.0.self_attn",
+                                                              "layers.1.self_attn"]
+
+
+def test_t5_cross_attention_and_score_bias():
+    model = t5()
+    blocks = attention_blocks(model)
+    assert len(blocks) == 6
+    cross = [b.name for b in blocks if b.cross]
+    assert cross == ["decoder.block.0.layer.1.EncDecAttention",
+                     "decoder.block.1.layer.1.EncDecAttention"]
+    for b in blocks:
+        assert b.score_bias and (b.n_heads, b.n_kv_heads, b.head_dim) == (4, 4, 12)
+        assert _out_width(b.get("q")) == 48  # inner width H·d_kv differs from d_model 32
+        assert b.get("o") is b.module.o
+
+
+def test_set_replaces_and_unknown_model_has_none():
+    model = llama_gqa()
+    b = attention_blocks(model)[0]
+    new = nn.Linear(32, 32, bias=False)
+    assert b.set("q", new) == "model.layers.0.self_attn.q_proj"
+    assert model.model.layers[0].self_attn.q_proj is new
+    assert attention_blocks(nn.Sequential(nn.Linear(4, 4))) == []
+
+
+# ------------------------------------------------------------------------------------------
+# the init vocabulary
+
+
+def test_unknown_init_names_the_value_and_the_valid_ones():
+    for bad in ("lora", "zeros", "kaiming"):
+        with pytest.raises(ValueError, match=f"init={bad!r}") as exc:
+            AdapterConfig(method="lora", init=bad)
+        for value in INITS:
+            assert repr(value) in str(exc.value)
+
+
+@pytest.mark.parametrize("method,init", [("prefix", "zero"), ("lora", "paper"),
+                                         ("inducer", "random"), ("krona_b_res", "zero"),
+                                         ("mam", "zero")])
+def test_a_value_the_method_cannot_honour_raises(method, init):
+    with pytest.raises(ValueError, match=f"cannot honour init={init!r}"):
+        inject(make("gpt2"), AdapterConfig(method=method, init=init, backend="reference"))
+
+
+def _adapted_vs_frozen(method, init):
+    base = make("gpt2", n_layers=1).double().eval()
+    ids = torch.randint(3, 100, (2, 7))
+    with torch.no_grad():
+        frozen = base(input_ids=ids).logits
+    inject(base, AdapterConfig(method=method, init=init, backend="reference",
+                               adapter_dtype="float64"))
+    base.eval()
+    with torch.no_grad(), use_backend("reference"):
+        adapted = base(input_ids=ids).logits
+    params = {n: base.get_parameter(n) for n in get_state(base).param_names}
+    return (adapted - frozen).abs().max().item(), params
+
+
+CASES = [(name, init) for name, spec in sorted(methods().items())
+         if not name.startswith("toy") for init in spec.inits]
+
+
+@pytest.mark.parametrize("method,init", CASES)
+def test_each_init_means_the_same_for_every_method(method, init):
+    diff, params = _adapted_vs_frozen(method, init)
+    if init == "zero":
+        # exact start: the adapted model computes what the frozen one does
+        assert diff < 1e-12, (method, diff)
+    else:
+        assert diff > 1e-8, (method, diff)
+    if init == "paper":
+        # every adapter tensor fmod(randn, 2) * 0.01 (KronA^B_res's scalar s_res aside)
+        for p in params.values():
+            assert 0 < p.abs().max() <= 0.02 + 1e-12
+    if init == "random":
+        # every factor drawn (no zero factor; biases start at zero): bound 1/sqrt(fan_in)
+        # with fan_in the last dim
+        biases = ("c", "bias", "down_bias", "up_bias", "res_scale")
+        mats = [p for n, p in params.items() if n.rpartition(".")[2] not in biases]
+        assert mats and all(p.abs().max() > 0 for p in mats)
+        assert all(p.abs().max() <= 1 / p.shape[-1] ** 0.5 + 1e-12 for p in mats)
