@@ -1,4 +1,4 @@
-"""PEFT interop (issue 17): bring a PEFT LoRA / LoKr adapter onto kfused's layers, and write a
+"""PEFT interop: bring a PEFT LoRA / LoKr adapter onto kfused's layers, and write a
 kfused LoRA / KronA adapter as a PEFT adapter folder.
 
     model = kfused.from_peft(peft_model)                 # a PeftModel (LoRA or LoKr)
