@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kfused.ops.headwise import HeadFactors, headwise_oproj, headwise_qkv
+from kfused.ops import HeadFactors, headwise_oproj, headwise_qkv
 
 aten = torch.ops.aten
 

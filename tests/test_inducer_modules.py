@@ -5,7 +5,7 @@ import torch
 
 from tests.conftest import DEVICE
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops.inducer import inducer_attention
+from kfused.ops import inducer_attention
 
 transformers = pytest.importorskip("transformers")
 from kfused.integration import hf_attention  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops.inducer import inducer_attention
+from kfused.ops import inducer_attention
 
 ATTN_IMPLEMENTATION = "kfused_inducer"
 ADAPTER_ATTR = "kfused_inducer"

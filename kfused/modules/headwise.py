@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from kfused.ops.headwise import (HeadFactors, headwise_oproj, headwise_projection,
+from kfused.ops import (HeadFactors, headwise_oproj, headwise_projection,
                                  headwise_qkv)
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from kfused.modules._linear import (WrappedLinear, autocast_input, check_init, is_conv1d,
                                     linear_dims, linear_weight, lora_init_)
-from kfused.ops.krona import check_scale, kron_matvec, krona_linear
+from kfused.ops import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
 _is_conv1d = is_conv1d  # kept for callers of the old private name

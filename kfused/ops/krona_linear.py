@@ -1,86 +1,36 @@
-"""Kronecker adapter ops (SPEC §1): torch.library registrations, autograd and the public API.
+"""``krona_linear`` (SPEC §1): a frozen linear plus the Kronecker adapter,
+``x Wᵀ + b + scale · (A ⊗ B) x`` — torch.library registrations, autograd and the public API.
 
-Public functions:
-    kron_matvec(x, A, B)                              -> (A ⊗ B) x per token
-    krona_linear(x, weight, bias, A, B, scale=1.0)    -> x Wᵀ + b + scale · (A ⊗ B) x
-
-Custom ops (one per backend kernel, each with a fake and an autograd registration):
-    kfused::kron_matvec_triton_fwd / _bwd, kfused::krona_linear_triton_fwd / _bwd (factored),
-    kfused::krona_linear_folded_fwd / _bwd (W + s·A⊗B folded into the weight, then cuBLAS),
-    kfused::kron_matvec_cuda_fwd / _bwd (the compiled extension; see csrc/).
+Custom ops (each with a fake and an autograd registration): kfused::krona_linear_triton_fwd /
+_bwd (factored) and kfused::krona_linear_folded_fwd / _bwd (W + s·A⊗B folded into the weight,
+then cuBLAS).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
-from kfused.reference.krona import kron_matvec_ref, krona_linear_ref
-
-# ------------------------------------------------------------------------------------------
-# Triton: kron_matvec
+from kfused.ops._krona_common import check_factors, rows
+from kfused.reference.krona import krona_linear_ref
 
 
 def _tk():
     # Imported lazily: Triton decides at decoration time whether to interpret.
-    from kfused.triton_kernels import krona
+    from kfused.triton_kernels import krona_linear
 
-    return krona
-
-
-@torch.library.custom_op("kfused::kron_matvec_triton_fwd", mutates_args=())
-def _kron_matvec_triton_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return _tk().krona_fwd(x, None, None, A, B, 1.0)
-
-
-@_kron_matvec_triton_fwd.register_fake
-def _(x, A, B):
-    return x.new_empty(x.shape[0], A.shape[0] * B.shape[0])
-
-
-@torch.library.custom_op("kfused::kron_matvec_triton_bwd", mutates_args=())
-def _kron_matvec_triton_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                            need_dab: bool) -> List[torch.Tensor]:
-    dx, dA, dB = _tk().kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=need_dab)
-    if not need_dab:
-        dA, dB = A.new_zeros(0), B.new_zeros(0)
-    return [dx, dA, dB]
-
-
-@_kron_matvec_triton_bwd.register_fake
-def _(g, x, A, B, need_dab):
-    if need_dab:
-        return [torch.empty_like(x), torch.empty_like(A), torch.empty_like(B)]
-    return [torch.empty_like(x), A.new_empty(0), B.new_empty(0)]
-
-
-def _kron_setup(ctx, inputs, output):
-    x, A, B = inputs
-    ctx.save_for_backward(x, A, B)
-
-
-def _kron_triton_backward(ctx, g):
-    x, A, B = ctx.saved_tensors
-    need_dab = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    dx, dA, dB = torch.ops.kfused.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab)
-    return dx, (dA if need_dab else None), (dB if need_dab else None)
-
-
-_kron_matvec_triton_fwd.register_autograd(_kron_triton_backward, setup_context=_kron_setup)
-
-# ------------------------------------------------------------------------------------------
-# Triton: fused KronA linear
+    return krona_linear
 
 
 @torch.library.custom_op("kfused::krona_linear_triton_fwd", mutates_args=())
 def _krona_linear_triton_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
-    return _tk().krona_fwd(x, weight, bias, A, B, scale)
+    return _tk().krona_linear_forward(x, weight, bias, A, B, scale)
 
 
 @_krona_linear_triton_fwd.register_fake
@@ -92,13 +42,10 @@ def _(x, weight, bias, A, B, scale):
 def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              A: torch.Tensor, B: torch.Tensor, scale: float,
                              need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
-    k = _tk()
-    dx = k.krona_bwd_input(g, weight, A, B, scale) if need_dx else x.new_zeros(0)
-    if need_dab:
-        _, dA, dB = k.kron_grad(g, x, A, B, scale, compute_dx=False, compute_dab=True)
-    else:
-        dA, dB = A.new_zeros(0), B.new_zeros(0)
-    return [dx, dA, dB]
+    dx, dA, dB = _tk().krona_linear_backward(g, x, weight, A, B, scale, need_dx=need_dx,
+                                             need_dab=need_dab)
+    return [dx if need_dx else x.new_zeros(0), dA if need_dab else A.new_zeros(0),
+            dB if need_dab else B.new_zeros(0)]
 
 
 @_krona_linear_triton_bwd.register_fake
@@ -154,11 +101,9 @@ def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     k = _tk()
     # W' is recomputed (one d_out×d_in pass) rather than saved: no extra activation memory.
     dx = torch.matmul(g, k.fold_weight(weight, A, B, scale)) if need_dx else x.new_zeros(0)
-    if need_dab:
-        _, dA, dB = k.kron_grad(g, x, A, B, scale, compute_dx=False, compute_dab=True)
-    else:
-        dA, dB = A.new_zeros(0), B.new_zeros(0)
-    return [dx, dA, dB]
+    _, dA, dB = k.krona_linear_backward(g, x, weight, A, B, scale, need_dx=False,
+                                        need_dab=need_dab)
+    return [dx, dA if need_dab else A.new_zeros(0), dB if need_dab else B.new_zeros(0)]
 
 
 @_krona_linear_folded_bwd.register_fake
@@ -184,67 +129,7 @@ def _krona_folded_backward(ctx, g):
 _krona_linear_folded_fwd.register_autograd(_krona_folded_backward, setup_context=_krona_setup)
 
 # ------------------------------------------------------------------------------------------
-# CUDA C++ extension: kron_matvec
-
-
-def _ext():
-    from kfused import cuda
-
-    mod = cuda.extension()
-    if mod is None:
-        raise RuntimeError(cuda.unavailable_reason("kron_matvec"))
-    return mod
-
-
-@torch.library.custom_op("kfused::kron_matvec_cuda_fwd", mutates_args=())
-def _kron_matvec_cuda_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return _ext().kron_matvec_fwd(x, A.contiguous(), B.contiguous())
-
-
-@_kron_matvec_cuda_fwd.register_fake
-def _(x, A, B):
-    return x.new_empty(x.shape[0], A.shape[0] * B.shape[0])
-
-
-@torch.library.custom_op("kfused::kron_matvec_cuda_bwd", mutates_args=())
-def _kron_matvec_cuda_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor,
-                          B: torch.Tensor) -> List[torch.Tensor]:
-    dx, dA, dB = _ext().kron_matvec_bwd(g, x, A.contiguous(), B.contiguous())
-    return [dx, dA, dB]
-
-
-@_kron_matvec_cuda_bwd.register_fake
-def _(g, x, A, B):
-    return [torch.empty_like(x), torch.empty_like(A), torch.empty_like(B)]
-
-
-def _kron_cuda_backward(ctx, g):
-    x, A, B = ctx.saved_tensors
-    dx, dA, dB = torch.ops.kfused.kron_matvec_cuda_bwd(g.contiguous(), x, A, B)
-    return dx, dA, dB
-
-
-_kron_matvec_cuda_fwd.register_autograd(_kron_cuda_backward, setup_context=_kron_setup)
-
-# ------------------------------------------------------------------------------------------
 # validation and the public API
-
-
-def _check_factors(x: torch.Tensor, A, B, x_name: str = "x") -> Tuple[int, int, int, int]:
-    _validate.check_tensor(x_name, x, min_ndim=1)
-    _validate.check_tensor("A", A, ndim=2)
-    _validate.check_tensor("B", B, ndim=2)
-    _validate.check_same(x_name, x, A=A, B=B)
-    a_out, a_in = A.shape
-    b_out, b_in = B.shape
-    if min(a_out, a_in, b_out, b_in) == 0:
-        raise ValueError(f"A {tuple(A.shape)} and B {tuple(B.shape)} must have no empty dimension")
-    if x.shape[-1] != a_in * b_in:
-        raise ValueError(
-            f"{x_name} has shape {tuple(x.shape)}: its last dimension must equal "
-            f"a_in * b_in = {a_in} * {b_in} = {a_in * b_in} for A {tuple(A.shape)} and "
-            f"B {tuple(B.shape)}")
-    return a_out, a_in, b_out, b_in
 
 
 def check_scale(scale) -> float:
@@ -292,37 +177,6 @@ def fold_decision(dtype: torch.dtype, tokens: int, exact: Optional[bool],
     return bool(on_cuda) and tokens >= FOLD_MIN_TOKENS
 
 
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,
-                backend: Optional[str] = None) -> torch.Tensor:
-    """Kronecker matvec ``(A ⊗ B) x`` for every token, without forming ``A ⊗ B``.
-
-    Args:
-        x: (..., a_in * b_in) tokens; any leading shape, any strides.
-        A: (a_out, a_in) left factor.  B: (b_out, b_in) right factor.
-        backend: "auto" (default, or $KFUSED_BACKEND), "triton", "cuda" or "reference".
-    Returns:
-        (..., a_out * b_out) in x's dtype: row t is ``(A @ x[t].view(a_in, b_in) @ B.T).flatten()``.
-    All inputs share one dtype and device; float32/float16/bfloat16 on the fused backends.
-    """
-    a_out, a_in, b_out, b_in = _check_factors(x, A, B)
-    be = select_backend("kron_matvec", backend, [x, A, B], impls=("triton", "cuda"))
-    if be == "reference":
-        return kron_matvec_ref(x, A, B)
-    lead = x.shape[:-1]
-    x2 = _rows(x)
-    if be == "triton":
-        y = torch.ops.kfused.kron_matvec_triton_fwd(x2, A, B)
-    else:
-        y = torch.ops.kfused.kron_matvec_cuda_fwd(x2.contiguous(), A, B)
-    return y.reshape(*lead, a_out * b_out)
-
-
 def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
                  backend: Optional[str] = None, exact: Optional[bool] = None) -> torch.Tensor:
@@ -351,7 +205,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         (..., d_out). The factored kernel reads x once for the frozen GEMM and the adapter and
         its backward produces dx for both terms in one pass over dy.
     """
-    a_out, a_in, b_out, b_in = _check_factors(x, A, B)
+    a_out, a_in, b_out, b_in = check_factors(x, A, B)
     _validate.check_tensor("weight", weight, ndim=2)
     _validate.check_same("x", x, weight=weight, bias=bias)
     _validate.check_shape("weight", weight, (a_out * b_out, a_in * b_in),
@@ -367,7 +221,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if be == "reference":
         return krona_linear_ref(x, weight, bias, A, B, scale)
     lead = x.shape[:-1]
-    x2 = _rows(x)
+    x2 = rows(x)
     if use_folded_weight(x2, exact):
         y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)
     else:
