@@ -115,11 +115,11 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     into two rows ``hi = round(A_h W_k^h)`` and ``lo = round(A_h W_k^h - hi)`` sharing one
     up-projection, so the tensor-core dot ``X [hi; lo]ᵀ`` carries it to float32 accuracy.
     Rounding it once instead made Z's error scale with ``Σ_k |x_k (A W_k)_k|`` rather than
-    ``|K A_hᵀ|``, which lost to torch whenever ``K`` cancels (issue 13 item 10: fp16 lite
-    gradients up to 2.3x torch's error, 9 of 64 fuzzed cases)."""
+    ``|K A_hᵀ|``, which lost to torch whenever ``K`` cancels (fp16 lite gradients up to 2.3x
+    torch's error in 9 of 64 fuzzed cases)."""
     if f is None or f.empty:
         return (None,) * 5, None, 1.0
-    # Every launch here costs a few µs, as much as a kernel pass at GPT-2 widths (issue 12),
+    # Every launch here costs a few µs, as much as a kernel pass at GPT-2 widths,
     # so factors the kernels can read as they are (Kernel-wise A_h, B_h; shared A_s, B_s with
     # a numeric scale, which the pack kernel folds in float32) are passed in the user's dtype:
     # the pack kernel converts them to float32 and rounds the packed operands once, the

@@ -164,7 +164,7 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             ``(batch, seq, d_b)`` basis whose ``seq`` happens to equal ``H``; a 2-D basis is
             always shared unless ``per_head=True``).
         backend: "auto" (default: ``KFUSED_BACKEND``), "triton", "cuda" (the compiled
-            extension; not run in this branch's CPU CI) or "reference".
+            extension; needs a GPU, so the CPU CI does not run it) or "reference".
 
     Returns ``(..., H, p)`` in the inputs' dtype. Float32, float16 and bfloat16 (Triton) and
     any floating dtype (reference).

@@ -142,9 +142,6 @@ _triton_fwd.register_autograd(_backward, setup_context=_setup_context)
 # validation
 
 
-_SUPPORTED_TRITON_HEAD_DIMS = (32, 64, 80, 96, 128)
-
-
 def _check_param(name: str, t: Optional[Tensor], shape: Sequence[int], what: str,
                  q: Tensor) -> None:
     if t is None:
@@ -235,9 +232,14 @@ def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_p
 
 def _triton_unfit(p: int):
     def unfit(name: str) -> Optional[str]:
-        if name == "triton" and p not in _SUPPORTED_TRITON_HEAD_DIMS:
+        if name != "triton":
+            return None
+        # asked only once Triton is known to be importable
+        from kfused.triton_kernels.inducer_attention import SUPPORTED_HEAD_DIMS
+
+        if p not in SUPPORTED_HEAD_DIMS:
             return (f"head width {p} is not supported by the Triton kernel "
-                    f"(supported: {_SUPPORTED_TRITON_HEAD_DIMS})")
+                    f"(supported: {SUPPORTED_HEAD_DIMS})")
         return None
     return unfit
 

@@ -48,11 +48,13 @@ def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
             dB if need_dab else B.new_zeros(0)]
 
 
-@_krona_linear_triton_bwd.register_fake
-def _(g, x, weight, A, B, scale, need_dx, need_dab):
+def _krona_bwd_fake(g, x, weight, A, B, scale, need_dx, need_dab):
     return [torch.empty_like(x) if need_dx else x.new_empty(0),
             torch.empty_like(A) if need_dab else A.new_empty(0),
             torch.empty_like(B) if need_dab else B.new_empty(0)]
+
+
+_krona_linear_triton_bwd.register_fake(_krona_bwd_fake)
 
 
 def _krona_setup(ctx, inputs, output):
@@ -62,21 +64,24 @@ def _krona_setup(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
-def _krona_triton_backward(ctx, g):
-    x, weight, A, B = ctx.saved_tensors
-    nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
-    g = g.contiguous()
-    need_dab = nA or nB
-    dx, dA, dB = torch.ops.kfused.krona_linear_triton_bwd(g, x, weight, A, B, ctx.scale, nx,
-                                                          need_dab)
-    # The frozen weight normally has no gradient; when it does, it is one plain GEMM.
-    dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
-    db = g.sum(0) if (nb and ctx.has_bias) else None
-    return (dx if nx else None, dW, db, dA if need_dab else None, dB if need_dab else None,
-            None)
+def _krona_backward(bwd_op):
+    """The autograd backward of a krona_linear forward op whose backward op is ``bwd_op``."""
+    def backward(ctx, g):
+        x, weight, A, B = ctx.saved_tensors
+        nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
+        g = g.contiguous()
+        need_dab = nA or nB
+        dx, dA, dB = bwd_op(g, x, weight, A, B, ctx.scale, nx, need_dab)
+        # The frozen weight normally has no gradient; when it does, it is one plain GEMM.
+        dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
+        db = g.sum(0) if (nb and ctx.has_bias) else None
+        return (dx if nx else None, dW, db, dA if need_dab else None,
+                dB if need_dab else None, None)
+    return backward
 
 
-_krona_linear_triton_fwd.register_autograd(_krona_triton_backward, setup_context=_krona_setup)
+_krona_linear_triton_fwd.register_autograd(
+    _krona_backward(torch.ops.kfused.krona_linear_triton_bwd), setup_context=_krona_setup)
 
 # ------------------------------------------------------------------------------------------
 # Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
@@ -106,27 +111,11 @@ def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return [dx, dA if need_dab else A.new_zeros(0), dB if need_dab else B.new_zeros(0)]
 
 
-@_krona_linear_folded_bwd.register_fake
-def _(g, x, weight, A, B, scale, need_dx, need_dab):
-    return [torch.empty_like(x) if need_dx else x.new_empty(0),
-            torch.empty_like(A) if need_dab else A.new_empty(0),
-            torch.empty_like(B) if need_dab else B.new_empty(0)]
+_krona_linear_folded_bwd.register_fake(_krona_bwd_fake)
 
 
-def _krona_folded_backward(ctx, g):
-    x, weight, A, B = ctx.saved_tensors
-    nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
-    g = g.contiguous()
-    need_dab = nA or nB
-    dx, dA, dB = torch.ops.kfused.krona_linear_folded_bwd(g, x, weight, A, B, ctx.scale, nx,
-                                                          need_dab)
-    dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
-    db = g.sum(0) if (nb and ctx.has_bias) else None
-    return (dx if nx else None, dW, db, dA if need_dab else None, dB if need_dab else None,
-            None)
-
-
-_krona_linear_folded_fwd.register_autograd(_krona_folded_backward, setup_context=_krona_setup)
+_krona_linear_folded_fwd.register_autograd(
+    _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_krona_setup)
 
 # ------------------------------------------------------------------------------------------
 # validation and the public API

@@ -18,16 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Dict, List
+from typing import List
 
 from kfused.backends import triton_interpret
-
-def drivers() -> Dict[str, Callable[[], None]]:
-    """op name -> the function that makes its representative launches."""
-    from kfused.cases import aot_drivers
-
-    return aot_drivers()
-
 
 def main(argv=None) -> int:
     if triton_interpret():

@@ -1,5 +1,5 @@
 """Small pieces shared by the Triton kernels: the interpreter-exact product ``_mm``, dtype
-helpers, block sizes, GPU-target choices and the batched token reduction ``_atb``."""
+choices, block sizes, GPU-target choices and the batched token reduction ``_atb``."""
 
 from __future__ import annotations
 

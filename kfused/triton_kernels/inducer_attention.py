@@ -61,11 +61,11 @@ _EMPTY_LSE = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may read only 
 _LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)  # the head widths the kernels are built for
 
 
 # ------------------------------------------------------------------------------------------
-# small helpers
+# jit functions shared by the kernels below
 
 
 @triton.jit
