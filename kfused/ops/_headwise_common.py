@@ -33,6 +33,22 @@ def _check_int(name: str, v, *, lo: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
+def _check_n_heads(n_heads) -> int:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    return n_heads
+
+
+def _head_width(n_heads, name: str, t: torch.Tensor, what: str, width: int) -> int:
+    """The head width p when ``width`` (``what`` of tensor ``name``) holds ``n_heads`` heads;
+    ValueError naming the argument otherwise."""
+    _check_n_heads(n_heads)
+    if width % n_heads != 0:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}: {what} = {width} does not split "
+                         f"into n_heads={n_heads} heads")
+    return width // n_heads
+
+
 def _check_flag(name: str, v, optional: bool = False) -> None:
     if not (isinstance(v, bool) or (optional and v is None)):
         raise TypeError(f"{name} must be {'None or ' if optional else ''}a bool, got {v!r}")

@@ -15,8 +15,8 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
-from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _fold_bias, _no_float64,
-                                         _opt)
+from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _fold_bias, _head_width,
+                                         _no_float64, _opt)
 from kfused.reference.headwise import headwise_oproj_ref
 
 
@@ -121,14 +121,9 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     dO = [dY | dZ]·[W_o; D_o] (one GEMM), token reductions dYᵀ Z and dZᵀ O.
     """
     _validate.check_tensor("o", o, min_ndim=1)
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
-    H = n_heads
     HP = o.shape[-1]
-    if HP % H != 0:
-        raise ValueError(f"o has shape {tuple(o.shape)}: its last dim {HP} does not split into "
-                         f"n_heads={H} heads")
-    p = HP // H
+    p = _head_width(n_heads, "o", o, "last dim", HP)
+    H = n_heads
     _validate.check_tensor("w_o", w_o, ndim=2)
     for name, t, nd in (("b_o", b_o, 1), ("wise_A", wise_A, 3), ("wise_B", wise_B, 2),
                         ("wise_c", wise_c, 1), ("shared_A", shared_A, 2),

@@ -14,7 +14,7 @@ import torch
 from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_int, _check_linear,
-                                         _no_float64)
+                                         _head_width, _no_float64)
 from kfused.ops.headwise_qkv import _qkv_call
 from kfused.reference.headwise import HeadFactors, kv_group_index, projection_delta_ref
 
@@ -35,15 +35,10 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
     ``w_k.shape[0] // p``). Returns (..., H·p).
     """
     _validate.check_tensor("x", x, min_ndim=1)
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
-    H = n_heads
     d = x.shape[-1]
     _validate.check_tensor("weight", weight, ndim=2)
-    if weight.shape[0] % H != 0:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}: its {weight.shape[0]} output "
-                         f"rows do not split into n_heads={H} heads")
-    p = weight.shape[0] // H
+    p = _head_width(n_heads, "weight", weight, "output rows", weight.shape[0])
+    H = n_heads
     _check_linear("weight", weight, H * p, d, x)
     if bias is not None:
         _validate.check_tensor("bias", bias, ndim=1)

@@ -18,7 +18,8 @@ import torch
 from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _check_linear,
-                                         _empty, _fold_bias, _no_float64, _opt, _section)
+                                         _check_n_heads, _empty, _fold_bias, _head_width,
+                                         _no_float64, _opt, _section)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
 
 
@@ -197,9 +198,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections.
     """
     _validate.check_tensor("x", x, min_ndim=1)
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
-    H = n_heads
+    H = _check_n_heads(n_heads)
     Hkv = n_kv_heads if n_kv_heads is not None else H
     _check_flag("fused_output", fused_output)
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
@@ -207,10 +206,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                          f"n_heads={H}")
     d = x.shape[-1]
     _validate.check_tensor("w_q", w_q, ndim=2)
-    if w_q.shape[0] % H != 0:
-        raise ValueError(f"w_q has shape {tuple(w_q.shape)}: its {w_q.shape[0]} output rows do "
-                         f"not split into n_heads={H} heads")
-    p = w_q.shape[0] // H
+    p = _head_width(n_heads, "w_q", w_q, "output rows", w_q.shape[0])
     _check_linear("w_q", w_q, H * p, d, x)
     _check_linear("w_k", w_k, Hkv * p, d, x)
     _check_linear("w_v", w_v, Hkv * p, d, x)
