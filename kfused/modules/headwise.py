@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from kfused.ops import (HeadFactors, headwise_oproj, headwise_projection,
-                                 headwise_qkv)
+                        headwise_qkv)
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 
 __all__ = ["ProjRanks", "HeadwiseConfig", "HeadwiseProjection", "HeadwiseQKV",

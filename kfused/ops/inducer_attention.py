@@ -362,7 +362,7 @@ def inducer_attention(
                         key_mask, bool(causal), float(scale), False)[0]
         return f, None
     # The inducer MLP (s0, λ and u = λ tanh(q W1 + b1)) runs inside the kernel, in float32
-    # (see kfused/triton_kernels/inducer.py); "gate" composes f, λ and u in one precision
+    # (see kfused/triton_kernels/inducer_attention.py); "gate" composes f, λ and u in one precision
     # level above the inputs: (1 − λ) f + λ (tanh(q W1 + b1) W2 + b2) = (1 − λ) f + u W2 + λ b2.
     gate = composition == "gate"
     f, u, _, lam, _ = _triton_fwd(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask,

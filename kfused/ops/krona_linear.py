@@ -138,7 +138,7 @@ def check_scale(scale) -> float:
 
 # Tokens from which krona_linear(exact=None) folds the adapter into the weight on a GPU: the
 # fold is one d_out×d_in pass (plus one launch) per direction, under 5% of the frozen GEMM
-# from here on (see the roofline in kfused/triton_kernels/krona.py).
+# from here on (see the roofline in kfused/triton_kernels/krona_linear.py).
 FOLD_MIN_TOKENS = 1024
 
 
