@@ -19,11 +19,10 @@ Modules: :mod:`kfused.modules`. References (float64 oracles, CPU fallback):
 from kfused import reference
 from kfused.backends import BackendError, available_backends
 from kfused.modules.krona import KronABlock, KronALinear, factorize
-from kfused.ops.krona import kron_matvec, krona_linear
-from kfused.ops.inducer import inducer_attention, inducer_output_projection
+from kfused.ops import (HeadFactors, headwise_lowrank, headwise_oproj, headwise_projection,
+                        headwise_qkv, inducer_attention, inducer_output_projection, kron_matvec,
+                        krona_linear)
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops.headwise import (HeadFactors, headwise_lowrank, headwise_oproj,
-                                 headwise_projection, headwise_qkv)
 from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
                                      HeadwiseQKV, ProjRanks)
 from kfused.integration.headwise import attach_headwise

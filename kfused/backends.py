@@ -126,12 +126,9 @@ def select_backend(
         return requested
     if device.type != "cuda":
         return "reference"
-    reasons = {}
     for name in impls:
-        reason = unfit(name)
-        if reason is None:
+        if unfit(name) is None:
             return name
-        reasons[name] = reason
     return "reference"
 
 

@@ -160,7 +160,6 @@ def built():
     dump = _cuobjdump()
     if dump is None:
         pytest.skip("cuobjdump not found (neither the CUDA toolkit's nor Triton's)")
-    pytest.importorskip("torch")
     t0 = time.perf_counter()
     order = sorted(CU_SOURCES, key=lambda s: -os.path.getsize(s))
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

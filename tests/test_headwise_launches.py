@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kfused.ops.headwise import HeadFactors, headwise_oproj, headwise_qkv
+from kfused.ops import HeadFactors, headwise_oproj, headwise_qkv
 
 aten = torch.ops.aten
 
@@ -99,7 +99,7 @@ class LaunchCount:
         return sum(self.torch.values()) + sum(self.triton.values())
 
 
-# The benchmark presets (benchmarks/bench_headwise.py): q|k|v part, and the o part.
+# The benchmark presets (kfused/cases/headwise.py): q|k|v part, and the o part.
 PRESETS = {
     "kernel-mix-qvo-intermediate": dict(q=dict(wise=3, shared=12), v=dict(lite=8, shared=8),
                                         o=dict(wise=8, shared=8)),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES
-from kfused.ops.headwise import (HeadFactors, headwise_lowrank, headwise_oproj,
-                                 headwise_projection, headwise_qkv)
+from kfused.ops import (HeadFactors, headwise_lowrank, headwise_oproj, headwise_projection,
+                        headwise_qkv)
 from kfused.reference.headwise import (headwise_lowrank_ref, headwise_oproj_ref,
                                        headwise_qkv_ref, oproj_delta_weight,
                                        projection_delta_weight)

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from tests.conftest import DEVICE, DTYPES
 from kfused.backends import BackendError
-from kfused.ops.inducer import (_triton_bwd, _triton_fwd, inducer_attention,
-                                inducer_output_projection)
+from kfused.ops import inducer_output_projection
+from kfused.ops.inducer_attention import _triton_bwd, _triton_fwd, inducer_attention
 from kfused.reference.inducer import inducer_attention_ref, inducer_output_projection_ref
 from kfused.testing import assert_against_reference
 

@@ -5,7 +5,7 @@ import torch
 
 from tests.conftest import DEVICE
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops.inducer import inducer_attention
+from kfused.ops import inducer_attention
 
 transformers = pytest.importorskip("transformers")
 from kfused.integration import hf_attention  # noqa: E402
@@ -171,7 +171,7 @@ def test_mask_function_refuses_unsupported_patterns():
 
 
 def test_bench_cases_build():
-    from benchmarks.bench_inducer import cases
+    from kfused.cases.inducer import bench_cases as cases
 
     cs = cases("cpu", torch.float32, quick=True)
     assert cs and {p.name for p in cs[0].providers} == {"kfused-triton", "sdpa", "flex", "eager",

@@ -3,7 +3,6 @@ inject / train / save / load / merge, and fused vs reference model outputs (SPEC
 """
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -15,43 +14,26 @@ from kfused.testing import assert_against_reference
 from _hf_helpers import batch, embeds_forward, make, train_steps
 
 
-def _has(mod):
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-HEADWISE = _has("kfused.modules.headwise")
-INDUCER = _has("kfused.integration.hf_attention")
-needs_headwise = pytest.mark.skipif(not HEADWISE, reason="kfused.modules.headwise not installed")
-needs_inducer = pytest.mark.skipif(not INDUCER,
-                                   reason="kfused.integration.hf_attention not installed")
-
 CONFIGS = {
-    "kernel_mix": (needs_headwise, dict(method="kernel_mix", targets=["q", "v", "o"],
-                                        ranks={"q": (3, 4), "v": (2, 2), "o": (2, 2)},
-                                        options={"lite": ["v"]})),
-    "kernel_wise": (needs_headwise, dict(method="kernel_wise", r=2)),
-    "kernel_wise_lite": (needs_headwise, dict(method="kernel_wise_lite", r=2)),
-    "kernel_mix_lite": (needs_headwise, dict(method="kernel_mix_lite",
-                                             ranks={"q": (1, 1), "v": (1, 1)})),
-    "inducer": (needs_inducer, dict(method="inducer", r=4)),
-    "prefix": (needs_inducer, dict(method="prefix", r=5)),
-    "inducer_lora": (needs_inducer, dict(method="inducer_lora", r=4, options={"lora": {"r": 4}})),
-    "mam_inducer": (needs_inducer, dict(method="mam_inducer", r=4,
-                                        options={"parallel_adapter": {"r": 16, "scale": 4.0}})),
-    "mam": (needs_inducer, dict(method="mam", r=4,
-                                options={"parallel_adapter": {"r": 16, "scale": 4.0}})),
+    "kernel_mix": dict(method="kernel_mix", targets=["q", "v", "o"],
+                       ranks={"q": (3, 4), "v": (2, 2), "o": (2, 2)}, options={"lite": ["v"]}),
+    "kernel_wise": dict(method="kernel_wise", r=2),
+    "kernel_wise_lite": dict(method="kernel_wise_lite", r=2),
+    "kernel_mix_lite": dict(method="kernel_mix_lite", ranks={"q": (1, 1), "v": (1, 1)}),
+    "inducer": dict(method="inducer", r=4),
+    "prefix": dict(method="prefix", r=5),
+    "inducer_lora": dict(method="inducer_lora", r=4, options={"lora": {"r": 4}}),
+    "mam_inducer": dict(method="mam_inducer", r=4,
+                        options={"parallel_adapter": {"r": 16, "scale": 4.0}}),
+    "mam": dict(method="mam", r=4, options={"parallel_adapter": {"r": 16, "scale": 4.0}}),
 }
-PARAMS = [pytest.param(arch, name, marks=mark) for name, (mark, _) in CONFIGS.items()
-          for arch in ("gpt2", "llama", "roberta")]
+PARAMS = [(arch, name) for name in CONFIGS for arch in ("gpt2", "llama", "roberta")]
 
 
 @pytest.mark.parametrize("arch,name", PARAMS)
 def test_plugin_method_end_to_end(arch, name, tmp_path):
     model = make(arch)
-    inject(model, AdapterConfig(backend="reference", **CONFIGS[name][1]))
+    inject(model, AdapterConfig(backend="reference", **CONFIGS[name]))
     state = get_state(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(state.param_names)
     with use_backend("reference"):
@@ -68,7 +50,7 @@ def test_plugin_method_end_to_end(arch, name, tmp_path):
     if is_mergeable(name):
         double = make(arch).double()
         inject(double, AdapterConfig(backend="reference", adapter_dtype="float64",
-                                     init="paper", **CONFIGS[name][1]))
+                                     init="paper", **CONFIGS[name]))
         double.eval()
         with torch.no_grad(), use_backend("reference"):
             y0 = double(**inputs).logits
@@ -79,12 +61,11 @@ def test_plugin_method_end_to_end(arch, name, tmp_path):
             merge(model)
 
 
-@pytest.mark.parametrize("arch,name", [pytest.param("gpt2", "kernel_mix", marks=needs_headwise),
-                                       pytest.param("llama", "inducer", marks=needs_inducer)])
+@pytest.mark.parametrize("arch,name", [("gpt2", "kernel_mix"), ("llama", "inducer")])
 def test_plugin_fused_matches_reference_spec4(arch, name, device):
     # head width 32: the narrowest the inducer's Triton kernel supports
     base = make(arch, n_layers=1, d_model=64, n_heads=2)
-    inject(base, AdapterConfig(init="paper", adapter_dtype=None, **CONFIGS[name][1]))
+    inject(base, AdapterConfig(init="paper", adapter_dtype=None, **CONFIGS[name]))
     copies = {}
 
     def run(emb, backend):

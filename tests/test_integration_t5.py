@@ -11,7 +11,6 @@ inducer/prefix method is refused with a ValueError before the model is changed.
 """
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -22,18 +21,6 @@ from kfused.testing import assert_against_reference
 
 from _hf_helpers import batch, embeds_forward, make, train_steps
 
-
-def _has(mod):
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-needs_headwise = pytest.mark.skipif(not _has("kfused.modules.headwise"),
-                                    reason="kfused.modules.headwise not installed")
-needs_inducer = pytest.mark.skipif(not _has("kfused.integration.hf_attention"),
-                                   reason="kfused.integration.hf_attention not installed")
 
 D_KV = 12  # 4 heads of width 12: inner width 48 != d_model 32
 
@@ -56,7 +43,6 @@ def _attention_modules(model):
             if n.endswith(("SelfAttention", "EncDecAttention"))}
 
 
-@needs_headwise
 @pytest.mark.parametrize("name", list(HEADWISE))
 def test_t5_headwise_end_to_end(name, tmp_path):
     from kfused.modules.headwise import HeadwiseOutput, HeadwiseProjection
@@ -118,7 +104,6 @@ def test_t5_headwise_end_to_end(name, tmp_path):
                 torch.testing.assert_close(p, base_w[key], rtol=0, atol=1e-12)
 
 
-@needs_headwise
 @pytest.mark.parametrize("name", list(HEADWISE))
 def test_t5_headwise_fused_matches_reference_spec4(name, device):
     base = t5(n_layers=1)
@@ -137,7 +122,6 @@ def test_t5_headwise_fused_matches_reference_spec4(name, device):
                              {"emb": emb}, torch.float32, device)
 
 
-@needs_headwise
 def test_t5_headwise_triton_parameter_gradients():
     """The adapters' own gradients from the fused backward agree with the reference."""
     base = t5(n_layers=1)
@@ -165,7 +149,6 @@ INDUCER_FAMILY = {
 }
 
 
-@needs_inducer
 @pytest.mark.parametrize("name", list(INDUCER_FAMILY))
 def test_t5_inducer_family_refused(name):
     model = t5(n_layers=1)
@@ -183,7 +166,6 @@ def test_t5_inducer_family_refused(name):
     assert all(p.requires_grad for p in model.parameters())
 
 
-@needs_inducer
 def test_t5_add_inducers_refused():
     from kfused.integration.hf_attention import add_inducers, unsupported_reason
 

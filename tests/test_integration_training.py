@@ -114,10 +114,10 @@ def test_bench_e2e_cases_cpu(monkeypatch):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.syspath_prepend(root)
-    import benchmarks.bench_e2e as be
+    import kfused.cases.e2e as be
     from kfused.bench import measure
 
-    full = be.cases("cpu", torch.bfloat16)
+    full = be.bench_cases("cpu", torch.bfloat16)
     assert [c.shape["model"] for c in full] == ["gpt2-small", "llama-1b-width"]
     assert full[0].shape["seq"] == 512 and full[0].shape["batch"] == 8
     names = [p.name for p in full[0].providers]
@@ -131,12 +131,12 @@ def test_bench_e2e_cases_cpu(monkeypatch):
     tiny = {"gpt2-small": dict(arch="gpt2", layers=1, d=32, heads=2, ff=64, vocab=64, seq=16,
                                batch=2)}
     monkeypatch.setattr(be, "_model_specs", lambda quick: tiny)
-    case = be.cases("cpu", torch.float32, quick=True)[0]
+    case = be.bench_cases("cpu", torch.float32, quick=True)[0]
     case.providers = [p for p in case.providers
                       if p.name in ("peft-lora", "kfused-krona-unfused")]
     rows = measure(case, "cpu", rep_ms=20, warmup_ms=5, modes=("fwd",))
     assert all("ms_p50" in r for r in rows), rows
-    del sys.modules["benchmarks.bench_e2e"]
+    del sys.modules["kfused.cases.e2e"]
 
 
 def test_krona_fused_runs_in_autocast_dtype():

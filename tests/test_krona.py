@@ -9,7 +9,7 @@ from torch import nn
 import kfused
 from kfused import BackendError
 from kfused.modules.krona import KronABlock, KronALinear, factorize
-from kfused.ops.krona import kron_matvec, krona_linear
+from kfused.ops import kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight, kron_matvec_ref, krona_linear_ref
 from kfused.testing import assert_against_reference
 
@@ -114,7 +114,7 @@ def test_krona_linear_folded_triton(shape, dtype):
 
 
 def test_fold_weight_matches_dense_kron():
-    from kfused.triton_kernels.krona import fold_weight
+    from kfused.triton_kernels.krona_linear import fold_weight
 
     A = torch.randn(5, 3, dtype=torch.float64)
     B = torch.randn(7, 4, dtype=torch.float64)

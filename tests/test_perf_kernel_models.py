@@ -24,7 +24,7 @@ pad = lambda k, b: cd(k, b) * b
 out = {}
 
 # ---- headwise _gemm_kernel: two K segments, bias; one launch per autotuning config
-import kfused.triton_kernels.headwise as hw
+import kfused.triton_kernels._headwise_common as hw
 M, N, K0, K1 = 100, 200, 40, 24
 a0, b0 = torch.empty(M, K0, dtype=bf), torch.empty(K0, N, dtype=bf)
 a1, b1 = torch.empty(M, K1, dtype=bf), torch.empty(K1, N, dtype=bf)
@@ -77,7 +77,7 @@ out["lr_rank"] = dict(model=w["dot16_flops"], hand=Lt * 2 * (2 * tp * BNt * RB),
                       modelled=modelled, grid=list(l.grid))
 
 # ---- KronA _kron_fold_kernel
-import kfused.triton_kernels.krona as kk
+import kfused.triton_kernels.krona_linear as kk
 A, B = torch.empty(3, 5, dtype=bf), torch.empty(7, 11, dtype=bf)
 W = torch.empty(21, 55, dtype=bf)
 L, G = trace(lambda: kk.fold_weight(W, A, B, 0.5))
@@ -90,7 +90,7 @@ out["fold"] = dict(alu=w["alu_ops"], hand_alu=l.programs() * a["BO"] * a["BC"] *
                    modelled=modelled)
 
 # ---- KronA on the GPU's default path: the fold, cuBLAS GEMMs as matmul glue
-from kfused.ops.krona import fold_decision
+from kfused.ops.krona_linear import fold_decision
 out["decision"] = [fold_decision(bf, 16384, None, True), fold_decision(bf, 16384, None, False),
                    fold_decision(torch.float32, 16384, None, True),
                    fold_decision(bf, 100, None, True), fold_decision(bf, 100, False, False),
@@ -106,7 +106,7 @@ L, G = trace(c1.run)
 out["krona_exact_case"] = dict(names=[l.name for l in L])
 
 # ---- inducer forward / dQ / dK-dV: flash products + MLP products
-from kfused.ops.inducer import inducer_attention
+from kfused.ops import inducer_attention
 Bq, H, n, p, Lk, r = 1, 2, 200, 64, 4, 8
 e = lambda *s: torch.empty(*s, dtype=bf, requires_grad=True)
 def run():

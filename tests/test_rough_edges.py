@@ -78,10 +78,10 @@ def test_info_prints_each_reason_once(capsys):
 
 def test_bench_quick_cpu_cases_are_tiny_float32_and_every_provider_runs(monkeypatch):
     monkeypatch.syspath_prepend(ROOT)
-    import benchmarks.bench_e2e as be
+    import kfused.cases.e2e as be
     from kfused.bench import measure
 
-    cases = be.cases("cpu", torch.bfloat16, quick=True)
+    cases = be.bench_cases("cpu", torch.bfloat16, quick=True)
     assert all(c.dtype == torch.float32 and c.shape["d_model"] <= 64 for c in cases)
     rows = measure(cases[0], "cpu", rep_ms=5, warmup_ms=1, modes=("fwd",))
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
@@ -90,7 +90,7 @@ def test_bench_quick_cpu_cases_are_tiny_float32_and_every_provider_runs(monkeypa
             "kfused-kernel-mix-qvo-unfused", "kfused-inducer-lora-unfused"} <= ran
     skipped = {r["provider"]: r["skipped"] for r in rows if "skipped" in r}
     assert all("CUDA" in why or "LoKr" in why for why in skipped.values()), skipped
-    del sys.modules["benchmarks.bench_e2e"]
+    del sys.modules["kfused.cases.e2e"]
 
 
 def test_bench_defaults_to_git_ignored_local_folder():
@@ -115,7 +115,7 @@ def test_inducer_bench_compile_baseline_runs_backward():
     # torch.compile's donated buffers refused the harness's replayed backward (retain_graph)
     sys.path.insert(0, ROOT)
     try:
-        from benchmarks.bench_inducer import cases
+        from kfused.cases.inducer import bench_cases as cases
         from kfused.bench import measure
 
         case = cases("cpu", torch.float32, quick=True)[0]

@@ -2,7 +2,7 @@
 
 The CPU interpreter accepts programs that the GPU compiler rejects (tl.dot on tiles < 16,
 layouts, shared memory). ``kfused perf`` records the launches the ops make at the benchmark
-shapes plus each kernel module's representative launches (``_aot.register``: odd head widths,
+shapes plus each kernel module's representative launches (``aot_launches`` in kfused.cases: odd head widths,
 masks, prefix, float32), specialises them exactly as Triton's JIT does, and compiles each with
 Triton's compiler and ptxas for sm_90, no GPU needed (cached across runs; see
 tests/_perf_helpers.py).

@@ -1,18 +1,17 @@
-"""`kfused bench`: run the benchmark scripts of benchmarks/ through the shared harness.
-
-Each benchmarks/bench_<op>.py exposes ``cases(device, dtype, quick)``. Results go to
-``<out>/<op>_<device>_<utc>.json`` (default ``benchmarks/results/local/``, git-ignored) with the device, driver, versions, git commit and the two
-device ceilings measured in the same run (a large device-to-device copy and an 8192³ matmul),
-plus a PNG drawn from the JSON by :func:`plot_results`.
+"""`kfused bench`: run the benchmark cases of each op family (``bench_cases(device, dtype,
+quick)`` in :mod:`kfused.cases`) through the shared harness. Results go to
+``<out>/<op>_<device>_<utc>.json`` (default ``benchmarks/results/local/`` of the source
+checkout, git-ignored; ``./kfused_bench_results/`` elsewhere) with the device, driver,
+versions, git commit and the two device ceilings measured in the same run (a large
+device-to-device copy and an 8192³ matmul), plus a PNG drawn from the JSON by
+:func:`plot_results`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -26,38 +25,23 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def repo_root() -> Optional[Path]:
     """The source checkout (editable install or a run from the repo), if any."""
-    env = os.environ.get("KFUSED_BENCH_DIR")
-    if env:
-        return Path(env).resolve().parent
     for cand in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (cand / "benchmarks").is_dir() and (cand / "kfused").is_dir():
             return cand
     return None
 
 
-def bench_dir() -> Path:
-    env = os.environ.get("KFUSED_BENCH_DIR")
-    if env:
-        return Path(env)
+def default_out_dir() -> Path:
     root = repo_root()
     if root is None:
-        raise SystemExit("kfused bench: no benchmarks/ folder found; run from the kfused "
-                         "checkout or set KFUSED_BENCH_DIR")
-    return root / "benchmarks"
+        return Path.cwd() / "kfused_bench_results"
+    return root / "benchmarks" / "results" / "local"
 
 
 def available_ops() -> List[str]:
-    return sorted(p.stem[len("bench_"):] for p in bench_dir().glob("bench_*.py"))
+    from kfused.cases import BENCH_FAMILIES
 
-
-def load_cases_module(op: str):
-    path = bench_dir() / f"bench_{op}.py"
-    if not path.exists():
-        raise SystemExit(f"kfused bench: no {path} (ops: {', '.join(available_ops())})")
-    spec = importlib.util.spec_from_file_location(f"kfused_bench_{op}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return list(BENCH_FAMILIES)
 
 
 def _git_commit() -> str:
@@ -206,10 +190,12 @@ def _print_table(rows: List[dict]) -> None:
 
 def run(argv: Optional[List[str]] = None) -> int:
     from kfused.bench import measure
+    from kfused.cases import bench_cases
 
     p = argparse.ArgumentParser(prog="kfused bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ops", nargs="*", help="ops to benchmark (default: all in benchmarks/)")
+    p.add_argument("ops", nargs="*",
+                   help=f"ops to benchmark (default: all of {', '.join(available_ops())})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--quick", action="store_true",
@@ -218,8 +204,9 @@ def run(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rep-ms", type=float, default=None,
                    help="measuring time per point (default 200 on GPU, 50 on CPU)")
     p.add_argument("--out", default=None,
-                   help="results folder (default benchmarks/results/local, git-ignored; "
-                        "committed results live in benchmarks/results/<device>/)")
+                   help="results folder (default benchmarks/results/local of the checkout, "
+                        "git-ignored, or ./kfused_bench_results; committed results live in "
+                        "benchmarks/results/<device>/)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--list", action="store_true", help="list the ops and exit")
     args = p.parse_args(argv)
@@ -228,9 +215,13 @@ def run(argv: Optional[List[str]] = None) -> int:
         return 0
     device = torch.device(args.device)
     ops = args.ops or available_ops()
+    unknown = [op for op in ops if op not in available_ops()]
+    if unknown:
+        raise SystemExit(f"kfused bench: no benchmark cases for {', '.join(unknown)} "
+                         f"(ops: {', '.join(available_ops())})")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
-    out_dir = Path(args.out) if args.out else bench_dir() / "results" / "local"
+    out_dir = Path(args.out) if args.out else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     rep = args.rep_ms or (200 if device.type == "cuda" else 50)
     if device.type != "cuda":
@@ -247,9 +238,8 @@ def run(argv: Optional[List[str]] = None) -> int:
     except Exception:  # pragma: no cover
         tqdm = lambda it, **k: it  # noqa: E731
     for op in ops:
-        mod = load_cases_module(op)
         rows: List[dict] = []
-        case_list = mod.cases(device, DTYPES[args.dtype], quick=args.quick)
+        case_list = bench_cases(op, device, DTYPES[args.dtype], quick=args.quick)
         for case in tqdm(case_list, desc=f"bench {op}", file=sys.stderr):
             rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
         add_ratios(rows)

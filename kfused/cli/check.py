@@ -11,11 +11,12 @@ import torch
 
 
 def run(argv: Optional[List[str]] = None) -> int:
-    from kfused import backends, checks
+    from kfused import backends, cases
     from kfused.testing import check_against_reference
 
     p = argparse.ArgumentParser(prog="kfused check", description=__doc__)
-    p.add_argument("ops", nargs="*", help=f"ops to check (default all: {', '.join(checks.registered_ops())})")
+    p.add_argument("ops", nargs="*",
+                   help=f"ops to check (default all: {', '.join(cases.check_ops())})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", default=None,
                    help="comma list of fp32,fp16,bf16 (default: all the device supports)")
@@ -32,7 +33,7 @@ def run(argv: Optional[List[str]] = None) -> int:
           f"{'kernel err':>10} {'torch err':>10} {'bound':>10}  verdict")
     failures = 0
     ran = 0
-    for case in checks.all_cases(device, args.ops or None):
+    for case in cases.check_cases(device, args.ops or None):
         for dt in dtypes:
             reason = (backends.triton_unfit(device, dt) if case.backend == "triton"
                       else backends.cuda_unfit(device, dt, case.op))

@@ -37,3 +37,12 @@ def unavailable_reason(op: str = "") -> Optional[str]:
     if op and not hasattr(mod, f"{op}_fwd"):
         return f"the CUDA extension has no kernel for {op}"
     return None
+
+
+def require(op: str):
+    """The compiled module for a custom op that runs ``op``; RuntimeError with the reason when
+    it is not built (the ops only call it after backend selection found the extension)."""
+    mod = extension()
+    if mod is None:
+        raise RuntimeError(unavailable_reason(op))
+    return mod

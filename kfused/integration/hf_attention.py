@@ -31,7 +31,7 @@ from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_
 from kfused.modules._init import check_init
 from kfused.modules._linear import linear_dims
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops.inducer import inducer_attention
+from kfused.ops import inducer_attention
 
 ATTN_IMPLEMENTATION = "kfused_inducer"
 ADAPTER_ATTR = "kfused_inducer"

@@ -2,7 +2,7 @@
 
 Each module wraps an existing frozen projection (``nn.Linear`` or Hugging Face's ``Conv1D``)
 without copying its weight, owns only the adapter parameters, and calls the functional ops
-of :mod:`kfused.ops.headwise`:
+of :mod:`kfused.ops`:
 
 * :class:`HeadwiseProjection` — one q or v projection (BERT/RoBERTa ``query``/``value``,
   Llama ``q_proj``/``v_proj``, T5 ``q``/``v``) with any mix of shared LoRA, Kernel-wise and
@@ -45,8 +45,7 @@ from torch import nn
 
 from kfused.modules._init import check_init, init_pair_
 from kfused.modules._linear import is_conv1d
-from kfused.ops.headwise import (HeadFactors, headwise_oproj, headwise_projection,
-                                 headwise_qkv)
+from kfused.ops import HeadFactors, headwise_oproj, headwise_projection, headwise_qkv
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 
 __all__ = ["ProjRanks", "HeadwiseConfig", "HeadwiseProjection", "HeadwiseQKV",

@@ -10,7 +10,7 @@ composition="add"|"gate", prefix_len=l, inducer=True, init="paper"|"zero")`` own
     prefix_k, prefix_v (H, l, p)                          prefix tuning, when prefix_len > 0
 
 ``forward(q, k, v, ...)`` on (B, H, n, p) tensors returns ``(out, u)`` exactly as
-:func:`kfused.ops.inducer.inducer_attention`; :meth:`output_projection` folds ``u`` into the
+:func:`kfused.ops.inducer_attention.inducer_attention`; :meth:`output_projection` folds ``u`` into the
 frozen output projection as one GEMM over ``[f | u]``.
 
 Combining with Q-LoRA / per-head low-rank modules: the adapter consumes the query *as the
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from kfused.modules._init import check_init, paper_
-from kfused.ops.inducer import COMPOSITIONS, inducer_attention
+from kfused.ops.inducer_attention import COMPOSITIONS, inducer_attention
 
 
 class InducerAttention(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
 from kfused.modules._linear import WrappedLinear, autocast_input, linear_dims, linear_weight
-from kfused.ops.krona import check_scale, kron_matvec, krona_linear
+from kfused.ops import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
 __all__ = ["KronALinear", "KronABlock", "factorize"]

@@ -464,10 +464,10 @@ def _grad(outs, leaves):
 
 def _krona_case(T, d_in, d_out, A_shape, B_shape, fac, path="gpu-default"):
     """path "gpu-default": what ``krona_linear(exact=None)`` runs on a GPU for bfloat16 at this
-    T (``kfused.ops.krona.fold_decision`` evaluated as on CUDA: the folded W' + cuBLAS path
+    T (``kfused.ops.krona_linear.fold_decision`` evaluated as on CUDA: the folded W' + cuBLAS path
     from T ≥ FOLD_MIN_TOKENS); "exact": the factored kernels (``exact=True``, also what
     float32 and small T run)."""
-    from kfused.ops.krona import fold_decision
+    from kfused.ops.krona_linear import fold_decision
 
     (a_out, a_in), (b_out, b_in) = A_shape, B_shape
     assert a_out * b_out == d_out and a_in * b_in == d_in
@@ -562,7 +562,7 @@ def _headwise_case(width, d, H, Hkv, preset, T):
         return HeadFactors(**kw)
 
     def run():
-        from kfused.ops.headwise import headwise_qkv
+        from kfused.ops import headwise_qkv
 
         x = _e(T, d, grad=True)
         wq, wk, wv = _e(H * p, d), _e(Hkv * p, d), _e(Hkv * p, d)
@@ -619,7 +619,7 @@ def _oproj_case(width, d, H, preset, T):
     assert ro is not None and not ro.lite
 
     def run():
-        from kfused.ops.headwise import headwise_oproj
+        from kfused.ops import headwise_oproj
 
         o = _e(T, HP, grad=True)
         w, b = _e(d, HP), _e(d)
@@ -675,7 +675,7 @@ def _inducer_case(n, p, causal, L_KEY=4, R_VALUE=8):
     B, H = max(1, 16384 // n), 2048 // p
 
     def run():
-        from kfused.ops.inducer import inducer_attention
+        from kfused.ops import inducer_attention
 
         q, k, v = (_e(B, H, n, p, grad=True) for _ in range(3))
         prm = dict(Ak=_e(H, p, L_KEY, grad=True), ak=_e(H, L_KEY, grad=True),

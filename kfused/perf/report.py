@@ -66,14 +66,13 @@ def collect(ops: Optional[List[str]] = None):
 
 
 def representative_launches(ops: Optional[List[str]] = None):
-    """The kernel modules' own representative launches (``_aot.register`` drivers: odd head
+    """Each op family's representative launches (``aot_launches`` in kfused.cases: odd head
     widths, masks, prefix, float32) — compile coverage beyond the benchmark shapes."""
     from kfused.perf.compile import recording
-    from kfused.triton_kernels import _aot
+    from kfused.cases import aot_drivers
 
-    _aot._load_drivers()
     out = []
-    for op, drv in _aot._DRIVERS.items():
+    for op, drv in aot_drivers().items():
         if ops and not any(op.startswith(o) for o in ops):
             continue
         with recording() as launches:

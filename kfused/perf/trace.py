@@ -120,24 +120,30 @@ def _gpu_dispatch(launches: List[Launch]):
     """Make the host code take the branches it takes on a CUDA device although the stand-in
     tensors are on the CPU, and tag autotuned alternatives.
 
-    * ``headwise.reduce_tokens`` and ``headwise._thin`` hand 16-bit CUDA operands to cuBLAS
+    * ``reduce_tokens`` and ``headwise_oproj._thin`` hand 16-bit CUDA operands to cuBLAS
       (``torch.matmul``) and only fall back to the Triton GEMM otherwise: the same branch is
       taken here for 16-bit operands, so the trace records the cuBLAS GEMM (priced as a
       matmul glue op) instead of a split-K Triton launch that the GPU never runs. The
       conditions mirror those two functions (their ``device.type == "cuda"`` test is the only
       difference).
-    * ``headwise._launch`` records one launch per autotuning config while compiling for a GPU;
-      those launches share an ``alt`` id so the report keeps only the fastest predicted one.
-    """
-    import kfused.triton_kernels.headwise as hw
+    * ``_headwise_common._launch`` records one launch per autotuning config while compiling
+      for a GPU; those launches share an ``alt`` id so the report keeps only the fastest
+      predicted one.
 
-    orig = dict(reduce_tokens=hw.reduce_tokens, _thin=hw._thin, _launch=hw._launch)
+    Each name is replaced in every headwise kernel module that looks it up as a global.
+    """
+    import kfused.triton_kernels._headwise_common as hc
+    import kfused.triton_kernels.headwise_oproj as ho
+    import kfused.triton_kernels.headwise_qkv as hq
+
+    orig = dict(reduce_tokens=hc.reduce_tokens, _thin=ho._thin, _launch=hc._launch)
     counter = [0]
 
-    def reduce_tokens(a_t, b):
+    def reduce_tokens(a_t, b, partials=False):
         if b.dtype in _IS16 and a_t.shape[0] and a_t.shape[1] and b.shape[1]:
-            return torch.matmul(a_t.t(), b).float()
-        return orig["reduce_tokens"](a_t, b)
+            out = torch.matmul(a_t.t(), b)
+            return out.unsqueeze(0) if partials else out.float()
+        return orig["reduce_tokens"](a_t, b, partials=partials)
 
     def _thin(a, b, out):
         if a.dtype in _IS16:
@@ -152,12 +158,15 @@ def _gpu_dispatch(launches: List[Launch]):
                 L.alt = counter[0]
             counter[0] += 1
 
-    hw.reduce_tokens, hw._thin, hw._launch = reduce_tokens, _thin, _launch
+    patched = dict(reduce_tokens=reduce_tokens, _thin=_thin, _launch=_launch)
+    saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho) for k in patched if hasattr(m, k)]
+    for m, k, _ in saved:
+        setattr(m, k, patched[k])
     try:
         yield
     finally:
-        hw.reduce_tokens, hw._thin, hw._launch = (orig["reduce_tokens"], orig["_thin"],
-                                                  orig["_launch"])
+        for m, k, v in saved:
+            setattr(m, k, v)
 
 
 def _traced(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
@@ -172,7 +181,7 @@ def trace(run: Callable[[], None], warm: bool = True) -> Tuple[List[Launch], Lis
     """Call ``run()`` (which runs an op forward and backward on CPU tensors); return the Triton
     launches it made and the torch glue operations between them. Host-side dispatch follows
     the GPU's choices (:func:`_gpu_dispatch`; KronA's fold-or-factored choice is made by the
-    benchmark case itself from ``kfused.ops.krona.fold_decision``).
+    benchmark case itself from ``kfused.ops.krona_linear.fold_decision``).
 
     ``warm``: run once unrecorded first, so that what the ops memoise per shape (index maps,
     packings by dimensions: ``functools.lru_cache``) is built, and record the second call:

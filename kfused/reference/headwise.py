@@ -82,7 +82,7 @@ def headwise_lowrank_ref(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 
     basis: (..., d_b) shared by all heads, or (..., H, d_b) one per head; A: (H, r, d_b);
     B: (H, p, r); bias: (H, p) or None. Returns (..., H, p).
-    ``per_head=None`` infers the basis kind like :func:`kfused.ops.headwise.headwise_lowrank`.
+    ``per_head=None`` infers the basis kind like :func:`kfused.ops.headwise_lowrank.headwise_lowrank`.
     """
     if per_head is None:
         per_head = basis.dim() >= 3 and basis.shape[-2] == A.shape[0]

@@ -1,7 +1,7 @@
 """Compile every Triton kernel for a GPU target on a machine without a GPU.
 
-Kernel modules register "representative launches" here (odd head widths, masks, prefix,
-float32: compile coverage beyond the benchmark shapes) with :func:`register`. The compiling
+Each op family's "representative launches" (odd head widths, masks, prefix, float32: compile
+coverage beyond the benchmark shapes) are ``aot_launches()`` in :mod:`kfused.cases`. The compiling
 itself — recording launches, specialising exactly as Triton's JIT does (integers equal to 1
 as constexprs, 16-divisibility), ptxas, cubin statistics, the on-disk cache — lives in
 :mod:`kfused.perf.compile`; ``kfused perf`` is the one entry point:
@@ -18,39 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Dict, List
+from typing import List
 
-_DRIVERS: Dict[str, Callable[[], None]] = {}
-
-
-def register(op: str):
-    def deco(fn):
-        _DRIVERS[op] = fn
-        return fn
-    return deco
-
-
-def recording():
-    """Within the block ``kernel[grid](...)`` records a launch instead of running it."""
-    from kfused.perf.compile import recording as _rec
-
-    return _rec()
-
-
-def _load_drivers() -> None:
-    # Each kernel module registers its driver when imported.
-    import importlib
-    import pkgutil
-
-    import kfused.triton_kernels as pkg
-
-    for m in pkgutil.iter_modules(pkg.__path__):
-        if not m.name.startswith("_"):
-            importlib.import_module(f"kfused.triton_kernels.{m.name}")
-
+from kfused.backends import triton_interpret
 
 def main(argv=None) -> int:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpret():
         print("run without TRITON_INTERPRET: the kernels must be compiled, not interpreted",
               file=sys.stderr)
         return 2
@@ -88,7 +61,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main so kernel modules register into the same registry.
-    from kfused.triton_kernels._aot import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -1,19 +1,25 @@
-"""Small pieces shared by the Triton kernels."""
+"""Small pieces shared by the Triton kernels: the interpreter-exact product ``_mm``, dtype
+choices, block sizes, GPU-target choices and the batched token reduction ``_atb``."""
 
 from __future__ import annotations
 
-import os
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from kfused import _alloc
+from kfused.backends import triton_interpret
+
+F32 = torch.float32
 
 
 # The CPU interpreter evaluates an IEEE float32 tl.dot with numpy's float32 matmul (no fused
 # multiply-add, its own summation order), which is less accurate than the GPU's FMA chains; in
 # the interpreter _mm therefore forms float32 dots exactly in float64 and rounds once. 16-bit
 # dots are untouched (their products are exact in the float32 accumulator either way).
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_INTERPRETED = tl.constexpr(triton_interpret())
 
 
 @triton.jit
@@ -70,7 +76,7 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
-# Set by kfused.triton_kernels._aot while it records launches to compile them for a GPU on a
+# Set by kfused.perf.compile.recording while it records launches to compile them for a GPU on a
 # machine without one: host functions then choose their GPU configurations for CPU tensors.
 _AOT_TARGET = {"on": False, "sms": 132}
 
@@ -88,3 +94,133 @@ def grid_programs(device: torch.device, blocks: int, per_sm: int = 4, interp_cap
     if _AOT_TARGET["on"]:
         return max(1, min(blocks, _AOT_TARGET["sms"] * per_sm))
     return max(1, min(blocks, interp_cap))
+
+
+# Warps per program of _atb_kernel and the headwise_lowrank kernels.
+_NW = 8
+
+
+def _blk(n: int, lo: int = 16, hi: int = 64) -> int:
+    return max(lo, min(hi, next_pow2(n)))
+
+
+def _rblk(r: int) -> int:
+    return max(16, next_pow2(max(r, 1)))
+
+
+
+def _splits(device: torch.device, K: int, programs: int, BK: int = 64) -> int:
+    """How many K splits for a long reduction (over tokens): enough programs to fill the GPU."""
+    chunks = max(1, triton.cdiv(K, 4 * BK))
+    if not targets_gpu(device):
+        return min(chunks, 2)
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else _AOT_TARGET["sms"])
+    want = max(1, (2 * sms) // max(1, programs))
+    return max(1, min(chunks, want, 64))
+
+
+
+# ------------------------------------------------------------------------------------------
+# Batched split-T reduction  C[b] = A[b]ᵀ B[b]  (+ colsum_t A[b])
+
+
+@triton.jit
+def _atb_kernel(a_ptr, s_at, s_ab, s_am,
+                b_ptr, s_bt, s_bb, s_bn,
+                b2_ptr, s_b2t, s_b2b, s_b2n,
+                c_ptr, c2_ptr, cs_ptr,
+                T, M, N, N2, NB, T_PER,
+                BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
+                HAS_B2: tl.constexpr, COLSUM: tl.constexpr, RACC: tl.constexpr):
+    # grid: (NB * cdiv(M, BM) * cdiv(N, BN), S). Split s reduces tokens
+    # [s*T_PER, (s+1)*T_PER) and writes float32 partials c[s, b]; the host sums over s.
+    # C2 and the column sums are produced by the programs of the first N-block.
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    n_mb = tl.cdiv(M, BM)
+    n_nb = tl.cdiv(N, BN)
+    b = pid // (n_mb * n_nb)
+    rest = pid % (n_mb * n_nb)
+    mb = rest // n_nb
+    nb = rest % n_nb
+    rm = mb * BM + tl.arange(0, BM)
+    rn = nb * BN + tl.arange(0, BN)
+    rn2 = tl.arange(0, BN2)
+    mmask = rm < M
+    nmask = rn < N
+    # Token sums accumulate in float32 (RACC) across blocks; splits are summed by the host.
+    acc = tl.zeros((BM, BN), dtype=RACC)
+    acc2 = tl.zeros((BM, BN2), dtype=RACC)
+    cs = tl.zeros((BM,), dtype=RACC)
+    t_lo = s * T_PER
+    t_hi = tl.minimum(t_lo + T_PER, T)
+    rt0 = tl.arange(0, BT)
+    for t0 in range(t_lo, t_hi, BT):
+        rt = t0 + rt0
+        tmask = rt < t_hi
+        a = tl.load(a_ptr + b * s_ab + rt[:, None] * s_at + rm[None, :] * s_am,
+                    mask=tmask[:, None] & mmask[None, :], other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + b * s_bb + rt[:, None] * s_bt + rn[None, :] * s_bn,
+                     mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        at = tl.trans(a)
+        acc += _mm(at, bt, True, "ieee").to(RACC)
+        if HAS_B2:
+            b2 = tl.load(b2_ptr + b * s_b2b + rt[:, None] * s_b2t + rn2[None, :] * s_b2n,
+                         mask=tmask[:, None] & (rn2[None, :] < N2), other=0.0).to(tl.float32)
+            acc2 += _mm(at, b2, True, "ieee").to(RACC)
+        if COLSUM:
+            cs += tl.sum(a.to(RACC), axis=0)
+    base = (s * NB + b) * M
+    tl.store(c_ptr + (base + rm[:, None]) * N + rn[None, :], acc,
+             mask=mmask[:, None] & nmask[None, :])
+    if nb == 0:
+        if HAS_B2:
+            tl.store(c2_ptr + (base + rm[:, None]) * N2 + rn2[None, :], acc2,
+                     mask=mmask[:, None] & (rn2[None, :] < N2))
+        if COLSUM:
+            tl.store(cs_ptr + base + rm, cs, mask=mmask)
+
+
+def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
+        colsum: bool = False, out_dtype: torch.dtype = F32
+        ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Batched ``a[:, i]ᵀ b[:, i]`` reduced over tokens (the factor gradients).
+
+    a (T, NB, M); b (T, NB or 1, N); b2 (T, NB or 1, N2) with N2 <= 128; any strides (a
+    size-1 batch dim of b/b2 is broadcast). Returns C (NB, M, N), C2 (NB, M, N2) or None and
+    colsum_t a (NB, M) or None, in ``out_dtype``. Accumulates in float32 (IEEE dots).
+    """
+    T, NB, M = a.shape
+    N = b.shape[2]
+    N2 = b2.shape[2] if b2 is not None else 1
+    if N2 > 128:
+        C, _, CS = _atb(a, b, None, colsum, out_dtype)
+        C2, _, _ = _atb(a, b2, None, False, out_dtype)
+        return C, C2, CS
+    dev = a.device
+    BT = 64 if targets_gpu(dev) else 32
+    BM = _blk(M, 16, 64)
+    BN = _blk(N, 16, 64)
+    BN2 = _rblk(N2)
+    programs = NB * triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    S = _splits(dev, T, programs, BT // 4)
+    T_PER = max(BT, triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT)
+    S = max(1, triton.cdiv(T, T_PER))
+    racc = F32
+    c = _alloc.empty(S, NB, M, N, dtype=racc, device=dev)
+    c2 = _alloc.empty(S, NB, M, N2, dtype=racc, device=dev) if b2 is not None else c
+    cs = _alloc.empty(S, NB, M, dtype=racc, device=dev) if colsum else c
+    sb = lambda t: t.stride(1) if t.shape[1] > 1 else 0  # noqa: E731
+    bb2 = b2 if b2 is not None else b
+    _atb_kernel[(programs, S)](
+        a, a.stride(0), a.stride(1), a.stride(2),
+        b, b.stride(0), sb(b), b.stride(2),
+        bb2, bb2.stride(0), sb(bb2), bb2.stride(2),
+        c, c2, cs, T, M, N, N2, NB, T_PER,
+        BT=BT, BM=BM, BN=BN, BN2=BN2, HAS_B2=b2 is not None, COLSUM=colsum,
+        RACC=tl.float32, num_warps=_NW)
+    C = c.sum(0).to(out_dtype)
+    C2 = c2.sum(0).to(out_dtype) if b2 is not None else None
+    CS = cs.sum(0).to(out_dtype) if colsum else None
+    return C, C2, CS

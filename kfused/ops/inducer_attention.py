@@ -1,4 +1,5 @@
-"""Inducer attention and prefix tuning (SPEC §3): torch.library ops and the functional API.
+"""``inducer_attention`` (SPEC §3): inducer attention and prefix tuning — torch.library ops
+and the functional API.
 
 ``inducer_attention(q, k, v, ...)`` is flash-style attention over (batch, heads, n, p) tensors
 with three optional additions, all O(n) memory on the Triton backend:
@@ -26,10 +27,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from kfused import _validate
+from kfused import _validate, cuda
 from kfused.backends import select_backend
 from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
-                                      inducer_output_projection_ref, inducer_value_hidden)
+                                      inducer_value_hidden)
 
 OP_NAME = "inducer_attention"
 COMPOSITIONS = ("add", "gate")
@@ -50,7 +51,7 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, Ak: Optional[Tensor], ak: Optio
                 key_mask: Optional[Tensor], causal: bool, scale: float, u_fp32: bool
                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, u, lse, lam, stats); the inducer MLP (Ak … b1, all or none) runs in the kernel."""
-    from kfused.triton_kernels.inducer import inducer_attention_forward
+    from kfused.triton_kernels.inducer_attention import inducer_attention_forward
 
     mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
     return inducer_attention_forward(q, k, v, mlp, prefix_k, prefix_v, key_mask, causal, scale,
@@ -82,7 +83,7 @@ def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
                 prefix_v: Optional[Tensor], key_mask: Optional[Tensor], causal: bool,
                 scale: float) -> List[Tensor]:
     """[dq, dk, dv, dAk, dak, dBk, dck, dW1, db1, dprefix_k, dprefix_v] (empty where absent)."""
-    from kfused.triton_kernels.inducer import inducer_attention_backward
+    from kfused.triton_kernels.inducer_attention import inducer_attention_backward
 
     mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
     dq, dk, dv, dmlp, dpk, dpv = inducer_attention_backward(
@@ -139,9 +140,6 @@ _triton_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ------------------------------------------------------------------------------------------
 # validation
-
-
-_SUPPORTED_TRITON_HEAD_DIMS = (32, 64, 80, 96, 128)
 
 
 def _check_param(name: str, t: Optional[Tensor], shape: Sequence[int], what: str,
@@ -234,9 +232,14 @@ def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_p
 
 def _triton_unfit(p: int):
     def unfit(name: str) -> Optional[str]:
-        if name == "triton" and p not in _SUPPORTED_TRITON_HEAD_DIMS:
+        if name != "triton":
+            return None
+        # asked only once Triton is known to be importable
+        from kfused.triton_kernels.inducer_attention import SUPPORTED_HEAD_DIMS
+
+        if p not in SUPPORTED_HEAD_DIMS:
             return (f"head width {p} is not supported by the Triton kernel "
-                    f"(supported: {_SUPPORTED_TRITON_HEAD_DIMS})")
+                    f"(supported: {SUPPORTED_HEAD_DIMS})")
         return None
     return unfit
 
@@ -258,11 +261,7 @@ def _combined_key_mask(key_padding_mask: Optional[Tensor], seq_lens: Optional[Te
 def _cuda_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor, prefix_k: Optional[Tensor],
               prefix_v: Optional[Tensor], key_lengths: Optional[Tensor],
               causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    from kfused import cuda
-
-    ext = cuda.extension()
-    if ext is None:
-        raise RuntimeError(cuda.unavailable_reason("inducer_attention"))
+    ext = cuda.require("inducer_attention")
     f, lse, lam = ext.inducer_attention_fwd(q, k, v, s0, prefix_k, prefix_v, key_lengths,
                                             causal)
     return f, lse, lam
@@ -363,7 +362,7 @@ def inducer_attention(
                         key_mask, bool(causal), float(scale), False)[0]
         return f, None
     # The inducer MLP (s0, λ and u = λ tanh(q W1 + b1)) runs inside the kernel, in float32
-    # (see kfused/triton_kernels/inducer.py); "gate" composes f, λ and u in one precision
+    # (see kfused/triton_kernels/inducer_attention.py); "gate" composes f, λ and u in one precision
     # level above the inputs: (1 − λ) f + λ (tanh(q W1 + b1) W2 + b2) = (1 − λ) f + u W2 + λ b2.
     gate = composition == "gate"
     f, u, _, lam, _ = _triton_fwd(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask,
@@ -396,97 +395,3 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
         return f, (lam * hidden).to(q.dtype)
     pvh = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
     return ((1.0 - lam) * f.to(up) + lam * pvh).to(q.dtype), None
-
-
-def inducer_output_projection(f: Tensor, u: Optional[Tensor], W_o: Tensor,
-                              b_o: Optional[Tensor] = None, W2: Optional[Tensor] = None,
-                              b2: Optional[Tensor] = None) -> Tensor:
-    """``y = concat_h(f^h) W_oᵀ + b_o + Σ_h u^h W2_h + b2`` as one GEMM over ``[f | u]``.
-
-    f (B, H, n, p), u (B, H, n, r) or None, W_o (d, H·p) (nn.Linear layout), b_o (d,),
-    W2 (H, r, d), b2 (d,) -> (B, n, d). ``W2``/``b2`` belong to ``u`` and need it; every tensor
-    shares f's dtype and device (no broadcasting of wrongly shaped biases).
-    """
-    _validate.check_tensor("f", f, ndim=4)
-    B, H, n, p = f.shape
-    _validate.check_tensor("W_o", W_o, ndim=2)
-    _validate.check_same("f", f, W_o=W_o)
-    if W_o.shape[1] != H * p:
-        raise ValueError(f"W_o has shape {tuple(W_o.shape)}, expected (d, {H * p}) for "
-                         f"{H} heads of width {p}")
-    d = W_o.shape[0]
-    if b_o is not None:
-        _validate.check_tensor("b_o", b_o, ndim=1)
-        _validate.check_shape("b_o", b_o, (d,), "(d,): the output projection's bias")
-        _validate.check_same("f", f, b_o=b_o)
-    if u is None:
-        if W2 is not None or b2 is not None:
-            raise ValueError("W2/b2 map the inducer's u to the output space: they were given "
-                             "but u is None (pass u from inducer_attention(..., "
-                             "composition='add'))")
-    x = f.transpose(1, 2).reshape(B, n, H * p)
-    weight = W_o.transpose(0, 1)
-    bias = b_o
-    if u is not None:
-        _validate.check_tensor("u", u, ndim=4)
-        _validate.check_same("f", f, u=u)
-        r = u.shape[-1]
-        _validate.check_shape("u", u, (B, H, n, r), "(batch, heads, n, r)")
-        if W2 is None:
-            raise ValueError(f"W2 ({H}, {r}, {d}) is required when u is given")
-        _validate.check_tensor("W2", W2, ndim=3)
-        _validate.check_shape("W2", W2, (H, r, d), "(heads, value_bottleneck, d)")
-        _validate.check_same("f", f, W2=W2)
-        x = torch.cat([x, u.transpose(1, 2).reshape(B, n, H * r)], dim=-1)
-        weight = torch.cat([weight, W2.reshape(H * r, d)], dim=0)
-        if b2 is not None:
-            _validate.check_tensor("b2", b2, ndim=1)
-            _validate.check_shape("b2", b2, (d,), "(d,): the inducer value path's bias")
-            _validate.check_same("f", f, b2=b2)
-            bias = b2 if bias is None else bias + b2
-    y = torch.matmul(x, weight)
-    return y if bias is None else y + bias
-
-
-def check_cases(device: torch.device) -> list:
-    """`kfused check` cases (SPEC §4 against the float64 reference): inducer "add" and
-    "gate", prefix, causal and padding masks, odd n, every supported head width."""
-    from kfused.checks import CheckCase
-
-    g = torch.Generator().manual_seed(0)
-    on_gpu = torch.device(device).type == "cuda"
-    f64 = torch.float64
-    cases = []
-    specs = [(2, 4, 1025 if on_gpu else 97, 64, 16, True, "add"),
-             (2, 4, 97, 80, 1, False, "gate"),
-             (1, 2, 513 if on_gpu else 33, 128, 0, True, "add"),
-             (2, 2, 97, 32, 0, False, "gate"),
-             (1, 2, 1, 96, 1, True, "add")]
-    for B, H, n, p, l, causal, comp in specs:
-        rnd = lambda *shape, s=1.0: torch.randn(*shape, generator=g, dtype=f64) * s  # noqa: E731
-        inputs = {"q": rnd(B, H, n, p), "k": rnd(B, H, n, p), "v": rnd(B, H, n, p),
-                  "Ak": rnd(H, p, 3, s=0.5), "ak": rnd(H, 3, s=0.5), "Bk": rnd(H, 3, p, s=0.5),
-                  "ck": rnd(H, p, s=0.5), "W1": rnd(H, p, 5, s=0.5), "b1": rnd(H, 5, s=0.5)}
-        if comp == "gate":
-            inputs.update(W2=rnd(H, 5, p), b2=rnd(H, p))
-        if l:
-            inputs.update(prefix_k=rnd(H, l, p), prefix_v=rnd(H, l, p))
-        mask = torch.rand(B, n, generator=g) > 0.25
-        mask[:, 0] = True
-        inputs["key_padding_mask"] = mask
-
-        def run(backend, comp=comp, causal=causal):
-            def fn(**kw):
-                out, u = inducer_attention(**kw, composition=comp, causal=causal,
-                                           backend=backend)
-                return out if u is None else (out, u)
-            return fn
-
-        label = f"B={B} H={H} n={n} p={p} l={l} {'causal ' if causal else ''}{comp}"
-        cases.append(CheckCase(OP_NAME, label, "triton", run("triton"), run("reference"),
-                               inputs))
-    return cases
-
-
-__all__ = ["check_cases", "inducer_attention", "inducer_output_projection", "inducer_attention_ref",
-           "inducer_output_projection_ref"]

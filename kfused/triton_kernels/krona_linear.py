@@ -1,4 +1,5 @@
-"""Triton kernels for the Kronecker adapter (SPEC §1).
+"""Triton kernels and host functions of ``krona_linear``, the Kronecker adapter (SPEC §1).
+The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
 
 ``_kron_fold_kernel``  W' = W + s · (A ⊗ B), one d_out×d_in pass (CUDA cores, no dot).
     krona_linear's default path on a GPU at T ≥ 1024 in float16/bfloat16 (``exact=False``):
@@ -79,10 +80,8 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels import _aot
 from kfused.triton_kernels._common import (_mm, acc_dtype, dot_precision, grid_programs,
-                                           inter_dtype, next_pow2,
-                                           targets_gpu, use_dot)
+                                           inter_dtype, next_pow2, targets_gpu, use_dot)
 
 
 @triton.jit
@@ -341,8 +340,9 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
                 num_warps=8 if gpu and (BM * BI * BJ >= 8192 or elem_bytes > 2) else 4)
 
 
-def krona_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-              A: torch.Tensor, B: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
+                         bias: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
+                         scale: float = 1.0) -> torch.Tensor:
     """y = [x Wᵀ + b] + scale · kron_matvec(x; A, B).
 
     x: (T, a_in*b_in) with unit inner stride; weight: (a_out*b_out, a_in*b_in) any strides, or
@@ -437,9 +437,10 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=warps, **f)
 
 
-def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-              scale: float = 1.0, *, compute_dx: bool = True, compute_dab: bool = True
-              ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                      scale: float = 1.0, *, compute_dx: bool = True, compute_dab: bool = True
+                      ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                                 Optional[torch.Tensor]]:
     """Gradients of ``scale · kron_matvec(x; A, B)`` given its upstream gradient ``g``.
 
     g: (T, a_out*b_out), x: (T, a_in*b_in), both with unit inner stride. Returns
@@ -476,32 +477,18 @@ def kron_grad(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return dx, da.sum(0).to(A.dtype), db.sum(0).to(B.dtype)
 
 
-def krona_bwd_input(g: torch.Tensor, weight: Optional[torch.Tensor], A: torch.Tensor,
-                    B: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """dx = g (W + scale · A⊗B) in one pass over g: the forward kernel run on Wᵀ, Aᵀ, Bᵀ."""
-    wt = weight.t() if weight is not None else None
-    return krona_fwd(g, wt, None, A.t(), B.t(), scale)
-
-
-@_aot.register("krona")
-def _aot_launches() -> None:
-    """Representative launches for the sm_90 compile check (see _aot.py): the benchmark
-    factor shapes (768², 768→3072: sqrt split, B 24×32, B 384×2) and an odd one."""
-    # bfloat16 on every shape (the interpreter never runs it), float32 (IEEE dots) on one.
-    shapes = [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (48, 24, 64, 32),
-              (128, 24, 24, 32), (8, 384, 384, 2), (3, 5, 7, 2)]
-    runs = [(torch.bfloat16, s) for s in shapes] + [(torch.float32, shapes[0])]
-    for dtype, (a_out, a_in, b_out, b_in) in runs:
-        T = 4096
-        x = torch.empty(T, a_in * b_in, dtype=dtype)
-        g = torch.empty(T, a_out * b_out, dtype=dtype)
-        W = torch.empty(a_out * b_out, a_in * b_in, dtype=dtype)
-        bias = torch.empty(a_out * b_out, dtype=dtype)
-        A = torch.empty(a_out, a_in, dtype=dtype)
-        B = torch.empty(b_out, b_in, dtype=dtype)
-        fold_weight(W, A, B, 0.5)
-        krona_fwd(x, W, bias, A, B, 0.5)
-        krona_fwd(x, None, None, A, B, 1.0)
-        krona_bwd_input(g, W, A, B, 0.5)
-        kron_grad(g, x, A, B, 1.0, compute_dx=True, compute_dab=True)
-        kron_grad(g, x, A, B, 0.5, compute_dx=False, compute_dab=True)
+def krona_linear_backward(g: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+                          A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
+                          need_dx: bool = True, need_dab: bool = True
+                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                                     Optional[torch.Tensor]]:
+    """Gradients of ``x Wᵀ + b + scale · (A ⊗ B) x`` for x, A and B given ``g``: dx = g (W +
+    scale · A⊗B) in one pass over g (the forward kernel run on Wᵀ, Aᵀ, Bᵀ), dA and dB in one
+    pass over (x, g). Returns (dx or None, dA or None, dB or None) as need_dx / need_dab ask."""
+    dx = dA = dB = None
+    if need_dx:
+        wt = weight.t() if weight is not None else None
+        dx = krona_linear_forward(g, wt, None, A.t(), B.t(), scale)
+    if need_dab:
+        _, dA, dB = kron_factor_grads(g, x, A, B, scale, compute_dx=False, compute_dab=True)
+    return dx, dA, dB

@@ -52,7 +52,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kfused import _alloc
-from kfused.triton_kernels import _aot
 from kfused.backends import triton_interpret
 from kfused.triton_kernels._common import _INTERPRETED, _mm, dot_precision, next_pow2
 
@@ -62,11 +61,11 @@ _EMPTY_LSE = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may read only 
 _LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)  # the head widths the kernels are built for
 
 
 # ------------------------------------------------------------------------------------------
-# small helpers
+# jit functions shared by the kernels below
 
 
 @triton.jit
@@ -828,29 +827,3 @@ def _mlp_grads(part, H, p, L, r, d_pad, l_pad, r_pad, mlp):
     # copies: views of one buffer would make the custom op's outputs alias each other
     return tuple(g.to(dtype=t.dtype, memory_format=torch.contiguous_format, copy=True)
                  for g, t in zip(grads, mlp))
-
-
-@_aot.register("inducer_attention")
-def _aot_launches() -> None:
-    """Representative launches for the sm_90 compile check (see _aot.py): bfloat16 on every
-    head width with the mask / prefix / causal variants, float32 (IEEE dots) on one."""
-    B, H, n, L, r = 2, 2, 256, 4, 8
-    runs = [(torch.bfloat16, p) for p in (32, 64, 80, 96, 128)] + [(torch.float32, 64)]
-    for dtype, p in runs:
-        for causal, masked, prefix in ((False, False, False), (True, True, True)):
-            q = torch.empty(B, H, n, p, dtype=dtype)
-            k = torch.empty(B, H, n, p, dtype=dtype)
-            v = torch.empty(B, H, n, p, dtype=dtype)
-            mlp = (torch.empty(H, p, L, dtype=dtype), torch.empty(H, L, dtype=dtype),
-                   torch.empty(H, L, p, dtype=dtype), torch.empty(H, p, dtype=dtype),
-                   torch.empty(H, p, r, dtype=dtype), torch.empty(H, r, dtype=dtype))
-            km = torch.ones(B, n, dtype=torch.bool) if masked else None
-            pk = torch.empty(H, 16, p, dtype=dtype) if prefix else None
-            pv = torch.empty(H, 16, p, dtype=dtype) if prefix else None
-            if not causal:                     # plain attention (no inducer) too
-                inducer_attention_forward(q, k, v, None, pk, pv, km, causal)
-            out, u, lse, lam, stats = inducer_attention_forward(q, k, v, mlp, pk, pv, km, causal)
-            lam = torch.full((2, B, H, n), 0.5)
-            inducer_attention_backward(torch.zeros_like(out), torch.zeros(B, H, n, r, dtype=dtype),
-                                       None, None, q, k, v, torch.zeros_like(out),
-                                       torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal)

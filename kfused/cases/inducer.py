@@ -1,0 +1,223 @@
+"""Inducer attention (SPEC §3) cases: `kfused check` cases, the sm_90 compile-check launches
+and the benchmark cases for the shared harness (kfused.bench).
+
+Benchmark providers per case (forward, and forward+backward through the harness):
+    kfused-triton  the flash-style kernel with the inducer ("add": f and u)
+    sdpa           torch scaled_dot_product_attention without an inducer (the ceiling)
+    flex           FlexAttention with return_lse plus the λ / u epilogue in PyTorch (CUDA only)
+    eager          the materialised reference (O(n²) memory)
+    compile        torch.compile of the reference
+Shapes: n = 512 … 16k, head width 64 and 128, heads·p = 2048, batch·n = 16k tokens.
+FLOPs count the attention matmuls only (4·B·H·n²·p forward, halved when causal; backward
+2.5× forward), the convention of the flash-attention benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from kfused.backends import available_backends
+from kfused.bench import BenchCase, Provider
+from kfused.cases import CheckCase
+from kfused.ops import inducer_attention
+from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
+                                      inducer_value_hidden)
+
+OP = "inducer_attention"
+L_KEY, R_VALUE = 4, 8
+_MATERIALISED_LIMIT = 8 * 2**30       # skip eager/compile when the score matrix exceeds 8 GiB
+
+
+def _no_donated_buffers():
+    """AOTAutograd's buffer donation off (torch >= 2.6 has the switch; older ones never donate)."""
+    import contextlib
+
+    cfg = getattr(getattr(torch, "_functorch", None), "config", None)
+    if cfg is None or not hasattr(cfg, "donated_buffer"):
+        return contextlib.nullcontext()
+    return cfg.patch(donated_buffer=False)
+
+
+def _make_inputs(B, H, n, p, device, dtype, grad=True):
+    def t(*shape, s=1.0):
+        x = torch.randn(*shape, device=device, dtype=dtype) * s
+        return x.requires_grad_(grad)
+
+    q, k, v = t(B, H, n, p), t(B, H, n, p), t(B, H, n, p)
+    params = dict(Ak=t(H, p, L_KEY, s=0.01), ak=t(H, L_KEY, s=0.01), Bk=t(H, L_KEY, p, s=0.01),
+                  ck=t(H, p, s=0.01), W1=t(H, p, R_VALUE, s=0.01), b1=t(H, R_VALUE, s=0.01))
+    return q, k, v, params
+
+
+def _leaves(q, k, v, params):
+    return [q, k, v] + list(params.values())
+
+
+def _flex_fn(causal: bool, n: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n,
+                                       device=device)
+
+    def run(q, k, v, params):
+        out, lse = flex(q, k, v, block_mask=block_mask, return_lse=True)
+        p = q.shape[-1]
+        s0 = inducer_key_logit(q.float(), params["Ak"].float(), params["ak"].float(),
+                               params["Bk"].float(), params["ck"].float(), p ** -0.5)
+        lam = torch.sigmoid(s0 - lse.float()).unsqueeze(-1)
+        u = lam * inducer_value_hidden(q.float(), params["W1"].float(), params["b1"].float())
+        return out, u.to(q.dtype)
+
+    return run
+
+
+def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        ns = [512, 2048] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+        widths = [64] if quick else [64, 128]
+    else:                                  # CPU: interpreter-sized smoke shapes
+        ns, widths = [64, 128], [64]
+    triton_reason = available_backends(OP, device=str(device), dtype=dtype)["triton"]
+    out: List[BenchCase] = []
+    for p in widths:
+        for causal in (False, True):
+            for n in ns:
+                if on_gpu and not quick:
+                    B, H_ = max(1, 16384 // n), 2048 // p
+                else:
+                    B, H_ = 1, (4 if on_gpu else 2)
+                flops = 4.0 * B * H_ * n * n * p * (0.5 if causal else 1.0)
+                score_bytes = B * H_ * n * n * 4 * 3          # S, P and the concat in float32
+                provs = []
+
+                def mk_kfused(B=B, H=H_, n=n, p=p, causal=causal):
+                    q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
+                    def fn():
+                        return inducer_attention(q, k, v, **params, causal=causal,
+                                                 backend="triton")
+                    return fn, _leaves(q, k, v, params)
+
+                def mk_sdpa(B=B, H=H_, n=n, p=p, causal=causal):
+                    q, k, v, _ = _make_inputs(B, H, n, p, device, dtype)
+                    def fn():
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    return fn, [q, k, v]
+
+                def mk_flex(B=B, H=H_, n=n, p=p, causal=causal):
+                    q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
+                    run = _flex_fn(causal, n, device)
+                    return (lambda: run(q, k, v, params)), _leaves(q, k, v, params)
+
+                def mk_eager(B=B, H=H_, n=n, p=p, causal=causal):
+                    q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
+                    def fn():
+                        return inducer_attention_ref(q, k, v, **params, causal=causal)
+                    return fn, _leaves(q, k, v, params)
+
+                def mk_compile(B=B, H=H_, n=n, p=p, causal=causal):
+                    q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
+                    ref = torch.compile(inducer_attention_ref)
+                    def fn():
+                        # the harness replays one backward (retain_graph=True): compiled
+                        # graphs that donate their saved buffers refuse that, so no donation
+                        with _no_donated_buffers():
+                            return ref(q, k, v, **params, causal=causal)
+                    return fn, _leaves(q, k, v, params)
+
+                too_big = (f"materialised scores need {score_bytes / 2**30:.1f} GiB"
+                           if score_bytes > _MATERIALISED_LIMIT else None)
+                no_cuda = None if device.type == "cuda" else "FlexAttention needs CUDA"
+                provs = [Provider("kfused-triton", mk_kfused, skip_reason=triton_reason),
+                         Provider("sdpa", mk_sdpa),
+                         Provider("flex", mk_flex, skip_reason=no_cuda),
+                         Provider("eager", mk_eager, skip_reason=too_big),
+                         Provider("compile", mk_compile, skip_reason=too_big)]
+                out.append(BenchCase(
+                    op=OP,
+                    shape={"B": B, "H": H_, "n": n, "p": p, "causal": causal, "L": L_KEY,
+                           "r": R_VALUE, "composition": "add"},
+                    dtype=dtype, providers=provs, flops_fwd=flops, flops_bwd=2.5 * flops,
+                    bytes_fwd=float(4 * B * H_ * n * p * torch.finfo(dtype).bits // 8)))
+    return out
+
+# ------------------------------------------------------------------------------------------
+# `kfused check`
+
+
+def check_cases(device: torch.device) -> list:
+    """`kfused check` cases (SPEC §4 against the float64 reference): inducer "add" and
+    "gate", prefix, causal and padding masks, odd n, every supported head width."""
+    g = torch.Generator().manual_seed(0)
+    on_gpu = torch.device(device).type == "cuda"
+    f64 = torch.float64
+    cases = []
+    specs = [(2, 4, 1025 if on_gpu else 97, 64, 16, True, "add"),
+             (2, 4, 97, 80, 1, False, "gate"),
+             (1, 2, 513 if on_gpu else 33, 128, 0, True, "add"),
+             (2, 2, 97, 32, 0, False, "gate"),
+             (1, 2, 1, 96, 1, True, "add")]
+    for B, H, n, p, l, causal, comp in specs:
+        rnd = lambda *shape, s=1.0: torch.randn(*shape, generator=g, dtype=f64) * s  # noqa: E731
+        inputs = {"q": rnd(B, H, n, p), "k": rnd(B, H, n, p), "v": rnd(B, H, n, p),
+                  "Ak": rnd(H, p, 3, s=0.5), "ak": rnd(H, 3, s=0.5), "Bk": rnd(H, 3, p, s=0.5),
+                  "ck": rnd(H, p, s=0.5), "W1": rnd(H, p, 5, s=0.5), "b1": rnd(H, 5, s=0.5)}
+        if comp == "gate":
+            inputs.update(W2=rnd(H, 5, p), b2=rnd(H, p))
+        if l:
+            inputs.update(prefix_k=rnd(H, l, p), prefix_v=rnd(H, l, p))
+        mask = torch.rand(B, n, generator=g) > 0.25
+        mask[:, 0] = True
+        inputs["key_padding_mask"] = mask
+
+        def run(backend, comp=comp, causal=causal):
+            def fn(**kw):
+                out, u = inducer_attention(**kw, composition=comp, causal=causal,
+                                           backend=backend)
+                return out if u is None else (out, u)
+            return fn
+
+        label = f"B={B} H={H} n={n} p={p} l={l} {'causal ' if causal else ''}{comp}"
+        cases.append(CheckCase(OP, label, "triton", run("triton"), run("reference"),
+                               inputs))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------
+# sm_90 compile check
+
+
+def aot_launches() -> None:
+    """Representative launches for the sm_90 compile check (kfused.triton_kernels._aot):
+    bfloat16 on every head width with the mask / prefix / causal variants, float32 (IEEE dots)
+    on one."""
+    from kfused.triton_kernels.inducer_attention import (inducer_attention_backward,
+                                                         inducer_attention_forward)
+
+    B, H, n, L, r = 2, 2, 256, 4, 8
+    runs = [(torch.bfloat16, p) for p in (32, 64, 80, 96, 128)] + [(torch.float32, 64)]
+    for dtype, p in runs:
+        for causal, masked, prefix in ((False, False, False), (True, True, True)):
+            q = torch.empty(B, H, n, p, dtype=dtype)
+            k = torch.empty(B, H, n, p, dtype=dtype)
+            v = torch.empty(B, H, n, p, dtype=dtype)
+            mlp = (torch.empty(H, p, L, dtype=dtype), torch.empty(H, L, dtype=dtype),
+                   torch.empty(H, L, p, dtype=dtype), torch.empty(H, p, dtype=dtype),
+                   torch.empty(H, p, r, dtype=dtype), torch.empty(H, r, dtype=dtype))
+            km = torch.ones(B, n, dtype=torch.bool) if masked else None
+            pk = torch.empty(H, 16, p, dtype=dtype) if prefix else None
+            pv = torch.empty(H, 16, p, dtype=dtype) if prefix else None
+            if not causal:                     # plain attention (no inducer) too
+                inducer_attention_forward(q, k, v, None, pk, pv, km, causal)
+            out, u, lse, lam, stats = inducer_attention_forward(q, k, v, mlp, pk, pv, km, causal)
+            lam = torch.full((2, B, H, n), 0.5)
+            inducer_attention_backward(torch.zeros_like(out), torch.zeros(B, H, n, r, dtype=dtype),
+                                       None, None, q, k, v, torch.zeros_like(out),
+                                       torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal)

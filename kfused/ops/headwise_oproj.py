@@ -1,0 +1,173 @@
+"""``headwise_oproj`` (SPEC §2): the fused output projection with per-head and shared
+updates of W_o (basis O) — torch.library registrations, autograd and the public API.
+
+    headwise_oproj(o, w_o, b_o, n_heads=, wise_A=, wise_B=, wise_c=, shared_A=, shared_B=,
+                   scale=)                            -> Y
+
+``backend="auto" | "triton" | "reference"``. Custom ops: kfused::headwise_oproj_triton_fwd / _bwd.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from kfused import _validate
+from kfused.backends import select_backend
+from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _fold_bias, _head_width,
+                                         _no_float64, _opt)
+from kfused.reference.headwise import headwise_oproj_ref
+
+
+def _tk():
+    # Imported lazily: Triton decides at decoration time whether to interpret.
+    from kfused.triton_kernels import headwise_oproj
+
+    return headwise_oproj
+
+# ==========================================================================================
+# Fused output projection
+
+
+@torch.library.custom_op("kfused::headwise_oproj_triton_fwd", mutates_args=())
+def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
+               A: Optional[torch.Tensor], B: Optional[torch.Tensor],
+               shared_A: Optional[torch.Tensor], shared_U: Optional[torch.Tensor],
+               n_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _tk().headwise_oproj_forward(o, w_o, b_o, A, B, shared_A, shared_U, n_heads)
+
+
+@_oproj_fwd.register_fake
+def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads):
+    M = (A.shape[0] * A.shape[1] if A is not None else 0) + \
+        (shared_A.shape[0] if shared_A is not None else 0)
+    return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
+
+
+@torch.library.custom_op("kfused::headwise_oproj_triton_bwd", mutates_args=())
+def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[torch.Tensor],
+               B: Optional[torch.Tensor], shared_A: Optional[torch.Tensor],
+               shared_U: Optional[torch.Tensor], z: torch.Tensor, n_heads: int,
+               need_do: bool, need_factors: bool) -> List[torch.Tensor]:
+    dO, gr = _tk().headwise_oproj_backward(g, o, w_o, A, B, shared_A, shared_U, z, n_heads,
+                                           need_do, need_factors)
+    out = [dO if dO is not None else _empty(o)]
+    for key in ("A", "Bw", "As", "Us", "db"):
+        t = gr.get(key)
+        out.append(t if t is not None else _empty(o))
+    return out
+
+
+@_oproj_bwd.register_fake
+def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors):
+    hw = need_factors and A is not None
+    sh = need_factors and shared_A is not None
+    e = o.new_empty(0)
+    return [torch.empty_like(o) if need_do else e,
+            torch.empty_like(A) if hw else e, torch.empty_like(B) if hw else e,
+            torch.empty_like(shared_A) if sh else e, torch.empty_like(shared_U) if sh else e,
+            o.new_empty(w_o.shape[0], dtype=torch.float32) if (hw or sh) else e]
+
+
+def _oproj_setup(ctx, inputs, output):
+    o, w_o, b_o, A, B, sA, sU, H = inputs
+    ctx.save_for_backward(o, w_o, A, B, sA, sU, output[1])
+    ctx.H = H
+    ctx.has_b = b_o is not None
+    ctx.b_dtype = b_o.dtype if b_o is not None else None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _oproj_backward(ctx, g, gz):
+    o, w_o, A, B, sA, sU, z = ctx.saved_tensors
+    n_o, n_w, n_b, nA, nB, nsA, nsU, _ = ctx.needs_input_grad
+    g = g.contiguous()
+    need_f = nA or nB or nsA or nsU or n_b
+    dO, dA, dB, dsA, dsU, db = torch.ops.kfused.headwise_oproj_triton_bwd(
+        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f)
+    dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
+    if n_b and ctx.has_b:
+        db = (db if _opt(db) is not None else g.sum(0, dtype=torch.float32)).to(ctx.b_dtype)
+    else:
+        db = None
+    return (dO if n_o else None, dw, db, _opt(dA) if nA else None, _opt(dB) if nB else None,
+            _opt(dsA) if nsA else None, _opt(dsU) if nsU else None, None)
+
+
+_oproj_fwd.register_autograd(_oproj_backward, setup_context=_oproj_setup)
+
+
+def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor] = None, *,
+                   n_heads: int, wise_A: Optional[torch.Tensor] = None,
+                   wise_B: Optional[torch.Tensor] = None, wise_c: Optional[torch.Tensor] = None,
+                   shared_A: Optional[torch.Tensor] = None,
+                   shared_B: Optional[torch.Tensor] = None, scale: float = 1.0,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Fused output projection with the SPEC §2 updates of W_o (basis O).
+
+    ``Y = O W_oᵀ + b_o + concat_h(O^h A_hᵀ) Bᵀ + c + scale · O A_sᵀ B_sᵀ``.
+
+    Args:
+        o: ``(..., H·p)`` concatenated head outputs.
+        w_o: ``(d, H·p)`` nn.Linear layout, any strides (GPT-2 Conv1D: ``weight.t()``).
+        b_o: ``(d,)`` or None.
+        wise_A ``(H, r, p)``, wise_B ``(d, H·r)``, wise_c ``(d,)``: Kernel-wise on W_o (a
+            rank-r update of each row block W_o^h).
+        shared_A ``(r_s, H·p)``, shared_B ``(d, r_s)``, scale: the shared LoRA part.
+
+    Triton plan: Z = O D_oᵀ (D_o: block-diagonal A_h and A_s; a thin GEMM, cuBLAS for 16-bit
+    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM. Backward: dZ = dY B,
+    dO = [dY | dZ]·[W_o; D_o] (one GEMM), token reductions dYᵀ Z and dZᵀ O.
+    """
+    _validate.check_tensor("o", o, min_ndim=1)
+    HP = o.shape[-1]
+    p = _head_width(n_heads, "o", o, "last dim", HP)
+    H = n_heads
+    _validate.check_tensor("w_o", w_o, ndim=2)
+    for name, t, nd in (("b_o", b_o, 1), ("wise_A", wise_A, 3), ("wise_B", wise_B, 2),
+                        ("wise_c", wise_c, 1), ("shared_A", shared_A, 2),
+                        ("shared_B", shared_B, 2)):
+        if t is not None:
+            _validate.check_tensor(name, t, ndim=nd)
+    _validate.check_same("o", o, w_o=w_o, b_o=b_o, wise_A=wise_A, wise_B=wise_B, wise_c=wise_c,
+                         shared_A=shared_A, shared_B=shared_B)
+    if w_o.shape[1] != HP:
+        raise ValueError(f"w_o has shape {tuple(w_o.shape)}, expected (d_out, {HP})")
+    dout = w_o.shape[0]
+    if b_o is not None:
+        _validate.check_shape("b_o", b_o, (dout,), "(d_out,)")
+    if (wise_A is None) != (wise_B is None):
+        raise ValueError("wise_A and wise_B must be given together")
+    if wise_c is not None and wise_A is None:
+        raise ValueError("wise_c needs wise_A and wise_B")
+    if (shared_A is None) != (shared_B is None):
+        raise ValueError("shared_A and shared_B must be given together")
+    if wise_A is not None:
+        _validate.check_tensor("wise_A", wise_A, ndim=3)
+        r = wise_A.shape[1]
+        _validate.check_shape("wise_A", wise_A, (H, r, p), "(H, r, p)")
+        _validate.check_shape("wise_B", wise_B, (dout, H * r), "(d_out, H·r)")
+        if wise_c is not None:
+            _validate.check_shape("wise_c", wise_c, (dout,), "(d_out,)")
+    _check_scale("scale", scale, o)
+    if shared_A is not None:
+        _validate.check_tensor("shared_A", shared_A, ndim=2)
+        rs = shared_A.shape[0]
+        _validate.check_shape("shared_A", shared_A, (rs, HP), "(r_s, H·p)")
+        _validate.check_shape("shared_B", shared_B, (dout, rs), "(d_out, r_s)")
+    be = select_backend("headwise_oproj", backend, [o], impls=IMPLS,
+                        extra_unfit=_no_float64(o))
+    if be == "reference":
+        return headwise_oproj_ref(o, w_o, b_o, n_heads=H, wise_A=wise_A, wise_B=wise_B,
+                                  wise_c=wise_c, shared_A=shared_A, shared_B=shared_B,
+                                  scale=scale)
+    lead = o.shape[:-1]
+    o2 = o.reshape(-1, HP).contiguous()
+    b = _fold_bias(b_o, wise_c)
+    sU = (shared_B.float() * scale).contiguous() if shared_A is not None else None
+    Y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(
+        o2, w_o, b, wise_A.contiguous() if wise_A is not None else None,
+        wise_B.contiguous() if wise_B is not None else None,
+        shared_A.contiguous() if shared_A is not None else None, sU, H)
+    return Y.reshape(*lead, dout)

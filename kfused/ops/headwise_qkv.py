@@ -1,0 +1,252 @@
+"""``headwise_qkv`` (SPEC §2): the fused attention-input projection — Q, K, V with per-head
+and shared updates on q and v in one custom op (torch.library registrations, autograd and the
+public functional API).
+
+    headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=, n_kv_heads=, q=, v=)
+                                                      -> Q, K, V
+
+``backend="auto" | "triton" | "reference"``. Custom ops: kfused::headwise_qkv_triton_fwd / _bwd
+(also the kernels of :func:`kfused.ops.headwise_projection.headwise_projection`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from kfused import _validate
+from kfused.backends import select_backend
+from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _check_linear,
+                                         _check_n_heads, _empty, _fold_bias, _head_width,
+                                         _no_float64, _opt, _section)
+from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
+
+
+def _tk():
+    # Imported lazily: Triton decides at decoration time whether to interpret.
+    from kfused.triton_kernels import headwise_qkv
+
+    return headwise_qkv
+
+# ==========================================================================================
+# Fused attention-input projection
+
+
+_SEC_KEYS = ("down", "zb", "up", "sdown", "sup")
+
+
+@torch.library.custom_op("kfused::headwise_qkv_triton_fwd", mutates_args=())
+def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+             b_q: Optional[torch.Tensor], b_k: Optional[torch.Tensor],
+             b_v: Optional[torch.Tensor],
+             q_down: Optional[torch.Tensor], q_zb: Optional[torch.Tensor],
+             q_up: Optional[torch.Tensor], q_sdown: Optional[torch.Tensor],
+             q_sup: Optional[torch.Tensor],
+             v_down: Optional[torch.Tensor], v_zb: Optional[torch.Tensor],
+             v_up: Optional[torch.Tensor], v_sdown: Optional[torch.Tensor],
+             v_sup: Optional[torch.Tensor], head_dim: int, q_scale: float = 1.0,
+             v_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    k = _tk()
+    q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
+    v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
+    return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim)
+
+
+def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
+    """Width of the packed rank-space buffer (see kfused.triton_kernels.headwise_qkv)."""
+    rq = q_down.shape[1] if q_down is not None else 0
+    rsq = q_sdown.shape[0] if q_sdown is not None else 0
+    rv = v_down.shape[1] if v_down is not None else 0
+    rsv = v_sdown.shape[0] if v_sdown is not None else 0
+    return _tk().qkv_zwidth(HQ, HV, head_dim, (rq, rsq), (rv, rsv), device)
+
+
+@_qkv_fwd.register_fake
+def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
+      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, q_scale=1.0, v_scale=1.0):
+    T = x.shape[0]
+    M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
+                v_down, v_sdown, x.device)
+    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]), x.new_empty(T, M))
+
+
+@torch.library.custom_op("kfused::headwise_qkv_triton_bwd", mutates_args=())
+def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
+             w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+             q_down: Optional[torch.Tensor], q_up: Optional[torch.Tensor],
+             q_sdown: Optional[torch.Tensor], q_sup: Optional[torch.Tensor],
+             v_down: Optional[torch.Tensor], v_up: Optional[torch.Tensor],
+             v_sdown: Optional[torch.Tensor], v_sup: Optional[torch.Tensor],
+             z: torch.Tensor, head_dim: int, need_dx: bool,
+             need_factors: bool, q_scale: float = 1.0,
+             v_scale: float = 1.0) -> List[torch.Tensor]:
+    k = _tk()
+    q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup, q_scale)
+    v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup, v_scale)
+    dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
+                                         need_factors)
+    out = [dx if dx is not None else _empty(x)]
+    for grads in (gq, gv):
+        for key in _SEC_KEYS + ("db",):
+            t = grads.get(key)
+            out.append(t if t is not None else _empty(x))
+    return out
+
+
+@_qkv_bwd.register_fake
+def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
+      v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0):
+    out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
+    for down, up, sdown, sup, w in ((q_down, q_up, q_sdown, q_sup, w_q),
+                                    (v_down, v_up, v_sdown, v_sup, w_v)):
+        hw = need_factors and down is not None
+        sh = need_factors and sdown is not None
+        r = down.shape[1] if down is not None else 0
+        rs = sdown.shape[0] if sdown is not None else 0
+        N = w.shape[0]
+        H = N // head_dim
+        f32 = torch.float32
+        out.append(torch.empty_like(down) if hw else x.new_empty(0))              # down
+        out.append(x.new_empty(H, r, dtype=f32) if hw else x.new_empty(0))        # zb
+        out.append(torch.empty_like(up) if hw else x.new_empty(0))                # up
+        out.append(torch.empty_like(sdown) if sh else x.new_empty(0))             # sdown
+        out.append(torch.empty_like(sup) if sh else x.new_empty(0))               # sup
+        out.append(x.new_empty(N, dtype=f32) if (hw or sh) else x.new_empty(0))   # db
+    return out
+
+
+def _qkv_setup(ctx, inputs, output):
+    (x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
+     v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *scales) = inputs
+    ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
+                          v_down, v_up, v_sdown, v_sup, output[1])
+    ctx.head_dim = head_dim
+    ctx.scales = tuple(scales) + (1.0,) * (2 - len(scales))
+    ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
+    ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
+    ctx.mark_non_differentiable(output[1])
+
+
+def _qkv_backward(ctx, gY, gZ):
+    (x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
+     v_down, v_up, v_sdown, v_sup, z) = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    nx = need[0]
+    need_f = any(need[7:17])
+    gY = gY.contiguous()
+    res = torch.ops.kfused.headwise_qkv_triton_bwd(
+        gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
+        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6], *ctx.scales)
+    dx = res[0]
+    gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
+    gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
+    nq, nk = w_q.shape[0], w_k.shape[0]
+    gs = (gY[:, :nq], gY[:, nq:nq + nk], gY[:, nq + nk:])
+
+    def bias_grad(i, sec):
+        if not (need[4 + i] and ctx.has_b[i]):
+            return None
+        if sec is not None and _opt(sec["db"]) is not None:
+            return sec["db"].to(ctx.b_dtypes[i])
+        return gs[i].sum(0, dtype=torch.float32).to(ctx.b_dtypes[i])
+
+    # The frozen weights normally have no gradient; when they do it is one plain GEMM.
+    dw = [torch.matmul(gs[i].t(), x).to(w.dtype) if need[1 + i] else None
+          for i, w in enumerate((w_q, w_k, w_v))]
+    # (a factor that was None, e.g. the zero zb of a Kernel-wise-only section, gets None)
+    fac = [_opt(sec[key]) if need[7 + i] else None
+           for i, (sec, key) in enumerate((sec, key) for sec in (gq, gv) for key in _SEC_KEYS)]
+    return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gq), bias_grad(1, None),
+            bias_grad(2, gv), *fac, None, None, None)
+
+
+_qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
+
+
+def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+                 b_q: Optional[torch.Tensor] = None, b_k: Optional[torch.Tensor] = None,
+                 b_v: Optional[torch.Tensor] = None, *, n_heads: int,
+                 n_kv_heads: Optional[int] = None, q: Optional[HeadFactors] = None,
+                 v: Optional[HeadFactors] = None, backend: Optional[str] = None,
+                 fused_output: bool = False):
+    """Fused attention-input projection with SPEC §2 updates on q and v.
+
+    ``Q = X W_qᵀ + b_q + ΔQ``, ``K = X W_kᵀ + b_k``, ``V = X W_vᵀ + b_v + ΔV`` where each Δ is
+    any mix of the shared LoRA part, Kernel-wise (basis X) and Kernel-wise-lite (basis K, bias
+    included) given by a :class:`HeadFactors`.
+
+    Args:
+        x: ``(..., d)``.
+        w_q: ``(H·p, d)``; w_k, w_v: ``(H_kv·p, d)`` in nn.Linear (out, in) layout, any
+            strides (for GPT-2's Conv1D ``c_attn`` pass ``weight[:, i*d:(i+1)*d].t()``: no copy).
+        b_q, b_k, b_v: ``(out,)`` or None.
+        n_heads: H (query heads); n_kv_heads: H_kv (defaults to H; grouped-query attention
+            when smaller). Lite on q uses key head ``h // (H / H_kv)`` for query head h.
+        q, v: factors (shapes in :class:`HeadFactors`; for v use H_kv heads).
+        backend: "auto" | "triton" | "reference".
+
+    Returns ``Q (..., H·p)``, ``K (..., H_kv·p)``, ``V (..., H_kv·p)``, or with
+    ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel
+    writes (GPT-2's ``c_attn`` layout; no copy).
+
+    Triton plan: one augmented GEMM per section reads X once per output tile for the frozen
+    GEMM and the down-projections whose up-projection touches the tile (Kernel-wise A_h, lite
+    bases A_h W_k^h precomputed per call, shared A_s; packed into one >= 16-wide block) and
+    adds the up-projections and biases in its epilogue before writing Q and V. Backward: one
+    rank pass over dQ and dV (dZ, up-projection and bias gradients), dX as one GEMM over
+    [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections.
+    """
+    _validate.check_tensor("x", x, min_ndim=1)
+    H = _check_n_heads(n_heads)
+    Hkv = n_kv_heads if n_kv_heads is not None else H
+    _check_flag("fused_output", fused_output)
+    if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
+        raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing "
+                         f"n_heads={H}")
+    d = x.shape[-1]
+    _validate.check_tensor("w_q", w_q, ndim=2)
+    p = _head_width(n_heads, "w_q", w_q, "output rows", w_q.shape[0])
+    _check_linear("w_q", w_q, H * p, d, x)
+    _check_linear("w_k", w_k, Hkv * p, d, x)
+    _check_linear("w_v", w_v, Hkv * p, d, x)
+    for name, b, n in (("b_q", b_q, H * p), ("b_k", b_k, Hkv * p), ("b_v", b_v, Hkv * p)):
+        if b is not None:
+            _validate.check_tensor(name, b, ndim=1)
+            _validate.check_same("x", x, **{name: b})
+            _validate.check_shape(name, b, (n,), "bias of the projection")
+    for name, f, Hs in (("q", q, H), ("v", v, Hkv)):
+        if f is not None:
+            if not isinstance(f, HeadFactors):
+                raise TypeError(f"{name} must be a kfused HeadFactors or None, got "
+                                f"{type(f).__name__}")
+            _check_factors(name, f, Hs, p, d, x)
+    be = select_backend("headwise_qkv", backend, [x], impls=IMPLS,
+                        extra_unfit=_no_float64(x))
+    if be == "reference":
+        out = headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
+                               q=q, v=v)
+        return torch.cat(out, dim=-1) if fused_output else out
+    Y = _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v)
+    if fused_output:
+        return Y
+    return tuple(Y.split([H * p, Hkv * p, Hkv * p], dim=-1))
+
+
+def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
+    """Build the kernel-level factors and call the fused op; returns [Q | K | V] (..., N).
+
+    key: ``(w_k, b_k, Hk)`` of the frozen key projection when it is not the op's own k
+    section (single-projection use, where w_k / w_v are empty)."""
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
+    qf, dcq, sq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
+    vf, dcv, sv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
+    Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
+        x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
+        _fold_bias(b_v, dcv), *qf, *vf, p, sq, sv)
+    return Y.reshape(*lead, Y.shape[-1])

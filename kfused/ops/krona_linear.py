@@ -1,0 +1,218 @@
+"""``krona_linear`` (SPEC §1): a frozen linear plus the Kronecker adapter,
+``x Wᵀ + b + scale · (A ⊗ B) x`` — torch.library registrations, autograd and the public API.
+
+Custom ops (each with a fake and an autograd registration): kfused::krona_linear_triton_fwd /
+_bwd (factored) and kfused::krona_linear_folded_fwd / _bwd (W + s·A⊗B folded into the weight,
+then cuBLAS).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import List, Optional
+
+import torch
+
+from kfused import _validate
+from kfused.backends import select_backend
+from kfused.ops._krona_common import check_factors, rows
+from kfused.reference.krona import krona_linear_ref
+
+
+def _tk():
+    # Imported lazily: Triton decides at decoration time whether to interpret.
+    from kfused.triton_kernels import krona_linear
+
+    return krona_linear
+
+
+@torch.library.custom_op("kfused::krona_linear_triton_fwd", mutates_args=())
+def _krona_linear_triton_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    return _tk().krona_linear_forward(x, weight, bias, A, B, scale)
+
+
+@_krona_linear_triton_fwd.register_fake
+def _(x, weight, bias, A, B, scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("kfused::krona_linear_triton_bwd", mutates_args=())
+def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             A: torch.Tensor, B: torch.Tensor, scale: float,
+                             need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+    dx, dA, dB = _tk().krona_linear_backward(g, x, weight, A, B, scale, need_dx=need_dx,
+                                             need_dab=need_dab)
+    return [dx if need_dx else x.new_zeros(0), dA if need_dab else A.new_zeros(0),
+            dB if need_dab else B.new_zeros(0)]
+
+
+def _krona_bwd_fake(g, x, weight, A, B, scale, need_dx, need_dab):
+    return [torch.empty_like(x) if need_dx else x.new_empty(0),
+            torch.empty_like(A) if need_dab else A.new_empty(0),
+            torch.empty_like(B) if need_dab else B.new_empty(0)]
+
+
+_krona_linear_triton_bwd.register_fake(_krona_bwd_fake)
+
+
+def _krona_setup(ctx, inputs, output):
+    x, weight, bias, A, B, scale = inputs
+    ctx.save_for_backward(x, weight, A, B)
+    ctx.scale = scale
+    ctx.has_bias = bias is not None
+
+
+def _krona_backward(bwd_op):
+    """The autograd backward of a krona_linear forward op whose backward op is ``bwd_op``."""
+    def backward(ctx, g):
+        x, weight, A, B = ctx.saved_tensors
+        nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
+        g = g.contiguous()
+        need_dab = nA or nB
+        dx, dA, dB = bwd_op(g, x, weight, A, B, ctx.scale, nx, need_dab)
+        # The frozen weight normally has no gradient; when it does, it is one plain GEMM.
+        dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
+        db = g.sum(0) if (nb and ctx.has_bias) else None
+        return (dx if nx else None, dW, db, dA if need_dab else None,
+                dB if need_dab else None, None)
+    return backward
+
+
+_krona_linear_triton_fwd.register_autograd(
+    _krona_backward(torch.ops.kfused.krona_linear_triton_bwd), setup_context=_krona_setup)
+
+# ------------------------------------------------------------------------------------------
+# Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
+
+
+@torch.library.custom_op("kfused::krona_linear_folded_fwd", mutates_args=())
+def _krona_linear_folded_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    w_fold = _tk().fold_weight(weight, A, B, scale)
+    return torch.nn.functional.linear(x, w_fold, bias)
+
+
+@_krona_linear_folded_fwd.register_fake
+def _(x, weight, bias, A, B, scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("kfused::krona_linear_folded_bwd", mutates_args=())
+def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             A: torch.Tensor, B: torch.Tensor, scale: float,
+                             need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+    k = _tk()
+    # W' is recomputed (one d_out×d_in pass) rather than saved: no extra activation memory.
+    dx = torch.matmul(g, k.fold_weight(weight, A, B, scale)) if need_dx else x.new_zeros(0)
+    _, dA, dB = k.krona_linear_backward(g, x, weight, A, B, scale, need_dx=False,
+                                        need_dab=need_dab)
+    return [dx, dA if need_dab else A.new_zeros(0), dB if need_dab else B.new_zeros(0)]
+
+
+_krona_linear_folded_bwd.register_fake(_krona_bwd_fake)
+
+
+_krona_linear_folded_fwd.register_autograd(
+    _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_krona_setup)
+
+# ------------------------------------------------------------------------------------------
+# validation and the public API
+
+
+def check_scale(scale) -> float:
+    """The adapter scale as a float: a real Python/NumPy number, finite; TypeError/ValueError
+    naming ``scale`` otherwise."""
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("scale must be a Python float, got a torch.Tensor; use a module "
+                        "parameter for a learned scale")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (int or float), got "
+                        f"{type(scale).__name__} {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+# Tokens from which krona_linear(exact=None) folds the adapter into the weight on a GPU: the
+# fold is one d_out×d_in pass (plus one launch) per direction, under 5% of the frozen GEMM
+# from here on (see the roofline in kfused/triton_kernels/krona_linear.py).
+FOLD_MIN_TOKENS = 1024
+
+
+def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
+    """Whether krona_linear folds the adapter into the weight (see its ``exact`` argument).
+
+    Only 16-bit inputs fold: there the single rounding of W' costs no more than the rounding
+    the same-precision torch path does anyway (it meets SPEC §4). In float32 it does not
+    (W' rounded to float32 then one float32 GEMM: dx error 3.5e-5 against a SPEC §4 bound of
+    2.6e-5 at (24, 24, 32, 32)), so float32 always takes the exact factored kernels.
+    """
+    return fold_decision(x2.dtype, x2.shape[0], exact, x2.device.type == "cuda")
+
+
+def fold_decision(dtype: torch.dtype, tokens: int, exact: Optional[bool],
+                  on_cuda: bool) -> bool:
+    """The rule of :func:`use_folded_weight` on plain values: whether ``tokens`` rows of
+    ``dtype`` on a CUDA device (``on_cuda``) or not fold the adapter into the weight. The
+    static performance model (kfused.perf) evaluates it with ``on_cuda=True`` to follow the
+    path a GPU takes although it traces CPU stand-in tensors."""
+    if exact or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if exact is not None:
+        return True
+    return bool(on_cuda) and tokens >= FOLD_MIN_TOKENS
+
+
+def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
+                 backend: Optional[str] = None, exact: Optional[bool] = None) -> torch.Tensor:
+    """Frozen linear plus Kronecker adapter: ``x Wᵀ + b + scale · (A ⊗ B) x``, fused.
+
+    Args:
+        x: (..., d_in) with d_in = a_in * b_in.
+        weight: (d_out, d_in) in nn.Linear layout (a transposed view of a Conv1D weight is
+            fine: strides are honoured without a copy); d_out = a_out * b_out.
+        bias: (d_out,) or None.
+        A: (a_out, a_in).  B: (b_out, b_in).  scale: the adapter scale s.
+        backend: "auto", "triton" or "reference" (the CUDA extension implements kron_matvec
+            only; "cuda" raises BackendError here).
+        exact: how the Triton backend applies the adapter.
+            False: fold it into the weight — ``W' = W + s·(A⊗B)`` (one d_out×d_in pass, each
+            element rounded once to the weight dtype), then the frozen GEMM (cuBLAS) on W'
+            for y and for dx; dA, dB from the factored tensor-core kernel. Fastest at large T,
+            but in a 16-bit dtype the part of ``s·A⊗B`` below half an ulp of W is rounded
+            away in the forward and dx (the factor gradients stay exact).
+            True: the factored kernels — the adapter term is computed from A and B exactly
+            as SPEC §1 writes it, never rounded into W.
+            None (default): False for float16/bfloat16 CUDA inputs with at least
+            ``FOLD_MIN_TOKENS`` tokens, True otherwise (small T, the interpreter).
+            float32 inputs always take the exact path (the fold would not meet SPEC §4).
+    Returns:
+        (..., d_out). The factored kernel reads x once for the frozen GEMM and the adapter and
+        its backward produces dx for both terms in one pass over dy.
+    """
+    a_out, a_in, b_out, b_in = check_factors(x, A, B)
+    _validate.check_tensor("weight", weight, ndim=2)
+    _validate.check_same("x", x, weight=weight, bias=bias)
+    _validate.check_shape("weight", weight, (a_out * b_out, a_in * b_in),
+                          "(a_out*b_out, a_in*b_in) in nn.Linear (out, in) layout")
+    if bias is not None:
+        _validate.check_tensor("bias", bias, ndim=1)
+        _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
+    scale = check_scale(scale)
+    if exact is not None and not isinstance(exact, bool):
+        raise TypeError(f"exact must be True, False or None, got {type(exact).__name__} "
+                        f"{exact!r}")
+    be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton",))
+    if be == "reference":
+        return krona_linear_ref(x, weight, bias, A, B, scale)
+    lead = x.shape[:-1]
+    x2 = rows(x)
+    if use_folded_weight(x2, exact):
+        y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)
+    else:
+        y = torch.ops.kfused.krona_linear_triton_fwd(x2, weight, bias, A, B, scale)
+    return y.reshape(*lead, a_out * b_out)

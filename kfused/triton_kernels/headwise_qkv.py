@@ -1,0 +1,134 @@
+"""Triton host functions of the fused attention-input projection ``headwise_qkv`` (SPEC §2):
+Q, K, V with per-head and shared low-rank updates on q and v, one augmented GEMM per pass
+(see :mod:`kfused.triton_kernels._headwise_common` for the design and the predicted roofline).
+``headwise_projection`` (any single adapted projection) runs these same host functions with
+the projection in the q slot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from kfused import _alloc
+from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
+                                                    _packing, _tile_n, gemm, lr_rank_backward,
+                                                    pack_dims, reduce_tokens, unpack_section)
+
+
+def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
+               device: torch.device) -> int:
+    """Width of the rank-space buffer Z of the fused q|k|v projection."""
+    BN = _tile_n(device)
+    M = 0
+    for H, (r, rs) in ((HQ, rq), (HV, rv)):
+        if (r or rs) and H:
+            # int(): under dynamic-shape tracing the packing specializes on the head count.
+            L, RB = pack_dims(int(H), int(P), int(r), int(rs), BN)
+            M += L * RB
+    return M
+
+
+def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
+                 device: torch.device):
+    """Packings of the q and v sections (None when not adapted), the column offsets of their
+    blocks in the rank-space buffer Z (T, M), and M."""
+    BN = _tile_n(device)
+    packs, offs, M = [], [], 0
+    for H, (r, rs) in ((HQ, rq), (HV, rv)):
+        pk = _packing(H, P, r, rs, BN) if (r or rs) and H else None
+        packs.append(pk)
+        offs.append(M)
+        if pk is not None:
+            M += pk.L * pk.RB
+    return packs, offs, M
+
+
+def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                         bq: Optional[torch.Tensor], bk: Optional[torch.Tensor],
+                         bv: Optional[torch.Tensor], q: SectionFactors, v: SectionFactors,
+                         P: int):
+    """x (T, d) any strides; w* (N*, d) nn.Linear layout, any strides (Conv1D column views
+    work; N* may be 0 to skip a section, e.g. a single adapted projection in the q slot);
+    biases (N*,) or None (per-head biases c already folded in); P the head width.
+
+    Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype and the rank-space
+    buffer Z (T, M) in x.dtype (packed layout of :func:`qkv_packings`) for the backward.
+    """
+    T, D = x.shape
+    HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
+    dev = x.device
+    (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
+    Y = _alloc.empty(T, (HQ + HK + HV) * P, dtype=x.dtype, device=dev)
+    Z = _alloc.empty(T, M, dtype=x.dtype, device=dev)
+    if T == 0 or Y.shape[1] == 0:
+        return Y, Z
+    if M:
+        Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
+    col = 0
+    for w, b, pk, off in ((wq, bq, pq, oq), (wk, bk, None, 0), (wv, bv, pv, ov)):
+        n = w.shape[0]
+        if n:
+            lr = None
+            if pk is not None:
+                L, RB = pk.L, pk.RB
+                s = slice(off, off + L * RB)
+                lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB),
+                                  Up[s].view(L, RB, pk.BN), Z[:, s])
+            gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr)
+        col += n
+    return Y, Z
+
+
+def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                          wv: torch.Tensor, q: SectionFactors, v: SectionFactors,
+                          Z: torch.Tensor, P: int, need_dx: bool = True,
+                          need_factors: bool = True):
+    """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv), any strides.
+
+    Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
+    sup (each in its factor's dtype; zb's and db's in float32) and of the section's bias
+    (``db``, the column sums of its output gradient) for the parts that exist.
+    """
+    T, D = x.shape
+    HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
+    Nq, Nk, Nv = HQ * P, HK * P, HV * P
+    dev = x.device
+    (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
+    dZ = _alloc.empty(T, M, dtype=x.dtype, device=dev)
+    if M:
+        Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
+    secs = []
+    for pk, off, c0, n in ((pq, oq, 0, Nq), (pv, ov, Nq + Nk, Nv)):
+        if pk is None:
+            secs.append(None)
+            continue
+        L, RB = pk.L, pk.RB
+        s = slice(off, off + L * RB)
+        lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB), Up[s].view(L, RB, pk.BN),
+                          Z[:, s])
+        # The rank pass is needed by dx too (dZ is one of its K segments); its token-split
+        # partials are summed by the unpack kernel.
+        secs.append((s, lr_rank_backward(g[:, c0:c0 + n], lr, dZ[:, s], partials=True)))
+    dx = None
+    if need_dx:
+        dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
+        segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, wq), (Nq, Nk, wk),
+                                                          (Nq + Nk, Nv, wv)) if n]
+        if M:
+            segs.append((dZ, Dp))
+        if segs and T:
+            gemm(segs, dx)
+        else:
+            dx.zero_()
+    grads = [{}, {}]
+    if need_factors and M:
+        dDall = reduce_tokens(dZ, x, partials=True)               # (S, M, d)
+        for i, (f, pk, sec) in enumerate(zip((q, v), (pq, pv), secs)):
+            if sec is not None:
+                s, (dU, dzb, db) = sec
+                S = dU.shape[0]
+                grads[i] = unpack_section(pk, f, dDall[:, s], dzb.view(S, -1),
+                                          dU.view(S, -1, pk.BN), db)
+    return dx, grads[0], grads[1]
