@@ -14,13 +14,13 @@
 
 namespace kfused {
 
-// SPEC §1: y[t] = vec(A X[t] B^T), x (T, a_in*b_in), A (a_out, a_in), B (b_out, b_in).
+// docs/math.md §1: y[t] = vec(A X[t] B^T), x (T, a_in*b_in), A (a_out, a_in), B (b_out, b_in).
 at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B);
 // -> (dx (T, a_in*b_in), dA (a_out, a_in), dB (b_out, b_in)).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B);
 
-// SPEC §2: out[t, h] = B_h A_h basis[t(, h)] + bias_h.
+// docs/math.md §2: out[t, h] = B_h A_h basis[t(, h)] + bias_h.
 at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
                                 const at::Tensor& B, const std::optional<at::Tensor>& bias);
 // -> (dbasis, dA, dB, dbias); dbias is an empty (0,) tensor when has_bias is false.
@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
     const at::Tensor& g, const at::Tensor& basis, const at::Tensor& A, const at::Tensor& B,
     bool has_bias);
 
-// SPEC §3 forward (inference): -> (f (B, H, n_q, p), lse (B, H, n_q) fp32, lam (B, H, n_q) fp32).
+// docs/math.md §3 forward (inference): -> (f (B, H, n_q, p), lse (B, H, n_q) fp32, lam (B, H, n_q) fp32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
     const std::optional<at::Tensor>& prefix_k, const std::optional<at::Tensor>& prefix_v,

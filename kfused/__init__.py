@@ -3,17 +3,17 @@
 Functional ops (each takes ``backend="auto" | "triton" | "cuda" | "reference"``; the default
 comes from $KFUSED_BACKEND, else "auto"):
 
-    kron_matvec(x, A, B)                            (A ⊗ B) x per token       SPEC §1
-    krona_linear(x, weight, bias, A, B, scale)      x Wᵀ + b + s (A ⊗ B) x    SPEC §1
-    headwise_lowrank(basis, A, B, bias)             per-head low-rank product  SPEC §2
+    kron_matvec(x, A, B)                            (A ⊗ B) x per token       docs/math.md §1
+    krona_linear(x, weight, bias, A, B, scale)      x Wᵀ + b + s (A ⊗ B) x    docs/math.md §1
+    headwise_lowrank(basis, A, B, bias)             per-head low-rank product  docs/math.md §2
     headwise_qkv / headwise_projection / headwise_oproj   fused attention projections with
                                                     Kernel-wise(-lite) + shared LoRA updates
-    inducer_attention(q, k, v, ...)                 flash inducer attention + prefix tuning  SPEC §3
+    inducer_attention(q, k, v, ...)                 flash inducer attention + prefix tuning  docs/math.md §3
 
 Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset;
 PEFT interop: from_peft (PEFT LoRA / LoKr -> kfused layers), to_peft (-> PEFT adapter folder).
 Modules: :mod:`kfused.modules`. References (float64 oracles, CPU fallback):
-:mod:`kfused.reference`. The SPEC §4 comparison: :mod:`kfused.testing`.
+:mod:`kfused.reference`. The docs/math.md §4 comparison: :mod:`kfused.testing`.
 """
 
 from kfused import reference

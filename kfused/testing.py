@@ -1,4 +1,4 @@
-"""The SPEC §4 numerics rule as code, shared by the tests and ``kfused check``.
+"""The docs/math.md §4 numerics rule as code, shared by the tests and ``kfused check``.
 
 A kernel in dtype ``t`` passes when, for the output and every gradient,
 
@@ -69,13 +69,13 @@ ATOL_FACTORS = {torch.float32: 16.0, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
 def atol_factor(dtype: torch.dtype) -> float:
-    """SPEC §4's ``c_t``: 16 for float32, 1 for float16 / bfloat16 (and any other dtype)."""
+    """docs/math.md §4's ``c_t``: 16 for float32, 1 for float16 / bfloat16 (and any other dtype)."""
     return ATOL_FACTORS.get(dtype, 1.0)
 
 
 def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tensor,
             dtype: torch.dtype) -> Comparison:
-    """Apply the SPEC §4 rule to one tensor."""
+    """Apply the docs/math.md §4 rule to one tensor."""
     if tuple(out.shape) != tuple(ref64.shape):
         return Comparison(name, dtype, float("inf"), 0.0, 0.0, float("inf"), False,
                           f"shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
@@ -201,5 +201,5 @@ def assert_against_reference(*args, **kwargs) -> List[Comparison]:
     if bad:
         table = "\n".join(r.row() for r in results)
         details = "\n".join(r.detail for r in bad)
-        raise AssertionError(f"SPEC §4 rule failed:\n{table}\n{details}")
+        raise AssertionError(f"docs/math.md §4 rule failed:\n{table}\n{details}")
     return results

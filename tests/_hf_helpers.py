@@ -26,7 +26,7 @@ def logits(model, arch, inputs):
 
 
 def embeds_forward(model, arch, emb):
-    """Forward from input embeddings (a float input the SPEC §4 harness can cast)."""
+    """Forward from input embeddings (a float input the docs/math.md §4 harness can cast)."""
     if arch == "t5":
         return model(inputs_embeds=emb, decoder_inputs_embeds=emb).logits
     return model(inputs_embeds=emb).logits

@@ -1,6 +1,6 @@
 """Run test files under N consecutive KFUSED_TEST_SEED values and report every failure.
 
-Not collected by pytest (no ``test_`` prefix). SPEC §4: "a test of this rule never flakes: every
+Not collected by pytest (no ``test_`` prefix). docs/math.md §4: "a test of this rule never flakes: every
 kernel test file passes 20 consecutive random seeds". Each seed is one pytest process::
 
     python3 tests/seed_sweep.py --seeds 20 tests/test_krona.py tests/test_inducer.py

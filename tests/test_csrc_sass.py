@@ -41,7 +41,7 @@ CACHE = os.path.join(os.path.expanduser(os.environ.get("KFUSED_CACHE", "~/.cache
 
 # file (relative to csrc/) -> substrings of the (mangled) names of its GEMM-shaped kernels.
 # Only the 16-bit instantiations are tensor-core kernels: float32 keeps the CUDA-core path
-# (TF32 would fail the SPEC §4 rule), so each entry names the templates that are instantiated
+# (TF32 would fail the docs/math.md §4 rule), so each entry names the templates that are instantiated
 # for c10::Half / c10::BFloat16 only.
 TENSOR_CORE_KERNELS = {
     "inducer/inducer_mma_f16.cu": ["inducer_mma_kernel"],

@@ -1,6 +1,6 @@
 """GPU tests of the CUDA C++ extension (kfused._C) against float64 PyTorch formulas.
 
-Every output and gradient is judged by the SPEC §4 rule (``kfused.testing.compare``): the
+Every output and gradient is judged by the docs/math.md §4 rule (``kfused.testing.compare``): the
 kernel's error against the float64 reference must stay within twice the error of the same
 formula run by torch in the kernel's dtype, plus one epsilon. Skipped cleanly without a CUDA
 device or without the compiled extension.
@@ -44,7 +44,7 @@ def _poison_allocator():
 
 def _check(results):
     bad = [r for r in results if not r.ok]
-    assert not bad, "SPEC §4 rule failed:\n" + "\n".join(r.row() for r in results) + "\n" + \
+    assert not bad, "docs/math.md §4 rule failed:\n" + "\n".join(r.row() for r in results) + "\n" + \
         "\n".join(r.detail for r in bad)
 
 
@@ -78,7 +78,7 @@ def test_runs_on_current_stream():
 
 
 # ------------------------------------------------------------------------------------------
-# kron_matvec (SPEC §1)
+# kron_matvec (docs/math.md §1)
 # ------------------------------------------------------------------------------------------
 
 def kron_ref(x, A, B):
@@ -232,7 +232,7 @@ def test_kron_matvec_errors():
 
 
 # ------------------------------------------------------------------------------------------
-# headwise_lowrank (SPEC §2)
+# headwise_lowrank (docs/math.md §2)
 # ------------------------------------------------------------------------------------------
 
 def headwise_ref(basis, A, B, bias=None):
@@ -348,7 +348,7 @@ def test_headwise_lowrank_errors():
 
 
 # ------------------------------------------------------------------------------------------
-# inducer attention forward (SPEC §3)
+# inducer attention forward (docs/math.md §3)
 # ------------------------------------------------------------------------------------------
 
 def inducer_ref(q, k, v, s0, pk=None, pv=None, lens=None, causal=False):

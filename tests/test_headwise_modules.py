@@ -85,7 +85,7 @@ def test_hf_merge_unmerge_exact_float64(kind):
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_triton_matches_reference_with_grads(kind):
     # Every adapter module's Triton path vs the module's float64 reference path, output and
-    # every adapter gradient, under the SPEC §4 rule. float16: the kernels keep float32
+    # every adapter gradient, under the docs/math.md §4 rule. float16: the kernels keep float32
     # intermediates where the float16 model rounds them, which is what the rule measures
     # (float32 ties with torch's float32 and is covered op by op in test_headwise_ops).
     model = tiny(kind).eval()

@@ -1,5 +1,5 @@
-"""Per-head low-rank ops (SPEC §2): reference vs independent dense formulas, Triton kernels vs
-the float64 reference (SPEC §4, outputs and every gradient), opcheck, gradcheck, bad inputs."""
+"""Per-head low-rank ops (docs/math.md §2): reference vs independent dense formulas, Triton kernels vs
+the float64 reference (docs/math.md §4, outputs and every gradient), opcheck, gradcheck, bad inputs."""
 
 import random
 
@@ -118,7 +118,7 @@ def test_reference_gradcheck():
 
 
 # float32 kernels and torch's float32 reference accumulate in float32 alike, so their errors
-# are equally distributed and the SPEC §4 "2 x torch's max error" rule is a statistical test:
+# are equally distributed and the docs/math.md §4 "2 x torch's max error" rule is a statistical test:
 # on tensors of a dozen elements it fails a few % of draws by chance (measured ~2-5 % for
 # 12-20 elements). Shapes below keep compared tensors at tens of elements or more while still
 # covering H = 1, r = 1, p not a power of two and partial token blocks.
@@ -159,7 +159,7 @@ QKV_CASES = [
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
 def test_qkv_kernel(dtype, case):
     H, Hkv, qm, vm, biases = QKV_CASES[case]
-    # Lite re-associates K A_hᵀ as X (W_k A_hᵀ) + b_k A_hᵀ (SPEC §2): its float32 error has the
+    # Lite re-associates K A_hᵀ as X (W_k A_hᵀ) + b_k A_hᵀ (docs/math.md §2): its float32 error has the
     # same distribution as torch's but is not the same number, so on a tensor of a dozen
     # elements "max err <= 2 x torch's max err + eps" fails a few % of draws by chance (T = 1:
     # ~5 %, measured). Shapes here keep every compared tensor at >= ~40 elements (T = 1 and

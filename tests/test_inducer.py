@@ -1,4 +1,4 @@
-"""Inducer attention and prefix tuning (SPEC §3): reference, Triton kernel, op registration."""
+"""Inducer attention and prefix tuning (docs/math.md §3): reference, Triton kernel, op registration."""
 
 import math
 
@@ -42,7 +42,7 @@ def _qkv(B, H, n, p, n_k=None):
 
 
 def _naive(q, k, v, P, *, causal, mask, composition):
-    """Independent per-row loop of SPEC §3 (float64)."""
+    """Independent per-row loop of docs/math.md §3 (float64)."""
     B, H, n, p = q.shape
     n_k = k.shape[2]
     tau = 1 / math.sqrt(p)
@@ -154,7 +154,7 @@ def test_reference_gradcheck(composition):
 
 
 # ------------------------------------------------------------------------------------------
-# kernel vs float64 reference (SPEC §4)
+# kernel vs float64 reference (docs/math.md §4)
 
 
 def _fns(composition, causal, with_proj):

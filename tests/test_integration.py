@@ -1,5 +1,5 @@
 """Issue 5, items 1, 2 and 8: inject / train / save / load / merge on tiny GPT-2, Llama, RoBERTa
-and T5 models built offline, and fused vs reference model outputs under the SPEC §4 rule."""
+and T5 models built offline, and fused vs reference model outputs under the docs/math.md §4 rule."""
 
 import copy
 import json
@@ -86,7 +86,7 @@ def test_merge_float64(arch, method):
             torch.testing.assert_close(p, base_w[n], rtol=0, atol=1e-12)
 
 
-# Fused (Triton; the CPU interpreter here) vs reference model outputs and input gradients, SPEC §4.
+# Fused (Triton; the CPU interpreter here) vs reference model outputs and input gradients, docs/math.md §4.
 FUSED_CASES = [(a, "krona") for a in ARCHS] + [("gpt2", "krona_b"), ("llama", "krona_b_res")]
 
 

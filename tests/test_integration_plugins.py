@@ -1,5 +1,5 @@
 """The attention-site methods (Kernel-wise/-mix, inducer, prefix and their composites) through
-inject / train / save / load / merge, and fused vs reference model outputs (SPEC §4).
+inject / train / save / load / merge, and fused vs reference model outputs (docs/math.md §4).
 """
 
 import copy

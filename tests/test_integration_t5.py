@@ -4,7 +4,7 @@ Kernel-wise / Kernel-wise-lite / Kernel-mix / Kernel-mix-lite: injected into a t
 head width d_kv is not d_model / n_heads (inner width H·d_kv = 48 vs d_model = 32), into the
 encoder self-attention, decoder self-attention and decoder cross-attention (EncDecAttention;
 there q's Kernel-wise-lite part is left out, see ``kfused.integration.headwise``);
-train / save / load / merge / unmerge and fused vs reference outputs under SPEC §4.
+train / save / load / merge / unmerge and fused vs reference outputs under docs/math.md §4.
 
 Inducer family: T5's relative position bias is not an input of the inducer kernel, so every
 inducer/prefix method is refused with a ValueError before the model is changed.

@@ -1,4 +1,4 @@
-"""Kronecker adapter (SPEC §1): reference, Triton/CUDA kernels, autograd, ops, modules."""
+"""Kronecker adapter (docs/math.md §1): reference, Triton/CUDA kernels, autograd, ops, modules."""
 
 import random
 
@@ -69,7 +69,7 @@ def test_reference_gradcheck():
 
 
 # ------------------------------------------------------------------------------------------
-# kernels against the float64 reference (SPEC §4), output and every gradient
+# kernels against the float64 reference (docs/math.md §4), output and every gradient
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -100,7 +100,7 @@ def test_krona_linear_triton(shape, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_krona_linear_folded_triton(shape, dtype):
     # exact=False: W' = W + s·A⊗B folded once, then the frozen GEMM; dA/dB from the factored
-    # kernel. Same SPEC §4 rule as the factored path.
+    # kernel. Same docs/math.md §4 rule as the factored path.
     a_out, a_in, b_out, b_in = shape
     x, A, B = _factors(shape, lead=(random.randint(1, 70),))
     W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / (a_in * b_in) ** 0.5

@@ -1,7 +1,7 @@
 """kfused.from_peft / kfused.to_peft against the real `peft` package (issue 17).
 
 Tiny GPT-2, RoBERTa and Llama built from configs. Logits and every adapter gradient of the
-converted model are checked against the PEFT model under SPEC §4 (kfused.testing: the kfused
+converted model are checked against the PEFT model under docs/math.md §4 (kfused.testing: the kfused
 model in float32 against PEFT in float64 and float32), round trips PEFT -> kfused -> PEFT
 reproduce PEFT's tensors and logits, and one optimiser step on each side lands on the same
 factors.
@@ -78,7 +78,7 @@ def _param_pairs(kf, pm):
 
 
 def _spec4_check(arch, pm, kf, dtype=torch.float32, n=7):
-    """SPEC §4: the kfused model (in ``dtype``) against the PEFT model in float64 and in
+    """docs/math.md §4: the kfused model (in ``dtype``) against the PEFT model in float64 and in
     ``dtype``, for the logits and the gradients of the input and every adapter factor."""
     pairs = _param_pairs(kf, pm)
     ref64 = copy.deepcopy(pm).double().eval()
@@ -187,7 +187,7 @@ def test_from_peft_lokr_decomposed_factors_are_folded():
 
 def test_from_peft_triton_kernels_interpreter():
     """The fused KronA kernel (backend='triton', CPU interpreter under TRITON_INTERPRET=1)
-    on a converted PEFT LoKr adapter, under SPEC §4."""
+    on a converted PEFT LoKr adapter, under docs/math.md §4."""
     if not kfused.backends.triton_interpret() and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on CPU) or a GPU")
     pm = _peft_model("roberta", _lokr_cfg("roberta"))
@@ -234,7 +234,7 @@ PREFIX_ARCHS = [("gpt2", {}), ("llama", {"n_heads": 1})]  # Llama with one kv he
 @pytest.mark.parametrize("arch,kw", PREFIX_ARCHS)
 def test_from_peft_prefix_spec4(arch, kw):
     """PEFT's prompt_embeddings E (l, 2·layers·d) -> per-layer prefix_k / prefix_v; logits and
-    dE under SPEC §4 (the kfused gradient reaches E through the same reshape)."""
+    dE under docs/math.md §4 (the kfused gradient reaches E through the same reshape)."""
     l = 3
     base = make(arch, **kw)
     torch.manual_seed(5)

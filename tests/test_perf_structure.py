@@ -73,6 +73,6 @@ def test_violation_rules():
     assert what == {"spill_bytes": 8, "no_tensor_core": 1, "cuda_core_dots": 1}
     st = dict(spill_bytes=0, dots=dict(dot16=2), sass=dict(hgmma=4))
     assert R.launch_violations(st, ["bf16"]) == []
-    # float32 launches are not required to use tensor cores (IEEE dots by SPEC §4)
+    # float32 launches are not required to use tensor cores (IEEE dots by docs/math.md §4)
     st = dict(spill_bytes=0, dots=dict(dot_f32_ieee=2), sass={})
     assert R.launch_violations(st, ["fp32"]) == []

@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of every public op against the float64 reference under
-SPEC §4: random shapes, strides (column slices of wider tensors, expands, transposes), dtypes
+docs/math.md §4: random shapes, strides (column slices of wider tensors, expands, transposes), dtypes
 and masks; and bad-input properties (wrong ranks, shapes, dtypes, devices, types raise
 ValueError/TypeError naming the argument). Issue 13.
 
@@ -76,7 +76,7 @@ def strided(data, g, name, shape, layouts=LAYOUTS):
 
 
 def draw_scale(data, label="scale"):
-    """An adapter scale: either sign, magnitude 1/8 to 2 (not subnormal: SPEC §4 compares
+    """An adapter scale: either sign, magnitude 1/8 to 2 (not subnormal: docs/math.md §4 compares
     finite normal values; float32 flushes 1e-46 to zero like the GPU does)."""
     mag = data.draw(st.floats(0.125, 2.0), label=label)
     return mag if data.draw(st.booleans(), label=f"{label} positive") else -mag
@@ -379,7 +379,7 @@ def test_inducer_attention_property(seed):
         comp = "add" if composition == "none" else composition
         if composition == "none" and not l:
             # Every row seeing at most one column makes dq, dk identically zero (a softmax over
-            # one key), so SPEC §4's bound is exactly 0 and a rounding of 1e-7 in the kernel's
+            # one key), so docs/math.md §4's bound is exactly 0 and a rounding of 1e-7 in the kernel's
             # D_i - dP_ij cancellation fails it (reported to the lead, issue 13). Give such a
             # draw one prefix column so the gradients it checks are not identically zero.
             vis = key_allowed(n_q, n_k, causal=causal, device="cpu",
@@ -615,7 +615,7 @@ def test_bad_input_names_the_argument(op, arg, kind, seed):
 
 
 # ------------------------------------------------------------------------------------------
-# the rule itself (SPEC §4: atol_t = c_t · eps_t · max|ref64|, c = 16 float32, 1 float16)
+# the rule itself (docs/math.md §4: atol_t = c_t · eps_t · max|ref64|, c = 16 float32, 1 float16)
 
 
 @pytest.mark.parametrize("dtype,c", [(torch.float32, 16.0), (torch.float16, 1.0),

@@ -1,4 +1,4 @@
-// Per-head low-rank product (SPEC §2) as a functional op:
+// Per-head low-rank product (docs/math.md §2) as a functional op:
 //   out[t, h, :] = B_h (A_h basis[t(, h)]) + bias_h
 // basis (T, d_b) shared by all heads (Kernel-wise, basis X) or (T, H, d_b) one per head
 // (Kernel-wise-lite, basis K^h / O^h); A (H, r, d_b); B (H, p, r); bias (H, p) optional.

@@ -1,4 +1,4 @@
-// Shared pieces of the inducer attention forward (SPEC §3): the kernel parameters, the row
+// Shared pieces of the inducer attention forward (docs/math.md §3): the kernel parameters, the row
 // finalisation, the split-KV merge kernel, and the entry point of the tensor-core kernels,
 // which are compiled in their own translation units (inducer_mma_f16.cu, inducer_mma_bf16.cu)
 // so that the three dtypes build in parallel. See inducer_attention_fwd.cu for the design.

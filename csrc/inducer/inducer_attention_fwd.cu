@@ -1,4 +1,4 @@
-// Inducer attention forward for inference (SPEC §3), flash-style:
+// Inducer attention forward for inference (docs/math.md §3), flash-style:
 //   f_i   = sum_j softmax_j(S_i.) v_j         over the real keys (prefix + sequence)
 //   lse_i = log sum_j exp(S_ij)               S_ij = <q_i, k_j> / sqrt(p), masked keys excluded
 //   lam_i = sigmoid(s0_i - lse_i)             the inducer column's share of the extended softmax
@@ -344,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
   const int64_t sms = sm_count();
   // float16 / bfloat16: tensor-core kernel (prefill: 64 rows per block; decode, n_q <= 16:
   // 16 rows, 4 warps splitting each stage's keys). float32: the CUDA-core kernel (tensor
-  // cores would need TF32, which fails the SPEC §4 rule): 16 rows per block, or 4 rows with
+  // cores would need TF32, which fails the docs/math.md §4 rule): 16 rows per block, or 4 rows with
   // the warps splitting the keys (ksplit = 4) for decode / few blocks.
   const bool tc = q.scalar_type() != at::kFloat;
   const bool decode = tc && n_q <= 16;

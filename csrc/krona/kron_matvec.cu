@@ -1,4 +1,4 @@
-// Kronecker matvec (SPEC §1): y[t] = vec(A X[t] B^T) with X[t] = x[t].view(a_in, b_in),
+// Kronecker matvec (docs/math.md §1): y[t] = vec(A X[t] B^T) with X[t] = x[t].view(a_in, b_in),
 // and its backward, without ever forming A ⊗ B.
 //
 // Design. One thread block owns a tile of TT consecutive tokens (a persistent loop walks the
@@ -17,7 +17,7 @@
 // weight gradients are deterministic.
 //
 // Limits. Everything is float32 FMA on CUDA cores (no tensor cores): exact enough for the
-// SPEC §4 rule in float32 too. When the factors do not fit in shared memory next to one token
+// docs/math.md §4 rule in float32 too. When the factors do not fit in shared memory next to one token
 // they are read from a float copy in global memory (L1/L2 resident); when a single token's
 // working set (forward: a_in*b_in + a_out*b_in floats; backward: a_in*(b_in|1) + a_out*b_out
 // + 2*a_out*b_in floats) exceeds the device's opt-in shared memory (227 KiB on sm_90, i.e.

@@ -2,7 +2,7 @@
 end-to-end training step). A family module defines what applies to it:
 
     check_cases(device) -> list[CheckCase]     `kfused check`: every fused kernel against the
-                                               float64 reference (SPEC §4), per backend
+                                               float64 reference (docs/math.md §4), per backend
     aot_launches()                             representative launches for the sm_90 compile
                                                check (kfused.triton_kernels._aot, kfused perf)
     bench_cases(device, dtype, quick) -> list[kfused.bench.BenchCase]

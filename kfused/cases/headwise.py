@@ -1,4 +1,4 @@
-"""Per-head low-rank (SPEC §2) cases: `kfused check` cases of every headwise kernel, the sm_90
+"""Per-head low-rank (docs/math.md §2) cases: `kfused check` cases of every headwise kernel, the sm_90
 compile-check launches and the benchmark cases of the fused attention-input projection.
 
 ``bench_cases(device, dtype, quick=False)`` returns :class:`kfused.bench.BenchCase` objects for the
@@ -320,7 +320,7 @@ def roofline_table(tokens: int = 16384) -> str:
 
 
 def check_cases(device: torch.device):
-    """Every headwise kernel on a few odd shapes against the float64 reference (SPEC §4)."""
+    """Every headwise kernel on a few odd shapes against the float64 reference (docs/math.md §4)."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     T = 1000 if device.type == "cuda" else 37

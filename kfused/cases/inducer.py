@@ -1,4 +1,4 @@
-"""Inducer attention (SPEC §3) cases: `kfused check` cases, the sm_90 compile-check launches
+"""Inducer attention (docs/math.md §3) cases: `kfused check` cases, the sm_90 compile-check launches
 and the benchmark cases for the shared harness (kfused.bench).
 
 Benchmark providers per case (forward, and forward+backward through the harness):
@@ -153,7 +153,7 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
 
 
 def check_cases(device: torch.device) -> list:
-    """`kfused check` cases (SPEC §4 against the float64 reference): inducer "add" and
+    """`kfused check` cases (docs/math.md §4 against the float64 reference): inducer "add" and
     "gate", prefix, causal and padding masks, odd n, every supported head width."""
     g = torch.Generator().manual_seed(0)
     on_gpu = torch.device(device).type == "cuda"

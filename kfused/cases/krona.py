@@ -1,4 +1,4 @@
-"""KronA (SPEC §1) cases: `kfused check` cases, the sm_90 compile-check launches and the
+"""KronA (docs/math.md §1) cases: `kfused check` cases, the sm_90 compile-check launches and the
 benchmark cases (the fused Kronecker linear against its baselines).
 
 Benchmark
@@ -148,7 +148,7 @@ def fold_numerics(T=512, dtypes=(torch.float16, torch.bfloat16), s=0.5):
 
     For update sizes |s·A⊗B| / |W| from 1 to 1e-4, prints for the fold (W' = W + s·A⊗B rounded
     once, then one GEMM) and the unfused same-precision torch path: the max error against the
-    float64 reference with the SPEC §4 bound, and the relative error of the adapter's
+    float64 reference with the docs/math.md §4 bound, and the relative error of the adapter's
     contribution to the output, ‖(y - x Wᵀ) - s (A⊗B) x‖ / ‖s (A⊗B) x‖.
     """
     rows = []
@@ -175,7 +175,7 @@ def fold_numerics(T=512, dtypes=(torch.float16, torch.bfloat16), s=0.5):
                 u_t = ((tor - frozen) - upd).norm().item() / upd.norm().item()
                 rows.append((dt, (ao, ai), (bo, bi), rel, e_t, e_f, bound, u_f, u_t))
                 print(f"{str(dt)[6:]:9} A={(ao, ai)} B={(bo, bi)} |sA⊗B|/|W|={rel:<6g} "
-                      f"err torch_t {e_t:.2e} fold {e_f:.2e} (SPEC §4 bound {bound:.2e}, "
+                      f"err torch_t {e_t:.2e} fold {e_f:.2e} (docs/math.md §4 bound {bound:.2e}, "
                       f"{'ok' if e_f <= bound else 'FAIL'}); adapter-term rel. err fold "
                       f"{u_f:.2e} torch_t {u_t:.2e}")
     return rows

@@ -1,5 +1,5 @@
 """`kfused check`: run every available kernel on this device against the float64 reference
-on random inputs (SPEC §4) and print a table: op, backend, dtype, tensor, kernel error,
+on random inputs (docs/math.md §4) and print a table: op, backend, dtype, tensor, kernel error,
 same-precision torch error, bound, verdict. Exit status 1 if any check fails."""
 
 from __future__ import annotations

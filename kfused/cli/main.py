@@ -12,7 +12,7 @@ commands:
   demo    the main job: adapt the shipped pretrained base with LoRA and each kfused method,
           score generations (BLEU, slot accuracy); fused vs reference on a GPU
   bench   benchmark every op against its baselines; JSON + PNG into benchmarks/results/local
-  check   every available kernel on this device against the float64 reference (SPEC §4)
+  check   every available kernel on this device against the float64 reference (docs/math.md §4)
   info    versions, device and which backends can run
   perf    compile every kernel launch (sm_90/sm_80), SASS stats, PREDICTED H100 roofline
 

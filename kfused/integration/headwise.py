@@ -1,4 +1,4 @@
-"""Kernel-wise, Kernel-wise-lite, Kernel-mix, Kernel-mix-lite (SPEC §2) in Hugging Face models:
+"""Kernel-wise, Kernel-wise-lite, Kernel-mix, Kernel-mix-lite (docs/math.md §2) in Hugging Face models:
 placing the headwise modules in every attention block, and the Kernel-mix paper's presets.
 
 :func:`attach_headwise` adapts every block :func:`kfused.integration.arch.attention_blocks`
@@ -16,7 +16,7 @@ own fused kernel (frozen GEMM + its updates in one pass over X); the all-in-one 
 used where the model has one fused projection (GPT-2).
 
 Cross-attention (T5's ``EncDecAttention``, BERT's ``crossattention``): q reads the decoder
-states X while k and v read the encoder output. The updates keep SPEC §2's definitions with each
+states X while k and v read the encoder output. The updates keep docs/math.md §2's definitions with each
 projection's own input as basis: Kernel-wise on q uses X; Kernel-wise on v uses the encoder
 output; Kernel-wise-lite on v uses ``K^h`` = encoder output · W_k^h, which *is* the
 cross-attention's key; o is adapted as in self-attention. Kernel-wise-lite on **q** is not

@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration of inducer attention (SPEC §3).
+"""Hugging Face transformers integration of inducer attention (docs/math.md §3).
 
 ``register()`` adds the attention implementation ``"kfused_inducer"`` to transformers'
 ``AttentionInterface`` together with its mask function in ``AttentionMaskInterface``. The mask
@@ -146,7 +146,7 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     """Why inducer attention / prefix tuning cannot run on ``model``, or None if it can.
 
     Models that add a learned bias to every attention score (T5's relative position bias, and
-    no 1/√p scaling) cannot: the inducer kernel (SPEC §3) takes no additive score bias, so
+    no 1/√p scaling) cannot: the inducer kernel (docs/math.md §3) takes no additive score bias, so
     running it would silently drop the bias and change the model. They are refused instead.
     The architecture says so (``ArchSpec.score_bias``); a module with a
     ``relative_attention_bias`` marks a T5-family model of a type kfused has no layout for.

@@ -157,21 +157,21 @@ register_method("parallel_adapter", site="block", wrap=_parallel_adapter, defaul
 # Kernel-wise/-mix: cfg.targets are the projections of each block (q, v, o; default q, v) and
 # cfg.ranks their ranks, see kfused.integration.headwise.headwise_config.
 for _name, _desc in [
-        ("kernel_wise", "Kernel-wise: per-head low-rank updates (SPEC §2)"),
-        ("kernel_wise_lite", "Kernel-wise-lite: per-head updates on the key basis (SPEC §2)"),
-        ("kernel_mix", "Kernel-mix: shared LoRA + Kernel-wise (SPEC §2)"),
-        ("kernel_mix_lite", "Kernel-mix-lite: shared LoRA + Kernel-wise-lite (SPEC §2)")]:
+        ("kernel_wise", "Kernel-wise: per-head low-rank updates (docs/math.md §2)"),
+        ("kernel_wise_lite", "Kernel-wise-lite: per-head updates on the key basis (docs/math.md §2)"),
+        ("kernel_mix", "Kernel-mix: shared LoRA + Kernel-wise (docs/math.md §2)"),
+        ("kernel_mix_lite", "Kernel-mix-lite: shared LoRA + Kernel-wise-lite (docs/math.md §2)")]:
     register_method(_name, site="attention", wrap=_headwise, mergeable=True,
                     inits=HEADWISE_INITS, description=_desc, paper="000")
 
 register_method("inducer", site="attention", wrap=_inducer_wrap(True), paper="001",
                 inits=InducerAttention.inits_for(True, 0), check=_inducer_check,
                 finish=_inducer_finish,
-                description="inducer attention: a per-query virtual key/value column (SPEC §3)")
+                description="inducer attention: a per-query virtual key/value column (docs/math.md §3)")
 register_method("prefix", site="attention", wrap=_inducer_wrap(False), paper="002",
                 inits=InducerAttention.inits_for(False, 1), default_init="paper",
                 check=_inducer_check, finish=_prefix_finish,
-                description="prefix tuning: l learned key/value columns per head (SPEC §3)")
+                description="prefix tuning: l learned key/value columns per head (docs/math.md §3)")
 
 # Composites: linear parts first, so the attention wrappers contain the adapted projections.
 register_method("inducer_lora", site="composite",

@@ -6,7 +6,7 @@ kfused LoRA / KronA adapter as a PEFT adapter folder.
     kfused.to_peft(model, "peft_dir")                    # then PeftModel.from_pretrained(base, ...)
 
 What converts (exactly: same factors, same scale, so logits and adapter gradients agree under
-SPEC §4):
+docs/math.md §4):
 
 * PEFT LoRA on ``nn.Linear`` and on transformers' ``Conv1D`` (GPT-2) -> :class:`LoRALinear`
   (``lora_A.weight`` -> ``A``, ``lora_B.weight`` -> ``B``, ``scaling = lora_alpha / r``, or
@@ -24,7 +24,7 @@ SPEC §4):
   (kfused's KronA has one ``scale``).
 
 * PEFT prefix tuning (``prefix_projection=False``) on GPT-2 and Llama-style models with one
-  key/value head per query head -> kfused's ``"prefix"`` method (SPEC §3) with
+  key/value head per query head -> kfused's ``"prefix"`` method (docs/math.md §3) with
   ``prefix_k[layer] = E[:, 2·layer]``, ``prefix_v[layer] = E[:, 2·layer + 1]`` from PEFT's
   ``prompt_embeddings`` E viewed as (l, 2·layers, heads, head_dim). PEFT keeps the prefix in the
   key/value cache, so the real tokens sit at positions ``l … l + n - 1``; the converted model

@@ -1,4 +1,4 @@
-"""Adapter modules for the per-head low-rank updates of SPEC §2 (paper 000).
+"""Adapter modules for the per-head low-rank updates of docs/math.md §2 (paper 000).
 
 Each module wraps an existing frozen projection (``nn.Linear`` or Hugging Face's ``Conv1D``)
 without copying its weight, owns only the adapter parameters, and calls the functional ops
@@ -16,7 +16,7 @@ of :mod:`kfused.ops`:
   (basis O) and a shared LoRA part.
 
 Ranks are given per projection with :class:`ProjRanks` (``wise`` = Kernel-wise rank with basis
-X, ``lite`` = Kernel-wise-lite rank with basis K, ``shared`` = LoRA rank), as in SPEC §2's
+X, ``lite`` = Kernel-wise-lite rank with basis K, ``shared`` = LoRA rank), as in docs/math.md §2's
 table. ``init`` takes the values of :mod:`kfused.modules._init`: "zero" (default: A
 kaiming-uniform(a=√5) per head, B = 0, c = 0, so the adapted model starts exactly at the frozen
 one), "random" (A and B kaiming-uniform, c = 0) or "paper" (``fmod(randn, 2)·0.01`` for A, B
@@ -76,7 +76,7 @@ class ProjRanks:
 
 @dataclasses.dataclass(frozen=True)
 class HeadwiseConfig:
-    """Which updates go where (SPEC §2 table). ``o.lite`` must be 0 (no lite form for W_o).
+    """Which updates go where (docs/math.md §2 table). ``o.lite`` must be 0 (no lite form for W_o).
 
     head_bias: give every per-head part its bias ``c`` (the paper's released code does);
     None (default) = only where the frozen projection has a bias (GPT-2, BERT: yes; Llama:
@@ -93,7 +93,7 @@ class HeadwiseConfig:
     def __post_init__(self):
         if self.o.lite:
             raise ValueError("HeadwiseConfig.o.lite must be 0: Kernel-wise-lite is defined for "
-                             "q and v only (SPEC §2)")
+                             "q and v only (docs/math.md §2)")
         check_init(self.init, INITS, "HeadwiseConfig")
 
 
@@ -193,7 +193,7 @@ class _FoldsIntoBase:
 
 
 class HeadwiseProjection(_FoldsIntoBase, nn.Module):
-    """One adapted q or v projection (SPEC §2), wrapping a frozen nn.Linear / Conv1D.
+    """One adapted q or v projection (docs/math.md §2), wrapping a frozen nn.Linear / Conv1D.
 
     Args:
         base: the frozen projection (output H·p, heads contiguous as in every HF model).
@@ -274,7 +274,7 @@ def _add_bias(mod: nn.Module, db: Optional[torch.Tensor], rows: slice = slice(No
 
 
 class HeadwiseQKV(_FoldsIntoBase, nn.Module):
-    """Fused attention-input projection with updates on q and v (SPEC §2).
+    """Fused attention-input projection with updates on q and v (docs/math.md §2).
 
     Give either ``fused`` (GPT-2's ``c_attn``: one Conv1D/Linear whose outputs are
     [q | k | v]) or ``q``, ``k``, ``v`` (three frozen linears, Llama/BERT style).
@@ -391,7 +391,7 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
 
 
 class HeadwiseOutput(_FoldsIntoBase, nn.Module):
-    """Adapted output projection (SPEC §2, basis O), wrapping a frozen nn.Linear / Conv1D.
+    """Adapted output projection (docs/math.md §2, basis O), wrapping a frozen nn.Linear / Conv1D.
 
     Args:
         base: frozen W_o (in = H·p, out = d).

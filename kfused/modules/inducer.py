@@ -1,4 +1,4 @@
-"""Inducer-tuning and prefix-tuning adapters (SPEC §3): parameters only; math in kfused.ops.
+"""Inducer-tuning and prefix-tuning adapters (docs/math.md §3): parameters only; math in kfused.ops.
 
 ``InducerAttention(num_heads, head_dim, d_model=..., key_bottleneck=L, value_bottleneck=r,
 composition="add"|"gate", prefix_len=l, inducer=True, init="paper"|"zero")`` owns

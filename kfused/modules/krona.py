@@ -1,4 +1,4 @@
-"""Kronecker adapter modules (SPEC §1): KronALinear, KronABlock (KronA^B, KronA^B_res).
+"""Kronecker adapter modules (docs/math.md §1): KronALinear, KronABlock (KronA^B, KronA^B_res).
 
 Modules own parameters and call the functional ops; every kernel choice lives in kfused.ops.
 """

@@ -1,10 +1,10 @@
 """The public functional API: one module per op (torch.library custom ops, autograd,
 validation and backend dispatch).
 
-    kron_matvec, krona_linear                          Kronecker adapter (SPEC §1)
+    kron_matvec, krona_linear                          Kronecker adapter (docs/math.md §1)
     headwise_qkv, headwise_projection, headwise_oproj, headwise_lowrank, HeadFactors
-                                                       per-head low-rank updates (SPEC §2)
-    inducer_attention, inducer_output_projection       inducer attention, prefix (SPEC §3)
+                                                       per-head low-rank updates (docs/math.md §2)
+    inducer_attention, inducer_output_projection       inducer attention, prefix (docs/math.md §3)
 """
 
 from kfused.ops.headwise_lowrank import headwise_lowrank

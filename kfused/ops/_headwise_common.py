@@ -1,4 +1,4 @@
-"""Pieces shared by the per-head low-rank ops (SPEC §2): argument checks, the host-side
+"""Pieces shared by the per-head low-rank ops (docs/math.md §2): argument checks, the host-side
 building of kernel-level factors from the user's :class:`HeadFactors` (differentiable torch ops
 on tiny tensors: stack Kernel-wise and lite down-projections along the rank, the lite bases
 ``A_h W_k^h`` and ``b_k^h A_hᵀ``, the shared scale folded into ``B_s``, the per-head biases

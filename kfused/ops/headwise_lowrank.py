@@ -1,4 +1,4 @@
-"""``headwise_lowrank`` (SPEC §2): a per-head low-rank map of a user-given basis —
+"""``headwise_lowrank`` (docs/math.md §2): a per-head low-rank map of a user-given basis —
 torch.library registrations, autograd and the public functional API.
 
     headwise_lowrank(basis, A, B, bias=None)          -> (..., H, p)
@@ -152,7 +152,7 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     """Per-head low-rank product ``out[..., h, :] = basis[..., (h,) :] A_hᵀ B_hᵀ + bias_h``.
 
     This is Kernel-wise (basis X, shared by the heads) and Kernel-wise-lite (basis K, one per
-    head) of SPEC §2 as one op.
+    head) of docs/math.md §2 as one op.
 
     Args:
         basis: ``(..., d_b)`` shared by all heads, or ``(..., H, d_b)`` one per head.

@@ -1,4 +1,4 @@
-"""``headwise_oproj`` (SPEC §2): the fused output projection with per-head and shared
+"""``headwise_oproj`` (docs/math.md §2): the fused output projection with per-head and shared
 updates of W_o (basis O) — torch.library registrations, autograd and the public API.
 
     headwise_oproj(o, w_o, b_o, n_heads=, wise_A=, wise_B=, wise_c=, shared_A=, shared_B=,
@@ -104,7 +104,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
                    shared_A: Optional[torch.Tensor] = None,
                    shared_B: Optional[torch.Tensor] = None, scale: float = 1.0,
                    backend: Optional[str] = None) -> torch.Tensor:
-    """Fused output projection with the SPEC §2 updates of W_o (basis O).
+    """Fused output projection with the docs/math.md §2 updates of W_o (basis O).
 
     ``Y = O W_oᵀ + b_o + concat_h(O^h A_hᵀ) Bᵀ + c + scale · O A_sᵀ B_sᵀ``.
 

@@ -1,4 +1,4 @@
-"""``headwise_projection`` (SPEC §2): one adapted q or v projection (any attention
+"""``headwise_projection`` (docs/math.md §2): one adapted q or v projection (any attention
 projection with per-head / shared updates), run by the fused q|k|v custom op with the
 projection in the q slot.
 
@@ -25,7 +25,7 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
                         w_k: Optional[torch.Tensor] = None, b_k: Optional[torch.Tensor] = None,
                         n_key_heads: Optional[int] = None,
                         backend: Optional[str] = None) -> torch.Tensor:
-    """One adapted q or v projection, ``X Wᵀ + b + Δ`` (SPEC §2), fused like
+    """One adapted q or v projection, ``X Wᵀ + b + Δ`` (docs/math.md §2), fused like
     :func:`headwise_qkv` but for a single projection (the frozen GEMM and every
     down-projection in one pass over X, up-projections in the epilogue).
 

@@ -1,4 +1,4 @@
-"""``headwise_qkv`` (SPEC §2): the fused attention-input projection — Q, K, V with per-head
+"""``headwise_qkv`` (docs/math.md §2): the fused attention-input projection — Q, K, V with per-head
 and shared updates on q and v in one custom op (torch.library registrations, autograd and the
 public functional API).
 
@@ -170,7 +170,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                  n_kv_heads: Optional[int] = None, q: Optional[HeadFactors] = None,
                  v: Optional[HeadFactors] = None, backend: Optional[str] = None,
                  fused_output: bool = False):
-    """Fused attention-input projection with SPEC §2 updates on q and v.
+    """Fused attention-input projection with docs/math.md §2 updates on q and v.
 
     ``Q = X W_qᵀ + b_q + ΔQ``, ``K = X W_kᵀ + b_k``, ``V = X W_vᵀ + b_v + ΔV`` where each Δ is
     any mix of the shared LoRA part, Kernel-wise (basis X) and Kernel-wise-lite (basis K, bias

@@ -1,4 +1,4 @@
-"""``inducer_attention`` (SPEC §3): inducer attention and prefix tuning — torch.library ops
+"""``inducer_attention`` (docs/math.md §3): inducer attention and prefix tuning — torch.library ops
 and the functional API.
 
 ``inducer_attention(q, k, v, ...)`` is flash-style attention over (batch, heads, n, p) tensors
@@ -16,7 +16,7 @@ with three optional additions, all O(n) memory on the Triton backend:
 Layers: the attention core is the custom op ``kfused::inducer_attention_triton_fwd`` (flash
 forward with the per-row inducer MLP in its prologue and epilogue: f, u, LSE, λ) whose autograd
 calls ``kfused::inducer_attention_triton_bwd`` (flash backward with ``D − dLSE``, the MLP
-gradients in the dQ kernel; SPEC §3). ``"gate"`` composes ``(1 − λ) f + u W2 + λ b2`` in
+gradients in the dQ kernel; docs/math.md §3). ``"gate"`` composes ``(1 − λ) f + u W2 + λ b2`` in
 PyTorch (O(n·r·p), autograd).
 """
 
@@ -308,7 +308,7 @@ def inducer_attention(
     prefix_k: Optional[Tensor] = None, prefix_v: Optional[Tensor] = None,
     scale: Optional[float] = None, backend: Optional[str] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Inducer attention with optional prefix tuning (SPEC §3). Returns ``(out, u)``.
+    """Inducer attention with optional prefix tuning (docs/math.md §3). Returns ``(out, u)``.
 
     Args (``B`` batch, ``H`` heads, ``p`` head width, ``L``/``r`` key/value bottlenecks):
         q: (B, H, n_q, p); k, v: (B, H_kv, n_k, p), H_kv dividing H (grouped-query

@@ -1,4 +1,4 @@
-"""``inducer_output_projection`` (SPEC §3): the attention output projection with the inducer's
+"""``inducer_output_projection`` (docs/math.md §3): the attention output projection with the inducer's
 value path folded in, ``y = concat_h(f^h) W_oᵀ + b_o + Σ_h u^h W2_h + b2`` as one GEMM (plain
 torch: no kernel of its own; autograd gives the backward).
 """

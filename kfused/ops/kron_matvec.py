@@ -1,4 +1,4 @@
-"""``kron_matvec`` (SPEC §1): ``(A ⊗ B) x`` per token — torch.library registrations, autograd
+"""``kron_matvec`` (docs/math.md §1): ``(A ⊗ B) x`` per token — torch.library registrations, autograd
 and the public API.
 
 Custom ops (each with a fake and an autograd registration): kfused::kron_matvec_triton_fwd /

@@ -1,4 +1,4 @@
-"""``krona_linear`` (SPEC §1): a frozen linear plus the Kronecker adapter,
+"""``krona_linear`` (docs/math.md §1): a frozen linear plus the Kronecker adapter,
 ``x Wᵀ + b + scale · (A ⊗ B) x`` — torch.library registrations, autograd and the public API.
 
 Custom ops (each with a fake and an autograd registration): kfused::krona_linear_triton_fwd /
@@ -146,8 +146,8 @@ def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
     """Whether krona_linear folds the adapter into the weight (see its ``exact`` argument).
 
     Only 16-bit inputs fold: there the single rounding of W' costs no more than the rounding
-    the same-precision torch path does anyway (it meets SPEC §4). In float32 it does not
-    (W' rounded to float32 then one float32 GEMM: dx error 3.5e-5 against a SPEC §4 bound of
+    the same-precision torch path does anyway (it meets docs/math.md §4). In float32 it does not
+    (W' rounded to float32 then one float32 GEMM: dx error 3.5e-5 against a docs/math.md §4 bound of
     2.6e-5 at (24, 24, 32, 32)), so float32 always takes the exact factored kernels.
     """
     return fold_decision(x2.dtype, x2.shape[0], exact, x2.device.type == "cuda")
@@ -186,10 +186,10 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             but in a 16-bit dtype the part of ``s·A⊗B`` below half an ulp of W is rounded
             away in the forward and dx (the factor gradients stay exact).
             True: the factored kernels — the adapter term is computed from A and B exactly
-            as SPEC §1 writes it, never rounded into W.
+            as docs/math.md §1 writes it, never rounded into W.
             None (default): False for float16/bfloat16 CUDA inputs with at least
             ``FOLD_MIN_TOKENS`` tokens, True otherwise (small T, the interpreter).
-            float32 inputs always take the exact path (the fold would not meet SPEC §4).
+            float32 inputs always take the exact path (the fold would not meet docs/math.md §4).
     Returns:
         (..., d_out). The factored kernel reads x once for the frozen GEMM and the adapter and
         its backward produces dx for both terms in one pass over dy.

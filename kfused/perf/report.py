@@ -27,7 +27,7 @@ OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "predicted")
 # CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA): every 16-bit (Half /
 # BFloat16 template) instantiation in csrc/ except those whose name contains one of these
 # fragments (pure reductions, the split-KV merge). float32 instantiations compute in IEEE
-# float32 (SPEC §4) and are not required to use tensor cores.
+# float32 (docs/math.md §4) and are not required to use tensor cores.
 CSRC_NOT_GEMM = ("reduce", "merge")
 CSRC_16BIT = ("Half", "BFloat16")
 
@@ -114,7 +114,7 @@ def launch_violations(stats: dict, dtypes: List[str]) -> List[dict]:
     if sixteen and n_dots:
         if not (sass.get("hgmma", 0) or sass.get("hmma", 0)):
             v.append(dict(what="no_tensor_core", value=1))
-        # float32/float64 operand dots run on CUDA cores (kfused never requests TF32: SPEC §4
+        # float32/float64 operand dots run on CUDA cores (kfused never requests TF32: docs/math.md §4
         # asks IEEE float32; the TTIR printer omits the default precision, so both float32
         # buckets count here)
         cc = dots.get("dot_f32_ieee", 0) + dots.get("dot_tf32", 0) + dots.get("dot_f64", 0)

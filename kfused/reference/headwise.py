@@ -1,11 +1,11 @@
-"""PyTorch reference for the per-head low-rank updates of SPEC §2 (paper 000): Kernel-wise
+"""PyTorch reference for the per-head low-rank updates of docs/math.md §2 (paper 000): Kernel-wise
 (basis X), Kernel-wise-lite (basis K), the row-block update of W_o (basis O), the shared
 LoRA part, and their mixes.
 
 Everything is a batched einsum over the head axis (never a Python loop over heads), so the
 same code is the float64 oracle of the tests and the CPU fallback of the ops.
 
-Layout conventions (SPEC §2, PyTorch ``nn.Linear`` layout, row-major reshapes):
+Layout conventions (docs/math.md §2, PyTorch ``nn.Linear`` layout, row-major reshapes):
 
 * a projection's output ``(..., H·p)`` is split into heads as ``(..., H, p)``;
 * ``A`` factors are ``(H, r, d_b)`` (down-projection of each head), ``B`` factors
@@ -134,7 +134,7 @@ def headwise_qkv_ref(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v:
                      n_kv_heads: Optional[int] = None, q: Optional[HeadFactors] = None,
                      v: Optional[HeadFactors] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Adapted attention-input projection, SPEC §2 (unfused reference).
+    """Adapted attention-input projection, docs/math.md §2 (unfused reference).
 
     x (..., d); w_q (H·p, d), w_k and w_v (H_kv·p, d) in nn.Linear layout; biases or None.
     q, v: :class:`HeadFactors` (lite factors use K as the basis, see the module docstring).
@@ -161,7 +161,7 @@ def headwise_oproj_ref(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.T
                        shared_A: Optional[torch.Tensor] = None,
                        shared_B: Optional[torch.Tensor] = None, scale: float = 1.0
                        ) -> torch.Tensor:
-    """Adapted output projection, SPEC §2 (basis O).
+    """Adapted output projection, docs/math.md §2 (basis O).
 
     ``Y = O W_oᵀ + b_o + concat_h(O^h A_hᵀ) Bᵀ + c + s · O A_sᵀ B_sᵀ``.
     o (..., H·p); w_o (d, H·p); wise_A (H, r, p); wise_B (d, H·r); wise_c (d,);

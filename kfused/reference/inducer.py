@@ -1,4 +1,4 @@
-"""PyTorch reference for inducer attention and prefix tuning (SPEC §3): oracle and CPU fallback.
+"""PyTorch reference for inducer attention and prefix tuning (docs/math.md §3): oracle and CPU fallback.
 
 This is the straightforward form, as in the released inducer-tuning code: the full score matrix
 ``S`` (batch, heads, n_q, l + n_k) is materialised and the virtual key's logit ``s0`` is
@@ -152,7 +152,7 @@ def inducer_attention_ref(
 def inducer_output_projection_ref(f: torch.Tensor, u: Optional[torch.Tensor], W_o: torch.Tensor,
                                   b_o: Optional[torch.Tensor], W2: Optional[torch.Tensor] = None,
                                   b2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = concat_h(f^h) W_oᵀ + b_o + Σ_h u^h W2_h + b2`` (SPEC §3, "add").
+    """``y = concat_h(f^h) W_oᵀ + b_o + Σ_h u^h W2_h + b2`` (docs/math.md §3, "add").
 
     f (B, H, n, p), u (B, H, n, r), W_o (d, H·p) nn.Linear layout, W2 (H, r, d), b2 (d,)
     -> (B, n, d).

@@ -1,4 +1,4 @@
-"""PyTorch reference for the Kronecker adapter (SPEC §1): the oracle and the CPU fallback.
+"""PyTorch reference for the Kronecker adapter (docs/math.md §1): the oracle and the CPU fallback.
 
 Written with reshapes and matmuls (``Y[t] = A X[t] Bᵀ``); ``A ⊗ B`` is never formed except in
 :func:`kron_delta_weight`, which exists for merge() and for tests.

@@ -48,7 +48,7 @@ def use_dot(m: int, k: int, n: int) -> bool:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """float32 dots must be exact IEEE (TF32 would fail SPEC §4); 16-bit inputs ignore it."""
+    """float32 dots must be exact IEEE (TF32 would fail docs/math.md §4); 16-bit inputs ignore it."""
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 

@@ -1,4 +1,4 @@
-"""The shared machinery of the fused per-head projections (SPEC §2): the augmented GEMM, the
+"""The shared machinery of the fused per-head projections (docs/math.md §2): the augmented GEMM, the
 rank-space backward pass and the packing of low-rank rows per output tile. The ops' host
 functions live in headwise_qkv.py (q|k|v, also every single projection) and
 headwise_oproj.py (output projection); headwise_lowrank.py keeps its own small kernels.
@@ -79,7 +79,7 @@ def _tile_n(device: torch.device) -> int:
 
 # sm_90 compile check (16-bit): every 16-bit config below compiles to HGMMA (wgmma) with no
 # local-memory spills; (BM 128, 4 warps) spilled 350-600 B and was dropped. float32 ("ieee"
-# dots on the CUDA cores: the exactness SPEC §4 asks of float32) gets its own smaller tile:
+# dots on the CUDA cores: the exactness docs/math.md §4 asks of float32) gets its own smaller tile:
 # BM 128 spilled up to 1.7 KB there.
 if bool(_INTERPRETED):
     _GEMM_CONFIGS = [triton.Config({"BM": 32, "BK": 32}, num_warps=4, num_stages=1)]

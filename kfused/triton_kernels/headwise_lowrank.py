@@ -1,4 +1,4 @@
-"""Triton kernels of ``headwise_lowrank`` (SPEC §2): a per-head low-rank map of a user-given
+"""Triton kernels of ``headwise_lowrank`` (docs/math.md §2): a per-head low-rank map of a user-given
 basis, ``out[t, h] = (basis[t, (h)] @ A_hᵀ) @ B_hᵀ + c_h``. It keeps its own small kernels; the
 modules do not use it (the fused projections of headwise_qkv / headwise_oproj subsume it) and
 it is kept as a standalone public op.

@@ -1,4 +1,4 @@
-"""Triton host functions of the fused output projection ``headwise_oproj`` (SPEC §2):
+"""Triton host functions of the fused output projection ``headwise_oproj`` (docs/math.md §2):
 ``Y = O W_oᵀ + b + concat_h(O^h A_hᵀ) Bᵀ + O A_sᵀ U_sᵀ`` (see
 :mod:`kfused.triton_kernels._headwise_common` for the design and the predicted roofline).
 """

@@ -1,4 +1,4 @@
-"""Triton host functions of the fused attention-input projection ``headwise_qkv`` (SPEC §2):
+"""Triton host functions of the fused attention-input projection ``headwise_qkv`` (docs/math.md §2):
 Q, K, V with per-head and shared low-rank updates on q and v, one augmented GEMM per pass
 (see :mod:`kfused.triton_kernels._headwise_common` for the design and the predicted roofline).
 ``headwise_projection`` (any single adapted projection) runs these same host functions with

@@ -1,4 +1,4 @@
-"""Flash-style Triton kernels for inducer attention and prefix tuning (SPEC §3).
+"""Flash-style Triton kernels for inducer attention and prefix tuning (docs/math.md §3).
 
 Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores).
 The prologue runs the inducer's key MLP on the query tile already in registers,
@@ -19,7 +19,7 @@ would force ``f = acc / (l − exp(s0 − m))``, a cancellation that loses every
 infinite visible logit makes the row sum NaN, and NaN flows into f, LSE, λ and u as in the
 reference.
 
-Backward (SPEC §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``,
+Backward (docs/math.md §3): the ordinary flash backward with ``D_i`` replaced by ``D_i − dLSE_i``,
 ``dLSE_i = −dλ_i λ_i (1 − λ_i)`` (+ any direct LSE gradient), evaluated as
 ``dS_ij = P_ij ((dP_ij − D_i) + dLSE_i)``: dLSE is usually far smaller than D, and folding it
 into D first would round it away (a row with one visible column has dP − D = 0 exactly and
@@ -735,7 +735,7 @@ def inducer_attention_backward(
     without a prefix. ``du`` (B, H, n_q, r), ``dlam`` (2, B, H, n_q) (gradients of λ and of
     1 − λ) and ``dlse`` may each be None (zero).
 
-    ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (SPEC §3); the kernels use
+    ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (docs/math.md §3); the kernels use
     ``dS = P ((dP − D) + dLSE)``. In float32, ``D_i`` is formed inside the dQ kernel as
     ``Σ_j P_ij dP_ij`` (see ``EXACT_DELTA``); 16-bit inputs use ``D_i = ⟨dO_i, O_i⟩``.
     """

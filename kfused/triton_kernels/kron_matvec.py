@@ -1,4 +1,4 @@
-"""Triton host functions of ``kron_matvec`` (SPEC §1): ``(A ⊗ B) x`` per token without
+"""Triton host functions of ``kron_matvec`` (docs/math.md §1): ``(A ⊗ B) x`` per token without
 forming ``A ⊗ B``. It is ``krona_linear`` without the frozen weight, so it runs the KronA
 kernels of :mod:`kfused.triton_kernels.krona_linear` (their HAS_W=False variants).
 """

@@ -1,4 +1,4 @@
-"""Triton kernels and host functions of ``krona_linear``, the Kronecker adapter (SPEC §1).
+"""Triton kernels and host functions of ``krona_linear``, the Kronecker adapter (docs/math.md §1).
 The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
 
 ``_kron_fold_kernel``  W' = W + s · (A ⊗ B), one d_out×d_in pass (CUDA cores, no dot).
@@ -24,7 +24,7 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     A 2×384, B 384×2) use exact broadcast products on the CUDA cores.
 
 Products keep the reference's order (A X first, then ·Bᵀ) and round the intermediate to the
-input dtype as torch does, so 16-bit results track ``torch_t`` under SPEC §4.
+input dtype as torch does, so 16-bit results track ``torch_t`` under docs/math.md §4.
 
 Roofline (H100 SXM, bfloat16, T = 16384; all times *predicted*, not measured). Model: cuBLAS
 GEMM 600 TFLOP/s effective, Triton mma.sync dots 300 TFLOP/s, CUDA-core float64 30 TFLOP/s,
@@ -63,12 +63,12 @@ Numerics of the fold (measured on the CPU, ``python benchmarks/bench_krona.py
 W' rounds the update to W's ulp, so the part of s·A⊗B below half an ulp of W is lost from y
 and dx. At the output this costs nothing measurable against the unfused same-precision torch
 path, which rounds y at the same scale: the fold's max error is at or below torch_t's in every
-case (float16 and bfloat16; SPEC §4 met everywhere), and the relative error of the adapter's
+case (float16 and bfloat16; docs/math.md §4 met everywhere), and the relative error of the adapter's
 contribution to y is the same for both (float16: 6e-4 at |ΔW| ≈ |W|, 6e-2 at 1e-2, ≈ 0.6 at
 1e-3; bfloat16: 5e-3, 0.45, 3.3). dA and dB never see W' (they come from the factors).
 ``exact=True`` keeps the factored kernels (the adapter term accumulated in float32 next to the
 frozen product, one rounding of y) for small T and tiny updates at inference; float32 always
-uses them (there the fold's W' rounding fails SPEC §4).
+uses them (there the fold's W' rounding fails docs/math.md §4).
 """
 
 from __future__ import annotations
