@@ -1,4 +1,4 @@
-"""PyTorch references of every SPEC formula: float64-capable oracles and CPU fallbacks."""
+"""PyTorch references of every docs/math.md formula: float64-capable oracles and CPU fallbacks."""
 
 from kfused.reference.inducer import inducer_attention_ref, inducer_output_projection_ref
 from kfused.reference.krona import kron_delta_weight, kron_matvec_ref, krona_linear_ref
