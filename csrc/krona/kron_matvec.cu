@@ -535,6 +535,31 @@ inline unsigned persistent_grid(Kernel kernel, size_t smem, int64_t ntiles) {
   return static_cast<unsigned>(std::min<int64_t>(ntiles, int64_t(per_sm) * sm_count()));
 }
 
+// Host side: the factor pointers, strides, token count and shape every kron kernel reads.
+template <typename Params>
+void set_factor_params(Params& P, const at::Tensor& A, const at::Tensor& B, int64_t T,
+                       const KronShape& s) {
+  P.T = T;
+  P.A = A.data_ptr();
+  P.B = B.data_ptr();
+  P.sA0 = A.stride(0);
+  P.sA1 = A.stride(1);
+  P.sB0 = B.stride(0);
+  P.sB1 = B.stride(1);
+  P.s = s;
+}
+
+// Host side: the CUDA-core kernels' staging choice (factors in shared memory, or float copies).
+template <typename Params>
+void set_staging_params(Params& P, bool stage, const at::Tensor& Ag, const at::Tensor& Bg,
+                        const KronShape& s, int64_t TT) {
+  P.Ag = stage ? nullptr : Ag.data_ptr<float>();
+  P.Bg = stage ? nullptr : Bg.data_ptr<float>();
+  P.TT = static_cast<int>(TT);
+  P.pB = stage ? odd_pitch(s.b_in) : s.b_in;
+  P.stage = stage;
+}
+
 template <typename T>
 void launch_kron_tc_fwd(KronTcParams P, size_t smem, cudaStream_t stream) {
   set_smem(kron_mma_fwd_kernel<T>, smem, "kron_mma_fwd_kernel");
@@ -605,14 +630,7 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
       KronTcParams P{};
       P.x = x.data_ptr();
       P.y = y.data_ptr();
-      P.T = T;
-      P.A = A.data_ptr();
-      P.B = B.data_ptr();
-      P.sA0 = A.stride(0);
-      P.sA1 = A.stride(1);
-      P.sB0 = B.stride(0);
-      P.sB1 = B.stride(1);
-      P.s = s;
+      set_factor_params(P, A, B, T, s);
       P.d = d;
       P.TT = TT;
       P.vec_x = s.b_in % 8 == 0 && mma_aligned(x.data_ptr());
@@ -653,19 +671,8 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
   KronFwdParams P;
   P.x = x.data_ptr();
   P.y = y.data_ptr();
-  P.T = T;
-  P.A = A.data_ptr();
-  P.B = B.data_ptr();
-  P.sA0 = A.stride(0);
-  P.sA1 = A.stride(1);
-  P.sB0 = B.stride(0);
-  P.sB1 = B.stride(1);
-  P.Ag = stage ? nullptr : Ag.data_ptr<float>();
-  P.Bg = stage ? nullptr : Bg.data_ptr<float>();
-  P.s = s;
-  P.TT = static_cast<int>(TT);
-  P.pB = stage ? odd_pitch(s.b_in) : s.b_in;
-  P.stage = stage;
+  set_factor_params(P, A, B, T, s);
+  set_staging_params(P, stage, Ag, Bg, s, TT);
   const int64_t ntiles = ceil_div(T, TT);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ntiles, int64_t(1) << 30));
   KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_fwd", [&] {
@@ -717,14 +724,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
       P.x = x.data_ptr();
       P.g = g.data_ptr();
       P.y = dx.data_ptr();
-      P.T = T;
-      P.A = A.data_ptr();
-      P.B = B.data_ptr();
-      P.sA0 = A.stride(0);
-      P.sA1 = A.stride(1);
-      P.sB0 = B.stride(0);
-      P.sB1 = B.stride(1);
-      P.s = s;
+      set_factor_params(P, A, B, T, s);
       P.d = d;
       P.TT = TT;
       P.vec_x = s.b_in % 8 == 0 && mma_aligned(x.data_ptr());
@@ -782,21 +782,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   P.g = g.data_ptr();
   P.x = x.data_ptr();
   P.dx = dx.data_ptr();
-  P.T = T;
-  P.A = A.data_ptr();
-  P.B = B.data_ptr();
-  P.sA0 = A.stride(0);
-  P.sA1 = A.stride(1);
-  P.sB0 = B.stride(0);
-  P.sB1 = B.stride(1);
-  P.Ag = stage ? nullptr : Ag.data_ptr<float>();
-  P.Bg = stage ? nullptr : Bg.data_ptr<float>();
+  set_factor_params(P, A, B, T, s);
+  set_staging_params(P, stage, Ag, Bg, s, TT);
   P.part = part.data_ptr<float>();
-  P.s = s;
-  P.TT = static_cast<int>(TT);
-  P.pB = stage ? odd_pitch(s.b_in) : s.b_in;
   P.pX = static_cast<int>(pX);
-  P.stage = stage;
   P.acc_smem = acc_smem;
   KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_bwd", [&] {
     set_smem(kron_bwd_kernel<scalar_t>, smem, "kron_bwd_kernel");
