@@ -166,7 +166,7 @@ def _kron_grad_kernel(
     BIP: tl.constexpr,
     DOT_W1: tl.constexpr, DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
     DOT_DX: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr,
-    IDT: tl.constexpr,
+    IDT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -198,7 +198,8 @@ def _kron_grad_kernel(
         g2 = tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * b_out + jo[None, :],
                      mask=g_ok, other=0.0)
         # W1[t] = G[t] B : rows (t, i), cols l
-        w1 = _mm(g2, b, DOT_W1, PREC, ACC).to(IDT)
+        w1f = _mm(g2, b, DOT_W1, PREC, ACC)
+        w1 = w1f.to(IDT)
         if COMPUTE_DX:
             # dX[t] = Aᵀ W1[t]: rows (t, l), contract i, then back to rows (t, k).
             w1t = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (0, 2, 1)),
@@ -220,10 +221,24 @@ def _kron_grad_kernel(
                             (BT * BIP, AIP))                    # rows (t, l), cols k
             da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
             # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
-            v = _mm(xp, tl.trans(a), DOT_V, PREC, ACC).to(IDT)        # (BT*BIP, AOP)
+            vf = _mm(xp, tl.trans(a), DOT_V, PREC, ACC)                # (BT*BIP, AOP)
+            v = vf.to(IDT)
             vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)),
                             (BT * AOP, BIP))
             db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
+            if SPLIT:
+                # 16-bit inputs: W1 and V are float32 sums; their rounding residues (lo parts,
+                # in the input dtype) go through the same products, so the token sums see W1
+                # and V to ~2^-22 rather than one 16-bit rounding (which cancellation over
+                # many tokens can magnify past the docs/math.md §4 bound).
+                w1lo = (w1f - w1.to(tl.float32)).to(IDT)
+                w1lop = tl.reshape(tl.permute(tl.reshape(w1lo, (BT, AOP, BIP)), (1, 0, 2)),
+                                   (AOP, BT * BIP))
+                da += _mm(w1lop, xp, DOT_DA, PREC, ACC).to(RACC)
+                vlo = (vf - v.to(tl.float32)).to(IDT)
+                vlop = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (0, 2, 1)),
+                                  (BT * AOP, BIP))
+                db += _mm(tl.trans(g2), vlop, DOT_DB, PREC, ACC).to(RACC)
     if COMPUTE_DAB:
         tl.store(DA + pid * a_out * a_in + io[:, None] * a_in + ki[None, :], da * scale,
                  mask=(io[:, None] < a_out) & (ki[None, :] < a_in))
@@ -471,6 +486,7 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
         float(scale), n_blocks,
         COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
         ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
+        SPLIT=x.dtype in (torch.float16, torch.bfloat16),
         RACC=tl.float64 if x.dtype in (torch.float32, torch.float64) else tl.float32, **cfg)
     if not compute_dab:
         return dx, None, None
