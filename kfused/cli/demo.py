@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: loss on the sentence only (the meaning representation is the "
                         "prompt); all: on the whole sequence")
     p.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
-    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    p.add_argument("--steps", type=int, default=48, help="optimizer steps per run")
+    p.add_argument("--lr", type=float, default=1.2e-2, help="AdamW learning rate")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timings")
     p.add_argument("--gen-examples", type=int, default=40,
                    help="held-out meaning representations to generate for and score "

@@ -41,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=12, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=SHAPE["max_len"],
                    help="tokens per packed sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
     p.add_argument("--docs", type=int, default=24000, help="corpus documents to generate")
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
