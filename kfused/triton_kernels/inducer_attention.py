@@ -26,8 +26,8 @@ into D first would round it away (a row with one visible column has dP − D = 0
 dS = P·dLSE). ``P = 2^(s·log2 e − m) / l`` is recomputed from q, k and the saved row max and
 row sum. The dQ kernel runs first; its prologue recomputes the row's MLP from the q tile,
 forms dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient), ds0 = dλ λ (1 − λ), −dLSE and
-D_i = ⟨dO_i, O_i⟩ (in float32 ``D_i = Σ_j P_ij dP_ij`` from the same dP values, see
-``EXACT_DELTA``) and stores the two per-row numbers the dK/dV kernel needs; its epilogue adds
+D_i = Σ_j P_ij dP_ij from the same dP values (``EXACT_DELTA``; ⟨dO_i, O_i⟩ from a
+16-bit O loses the cancellation) and stores the two per-row numbers the dK/dV kernel needs; its epilogue adds
 the MLP's share of dq and writes this tile's partial sums of dAk, dak, dBk, dck, dW1, db1
 (summed over tiles on the host in a fixed order: deterministic). The dK/dV kernel walks query
 tiles per key tile, over every query head of its kv head (grouped-query attention). The
@@ -736,8 +736,10 @@ def inducer_attention_backward(
     1 − λ) and ``dlse`` may each be None (zero).
 
     ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (docs/math.md §3); the kernels use
-    ``dS = P ((dP − D) + dLSE)``. In float32, ``D_i`` is formed inside the dQ kernel as
-    ``Σ_j P_ij dP_ij`` (see ``EXACT_DELTA``); 16-bit inputs use ``D_i = ⟨dO_i, O_i⟩``.
+    ``dS = P ((dP − D) + dLSE)``. ``D_i`` is formed inside the dQ kernel as ``Σ_j P_ij dP_ij``
+    from the same dP values (see ``EXACT_DELTA``), in every dtype: ``⟨dO_i, O_i⟩`` from the
+    16-bit output cancels against dP to 1 % in rows with few columns (float16 prefix
+    gradients past the docs/math.md §4 bound). It costs a second S / dP pass in the dQ kernel.
     """
     B, H, n_q, p = q.shape
     n_k, h_kv = k.shape[2], k.shape[1]
@@ -754,7 +756,7 @@ def inducer_attention_backward(
     dlam = dlam.contiguous() if has_dlam else lse
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse
-    exact_delta = q.dtype == torch.float32
+    exact_delta = True
     lse = lse.contiguous()
     delta = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     adj = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
