@@ -134,7 +134,7 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     ``|K A_hᵀ|``, which lost to torch whenever ``K`` cancels (fp16 lite gradients up to 2.3x
     torch's error in 9 of 64 fuzzed cases)."""
     if f is None or f.empty:
-        return (None,) * 5, None, 1.0
+        return (None,) * 5, None, 1.0, None
     # Every launch here costs a few µs, as much as a kernel pass at GPT-2 widths,
     # so factors the kernels can read as they are (Kernel-wise A_h, B_h; shared A_s, B_s with
     # a numeric scale, which the pack kernel folds in float32) are passed in the user's dtype:
@@ -143,6 +143,10 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     # values as casting to float32 here and back in autograd. Products that build factors
     # (lite bases, a tensor scale) are formed in float32, so nothing is rounded twice.
     mixed = f.has_wise and f.has_lite
+    # float32: lite_A's gradient comes from :class:`LiteKeyGrad` after the op (float64,
+    # see there), so the basis below is built from a detached lite_A.
+    exact_lite = f.has_lite and dtype == torch.float32
+    lite_grad = None
     if f.has_lite:
         # float32: lite factors (they build the lite basis) and, when Kernel-wise rows are
         # concatenated with them, Kernel-wise A and B. (wise_c is added to a float32 lite_c
@@ -164,7 +168,9 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     if f.has_lite:
         # Query head h = k·G + i uses key head k: batch over the key heads (no gather).
         rl = f.lite_A.shape[1]
-        la = f.lite_A.reshape(Hk, (H // Hk) * rl, p)
+        if exact_lite:
+            lite_grad = (f.lite_A, f.lite_B.detach())
+        la = (f.lite_A.detach() if exact_lite else f.lite_A).reshape(Hk, (H // Hk) * rl, p)
         lite = torch.matmul(la, w_k.reshape(Hk, p, d)).reshape(H, rl, d)
         split = dtype in (torch.float16, torch.bfloat16)
         if split:
@@ -199,7 +205,50 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     dc = None
     for c in cs:
         dc = c.reshape(-1) if dc is None else dc + c.reshape(-1)
-    return (down, zb, up, sdown, sup), dc, scale
+    return (down, zb, up, sdown, sup), dc, scale, lite_grad
+
+
+class LiteKeyGrad(torch.autograd.Function):
+    """Identity on the op's output ``Y (T, N)`` that gives a float32 Kernel-wise-lite factor
+    its gradient ``dA_h = dZ_hᵀ K^h`` with ``dZ_h = dΔ_h B_h`` (see :func:`_section`).
+
+    The float32 rule (docs/math.md §4) compares with torch's own float32 error, and
+    ``dZᵀ K`` sums terms that cancel whenever ``K`` does: any float32 evaluation (the
+    reference's, which rounds ``K`` first, or the basis path's ``(dZᵀ X) W_kᵀ``) then leaves
+    an error of about ``eps · Σ_t |dZ_t| |K_t|`` whose size relative to ``dA`` is luck, so
+    the comparison would be a lottery. The backward therefore forms it in float64 as
+    ``(dZᵀ X) W_kᵀ + (Σ dZ) b_kᵀ`` (association is free in float64; the token reduction is
+    only ``H·r`` wide) and rounds once. float32 only: the 16-bit speed path keeps the basis
+    path, whose float32 sums are 2^-13 below the 16-bit rounding both paths share."""
+
+    _CHUNK = 8192   # tokens per float64 step (bounds the float64 copy of x)
+
+    @staticmethod
+    def forward(ctx, Y, lite_A, lite_B, x, w_k, b_k, c0: int, Hk: int):
+        ctx.c0, ctx.Hk = c0, Hk
+        ctx.save_for_backward(lite_B, x, w_k, b_k)
+        return Y.view_as(Y)
+
+    @staticmethod
+    def backward(ctx, gY):
+        lite_B, x, w_k, b_k = ctx.saved_tensors
+        H, p, r = lite_B.shape
+        Hk, G = ctx.Hk, H // ctx.Hk
+        f64 = torch.float64
+        B = lite_B.to(f64)
+        R = x.new_zeros(H, r, x.shape[1], dtype=f64)       # Σ_t dZ_t x_tᵀ
+        s = x.new_zeros(H, r, dtype=f64)                    # Σ_t dZ_t
+        for t0 in range(0, x.shape[0], LiteKeyGrad._CHUNK):
+            t1 = min(t0 + LiteKeyGrad._CHUNK, x.shape[0])
+            g = gY[t0:t1, ctx.c0:ctx.c0 + H * p].reshape(t1 - t0, H, p).to(f64)
+            dz = torch.einsum("thp,hpr->thr", g, B)
+            R += torch.einsum("thr,td->hrd", dz, x[t0:t1].to(f64))
+            s += dz.sum(0)
+        W = w_k.to(f64).reshape(Hk, p, -1)
+        dA = torch.einsum("kgrd,kpd->kgrp", R.reshape(Hk, G, r, -1), W).reshape(H, r, p)
+        if b_k is not None:
+            dA += s.reshape(Hk, G, r, 1).mul(b_k.to(f64).reshape(Hk, 1, 1, p)).reshape(H, r, p)
+        return gY, dA.to(lite_B.dtype), None, None, None, None, None, None
 
 
 def _fold_bias(b: Optional[torch.Tensor], dc: Optional[torch.Tensor]):

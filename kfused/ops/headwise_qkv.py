@@ -18,7 +18,8 @@ import torch
 from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _check_linear,
-                                         _check_n_heads, _empty, _fold_bias, _head_width,
+                                         _check_n_heads, _empty, _fold_bias,
+                                         LiteKeyGrad, _head_width,
                                          _no_float64, _opt, _section)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
 
@@ -244,9 +245,13 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
-    qf, dcq, sq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
-    vf, dcv, sv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
+    qf, dcq, sq, lq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
+    vf, dcv, sv, lv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
         _fold_bias(b_v, dcv), *qf, *vf, p, sq, sv)
+    for lite, c0 in ((lq, 0), (lv, w_q.shape[0] + w_k.shape[0])):
+        if lite is not None and lite[0].requires_grad and torch.is_grad_enabled():
+            Y = LiteKeyGrad.apply(Y, lite[0], lite[1], x2.detach(), kw.detach(),
+                                  kb.detach() if kb is not None else None, c0, Hk)
     return Y.reshape(*lead, Y.shape[-1])

@@ -70,15 +70,21 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128)  # the head widths the kernels are b
 
 @triton.jit
 def _tanh(x):
-    """tanh in float32: libdevice on the GPU; the interpreter (no libdevice) evaluates it in
-    float64 from exp, which is exact to float32 rounding."""
+    """``(tanh x, 1 − tanh² x)`` in float32. The slope is ``4e / (1 + e)²`` with
+    ``e = exp(−2|x|)``, not ``1 − y²``: once tanh saturates, ``1 − y²`` from a float32 ``y``
+    keeps only ``eps / (1 − y²)`` of its digits (0.6 % at |x| = 6, property sweep seed 13:
+    the key MLP's dAk/dak in float32 failed docs/math.md §4's 1e-4 relative-norm rule).
+    ``y``: libdevice on the GPU; the interpreter (no libdevice) evaluates both in float64 from
+    exp, which is exact to float32 rounding."""
     if _INTERPRETED:
         xd = x.to(tl.float64)
         t = tl.exp(-2.0 * tl.abs(xd))
         y = (1.0 - t) / (1.0 + t)
-        return tl.where(xd < 0.0, -y, y).to(tl.float32)
+        slope = 4.0 * t / ((1.0 + t) * (1.0 + t))
+        return tl.where(xd < 0.0, -y, y).to(tl.float32), slope.to(tl.float32)
     else:
-        return libdevice.tanh(x)
+        t = tl.exp(-2.0 * tl.abs(x))
+        return libdevice.tanh(x), 4.0 * t / ((1.0 + t) * (1.0 + t))
 
 
 @triton.jit
@@ -130,10 +136,11 @@ def _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _key_rows(q, ak_w, ak_b, bk_t, IS16: tl.constexpr):
-    """g = tanh(q Ak + ak) and t = q Bkᵀ (BLOCK_M, L_PAD), both float32 (padding: 0)."""
-    g = _tanh(_dot_nn(q, ak_w, IS16) + ak_b[None, :])
+    """g = tanh(q Ak + ak), its slope 1 − g² and t = q Bkᵀ (BLOCK_M, L_PAD), all float32
+    (padding: g = t = 0)."""
+    g, gs = _tanh(_dot_nn(q, ak_w, IS16) + ak_b[None, :])
     t = _dot_nn(q, bk_t, IS16)
-    return g, t
+    return g, gs, t
 
 
 @triton.jit
@@ -147,14 +154,15 @@ def _key_logit(q, g, t, ck, scale):
 @triton.jit
 def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
                   IS16: tl.constexpr):
-    """tanh(q W1 + b1) (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0) and W1 (D_PAD,
-    R_PAD) of head h (contiguous (H, p, r), (H, r))."""
+    """tanh(q W1 + b1) and its slope (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0)
+    and W1 (D_PAD, R_PAD) of head h (contiguous (H, p, r), (H, r))."""
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
     w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
                  mask=d_ok[:, None] & r_ok[None, :], other=0.0)
     b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-    return _tanh(_dot_nn(q, w1, IS16) + b1[None, :]), w1
+    hid, hs = _tanh(_dot_nn(q, w1, IS16) + b1[None, :])
+    return hid, hs, w1
 
 
 @triton.jit
@@ -248,7 +256,7 @@ def _inducer_attn_fwd_kernel(
         # stays live through the key loop)
         ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
                                             L_PAD)
-        g, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
         s0 = _key_logit(q, g, t, ck, scale)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -314,7 +322,7 @@ def _inducer_attn_fwd_kernel(
         tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(x))),
                  mask=m_ok)
         offs_r = tl.arange(0, R_PAD)
-        hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+        hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
         u = lam[:, None] * hid
         tl.store(U + row[:, None] * R + offs_r[None, :], u.to(U.dtype.element_ty),
                  mask=m_ok[:, None] & (offs_r < R)[None, :])
@@ -526,7 +534,7 @@ def _inducer_attn_bwd_dq_kernel(
         lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
         dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_DU:
-            hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
                          mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
             dlam += tl.sum(du * hid, 1)
@@ -575,11 +583,11 @@ def _inducer_attn_bwd_dq_kernel(
         # the key loop: registers there belong to the attention tiles.
         ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
                                             L_PAD)
-        g, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
         c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
         qf = q.to(tl.float32)
         cg = c[:, None] * g
-        dz = c[:, None] * t * (1.0 - g * g)
+        dz = c[:, None] * t * gs
         # d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
         dq += c[:, None] * (2.0 * qf + ck[None, :])
         dq += _dot_fn(cg, tl.trans(bk_t), IS16)
@@ -598,10 +606,10 @@ def _inducer_attn_bwd_dq_kernel(
         tl.store(base + offs_l, tl.sum(dz, 0))                          # dak
         base += L_PAD
         if HAS_DU:
-            hid, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
                          mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
-            dz1 = (lam[:, None] * du) * (1.0 - hid * hid)
+            dz1 = (lam[:, None] * du) * hs
             dq += _dot_fn(dz1, tl.trans(w1), IS16)
             tl.store(base + offs_r, tl.sum(dz1, 0))                     # db1
             base += R_PAD
