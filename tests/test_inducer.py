@@ -306,38 +306,46 @@ def test_prefix_len_zero_is_plain_attention():
 # op registration
 
 
-def _op_args(with_mlp=True, with_prefix=True, causal=True, with_mask=True, u_fp32=False):
+def _op_args(with_mlp=True, with_prefix=True, causal=True, with_mask=True, u_fp32=False,
+             dtype=torch.float32, save_lo=False):
     B, H, n, p, L, r = 1, 2, 19, 32, 3, 5
-    q, k, v = (torch.randn(B, H, n, p, device=DEVICE, requires_grad=True) for _ in range(3))
+
+    def leaf(*s, scale=1.0):
+        return (torch.randn(*s, device=DEVICE) * scale).to(dtype).requires_grad_(True)
+
+    q, k, v = (leaf(B, H, n, p) for _ in range(3))
     mlp = [None] * 6
     if with_mlp:
-        mlp = [torch.randn(*s, device=DEVICE, requires_grad=True) * 0.5
-               for s in ((H, p, L), (H, L), (H, L, p), (H, p), (H, p, r), (H, r))]
-        mlp = [t.detach().requires_grad_(True) for t in mlp]
-    pk = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
-    pv = torch.randn(H, 3, p, device=DEVICE, requires_grad=True) if with_prefix else None
+        mlp = [leaf(*s, scale=0.5) for s in ((H, p, L), (H, L), (H, L, p), (H, p), (H, p, r),
+                                             (H, r))]
+    pk = leaf(H, 3, p) if with_prefix else None
+    pv = leaf(H, 3, p) if with_prefix else None
     mask = (torch.rand(B, n, device=DEVICE) > 0.3) if with_mask else None
-    return (q, k, v, *mlp, pk, pv, mask, causal, 0.2, u_fp32)
+    return (q, k, v, *mlp, pk, pv, mask, causal, 0.2, u_fp32, save_lo)
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(u_fp32=True),
                                      dict(with_mlp=False, with_prefix=False, causal=False,
-                                          with_mask=False)])
+                                          with_mask=False),
+                                     dict(dtype=torch.float16, save_lo=True)])
 def test_opcheck_forward(variant):
     torch.library.opcheck(_triton_fwd, _op_args(**variant))
 
 
-def test_opcheck_backward():
-    args = _op_args()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_opcheck_backward(dtype):
+    args = _op_args(dtype=dtype, save_lo=True)
     q, k, v = args[:3]
     mlp = args[3:9]
-    pk, pv, mask, causal, scale, u_fp32 = args[9:]
+    pk, pv, mask, causal, scale, u_fp32, _ = args[9:]
     with torch.no_grad():
-        out, u, lse, lam, stats = _triton_fwd(*args)
+        out, u, lse, lam, stats, out_lo = _triton_fwd(*args)
+    # float32 keeps no residue (D_i from P and dP); 16-bit keeps O's rounding residue
+    assert out_lo.numel() == (0 if dtype == torch.float32 else out.numel())
     det = [t.detach() for t in mlp]
     bargs = (torch.randn_like(out), torch.randn_like(u), torch.randn_like(lam), None,
              q.detach(), k.detach(), v.detach(), out, lse, stats, lam, *det, pk.detach(),
-             pv.detach(), mask, causal, scale)
+             pv.detach(), mask, causal, scale, out_lo)
     torch.library.opcheck(_triton_bwd, bargs)
 
 

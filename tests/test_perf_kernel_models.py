@@ -131,10 +131,9 @@ for l in L:
         P = cd(n, BM) * Bq * H
         if l.name == "_inducer_attn_fwd_kernel":
             hand = Bq * H * tiles * 2 * 2 * BM * BN * DP + P * 3 * 2 * BM * DP * 16
-        else:   # 3 flash products + 2 for the exact D_i = Σ_j P_ij dP_ij pass (S and dP
-                # again); MLP: 2 key rows + 4 dq (hi/lo) + 2 dAk + 2 dBk, value hidden twice
-                # + 2 dq + 2 dW1 (hi/lo)
-            hand = Bq * H * tiles * 5 * 2 * BM * BN * DP + P * (10 + 6) * 2 * BM * DP * 16
+        else:   # 3 flash products (D_i = ⟨dO, O_hi + O_lo⟩ is no product); MLP: 2 key rows
+                # + 4 dq (hi/lo) + 2 dAk + 2 dBk, value hidden twice + 2 dq + 2 dW1 (hi/lo)
+            hand = Bq * H * tiles * 3 * 2 * BM * BN * DP + P * (10 + 6) * 2 * BM * DP * 16
     res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled)
 out["inducer"] = res
 print("RESULT" + json.dumps(out))

@@ -216,8 +216,10 @@ def aot_launches() -> None:
             pv = torch.empty(H, 16, p, dtype=dtype) if prefix else None
             if not causal:                     # plain attention (no inducer) too
                 inducer_attention_forward(q, k, v, None, pk, pv, km, causal)
-            out, u, lse, lam, stats = inducer_attention_forward(q, k, v, mlp, pk, pv, km, causal)
+            out, u, lse, lam, stats, out_lo = inducer_attention_forward(
+                q, k, v, mlp, pk, pv, km, causal, save_lo=True)
             lam = torch.full((2, B, H, n), 0.5)
             inducer_attention_backward(torch.zeros_like(out), torch.zeros(B, H, n, r, dtype=dtype),
                                        None, None, q, k, v, torch.zeros_like(out),
-                                       torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal)
+                                       torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal,
+                                       out_lo=out_lo)

@@ -48,18 +48,21 @@ def _empty(like: Tensor) -> Tensor:
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, Ak: Optional[Tensor], ak: Optional[Tensor],
                 Bk: Optional[Tensor], ck: Optional[Tensor], W1: Optional[Tensor],
                 b1: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
-                key_mask: Optional[Tensor], causal: bool, scale: float, u_fp32: bool
-                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, u, lse, lam, stats); the inducer MLP (Ak … b1, all or none) runs in the kernel."""
+                key_mask: Optional[Tensor], causal: bool, scale: float, u_fp32: bool,
+                save_lo: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, u, lse, lam, stats, out_lo); the inducer MLP (Ak … b1, all or none) runs in the
+    kernel; ``save_lo`` (a backward will follow): out_lo is the 16-bit output's rounding
+    residue for the backward's D_i (empty otherwise)."""
     from kfused.triton_kernels.inducer_attention import inducer_attention_forward
 
     mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
     return inducer_attention_forward(q, k, v, mlp, prefix_k, prefix_v, key_mask, causal, scale,
-                                     torch.float32 if u_fp32 else None)
+                                     torch.float32 if u_fp32 else None, save_lo)
 
 
 @_triton_fwd.register_fake
-def _(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale, u_fp32):
+def _(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale, u_fp32,
+      save_lo=False):
     B, H, n_q, p = q.shape
     u_dtype = torch.float32 if u_fp32 else q.dtype
     out = q.new_empty((B, H, n_q, p))
@@ -71,7 +74,9 @@ def _(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, sca
         u = q.new_empty((0,), dtype=u_dtype)
         lam = _empty(q)
     stats = q.new_empty((2, B, H, n_q), dtype=torch.float32)
-    return out, u, lse, lam, stats
+    lo = save_lo and q.dtype in (torch.float16, torch.bfloat16)
+    out_lo = q.new_empty((B, H, n_q, p) if lo else (0,))
+    return out, u, lse, lam, stats, out_lo
 
 
 @torch.library.custom_op("kfused::inducer_attention_triton_bwd", mutates_args=())
@@ -81,14 +86,14 @@ def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
                 ak: Optional[Tensor], Bk: Optional[Tensor], ck: Optional[Tensor],
                 W1: Optional[Tensor], b1: Optional[Tensor], prefix_k: Optional[Tensor],
                 prefix_v: Optional[Tensor], key_mask: Optional[Tensor], causal: bool,
-                scale: float) -> List[Tensor]:
+                scale: float, out_lo: Optional[Tensor] = None) -> List[Tensor]:
     """[dq, dk, dv, dAk, dak, dBk, dck, dW1, db1, dprefix_k, dprefix_v] (empty where absent)."""
     from kfused.triton_kernels.inducer_attention import inducer_attention_backward
 
     mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
     dq, dk, dv, dmlp, dpk, dpv = inducer_attention_backward(
         dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, mlp, prefix_k, prefix_v, key_mask,
-        causal, scale)
+        causal, scale, out_lo)
     dmlp = list(dmlp) if dmlp is not None else [_empty(q) for _ in range(6)]
     return [dq, dk, dv, *dmlp, dpk if dpk is not None else _empty(q),
             dpv if dpv is not None else _empty(q)]
@@ -96,7 +101,7 @@ def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
 
 @_triton_bwd.register_fake
 def _(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
-      prefix_v, key_mask, causal, scale):
+      prefix_v, key_mask, causal, scale, out_lo=None):
     has_mlp = Ak is not None and lam.numel() > 0
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
 
@@ -110,29 +115,29 @@ def _(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale,
-     u_fp32) = inputs
-    out, u, lse, lam, stats = output
+     u_fp32, *_) = inputs
+    out, u, lse, lam, stats, out_lo = output
     ctx.save_for_backward(q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
-                          prefix_v, key_mask)
+                          prefix_v, key_mask, out_lo)
     ctx.has_mlp = Ak is not None
     ctx.causal = causal
     ctx.scale = scale
 
 
-def _backward(ctx, dout, du, dlse, dlam, dstats):
+def _backward(ctx, dout, du, dlse, dlam, dstats, dout_lo):
     (q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v,
-     key_mask) = ctx.saved_tensors
+     key_mask, out_lo) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     if not ctx.has_mlp:
         du = dlam = None
     grads = _triton_bwd(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck,
-                        W1, b1, prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale)
+                        W1, b1, prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale, out_lo)
     dq, dk, dv = grads[:3]
     dmlp = grads[3:9] if ctx.has_mlp else [None] * 6
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
     return (dq, dk, dv, *dmlp, grads[9] if has_prefix else None,
-            grads[10] if has_prefix else None, None, None, None, None)
+            grads[10] if has_prefix else None, None, None, None, None, None)
 
 
 _triton_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -357,16 +362,18 @@ def inducer_attention(
         return _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal,
                                seq_lens, prefix_k, prefix_v, float(scale), has_inducer)
     key_mask = _combined_key_mask(key_padding_mask, seq_lens, k.shape[2], q.device)
+    # the 16-bit output's rounding residue is kept only when a backward will follow
+    save_lo = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not has_inducer:
         f = _triton_fwd(q, k, v, None, None, None, None, None, None, prefix_k, prefix_v,
-                        key_mask, bool(causal), float(scale), False)[0]
+                        key_mask, bool(causal), float(scale), False, save_lo)[0]
         return f, None
     # The inducer MLP (s0, λ and u = λ tanh(q W1 + b1)) runs inside the kernel, in float32
     # (see kfused/triton_kernels/inducer_attention.py); "gate" composes f, λ and u in one precision
     # level above the inputs: (1 − λ) f + λ (tanh(q W1 + b1) W2 + b2) = (1 − λ) f + u W2 + λ b2.
     gate = composition == "gate"
-    f, u, _, lam, _ = _triton_fwd(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask,
-                                  bool(causal), float(scale), gate)
+    f, u, _, lam, _, _ = _triton_fwd(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v,
+                                     key_mask, bool(causal), float(scale), gate, save_lo)
     if not gate:
         return f, u
     up = torch.float64 if q.dtype == torch.float32 else torch.float32

@@ -307,8 +307,8 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     kv = a["K"].numel() * el * 2
     per_head_kv = n_k * p * el * 2
     u = a["U"]
-    w["hbm_bytes"] = (q.numel() * el * 2 + R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT
-                                                          else cdiv(n_q, BM))
+    w["hbm_bytes"] = (q.numel() * el * (3 if a["SAVE_LO"] else 2)   # q, O (+ O_lo)
+                      + R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT else cdiv(n_q, BM))
                       + BH * n_q * 4 * 5                             # lse, stats ×2, λ ×2
                       + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
     return w
@@ -316,9 +316,9 @@ def _m_ind_fwd(L) -> Dict[str, float]:
 
 @kernel("_inducer_attn_bwd_dq_kernel")
 def _m_ind_dq(L) -> Dict[str, float]:
-    """Per query tile: prologue (tanh(q W1 + b1) -> dλ, ds0, −dLSE; D_i = ⟨dO, O⟩), then per
-    visited key tile S = QKᵀ, dP = dO Vᵀ, dQ += dS K (3 products; float32 EXACT_DELTA: a
-    first pass forming D_i from P and dP adds 2 more), epilogue: the MLP's share of dq and
+    """Per query tile: prologue (tanh(q W1 + b1) -> dλ, ds0, −dLSE; 16-bit: D_i = ⟨dO,
+    O_hi + O_lo⟩), then per visited key tile S = QKᵀ, dP = dO Vᵀ, dQ += dS K (3 products;
+    float32 EXACT_DELTA: a first pass forming D_i from P and dP adds 2 more), epilogue: the MLP's share of dq and
     this tile's float32 partials of dAk, dBk, dW1, dck, dak, db1 (written per tile, summed on
     the host)."""
     a = L.bound()
@@ -335,8 +335,8 @@ def _m_ind_dq(L) -> Dict[str, float]:
     w["alu_ops"] = tiles * BM * BN * 8 * passes
     el = _el(q)
     by = q.numel() * el * 3 + a["K"].numel() * el * 2 + BH * n_q * 4 * 9
-    if not a["EXACT_DELTA"]:
-        by += q.numel() * el                                         # O for D_i = ⟨dO, O⟩
+    if not a["EXACT_DELTA"]:                                         # O (+ O_lo) for D_i
+        by += q.numel() * el * (2 if a["HAS_LO"] else 1)
     if a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
         s = 2 if x16 else 1                                          # hi/lo split products

@@ -26,8 +26,13 @@ into D first would round it away (a row with one visible column has dP − D = 0
 dS = P·dLSE). ``P = 2^(s·log2 e − m) / l`` is recomputed from q, k and the saved row max and
 row sum. The dQ kernel runs first; its prologue recomputes the row's MLP from the q tile,
 forms dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient), ds0 = dλ λ (1 − λ), −dLSE and
-D_i = Σ_j P_ij dP_ij from the same dP values (``EXACT_DELTA``; ⟨dO_i, O_i⟩ from a
-16-bit O loses the cancellation) and stores the two per-row numbers the dK/dV kernel needs; its epilogue adds
+D_i and stores the two per-row numbers the dK/dV kernel needs. 16-bit: D_i = ⟨dO_i, O_i⟩
+with O the stored output plus its rounding residue (``O_lo``, written by the forward when a
+backward will follow): from the rounded output alone D cancelled against dP to 1.4 % in
+float16 prefix gradients (rows with few columns); hi + lo is float32-accurate for one extra
+16-bit read per element. float32: D_i = Σ_j P_ij dP_ij from the same dP values
+(``EXACT_DELTA``, two more products per key tile), so that a row with a single visible column
+gets dP − D = 0 exactly, as the float64 rule of docs/math.md §4 needs there. Its epilogue adds
 the MLP's share of dq and writes this tile's partial sums of dAk, dak, dBk, dck, dW1, db1
 (summed over tiles on the host in a fixed order: deterministic). The dK/dV kernel walks query
 tiles per key tile, over every query head of its kv head (grouped-query attention). The
@@ -225,7 +230,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 @triton.jit
 def _inducer_attn_fwd_kernel(
-    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, U, LSE, LAM, STATS, N_ROWS,
+    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -237,7 +242,7 @@ def _inducer_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    HAS_MLP: tl.constexpr, IS16: tl.constexpr, PREC: tl.constexpr,
+    HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -302,9 +307,15 @@ def _inducer_attn_fwd_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * _LN2, _EMPTY_LSE)
+    out_hi = out.to(O.dtype.element_ty)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
+             + offs_d[None, :] * stride_od, out_hi, mask=m_ok[:, None] & d_ok[None, :])
+    if SAVE_LO:
+        # the rounding residue of the 16-bit output (contiguous (B, H, n_q, p)): the backward's
+        # D_i = ⟨dO_i, O_i⟩ from O_hi + O_lo is float32-accurate (see the module docstring)
+        tl.store(OLO + (pid_bh.to(tl.int64) * N_Q + offs_m[:, None]) * HEAD_DIM
+                 + offs_d[None, :], (out - out_hi.to(tl.float32)).to(OLO.dtype.element_ty),
+                 mask=m_ok[:, None] & d_ok[None, :])
     row = pid_bh.to(tl.int64) * N_Q + offs_m
     tl.store(LSE + row, lse, mask=m_ok)
     # The backward recomputes P = 2^(s − m) / l from the row max (base 2) and sum: exp(s − LSE)
@@ -485,7 +496,7 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
 
 @triton.jit
 def _inducer_attn_bwd_dq_kernel(
-    Q, K, V, PK, PV, KMASK, DO, O, STATS, LAM, DU, DLAM, DLSE,
+    Q, K, V, PK, PV, KMASK, DO, O, OLO, STATS, LAM, DU, DLAM, DLSE,
     AK, AKB, BK, CK, W1, B1, N_ROWS, DQ, DELTA, ADJ, PART,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -500,7 +511,8 @@ def _inducer_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr,
-    HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr, IS16: tl.constexpr, PREC: tl.constexpr,
+    HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr, HAS_LO: tl.constexpr,
+    IS16: tl.constexpr, PREC: tl.constexpr,
 ):
     """dQ for one query tile, with the per-row preprocessing in its prologue (−dLSE from the
     recomputed MLP, D_i) and the MLP gradients in its epilogue (see the module docstring).
@@ -563,9 +575,13 @@ def _inducer_attn_bwd_dq_kernel(
                             qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
         delta = dsum
     else:
+        # D_i = ⟨dO_i, O_hi + O_lo⟩ (O_lo: the forward's 16-bit rounding residue)
         o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-                    + offs_d[None, :] * stride_od, mask=io_mask, other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+                    + offs_d[None, :] * stride_od, mask=io_mask, other=0.0).to(tl.float32)
+        if HAS_LO:
+            o += tl.load(OLO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask,
+                         other=0.0).to(tl.float32)
+        delta = tl.sum(do.to(tl.float32) * o, 1)
     tl.store(DELTA + row, delta, mask=m_ok)
     if HAS_PREFIX:
         dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, PK + h * stride_pkh, PV + h * stride_pvh,
@@ -683,8 +699,8 @@ def inducer_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mlp: Optional[Mlp] = None,
     prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
-    u_dtype: Optional[torch.dtype] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    u_dtype: Optional[torch.dtype] = None, save_lo: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
     query attention: query head h reads kv head h // (H / H_kv)); mlp = (Ak (H, p, L),
     ak (H, L), Bk (H, L, p), ck (H, p), W1 (H, p, r), b1 (H, r)) or None; prefix_k/v (H, l, p)
@@ -695,7 +711,8 @@ def inducer_attention_forward(
     columns (``_EMPTY_LSE`` for rows with none), ``lam`` (2, B, H, n_q) float32 holding λ and
     1 − λ, and ``stats`` (2, B, H, n_q) float32: the row max (base 2) and the reciprocal row
     sum the backward uses to recompute P. ``u`` and ``lam`` are empty without an inducer.
-    Any strides are accepted.
+    ``out_lo``: with ``save_lo`` and 16-bit inputs, the rounding residue of ``out`` (same
+    shape and dtype; the backward's D_i), else empty. Any strides are accepted.
     """
     B, H, n_q, p = q.shape
     n_k, h_kv = k.shape[2], k.shape[1]
@@ -705,6 +722,9 @@ def inducer_attention_forward(
     BM, BN, warps, stages = _fwd_config(q.dtype, d_pad)
     (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
     out = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
+    save_lo = bool(save_lo) and q.dtype in (torch.float16, torch.bfloat16)
+    out_lo = (_alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device) if save_lo else
+              q.new_empty(0))
     lse = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     stats = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
     if has_mlp:
@@ -718,16 +738,16 @@ def inducer_attention_forward(
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
-            q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out,
+            q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out, out_lo if save_lo else out,
             u if has_mlp else lse, lse, lam if has_mlp else lse, stats, B * H * n_q,
             *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *out.stride(),
             H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
             float(scale) * LOG2E,
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
-            IS16=q.dtype in (torch.float16, torch.bfloat16), PREC=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages)
-    return out, u, lse, lam, stats
+            IS16=q.dtype in (torch.float16, torch.bfloat16), SAVE_LO=save_lo,
+            PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out, u, lse, lam, stats, out_lo
 
 
 def inducer_attention_backward(
@@ -737,6 +757,7 @@ def inducer_attention_backward(
     mlp: Optional[Mlp] = None, prefix_k: Optional[torch.Tensor] = None,
     prefix_v: Optional[torch.Tensor] = None, key_mask: Optional[torch.Tensor] = None,
     causal: bool = False, scale: Optional[float] = None,
+    out_lo: Optional[torch.Tensor] = None,
 ):
     """Flash backward. Returns ``(dq, dk, dv, dmlp, dprefix_k, dprefix_v)``: ``dmlp`` the
     gradients of (Ak, ak, Bk, ck, W1, b1) (None without an inducer), the prefix grads None
@@ -744,10 +765,10 @@ def inducer_attention_backward(
     1 − λ) and ``dlse`` may each be None (zero).
 
     ``dLSE = dlse − dλ λ (1 − λ)`` and ``ds0 = dλ λ (1 − λ)`` (docs/math.md §3); the kernels use
-    ``dS = P ((dP − D) + dLSE)``. ``D_i`` is formed inside the dQ kernel as ``Σ_j P_ij dP_ij``
-    from the same dP values (see ``EXACT_DELTA``), in every dtype: ``⟨dO_i, O_i⟩`` from the
-    16-bit output cancels against dP to 1 % in rows with few columns (float16 prefix
-    gradients past the docs/math.md §4 bound). It costs a second S / dP pass in the dQ kernel.
+    ``dS = P ((dP − D) + dLSE)``. 16-bit: ``D_i = ⟨dO_i, out_i + out_lo_i⟩`` (``out_lo``: the
+    forward's rounding residue, contiguous; None or empty: from ``out`` alone, which loses
+    ~1 % to cancellation in rows with few columns). float32: ``D_i = Σ_j P_ij dP_ij`` from the
+    same dP values (``EXACT_DELTA``; a second S / dP pass in the dQ kernel).
     """
     B, H, n_q, p = q.shape
     n_k, h_kv = k.shape[2], k.shape[1]
@@ -764,7 +785,8 @@ def inducer_attention_backward(
     dlam = dlam.contiguous() if has_dlam else lse
     has_dlse = dlse is not None
     dlse = dlse.contiguous() if has_dlse else lse
-    exact_delta = True
+    exact_delta = q.dtype == torch.float32
+    has_lo = (not exact_delta) and out_lo is not None and out_lo.numel() > 0
     lse = lse.contiguous()
     delta = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
     adj = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
@@ -787,12 +809,14 @@ def inducer_attention_backward(
     kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, **kw)
     if B * H * n_q > 0:
         _inducer_attn_bwd_dq_kernel[(grid_m, B * H)](
-            q, k, v, pk, pv, km, dout, out, stats, lam if has_mlp else lse, du, dlam, dlse,
+            q, k, v, pk, pv, km, dout, out, out_lo if has_lo else out, stats,
+            lam if has_mlp else lse, du, dlam, dlse,
             ak_w, ak_b, bk_w, ck, w1, b1, B * H * n_q, dq, delta, adj, part,
             *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *dout.stride(),
             *out.stride(), H, group, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
             float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad, HAS_PREFIX=has_prefix,
             HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam, HAS_DLSE=has_dlse,
+            HAS_LO=has_lo,
             IS16=q.dtype in (torch.float16, torch.bfloat16), BLOCK_M=BM, BLOCK_N=BN, **kw)
     if B * h_kv * n_k > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](
