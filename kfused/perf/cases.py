@@ -80,7 +80,8 @@ def _m_krona_fwd(L) -> Dict[str, float]:
         _prod(w, "W", P * 2.0 * BM * BI * BJ * cdiv(d_in, BK) * BK, a["DOT_W"], x16)
     n_l = cdiv(b_in, LC)
     _prod(w, "U", P * n_l * cdiv(a_in, KC) * 2.0 * BM * LC * BI * KC, a["DOT_U"], x16)
-    _prod(w, "Y", P * n_l * 2.0 * BM * BI * BJ * LC, a["DOT_Y"], x16)
+    # 16-bit: U's rounding residue through the same product (SPLIT): twice the Y products
+    _prod(w, "Y", P * n_l * 2.0 * BM * BI * BJ * LC * (2 if a["SPLIT"] else 1), a["DOT_Y"], x16)
     w["alu_ops"] += P * BM * BI * BJ * (n_l + 1)          # scale·y + acc per l chunk, epilogue
     el = _el(X)
     col_blocks = L.grid[1]

@@ -94,7 +94,7 @@ def _krona_fwd_kernel(
     BM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
     KC: tl.constexpr, LC: tl.constexpr,
     DOT_W: tl.constexpr, DOT_U: tl.constexpr, DOT_Y: tl.constexpr, PREC: tl.constexpr,
-    ACC: tl.constexpr, IDT: tl.constexpr,
+    ACC: tl.constexpr, IDT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -140,12 +140,19 @@ def _krona_fwd_kernel(
             ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
                          mask=k_ok[:, None] & i_ok[None, :], other=0.0)
             u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
-        u = u.to(IDT)
-        u = tl.reshape(tl.permute(tl.reshape(u, (BM, LC, BI)), (0, 2, 1)), (BM * BI, LC))
+        uf = tl.reshape(tl.permute(tl.reshape(u, (BM, LC, BI)), (0, 2, 1)), (BM * BI, LC))
+        u = uf.to(IDT)
         ll = l0 + lc
         bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
                      mask=(ll[:, None] < b_in) & (jj[None, :] < b_out), other=0.0)
         yk = _mm(u, bt.to(u.dtype), DOT_Y, PREC, ACC)
+        if SPLIT:
+            # 16-bit inputs: U = A X is a float32 sum; its rounding residue goes through the
+            # same product, so Y sees U to ~2^-22 rather than one 16-bit rounding (where the
+            # frozen and adapter terms cancel, that rounding alone exceeded the docs/math.md §4
+            # bound: float16 dx of 1x1 factors, 16 ulp; test_krona seed 13)
+            ulo = (uf - u.to(ACC)).to(IDT)
+            yk += _mm(ulo, bt.to(u.dtype), DOT_Y, PREC, ACC)
         acc += scale * tl.reshape(yk, (BM, BI * BJ))
 
     if HAS_BIAS:
@@ -380,7 +387,8 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
         x.stride(0), w.stride(0), w.stride(1), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         y.stride(0), float(scale),
         HAS_W=weight is not None, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype), **cfg)
+        ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
+        SPLIT=x.dtype in (torch.float16, torch.bfloat16), **cfg)
     return y
 
 
