@@ -9,6 +9,7 @@ comes from $KFUSED_BACKEND, else "auto"):
     headwise_qkv / headwise_projection / headwise_oproj   fused attention projections with
                                                     Kernel-wise(-lite) + shared LoRA updates
     inducer_attention(q, k, v, ...)                 flash inducer attention + prefix tuning  docs/math.md §3
+    inducer_attention_varlen(q, k, v, cu_seqlens_q, ...)   the same over packed sequences
 
 Integration (Hugging Face models): inject, save, load, merge, unmerge, AdapterConfig, preset;
 PEFT interop: from_peft (PEFT LoRA / LoKr -> kfused layers), to_peft (-> PEFT adapter folder).
@@ -20,8 +21,8 @@ from kfused import reference
 from kfused.backends import BackendError, available_backends
 from kfused.modules.krona import KronABlock, KronALinear, factorize
 from kfused.ops import (HeadFactors, headwise_lowrank, headwise_oproj, headwise_projection,
-                        headwise_qkv, inducer_attention, inducer_output_projection, kron_matvec,
-                        krona_linear)
+                        headwise_qkv, inducer_attention, inducer_attention_varlen,
+                        inducer_output_projection, kron_matvec, krona_linear)
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.modules.headwise import (HeadwiseConfig, HeadwiseOutput, HeadwiseProjection,
                                      HeadwiseQKV, ProjRanks)
@@ -38,7 +39,8 @@ __all__ = [
     "kron_matvec", "krona_linear", "KronALinear", "KronABlock", "factorize",
     "HeadFactors", "headwise_lowrank", "headwise_qkv", "headwise_projection", "headwise_oproj",
     "HeadwiseConfig", "HeadwiseOutput", "HeadwiseProjection", "HeadwiseQKV", "ProjRanks",
-    "attach_headwise", "inducer_attention", "inducer_output_projection", "InducerAttention",
+    "attach_headwise", "inducer_attention", "inducer_attention_varlen",
+    "inducer_output_projection", "InducerAttention",
     "InducerOutputProjection",
     "AdapterConfig", "inject", "save", "load", "merge", "unmerge", "merge_and_unload",
     "print_trainable_parameters", "preset", "register_method", "LoRALinear",

@@ -223,3 +223,20 @@ def aot_launches() -> None:
                                        None, None, q, k, v, torch.zeros_like(out),
                                        torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal,
                                        out_lo=out_lo)
+    # packed variable-length batches (cumulative lengths, causal, prefix, GQA)
+    for p in (64, 128):
+        dtype, T, H_kv = torch.bfloat16, 3 * n, 1
+        cu = torch.tensor([0, n, 2 * n + 5, T], dtype=torch.int32)
+        varlen = (cu, cu, n + 5, n + 5)
+        q = torch.empty(T, H, p, dtype=dtype)
+        k = torch.empty(T, H_kv, p, dtype=dtype)
+        v = torch.empty(T, H_kv, p, dtype=dtype)
+        mlp = (torch.empty(H, p, L, dtype=dtype), torch.empty(H, L, dtype=dtype),
+               torch.empty(H, L, p, dtype=dtype), torch.empty(H, p, dtype=dtype),
+               torch.empty(H, p, r, dtype=dtype), torch.empty(H, r, dtype=dtype))
+        pk = torch.empty(H, 16, p, dtype=dtype)
+        out, u, lse, lam, stats, out_lo = inducer_attention_forward(
+            q, k, v, mlp, pk, pk, None, True, save_lo=True, varlen=varlen)
+        inducer_attention_backward(torch.zeros_like(out), torch.zeros_like(u), None, None, q, k,
+                                   v, out, lse, stats, torch.full((2, H, T), 0.5), mlp, pk, pk,
+                                   None, True, out_lo=out_lo, varlen=varlen)

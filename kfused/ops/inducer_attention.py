@@ -49,33 +49,44 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, Ak: Optional[Tensor], ak: Optio
                 Bk: Optional[Tensor], ck: Optional[Tensor], W1: Optional[Tensor],
                 b1: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
                 key_mask: Optional[Tensor], causal: bool, scale: float, u_fp32: bool,
-                save_lo: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                save_lo: bool = False, cu_q: Optional[Tensor] = None,
+                cu_k: Optional[Tensor] = None, max_q: int = 0,
+                max_k: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, u, lse, lam, stats, out_lo); the inducer MLP (Ak … b1, all or none) runs in the
     kernel; ``save_lo`` (a backward will follow): out_lo is the 16-bit output's rounding
-    residue for the backward's D_i (empty otherwise)."""
+    residue for the backward's D_i (empty otherwise). ``cu_q``/``cu_k`` (int32 cumulative
+    lengths) and the longest lengths: a packed batch, q (total_q, H, p), per-row outputs
+    (H, total_q)."""
     from kfused.triton_kernels.inducer_attention import inducer_attention_forward
 
     mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
+    varlen = (cu_q, cu_k, max_q, max_k) if cu_q is not None else None
     return inducer_attention_forward(q, k, v, mlp, prefix_k, prefix_v, key_mask, causal, scale,
-                                     torch.float32 if u_fp32 else None, save_lo)
+                                     torch.float32 if u_fp32 else None, save_lo, varlen)
+
+
+def _row_shape(q: Tensor, packed: bool) -> Tuple[int, ...]:
+    """Shape of the per-row outputs: (B, H, n_q), or (H, total_q) for a packed batch."""
+    return (q.shape[1], q.shape[0]) if packed else tuple(q.shape[:3])
 
 
 @_triton_fwd.register_fake
 def _(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale, u_fp32,
-      save_lo=False):
-    B, H, n_q, p = q.shape
+      save_lo=False, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    rows = _row_shape(q, cu_q is not None)
+    p = q.shape[-1]
     u_dtype = torch.float32 if u_fp32 else q.dtype
-    out = q.new_empty((B, H, n_q, p))
-    lse = q.new_empty((B, H, n_q), dtype=torch.float32)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(rows, dtype=torch.float32)
     if Ak is not None:
-        u = q.new_empty((B, H, n_q, W1.shape[2]), dtype=u_dtype)
-        lam = q.new_empty((2, B, H, n_q), dtype=torch.float32)
+        u = q.new_empty((*rows, W1.shape[2]), dtype=u_dtype)
+        lam = q.new_empty((2, *rows), dtype=torch.float32)
     else:
         u = q.new_empty((0,), dtype=u_dtype)
         lam = _empty(q)
-    stats = q.new_empty((2, B, H, n_q), dtype=torch.float32)
+    stats = q.new_empty((2, *rows), dtype=torch.float32)
     lo = save_lo and q.dtype in (torch.float16, torch.bfloat16)
-    out_lo = q.new_empty((B, H, n_q, p) if lo else (0,))
+    out_lo = q.new_empty((*rows, p) if lo else (0,))
     return out, u, lse, lam, stats, out_lo
 
 
@@ -86,14 +97,17 @@ def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
                 ak: Optional[Tensor], Bk: Optional[Tensor], ck: Optional[Tensor],
                 W1: Optional[Tensor], b1: Optional[Tensor], prefix_k: Optional[Tensor],
                 prefix_v: Optional[Tensor], key_mask: Optional[Tensor], causal: bool,
-                scale: float, out_lo: Optional[Tensor] = None) -> List[Tensor]:
+                scale: float, out_lo: Optional[Tensor] = None, cu_q: Optional[Tensor] = None,
+                cu_k: Optional[Tensor] = None, max_q: int = 0,
+                max_k: int = 0) -> List[Tensor]:
     """[dq, dk, dv, dAk, dak, dBk, dck, dW1, db1, dprefix_k, dprefix_v] (empty where absent)."""
     from kfused.triton_kernels.inducer_attention import inducer_attention_backward
 
     mlp = (Ak, ak, Bk, ck, W1, b1) if Ak is not None else None
+    varlen = (cu_q, cu_k, max_q, max_k) if cu_q is not None else None
     dq, dk, dv, dmlp, dpk, dpv = inducer_attention_backward(
         dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, mlp, prefix_k, prefix_v, key_mask,
-        causal, scale, out_lo)
+        causal, scale, out_lo, varlen)
     dmlp = list(dmlp) if dmlp is not None else [_empty(q) for _ in range(6)]
     return [dq, dk, dv, *dmlp, dpk if dpk is not None else _empty(q),
             dpv if dpv is not None else _empty(q)]
@@ -101,7 +115,7 @@ def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
 
 @_triton_bwd.register_fake
 def _(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
-      prefix_v, key_mask, causal, scale, out_lo=None):
+      prefix_v, key_mask, causal, scale, out_lo=None, cu_q=None, cu_k=None, max_q=0, max_k=0):
     has_mlp = Ak is not None and lam.numel() > 0
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
 
@@ -115,29 +129,38 @@ def _(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, scale,
-     u_fp32, *_) = inputs
+     u_fp32, save_lo, cu_q, cu_k, max_q, max_k) = _all_fwd_inputs(inputs)
     out, u, lse, lam, stats, out_lo = output
     ctx.save_for_backward(q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
-                          prefix_v, key_mask, out_lo)
+                          prefix_v, key_mask, out_lo, cu_q, cu_k)
     ctx.has_mlp = Ak is not None
     ctx.causal = causal
     ctx.scale = scale
+    ctx.max_qk = (max_q, max_k)
+
+
+def _all_fwd_inputs(inputs):
+    """The forward op's inputs with the trailing defaults filled in."""
+    defaults = (False, None, None, 0, 0)           # save_lo, cu_q, cu_k, max_q, max_k
+    return tuple(inputs) + defaults[len(inputs) - 15:]
 
 
 def _backward(ctx, dout, du, dlse, dlam, dstats, dout_lo):
     (q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v,
-     key_mask, out_lo) = ctx.saved_tensors
+     key_mask, out_lo, cu_q, cu_k) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     if not ctx.has_mlp:
         du = dlam = None
     grads = _triton_bwd(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck,
-                        W1, b1, prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale, out_lo)
+                        W1, b1, prefix_k, prefix_v, key_mask, ctx.causal, ctx.scale, out_lo,
+                        cu_q, cu_k, *ctx.max_qk)
     dq, dk, dv = grads[:3]
     dmlp = grads[3:9] if ctx.has_mlp else [None] * 6
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
     return (dq, dk, dv, *dmlp, grads[9] if has_prefix else None,
-            grads[10] if has_prefix else None, None, None, None, None, None)
+            grads[10] if has_prefix else None, None, None, None, None, None, None, None,
+            None, None)
 
 
 _triton_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -402,3 +425,132 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
         return f, (lam * hidden).to(q.dtype)
     pvh = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
     return ((1.0 - lam) * f.to(up) + lam * pvh).to(q.dtype), None
+
+
+# ------------------------------------------------------------------------------------------
+# packed variable-length batches
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_name: str, q: Tensor) -> list:
+    """Validate cumulative sequence lengths; returns them as a Python list."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of cumulative sequence lengths, got "
+                        f"{type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with n_sequences + 1 >= 2 entries "
+                         f"([0, len_0, len_0 + len_1, ...]), got shape {tuple(cu.shape)}")
+    if cu.device != q.device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    vals = cu.tolist()                        # one small device-to-host copy per call
+    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at {total_name} = "
+                         f"{total}; got {vals if len(vals) <= 12 else vals[:6] + ['...'] + vals[-3:]}")
+    return vals
+
+
+def _max_len(name: str, given: Optional[int], vals: list) -> int:
+    longest = max(b - a for a, b in zip(vals, vals[1:]))
+    if given is None:
+        return longest
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise TypeError(f"{name} must be an int, got {type(given).__name__}")
+    if given < longest:
+        raise ValueError(f"{name} = {given} is shorter than the longest sequence ({longest})")
+    return given
+
+
+def inducer_attention_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    Ak: Optional[Tensor] = None, ak: Optional[Tensor] = None,
+    Bk: Optional[Tensor] = None, ck: Optional[Tensor] = None,
+    W1: Optional[Tensor] = None, b1: Optional[Tensor] = None,
+    W2: Optional[Tensor] = None, b2: Optional[Tensor] = None,
+    *, composition: str = "add", causal: bool = False,
+    prefix_k: Optional[Tensor] = None, prefix_v: Optional[Tensor] = None,
+    scale: Optional[float] = None, backend: Optional[str] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Inducer attention over a packed batch of variable-length sequences (flash-attention's
+    varlen layout): no padding is stored or computed. Returns ``(out, u)``.
+
+    Args:
+        q: (total_q, H, p), the sequences' queries one after another; k, v: (total_k, H_kv, p).
+        cu_seqlens_q: (n_seq + 1,) int32/int64 cumulative lengths ``[0, n_0, n_0 + n_1, …]``:
+            sequence b is ``q[cu[b]:cu[b+1]]``. cu_seqlens_k: the same for k/v (default:
+            cu_seqlens_q, self-attention).
+        max_seqlen_q, max_seqlen_k: the longest lengths (computed when None; a smaller value
+            than the true longest is an error).
+        Everything else as in :func:`inducer_attention`: the inducer and prefix act per
+        sequence, ``causal`` is bottom-right aligned within each sequence; no key masks (the
+        lengths are the mask). Sequences attend only to themselves.
+
+    Returns ``out`` (total_q, H, p) and, for ``"add"``, ``u`` (total_q, H, r) (a view in the
+    kernels' row layout), else None. Backends: "triton" and "reference"; the lengths are
+    read on the host (one small copy per call) to check them and size the grid.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.check_tensor(name, t, ndim=3)
+    _validate.check_same("q", q, k=k, v=v)
+    total_q, H, p = q.shape
+    total_k = k.shape[0]
+    if v.shape[0] != total_k:
+        raise ValueError(f"k has {total_k} tokens but v has {v.shape[0]}; expected (total_k, "
+                         f"kv_heads, head_dim) each")
+    if k.shape[1] != v.shape[1] or k.shape[1] < 1 or H % k.shape[1] != 0:
+        raise ValueError(
+            f"head counts do not fit: q has {H} heads (shape {tuple(q.shape)}), k "
+            f"{k.shape[1]}, v {v.shape[1]}; k and v need the same head count, one that divides "
+            f"q's (grouped-query attention)")
+    if k.shape[2] != p or v.shape[2] != p:
+        raise ValueError(f"head widths differ: q {p}, k {k.shape[2]}, v {v.shape[2]}")
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q", q)
+    if cu_seqlens_k is None:
+        if total_k != total_q:
+            raise ValueError(f"k has {total_k} tokens but q has {total_q}: pass cu_seqlens_k "
+                             f"when keys and queries are packed differently")
+        cu_seqlens_k, ckv = cu_seqlens_q, cq
+    else:
+        ckv = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k", q)
+        if len(ckv) != len(cq):
+            raise ValueError(f"cu_seqlens_q describes {len(cq) - 1} sequences but cu_seqlens_k "
+                             f"{len(ckv) - 1}")
+    max_q = _max_len("max_seqlen_q", max_seqlen_q, cq)
+    max_k = _max_len("max_seqlen_k", max_seqlen_k, ckv)
+    # the per-tensor checks of the batched op, on (1, heads, total, p) views
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    has_inducer = _validate_inputs(q4, k4, v4, Ak, ak, Bk, ck, W1, b1, W2, b2, composition,
+                                   None, None, prefix_k, prefix_v)
+    if scale is None:
+        scale = p ** -0.5
+    tensors = [t for t in (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v)
+               if t is not None]
+    chosen = select_backend(OP_NAME, backend, tensors, impls=("triton",),
+                            extra_unfit=_triton_unfit(p))
+    if chosen == "reference":
+        from kfused.reference.inducer import inducer_attention_varlen_ref
+
+        return inducer_attention_varlen_ref(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, Ak, ak, Bk, ck, W1, b1, W2, b2,
+            composition=composition, causal=causal, prefix_k=prefix_k, prefix_v=prefix_v,
+            scale=scale)
+    if prefix_k is not None and prefix_k.shape[1] == 0:
+        prefix_k = prefix_v = None
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int32)
+    save_lo = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    mlp = (Ak, ak, Bk, ck, W1, b1) if has_inducer else (None,) * 6
+    gate = has_inducer and composition == "gate"
+    f, u, _, lam, _, _ = _triton_fwd(q, k, v, *mlp, prefix_k, prefix_v, None, bool(causal),
+                                     float(scale), gate, save_lo, cu_q, cu_k, max_q, max_k)
+    if not has_inducer:
+        return f, None
+    u = u.transpose(0, 1)                       # (H, total_q, r) -> (total_q, H, r)
+    if not gate:
+        return f, u
+    up = torch.float64 if q.dtype == torch.float32 else torch.float32
+    lam, one_minus_lam = lam.transpose(1, 2).unsqueeze(-1).to(up).unbind(0)   # (total_q, H, 1)
+    pv = torch.einsum("thr,hrp->thp", u.to(up), W2.to(up)) + lam * b2.to(up)
+    return (one_minus_lam * f.to(up) + pv).to(q.dtype), None

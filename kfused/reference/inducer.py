@@ -149,6 +149,29 @@ def inducer_attention_ref(
     return out, u
 
 
+def inducer_attention_varlen_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor] = None, *args, **kwargs,
+):
+    """Packed variable-length batch, one sequence at a time: q (total_q, H, p), k/v
+    (total_k, H_kv, p), sequence b is rows ``cu[b]:cu[b+1]``. Every other argument as in
+    :func:`inducer_attention_ref` (no key masks). Returns ``(out (total_q, H, p), u)`` with
+    u (total_q, H, r) or None."""
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, us = [], []
+    for b in range(len(cq) - 1):
+        def seq(t, cu):
+            return t[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0)    # (1, heads, n, p)
+        out, u = inducer_attention_ref(seq(q, cq), seq(k, ck), seq(v, ck), *args, **kwargs)
+        outs.append(out[0].transpose(0, 1))
+        if u is not None:
+            us.append(u[0].transpose(0, 1))
+    out = torch.cat(outs, 0) if outs else q.new_empty(q.shape)
+    return out, (torch.cat(us, 0) if us else None)
+
+
 def inducer_output_projection_ref(f: torch.Tensor, u: Optional[torch.Tensor], W_o: torch.Tensor,
                                   b_o: Optional[torch.Tensor], W2: Optional[torch.Tensor] = None,
                                   b2: Optional[torch.Tensor] = None) -> torch.Tensor:

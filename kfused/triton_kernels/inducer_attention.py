@@ -185,6 +185,21 @@ def _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, BOUNDS: tl.constexpr,
     return valid
 
 
+@triton.jit
+def _seq_span(CU, b, N, VARLEN: tl.constexpr):
+    """``(start, length)`` of batch element b along the token axis: sequence b of a packed
+    batch (``CU``: int32 cumulative lengths, rows ``[start, start + length)``) when VARLEN,
+    else ``(0, N)``."""
+    if VARLEN:
+        start = tl.load(CU + b)
+        n = tl.load(CU + b + 1) - start
+        start = start.to(tl.int64)
+    else:
+        start = 0
+        n = N
+    return start, n
+
+
 # ------------------------------------------------------------------------------------------
 # forward
 
@@ -231,6 +246,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 @triton.jit
 def _inducer_attn_fwd_kernel(
     Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
+    CU_Q, CU_K, ROW_SB, ROW_SH,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -243,18 +259,31 @@ def _inducer_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
+    """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
+    ((B, H, n_q) or, packed, (H, total_q)); O is written through its strides. VARLEN: batch
+    element b is sequence b of a packed batch (CU_Q, CU_K cumulative lengths; q, k, v, O with
+    batch stride 0); tiles past the sequence's end do nothing."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP                       # grouped-query attention: GROUP query heads per kv head
+    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    k0, n_k = _seq_span(CU_K, b, N_K, VARLEN)
+    n_prefix = N_PREFIX
+    if VARLEN:
+        causal_off = n_k - n_q
+        if pid_m * BLOCK_M >= n_q:        # past this sequence's end: no key tile is visited
+            n_k = 0
+            n_prefix = 0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    m_ok = offs_m < N_Q
+    m_ok = offs_m < n_q
     d_ok = offs_d < HEAD_DIM
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_MLP:
         # prologue: the virtual key's logit from the q tile in registers (one float per row
@@ -271,34 +300,34 @@ def _inducer_attn_fwd_kernel(
     if HAS_PREFIX:
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, PK + h * stride_pkh, PV + h * stride_pvh,
-            stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
+            stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, n_prefix, n_prefix,
             offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, True, False, False, PREC)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_base = K + b * stride_kb + hk * stride_kh + k0 * stride_kn
+    v_base = V + b * stride_vb + hk * stride_vh + k0 * stride_vn
     if CAUSAL:
         # tiles wholly below the diagonal need no compare (and are in bounds); tiles wholly
         # above it are never visited
-        hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M + causal_off)
+        hi = tl.minimum(n_k, (pid_m + 1) * BLOCK_M + causal_off)
         full = tl.minimum(tl.maximum(pid_m * BLOCK_M + causal_off + 1, 0) // BLOCK_N * BLOCK_N,
                           tl.maximum(hi, 0))
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            0, full, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            0, full, n_k, offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, False, False, HAS_KMASK, PREC)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            full, hi, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            full, hi, n_k, offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, True, True, HAS_KMASK, PREC)
     else:
-        n_full = N_K // BLOCK_N * BLOCK_N
+        n_full = n_k // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            0, n_full, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            0, n_full, n_k, offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, False, False, HAS_KMASK, PREC)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            n_full, N_K, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+            n_full, n_k, n_k, offs_m, offs_d, kmask_base, causal_off, qk_scale,
             HEAD_DIM, BLOCK_N, True, False, HAS_KMASK, PREC)
 
     # A row is empty only when its sum is exactly 0 (no visible column): a NaN sum (a NaN or
@@ -308,15 +337,15 @@ def _inducer_attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * _LN2, _EMPTY_LSE)
     out_hi = out.to(O.dtype.element_ty)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+    tl.store(O + b * stride_ob + h * stride_oh + (q0 + offs_m)[:, None] * stride_on
              + offs_d[None, :] * stride_od, out_hi, mask=m_ok[:, None] & d_ok[None, :])
+    row = b * ROW_SB + h * ROW_SH + q0 + offs_m
     if SAVE_LO:
-        # the rounding residue of the 16-bit output (contiguous (B, H, n_q, p)): the backward's
-        # D_i = ⟨dO_i, O_i⟩ from O_hi + O_lo is float32-accurate (see the module docstring)
-        tl.store(OLO + (pid_bh.to(tl.int64) * N_Q + offs_m[:, None]) * HEAD_DIM
-                 + offs_d[None, :], (out - out_hi.to(tl.float32)).to(OLO.dtype.element_ty),
+        # the rounding residue of the 16-bit output (rows × HEAD_DIM, contiguous): the
+        # backward's D_i = ⟨dO_i, O_i⟩ from O_hi + O_lo is float32-accurate (module docstring)
+        tl.store(OLO + row[:, None] * HEAD_DIM + offs_d[None, :],
+                 (out - out_hi.to(tl.float32)).to(OLO.dtype.element_ty),
                  mask=m_ok[:, None] & d_ok[None, :])
-    row = pid_bh.to(tl.int64) * N_Q + offs_m
     tl.store(LSE + row, lse, mask=m_ok)
     # The backward recomputes P = 2^(s − m) / l from the row max (base 2) and sum: exp(s − LSE)
     # would carry LSE's absolute rounding (eps·|LSE|) into every P in float32.
@@ -345,7 +374,8 @@ def _inducer_attn_fwd_kernel(
 
 @triton.jit
 def _inducer_attn_bwd_dkdv_kernel(
-    Q, K, V, KMASK, DO, STATS, N_ROWS, DELTA, ADJ, DK, DV,
+    Q, K, V, KMASK, DO, STATS, N_ROWS, DELTA, ADJ, DK, DV, CU_Q, CU_K, ROW_SB, ROW_SH,
+    stride_dkb, stride_dkh, stride_dkn,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -354,34 +384,49 @@ def _inducer_attn_bwd_dkdv_kernel(
     H, H_KV, GROUP, N_Q, N_K, causal_off, qk_scale, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PREFIX: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
-    EXACT_DELTA: tl.constexpr, PREC: tl.constexpr,
+    EXACT_DELTA: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """One key tile against every query tile that sees it; dK, dV accumulate in registers.
 
     Works on transposed tiles (keys along rows) so that dK, dV need no transposes. K, V are
     the sequence keys, or (IS_PREFIX, batch stride 0) the prefix keys, which are never masked.
-    DK/DV are contiguous (B, H, N_K, HEAD_DIM) (float32 per-batch partials for the prefix).
+    DK/DV (strides stride_dk*, unit along HEAD_DIM): float32 per-batch partials for the
+    prefix. Per-row inputs are indexed as in the forward (ROW_SB, ROW_SH); VARLEN: batch
+    element b is sequence b of a packed batch (the prefix keys are not packed).
     """
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)                 # over batch × kv heads (H_KV)
     b = (pid_bh // H_KV).to(tl.int64)
     h = (pid_bh % H_KV).to(tl.int64)
+    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    if IS_PREFIX:
+        k0 = 0
+        n_k = N_K
+    else:
+        k0, n_k = _seq_span(CU_K, b, N_K, VARLEN)
+    if VARLEN:
+        causal_off = n_k - n_q
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N_K
+    n_ok = offs_n < n_k
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    kt = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn
-                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    vt = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn
-                 + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k_seq = K + b * stride_kb + h * stride_kh + k0 * stride_kn
+    v_seq = V + b * stride_vb + h * stride_vh + k0 * stride_vn
+    kt = tl.load(k_seq + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                 mask=kv_mask, other=0.0)
+    vt = tl.load(v_seq + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                 mask=kv_mask, other=0.0)
     if EXACT_DELTA:
-        kT_r = tl.load(K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn
-                       + offs_d[:, None] * stride_kd, mask=d_ok[:, None] & n_ok[None, :],
-                       other=0.0)
+        kT_r = tl.load(k_seq + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                       mask=d_ok[:, None] & n_ok[None, :], other=0.0)
     key_ok = n_ok
     lo = 0
+    q_end = n_q
+    if VARLEN:
+        if start_n >= n_k:                    # past this sequence's keys: nothing to do
+            q_end = 0
     if not IS_PREFIX:
         if HAS_KMASK:
             km = tl.load(KMASK + b * stride_mb + offs_n, mask=n_ok, other=0)
@@ -394,12 +439,12 @@ def _inducer_attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     for g in range(0, GROUP):
         hq = h * GROUP + g                    # the query heads sharing this kv head
-        q_base = Q + b * stride_qb + hq * stride_qh
-        do_base = DO + b * stride_dob + hq * stride_doh
-        row_base = (b * H + hq) * N_Q
-        for start_m in range(lo, N_Q, BLOCK_M):
+        q_base = Q + b * stride_qb + hq * stride_qh + q0 * stride_qn
+        do_base = DO + b * stride_dob + hq * stride_doh + q0 * stride_don
+        row_base = b * ROW_SB + hq * ROW_SH + q0
+        for start_m in range(lo, q_end, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < N_Q
+            m_ok = offs_m < n_q
             qT = tl.load(q_base + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
                          mask=d_ok[:, None] & m_ok[None, :], other=0.0)
             doT = tl.load(do_base + offs_m[None, :] * stride_don + offs_d[:, None] * stride_dod,
@@ -429,9 +474,8 @@ def _inducer_attn_bwd_dkdv_kernel(
                 do_r = tl.load(do_base + offs_m[:, None] * stride_don
                                + offs_d[None, :] * stride_dod,
                                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-                vT_r = tl.load(V + b * stride_vb + h * stride_vh + offs_n[None, :] * stride_vn
-                               + offs_d[:, None] * stride_vd, mask=d_ok[:, None] & n_ok[None, :],
-                               other=0.0)
+                vT_r = tl.load(v_seq + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd,
+                               mask=d_ok[:, None] & n_ok[None, :], other=0.0)
                 dpT = tl.trans(tl.dot(do_r, vT_r, input_precision=PREC, out_dtype=tl.float32))
             else:
                 dpT = tl.dot(vt, doT, input_precision=PREC, out_dtype=tl.float32)
@@ -440,7 +484,7 @@ def _inducer_attn_bwd_dkdv_kernel(
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC,
                          out_dtype=tl.float32)
     dk = dk * scale
-    off = (pid_bh.to(tl.int64) * N_K + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    off = b * stride_dkb + h * stride_dkh + (k0 + offs_n)[:, None] * stride_dkn + offs_d[None, :]
     tl.store(DK + off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -497,7 +541,8 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
 @triton.jit
 def _inducer_attn_bwd_dq_kernel(
     Q, K, V, PK, PV, KMASK, DO, O, OLO, STATS, LAM, DU, DLAM, DLSE,
-    AK, AKB, BK, CK, W1, B1, N_ROWS, DQ, DELTA, ADJ, PART,
+    AK, AKB, BK, CK, W1, B1, N_ROWS, DQ, DELTA, ADJ, PART, CU_Q, CU_K, ROW_SB, ROW_SH,
+    stride_dqb, stride_dqh, stride_dqn,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -512,27 +557,37 @@ def _inducer_attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr,
     HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr, HAS_LO: tl.constexpr,
-    IS16: tl.constexpr, PREC: tl.constexpr,
+    IS16: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """dQ for one query tile, with the per-row preprocessing in its prologue (−dLSE from the
     recomputed MLP, D_i) and the MLP gradients in its epilogue (see the module docstring).
     Writes DELTA and ADJ (= −dLSE) for the dK/dV kernel; PART gets this tile's partial sums
-    of dAk (D_PAD, L_PAD), dBk (L_PAD, D_PAD), dW1 (D_PAD, R_PAD), dck, dak, db1."""
+    of dAk (D_PAD, L_PAD), dBk (L_PAD, D_PAD), dW1 (D_PAD, R_PAD), dck, dak, db1 (zeros
+    for a tile past its sequence's end). Rows, VARLEN: as in the forward; DQ through its
+    strides (unit along HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     hk = h // GROUP
+    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    k0, n_k = _seq_span(CU_K, b, N_K, VARLEN)
+    n_prefix = N_PREFIX
+    if VARLEN:
+        causal_off = n_k - n_q
+        if pid_m * BLOCK_M >= n_q:        # past this sequence's end: no key tile is visited
+            n_k = 0
+            n_prefix = 0
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    m_ok = offs_m < N_Q
+    m_ok = offs_m < n_q
     d_ok = offs_d < HEAD_DIM
     io_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
                 + offs_d[None, :] * stride_qd, mask=io_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don
+    do = tl.load(DO + b * stride_dob + h * stride_doh + (q0 + offs_m)[:, None] * stride_don
                  + offs_d[None, :] * stride_dod, mask=io_mask, other=0.0)
-    row = pid_bh.to(tl.int64) * N_Q + offs_m
+    row = b * ROW_SB + h * ROW_SH + q0 + offs_m
     mrow = tl.load(STATS + row, mask=m_ok, other=0.0)
     inv_l = tl.load(STATS + N_ROWS + row, mask=m_ok, other=0.0)
 
@@ -559,24 +614,25 @@ def _inducer_attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kmask_base = KMASK + b * stride_mb
-    hi = N_K
+    k_base = K + b * stride_kb + hk * stride_kh + k0 * stride_kn
+    v_base = V + b * stride_vb + hk * stride_vh + k0 * stride_vn
+    hi = n_k
     if CAUSAL:
-        hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M + causal_off)
+        hi = tl.minimum(n_k, (pid_m + 1) * BLOCK_M + causal_off)
     if EXACT_DELTA:
         dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_PREFIX:
             dsum = _delta_tiles(dsum, q, do, mrow, inv_l, PK + h * stride_pkh, PV + h * stride_pvh,
-                                stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX,
-                                N_PREFIX, offs_m, offs_d, kmask_base, causal_off, qk_scale,
+                                stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, n_prefix,
+                                n_prefix, offs_m, offs_d, kmask_base, causal_off, qk_scale,
                                 HEAD_DIM, BLOCK_N, False, False, PREC)
-        dsum = _delta_tiles(dsum, q, do, mrow, inv_l, K + b * stride_kb + hk * stride_kh,
-                            V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn,
-                            stride_vd, 0, hi, N_K, offs_m, offs_d, kmask_base, causal_off,
-                            qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
+        dsum = _delta_tiles(dsum, q, do, mrow, inv_l, k_base, v_base, stride_kn, stride_kd,
+                            stride_vn, stride_vd, 0, hi, n_k, offs_m, offs_d, kmask_base,
+                            causal_off, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
         delta = dsum
     else:
         # D_i = ⟨dO_i, O_hi + O_lo⟩ (O_lo: the forward's 16-bit rounding residue)
-        o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+        o = tl.load(O + b * stride_ob + h * stride_oh + (q0 + offs_m)[:, None] * stride_on
                     + offs_d[None, :] * stride_od, mask=io_mask, other=0.0).to(tl.float32)
         if HAS_LO:
             o += tl.load(OLO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask,
@@ -585,13 +641,12 @@ def _inducer_attn_bwd_dq_kernel(
     tl.store(DELTA + row, delta, mask=m_ok)
     if HAS_PREFIX:
         dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, PK + h * stride_pkh, PV + h * stride_pvh,
-                       stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, N_PREFIX, N_PREFIX,
+                       stride_pkn, stride_pkd, stride_pvn, stride_pvd, 0, n_prefix, n_prefix,
                        offs_m, offs_d, kmask_base, causal_off, qk_scale,
                        HEAD_DIM, BLOCK_N, False, False, PREC)
-    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, K + b * stride_kb + hk * stride_kh,
-                   V + b * stride_vb + hk * stride_vh, stride_kn, stride_kd, stride_vn, stride_vd,
-                   0, hi, N_K, offs_m, offs_d, kmask_base, causal_off, qk_scale,
-                   HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
+    dq = _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, stride_kd,
+                   stride_vn, stride_vd, 0, hi, n_k, offs_m, offs_d, kmask_base, causal_off,
+                   qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
     dq = dq * scale
     if HAS_MLP:
         # epilogue: the MLP's share of dq and this tile's parameter-gradient partial sums.
@@ -636,8 +691,8 @@ def _inducer_attn_bwd_dq_kernel(
             base += R_PAD
             tl.store(base + offs_d[:, None] * R_PAD + offs_r[None, :],
                      tl.zeros([D_PAD, R_PAD], dtype=tl.float32))
-    tl.store(DQ + (row[:, None] * HEAD_DIM + offs_d[None, :]), dq.to(DQ.dtype.element_ty),
-             mask=io_mask)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + (q0 + offs_m)[:, None] * stride_dqn
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)
 
 
 # ------------------------------------------------------------------------------------------
@@ -683,6 +738,49 @@ def _prefix_args(prefix_k, prefix_v, k):
 
 
 Mlp = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# packed variable-length batch: (cu_seqlens_q, cu_seqlens_k) int32 (n_seq + 1,), max lengths
+Varlen = Tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+class _Layout:
+    """Where the kernels find batch element b's tokens. Batched: q (B, H, n_q, p), k/v
+    (B, H_kv, n_k, p), per-row outputs (B, H, n_q). Packed (``varlen``): q (total_q, H, p),
+    k/v (total_k, H_kv, p), B = number of sequences, n_q/n_k the longest sequence (the grid),
+    per-row outputs (H, total_q); the kernels read each sequence's span from the cumulative
+    lengths."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen]):
+        self.varlen = varlen is not None
+        if varlen is None:
+            self.B, self.H, self.n_q, self.p = q.shape
+            self.h_kv, self.n_k = k.shape[1], k.shape[2]
+            self.rows = (self.B, self.H, self.n_q)
+            self.row_strides = (self.H * self.n_q, self.n_q)
+            self.cu_q = self.cu_k = q                      # dummy pointers, never read
+        else:
+            self.cu_q, self.cu_k, self.n_q, self.n_k = varlen
+            total_q, self.H, self.p = q.shape
+            self.h_kv = k.shape[1]
+            self.B = self.cu_q.numel() - 1
+            self.rows = (self.H, total_q)
+            self.row_strides = (0, total_q)
+
+    @property
+    def n_rows(self) -> int:
+        return int(torch.Size(self.rows).numel())
+
+    def strides(self, t: torch.Tensor) -> Tuple[int, int, int, int]:
+        """(batch, head, token, feature) strides; a packed tensor has batch stride 0."""
+        if self.varlen:
+            return (0, t.stride(1), t.stride(0), t.stride(2))
+        return tuple(t.stride())
+
+    def token_shape(self, heads: int, n: int, total: Optional[int] = None) -> Tuple[int, ...]:
+        """Shape of a q/k-like tensor with ``heads`` heads: (B, heads, n, p) or (total, heads, p)."""
+        return (total, heads, self.p) if self.varlen else (self.B, heads, n, self.p)
+
+    def args(self):
+        return (self.cu_q, self.cu_k, *self.row_strides)
 
 
 def _mlp_args(mlp: Optional[Mlp], q: torch.Tensor):
@@ -699,7 +797,7 @@ def inducer_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mlp: Optional[Mlp] = None,
     prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
-    u_dtype: Optional[torch.dtype] = None, save_lo: bool = False,
+    u_dtype: Optional[torch.dtype] = None, save_lo: bool = False, varlen: Optional[Varlen] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
     query attention: query head h reads kv head h // (H / H_kv)); mlp = (Ak (H, p, L),
@@ -713,25 +811,31 @@ def inducer_attention_forward(
     sum the backward uses to recompute P. ``u`` and ``lam`` are empty without an inducer.
     ``out_lo``: with ``save_lo`` and 16-bit inputs, the rounding residue of ``out`` (same
     shape and dtype; the backward's D_i), else empty. Any strides are accepted.
+
+    ``varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``: a packed batch,
+    q (total_q, H, p), k/v (total_k, H_kv, p); sequence b is rows cu[b]:cu[b+1] of each;
+    no key_mask. ``out`` is then (total_q, H, p) and the per-row outputs are (H, total_q)
+    (``u`` (H, total_q, r), ``lam``/``stats`` (2, H, total_q)).
     """
-    B, H, n_q, p = q.shape
-    n_k, h_kv = k.shape[2], k.shape[1]
+    lay = _Layout(q, k, varlen)
+    B, H, n_q, p, n_k, h_kv = lay.B, lay.H, lay.n_q, lay.p, lay.n_k, lay.h_kv
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
     BM, BN, warps, stages = _fwd_config(q.dtype, d_pad)
     (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
-    out = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    out = _alloc.empty(*lay.token_shape(H, n_q, q.shape[0]), dtype=q.dtype, device=q.device)
     save_lo = bool(save_lo) and q.dtype in (torch.float16, torch.bfloat16)
-    out_lo = (_alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device) if save_lo else
+    out_lo = (_alloc.empty(*lay.rows, p, dtype=q.dtype, device=q.device) if save_lo else
               q.new_empty(0))
-    lse = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    stats = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
+    lse = _alloc.empty(*lay.rows, **f32)
+    stats = _alloc.empty(2, *lay.rows, **f32)
     if has_mlp:
-        lam = _alloc.empty(2, B, H, n_q, dtype=torch.float32, device=q.device)
-        u = _alloc.empty(B, H, n_q, r, dtype=u_dtype or q.dtype, device=q.device)
+        lam = _alloc.empty(2, *lay.rows, **f32)
+        u = _alloc.empty(*lay.rows, r, dtype=u_dtype or q.dtype, device=q.device)
     else:
-        lam = torch.empty(0, dtype=torch.float32, device=q.device)
+        lam = torch.empty(0, **f32)
         u = torch.empty(0, dtype=u_dtype or q.dtype, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
@@ -739,14 +843,14 @@ def inducer_attention_forward(
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
             q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out, out_lo if save_lo else out,
-            u if has_mlp else lse, lse, lam if has_mlp else lse, stats, B * H * n_q,
-            *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *out.stride(),
-            H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
+            u if has_mlp else lse, lse, lam if has_mlp else lse, stats, lay.n_rows, *lay.args(),
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk, *spv, smb,
+            *lay.strides(out), H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
             float(scale) * LOG2E,
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
             IS16=q.dtype in (torch.float16, torch.bfloat16), SAVE_LO=save_lo,
-            PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+            PREC=dot_precision(q.dtype), VARLEN=lay.varlen, num_warps=warps, num_stages=stages)
     return out, u, lse, lam, stats, out_lo
 
 
@@ -757,7 +861,7 @@ def inducer_attention_backward(
     mlp: Optional[Mlp] = None, prefix_k: Optional[torch.Tensor] = None,
     prefix_v: Optional[torch.Tensor] = None, key_mask: Optional[torch.Tensor] = None,
     causal: bool = False, scale: Optional[float] = None,
-    out_lo: Optional[torch.Tensor] = None,
+    out_lo: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None,
 ):
     """Flash backward. Returns ``(dq, dk, dv, dmlp, dprefix_k, dprefix_v)``: ``dmlp`` the
     gradients of (Ak, ak, Bk, ck, W1, b1) (None without an inducer), the prefix grads None
@@ -768,10 +872,11 @@ def inducer_attention_backward(
     ``dS = P ((dP − D) + dLSE)``. 16-bit: ``D_i = ⟨dO_i, out_i + out_lo_i⟩`` (``out_lo``: the
     forward's rounding residue, contiguous; None or empty: from ``out`` alone, which loses
     ~1 % to cancellation in rows with few columns). float32: ``D_i = Σ_j P_ij dP_ij`` from the
-    same dP values (``EXACT_DELTA``; a second S / dP pass in the dQ kernel).
+    same dP values (``EXACT_DELTA``; a second S / dP pass in the dQ kernel). ``varlen``: as in
+    :func:`inducer_attention_forward` (dq, dk, dv packed like q, k, v).
     """
-    B, H, n_q, p = q.shape
-    n_k, h_kv = k.shape[2], k.shape[1]
+    lay = _Layout(q, k, varlen)
+    B, H, n_q, p, n_k, h_kv = lay.B, lay.H, lay.n_q, lay.p, lay.n_k, lay.h_kv
     group = H // h_kv
     if scale is None:
         scale = p ** -0.5
@@ -788,13 +893,13 @@ def inducer_attention_backward(
     exact_delta = q.dtype == torch.float32
     has_lo = (not exact_delta) and out_lo is not None and out_lo.numel() > 0
     lse = lse.contiguous()
-    delta = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-    adj = _alloc.empty(B, H, n_q, dtype=torch.float32, device=q.device)
+    delta = _alloc.empty(*lay.rows, dtype=torch.float32, device=q.device)
+    adj = _alloc.empty(*lay.rows, dtype=torch.float32, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
-    dq = _alloc.empty(B, H, n_q, p, dtype=q.dtype, device=q.device)
-    dk = _alloc.empty(B, h_kv, n_k, p, dtype=k.dtype, device=q.device)
-    dv = _alloc.empty(B, h_kv, n_k, p, dtype=v.dtype, device=q.device)
+    dq = _alloc.empty(*lay.token_shape(H, n_q, q.shape[0]), dtype=q.dtype, device=q.device)
+    dk = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=k.dtype, device=q.device)
+    dv = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=v.dtype, device=q.device)
     grid_m = triton.cdiv(n_q, BM)
     part_size = 2 * d_pad * l_pad + d_pad * r_pad + d_pad + l_pad + r_pad
     part = (_alloc.empty(grid_m * B, H, part_size, dtype=torch.float32, device=q.device)
@@ -805,29 +910,32 @@ def inducer_attention_backward(
         dpv_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
     prec = dot_precision(q.dtype)
     kw = dict(HEAD_DIM=p, D_PAD=d_pad, CAUSAL=bool(causal), HAS_KMASK=has_km,
-              EXACT_DELTA=exact_delta, PREC=prec, num_warps=warps, num_stages=stages)
+              EXACT_DELTA=exact_delta, PREC=prec, VARLEN=lay.varlen, num_warps=warps,
+              num_stages=stages)
     kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, **kw)
     if B * H * n_q > 0:
         _inducer_attn_bwd_dq_kernel[(grid_m, B * H)](
             q, k, v, pk, pv, km, dout, out, out_lo if has_lo else out, stats,
             lam if has_mlp else lse, du, dlam, dlse,
-            ak_w, ak_b, bk_w, ck, w1, b1, B * H * n_q, dq, delta, adj, part,
-            *q.stride(), *k.stride(), *v.stride(), *spk, *spv, smb, *dout.stride(),
-            *out.stride(), H, group, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
-            float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad, HAS_PREFIX=has_prefix,
-            HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam, HAS_DLSE=has_dlse,
-            HAS_LO=has_lo,
+            ak_w, ak_b, bk_w, ck, w1, b1, lay.n_rows, dq, delta, adj, part, *lay.args(),
+            *lay.strides(dq)[:3], *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk,
+            *spv, smb, *lay.strides(dout), *lay.strides(out), H, group, n_q, n_k, n_prefix,
+            L, r, n_k - n_q, float(scale), float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad,
+            HAS_PREFIX=has_prefix, HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam,
+            HAS_DLSE=has_dlse, HAS_LO=has_lo,
             IS16=q.dtype in (torch.float16, torch.bfloat16), BLOCK_M=BM, BLOCK_N=BN, **kw)
     if B * h_kv * n_k > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](
-            q, k, v, km, dout, stats, B * H * n_q, delta, adj, dk, dv, *q.stride(),
-            *k.stride(), *v.stride(), smb, *dout.stride(), H, h_kv, group, n_q, n_k,
-            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=False, **kv_kw)
+            q, k, v, km, dout, stats, lay.n_rows, delta, adj, dk, dv, *lay.args(),
+            *lay.strides(dk)[:3], *lay.strides(q), *lay.strides(k), *lay.strides(v), smb,
+            *lay.strides(dout), H, h_kv, group, n_q, n_k, n_k - n_q, float(scale) * LOG2E,
+            float(scale), IS_PREFIX=False, **kv_kw)
     if has_prefix and B * H > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN_KV), B * H)](
-            q, pk, pv, km, dout, stats, B * H * n_q, delta, adj, dpk_part, dpv_part,
-            *q.stride(), 0, *spk, 0, *spv, smb, *dout.stride(), H, H, 1, n_q, n_prefix,
-            n_k - n_q, float(scale) * LOG2E, float(scale), IS_PREFIX=True, **kv_kw)
+            q, pk, pv, km, dout, stats, lay.n_rows, delta, adj, dpk_part, dpv_part, *lay.args(),
+            *dpk_part.stride()[:3], *lay.strides(q), 0, *spk, 0, *spv, smb, *lay.strides(dout),
+            H, H, 1, n_q, n_prefix, n_k - n_q, float(scale) * LOG2E, float(scale),
+            IS_PREFIX=True, **kv_kw)
     dpk = dpv = None
     if has_prefix:
         dpk = dpk_part.sum(0).to(prefix_k.dtype)
