@@ -164,6 +164,18 @@ def test_mask_function_refuses_unsupported_patterns():
                                            attention_mask=m)
     assert out.dtype == torch.bool and out.tolist() == [[True, True, False, True]]
     assert hf_attention.kfused_inducer_mask(1, 4, 4, attention_mask=torch.ones(1, 4)) is None
+    # transformers' packed-sequence mask over a causal base -> the packed lengths; with any
+    # other pattern combined (a sliding window) it is refused, not dropped
+    segs, pos = torch.tensor([[0, 0, 1, 1, 1, 2]]), torch.tensor([[0, 1, 0, 1, 2, 0]])
+    packed = hf_attention.kfused_inducer_mask(1, 6, 6, mask_function=(
+        mu.packed_sequence_compatibility_function(mu.causal_mask_function, pos, segs)))
+    assert isinstance(packed, hf_attention.PackedSequences) and packed.causal
+    cu, longest = packed.cu_seqlens()
+    assert cu.tolist() == [0, 2, 5, 6] and longest == 3
+    with pytest.raises(NotImplementedError, match="sliding"):
+        hf_attention.kfused_inducer_mask(1, 6, 6, mask_function=(
+            mu.packed_sequence_compatibility_function(
+                mu.sliding_window_causal_mask_function(2), pos, segs)))
     with pytest.raises(ValueError, match="2-D key padding mask"):
         q = torch.randn(1, 1, 4, 32)
         hf_attention.kfused_inducer_attention_forward(torch.nn.Module(), q, q, q,
@@ -195,3 +207,60 @@ def test_hf_generate_with_kv_cache_matches_sdpa():
     hf_attention.set_implementation(model)
     out = model.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_packed_sequences_match_padded_batch(kind, monkeypatch):
+    """Padding-free training (transformers' packed format: one row, position_ids restarting
+    at each sequence, no attention mask): the packed varlen kernels give each sequence what
+    the padded batch gives it, outputs and adapter gradients, and attend across no sequence
+    boundary."""
+    torch.manual_seed(0)
+    model = _tiny(kind).eval()
+    adapters = hf_attention.add_inducers(model, key_bottleneck=2, value_bottleneck=3,
+                                         prefix_len=2)
+    lens = [5, 9, 3]
+    n = max(lens)
+    ids = torch.randint(3, 50, (len(lens), n))
+    mask = (torch.arange(n)[None, :] < torch.tensor(lens)[:, None]).long()   # right padding
+    calls = []
+    real = hf_attention.inducer_attention_varlen
+    monkeypatch.setattr(hf_attention, "inducer_attention_varlen",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(hf_attention.InducerAttention, "forward", _count_packed(
+        hf_attention.InducerAttention.forward, calls))
+    params = [p for a in adapters for p in a.parameters()]
+    weights = torch.randn(sum(lens), model.config.hidden_size)
+
+    def run(**inputs):
+        return model(**inputs).last_hidden_state
+
+    padded = run(input_ids=ids, attention_mask=mask)[mask.bool()]
+    g_pad = torch.autograd.grad((padded * weights).sum(), params)
+    assert not calls
+    packed_ids = ids[mask.bool()][None]
+    pos = torch.cat([torch.arange(m) for m in lens])[None]
+    # use_cache=False: transformers hands the mask function its packed-sequence mask;
+    # Llama's default (a cache object): packing is read from position_ids in the attention
+    for kw in ([dict(use_cache=False), dict()] if kind == "llama" else [dict()]):
+        calls.clear()
+        packed = run(input_ids=packed_ids, position_ids=pos, **kw)[0]
+        assert calls, f"the packed (varlen) path was not taken ({kw})"
+        g_packed = torch.autograd.grad((packed * weights).sum(), params)
+        torch.testing.assert_close(packed, padded, atol=2e-5, rtol=1e-4)
+        for a, b in zip(g_packed, g_pad):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    # flash-attention's keyword arguments alone select the same path
+    if kind == "llama":
+        cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+        again = run(input_ids=packed_ids, position_ids=pos, **kw)[0]
+        torch.testing.assert_close(again, packed)
+
+
+def _count_packed(forward, calls):
+    def wrapped(self, *a, cu_seqlens=None, **k):
+        if cu_seqlens is not None:
+            calls.append(1)
+        return forward(self, *a, cu_seqlens=cu_seqlens, **k)
+    return wrapped

@@ -223,6 +223,18 @@ def aot_launches() -> None:
                                        None, None, q, k, v, torch.zeros_like(out),
                                        torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal,
                                        out_lo=out_lo)
+    # the decode path: split-KV kernel + the merging forward (GQA, padded cache, prefix)
+    for dtype, p, n_q in ((torch.bfloat16, 64, 1), (torch.bfloat16, 128, 4),
+                          (torch.float32, 64, 1)):
+        H4, H_kv, n_k = 8, 2, 4096
+        q = torch.empty(B, H4, n_q, p, dtype=dtype)
+        k = torch.empty(B, H_kv, n_k, p, dtype=dtype)
+        mlp = (torch.empty(H4, p, L, dtype=dtype), torch.empty(H4, L, dtype=dtype),
+               torch.empty(H4, L, p, dtype=dtype), torch.empty(H4, p, dtype=dtype),
+               torch.empty(H4, p, r, dtype=dtype), torch.empty(H4, r, dtype=dtype))
+        pk = torch.empty(H4, 16, p, dtype=dtype)
+        inducer_attention_forward(q, k, k, mlp, pk, pk, torch.ones(B, n_k, dtype=torch.bool),
+                                  True, decode=True)
     # packed variable-length batches (cumulative lengths, causal, prefix, GQA)
     for p in (64, 128):
         dtype, T, H_kv = torch.bfloat16, 3 * n, 1

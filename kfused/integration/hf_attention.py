@@ -4,8 +4,15 @@
 ``AttentionInterface`` together with its mask function in ``AttentionMaskInterface``. The mask
 function hands the attention the 2-D key padding mask (batch, kv_len) (or None when nothing is
 padded) and the layer's own ``is_causal`` supplies causality, so padding is never dropped;
-mask patterns the kernel cannot express (sliding window, chunked, packed sequences, custom 4-D
-masks) raise instead of being ignored.
+mask patterns the kernel cannot express (sliding window, chunked, custom 4-D masks) raise
+instead of being ignored.
+
+Padding-free training (packed sequences, transformers' ``DataCollatorWithFlattening``): when
+transformers detects packing from ``position_ids`` its mask function keeps each sequence to
+itself; the mask function recognises exactly that construction (over a causal or bidirectional
+base) and hands the attention :class:`PackedSequences` instead, and the attention runs
+:func:`kfused.ops.inducer_attention_varlen` over the packed tokens, paying for no padding.
+flash-attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k`` are honoured too.
 
 ``add_inducers(model, ...)`` attaches an :class:`~kfused.modules.inducer.InducerAttention` to
 every self-attention block :func:`kfused.integration.arch.attention_blocks` finds (GPT-2,
@@ -31,12 +38,98 @@ from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_
 from kfused.modules._init import check_init
 from kfused.modules._linear import linear_dims
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops import inducer_attention
+from kfused.ops import inducer_attention, inducer_attention_varlen
 
 ATTN_IMPLEMENTATION = "kfused_inducer"
 ADAPTER_ATTR = "kfused_inducer"
 
 _warned_dropout = [False]
+
+
+class PackedSequences:
+    """The "mask" of a packed batch: ``segments`` (B, T) sequence ids per row (transformers'
+    packed-sequence mask: each row holds sequences one after another); ``causal``: the
+    pattern within a sequence (the mask's base: causal or bidirectional)."""
+
+    def __init__(self, segments: torch.Tensor, causal: bool):
+        self.segments = segments
+        self.causal = bool(causal)
+        self._cu = None
+
+    def cu_seqlens(self) -> Tuple[torch.Tensor, int]:
+        """(int32 cumulative lengths over the flattened (B·T) tokens, longest length)."""
+        if self._cu is None:
+            B, T = self.segments.shape
+            flat = self.segments.reshape(-1)
+            start = torch.ones_like(flat, dtype=torch.bool)
+            start[1:] = flat[1:] != flat[:-1]
+            start[::T] = True                                  # every row starts a sequence
+            idx = start.nonzero().flatten().to(torch.int32)
+            cu = torch.cat([idx, idx.new_tensor([B * T])])
+            self._cu = (cu, int((cu[1:] - cu[:-1]).max()))
+        return self._cu
+
+
+def _segments_from_positions(position_ids, batch: int, n: int) -> Optional[torch.Tensor]:
+    """Sequence ids (1, n) when ``position_ids`` of a one-row batch restart (a packed row,
+    as transformers' ``DataCollatorWithFlattening`` makes), else None."""
+    if (not isinstance(position_ids, torch.Tensor) or batch != 1 or n <= 1
+            or position_ids.numel() != n):
+        return None
+    pos = position_ids.reshape(-1)
+    start = torch.ones(n, dtype=torch.bool, device=pos.device)
+    start[1:] = pos[1:] != pos[:-1] + 1
+    if not bool(start[1:].any()):
+        return None
+    return start.cumsum(0).reshape(1, n)
+
+
+def _closure(fn) -> dict:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    try:
+        return {n: c.cell_contents for n, c in zip(code.co_freevars, cells)}
+    except ValueError:                                         # an empty cell
+        return {}
+
+
+def packed_segments(mask_function) -> Optional[Tuple[torch.Tensor, object]]:
+    """``(segments, base)`` when ``mask_function`` is transformers' packed-sequence mask
+    (``and_masks(packed_sequence_mask_function(segments), remap_positions_for_packed_sequence(
+    base, position_ids))``), else None. Anything else (an extra sliding window, offsets, a
+    changed construction in a later transformers) is not recognised, and so refused."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    seg_fn, remap_fn = parts
+    if (getattr(seg_fn, "__qualname__", "") != "packed_sequence_mask_function.<locals>.inner_mask"
+            or getattr(remap_fn, "__qualname__", "")
+            != "remap_positions_for_packed_sequence.<locals>.inner_mask"):
+        return None
+    segments = _closure(seg_fn).get("packed_sequence_mask")
+    base = _closure(remap_fn).get("mask_function")
+    if not isinstance(segments, torch.Tensor) or segments.dim() != 2:
+        return None
+    return segments, base
+
+
+def _packed_call(fn, query, key, value, cu, max_len, **kw):
+    """Run ``fn`` (inducer_attention_varlen or an adapter) over (B, H, T, p) tensors holding
+    packed sequences; returns (out, u) as (B, T, H, ·)."""
+    B, H, T, p = query.shape
+    if key.shape[2] != T:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences need as many keys as queries "
+                         f"(no KV cache), got {T} queries and {key.shape[2]} keys")
+
+    def flat(t):
+        return t.transpose(1, 2).reshape(B * T, t.shape[1], p)
+    out, u = fn(flat(query), flat(key), flat(value), cu, max_len, **kw)
+    out = out.reshape(B, T, H, p)
+    return out, (None if u is None else u.reshape(B, T, H, u.shape[-1]))
 
 
 def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -51,7 +144,25 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
     """
     # grouped-query attention (fewer kv heads) runs natively in the kernel: no repeat_kv copy
     key_padding_mask = None
-    if attention_mask is not None:
+    packed = None
+    if kwargs.get("cu_seq_lens_q") is not None:                # flash-attention's varlen kwargs
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(cu_k, cu_q):
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences with different query and "
+                             "key lengths (cu_seq_lens_k != cu_seq_lens_q) are not supported")
+        max_q = kwargs.get("max_length_q")
+        packed = (cu_q.to(torch.int32), None if max_q is None else int(max_q))
+    elif isinstance(attention_mask, PackedSequences):
+        packed = attention_mask.cu_seqlens()
+        is_causal = attention_mask.causal
+    elif attention_mask is None:
+        # flash-attention-2's rule: one row, no mask, positions restarting = packed sequences
+        # (transformers builds no packed mask when a KV cache object exists)
+        segs = _segments_from_positions(kwargs.get("position_ids"), query.shape[0],
+                                        query.shape[2])
+        if segs is not None:
+            packed = PackedSequences(segs, True).cu_seqlens()
+    elif attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
                 f"{ATTN_IMPLEMENTATION} takes a 2-D key padding mask (batch, kv_len), got a mask "
@@ -66,6 +177,18 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
                       "silence this warning", stacklevel=2)
     adapter = getattr(module, ADAPTER_ATTR, None)
     backend = getattr(module, "kfused_backend", None)
+    if packed is not None:
+        if adapter is None:
+            def run(q, k, v, cu, max_len, **kw):
+                return inducer_attention_varlen(q, k, v, cu, None, max_len, max_len, **kw)
+        else:
+            def run(q, k, v, cu, max_len, **kw):
+                return adapter(q, k, v, cu_seqlens=cu, max_seqlen=max_len, **kw)
+        out, u = _packed_call(run, query, key, value, *packed, causal=bool(is_causal),
+                              scale=scaling, backend=backend)
+        if u is not None:
+            out = torch.cat([out, u.to(out.dtype)], dim=-1)
+        return out, None
     if adapter is None:
         out, u = inducer_attention(query, key, value, causal=bool(is_causal),
                                    key_padding_mask=key_padding_mask, scale=scaling,
@@ -87,11 +210,16 @@ def kfused_inducer_mask(batch_size: int, q_length: int, kv_length: int, q_offset
 
     allowed = {getattr(mu, "causal_mask_function", None),
                getattr(mu, "bidirectional_mask_function", None), None}
+    packed = packed_segments(mask_function)
+    if packed is not None and packed[1] in allowed and attention_mask is None:
+        # padding-free training: packed sequences, each attending only to itself
+        return PackedSequences(packed[0], packed[1] is getattr(mu, "causal_mask_function", None))
     if mask_function not in allowed:
         raise NotImplementedError(
             f"{ATTN_IMPLEMENTATION} supports causal or bidirectional attention with key padding; "
             f"mask function {getattr(mask_function, '__name__', mask_function)!r} (sliding "
-            "window, chunked or packed sequences) would be dropped, so it is refused")
+            "window, chunked, or packed sequences combined with another pattern) would be "
+            "dropped, so it is refused")
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)

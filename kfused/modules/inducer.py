@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from kfused.modules._init import check_init, paper_
-from kfused.ops.inducer_attention import COMPOSITIONS, inducer_attention
+from kfused.ops.inducer_attention import (COMPOSITIONS, inducer_attention,
+                                          inducer_attention_varlen)
 
 
 class InducerAttention(nn.Module):
@@ -104,17 +105,34 @@ class InducerAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                 key_padding_mask: Optional[Tensor] = None, seq_lens: Optional[Tensor] = None,
-                scale: Optional[float] = None, backend: Optional[str] = None
+                scale: Optional[float] = None, backend: Optional[str] = None,
+                cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None
                 ) -> Tuple[Tensor, Optional[Tensor]]:
-        """q (B, H, n_q, p), k/v (B, H, n_k, p) -> ``(out, u)`` (see inducer_attention)."""
+        """q (B, H, n_q, p), k/v (B, H, n_k, p) -> ``(out, u)`` (see inducer_attention).
+
+        With ``cu_seqlens`` (cumulative lengths) the batch is packed instead: q, k, v
+        (total, H, p), one sequence after another (see inducer_attention_varlen; no masks).
+        """
         if self.query_hook is not None:
-            q = self.query_hook(q)
+            if cu_seqlens is not None:       # the hook sees (1, H, total, p)
+                q = self.query_hook(q.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)
+            else:
+                q = self.query_hook(q)
         dt = q.dtype
         ind = {}
         if self.inducer:
             ind = {n: self._p(n, dt) for n in ("Ak", "ak", "Bk", "ck", "W1", "b1")}
             if self.composition == "gate":
                 ind.update(W2=self._p("W2", dt), b2=self._p("b2", dt))
+        if cu_seqlens is not None:
+            if key_padding_mask is not None or seq_lens is not None:
+                raise ValueError("a packed batch (cu_seqlens) takes no key_padding_mask or "
+                                 "seq_lens: the cumulative lengths are the mask")
+            return inducer_attention_varlen(
+                q, k, v, cu_seqlens, None, max_seqlen, max_seqlen, **ind,
+                composition=self.composition, causal=causal,
+                prefix_k=self._p("prefix_k", dt), prefix_v=self._p("prefix_v", dt),
+                scale=scale, backend=backend)
         return inducer_attention(
             q, k, v, **ind, composition=self.composition, causal=causal,
             key_padding_mask=key_padding_mask, seq_lens=seq_lens,

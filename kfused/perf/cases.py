@@ -291,7 +291,8 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     n_q, n_k, off = a["N_Q"], a["N_K"], a["causal_off"]
     BH = L.grid[1]
     progs = L.programs()
-    tiles = BH * (_attn_tiles(n_q, n_k, BM, BN, causal, off)
+    merge = bool(a.get("MERGE", False))                              # decode: keys pre-reduced
+    tiles = BH * ((0 if merge else _attn_tiles(n_q, n_k, BM, BN, causal, off))
                   + (cdiv(a["N_PREFIX"], BN) * cdiv(n_q, BM) if a["HAS_PREFIX"] else 0))
     w = _work()
     _flash(w, tiles * 2 * 2.0 * BM * BN * DP, x16)                  # S = QKᵀ, PV
@@ -309,9 +310,35 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     per_head_kv = n_k * p * el * 2
     u = a["U"]
     w["hbm_bytes"] = (q.numel() * el * (3 if a["SAVE_LO"] else 2)   # q, O (+ O_lo)
-                      + R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT else cdiv(n_q, BM))
                       + BH * n_q * 4 * 5                             # lse, stats ×2, λ ×2
                       + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
+    if merge:                                                        # the chunks' partials
+        w["hbm_bytes"] += BH * a["NUM_SPLITS"] * n_q * (DP + 2) * 4
+        w["alu_ops"] += BH * a["NUM_SPLITS"] * BM * (3 * DP + 8)
+    else:
+        w["hbm_bytes"] += R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT
+                                         else cdiv(n_q, BM))
+    return w
+
+
+@kernel("_inducer_attn_split_kernel")
+def _m_ind_split(L) -> Dict[str, float]:
+    """Decode path, one program per (key chunk, batch, kv head): S = QKᵀ and PV over the
+    chunk's key tiles for the SPLIT_M rows of the kv head's query heads (GQA-packed), the
+    cache read once per kv head; writes the float32 partial (acc, m, l) per row."""
+    a = L.bound()
+    q = a["Q"]
+    x16, BN, DP, SM = _is16(q), a["BLOCK_N"], a["D_PAD"], a["SPLIT_M"]
+    n_k, chunk = a["N_K"], a["CHUNK"]
+    splits, BHkv = L.grid[0], L.grid[1]
+    tiles = BHkv * sum(cdiv(max(0, min(chunk, n_k - s * chunk)), BN) for s in range(splits))
+    w = _work()
+    _flash(w, tiles * 2 * 2.0 * SM * BN * DP, x16)
+    w["sfu_ops"] = tiles * SM * BN
+    w["alu_ops"] = tiles * (SM * BN * 8 + SM * DP)
+    el = _el(q)
+    w["hbm_bytes"] = (q.numel() * el + a["K"].numel() * el * 2
+                      + splits * BHkv * SM * (DP + 2) * 4)
     return w
 
 
@@ -702,9 +729,41 @@ def _inducer_case(n, p, causal, L_KEY=4, R_VALUE=8):
         compile_group=f"inducer p={p} {'causal' if causal else 'full'}")
 
 
+def _inducer_decode_case(B, H, Hkv, n_k, p, L_KEY=4, R_VALUE=8):
+    """One new token per sequence against a KV cache of n_k keys (no grad): the split-KV
+    decode path (issue 14)."""
+    def run():
+        from kfused.ops import inducer_attention
+
+        q = _e(B, H, 1, p)
+        k, v = _e(B, Hkv, n_k, p), _e(B, Hkv, n_k, p)
+        prm = dict(Ak=_e(H, p, L_KEY), ak=_e(H, L_KEY), Bk=_e(H, L_KEY, p), ck=_e(H, p),
+                   W1=_e(H, p, R_VALUE), b1=_e(H, R_VALUE))
+        with torch.no_grad():
+            inducer_attention(q, k, v, **prm, causal=True, backend="triton")
+
+    el = 2
+    kv_bytes = el * B * Hkv * n_k * p * 2
+
+    def sdpa():
+        # SDPA's best case: flash-decoding reading the cache once per kv head at the
+        # streaming rate, one launch
+        return [_stream("sdpa decode (K, V read once)", kv_bytes + el * B * H * p * 2)]
+
+    return Case(
+        op="inducer_attention", label=f"decode B={B} H={H}/{Hkv} n_k={n_k} p={p}",
+        shape=dict(B=B, H=H, H_kv=Hkv, n_q=1, n_k=n_k, p=p, L=L_KEY, r=R_VALUE, decode=True),
+        run=run, useful_flops=4.0 * B * H * n_k * p, min_bytes=kv_bytes,
+        baselines={"sdpa": sdpa},
+        targets=[Target(14, "sdpa", 1.0, "decode at least as fast per token as SDPA")],
+        compile_group=f"inducer decode p={p}")
+
+
 def _inducer_cases():
-    return [_inducer_case(n, p, c) for p in (64, 128) for c in (False, True)
-            for n in (512, 2048, 16384)]
+    return ([_inducer_case(n, p, c) for p in (64, 128) for c in (False, True)
+             for n in (512, 2048, 16384)]
+            + [_inducer_decode_case(B, 32, Hkv, n_k, 128)
+               for B, Hkv, n_k in ((1, 8, 16384), (16, 8, 4096), (8, 32, 4096))])
 
 
 def all_cases() -> List[Case]:

@@ -246,7 +246,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 @triton.jit
 def _inducer_attn_fwd_kernel(
     Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
-    CU_Q, CU_K, ROW_SB, ROW_SH,
+    CU_Q, CU_K, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, NUM_SPLITS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -259,12 +259,15 @@ def _inducer_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, MERGE: tl.constexpr, SPLIT_M: tl.constexpr,
 ):
     """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
     ((B, H, n_q) or, packed, (H, total_q)); O is written through its strides. VARLEN: batch
     element b is sequence b of a packed batch (CU_Q, CU_K cumulative lengths; q, k, v, O with
-    batch stride 0); tiles past the sequence's end do nothing."""
+    batch stride 0); tiles past the sequence's end do nothing. MERGE (the decode path): the
+    sequence keys were already reduced by :func:`_inducer_attn_split_kernel` into NUM_SPLITS
+    partial (acc, m, l) per row (WS_ACC, WS_ML); they are merged here instead of the key
+    loop (the prefix, the MLP and the epilogue are unchanged)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -305,7 +308,23 @@ def _inducer_attn_fwd_kernel(
             HEAD_DIM, BLOCK_N, True, False, False, PREC)
     k_base = K + b * stride_kb + hk * stride_kh + k0 * stride_kn
     v_base = V + b * stride_vb + hk * stride_vh + k0 * stride_vn
-    if CAUSAL:
+    if MERGE:
+        # split s of kv head (b, hk) holds this head's rows at g·N_Q + i of its SPLIT_M rows
+        ws_row = (b * (H // GROUP) + hk) * NUM_SPLITS * SPLIT_M + (h % GROUP) * N_Q + offs_m
+        for s_idx in range(0, NUM_SPLITS):
+            r_s = ws_row + s_idx * SPLIT_M
+            m_s = tl.load(WS_ML + r_s, mask=m_ok, other=float("-inf"))
+            l_s = tl.load(WS_ML + N_WS + r_s, mask=m_ok, other=0.0)
+            a_s = tl.load(WS_ACC + r_s[:, None] * D_PAD + offs_d[None, :], mask=m_ok[:, None],
+                          other=0.0)
+            m_new = tl.maximum(m_i, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            beta = tl.exp2(m_s - m_safe)
+            l_i = l_i * alpha + l_s * beta
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            m_i = m_new
+    elif CAUSAL:
         # tiles wholly below the diagonal need no compare (and are in bounds); tiles wholly
         # above it are never visited
         hi = tl.minimum(n_k, (pid_m + 1) * BLOCK_M + causal_off)
@@ -366,6 +385,52 @@ def _inducer_attn_fwd_kernel(
         u = lam[:, None] * hid
         tl.store(U + row[:, None] * R + offs_r[None, :], u.to(U.dtype.element_ty),
                  mask=m_ok[:, None] & (offs_r < R)[None, :])
+
+
+@triton.jit
+def _inducer_attn_split_kernel(
+    Q, K, V, KMASK, WS_ACC, WS_ML, N_WS,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb,
+    H_KV, GROUP, N_Q, N_K, CHUNK, causal_off, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Decode path (few queries against a long KV cache), split-KV as in flash-decoding: one
+    program per (key chunk, batch, kv head). Its tile holds every query row of the GROUP query
+    heads that share the kv head (row g·N_Q + i: head hk·GROUP + g, query i), so the cache is
+    read once per kv head, and the chunks spread a small batch over the whole GPU. Writes the
+    unnormalised partial acc (SPLIT_M, D_PAD) and the base-2 row max / row sum (WS_ML, WS_ML
+    + N_WS) of its chunk, all float32; the forward kernel (MERGE) combines the chunks."""
+    pid_s = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = (pid_bk // H_KV).to(tl.int64)
+    hk = (pid_bk % H_KV).to(tl.int64)
+    r = tl.arange(0, SPLIT_M)
+    g = r // N_Q
+    qi = r % N_Q                              # query position of each row
+    r_ok = r < GROUP * N_Q
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + (hk * GROUP + g)[:, None] * stride_qh
+                + qi[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    lo = pid_s * CHUNK
+    hi = tl.minimum(lo + CHUNK, N_K)
+    acc = tl.zeros([SPLIT_M, D_PAD], dtype=tl.float32)
+    l_i = tl.zeros([SPLIT_M], dtype=tl.float32)
+    m_i = tl.full([SPLIT_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+        stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, hi, qi, offs_d,
+        KMASK + b * stride_mb, causal_off, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
+        HAS_KMASK, PREC)
+    row = (pid_bk.to(tl.int64) * tl.num_programs(0) + pid_s) * SPLIT_M + r
+    tl.store(WS_ACC + row[:, None] * D_PAD + offs_d[None, :], acc)
+    tl.store(WS_ML + row, m_i)
+    tl.store(WS_ML + N_WS + row, l_i)
 
 
 # ------------------------------------------------------------------------------------------
@@ -711,6 +776,41 @@ def _fwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[int, int, int, int]:
     return 64, 64, 8, 2
 
 
+# decode path: at most this many query rows per kv head (GROUP × n_q) in one split tile
+DECODE_MAX_ROWS = 64
+DECODE_MAX_QUERIES = 16
+
+
+class _DecodePlan:
+    """Split-KV launch shape for few queries against a long KV cache (flash-decoding):
+    ``split_m`` rows per tile (the GROUP query heads × n_q queries of one kv head), key
+    chunks of ``chunk`` keys (a multiple of ``block_n``), ``splits`` of them."""
+
+    def __init__(self, lay: "_Layout", device: torch.device, chunk: Optional[int] = None):
+        group = lay.H // lay.h_kv
+        self.split_m = max(16, next_pow2(group * lay.n_q))
+        self.block_m = max(16, next_pow2(lay.n_q))      # the merging forward launch
+        self.block_n = 64
+        if chunk is None:
+            if triton_interpret():
+                chunk = 2 * self.block_n                # several chunks even on test shapes
+            else:
+                # about two programs per SM, each with >= 256 keys (the partial it writes,
+                # split_m × p float32, stays small next to the K/V chunk it reads)
+                sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                       if device.type == "cuda" else 132)        # H100 SXM (perf model)
+                want = max(1, triton.cdiv(2 * sms, max(1, lay.B * lay.h_kv)))
+                chunk = max(256, triton.cdiv(lay.n_k, want))
+        self.chunk = triton.cdiv(max(1, chunk), self.block_n) * self.block_n
+        self.splits = triton.cdiv(lay.n_k, self.chunk)
+
+    @staticmethod
+    def applies(lay: "_Layout") -> bool:
+        group = lay.H // max(1, lay.h_kv)
+        return (not lay.varlen and 0 < lay.n_q <= DECODE_MAX_QUERIES and lay.n_k > 0
+                and group * lay.n_q <= DECODE_MAX_ROWS)
+
+
 def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int], Tuple[int, int],
                                                          int, int]:
     """((dQ rows, dQ key tile), (dK/dV query tile, dK/dV keys), num_warps, num_stages)."""
@@ -798,6 +898,7 @@ def inducer_attention_forward(
     prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
     u_dtype: Optional[torch.dtype] = None, save_lo: bool = False, varlen: Optional[Varlen] = None,
+    decode: Optional[bool] = None, decode_chunk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
     query attention: query head h reads kv head h // (H / H_kv)); mlp = (Ak (H, p, L),
@@ -816,6 +917,11 @@ def inducer_attention_forward(
     q (total_q, H, p), k/v (total_k, H_kv, p); sequence b is rows cu[b]:cu[b+1] of each;
     no key_mask. ``out`` is then (total_q, H, p) and the per-row outputs are (H, total_q)
     (``u`` (H, total_q, r), ``lam``/``stats`` (2, H, total_q)).
+
+    ``decode`` (default: whenever it applies, at most 16 queries and 64 query rows per kv
+    head): the split-KV path — :func:`_inducer_attn_split_kernel` over key chunks of
+    ``decode_chunk`` keys (default: sized to fill the GPU), then the forward kernel merging
+    the chunks. Same outputs (the backward reads the same row statistics).
     """
     lay = _Layout(q, k, varlen)
     B, H, n_q, p, n_k, h_kv = lay.B, lay.H, lay.n_q, lay.p, lay.n_k, lay.h_kv
@@ -839,18 +945,40 @@ def inducer_attention_forward(
         u = torch.empty(0, dtype=u_dtype or q.dtype, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
+    is16 = q.dtype in (torch.float16, torch.bfloat16)
+    if decode is None:
+        decode = _DecodePlan.applies(lay)
+    elif decode and not _DecodePlan.applies(lay):
+        raise ValueError(f"the decode path takes at most {DECODE_MAX_QUERIES} queries and "
+                         f"{DECODE_MAX_ROWS} query rows per kv head, no packed batch")
+    ws_acc = ws_ml = lse
+    n_ws = splits = 0
+    split_m = 16
+    if decode and B * H * n_q > 0:
+        plan = _DecodePlan(lay, q.device, decode_chunk)
+        BM, BN, split_m, splits = plan.block_m, plan.block_n, plan.split_m, plan.splits
+        warps, stages = 4, (1 if triton_interpret() else 2)
+        n_ws = B * h_kv * splits * split_m
+        ws_acc = torch.empty(n_ws, d_pad, **f32)
+        ws_ml = torch.empty(2, n_ws, **f32)
+        _inducer_attn_split_kernel[(splits, B * h_kv)](
+            q, k, v, km, ws_acc, ws_ml, n_ws, *q.stride(), *k.stride(), *v.stride(), smb,
+            h_kv, H // h_kv, n_q, n_k, plan.chunk, n_k - n_q, float(scale) * LOG2E,
+            HEAD_DIM=p, D_PAD=d_pad, SPLIT_M=split_m, BLOCK_N=BN, CAUSAL=bool(causal),
+            HAS_KMASK=has_km, PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     if B * H * n_q > 0:
         grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
             q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out, out_lo if save_lo else out,
             u if has_mlp else lse, lse, lam if has_mlp else lse, stats, lay.n_rows, *lay.args(),
+            ws_acc, ws_ml, n_ws, splits,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk, *spv, smb,
             *lay.strides(out), H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
             float(scale) * LOG2E,
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
-            IS16=q.dtype in (torch.float16, torch.bfloat16), SAVE_LO=save_lo,
-            PREC=dot_precision(q.dtype), VARLEN=lay.varlen, num_warps=warps, num_stages=stages)
+            IS16=is16, SAVE_LO=save_lo, PREC=dot_precision(q.dtype), VARLEN=lay.varlen,
+            MERGE=bool(decode), SPLIT_M=split_m, num_warps=warps, num_stages=stages)
     return out, u, lse, lam, stats, out_lo
 
 

@@ -1,0 +1,115 @@
+"""The decode path of inducer attention (few queries against a long KV cache): split-KV over
+key chunks with the query heads of a kv head packed into one tile, merged by the forward
+kernel. Taken automatically for at most 16 queries; checked against the float64 reference
+(docs/math.md §4, outputs and gradients: the backward reads the merged row statistics) and
+against the single-pass forward."""
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import DEVICE, DTYPES
+from tests.test_inducer import _params
+from kfused.ops import inducer_attention
+from kfused.testing import assert_against_reference
+from kfused.triton_kernels.inducer_attention import (DECODE_MAX_QUERIES, _DecodePlan, _Layout,
+                                                     inducer_attention_forward)
+
+f64 = torch.float64
+
+
+def _cache(B, H, H_kv, n_q, n_k, p):
+    return {"q": torch.randn(B, H, n_q, p, dtype=f64),
+            "k": torch.randn(B, H_kv, n_k, p, dtype=f64),
+            "v": torch.randn(B, H_kv, n_k, p, dtype=f64)}
+
+
+CASES = [
+    # B, H, H_kv, n_q, n_k, p, l, causal, composition, inducer, mask
+    (3, 4, 2, 1, 300, 64, 2, True, "add", True, "lens0"),    # GQA; an empty cache + prefix
+    (2, 2, 1, 3, 150, 32, 0, True, "gate", True, "mask"),    # 3 new tokens, padded cache
+    (2, 8, 1, 1, 70, 128, 0, False, "add", False, None),     # MQA, plain attention
+    (2, 2, 2, 16, 200, 80, 1, True, "add", True, "lens0"),   # the most queries it takes
+]
+
+
+def _fns(composition, causal):
+    def make(backend):
+        def fn(q, k, v, **kw):
+            out, u = inducer_attention(q, k, v, composition=composition, causal=causal,
+                                       backend=backend, **kw)
+            return out if u is None else (out, u)
+        return fn
+    return make("triton"), make("reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("B,H,H_kv,n_q,n_k,p,l,causal,composition,inducer,mask", CASES,
+                         ids=[f"B{c[0]}H{c[1]}/{c[2]}q{c[3]}k{c[4]}p{c[5]}l{c[6]}"
+                              f"{'c' if c[7] else ''}-{c[8] if c[9] else 'plain'}-{c[10]}"
+                              for c in CASES])
+def test_decode_against_reference(B, H, H_kv, n_q, n_k, p, l, causal, composition, inducer,
+                                  mask, dtype):
+    lay = _Layout(torch.empty(B, H, n_q, p), torch.empty(B, H_kv, n_k, p), None)
+    assert _DecodePlan.applies(lay)              # the path under test is the one taken
+    inputs = _cache(B, H, H_kv, n_q, n_k, p)
+    P = _params(H, p, composition=composition, l=l)
+    if not inducer:
+        P = {k_: t for k_, t in P.items() if k_.startswith("prefix")}
+    inputs.update(P)
+    if mask == "lens0":
+        lens = torch.randint(1, n_k + 1, (B,))
+        lens[-1] = 0                             # nothing cached yet: only the prefix / λ = 1
+        inputs["seq_lens"] = lens
+    elif mask == "mask":
+        m = torch.rand(B, n_k) > 0.3
+        m[-1] = False
+        inputs["key_padding_mask"] = m
+    kern, ref = _fns(composition, causal)
+    assert_against_reference(kern, ref, inputs, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 1024])
+def test_decode_matches_single_pass(chunk):
+    """Every chunking gives the single-pass forward's outputs and row statistics."""
+    torch.manual_seed(0)
+    B, H, H_kv, n_q, n_k, p = 2, 6, 2, 2, 333, 64
+    X = {k_: t.float().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
+    P = {k_: t.float().to(DEVICE) for k_, t in _params(H, p, l=3).items()}
+    mlp = tuple(P[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
+    km = (torch.rand(B, n_k) > 0.2).to(DEVICE)
+    a = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"], P["prefix_v"],
+                                  km, True, decode=True, decode_chunk=chunk)
+    b = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"], P["prefix_v"],
+                                  km, True, decode=False)
+    for name, x, y in zip(("out", "u", "lse", "lam", "stats"), a, b):
+        torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6, msg=name)
+
+
+def test_decode_refuses_what_it_cannot_take():
+    q = torch.randn(1, 2, DECODE_MAX_QUERIES + 1, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 16 queries"):
+        inducer_attention_forward(q, q, q, decode=True)
+    lay = _Layout(q, q, None)
+    assert not _DecodePlan.applies(lay)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_decode_non_finite_cache_propagates(bad):
+    """A non-finite cached key reaches f, λ and u as in the reference (no silent 0 or 1)."""
+    torch.manual_seed(1)
+    X = {k_: t.float() for k_, t in _cache(2, 2, 1, 1, 130, 32).items()}
+    P = {k_: t.float() for k_, t in _params(2, 32).items()}
+    X["k"][0, 0, 77, 3] = bad
+    got, gu = inducer_attention(**{k_: t.to(DEVICE) for k_, t in X.items()},
+                                **{k_: t.to(DEVICE) for k_, t in P.items()}, backend="triton")
+    ref, ru = inducer_attention(**X, **P, backend="reference")
+    assert torch.equal(torch.isnan(got.cpu()), torch.isnan(ref))
+    assert torch.equal(torch.isnan(gu.cpu()), torch.isnan(ru))
+    assert torch.isfinite(got[1]).all() and torch.isfinite(gu[1]).all()   # other sequence
+    if math.isnan(bad):
+        assert torch.isnan(got[0]).all() and torch.isnan(gu[0]).all()
+    # an infinite key gives a ±inf logit: NaN (+inf) or an excluded column (−inf), per row
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(got.cpu()[fin], ref[fin], rtol=1e-5, atol=1e-5)
