@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kfused.backends import available_backends
 from kfused.bench import BenchCase, Provider
 from kfused.cases import CheckCase
-from kfused.ops import inducer_attention
+from kfused.ops import inducer_attention, inducer_attention_varlen
 from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
                                       inducer_value_hidden)
 
@@ -146,7 +146,91 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
                            "r": R_VALUE, "composition": "add"},
                     dtype=dtype, providers=provs, flops_fwd=flops, flops_bwd=2.5 * flops,
                     bytes_fwd=float(4 * B * H_ * n * p * torch.finfo(dtype).bits // 8)))
+    return out + _decode_cases(device, dtype, quick, triton_reason) + _varlen_cases(
+        device, dtype, quick, triton_reason)
+
+
+def _decode_cases(device, dtype, quick, triton_reason) -> List[BenchCase]:
+    """One new token per sequence against a KV cache (forward only: inference). kfused's
+    decode path (split-KV, GQA-packed) with and without the inducer against SDPA (GQA
+    natively when the kv heads are fewer)."""
+    el = torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        shapes = [(1, 32, 8, 16384, 128), (16, 32, 8, 4096, 128), (8, 32, 32, 4096, 128)]
+        shapes = shapes[:1] if quick else shapes
+    else:
+        shapes = [(2, 4, 2, 256, 64)]
+    out = []
+    for B, H, Hkv, n_k, p in shapes:
+        def inputs(B=B, H=H, Hkv=Hkv, n_k=n_k, p=p):
+            q = torch.randn(B, H, 1, p, device=device, dtype=dtype)
+            k = torch.randn(B, Hkv, n_k, p, device=device, dtype=dtype)
+            v = torch.randn(B, Hkv, n_k, p, device=device, dtype=dtype)
+            return q, k, v, _make_inputs(1, H, 1, p, device, dtype, grad=False)[3]
+
+        def mk_kfused(inducer, inputs=inputs):
+            q, k, v, params = inputs()
+            if inducer:
+                return (lambda: inducer_attention(q, k, v, **params, backend="triton")), []
+            return (lambda: inducer_attention(q, k, v, backend="triton")[0]), []
+
+        def mk_sdpa(inputs=inputs, gqa=Hkv != H):
+            q, k, v, _ = inputs()
+            kw = {"enable_gqa": True} if gqa else {}
+            return (lambda: F.scaled_dot_product_attention(q, k, v, **kw)), []
+
+        out.append(BenchCase(
+            op=OP, shape={"B": B, "H": H, "H_kv": Hkv, "n_q": 1, "n_k": n_k, "p": p,
+                          "decode": True, "L": L_KEY, "r": R_VALUE, "composition": "add"},
+            dtype=dtype,
+            providers=[Provider("kfused-triton", lambda mk=mk_kfused: mk(True),
+                                skip_reason=triton_reason),
+                       Provider("kfused-triton-plain", lambda mk=mk_kfused: mk(False),
+                                skip_reason=triton_reason),
+                       Provider("sdpa", mk_sdpa)],
+            flops_fwd=4.0 * B * H * n_k * p, bytes_fwd=float(2 * B * Hkv * n_k * p * el)))
     return out
+
+
+def _varlen_cases(device, dtype, quick, triton_reason) -> List[BenchCase]:
+    """A packed batch of mixed-length sequences (padding-free training, fwd+bwd):
+    inducer_attention_varlen against the same sequences padded to the longest one."""
+    if device.type == "cuda":
+        lens, H, p = [2048, 128, 1024, 512, 4096, 256, 3072, 640, 1536, 3072], 16, 128
+        if quick:
+            lens = lens[:4]
+    else:
+        lens, H, p = [40, 7, 64, 1], 2, 64
+    n, T = max(lens), sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=device)
+    seq_lens = torch.tensor(lens, device=device)
+
+    def mk_varlen():
+        q, k, v, params = _make_inputs(1, H, T, p, device, dtype)
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        def fn():
+            return inducer_attention_varlen(q, k, v, cu, **params, causal=True,
+                                            backend="triton")
+        return fn, _leaves(q, k, v, params)
+
+    def mk_padded():
+        q, k, v, params = _make_inputs(len(lens), H, n, p, device, dtype)
+        def fn():
+            return inducer_attention(q, k, v, **params, causal=True, seq_lens=seq_lens,
+                                     backend="triton")
+        return fn, _leaves(q, k, v, params)
+
+    flops = sum(2.0 * H * m * m * p for m in lens)           # causal: half of 4·H·m²·p
+    return [BenchCase(
+        op=OP, shape={"lens": lens, "H": H, "p": p, "causal": True, "packed_tokens": T,
+                      "padded_tokens": n * len(lens), "L": L_KEY, "r": R_VALUE,
+                      "composition": "add"},
+        dtype=dtype,
+        providers=[Provider("kfused-varlen", mk_varlen, skip_reason=triton_reason),
+                   Provider("kfused-padded", mk_padded, skip_reason=triton_reason)],
+        flops_fwd=flops, flops_bwd=2.5 * flops,
+        bytes_fwd=float(4 * H * T * p * torch.finfo(dtype).bits // 8))]
 
 # ------------------------------------------------------------------------------------------
 # `kfused check`
