@@ -1,6 +1,6 @@
 """The decode path of inducer attention (few queries against a long KV cache): split-KV over
 key chunks with the query heads of a kv head packed into one tile, merged by the forward
-kernel. Taken automatically for at most 16 queries; checked against the float64 reference
+kernel. Taken automatically for 16-bit inputs with at most 16 queries; checked against the float64 reference
 (docs/math.md §4, outputs and gradients: the backward reads the merged row statistics) and
 against the single-pass forward."""
 
@@ -52,7 +52,9 @@ def _fns(composition, causal):
 def test_decode_against_reference(B, H, H_kv, n_q, n_k, p, l, causal, composition, inducer,
                                   mask, dtype):
     lay = _Layout(torch.empty(B, H, n_q, p), torch.empty(B, H_kv, n_k, p), None)
-    assert _DecodePlan.applies(lay)              # the path under test is the one taken
+    # the path under test is the one taken (16-bit; float32 keeps the single pass, see
+    # _DecodePlan.chosen, and is checked here as the comparison)
+    assert _DecodePlan.chosen(lay, dtype) == (dtype != torch.float32)
     inputs = _cache(B, H, H_kv, n_q, n_k, p)
     P = _params(H, p, composition=composition, l=l)
     if not inducer:
@@ -93,18 +95,22 @@ def test_decode_refuses_what_it_cannot_take():
         inducer_attention_forward(q, q, q, decode=True)
     lay = _Layout(q, q, None)
     assert not _DecodePlan.applies(lay)
+    one = _Layout(q[:, :, :1], q, None)
+    assert _DecodePlan.chosen(one, torch.bfloat16) and not _DecodePlan.chosen(one, torch.float32)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_decode_non_finite_cache_propagates(bad):
     """A non-finite cached key reaches f, λ and u as in the reference (no silent 0 or 1)."""
     torch.manual_seed(1)
-    X = {k_: t.float() for k_, t in _cache(2, 2, 1, 1, 130, 32).items()}
-    P = {k_: t.float() for k_, t in _params(2, 32).items()}
+    X = {k_: t.half() for k_, t in _cache(2, 2, 1, 1, 130, 32).items()}   # the decode path
+    P = {k_: t.half() for k_, t in _params(2, 32).items()}
     X["k"][0, 0, 77, 3] = bad
     got, gu = inducer_attention(**{k_: t.to(DEVICE) for k_, t in X.items()},
                                 **{k_: t.to(DEVICE) for k_, t in P.items()}, backend="triton")
-    ref, ru = inducer_attention(**X, **P, backend="reference")
+    got, gu = got.float(), gu.float()
+    ref, ru = inducer_attention(**{k_: t.float() for k_, t in X.items()},
+                                **{k_: t.float() for k_, t in P.items()}, backend="reference")
     assert torch.equal(torch.isnan(got.cpu()), torch.isnan(ref))
     assert torch.equal(torch.isnan(gu.cpu()), torch.isnan(ru))
     assert torch.isfinite(got[1]).all() and torch.isfinite(gu[1]).all()   # other sequence
@@ -112,4 +118,4 @@ def test_decode_non_finite_cache_propagates(bad):
         assert torch.isnan(got[0]).all() and torch.isnan(gu[0]).all()
     # an infinite key gives a ±inf logit: NaN (+inf) or an excluded column (−inf), per row
     fin = torch.isfinite(ref)
-    torch.testing.assert_close(got.cpu()[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.cpu()[fin], ref[fin], rtol=2e-3, atol=2e-3)

@@ -806,9 +806,19 @@ class _DecodePlan:
 
     @staticmethod
     def applies(lay: "_Layout") -> bool:
+        """The shapes the split-KV path takes (any dtype when asked for explicitly)."""
         group = lay.H // max(1, lay.h_kv)
         return (not lay.varlen and 0 < lay.n_q <= DECODE_MAX_QUERIES and lay.n_k > 0
                 and group * lay.n_q <= DECODE_MAX_ROWS)
+
+    @staticmethod
+    def chosen(lay: "_Layout", dtype: torch.dtype) -> bool:
+        """Taken by default: those shapes, 16-bit inputs. float32 keeps the single pass: its
+        backward (EXACT_DELTA) needs the forward's row max bit-identical to the score it
+        recomputes (a row with one visible column has dP − D = 0 exactly only then), and the
+        split kernel's GQA-packed tile may round that score differently (property sweep seed
+        1: n_k = 1, dk 2e-4 off in float32). 16-bit backward takes D from O_hi + O_lo."""
+        return dtype in (torch.float16, torch.bfloat16) and _DecodePlan.applies(lay)
 
 
 def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int], Tuple[int, int],
@@ -918,8 +928,8 @@ def inducer_attention_forward(
     no key_mask. ``out`` is then (total_q, H, p) and the per-row outputs are (H, total_q)
     (``u`` (H, total_q, r), ``lam``/``stats`` (2, H, total_q)).
 
-    ``decode`` (default: whenever it applies, at most 16 queries and 64 query rows per kv
-    head): the split-KV path — :func:`_inducer_attn_split_kernel` over key chunks of
+    ``decode`` (default: 16-bit inputs with at most 16 queries and 64 query rows per kv
+    head, see :meth:`_DecodePlan.chosen`): the split-KV path — :func:`_inducer_attn_split_kernel` over key chunks of
     ``decode_chunk`` keys (default: sized to fill the GPU), then the forward kernel merging
     the chunks. Same outputs (the backward reads the same row statistics).
     """
@@ -947,7 +957,7 @@ def inducer_attention_forward(
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
     is16 = q.dtype in (torch.float16, torch.bfloat16)
     if decode is None:
-        decode = _DecodePlan.applies(lay)
+        decode = _DecodePlan.chosen(lay, q.dtype)
     elif decode and not _DecodePlan.applies(lay):
         raise ValueError(f"the decode path takes at most {DECODE_MAX_QUERIES} queries and "
                          f"{DECODE_MAX_ROWS} query rows per kv head, no packed batch")
