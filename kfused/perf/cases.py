@@ -596,7 +596,10 @@ def _headwise_case(width, d, H, Hkv, preset, T):
         wq, wk, wv = _e(H * p, d), _e(Hkv * p, d), _e(Hkv * p, d)
         bq, bk, bv = _e(H * p), _e(Hkv * p), _e(Hkv * p)
         q, v = factors(cfg.q, H), factors(cfg.v, Hkv)
-        leaves = [x] + [t for f in (q, v) for t in dataclasses.astuple(f)
+        # getattr, not dataclasses.astuple: astuple deep-copies every tensor (10 copy
+        # kernels the op never makes were counted as its glue)
+        leaves = [x] + [t for f in (q, v) for t in (getattr(f, fl.name)
+                                                     for fl in dataclasses.fields(f))
                         if isinstance(t, torch.Tensor)]
         y = headwise_qkv(x, wq, wk, wv, bq, bk, bv, n_heads=H, n_kv_heads=Hkv, q=q, v=v,
                          backend="triton", fused_output=True)
