@@ -211,12 +211,16 @@ def test_kernel_against_reference(B, H, n, p, l, causal, padding, composition, d
     inputs = {**X, **P, **_mask_with_empty_row(B, n, padding)}
     with_proj = composition == "add"
     if with_proj:
-        d, r = 24, P["W1"].shape[2]
-        inputs.update(W_o=torch.randn(d, H * p, dtype=f64) / math.sqrt(H * p),
-                      b_o=torch.randn(d, dtype=f64), W2o=torch.randn(H, r, d, dtype=f64),
-                      b2o=torch.randn(d, dtype=f64))
+        inputs.update(_proj_params(H, p, P["W1"].shape[2]))
     kern, ref = _fns(composition, causal, with_proj)
     _assert_spec(kern, ref, inputs, dtype)
+
+
+def _proj_params(H, p, r, d=24):
+    """float64 output projection (W_o, b_o) and the "add" value map (W2o, b2o)."""
+    return dict(W_o=torch.randn(d, H * p, dtype=f64) / math.sqrt(H * p),
+                b_o=torch.randn(d, dtype=f64), W2o=torch.randn(H, r, d, dtype=f64),
+                b2o=torch.randn(d, dtype=f64))
 
 
 def _assert_spec(kern, ref, inputs, dtype):

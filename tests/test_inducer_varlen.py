@@ -2,13 +2,11 @@
 kernel vs the float64 reference (docs/math.md §4), agreement with the padded batched op,
 op registration and bad inputs."""
 
-import math
-
 import pytest
 import torch
 
 from tests.conftest import DEVICE, DTYPES
-from tests.test_inducer import _params
+from tests.test_inducer import _params, _proj_params
 from kfused.backends import BackendError
 from kfused.ops import inducer_attention, inducer_attention_varlen, inducer_output_projection
 from kfused.ops.inducer_attention import _triton_bwd, _triton_fwd
@@ -74,10 +72,7 @@ def test_varlen_against_reference(lens_q, lens_k, H, H_kv, p, l, causal, composi
     inputs.update(P)
     with_proj = inducer and composition == "add"
     if with_proj:
-        d, r = 24, P["W1"].shape[2]
-        inputs.update(W_o=torch.randn(d, H * p, dtype=f64) / math.sqrt(H * p),
-                      b_o=torch.randn(d, dtype=f64), W2o=torch.randn(H, r, d, dtype=f64),
-                      b2o=torch.randn(d, dtype=f64))
+        inputs.update(_proj_params(H, p, P["W1"].shape[2]))
     kern, ref = _fns(composition, causal, with_proj)
     assert_against_reference(kern, ref, inputs, dtype, DEVICE)
 

@@ -179,6 +179,20 @@ def _check_param(name: str, t: Optional[Tensor], shape: Sequence[int], what: str
     _validate.check_same("q", q, **{name: t})
 
 
+def _check_heads(q: Tensor, k: Tensor, v: Tensor, head_dim: int) -> None:
+    """k and v share a head count that divides q's (grouped-query attention) and q's head
+    width (dimension ``head_dim``; heads are dimension 1 in both layouts)."""
+    H, p = q.shape[1], q.shape[head_dim]
+    if k.shape[1] != v.shape[1] or k.shape[1] < 1 or H % k.shape[1] != 0:
+        raise ValueError(
+            f"head counts do not fit: q has {H} heads (shape {tuple(q.shape)}), k "
+            f"{k.shape[1]}, v {v.shape[1]}; k and v need the same head count, one that divides "
+            f"q's (grouped-query attention)")
+    if k.shape[head_dim] != p or v.shape[head_dim] != p:
+        raise ValueError(f"head widths differ: q {p}, k {k.shape[head_dim]}, "
+                         f"v {v.shape[head_dim]}")
+
+
 def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_padding_mask,
                      seq_lens, prefix_k, prefix_v):
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -188,13 +202,7 @@ def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_p
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}; expected (batch, heads, n, head_dim) each")
-    if k.shape[1] != v.shape[1] or k.shape[1] < 1 or H % k.shape[1] != 0:
-        raise ValueError(
-            f"head counts do not fit: q has {H} heads (shape {tuple(q.shape)}), k "
-            f"{k.shape[1]}, v {v.shape[1]}; k and v need the same head count, one that divides "
-            f"q's (grouped-query attention)")
-    if k.shape[3] != p or v.shape[3] != p:
-        raise ValueError(f"head widths differ: q {p}, k {k.shape[3]}, v {v.shape[3]}")
+    _check_heads(q, k, v, head_dim=3)
     if v.shape[2] != k.shape[2]:
         raise ValueError(f"k has {k.shape[2]} keys but v has {v.shape[2]} values")
     n_k = k.shape[2]
@@ -499,13 +507,7 @@ def inducer_attention_varlen(
     if v.shape[0] != total_k:
         raise ValueError(f"k has {total_k} tokens but v has {v.shape[0]}; expected (total_k, "
                          f"kv_heads, head_dim) each")
-    if k.shape[1] != v.shape[1] or k.shape[1] < 1 or H % k.shape[1] != 0:
-        raise ValueError(
-            f"head counts do not fit: q has {H} heads (shape {tuple(q.shape)}), k "
-            f"{k.shape[1]}, v {v.shape[1]}; k and v need the same head count, one that divides "
-            f"q's (grouped-query attention)")
-    if k.shape[2] != p or v.shape[2] != p:
-        raise ValueError(f"head widths differ: q {p}, k {k.shape[2]}, v {v.shape[2]}")
+    _check_heads(q, k, v, head_dim=2)
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q", q)
     if cu_seqlens_k is None:
         if total_k != total_q:

@@ -19,6 +19,7 @@ Every time computed from these is PREDICTED.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -262,6 +263,22 @@ def _attn_tiles_kv(n_q: int, n_k: int, BM: int, BN: int, causal: bool, off: int)
     return tot
 
 
+def _spans(L, a, heads_of_grid: int) -> List[Tuple[int, int, int, int]]:
+    """``(programs' heads, n_q, n_k, causal offset)`` groups of one attention launch: one group
+    of every (batch, head) for a batched launch, one per sequence (its true lengths, the
+    cumulative lengths read from the traced launch) for a packed one (VARLEN)."""
+    if not a.get("VARLEN"):
+        return [(L.grid[1], a["N_Q"], a["N_K"], a["causal_off"])]
+    cq = a["CU_Q"].tolist()
+    ck = a["CU_K"].tolist() if not a.get("IS_PREFIX") else None
+    out = []
+    for b in range(len(cq) - 1):
+        nq = cq[b + 1] - cq[b]
+        nk = a["N_K"] if ck is None else ck[b + 1] - ck[b]
+        out.append((heads_of_grid, nq, nk, nk - nq))
+    return out
+
+
 def _attn_common(a):
     q = a["Q"]
     return q, _is16(q), a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"], bool(a["CAUSAL"])
@@ -288,12 +305,14 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     skipped, see _attn_tiles), epilogue λ, 1 − λ and u = λ tanh(q W1 + b1) (R_PAD)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
-    n_q, n_k, off = a["N_Q"], a["N_K"], a["causal_off"]
+    n_q, n_k = a["N_Q"], a["N_K"]
     BH = L.grid[1]
     progs = L.programs()
     merge = bool(a.get("MERGE", False))                              # decode: keys pre-reduced
-    tiles = BH * ((0 if merge else _attn_tiles(n_q, n_k, BM, BN, causal, off))
-                  + (cdiv(a["N_PREFIX"], BN) * cdiv(n_q, BM) if a["HAS_PREFIX"] else 0))
+    spans = _spans(L, a, a["H"])
+    tiles = sum(c * ((0 if merge else _attn_tiles(nq, nk, BM, BN, causal, off))
+                     + (cdiv(a["N_PREFIX"], BN) * cdiv(nq, BM) if a["HAS_PREFIX"] else 0))
+                for c, nq, nk, off in spans)
     w = _work()
     _flash(w, tiles * 2 * 2.0 * BM * BN * DP, x16)                  # S = QKᵀ, PV
     w["sfu_ops"] = tiles * BM * BN                                   # exp2 per score
@@ -310,11 +329,16 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     per_head_kv = n_k * p * el * 2
     u = a["U"]
     w["hbm_bytes"] = (q.numel() * el * (3 if a["SAVE_LO"] else 2)   # q, O (+ O_lo)
-                      + BH * n_q * 4 * 5                             # lse, stats ×2, λ ×2
+                      + a["N_ROWS"] * 4 * 5                          # lse, stats ×2, λ ×2
                       + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
     if merge:                                                        # the chunks' partials
         w["hbm_bytes"] += BH * a["NUM_SPLITS"] * n_q * (DP + 2) * 4
         w["alu_ops"] += BH * a["NUM_SPLITS"] * BM * (3 * DP + 8)
+    elif a.get("VARLEN"):                                            # each sequence's K, V
+        Hkv = a["H"] // a["GROUP"]
+        w["hbm_bytes"] += sum(R.reread_bytes(Hkv * nk * p * el * 2, 1 if nk * p * el * 2
+                                             <= R.L2_RESIDENT else cdiv(nq, BM))
+                              for _, nq, nk, _ in spans)
     else:
         w["hbm_bytes"] += R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT
                                          else cdiv(n_q, BM))
@@ -351,18 +375,18 @@ def _m_ind_dq(L) -> Dict[str, float]:
     the host)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
-    n_q, n_k, off = a["N_Q"], a["N_K"], a["causal_off"]
-    BH = L.grid[1]
     progs = L.programs()
-    tiles = BH * (_attn_tiles(n_q, n_k, BM, BN, causal, off)
-                  + (cdiv(a["N_PREFIX"], BN) * cdiv(n_q, BM) if a["HAS_PREFIX"] else 0))
+    spans = _spans(L, a, a["H"])
+    tiles = sum(c * (_attn_tiles(nq, nk, BM, BN, causal, off)
+                     + (cdiv(a["N_PREFIX"], BN) * cdiv(nq, BM) if a["HAS_PREFIX"] else 0))
+                for c, nq, nk, off in spans)
     passes = 1.0 + (2.0 / 3.0 if a["EXACT_DELTA"] else 0.0)
     w = _work()
     _flash(w, tiles * passes * 3 * 2.0 * BM * BN * DP, x16)
     w["sfu_ops"] = tiles * BM * BN * (2 if a["EXACT_DELTA"] else 1)
     w["alu_ops"] = tiles * BM * BN * 8 * passes
     el = _el(q)
-    by = q.numel() * el * 3 + a["K"].numel() * el * 2 + BH * n_q * 4 * 9
+    by = q.numel() * el * 3 + a["K"].numel() * el * 2 + a["N_ROWS"] * 4 * 9
     if not a["EXACT_DELTA"]:                                         # O (+ O_lo) for D_i
         by += q.numel() * el * (2 if a["HAS_LO"] else 1)
     if a["HAS_MLP"]:
@@ -376,7 +400,7 @@ def _m_ind_dq(L) -> Dict[str, float]:
         part = 2 * DP * LP + DP * RP + DP + LP + RP
         by += progs * part * 4                                       # per-tile MLP partials
         if a["HAS_DU"]:
-            by += BH * n_q * a["R"] * _el(a["DU"])
+            by += a["N_ROWS"] * a["R"] * _el(a["DU"])
     w["hbm_bytes"] = by
     return w
 
@@ -388,11 +412,11 @@ def _m_ind_dkdv(L) -> Dict[str, float]:
     EXACT_DELTA recomputes S and dP in the dQ kernel's orientation: same count)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
-    n_q, n_k, off, group = a["N_Q"], a["N_K"], a["causal_off"], a["GROUP"]
-    BHkv = L.grid[1]
+    group = a["GROUP"]
     if a["IS_PREFIX"]:
         causal = False
-    tiles = BHkv * group * _attn_tiles_kv(n_q, n_k, BM, BN, causal, off)
+    tiles = sum(c * group * _attn_tiles_kv(nq, nk, BM, BN, causal, off)
+                for c, nq, nk, off in _spans(L, a, a["H_KV"]))
     w = _work()
     _flash(w, tiles * 4 * 2.0 * BM * BN * DP, x16)
     if x16:
@@ -405,7 +429,7 @@ def _m_ind_dkdv(L) -> Dict[str, float]:
     w["alu_ops"] = tiles * BM * BN * 8
     el = _el(q)
     w["hbm_bytes"] = (q.numel() * el * 2 + a["K"].numel() * el * 4
-                      + BHkv * group * n_q * 4 * 4)
+                      + a["N_ROWS"] * 4 * 4)
     return w
 
 
@@ -448,6 +472,24 @@ def _fa2(name, B, H, n, p, causal, bwd, el=2, Hkv=None):
     out = [dict(name=name, t=pr["t"], flops=work["dot16_flops"])]
     if bwd:
         out.append(_stream(name + ":rowsum(dO*O)", el * 2 * B * H * n * p + 4 * B * H * n))
+    return out
+
+
+def _fa2_varlen(name, lens, H, p, causal, bwd, el=2):
+    """FlashAttention-2's varlen kernel over packed sequences: _fa2's work summed over the
+    sequences, one launch (programs: every sequence's 128-row tiles)."""
+    frac = 0.5 if causal else 1.0
+    scores = sum(H * m * m * frac for m in lens)
+    T = sum(lens)
+    prods = 5 if bwd else 2
+    work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
+                alu_ops=scores * (12 if bwd else 8),
+                hbm_bytes=el * T * p * H * (8 if bwd else 4) + (T * H * p * 4 * 2 if bwd else 0))
+    programs = H * sum(cdiv(m, 128) for m in lens)
+    pr = R.predict(work, {"hmma": 1}, programs, 1)
+    out = [dict(name=name, t=pr["t"], flops=work["dot16_flops"])]
+    if bwd:
+        out.append(_stream(name + ":rowsum(dO*O)", el * 2 * T * H * p + 4 * T * H))
     return out
 
 
@@ -762,11 +804,50 @@ def _inducer_decode_case(B, H, Hkv, n_k, p, L_KEY=4, R_VALUE=8):
         compile_group=f"inducer decode p={p}")
 
 
+def _inducer_varlen_case(lens, H, p, L_KEY=4, R_VALUE=8):
+    """Padding-free training: a packed batch of mixed-length causal sequences (fwd+bwd)."""
+    T, n = sum(lens), max(lens)
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+
+    def run():
+        from kfused.ops import inducer_attention_varlen
+
+        q, k, v = (_e(T, H, p, grad=True) for _ in range(3))
+        prm = dict(Ak=_e(H, p, L_KEY, grad=True), ak=_e(H, L_KEY, grad=True),
+                   Bk=_e(H, L_KEY, p, grad=True), ck=_e(H, p, grad=True),
+                   W1=_e(H, p, R_VALUE, grad=True), b1=_e(H, R_VALUE, grad=True))
+        f, u = inducer_attention_varlen(q, k, v, cu, None, n, n, **prm, causal=True,
+                                        backend="triton")
+        _grad([f, u], [q, k, v, *prm.values()])
+
+    def flash_varlen():
+        return (_fa2_varlen("flash varlen fwd", lens, H, p, True, False)
+                + _fa2_varlen("flash varlen bwd", lens, H, p, True, True))
+
+    def sdpa_padded():
+        B = len(lens)
+        return _fa2("sdpa fwd (padded)", B, H, n, p, True, False) + _fa2(
+            "sdpa bwd (padded)", B, H, n, p, True, True)
+
+    fl = sum(2.0 * H * m * m * p for m in lens)
+    return Case(
+        op="inducer_attention", label=f"packed {len(lens)} seqs T={T} (longest {n}) H={H} p={p} "
+                                      "causal",
+        shape=dict(lens=list(lens), H=H, p=p, causal=True, L=L_KEY, r=R_VALUE, packed=True),
+        run=run, useful_flops=fl * 3.5, min_bytes=2 * T * H * p * 8,
+        baselines={"flash-varlen": flash_varlen, "sdpa-padded": sdpa_padded},
+        targets=[Target(14, "flash-varlen", 1 / 0.85, "≥ 0.85× flash-attention varlen speed"),
+                 Target(14, "sdpa-padded", 1.0, "packed: faster than padding for SDPA")],
+        compile_group=f"inducer varlen p={p}")
+
+
 def _inducer_cases():
     return ([_inducer_case(n, p, c) for p in (64, 128) for c in (False, True)
              for n in (512, 2048, 16384)]
             + [_inducer_decode_case(B, 32, Hkv, n_k, 128)
-               for B, Hkv, n_k in ((1, 8, 16384), (16, 8, 4096), (8, 32, 4096))])
+               for B, Hkv, n_k in ((1, 8, 16384), (16, 8, 4096), (8, 32, 4096))]
+            + [_inducer_varlen_case([2048, 128, 1024, 512, 4096, 256, 3072, 640, 1536, 3072],
+                                    16, 128)])
 
 
 def all_cases() -> List[Case]:

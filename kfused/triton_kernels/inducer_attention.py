@@ -200,6 +200,27 @@ def _seq_span(CU, b, N, VARLEN: tl.constexpr):
     return start, n
 
 
+@triton.jit
+def _query_tile(pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off,
+                BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """Where a query-tile program (forward, dQ) works: batch element b, head h, its kv head
+    hk (grouped-query attention: GROUP query heads per kv head), the token spans of b's
+    queries and keys, the prefix length and the causal offset (packed: per sequence; a tile
+    past its sequence's end visits no key tile: n_k = n_prefix = 0)."""
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
+    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    k0, n_k = _seq_span(CU_K, b, N_K, VARLEN)
+    n_prefix = N_PREFIX
+    if VARLEN:
+        causal_off = n_k - n_q
+        if pid_m * BLOCK_M >= n_q:
+            n_k = 0
+            n_prefix = 0
+    return b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off
+
+
 # ------------------------------------------------------------------------------------------
 # forward
 
@@ -270,17 +291,8 @@ def _inducer_attn_fwd_kernel(
     loop (the prefix, the MLP and the epilogue are unchanged)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    hk = h // GROUP                       # grouped-query attention: GROUP query heads per kv head
-    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
-    k0, n_k = _seq_span(CU_K, b, N_K, VARLEN)
-    n_prefix = N_PREFIX
-    if VARLEN:
-        causal_off = n_k - n_q
-        if pid_m * BLOCK_M >= n_q:        # past this sequence's end: no key tile is visited
-            n_k = 0
-            n_prefix = 0
+    b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off = _query_tile(
+        pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off, BLOCK_M, VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_ok = offs_m < n_q
@@ -632,17 +644,8 @@ def _inducer_attn_bwd_dq_kernel(
     strides (unit along HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    hk = h // GROUP
-    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
-    k0, n_k = _seq_span(CU_K, b, N_K, VARLEN)
-    n_prefix = N_PREFIX
-    if VARLEN:
-        causal_off = n_k - n_q
-        if pid_m * BLOCK_M >= n_q:        # past this sequence's end: no key tile is visited
-            n_k = 0
-            n_prefix = 0
+    b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off = _query_tile(
+        pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off, BLOCK_M, VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_ok = offs_m < n_q
