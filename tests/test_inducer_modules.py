@@ -264,3 +264,12 @@ def _count_packed(forward, calls):
             calls.append(1)
         return forward(self, *a, cu_seqlens=cu_seqlens, **k)
     return wrapped
+
+
+def test_packed_positions_checked_once_per_forward():
+    pos = torch.cat([torch.arange(3), torch.arange(4)])[None]
+    a = hf_attention._packed_from_positions(pos, 1, 7)
+    assert a is not None and hf_attention._packed_from_positions(pos, 1, 7) is a
+    assert a.cu_seqlens()[0].tolist() == [0, 3, 7]
+    assert hf_attention._packed_from_positions(torch.arange(7)[None], 1, 7) is None
+    assert hf_attention._packed_from_positions(pos, 2, 7) is None       # more than one row

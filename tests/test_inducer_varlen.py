@@ -195,3 +195,16 @@ def test_varlen_bad_inputs():
         inducer_attention_varlen(q, q, q, _cu([4]), backend="triton")
     with pytest.raises(BackendError, match="no cuda implementation"):
         inducer_attention_varlen(q, q, q, _cu([4]), backend="cuda")
+
+
+def test_lengths_are_read_once_per_tensor():
+    """Every layer of a packed forward passes the same cumulative lengths: one host copy,
+    and a changed tensor (in place or a new one) is read again."""
+    from kfused.ops.inducer_attention import host_values
+
+    cu = _cu([3, 5])
+    first = host_values(cu)
+    assert first == [0, 3, 8] and host_values(cu) is first
+    cu[1] = 2
+    assert host_values(cu) == [0, 2, 8]
+    assert host_values(_cu([1, 7])) == [0, 1, 8]

@@ -28,6 +28,7 @@ Prefix tuning keeps its prefix in place of the first positions when converted fr
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -70,18 +71,27 @@ class PackedSequences:
         return self._cu
 
 
-def _segments_from_positions(position_ids, batch: int, n: int) -> Optional[torch.Tensor]:
-    """Sequence ids (1, n) when ``position_ids`` of a one-row batch restart (a packed row,
-    as transformers' ``DataCollatorWithFlattening`` makes), else None."""
+def _packed_from_positions(position_ids, batch: int, n: int) -> Optional["PackedSequences"]:
+    """The packed sequences of a one-row batch whose ``position_ids`` restart (transformers'
+    ``DataCollatorWithFlattening``; causal within each), else None. Remembered for the last
+    ``position_ids`` (same object, unchanged): every layer of a forward gets the same
+    object, so the check and the lengths cost one device sync per forward, not per layer."""
     if (not isinstance(position_ids, torch.Tensor) or batch != 1 or n <= 1
             or position_ids.numel() != n):
         return None
+    ref, version, segs = _positions_memo
+    if ref is not None and ref() is position_ids and position_ids._version == version:
+        return segs                            # every layer of one forward: one check
     pos = position_ids.reshape(-1)
     start = torch.ones(n, dtype=torch.bool, device=pos.device)
     start[1:] = pos[1:] != pos[:-1] + 1
-    if not bool(start[1:].any()):
-        return None
-    return start.cumsum(0).reshape(1, n)
+    segs = (PackedSequences(start.cumsum(0).reshape(1, n), True)
+            if bool(start[1:].any()) else None)
+    _positions_memo[:] = [weakref.ref(position_ids), position_ids._version, segs]
+    return segs
+
+
+_positions_memo: list = [None, -1, None]
 
 
 def _closure(fn) -> dict:
@@ -158,10 +168,10 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
     elif attention_mask is None:
         # flash-attention-2's rule: one row, no mask, positions restarting = packed sequences
         # (transformers builds no packed mask when a KV cache object exists)
-        segs = _segments_from_positions(kwargs.get("position_ids"), query.shape[0],
-                                        query.shape[2])
-        if segs is not None:
-            packed = PackedSequences(segs, True).cu_seqlens()
+        from_positions = _packed_from_positions(kwargs.get("position_ids"), query.shape[0],
+                                                query.shape[2])
+        if from_positions is not None:
+            packed = from_positions.cu_seqlens()
     elif attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(

@@ -22,6 +22,7 @@ PyTorch (O(n·r·p), autograd).
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -439,6 +440,21 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
 # packed variable-length batches
 
 
+_host_memo: list = [None, -1, None]           # (weakref to a tensor, its version, its values)
+
+
+def host_values(t: Tensor) -> list:
+    """``t.tolist()``, remembered for the last tensor asked (same object, unchanged since):
+    every layer of a packed forward passes the same cumulative lengths, and only the first
+    call pays the device-to-host copy."""
+    ref, version, vals = _host_memo
+    if ref is not None and ref() is t and t._version == version:
+        return vals
+    vals = t.tolist()
+    _host_memo[:] = [weakref.ref(t), t._version, vals]
+    return vals
+
+
 def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_name: str, q: Tensor) -> list:
     """Validate cumulative sequence lengths; returns them as a Python list."""
     if not isinstance(cu, Tensor):
@@ -451,7 +467,7 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_name: str, q: Ten
                          f"([0, len_0, len_0 + len_1, ...]), got shape {tuple(cu.shape)}")
     if cu.device != q.device:
         raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-    vals = cu.tolist()                        # one small device-to-host copy per call
+    vals = host_values(cu)
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])) or vals[-1] != total:
         raise ValueError(f"{name} must start at 0, never decrease and end at {total_name} = "
                          f"{total}; got {vals if len(vals) <= 12 else vals[:6] + ['...'] + vals[-3:]}")
