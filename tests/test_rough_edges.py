@@ -129,3 +129,13 @@ def test_inducer_bench_compile_baseline_runs_backward():
 def test_readme_says_how_to_replay_a_random_test():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "KFUSED_TEST_SEED=" in readme
+
+
+def test_check_dtypes_named_either_way_and_unknown_refused(capsys):
+    """`kfused check --dtypes` takes fp32/fp16/bf16 or torch's names; anything else is a
+    usage error naming it, not a KeyError."""
+    from kfused.cli import check
+
+    with pytest.raises(SystemExit) as e:
+        check.run(["--dtypes", "float64", "inducer_attention"])
+    assert e.value.code == 2 and "unknown dtype(s) float64" in capsys.readouterr().err

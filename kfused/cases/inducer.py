@@ -271,7 +271,48 @@ def check_cases(device: torch.device) -> list:
         label = f"B={B} H={H} n={n} p={p} l={l} {'causal ' if causal else ''}{comp}"
         cases.append(CheckCase(OP, label, "triton", run("triton"), run("reference"),
                                inputs))
+    cases += _decode_and_packed_checks(g, on_gpu)
     return cases
+
+
+def _decode_and_packed_checks(g: torch.Generator, on_gpu: bool) -> list:
+    """The decode path (one new token against a padded KV cache, GQA: taken for 16-bit
+    inputs) and a packed batch of mixed-length sequences."""
+    f64 = torch.float64
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, generator=g, dtype=f64) * s
+
+    def mlp(H, p):
+        return {"Ak": rnd(H, p, 3, s=0.5), "ak": rnd(H, 3, s=0.5), "Bk": rnd(H, 3, p, s=0.5),
+                "ck": rnd(H, p, s=0.5), "W1": rnd(H, p, 5, s=0.5), "b1": rnd(H, 5, s=0.5)}
+
+    B, H, Hkv, n_k, p = 3, 8, 2, (4099 if on_gpu else 300), 128
+    dec = {"q": rnd(B, H, 1, p), "k": rnd(B, Hkv, n_k, p), "v": rnd(B, Hkv, n_k, p),
+           **mlp(H, p), "prefix_k": rnd(H, 2, p), "prefix_v": rnd(H, 2, p),
+           "seq_lens": torch.tensor([n_k, n_k // 3, 0])}
+
+    def run_dec(backend):
+        def fn(**kw):
+            return inducer_attention(**kw, causal=True, backend=backend)
+        return fn
+
+    lens = [513, 7, 1, 2048, 0, 300] if on_gpu else [37, 7, 1, 70, 0]
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    packed = {"q": rnd(T, 4, 64), "k": rnd(T, 2, 64), "v": rnd(T, 2, 64), **mlp(4, 64),
+              "W2": rnd(4, 5, 64), "b2": rnd(4, 64), "cu_seqlens_q": cu}
+
+    def run_packed(backend):
+        def fn(**kw):
+            return inducer_attention_varlen(**kw, composition="gate", causal=True,
+                                            backend=backend)[0]
+        return fn
+
+    return [CheckCase(OP, f"decode B={B} H={H}/{Hkv} n_k={n_k} p={p} l=2", "triton",
+                      run_dec("triton"), run_dec("reference"), dec),
+            CheckCase(OP, f"packed {len(lens)} seqs T={T} H=4/2 p=64 causal gate", "triton",
+                      run_packed("triton"), run_packed("reference"), packed)]
 
 
 # ------------------------------------------------------------------------------------------

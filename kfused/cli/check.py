@@ -19,12 +19,19 @@ def run(argv: Optional[List[str]] = None) -> int:
                    help=f"ops to check (default all: {', '.join(cases.check_ops())})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", default=None,
-                   help="comma list of fp32,fp16,bf16 (default: all the device supports)")
+                   help="comma list of fp32,fp16,bf16 (or float32, float16, bfloat16; default: all "
+                   "the device supports)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+             "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if args.dtypes:
-        dtypes = [names[d.strip()] for d in args.dtypes.split(",")]
+        wanted = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        unknown = [d for d in wanted if d not in names]
+        if unknown or not wanted:
+            p.error(f"--dtypes: unknown dtype(s) {', '.join(unknown) or '(none given)'}; "
+                    f"expected a comma list of {', '.join(names)}")
+        dtypes = [names[d] for d in wanted]
     else:
         dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device.type == "cuda" else [])
     print(f"kfused check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
