@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from hypothesis import seed as hseed
 
 from kfused import (HeadFactors, headwise_lowrank, headwise_oproj, headwise_projection,
-                    headwise_qkv, inducer_attention, inducer_output_projection, kron_matvec,
-                    krona_linear)
+                    headwise_qkv, inducer_attention, inducer_attention_varlen,
+                    inducer_output_projection, kron_matvec, krona_linear)
 from kfused.reference.inducer import inducer_output_projection_ref, key_allowed
 from kfused.reference.krona import kron_matvec_ref, krona_linear_ref
 from kfused.testing import assert_against_reference
@@ -401,6 +401,74 @@ def test_inducer_attention_property(seed):
         check(run("triton"), run("reference"), inputs, dtype)
 
     run_property(seed, body, 12)
+
+
+def test_inducer_attention_varlen_property(seed):
+    """Packed variable-length batches: random lengths (empty sequences included), cross
+    lengths, GQA, compositions, prefix, causal, strided packed tensors."""
+    def body(data):
+        dtype = draw_dtype(data)
+        n_seq = data.draw(st.integers(1, 4), label="sequences")
+        lens_q = [data.draw(st.integers(0, 9), label=f"len_q{b}") for b in range(n_seq)]
+        same = data.draw(st.booleans(), label="keys packed like queries")
+        lens_k = lens_q if same else [data.draw(st.integers(0, 11), label=f"len_k{b}")
+                                      for b in range(n_seq)]
+        Hkv = data.draw(st.integers(1, 2), label="H_kv")
+        H = Hkv * data.draw(st.integers(1, 2), label="group")
+        p = data.draw(st.sampled_from([32, 64]), label="p")
+        composition = data.draw(st.sampled_from(["none", "add", "gate"]), label="composition")
+        causal = data.draw(st.booleans(), label="causal")
+        l = data.draw(st.sampled_from([0, 0, 1, 3]), label="prefix length")
+        g = gen(data)
+
+        def packed(name, heads, n):
+            layout = data.draw(st.sampled_from(("contiguous", "slice", "heads-major", "fused")),
+                               label=f"{name} layout")
+            if layout == "heads-major":              # (H, total, p) storage
+                return rnd(g, heads, n, p), lambda s: s.transpose(0, 1)
+            if layout == "fused":                    # one part of a fused projection output
+                return rnd(g, n, 2, heads, p), lambda s: s[:, 1]
+            if layout == "slice":
+                return rnd(g, n, heads, p + 5), lambda s: s[..., 2:2 + p]
+            return rnd(g, n, heads, p), lambda s: s
+
+        def cu(lens):
+            return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+        inputs, views = {}, {}
+        for name, heads, n in (("q", H, sum(lens_q)), ("k", Hkv, sum(lens_k)),
+                               ("v", Hkv, sum(lens_k))):
+            inputs[name], views[name] = packed(name, heads, n)
+        inputs["cu_seqlens_q"] = cu(lens_q)
+        if not same:
+            inputs["cu_seqlens_k"] = cu(lens_k)
+        if composition != "none":
+            L, r = data.draw(st.integers(1, 4), label="L"), data.draw(st.integers(1, 4), label="r")
+            inputs.update(Ak=rnd(g, H, p, L) * 0.5, ak=rnd(g, H, L) * 0.5,
+                          Bk=rnd(g, H, L, p) * 0.5, ck=rnd(g, H, p) * 0.5,
+                          W1=rnd(g, H, p, r) * 0.5, b1=rnd(g, H, r) * 0.5)
+            if composition == "gate":
+                inputs.update(W2=rnd(g, H, r, p), b2=rnd(g, H, p))
+        if l:
+            inputs.update(prefix_k=rnd(g, H, l, p), prefix_v=rnd(g, H, l, p))
+        # the single-visible-column guard of test_inducer_attention_property, per sequence
+        fewest = min([nk if not causal else max(0, min(nk, nk - nq + 1))
+                      for nq, nk in zip(lens_q, lens_k) if nq] or [2])
+        if fewest + l + (composition != "none") <= 1:
+            inputs.update(prefix_k=rnd(g, H, 2, p), prefix_v=rnd(g, H, 2, p))
+        comp = "add" if composition == "none" else composition
+
+        def run(backend):
+            def fn(q, k, v, cu_seqlens_q, cu_seqlens_k=None, **kw):
+                out, u = inducer_attention_varlen(
+                    views["q"](q), views["k"](k), views["v"](v), cu_seqlens_q, cu_seqlens_k,
+                    composition=comp, causal=causal, backend=backend, **kw)
+                return out if u is None else (out, u)
+            return fn
+
+        check(run("triton"), run("reference"), inputs, dtype)
+
+    run_property(seed, body, 10)
 
 
 def test_inducer_output_projection_property(seed):
