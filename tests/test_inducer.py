@@ -576,3 +576,30 @@ def test_strided_inputs_match_contiguous():
     b = run(*(t.contiguous() for t in (q, k, v, pk, pv)))
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_no_queries_gives_zero_gradients(packed):
+    """No query row at all (n_q = 0; packed: total_q = 0) with an inducer: outputs are empty
+    and every gradient is zero of its parameter's shape (the backward once returned empty
+    MLP gradients: property sweep of the packed op, seed 8)."""
+    from kfused.ops import inducer_attention_varlen
+
+    H, p = 2, 32
+    P = {n_: t.float().requires_grad_() for n_, t in _params(H, p).items()}
+    if packed:
+        q = torch.randn(0, H, p, device=DEVICE, requires_grad=True)
+        k = torch.randn(9, H, p, device=DEVICE, requires_grad=True)
+        cq, ck = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([0, 0], [0, 9]))
+        out, u = inducer_attention_varlen(q, k, k, cq, ck, **{n_: t.to(DEVICE) for n_, t in
+                                                               P.items()}, backend="triton")
+    else:
+        q = torch.randn(2, H, 0, p, device=DEVICE, requires_grad=True)
+        k = torch.randn(2, H, 5, p, device=DEVICE, requires_grad=True)
+        out, u = inducer_attention(q, k, k, **{n_: t.to(DEVICE) for n_, t in P.items()},
+                                   backend="triton")
+    assert out.numel() == 0 and u.numel() == 0
+    (out.sum() + u.sum()).backward()
+    for name, t in P.items():
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
+    assert k.grad.shape == k.shape and not k.grad.any()

@@ -117,7 +117,7 @@ def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
 @_triton_bwd.register_fake
 def _(dout, du, dlam, dlse, q, k, v, out, lse, stats, lam, Ak, ak, Bk, ck, W1, b1, prefix_k,
       prefix_v, key_mask, causal, scale, out_lo=None, cu_q=None, cu_k=None, max_q=0, max_k=0):
-    has_mlp = Ak is not None and lam.numel() > 0
+    has_mlp = Ak is not None and lam.dim() > 1     # (2, *rows) with an inducer, even 0 rows
     has_prefix = prefix_k is not None and prefix_k.shape[1] > 0
 
     def like(t):

@@ -1024,7 +1024,9 @@ def inducer_attention_backward(
     d_pad = max(16, next_pow2(p))
     (BM, BN), (BM_KV, BN_KV), warps, stages = _bwd_config(q.dtype, d_pad)
     (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
-    has_mlp = has_mlp and lam is not None and lam.numel() > 0
+    # lam is (2, *rows) with an inducer (also with no rows at all: n_q = 0 must still give
+    # zero MLP gradients, not empty ones), (0,) without
+    has_mlp = has_mlp and lam is not None and lam.dim() > 1
     has_du = has_mlp and du is not None
     has_dlam = has_mlp and dlam is not None
     du = du.contiguous() if has_du else lse
