@@ -332,6 +332,21 @@ def test_oproj_width_one_with_wise_and_shared():
 # inducer
 
 
+def _inducer_params(data, g, H, p, composition, l):
+    """Random inducer parameters for ``composition`` ("none", "add", "gate") and ``l``
+    prefix columns (float64)."""
+    out = {}
+    if composition != "none":
+        L, r = data.draw(st.integers(1, 4), label="L"), data.draw(st.integers(1, 4), label="r")
+        out.update(Ak=rnd(g, H, p, L) * 0.5, ak=rnd(g, H, L) * 0.5, Bk=rnd(g, H, L, p) * 0.5,
+                   ck=rnd(g, H, p) * 0.5, W1=rnd(g, H, p, r) * 0.5, b1=rnd(g, H, r) * 0.5)
+        if composition == "gate":
+            out.update(W2=rnd(g, H, r, p), b2=rnd(g, H, p))
+    if l:
+        out.update(prefix_k=rnd(g, H, l, p), prefix_v=rnd(g, H, l, p))
+    return out
+
+
 def test_inducer_attention_property(seed):
     def body(data):
         dtype = draw_dtype(data)
@@ -360,15 +375,7 @@ def test_inducer_attention_property(seed):
         inputs, views = {}, {}
         for name, heads, n in (("q", H, n_q), ("k", Hkv, n_k), ("v", Hkv, n_k)):
             inputs[name], views[name] = qkv(name, heads, n)
-        if composition != "none":
-            L, r = data.draw(st.integers(1, 4), label="L"), data.draw(st.integers(1, 4), label="r")
-            inputs.update(Ak=rnd(g, H, p, L) * 0.5, ak=rnd(g, H, L) * 0.5,
-                          Bk=rnd(g, H, L, p) * 0.5, ck=rnd(g, H, p) * 0.5,
-                          W1=rnd(g, H, p, r) * 0.5, b1=rnd(g, H, r) * 0.5)
-            if composition == "gate":
-                inputs.update(W2=rnd(g, H, r, p), b2=rnd(g, H, p))
-        if l:
-            inputs.update(prefix_k=rnd(g, H, l, p), prefix_v=rnd(g, H, l, p))
+        inputs.update(_inducer_params(data, g, H, p, composition, l))
         mask = data.draw(st.sampled_from(["none", "mask", "lens", "both"]), label="mask")
         if mask in ("mask", "both"):
             m = torch.rand(B, n_k, generator=g) > data.draw(st.sampled_from([0.2, 0.5, 1.0]),
@@ -442,15 +449,7 @@ def test_inducer_attention_varlen_property(seed):
         inputs["cu_seqlens_q"] = cu(lens_q)
         if not same:
             inputs["cu_seqlens_k"] = cu(lens_k)
-        if composition != "none":
-            L, r = data.draw(st.integers(1, 4), label="L"), data.draw(st.integers(1, 4), label="r")
-            inputs.update(Ak=rnd(g, H, p, L) * 0.5, ak=rnd(g, H, L) * 0.5,
-                          Bk=rnd(g, H, L, p) * 0.5, ck=rnd(g, H, p) * 0.5,
-                          W1=rnd(g, H, p, r) * 0.5, b1=rnd(g, H, r) * 0.5)
-            if composition == "gate":
-                inputs.update(W2=rnd(g, H, r, p), b2=rnd(g, H, p))
-        if l:
-            inputs.update(prefix_k=rnd(g, H, l, p), prefix_v=rnd(g, H, l, p))
+        inputs.update(_inducer_params(data, g, H, p, composition, l))
         # the single-visible-column guard of test_inducer_attention_property, per sequence
         fewest = min([nk if not causal else max(0, min(nk, nk - nq + 1))
                       for nq, nk in zip(lens_q, lens_k) if nq] or [2])
