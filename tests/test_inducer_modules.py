@@ -273,3 +273,14 @@ def test_packed_positions_checked_once_per_forward():
     assert a.cu_seqlens()[0].tolist() == [0, 3, 7]
     assert hf_attention._packed_from_positions(torch.arange(7)[None], 1, 7) is None
     assert hf_attention._packed_from_positions(pos, 2, 7) is None       # more than one row
+
+
+def test_packed_kwargs_converted_once_per_forward():
+    """flash-attention's cu_seq_lens kwargs: checked and converted once for all layers; keys
+    packed differently from the queries are refused."""
+    cu = torch.tensor([0, 3, 7])                                   # int64, as a collator may give
+    a = hf_attention._packed_from_kwargs(cu, cu, 4)
+    assert a[0].dtype == torch.int32 and a[0].tolist() == [0, 3, 7] and a[1] == 4
+    assert hf_attention._packed_from_kwargs(cu, cu, 4) is a
+    with pytest.raises(ValueError, match="cu_seq_lens_k != cu_seq_lens_q"):
+        hf_attention._packed_from_kwargs(torch.tensor([0, 3, 7]), torch.tensor([0, 2, 7]), 4)

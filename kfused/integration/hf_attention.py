@@ -94,6 +94,27 @@ def _packed_from_positions(position_ids, batch: int, n: int) -> Optional["Packed
 _positions_memo: list = [None, -1, None]
 
 
+def _packed_from_kwargs(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], max_q
+                        ) -> Tuple[torch.Tensor, Optional[int]]:
+    """(int32 cumulative lengths, longest) from flash-attention's varlen keyword arguments,
+    remembered for the last ``cu_seq_lens_q`` (same object, unchanged): every layer of a
+    forward gets the same tensors, so the check and the conversion happen once."""
+    ref, version, ref_k, got = _kwargs_memo
+    if (ref is not None and ref() is cu_q and cu_q._version == version
+            and (ref_k() if ref_k is not None else None) is cu_k):
+        return got
+    if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_k, cu_q):
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences with different query and "
+                         "key lengths (cu_seq_lens_k != cu_seq_lens_q) are not supported")
+    got = (cu_q.to(torch.int32), None if max_q is None else int(max_q))
+    _kwargs_memo[:] = [weakref.ref(cu_q), cu_q._version,
+                       weakref.ref(cu_k) if cu_k is not None else None, got]
+    return got
+
+
+_kwargs_memo: list = [None, -1, None, None]
+
+
 def _closure(fn) -> dict:
     code = getattr(fn, "__code__", None)
     cells = getattr(fn, "__closure__", None) or ()
@@ -156,12 +177,8 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
     key_padding_mask = None
     packed = None
     if kwargs.get("cu_seq_lens_q") is not None:                # flash-attention's varlen kwargs
-        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(cu_k, cu_q):
-            raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences with different query and "
-                             "key lengths (cu_seq_lens_k != cu_seq_lens_q) are not supported")
-        max_q = kwargs.get("max_length_q")
-        packed = (cu_q.to(torch.int32), None if max_q is None else int(max_q))
+        packed = _packed_from_kwargs(kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k"),
+                                     kwargs.get("max_length_q"))
     elif isinstance(attention_mask, PackedSequences):
         packed = attention_mask.cu_seqlens()
         is_causal = attention_mask.causal
