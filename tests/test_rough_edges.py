@@ -139,3 +139,24 @@ def test_check_dtypes_named_either_way_and_unknown_refused(capsys):
     with pytest.raises(SystemExit) as e:
         check.run(["--dtypes", "float64", "inducer_attention"])
     assert e.value.code == 2 and "unknown dtype(s) float64" in capsys.readouterr().err
+
+
+def test_bench_ratios_against_each_family_baseline():
+    """Ratios go against the case's own baseline: the frozen layer ("floor"), SDPA for
+    inducer attention, the padded batch for the packed case; a case with none gets none."""
+    from kfused.cli.bench import add_ratios
+
+    rows = [dict(shape={"n": 1}, mode="fwd", provider="sdpa", ms_p50=2.0),
+            dict(shape={"n": 1}, mode="fwd", provider="kfused-triton", ms_p50=3.0),
+            dict(shape={"k": 1}, mode="fwd", provider="floor", ms_p50=1.0),
+            dict(shape={"k": 1}, mode="fwd", provider="sdpa", ms_p50=9.0),
+            dict(shape={"k": 1}, mode="fwd", provider="kfused-triton", ms_p50=1.5),
+            dict(shape={"p": 1}, mode="fwd+bwd", provider="kfused-varlen", ms_p50=1.0),
+            dict(shape={"p": 1}, mode="fwd+bwd", provider="kfused-padded", ms_p50=4.0),
+            dict(shape={"z": 1}, mode="fwd", provider="eager", ms_p50=1.0)]
+    add_ratios(rows)
+    got = [(r["provider"], r.get("ratio_to_floor"), r.get("ratio_baseline")) for r in rows]
+    assert got == [("sdpa", 1.0, "sdpa"), ("kfused-triton", 1.5, "sdpa"),
+                   ("floor", 1.0, "floor"), ("sdpa", 9.0, "floor"),
+                   ("kfused-triton", 1.5, "floor"), ("kfused-varlen", 0.25, "kfused-padded"),
+                   ("kfused-padded", 1.0, "kfused-padded"), ("eager", None, None)]

@@ -112,16 +112,25 @@ def device_ceilings(device: torch.device) -> Dict[str, float]:
     return {"d2d_copy_GBps": copy_gbps, "bf16_matmul_8192_TFLOPs": mm_tflops}
 
 
-def add_ratios(rows: List[dict], floor: str = "floor") -> None:
-    """ratio_to_floor = ms_p50 / (the floor provider's ms_p50 for the same shape and mode)."""
+# the baseline of a case's ratios: the first of these providers it has (krona and headwise:
+# the frozen layer; inducer: SDPA; the packed-batch case: the same kernels on the padded batch)
+RATIO_BASELINES = ("floor", "sdpa", "kfused-padded")
+
+
+def add_ratios(rows: List[dict], baselines=RATIO_BASELINES) -> None:
+    """ratio_to_floor = ms_p50 / (the baseline provider's ms_p50 for the same shape and mode);
+    ratio_baseline names that provider (the first of ``baselines`` measured for the case)."""
     base = {}
     for r in rows:
-        if r.get("provider") == floor and "ms_p50" in r:
-            base[(json.dumps(r["shape"], sort_keys=True), r["mode"])] = r["ms_p50"]
+        if r.get("provider") in baselines and "ms_p50" in r:
+            base.setdefault((json.dumps(r["shape"], sort_keys=True), r["mode"]), {})[
+                r["provider"]] = r["ms_p50"]
     for r in rows:
-        key = (json.dumps(r.get("shape"), sort_keys=True), r.get("mode"))
-        if "ms_p50" in r and key in base:
-            r["ratio_to_floor"] = r["ms_p50"] / base[key]
+        found = base.get((json.dumps(r.get("shape"), sort_keys=True), r.get("mode")), {})
+        name = next((b for b in baselines if b in found), None)
+        if "ms_p50" in r and name is not None:
+            r["ratio_to_floor"] = r["ms_p50"] / found[name]
+            r["ratio_baseline"] = name
 
 
 def plot_results(json_path: Path, png_path: Optional[Path] = None) -> Optional[Path]:
@@ -175,7 +184,7 @@ def _short(shape: dict) -> str:
 
 def _print_table(rows: List[dict]) -> None:
     print(f"{'op':<16} {'shape':<38} {'mode':<8} {'provider':<15} {'p50 ms':>9} "
-          f"{'x floor':>8} {'TFLOP/s':>8} {'peak MiB':>9}")
+          f"{'x base':>8} {'TFLOP/s':>8} {'peak MiB':>9}")
     for r in rows:
         if "ms_p50" not in r:
             why = r.get("skipped") or r.get("error")
