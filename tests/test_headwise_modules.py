@@ -84,28 +84,63 @@ def test_hf_merge_unmerge_exact_float64(kind):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_triton_matches_reference_with_grads(kind):
-    # Every adapter module's Triton path vs the module's float64 reference path, output and
-    # every adapter gradient, under the docs/math.md §4 rule. float16: the kernels keep float32
-    # intermediates where the float16 model rounds them, which is what the rule measures
-    # (float32 ties with torch's float32 and is covered op by op in test_headwise_ops).
+    # Every adapter module of a model, on the very input the model feeds it (captured from the
+    # float64 model): Triton path vs the module's float64 reference path, output, input
+    # gradient and every adapter gradient, under the docs/math.md §4 rule, in float16 (the
+    # kernels keep float32 intermediates where the float16 reference rounds them; float32 is
+    # covered op by op in test_headwise_ops). The rule is applied per module, as the contract
+    # defines it per kernel: applied to the gradients of a whole float16 model, each
+    # comparison also carried the float16 noise of every unadapted layer, and about 35 such
+    # per-tensor comparisons per run made this test flake (seed 1775039852: one element at
+    # 1.27x the bound where torch's own float16 error was unusually small; over 14 other seeds
+    # the kernel/torch error ratio had a median of 0.93 — the kernels were never less accurate).
     model = tiny(kind).eval()
     replaced = attach_headwise(model, MIX)
     mark_only_adapters_trainable(model)
-    params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
     ids = torch.randint(3, 40, (2, 9))
+    captured = {}
 
-    def run(backend):
-        def fn(**kw):
-            t = next(iter(kw.values()))
-            model.to(device=t.device, dtype=t.dtype)  # frozen weights in the run's dtype
-            with _swap(model, kw):
-                return _with_backend(backend, lambda: _out(model, ids.to(t.device)))
-        return fn
+    def keep(name):
+        def hook(mod, args, out):         # returns None: the module's output is unchanged
+            captured.setdefault(name, args[0].detach())
+        return hook
 
-    inputs = {n: p.detach().double() for n, p in params.items()}
-    ker, ref = run("triton"), run("reference")
-    assert_against_reference(ker, ref, inputs, torch.float16, DEVICE)
-    assert len(replaced) == EXPECTED[kind]
+    hooks = [m.register_forward_hook(keep(name)) for name, m in replaced.items()]
+    model.double()
+    with torch.no_grad(), _with_backend_ctx("reference"):
+        _out(model, ids)
+    for h in hooks:
+        h.remove()
+    assert set(captured) == set(replaced) and len(replaced) == EXPECTED[kind]
+    for name, mod in replaced.items():
+        params = {n: p.detach().double() for n, p in mod.named_parameters() if p.requires_grad}
+
+        def run(backend, mod=mod):
+            def fn(x, **kw):
+                model.to(device=x.device, dtype=x.dtype)  # frozen weights in the run's dtype
+                with _swap(mod, kw):
+                    return _with_backend(backend, lambda: mod(x))
+            return fn
+
+        assert_against_reference(run("triton"), run("reference"),
+                                 {"x": captured[name], **params}, torch.float16, DEVICE)
+
+
+class _with_backend_ctx:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        import os
+        self.old = os.environ.get("KFUSED_BACKEND")
+        os.environ["KFUSED_BACKEND"] = self.name
+
+    def __exit__(self, *exc):
+        import os
+        if self.old is None:
+            os.environ.pop("KFUSED_BACKEND")
+        else:
+            os.environ["KFUSED_BACKEND"] = self.old
 
 
 def _with_backend(name, fn):
