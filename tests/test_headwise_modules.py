@@ -107,8 +107,8 @@ def test_hf_triton_matches_reference_with_grads(kind):
 
     hooks = [m.register_forward_hook(keep(name)) for name, m in replaced.items()]
     model.double()
-    with torch.no_grad(), _with_backend_ctx("reference"):
-        _out(model, ids)
+    with torch.no_grad():
+        _with_backend("reference", lambda: _out(model, ids))
     for h in hooks:
         h.remove()
     assert set(captured) == set(replaced) and len(replaced) == EXPECTED[kind]
@@ -124,23 +124,6 @@ def test_hf_triton_matches_reference_with_grads(kind):
 
         assert_against_reference(run("triton"), run("reference"),
                                  {"x": captured[name], **params}, torch.float16, DEVICE)
-
-
-class _with_backend_ctx:
-    def __init__(self, name):
-        self.name = name
-
-    def __enter__(self):
-        import os
-        self.old = os.environ.get("KFUSED_BACKEND")
-        os.environ["KFUSED_BACKEND"] = self.name
-
-    def __exit__(self, *exc):
-        import os
-        if self.old is None:
-            os.environ.pop("KFUSED_BACKEND")
-        else:
-            os.environ["KFUSED_BACKEND"] = self.old
 
 
 def _with_backend(name, fn):
