@@ -408,10 +408,16 @@ def inducer_attention(
                                      key_mask, bool(causal), float(scale), gate, save_lo)
     if not gate:
         return f, u
-    up = torch.float64 if q.dtype == torch.float32 else torch.float32
+    return _gate_compose(f, u, lam, W2, b2), None
+
+
+def _gate_compose(f: Tensor, u: Tensor, lam: Tensor, W2: Tensor, b2: Tensor) -> Tensor:
+    """"gate": (1 − λ) f + u W2 + λ b2 in one precision level above f's, from f (B, H, n, p),
+    u = λ tanh(q W1 + b1) (B, H, n, r) and lam = (λ, 1 − λ) (2, B, H, n)."""
+    up = torch.float64 if f.dtype == torch.float32 else torch.float32
     lam, one_minus_lam = lam.unsqueeze(-1).to(up).unbind(0)   # λ and 1 − λ, each accurate
     pv = torch.matmul(u.to(up), W2.to(up)) + lam * b2.to(up)[:, None, :]
-    return (one_minus_lam * f.to(up) + pv).to(q.dtype), None
+    return (one_minus_lam * f.to(up) + pv).to(f.dtype)
 
 
 def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal, seq_lens,
@@ -565,10 +571,8 @@ def inducer_attention_varlen(
                                      float(scale), gate, save_lo, cu_q, cu_k, max_q, max_k)
     if not has_inducer:
         return f, None
-    u = u.transpose(0, 1)                       # (H, total_q, r) -> (total_q, H, r)
     if not gate:
-        return f, u
-    up = torch.float64 if q.dtype == torch.float32 else torch.float32
-    lam, one_minus_lam = lam.transpose(1, 2).unsqueeze(-1).to(up).unbind(0)   # (total_q, H, 1)
-    pv = torch.einsum("thr,hrp->thp", u.to(up), W2.to(up)) + lam * b2.to(up)
-    return (one_minus_lam * f.to(up) + pv).to(q.dtype), None
+        return f, u.transpose(0, 1)             # (H, total_q, r) -> (total_q, H, r)
+    # the batched composition on (1, H, total_q, ·) views of the packed rows
+    out = _gate_compose(f.transpose(0, 1)[None], u[None], lam[:, None], W2, b2)
+    return out[0].transpose(0, 1), None
