@@ -28,12 +28,12 @@ Prefix tuning keeps its prefix in place of the first positions when converted fr
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from kfused._memo import LastResult
 from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_archs,
                                      detect_arch, model_type_of)
 from kfused.modules._init import check_init
@@ -79,19 +79,17 @@ def _packed_from_positions(position_ids, batch: int, n: int) -> Optional["Packed
     if (not isinstance(position_ids, torch.Tensor) or batch != 1 or n <= 1
             or position_ids.numel() != n):
         return None
-    ref, version, segs = _positions_memo
-    if ref is not None and ref() is position_ids and position_ids._version == version:
-        return segs                            # every layer of one forward: one check
-    pos = position_ids.reshape(-1)
-    start = torch.ones(n, dtype=torch.bool, device=pos.device)
-    start[1:] = pos[1:] != pos[:-1] + 1
-    segs = (PackedSequences(start.cumsum(0).reshape(1, n), True)
-            if bool(start[1:].any()) else None)
-    _positions_memo[:] = [weakref.ref(position_ids), position_ids._version, segs]
-    return segs
+
+    def packed():
+        pos = position_ids.reshape(-1)
+        start = torch.ones(n, dtype=torch.bool, device=pos.device)
+        start[1:] = pos[1:] != pos[:-1] + 1
+        return (PackedSequences(start.cumsum(0).reshape(1, n), True)
+                if bool(start[1:].any()) else None)
+    return _from_positions((position_ids,), packed)
 
 
-_positions_memo: list = [None, -1, None]
+_from_positions = LastResult()
 
 
 def _packed_from_kwargs(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], max_q
@@ -99,20 +97,16 @@ def _packed_from_kwargs(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], max_q
     """(int32 cumulative lengths, longest) from flash-attention's varlen keyword arguments,
     remembered for the last ``cu_seq_lens_q`` (same object, unchanged): every layer of a
     forward gets the same tensors, so the check and the conversion happen once."""
-    ref, version, ref_k, got = _kwargs_memo
-    if (ref is not None and ref() is cu_q and cu_q._version == version
-            and (ref_k() if ref_k is not None else None) is cu_k):
-        return got
-    if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_k, cu_q):
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences with different query and "
-                         "key lengths (cu_seq_lens_k != cu_seq_lens_q) are not supported")
-    got = (cu_q.to(torch.int32), None if max_q is None else int(max_q))
-    _kwargs_memo[:] = [weakref.ref(cu_q), cu_q._version,
-                       weakref.ref(cu_k) if cu_k is not None else None, got]
-    return got
+    def packed():
+        if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_k, cu_q):
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences with different query "
+                             "and key lengths (cu_seq_lens_k != cu_seq_lens_q) are not "
+                             "supported")
+        return cu_q.to(torch.int32), None if max_q is None else int(max_q)
+    return _from_kwargs((cu_q, cu_k), packed)
 
 
-_kwargs_memo: list = [None, -1, None, None]
+_from_kwargs = LastResult()
 
 
 def _closure(fn) -> dict:

@@ -22,13 +22,13 @@ PyTorch (O(n·r·p), autograd).
 
 from __future__ import annotations
 
-import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from kfused import _validate, cuda
+from kfused._memo import LastResult
 from kfused.backends import select_backend
 from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
                                       inducer_value_hidden)
@@ -446,19 +446,14 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
 # packed variable-length batches
 
 
-_host_memo: list = [None, -1, None]           # (weakref to a tensor, its version, its values)
+_host_values = LastResult()
 
 
 def host_values(t: Tensor) -> list:
     """``t.tolist()``, remembered for the last tensor asked (same object, unchanged since):
     every layer of a packed forward passes the same cumulative lengths, and only the first
     call pays the device-to-host copy."""
-    ref, version, vals = _host_memo
-    if ref is not None and ref() is t and t._version == version:
-        return vals
-    vals = t.tolist()
-    _host_memo[:] = [weakref.ref(t), t._version, vals]
-    return vals
+    return _host_values((t,), t.tolist)
 
 
 def _check_cu_seqlens(name: str, cu: Tensor, total: int, total_name: str, q: Tensor) -> list:
