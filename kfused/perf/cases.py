@@ -459,32 +459,21 @@ def _stream(name, nbytes):
 def _fa2(name, B, H, n, p, causal, bwd, el=2, Hkv=None):
     """FlashAttention-2 (SDPA's flash backend on H100): mma.sync, 128-row tiles; forward 2
     products, backward 5 (+ the D = rowsum(dO∘O) preprocessing pass)."""
+    return _fa2_varlen(name, [n] * B, H, p, causal, bwd, el, Hkv)
+
+
+def _fa2_varlen(name, lens, H, p, causal, bwd, el=2, Hkv=None):
+    """FlashAttention-2 over sequences of the given lengths in one launch (a batch: equal
+    lengths; the varlen kernel: packed ones). Programs: every sequence's 128-row tiles."""
     Hkv = Hkv or H
-    frac = 0.5 if causal else 1.0
-    scores = B * H * n * n * frac
-    prods = 5 if bwd else 2
-    work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
-                alu_ops=scores * (12 if bwd else 8),
-                hbm_bytes=el * B * n * p * (H * (4 if bwd else 2) + Hkv * (4 if bwd else 2))
-                + (B * H * n * p * 4 * 2 if bwd else 0))
-    programs = B * H * cdiv(n, 128)
-    pr = R.predict(work, {"hmma": 1}, programs, 1)
-    out = [dict(name=name, t=pr["t"], flops=work["dot16_flops"])]
-    if bwd:
-        out.append(_stream(name + ":rowsum(dO*O)", el * 2 * B * H * n * p + 4 * B * H * n))
-    return out
-
-
-def _fa2_varlen(name, lens, H, p, causal, bwd, el=2):
-    """FlashAttention-2's varlen kernel over packed sequences: _fa2's work summed over the
-    sequences, one launch (programs: every sequence's 128-row tiles)."""
     frac = 0.5 if causal else 1.0
     scores = sum(H * m * m * frac for m in lens)
     T = sum(lens)
     prods = 5 if bwd else 2
     work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
                 alu_ops=scores * (12 if bwd else 8),
-                hbm_bytes=el * T * p * H * (8 if bwd else 4) + (T * H * p * 4 * 2 if bwd else 0))
+                hbm_bytes=el * T * p * (H * (4 if bwd else 2) + Hkv * (4 if bwd else 2))
+                + (T * H * p * 4 * 2 if bwd else 0))
     programs = H * sum(cdiv(m, 128) for m in lens)
     pr = R.predict(work, {"hmma": 1}, programs, 1)
     out = [dict(name=name, t=pr["t"], flops=work["dot16_flops"])]
