@@ -69,14 +69,21 @@ def _flex_fn(causal: bool, n: int, device):
 
     def run(q, k, v, params):
         out, lse = flex(q, k, v, block_mask=block_mask, return_lse=True)
-        p = q.shape[-1]
-        s0 = inducer_key_logit(q.float(), params["Ak"].float(), params["ak"].float(),
-                               params["Bk"].float(), params["ck"].float(), p ** -0.5)
-        lam = torch.sigmoid(s0 - lse.float()).unsqueeze(-1)
-        u = lam * inducer_value_hidden(q.float(), params["W1"].float(), params["b1"].float())
-        return out, u.to(q.dtype)
+        return out, flex_epilogue(q, lse, params)
 
     return run
+
+
+def flex_epilogue(q: torch.Tensor, lse: torch.Tensor, params) -> torch.Tensor:
+    """The inducer's ``u = λ · tanh(q W1 + b1)`` in PyTorch from FlexAttention's row
+    log-sum-exp (λ = σ(s0 − LSE), s0 the key MLP's logit): what the "flex" provider adds to
+    the attention. The performance model (kfused.perf.cases) traces this same function."""
+    p = q.shape[-1]
+    s0 = inducer_key_logit(q.float(), params["Ak"].float(), params["ak"].float(),
+                           params["Bk"].float(), params["ck"].float(), p ** -0.5)
+    lam = torch.sigmoid(s0 - lse.float()).unsqueeze(-1)
+    u = lam * inducer_value_hidden(q.float(), params["W1"].float(), params["b1"].float())
+    return u.to(q.dtype)
 
 
 def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[BenchCase]:

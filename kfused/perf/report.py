@@ -267,7 +267,7 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
         rows = _fastest_alternatives(rows)
         glue_rows = []
         for g in glue:
-            t = (max(g.flops / R.WGMMA_RATE, g.bytes / R.HBM_BW) + R.KERNEL_OVERHEAD_S)
+            t = R.torch_op_time(g.flops, g.bytes)
             glue_rows.append(dict(op=g.name, bytes=g.bytes, flops=g.flops, t=t))
         t_k = sum(r["predicted"]["t"] for r in rows) + sum(g["t"] for g in glue_rows)
         issued = sum(r["work"]["dot16_flops"] + r["work"]["fma32_flops"] + r["work"]["fma64_flops"]

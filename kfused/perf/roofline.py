@@ -136,6 +136,12 @@ def gemm_time(M: int, N: int, K: int, el: int = 2, rate: float = WGMMA_RATE,
     return max(flops / rate, bytes_ / HBM_BW) + KERNEL_OVERHEAD_S
 
 
+def torch_op_time(flops: float, nbytes: float) -> float:
+    """One torch operation between kernels (the "glue"): matmul FLOPs at the GEMM ceiling or
+    its bytes at the streaming rate, whichever is longer, plus the launch."""
+    return max(flops / WGMMA_RATE, nbytes / HBM_BW) + KERNEL_OVERHEAD_S
+
+
 def stream_time(nbytes: float) -> float:
     """A memory-bound torch element-wise / reduction kernel."""
     return nbytes / HBM_BW + KERNEL_OVERHEAD_S
