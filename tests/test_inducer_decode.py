@@ -1,6 +1,6 @@
 """The decode path of inducer attention (few queries against a long KV cache): split-KV over
-key chunks with the query heads of a kv head packed into one tile, merged by the forward
-kernel. Taken automatically for 16-bit inputs with at most 16 queries; checked against the float64 reference
+key chunks with the query heads of a kv head packed into one tile, merged in the same launch
+by the last chunk of each kv head to finish. Taken automatically for 16-bit inputs with at most 16 queries; checked against the float64 reference
 (docs/math.md §4, outputs and gradients: the backward reads the merged row statistics) and
 against the single-pass forward."""
 
@@ -87,6 +87,35 @@ def test_decode_matches_single_pass(chunk):
                                   km, True, decode=False)
     for name, x, y in zip(("out", "u", "lse", "lam", "stats"), a, b):
         torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6, msg=name)
+
+
+def test_decode_is_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
+    """One kernel launch per decode step (grid: key chunks × kv heads); the arrival counters
+    it takes tickets on are back at 0 afterwards, so the next step starts clean and gives the
+    same result."""
+    from kfused.triton_kernels import inducer_attention as ia
+
+    torch.manual_seed(2)
+    B, H, H_kv, n_q, n_k, p = 2, 4, 2, 1, 300, 32
+    X = {k_: t.half().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
+    P = {k_: t.half().to(DEVICE) for k_, t in _params(H, p, l=2).items()}
+    grids = []
+    real = ia._inducer_attn_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ia, "_inducer_attn_fwd_kernel", Spy())
+    first = inducer_attention(**X, **P, causal=True, backend="triton")
+    plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device)
+    assert grids == [(plan.splits, B * H_kv)] and plan.splits > 1
+    counters = ia._arrival_counters(X["q"].device, B * H_kv)
+    assert int(counters.abs().sum()) == 0
+    second = inducer_attention(**X, **P, causal=True, backend="triton")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 def test_decode_refuses_what_it_cannot_take():

@@ -355,7 +355,7 @@ def aot_launches() -> None:
                                        None, None, q, k, v, torch.zeros_like(out),
                                        torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal,
                                        out_lo=out_lo)
-    # the decode path: split-KV kernel + the merging forward (GQA, padded cache, prefix)
+    # the decode path: split-KV chunks merged in the same launch (GQA, padded cache, prefix)
     for dtype, p, n_q in ((torch.bfloat16, 64, 1), (torch.bfloat16, 128, 4),
                           (torch.float32, 64, 1)):
         H4, H_kv, n_k = 8, 2, 4096

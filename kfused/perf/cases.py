@@ -302,38 +302,71 @@ def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int, x16: bool,
 def _m_ind_fwd(L) -> Dict[str, float]:
     """Per query tile: prologue q·Ak, q·Bkᵀ (the virtual key's logit, L padded to L_PAD), the
     online softmax in base 2 over the visited key tiles (causal: tiles above the diagonal are
-    skipped, see _attn_tiles), epilogue λ, 1 − λ and u = λ tanh(q W1 + b1) (R_PAD)."""
+    skipped, see _attn_tiles), epilogue λ, 1 − λ and u = λ tanh(q W1 + b1) (R_PAD).
+
+    SPLIT_KV (decode, one launch): grid (key chunks, B·H_kv); each program runs S = QKᵀ and PV
+    over its chunk's key tiles for the SPLIT_M GQA-packed rows of its kv head (the cache read
+    once per kv head) and writes a float32 partial (acc, m, l); the last chunk of each kv head
+    merges the partials for the packed rows at once, then runs the prologue, prefix and
+    epilogue of its GROUP query heads from the merged slot. That merge runs after the
+    kernel's last wave, one program per kv head: ``tail_s``."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
     n_q, n_k = a["N_Q"], a["N_K"]
-    BH = L.grid[1]
-    progs = L.programs()
-    merge = bool(a.get("MERGE", False))                              # decode: keys pre-reduced
-    spans = _spans(L, a, a["H"])
-    tiles = sum(c * ((0 if merge else _attn_tiles(nq, nk, BM, BN, causal, off))
+    split = bool(a.get("SPLIT_KV", False))
+    el = _el(q)
+    w = _work()
+    if split:
+        splits, BHkv = L.grid[0], L.grid[1]
+        heads = BHkv * a["GROUP"]
+        progs = heads * cdiv(n_q, BM)
+        spans = [(heads, n_q, n_k, a["causal_off"])]
+        SM, chunk = a["SPLIT_M"], a["CHUNK"]
+        ctiles = BHkv * sum(cdiv(max(0, min(chunk, n_k - s * chunk)), BN) for s in range(splits))
+        _flash(w, ctiles * 2 * 2.0 * SM * BN * DP, x16)
+        w["sfu_ops"] += ctiles * SM * BN
+        w["alu_ops"] += ctiles * (SM * BN * 8 + SM * DP)
+    else:
+        progs = L.programs()
+        spans = _spans(L, a, a["H"])
+    tiles = sum(c * ((0 if split else _attn_tiles(nq, nk, BM, BN, causal, off))
                      + (cdiv(a["N_PREFIX"], BN) * cdiv(nq, BM) if a["HAS_PREFIX"] else 0))
                 for c, nq, nk, off in spans)
-    w = _work()
     _flash(w, tiles * 2 * 2.0 * BM * BN * DP, x16)                  # S = QKᵀ, PV
-    w["sfu_ops"] = tiles * BM * BN                                   # exp2 per score
-    w["alu_ops"] = tiles * (BM * BN * 8 + BM * DP)                   # scale, mask, max, sub,
-    el = _el(q)                                                      # sum, cvt; acc rescale
+    w["sfu_ops"] += tiles * BM * BN                                  # exp2 per score
+    w["alu_ops"] += tiles * (BM * BN * 8 + BM * DP)                  # scale, mask, max, sub,
+    merge_alu = 0.0                                                  # sum, cvt; acc rescale
     if a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
         _mlp_units(progs, BM, DP, LP, 2, x16, w)                     # q Ak, q Bkᵀ
         _mlp_units(progs, BM, DP, RP, 1, x16, w)                     # q W1
         w["sfu_ops"] += progs * BM * (2 * (LP + RP) + 4)             # tanh (ex2+rcp), σ twice
-        w["alu_ops"] += progs * BM * (3 * DP + 4 * (LP + RP) + 16)   # logit dot, σ, u
+        merge_alu = progs * BM * (3 * DP + 4 * (LP + RP) + 16)       # logit dot, σ, u
+        w["alu_ops"] += merge_alu
     p = a["HEAD_DIM"]
     kv = a["K"].numel() * el * 2
     per_head_kv = n_k * p * el * 2
     u = a["U"]
-    w["hbm_bytes"] = (q.numel() * el * (3 if a["SAVE_LO"] else 2)   # q, O (+ O_lo)
-                      + a["N_ROWS"] * 4 * 5                          # lse, stats ×2, λ ×2
-                      + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
-    if merge:                                                        # the chunks' partials
-        w["hbm_bytes"] += BH * a["NUM_SPLITS"] * n_q * (DP + 2) * 4
-        w["alu_ops"] += BH * a["NUM_SPLITS"] * BM * (3 * DP + 8)
+    out_bytes = (q.numel() * el * (3 if a["SAVE_LO"] else 2)         # q, O (+ O_lo)
+                 + a["N_ROWS"] * 4 * 5                               # lse, stats ×2, λ ×2
+                 + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
+    w["hbm_bytes"] = out_bytes
+    if split:
+        row = (DP + 2) * 4
+        written = (splits + 1) * BHkv * SM * row                     # the chunks' partials,
+        # then the merged slot 0; the last chunk reads the real rows (GROUP·n_q per kv head)
+        # of every slot once, then each query head its rows of slot 0
+        read = BHkv * splits * a["GROUP"] * n_q * row + heads * n_q * row
+        w["hbm_bytes"] += q.numel() * el + kv + written + read
+        m_alu = (BHkv * splits * SM + heads * BM) * (3 * DP + 8)
+        w["alu_ops"] += m_alu
+        # the merge of one kv head, serial after the last wave: its partials through one
+        # SM's share of L2 bandwidth, its element-wise work at one SM's ALU rate, plus the
+        # prologue/epilogue products of its GROUP heads at one SM's tensor rate
+        per_kv = 1.0 / BHkv
+        w["tail_s"] = (read * per_kv / (R.L2_BW / R.SMS)
+                       + (m_alu + merge_alu) * per_kv / (R.ALU32_RATE / R.SMS)
+                       + out_bytes * per_kv / (R.L2_BW / R.SMS))
     elif a.get("VARLEN"):                                            # each sequence's K, V
         Hkv = a["H"] // a["GROUP"]
         w["hbm_bytes"] += sum(R.reread_bytes(Hkv * nk * p * el * 2, 1 if nk * p * el * 2
@@ -342,27 +375,6 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     else:
         w["hbm_bytes"] += R.reread_bytes(kv, 1 if per_head_kv <= R.L2_RESIDENT
                                          else cdiv(n_q, BM))
-    return w
-
-
-@kernel("_inducer_attn_split_kernel")
-def _m_ind_split(L) -> Dict[str, float]:
-    """Decode path, one program per (key chunk, batch, kv head): S = QKᵀ and PV over the
-    chunk's key tiles for the SPLIT_M rows of the kv head's query heads (GQA-packed), the
-    cache read once per kv head; writes the float32 partial (acc, m, l) per row."""
-    a = L.bound()
-    q = a["Q"]
-    x16, BN, DP, SM = _is16(q), a["BLOCK_N"], a["D_PAD"], a["SPLIT_M"]
-    n_k, chunk = a["N_K"], a["CHUNK"]
-    splits, BHkv = L.grid[0], L.grid[1]
-    tiles = BHkv * sum(cdiv(max(0, min(chunk, n_k - s * chunk)), BN) for s in range(splits))
-    w = _work()
-    _flash(w, tiles * 2 * 2.0 * SM * BN * DP, x16)
-    w["sfu_ops"] = tiles * SM * BN
-    w["alu_ops"] = tiles * (SM * BN * 8 + SM * DP)
-    el = _el(q)
-    w["hbm_bytes"] = (q.numel() * el + a["K"].numel() * el * 2
-                      + splits * BHkv * SM * (DP + 2) * 4)
     return w
 
 

@@ -20,7 +20,9 @@ Work of one kernel launch (or torch op) is split by the unit that executes it:
   t_compute = t_dot16 + t_fma32 + t_fma64 + t_sfu + t_alu     (pipes not overlapped: none of
               today's kernels software-pipelines softmax against MMA like FlashAttention-3)
   t_mem     = hbm_bytes / HBM_BW
-  t         = max(t_compute / wave_eff, t_mem) + KERNEL_OVERHEAD_S
+  t         = max(t_compute / wave_eff, t_mem) + t_tail + KERNEL_OVERHEAD_S
+  t_tail    = serial work after the last wave (the split-KV decode's merge by the last
+              program of each kv head), given by the kernel model as ``tail_s``
   wave_eff  = programs / (ceil(programs / (SMS * ctas_per_sm)) * SMS * ctas_per_sm)
               (tail effect: the last wave of CTAs leaves SMs idle; persistent grids ~1)
 
@@ -58,13 +60,17 @@ SFU_RATE = 132 * 16 * 1.98e9
 # back-to-back launches on H100 with CUDA graphs off); the model uses 3 us.
 KERNEL_OVERHEAD_S = 3e-6
 L2_BYTES = 50 * 2**20                  # H100 SXM5 L2
+# L2 read bandwidth: an assumption of the order that published H100 microbenchmarks report
+# (5-7 TB/s); used only for serial tails (one SM's share, L2_BW / SMS), not for kernels' bytes.
+L2_BW = 5.5e12
 L2_RESIDENT = L2_BYTES // 2            # what an operand may occupy and still be re-used
 
 CONSTANTS = {k: v for k, v in dict(
     SMS=SMS, PEAK_BF16_DENSE=PEAK_BF16_DENSE, PEAK_HBM=PEAK_HBM, WGMMA_RATE=WGMMA_RATE,
     HBM_BW=HBM_BW, MMA_SYNC_FRACTION=MMA_SYNC_FRACTION, MMA_RATE=MMA_RATE,
     FMA32_RATE=FMA32_RATE, ALU32_RATE=ALU32_RATE, FMA64_RATE=FMA64_RATE, SFU_RATE=SFU_RATE,
-    KERNEL_OVERHEAD_S=KERNEL_OVERHEAD_S, L2_BYTES=L2_BYTES, L2_RESIDENT=L2_RESIDENT).items()}
+    KERNEL_OVERHEAD_S=KERNEL_OVERHEAD_S, L2_BYTES=L2_BYTES, L2_RESIDENT=L2_RESIDENT,
+    L2_BW=L2_BW).items()}
 
 
 def reread_bytes(size: float, passes: float) -> float:
@@ -122,10 +128,11 @@ def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
     t_comp = t_dot + t_fma + t_f64 + t_sfu + t_alu
     eff = wave_efficiency(programs, max(1, ctas_per_sm)) if programs else 1.0
     t_mem = work.get("hbm_bytes", 0.0) / HBM_BW
-    t = max(t_comp / eff, t_mem) + KERNEL_OVERHEAD_S
+    t_tail = work.get("tail_s", 0.0)
+    t = max(t_comp / eff, t_mem) + t_tail + KERNEL_OVERHEAD_S
     bound = "memory" if t_mem >= t_comp / eff else "compute"
     return dict(t=t, t_dot16=t_dot, t_fma32=t_fma, t_fma64=t_f64, t_sfu=t_sfu, t_alu=t_alu,
-                t_mem=t_mem, wave_eff=eff, bound=bound)
+                t_mem=t_mem, t_tail=t_tail, wave_eff=eff, bound=bound)
 
 
 def gemm_time(M: int, N: int, K: int, el: int = 2, rate: float = WGMMA_RATE,

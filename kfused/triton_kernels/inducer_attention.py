@@ -265,9 +265,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 
 
 @triton.jit
-def _inducer_attn_fwd_kernel(
+def _fwd_rows(
+    pid_m, b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off,
     Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
-    CU_Q, CU_K, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, NUM_SPLITS,
+    ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, WS_BASE, NUM_SPLITS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -275,24 +276,18 @@ def _inducer_attn_fwd_kernel(
     stride_pvh, stride_pvn, stride_pvd,
     stride_mb,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, GROUP, N_Q, N_K, N_PREFIX, L, R, causal_off, scale, qk_scale,
+    H, GROUP, N_Q, L, R, scale, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
-    VARLEN: tl.constexpr, MERGE: tl.constexpr, SPLIT_M: tl.constexpr,
+    MERGE: tl.constexpr, SPLIT_M: tl.constexpr,
 ):
-    """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
-    ((B, H, n_q) or, packed, (H, total_q)); O is written through its strides. VARLEN: batch
-    element b is sequence b of a packed batch (CU_Q, CU_K cumulative lengths; q, k, v, O with
-    batch stride 0); tiles past the sequence's end do nothing. MERGE (the decode path): the
-    sequence keys were already reduced by :func:`_inducer_attn_split_kernel` into NUM_SPLITS
-    partial (acc, m, l) per row (WS_ACC, WS_ML); they are merged here instead of the key
-    loop (the prefix, the MLP and the epilogue are unchanged)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off = _query_tile(
-        pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off, BLOCK_M, VARLEN)
+    """Query tile ``pid_m`` of head h of batch element b (kv head hk; queries q0 + [0, n_q),
+    keys k0 + [0, n_k)): prologue (the key MLP's logit), the prefix tiles, the key loop —
+    or, MERGE, the NUM_SPLITS partial (acc, m, l) slots of the split-KV workspace from row
+    WS_BASE — and the epilogue
+    (f, O_lo, LSE, row statistics, λ, 1 − λ, u)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_ok = offs_m < n_q
@@ -321,21 +316,11 @@ def _inducer_attn_fwd_kernel(
     k_base = K + b * stride_kb + hk * stride_kh + k0 * stride_kn
     v_base = V + b * stride_vb + hk * stride_vh + k0 * stride_vn
     if MERGE:
-        # split s of kv head (b, hk) holds this head's rows at g·N_Q + i of its SPLIT_M rows
-        ws_row = (b * (H // GROUP) + hk) * NUM_SPLITS * SPLIT_M + (h % GROUP) * N_Q + offs_m
-        for s_idx in range(0, NUM_SPLITS):
-            r_s = ws_row + s_idx * SPLIT_M
-            m_s = tl.load(WS_ML + r_s, mask=m_ok, other=float("-inf"))
-            l_s = tl.load(WS_ML + N_WS + r_s, mask=m_ok, other=0.0)
-            a_s = tl.load(WS_ACC + r_s[:, None] * D_PAD + offs_d[None, :], mask=m_ok[:, None],
-                          other=0.0)
-            m_new = tl.maximum(m_i, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            beta = tl.exp2(m_s - m_safe)
-            l_i = l_i * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            m_i = m_new
+        # the kv head's workspace rows from WS_BASE hold this head's rows at g·N_Q + i of
+        # each SPLIT_M-row slot (NUM_SPLITS slots)
+        acc, l_i, m_i = _merge_partials(acc, l_i, m_i, WS_ACC, WS_ML, N_WS,
+                                        WS_BASE + (h % GROUP) * N_Q + offs_m, m_ok, offs_d,
+                                        NUM_SPLITS, SPLIT_M, D_PAD)
     elif CAUSAL:
         # tiles wholly below the diagonal need no compare (and are in bounds); tiles wholly
         # above it are never visited
@@ -400,26 +385,40 @@ def _inducer_attn_fwd_kernel(
 
 
 @triton.jit
-def _inducer_attn_split_kernel(
-    Q, K, V, KMASK, WS_ACC, WS_ML, N_WS,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mb,
-    H_KV, GROUP, N_Q, N_K, CHUNK, causal_off, qk_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, PREC: tl.constexpr,
-):
-    """Decode path (few queries against a long KV cache), split-KV as in flash-decoding: one
-    program per (key chunk, batch, kv head). Its tile holds every query row of the GROUP query
-    heads that share the kv head (row g·N_Q + i: head hk·GROUP + g, query i), so the cache is
-    read once per kv head, and the chunks spread a small batch over the whole GPU. Writes the
-    unnormalised partial acc (SPLIT_M, D_PAD) and the base-2 row max / row sum (WS_ML, WS_ML
-    + N_WS) of its chunk, all float32; the forward kernel (MERGE) combines the chunks."""
-    pid_s = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    b = (pid_bk // H_KV).to(tl.int64)
-    hk = (pid_bk % H_KV).to(tl.int64)
+def _merge_partials(acc, l_i, m_i, WS_ACC, WS_ML, N_WS, rows, r_ok, offs_d, NUM_SPLITS,
+                    SPLIT_M: tl.constexpr, D_PAD: tl.constexpr):
+    """Fold NUM_SPLITS split-KV partials (acc, base-2 row max m, row sum l), at ``rows`` +
+    s·SPLIT_M of the workspace, into the running (acc, l, m). Other programs wrote them:
+    read through L2 (.cg), never a stale L1 line."""
+    for s_idx in range(0, NUM_SPLITS):
+        r_s = rows + s_idx * SPLIT_M
+        m_s = tl.load(WS_ML + r_s, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(WS_ML + N_WS + r_s, mask=r_ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(WS_ACC + r_s[:, None] * D_PAD + offs_d[None, :], mask=r_ok[:, None],
+                      other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _split_chunk(Q, K, V, KMASK, WS_ACC, WS_ML, N_WS, pid_s, pid_bk, b, hk, NUM_SPLITS,
+                 stride_qb, stride_qh, stride_qn, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+                 GROUP, N_Q, N_K, CHUNK, causal_off, qk_scale,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Key chunk pid_s of kv head (b, hk) for every query row of its GROUP query heads (row
+    g·N_Q + i: head hk·GROUP + g, query i), so the cache is read once per kv head; writes
+    the unnormalised partial acc (SPLIT_M, D_PAD) and the base-2 row max / row sum (WS_ML,
+    WS_ML + N_WS) of the chunk, float32."""
     r = tl.arange(0, SPLIT_M)
     g = r // N_Q
     qi = r % N_Q                              # query position of each row
@@ -439,10 +438,106 @@ def _inducer_attn_split_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, hi, qi, offs_d,
         KMASK + b * stride_mb, causal_off, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL,
         HAS_KMASK, PREC)
-    row = (pid_bk.to(tl.int64) * tl.num_programs(0) + pid_s) * SPLIT_M + r
+    row = (pid_bk.to(tl.int64) * NUM_SPLITS + pid_s) * SPLIT_M + r
     tl.store(WS_ACC + row[:, None] * D_PAD + offs_d[None, :], acc)
     tl.store(WS_ML + row, m_i)
     tl.store(WS_ML + N_WS + row, l_i)
+
+
+@triton.jit
+def _inducer_attn_fwd_kernel(
+    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
+    CU_Q, CU_K, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, COUNT, CHUNK,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_pkh, stride_pkn, stride_pkd,
+    stride_pvh, stride_pvn, stride_pvd,
+    stride_mb,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, GROUP, N_Q, N_K, N_PREFIX, L, R, causal_off, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
+    VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_M: tl.constexpr,
+):
+    """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
+    ((B, H, n_q) or, packed, (H, total_q)); O is written through its strides. VARLEN: batch
+    element b is sequence b of a packed batch (CU_Q, CU_K cumulative lengths; q, k, v, O with
+    batch stride 0); tiles past the sequence's end do nothing.
+
+    SPLIT_KV (the decode path, flash-decoding in one launch): grid (key chunks, B·H_kv); each
+    program reduces its chunk of CHUNK keys for the GQA-packed rows of its kv head
+    (:func:`_split_chunk`), then takes a ticket on the kv head's arrival counter COUNT; the
+    last of the chunks to arrive merges all of them for the packed rows at once (into slot
+    0), runs the prologue, the prefix and the epilogue for each of the GROUP query heads from
+    that slot, then sets the counter back to 0 for the next launch. Ordering: every thread's partial stores, a CTA barrier, then the ticket (one
+    acquire-release atomic at GPU scope); the merging program reads the partials through L2."""
+    if SPLIT_KV:
+        pid_s = tl.program_id(0)
+        pid_bk = tl.program_id(1)
+        n_splits = tl.num_programs(0)
+        b = (pid_bk // (H // GROUP)).to(tl.int64)
+        hk = (pid_bk % (H // GROUP)).to(tl.int64)
+        _split_chunk(Q, K, V, KMASK, WS_ACC, WS_ML, N_WS, pid_s, pid_bk, b, hk, n_splits,
+                     stride_qb, stride_qh, stride_qn, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+                     GROUP, N_Q, N_K, CHUNK, causal_off, qk_scale,
+                     HEAD_DIM, D_PAD, SPLIT_M, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNT + pid_bk, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            # merge the chunks once for all the kv head's packed rows, into slot 0; then each
+            # query head's prologue/prefix/epilogue reads that one merged slot
+            base = pid_bk.to(tl.int64) * n_splits * SPLIT_M
+            r = tl.arange(0, SPLIT_M)
+            offs_d = tl.arange(0, D_PAD)
+            acc, l_i, m_i = _merge_partials(
+                tl.zeros([SPLIT_M, D_PAD], dtype=tl.float32),
+                tl.zeros([SPLIT_M], dtype=tl.float32),
+                tl.full([SPLIT_M], float("-inf"), dtype=tl.float32),
+                WS_ACC, WS_ML, N_WS, base + r, r < GROUP * N_Q, offs_d, n_splits, SPLIT_M,
+                D_PAD)                                      # padding rows: never read
+            tl.store(WS_ACC + (base + r)[:, None] * D_PAD + offs_d[None, :], acc)
+            tl.store(WS_ML + base + r, m_i)
+            tl.store(WS_ML + N_WS + base + r, l_i)
+            tl.debug_barrier()
+            for g in range(0, GROUP):
+                _fwd_rows(
+                    0, b, hk * GROUP + g, hk, 0, N_Q, 0, N_K, N_PREFIX, causal_off,
+                    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM,
+                    STATS, N_ROWS, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, base, 1,
+                    stride_qb, stride_qh, stride_qn, stride_qd,
+                    stride_kb, stride_kh, stride_kn, stride_kd,
+                    stride_vb, stride_vh, stride_vn, stride_vd,
+                    stride_pkh, stride_pkn, stride_pkd,
+                    stride_pvh, stride_pvn, stride_pvd,
+                    stride_mb, stride_ob, stride_oh, stride_on, stride_od,
+                    H, GROUP, N_Q, L, R, scale, qk_scale,
+                    HEAD_DIM, D_PAD, L_PAD, R_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_KMASK,
+                    HAS_PREFIX, HAS_MLP, IS16, SAVE_LO, PREC, True, SPLIT_M)
+            tl.atomic_xchg(COUNT + pid_bk, 0, sem="relaxed", scope="gpu")
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off = _query_tile(
+            pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off, BLOCK_M,
+            VARLEN)
+        _fwd_rows(
+            pid_m, b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off,
+            Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS,
+            N_ROWS, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, 0, 1,
+            stride_qb, stride_qh, stride_qn, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_pkh, stride_pkn, stride_pkd,
+            stride_pvh, stride_pvn, stride_pvd,
+            stride_mb, stride_ob, stride_oh, stride_on, stride_od,
+            H, GROUP, N_Q, L, R, scale, qk_scale,
+            HEAD_DIM, D_PAD, L_PAD, R_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_KMASK,
+            HAS_PREFIX, HAS_MLP, IS16, SAVE_LO, PREC, False, SPLIT_M)
 
 
 # ------------------------------------------------------------------------------------------
@@ -792,17 +887,19 @@ class _DecodePlan:
     def __init__(self, lay: "_Layout", device: torch.device, chunk: Optional[int] = None):
         group = lay.H // lay.h_kv
         self.split_m = max(16, next_pow2(group * lay.n_q))
-        self.block_m = max(16, next_pow2(lay.n_q))      # the merging forward launch
+        self.block_m = max(16, next_pow2(lay.n_q))      # a query head's rows when merging
         self.block_n = 64
         if chunk is None:
             if triton_interpret():
                 chunk = 2 * self.block_n                # several chunks even on test shapes
             else:
                 # about two programs per SM, each with >= 256 keys (the partial it writes,
-                # split_m × p float32, stays small next to the K/V chunk it reads)
+                # split_m × p float32, stays small next to the K/V chunk it reads); no split
+                # when the kv heads alone nearly fill that (FlashAttention-2's 80 % rule)
                 sms = (torch.cuda.get_device_properties(device).multi_processor_count
                        if device.type == "cuda" else 132)        # H100 SXM (perf model)
-                want = max(1, triton.cdiv(2 * sms, max(1, lay.B * lay.h_kv)))
+                kv_heads = max(1, lay.B * lay.h_kv)
+                want = 1 if kv_heads >= 0.8 * 2 * sms else triton.cdiv(2 * sms, kv_heads)
                 chunk = max(256, triton.cdiv(lay.n_k, want))
         self.chunk = triton.cdiv(max(1, chunk), self.block_n) * self.block_n
         self.splits = triton.cdiv(lay.n_k, self.chunk)
@@ -819,9 +916,28 @@ class _DecodePlan:
         """Taken by default: those shapes, 16-bit inputs. float32 keeps the single pass: its
         backward (EXACT_DELTA) needs the forward's row max bit-identical to the score it
         recomputes (a row with one visible column has dP − D = 0 exactly only then), and the
-        split kernel's GQA-packed tile may round that score differently (property sweep seed
+        split-KV chunk's GQA-packed tile may round that score differently (property sweep seed
         1: n_k = 1, dk 2e-4 off in float32). 16-bit backward takes D from O_hi + O_lo."""
         return dtype in (torch.float16, torch.bfloat16) and _DecodePlan.applies(lay)
+
+
+_COUNTERS = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 zeros for the split-KV decode's per-kv-head arrival counters.
+
+    Kept per (device, stream) and reused: every launch leaves them at 0 (the merging program
+    resets its counter), so no launch pays a memset, and launches on one stream run in order.
+    A larger request replaces the buffer (the old one stays alive until the stream's earlier
+    launches are done, through the caching allocator's stream ordering)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int, int],
@@ -941,9 +1057,10 @@ def inducer_attention_forward(
     (``u`` (H, total_q, r), ``lam``/``stats`` (2, H, total_q)).
 
     ``decode`` (default: 16-bit inputs with at most 16 queries and 64 query rows per kv
-    head, see :meth:`_DecodePlan.chosen`): the split-KV path — :func:`_inducer_attn_split_kernel` over key chunks of
-    ``decode_chunk`` keys (default: sized to fill the GPU), then the forward kernel merging
-    the chunks. Same outputs (the backward reads the same row statistics).
+    head, see :meth:`_DecodePlan.chosen`): the split-KV path in one launch — the forward
+    kernel with SPLIT_KV, one program per key chunk of ``decode_chunk`` keys (default: sized
+    to fill the GPU) and kv head, the last chunk to finish merging them. Same outputs (the
+    backward reads the same row statistics).
     """
     lay = _Layout(q, k, varlen)
     B, H, n_q, p, n_k, h_kv = lay.B, lay.H, lay.n_q, lay.p, lay.n_k, lay.h_kv
@@ -973,34 +1090,31 @@ def inducer_attention_forward(
     elif decode and not _DecodePlan.applies(lay):
         raise ValueError(f"the decode path takes at most {DECODE_MAX_QUERIES} queries and "
                          f"{DECODE_MAX_ROWS} query rows per kv head, no packed batch")
-    ws_acc = ws_ml = lse
-    n_ws = splits = 0
+    ws_acc = ws_ml = count = lse
+    n_ws = chunk = 0
     split_m = 16
+    grid = (triton.cdiv(n_q, BM), B * H)
     if decode and B * H * n_q > 0:
         plan = _DecodePlan(lay, q.device, decode_chunk)
-        BM, BN, split_m, splits = plan.block_m, plan.block_n, plan.split_m, plan.splits
+        BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
         warps, stages = 4, (1 if triton_interpret() else 2)
-        n_ws = B * h_kv * splits * split_m
+        n_ws = B * h_kv * plan.splits * split_m
         ws_acc = torch.empty(n_ws, d_pad, **f32)
         ws_ml = torch.empty(2, n_ws, **f32)
-        _inducer_attn_split_kernel[(splits, B * h_kv)](
-            q, k, v, km, ws_acc, ws_ml, n_ws, *q.stride(), *k.stride(), *v.stride(), smb,
-            h_kv, H // h_kv, n_q, n_k, plan.chunk, n_k - n_q, float(scale) * LOG2E,
-            HEAD_DIM=p, D_PAD=d_pad, SPLIT_M=split_m, BLOCK_N=BN, CAUSAL=bool(causal),
-            HAS_KMASK=has_km, PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+        count = _arrival_counters(q.device, B * h_kv)
+        grid = (plan.splits, B * h_kv)
     if B * H * n_q > 0:
-        grid = (triton.cdiv(n_q, BM), B * H)
         _inducer_attn_fwd_kernel[grid](
             q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out, out_lo if save_lo else out,
             u if has_mlp else lse, lse, lam if has_mlp else lse, stats, lay.n_rows, *lay.args(),
-            ws_acc, ws_ml, n_ws, splits,
+            ws_acc, ws_ml, n_ws, count, chunk,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk, *spv, smb,
             *lay.strides(out), H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
             float(scale) * LOG2E,
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
             IS16=is16, SAVE_LO=save_lo, PREC=dot_precision(q.dtype), VARLEN=lay.varlen,
-            MERGE=bool(decode), SPLIT_M=split_m, num_warps=warps, num_stages=stages)
+            SPLIT_KV=bool(decode), SPLIT_M=split_m, num_warps=warps, num_stages=stages)
     return out, u, lse, lam, stats, out_lo
 
 
