@@ -320,7 +320,7 @@ def _fwd_rows(
         # each SPLIT_M-row slot (NUM_SPLITS slots)
         acc, l_i, m_i = _merge_partials(acc, l_i, m_i, WS_ACC, WS_ML, N_WS,
                                         WS_BASE + (h % GROUP) * N_Q + offs_m, m_ok, offs_d,
-                                        NUM_SPLITS, SPLIT_M, D_PAD)
+                                        NUM_SPLITS, SPLIT_M, D_PAD, 1)
     elif CAUSAL:
         # tiles wholly below the diagonal need no compare (and are in bounds); tiles wholly
         # above it are never visited
@@ -386,22 +386,26 @@ def _fwd_rows(
 
 @triton.jit
 def _merge_partials(acc, l_i, m_i, WS_ACC, WS_ML, N_WS, rows, r_ok, offs_d, NUM_SPLITS,
-                    SPLIT_M: tl.constexpr, D_PAD: tl.constexpr):
+                    SPLIT_M: tl.constexpr, D_PAD: tl.constexpr, SC: tl.constexpr):
     """Fold NUM_SPLITS split-KV partials (acc, base-2 row max m, row sum l), at ``rows`` +
-    s·SPLIT_M of the workspace, into the running (acc, l, m). Other programs wrote them:
-    read through L2 (.cg), never a stale L1 line."""
-    for s_idx in range(0, NUM_SPLITS):
-        r_s = rows + s_idx * SPLIT_M
-        m_s = tl.load(WS_ML + r_s, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(WS_ML + N_WS + r_s, mask=r_ok, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(WS_ACC + r_s[:, None] * D_PAD + offs_d[None, :], mask=r_ok[:, None],
-                      other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, m_s)
+    s·SPLIT_M of the workspace, into the running (acc, l, m), SC slots per step (SC loads in
+    flight, not one dependent round trip per slot). Other programs wrote them: read through
+    L2 (.cg), never a stale L1 line."""
+    sc = tl.arange(0, SC)
+    for s0 in range(0, NUM_SPLITS, SC):
+        s_ok = (s0 + sc) < NUM_SPLITS
+        r_s = rows[None, :] + (s0 + sc)[:, None] * SPLIT_M                  # (SC, rows)
+        ok = s_ok[:, None] & r_ok[None, :]
+        m_s = tl.load(WS_ML + r_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(WS_ML + N_WS + r_s, mask=ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(WS_ACC + r_s[:, :, None] * D_PAD + offs_d[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(m_s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        beta = tl.exp2(m_s - m_safe[None, :])                               # (SC, rows)
+        l_i = l_i * alpha + tl.sum(l_s * beta, 0)
+        acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], 0)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -499,7 +503,7 @@ def _inducer_attn_fwd_kernel(
                 tl.zeros([SPLIT_M], dtype=tl.float32),
                 tl.full([SPLIT_M], float("-inf"), dtype=tl.float32),
                 WS_ACC, WS_ML, N_WS, base + r, r < GROUP * N_Q, offs_d, n_splits, SPLIT_M,
-                D_PAD)                                      # padding rows: never read
+                D_PAD, 4)                                   # padding rows: never read
             tl.store(WS_ACC + (base + r)[:, None] * D_PAD + offs_d[None, :], acc)
             tl.store(WS_ML + base + r, m_i)
             tl.store(WS_ML + N_WS + base + r, l_i)
