@@ -113,6 +113,59 @@ def test_krona_linear_folded_triton(shape, dtype):
         grad_names=["x", "A", "B"])
 
 
+@pytest.mark.parametrize("T,shape", [(75, (16, 16, 16, 16)), (37, (17, 16, 16, 20)),
+                                     (3, (16, 20, 24, 16))], ids=str)
+def test_folded_backward_one_pass_counts_every_token_once(T, shape, monkeypatch):
+    """The folded path's backward is one kernel when every factor product is a tensor-core
+    dot (dx = dy W' plus dA, dB over a slice of each row block's tokens per column program).
+    With small integers every product and sum is exact in float16/float32, so dx, dA, dB
+    must equal the float64 result exactly: a token reduced twice or skipped (ragged T, row
+    blocks split over several column programs) cannot hide in a tolerance."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    a_out, a_in, b_out, b_in = shape
+    gen = torch.Generator().manual_seed(T)
+
+    def ints(*s):
+        return torch.randint(-1, 2, s, generator=gen).double()
+
+    x, g = ints(T, a_in * b_in), ints(T, a_out * b_out)
+    A, B, W = ints(a_out, a_in), ints(b_out, b_in), ints(a_out * b_out, a_in * b_in)
+    launched = []
+    real = kl._kron_dx_grad_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kl, "_kron_dx_grad_kernel", Spy())
+    h = lambda t: t.half().to(DEVICE)  # noqa: E731
+    xh = h(x).requires_grad_()
+    Ah, Bh = h(A).requires_grad_(), h(B).requires_grad_()
+    y = krona_linear(xh, h(W), None, Ah, Bh, 0.5, backend="triton", exact=False)
+    y.backward(h(g))
+    assert len(launched) == 1
+    Wp = W + 0.5 * torch.kron(A, B)
+    G3 = g.view(T, a_out, b_out)
+    X3 = x.view(T, a_in, b_in)
+    dA = 0.5 * torch.einsum("tij,jl,tkl->ik", G3, B, X3)
+    dB = 0.5 * torch.einsum("tij,ik,tkl->jl", G3, A, X3)
+    for got, want in ((xh.grad, g @ Wp), (Ah.grad, dA), (Bh.grad, dB)):
+        assert want.abs().max() < 1024          # halves below 2^10: exact in float16
+        assert torch.equal(got.double().cpu(), want)
+
+
+def test_folded_backward_path_choice():
+    """One pass only where every factor product is a tensor-core dot; the paper's narrow
+    factors keep the frozen GEMM plus the separate factor pass."""
+    from kfused.triton_kernels.krona_linear import fused_dx_grad_applies
+
+    assert fused_dx_grad_applies(24, 24, 32, 32) and fused_dx_grad_applies(9, 16, 16, 16)
+    assert not fused_dx_grad_applies(2, 384, 384, 2)
+    assert not fused_dx_grad_applies(24, 8, 32, 32)
+
+
 def test_fold_weight_matches_dense_kron():
     from kfused.triton_kernels.krona_linear import fold_weight
 

@@ -98,9 +98,15 @@ out["decision"] = [fold_decision(bf, 16384, None, True), fold_decision(bf, 16384
 krona_cases = [c for c in C.all_cases() if c.op == "krona_linear"]
 c0 = next(c for c in krona_cases if "fold+cuBLAS" in c.label and "768->768 A24x24" in c.label)
 L, G = trace(c0.run)
+dxl = [l for l in L if l.name == "_kron_dx_grad_kernel"]
 out["krona_fold_case"] = dict(names=[l.name for l in L],
                               mm_flops=sum(g.flops for g in G),
-                              hand=2 * (2 * 16384 * 768 * 768))
+                              hand=2 * 16384 * 768 * 768,
+                              dx_dot16=C.model_launch(dxl[0])[0]["dot16_flops"] if dxl else 0,
+                              # dx GEMM (tiles divide the shape) + factor steps of BT = 2
+                              # tokens, 32-padded factors: W1, V once, dA, dB twice (hi/lo)
+                              dx_hand=2 * 16384 * 768 * 768
+                              + 8192 * 2 * 2 * (32 ** 3) * (1 + 1 + 2 + 2))
 c1 = next(c for c in krona_cases if "exact" in c.label and "768->768 A24x24" in c.label)
 L, G = trace(c1.run)
 out["krona_exact_case"] = dict(names=[l.name for l in L])
@@ -192,7 +198,10 @@ def test_krona_trace_follows_gpu_dispatch(counts):
     assert counts["decision"] == [True, False, False, False, True, False]
     f = counts["krona_fold_case"]
     assert f["names"].count("_kron_fold_kernel") == 2 and "_krona_fwd_kernel" not in f["names"]
-    assert f["mm_flops"] == f["hand"]                # y = x W'ᵀ and dx = dy W' via cuBLAS
+    assert f["mm_flops"] == f["hand"]                # y = x W'ᵀ via cuBLAS
+    # dx = dy W' and the factor gradients in one launch of our own kernel
+    assert f["names"].count("_kron_dx_grad_kernel") == 1 and "_kron_grad_kernel" not in f["names"]
+    assert f["dx_dot16"] == f["dx_hand"]
     assert "_kron_fold_kernel" not in counts["krona_exact_case"]["names"]
     assert "_krona_fwd_kernel" in counts["krona_exact_case"]["names"]
 

@@ -105,6 +105,11 @@ def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
                              need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
     k = _tk()
     # W' is recomputed (one d_out×d_in pass) rather than saved: no extra activation memory.
+    if need_dx and need_dab and k.fused_dx_grad_applies(*A.shape, *B.shape):
+        # one pass over dy: dx = dy W' and the factor gradients in the same kernel
+        dx, dA, dB = k.krona_dx_and_factor_grads(g, x, k.fold_weight(weight, A, B, scale),
+                                                 A, B, scale)
+        return [dx, dA, dB]
     dx = torch.matmul(g, k.fold_weight(weight, A, B, scale)) if need_dx else x.new_zeros(0)
     _, dA, dB = k.krona_linear_backward(g, x, weight, A, B, scale, need_dx=False,
                                         need_dab=need_dab)

@@ -92,31 +92,77 @@ def _m_krona_fwd(L) -> Dict[str, float]:
     return w
 
 
+def _factor_steps(w: Dict[str, float], a: dict, steps: float, x16: bool,
+                  dx: bool = False) -> None:
+    """Products of ``steps`` factor-gradient steps of BT tokens (_kron_grad_kernel's loop
+    body, also _kron_dx_grad_kernel's): W1 = G·B, (dX = Aᵀ W1,) dA += W1 Xᵀ, V = A X,
+    dB += Gᵀ V; 16-bit (SPLIT): the W1 and V residues through dA and dB again."""
+    BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
+    lo = 2.0 if a.get("SPLIT") else 1.0
+    prods = [("W1", BT * AOP * BIP * BOP, BIP, 1.0), ("DA", AOP * AIP * BT * BIP, AIP, lo),
+             ("V", BT * BIP * AOP * AIP, AOP, 1.0), ("DB", BOP * BIP * BT * AOP, BIP, lo)]
+    if dx:
+        prods.append(("DX", BT * BIP * AIP * AOP, AIP, 1.0))
+    for key, mnk, n, times in prods:
+        flops = times * steps * 2.0 * mnk
+        _prod(w, key, flops, a[f"DOT_{key}"], x16)
+        if a[f"DOT_{key}"] and x16:
+            # output width N < 64 with both operands in shared memory: the wgmma feed sets
+            # the pace (counted only where the SASS has HGMMA)
+            eff = R.wgmma_feed_efficiency(n, a_in_registers=False)
+            w["dot16_feed_extra"] = w.get("dot16_feed_extra", 0.0) + flops * (1.0 / eff - 1.0)
+
+
 @kernel("_kron_grad_kernel")
 def _m_kron_grad(L) -> Dict[str, float]:
     a = L.bound()
     X, G = a["X"], a["G"]
     x16 = _is16(X)
     T, n_blocks = a["T"], a["n_blocks"]
-    BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
     w = _work()
-    nb = float(n_blocks)
-    _prod(w, "W1", nb * 2.0 * BT * AOP * BIP * BOP, a["DOT_W1"], x16)
-    if a["COMPUTE_DX"]:
-        _prod(w, "DX", nb * 2.0 * BT * BIP * AIP * AOP, a["DOT_DX"], x16)
     if a["COMPUTE_DAB"]:
-        _prod(w, "DA", nb * 2.0 * AOP * AIP * BT * BIP, a["DOT_DA"], x16)
-        _prod(w, "V", nb * 2.0 * BT * BIP * AOP * AIP, a["DOT_V"], x16)
-        _prod(w, "DB", nb * 2.0 * BOP * BIP * BT * AOP, a["DOT_DB"], x16)
+        _factor_steps(w, a, float(n_blocks), x16, dx=a["COMPUTE_DX"])
+    else:
+        BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
+        _prod(w, "W1", n_blocks * 2.0 * BT * AOP * BIP * BOP, a["DOT_W1"], x16)
+        _prod(w, "DX", n_blocks * 2.0 * BT * BIP * AIP * AOP, a["DOT_DX"], x16)
     el = _el(X)
     d_in, d_out = a["a_in"] * a["b_in"], a["a_out"] * a["b_out"]
     by = T * d_out * el
     if a["COMPUTE_DX"]:
         by += T * d_in * el
     if a["COMPUTE_DAB"]:
-        by += T * d_in * el + a["DA"].element_size() * L.programs() * (
+        by += T * d_in * el + a["DAB"].element_size() * L.programs() * (
             a["a_out"] * a["a_in"] + a["b_out"] * a["b_in"])
     w["hbm_bytes"] = by
+    return w
+
+
+@kernel("_kron_dx_grad_kernel")
+def _m_kron_dx_grad(L) -> Dict[str, float]:
+    """The folded backward in one pass: a (BM × BN) tile of dx = dy W' per program (K = d_out
+    padded to BK; tensor cores), then factor steps over its slice of the row block's tokens
+    (every token once in all). HBM: dy once (the factor steps re-read their rows from L2:
+    the row block's GEMM tiles have just streamed them), W' once per group of row blocks
+    (L2 rule), x once (factor steps), dx once, the per-program partials."""
+    a = L.bound()
+    X, G, WF = a["X"], a["G"], a["WF"]
+    x16 = _is16(X)
+    T, BM, BN, BK, GM = a["T"], a["BM"], a["BN"], a["BK"], a["GROUP_M"]
+    d_in, d_out = a["a_in"] * a["b_in"], a["a_out"] * a["b_out"]
+    n_m, n_n = cdiv(T, BM), cdiv(d_in, BN)
+    P = n_m * n_n
+    w = _work()
+    _prod(w, "GEMM", P * 2.0 * BM * BN * _k_pad(d_out, BK), True, x16)
+    tok, BT = a["tok_per_prog"], a["BT"]
+    steps = sum(cdiv(max(0, min(tok, BM - n * tok)), BT) for n in range(n_n)) * n_m
+    _factor_steps(w, a, float(steps), x16)
+    w["alu_ops"] += P * BM * BN                                    # convert on store
+    el = _el(X)
+    w["hbm_bytes"] = (T * d_out * el + R.reread_bytes(WF.numel() * _el(WF), cdiv(n_m, GM))
+                      + T * d_in * el + T * d_in * el
+                      + a["DAB"].element_size() * P * (a["a_out"] * a["a_in"]
+                                                       + a["b_out"] * a["b_in"]))
     return w
 
 

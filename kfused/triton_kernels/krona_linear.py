@@ -16,6 +16,12 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     same kernel computes the input gradient ``dy (W + s A⊗B)`` when given Wᵀ, Aᵀ and Bᵀ as
     strided views.
 
+``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy (when every factor
+    product is a tensor-core dot, :func:`fused_dx_grad_applies`): a (BM × BN) tile of
+    dx = dy W' per program, then the factor-gradient steps below over a slice of the same
+    row block's tokens (each column program of a row block takes its own slice; their dy
+    rows were just streamed by the row block's GEMM tiles).
+
 ``_kron_grad_kernel``  one pass over (x, dy) for dA, dB (and optionally dx):
     dA = Σ_t G[t] B X[t]ᵀ,  dB = Σ_t G[t]ᵀ A X[t],  dX[t] = Aᵀ G[t] B,
     a grid-stride loop over token blocks with float32 partial sums per program, reduced on
@@ -56,7 +62,11 @@ HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 �
     What would reach it: fuse dA/dB into the dx GEMM (the only pass that already reads dy);
     that GEMM is compute-bound (32 µs of MMA against 27 µs of bytes with x added), so the x
     read hides and the cost is the 2.8 GFLOP of factor products (+15 %) — predicted 1.12 × if
-    that Triton GEMM matched cuBLAS, ≈ 1.25 × at 85 % of cuBLAS.
+    that Triton GEMM matched cuBLAS, ≈ 1.25 × at 85 % of cuBLAS. Built as
+    ``_kron_dx_grad_kernel``; the static model (kfused perf, which also counts the 16-bit
+    residue products, 5.5 GFLOP at 768², and the wgmma feed limit of their N = 32 outputs)
+    predicts 1.48 × at 768² and 1.29 × at 768→3072 for the whole fwd+bwd (from 1.65 × and
+    1.34 ×).
 
 Numerics of the fold (measured on the CPU, ``python benchmarks/bench_krona.py
 --fold-numerics``, T = 512, factors 24x24/32x32 and 2x384/384x2, |s·A⊗B| / |W| from 1 to 1e-4):
@@ -163,8 +173,83 @@ def _krona_fwd_kernel(
 
 
 @triton.jit
+def _g_rows(G, t0, t_end, stride_gt, a_out, b_out, rg_t, rg_i, jo):
+    """G[t] for the BT tokens from t0 (below t_end): rows (t, i), cols j, zero-padded."""
+    g_ok = ((t0 + rg_t) < t_end)[:, None] & (rg_i < a_out)[:, None] & (jo < b_out)[None, :]
+    return tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * b_out + jo[None, :],
+                   mask=g_ok, other=0.0)
+
+
+@triton.jit
+def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t, rx_k, li,
+              BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BIP: tl.constexpr,
+              DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
+              PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr, IDT: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """One token block's share of dA = Σ_t W1[t] X[t]ᵀ and dB = Σ_t G[t]ᵀ (A X[t]), given
+    G[t] (g2, rows (t, i)) and W1[t] = G[t] B (w1f float32, w1 rounded to IDT)."""
+    x_ok = ((t0 + rx_t) < t_end)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
+    x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
+                 mask=x_ok, other=0.0)
+    # dA = Σ_{t,l} W1[t][i, l] X[t][k, l]
+    w1p = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (1, 0, 2)), (AOP, BT * BIP))
+    xp = tl.reshape(tl.permute(tl.reshape(x2, (BT, AIP, BIP)), (0, 2, 1)),
+                    (BT * BIP, AIP))                                # rows (t, l), cols k
+    da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
+    # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
+    vf = _mm(xp, tl.trans(a), DOT_V, PREC, ACC)                     # (BT*BIP, AOP)
+    v = vf.to(IDT)
+    vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)), (BT * AOP, BIP))
+    db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
+    if SPLIT:
+        # 16-bit inputs: W1 and V are float32 sums; their rounding residues (lo parts, in
+        # the input dtype) go through the same products, so the token sums see W1 and V to
+        # ~2^-22 rather than one 16-bit rounding (which cancellation over many tokens can
+        # magnify past the docs/math.md §4 bound).
+        w1lo = (w1f - w1.to(tl.float32)).to(IDT)
+        w1lop = tl.reshape(tl.permute(tl.reshape(w1lo, (BT, AOP, BIP)), (1, 0, 2)),
+                           (AOP, BT * BIP))
+        da += _mm(w1lop, xp, DOT_DA, PREC, ACC).to(RACC)
+        vlo = (vf - v.to(tl.float32)).to(IDT)
+        vlop = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (0, 2, 1)),
+                          (BT * AOP, BIP))
+        db += _mm(tl.trans(g2), vlop, DOT_DB, PREC, ACC).to(RACC)
+    return da, db
+
+
+@triton.jit
+def _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out, b_in,
+             dt, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr, BIP: tl.constexpr):
+    io = tl.arange(0, AOP)
+    ki = tl.arange(0, AIP)
+    jo = tl.arange(0, BOP)
+    li = tl.arange(0, BIP)
+    a = tl.load(A + io[:, None] * stride_ai + ki[None, :] * stride_ak,
+                mask=(io[:, None] < a_out) & (ki[None, :] < a_in), other=0.0).to(dt)
+    b = tl.load(B + jo[:, None] * stride_bj + li[None, :] * stride_bl,
+                mask=(jo[:, None] < b_out) & (li[None, :] < b_in), other=0.0).to(dt)
+    return a, b
+
+
+@triton.jit
+def _store_factor_partials(DAB, slot, da, db, scale, a_out, a_in, b_out, b_in,
+                           AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
+                           BIP: tl.constexpr):
+    """Row ``slot`` of the (programs, a_out·a_in + b_out·b_in) partial sums: dA then dB."""
+    io = tl.arange(0, AOP)
+    ki = tl.arange(0, AIP)
+    jo = tl.arange(0, BOP)
+    li = tl.arange(0, BIP)
+    base = DAB + slot * (a_out * a_in + b_out * b_in)
+    tl.store(base + io[:, None] * a_in + ki[None, :], da * scale,
+             mask=(io[:, None] < a_out) & (ki[None, :] < a_in))
+    tl.store(base + a_out * a_in + jo[:, None] * b_in + li[None, :], db * scale,
+             mask=(jo[:, None] < b_out) & (li[None, :] < b_in))
+
+
+@triton.jit
 def _kron_grad_kernel(
-    X, G, A, B, DX, DA, DB,
+    X, G, A, B, DX, DAB,
     T, a_out, a_in, b_out, b_in,
     stride_xt, stride_gt, stride_dxt, stride_ai, stride_ak, stride_bj, stride_bl,
     scale, n_blocks,
@@ -177,17 +262,10 @@ def _kron_grad_kernel(
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    dt = X.dtype.element_ty
-
-    io = tl.arange(0, AOP)
-    ki = tl.arange(0, AIP)
+    a, b = _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out,
+                    b_in, X.dtype.element_ty, AOP, AIP, BOP, BIP)
     jo = tl.arange(0, BOP)
     li = tl.arange(0, BIP)
-    a = tl.load(A + io[:, None] * stride_ai + ki[None, :] * stride_ak,
-                mask=(io[:, None] < a_out) & (ki[None, :] < a_in), other=0.0).to(dt)
-    b = tl.load(B + jo[:, None] * stride_bj + li[None, :] * stride_bl,
-                mask=(jo[:, None] < b_out) & (li[None, :] < b_in), other=0.0).to(dt)
-
     rg = tl.arange(0, BT * AOP)     # rows (t, i) of G[t]
     rg_t = rg // AOP
     rg_i = rg % AOP
@@ -201,9 +279,7 @@ def _kron_grad_kernel(
     db = tl.zeros((BOP, BIP), dtype=RACC)
     for blk in range(pid, n_blocks, n_prog):
         t0 = blk * BT
-        g_ok = ((t0 + rg_t) < T)[:, None] & (rg_i < a_out)[:, None] & (jo < b_out)[None, :]
-        g2 = tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * b_out + jo[None, :],
-                     mask=g_ok, other=0.0)
+        g2 = _g_rows(G, t0, T, stride_gt, a_out, b_out, rg_t, rg_i, jo)
         # W1[t] = G[t] B : rows (t, i), cols l
         w1f = _mm(g2, b, DOT_W1, PREC, ACC)
         w1 = w1f.to(IDT)
@@ -218,39 +294,83 @@ def _kron_grad_kernel(
             tl.store(DX + (t0 + rx_t)[:, None] * stride_dxt + rx_k[:, None] * b_in + li[None, :],
                      (dx * scale).to(DX.dtype.element_ty), mask=x_ok)
         if COMPUTE_DAB:
-            x_ok = ((t0 + rx_t) < T)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
-            x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
-                         mask=x_ok, other=0.0)
-            # dA = Σ_{t,l} W1[t][i, l] X[t][k, l]
-            w1p = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (1, 0, 2)),
-                             (AOP, BT * BIP))
-            xp = tl.reshape(tl.permute(tl.reshape(x2, (BT, AIP, BIP)), (0, 2, 1)),
-                            (BT * BIP, AIP))                    # rows (t, l), cols k
-            da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
-            # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
-            vf = _mm(xp, tl.trans(a), DOT_V, PREC, ACC)                # (BT*BIP, AOP)
-            v = vf.to(IDT)
-            vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)),
-                            (BT * AOP, BIP))
-            db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
-            if SPLIT:
-                # 16-bit inputs: W1 and V are float32 sums; their rounding residues (lo parts,
-                # in the input dtype) go through the same products, so the token sums see W1
-                # and V to ~2^-22 rather than one 16-bit rounding (which cancellation over
-                # many tokens can magnify past the docs/math.md §4 bound).
-                w1lo = (w1f - w1.to(tl.float32)).to(IDT)
-                w1lop = tl.reshape(tl.permute(tl.reshape(w1lo, (BT, AOP, BIP)), (1, 0, 2)),
-                                   (AOP, BT * BIP))
-                da += _mm(w1lop, xp, DOT_DA, PREC, ACC).to(RACC)
-                vlo = (vf - v.to(tl.float32)).to(IDT)
-                vlop = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (0, 2, 1)),
-                                  (BT * AOP, BIP))
-                db += _mm(tl.trans(g2), vlop, DOT_DB, PREC, ACC).to(RACC)
+            da, db = _dab_step(da, db, X, g2, w1f, w1, a, t0, T, stride_xt, a_in, b_in,
+                               rx_t, rx_k, li, BT, AOP, AIP, BIP, DOT_DA, DOT_V, DOT_DB, PREC,
+                               ACC, RACC, IDT, SPLIT)
     if COMPUTE_DAB:
-        tl.store(DA + pid * a_out * a_in + io[:, None] * a_in + ki[None, :], da * scale,
-                 mask=(io[:, None] < a_out) & (ki[None, :] < a_in))
-        tl.store(DB + pid * b_out * b_in + jo[:, None] * b_in + li[None, :], db * scale,
-                 mask=(jo[:, None] < b_out) & (li[None, :] < b_in))
+        _store_factor_partials(DAB, pid, da, db, scale, a_out, a_in, b_out, b_in,
+                               AOP, AIP, BOP, BIP)
+
+
+@triton.jit
+def _kron_dx_grad_kernel(
+    G, WF, X, DX, A, B, DAB,
+    T, a_out, a_in, b_out, b_in,
+    stride_gt, stride_wo, stride_wc, stride_xt, stride_dxt,
+    stride_ai, stride_ak, stride_bj, stride_bl, scale, tok_per_prog,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
+    BIP: tl.constexpr,
+    DOT_W1: tl.constexpr, DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
+    PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr, IDT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """The folded path's backward in one pass over dy: dx = dy W' (W' = W + s·A⊗B, the
+    folded weight) as a (BM × BN) GEMM tile per program, and the factor gradients of the
+    adapter for a slice of the same row block's tokens: the n-th column program of row block
+    m takes tokens [m·BM + n·tok_per_prog, +tok_per_prog), so every token is reduced once
+    and the dy rows it reads are the ones its row block's GEMM tiles stream (L2 hits). The
+    factor sums are written per program (one row of DAB: dA then dB, float32) and summed
+    on the host in a fixed order (deterministic)."""
+    pid = tl.program_id(0)
+    d_out = a_out * b_out
+    d_in = a_in * b_in
+    n_m = tl.cdiv(T, BM)
+    n_n = tl.cdiv(d_in, BN)
+    per_group = GROUP_M * n_n
+    first = (pid // per_group) * GROUP_M
+    gsz = tl.minimum(n_m - first, GROUP_M)
+    pid_m = first + (pid % per_group) % gsz
+    pid_n = (pid % per_group) // gsz
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    m_ok = rm < T
+    n_ok = rn < d_in
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, d_out, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < d_out
+        g = tl.load(G + rm[:, None] * stride_gt + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(WF + ks[:, None] * stride_wo + rn[None, :] * stride_wc,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(g, w, out_dtype=tl.float32)
+    tl.store(DX + rm[:, None] * stride_dxt + rn[None, :], acc.to(DX.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+    a, b = _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out,
+                    b_in, X.dtype.element_ty, AOP, AIP, BOP, BIP)
+    jo = tl.arange(0, BOP)
+    li = tl.arange(0, BIP)
+    rg = tl.arange(0, BT * AOP)
+    rg_t = rg // AOP
+    rg_i = rg % AOP
+    rx = tl.arange(0, BT * AIP)
+    rx_t = rx // AIP
+    rx_k = rx % AIP
+    da = tl.zeros((AOP, AIP), dtype=RACC)
+    db = tl.zeros((BOP, BIP), dtype=RACC)
+    t_lo = pid_m * BM + pid_n * tok_per_prog
+    t_hi = tl.minimum(tl.minimum(t_lo + tok_per_prog, pid_m * BM + BM), T)
+    for t0 in range(t_lo, t_hi, BT):
+        g2 = _g_rows(G, t0, t_hi, stride_gt, a_out, b_out, rg_t, rg_i, jo)
+        w1f = _mm(g2, b, DOT_W1, PREC, ACC)
+        w1 = w1f.to(IDT)
+        da, db = _dab_step(da, db, X, g2, w1f, w1, a, t0, t_hi, stride_xt, a_in, b_in,
+                           rx_t, rx_k, li, BT, AOP, AIP, BIP, DOT_DA, DOT_V, DOT_DB, PREC,
+                           ACC, RACC, IDT, SPLIT)
+    _store_factor_partials(DAB, pid_m * n_n + pid_n, da, db, scale, a_out, a_in, b_out, b_in,
+                           AOP, AIP, BOP, BIP)
 
 
 @triton.jit
@@ -480,25 +600,94 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device, x.element_size())
     n_blocks = triton.cdiv(T, cfg["BT"])
     n_prog = grid_programs(x.device, n_blocks)
-    if compute_dab:
-        racc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
-        da = _alloc.empty(n_prog, a_out, a_in, dtype=racc, device=x.device)
-        db = _alloc.empty(n_prog, b_out, b_in, dtype=racc, device=x.device)
-    else:
-        da = db = x
+    dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     _kron_grad_kernel[(n_prog,)](
-        x, g, A, B, dx if dx is not None else x, da, db,
+        x, g, A, B, dx if dx is not None else x, dab,
         T, a_out, a_in, b_out, b_in,
         x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
         A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         float(scale), n_blocks,
-        COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, PREC=dot_precision(x.dtype),
-        ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
-        SPLIT=x.dtype in (torch.float16, torch.bfloat16),
-        RACC=tl.float64 if x.dtype in (torch.float32, torch.float64) else tl.float32, **cfg)
+        COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype), **cfg)
     if not compute_dab:
         return dx, None, None
-    return dx, da.sum(0).to(A.dtype), db.sum(0).to(B.dtype)
+    return (dx, *_sum_factor_partials(dab, A, B))
+
+
+def _grad_numerics(dtype: torch.dtype) -> dict:
+    """Dot precision, accumulators and the 16-bit hi/lo split of the factor-gradient steps."""
+    return dict(PREC=dot_precision(dtype), ACC=acc_dtype(dtype), IDT=inter_dtype(dtype),
+                SPLIT=dtype in (torch.float16, torch.bfloat16),
+                RACC=tl.float64 if dtype in (torch.float32, torch.float64) else tl.float32)
+
+
+def _factor_partials(n_prog: int, A: torch.Tensor, B: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Per-program partial sums of dA and dB, one row each: (n_prog, a_out·a_in + b_out·b_in),
+    float32 (float64 for float32/float64 inputs: the token sum adds no error)."""
+    racc = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+    return _alloc.empty(n_prog, A.numel() + B.numel(), dtype=racc, device=A.device)
+
+
+def _sum_factor_partials(dab: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
+    """dA, dB from the per-program partials (one reduction, fixed order: deterministic)."""
+    tot = dab.sum(0)
+    # copies (also when the dtype already matches): dA and dB must not alias one buffer
+    return (tot[:A.numel()].view(A.shape).to(A.dtype, copy=True),
+            tot[A.numel():].view(B.shape).to(B.dtype, copy=True))
+
+
+def _dx_grad_config(T: int, d_in: int, a_out: int, a_in: int, b_out: int, b_in: int,
+                    device: torch.device, elem_bytes: int) -> dict:
+    """Tiles of _kron_dx_grad_kernel: the GEMM tile, and the factor steps of _grad_config at
+    the same warp count."""
+    gpu = targets_gpu(device)
+    cfg = _grad_config(T, a_out, a_in, b_out, b_in, device, elem_bytes)
+    cfg.pop("DOT_DX")
+    if gpu:
+        gemm = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    else:
+        gemm = dict(BM=32, BN=32, BK=32, num_warps=4, num_stages=1)
+    cfg.update(gemm)
+    return cfg
+
+
+def fused_dx_grad_applies(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
+    """Whether the folded backward takes :func:`krona_dx_and_factor_grads` (one pass) rather
+    than the frozen GEMM plus the separate factor-gradient pass: when every factor product
+    is a tensor-core dot (each padded factor dim >= 16). Narrower factors (the paper's 2×384
+    / 384×2) form their products on the CUDA cores in float64; inside the GEMM kernel that
+    work is added to the GEMM's instead of hiding under the separate pass's memory time
+    (PREDICTED, kfused perf: 768→3072 with A 8×384, B 384×2 164.5 µs fused against 147.5 µs
+    separate)."""
+    return min(next_pow2(a_out), next_pow2(a_in), next_pow2(b_out), next_pow2(b_in)) >= 16
+
+
+def krona_dx_and_factor_grads(g: torch.Tensor, x: torch.Tensor, w_fold: torch.Tensor,
+                              A: torch.Tensor, B: torch.Tensor, scale: float = 1.0
+                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The folded path's backward in one launch (:func:`_kron_dx_grad_kernel`): dx = g W'
+    with W' = :func:`fold_weight` (W, A, B, scale) given as ``w_fold`` (d_out, d_in), and
+    dA, dB of ``scale · (A ⊗ B) x``. g (T, d_out), x (T, d_in) with unit inner stride,
+    16-bit. Returns (dx, dA, dB)."""
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    d_in = a_in * b_in
+    dx = _alloc.empty(T, d_in, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return dx, torch.zeros_like(A), torch.zeros_like(B)
+    cfg = _dx_grad_config(T, d_in, a_out, a_in, b_out, b_in, x.device, x.element_size())
+    n_m, n_n = triton.cdiv(T, cfg["BM"]), triton.cdiv(d_in, cfg["BN"])
+    # the row block's tokens shared out among its column programs, in whole factor steps
+    tok = triton.cdiv(triton.cdiv(cfg["BM"], n_n), cfg["BT"]) * cfg["BT"]
+    dab = _factor_partials(n_m * n_n, A, B, x.dtype)
+    _kron_dx_grad_kernel[(n_m * n_n,)](
+        g, w_fold, x, dx, A, B, dab,
+        T, a_out, a_in, b_out, b_in,
+        g.stride(0), w_fold.stride(0), w_fold.stride(1), x.stride(0), dx.stride(0),
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), tok,
+        GROUP_M=8, **_grad_numerics(x.dtype), **cfg)
+    return (dx, *_sum_factor_partials(dab, A, B))
 
 
 def krona_linear_backward(g: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
