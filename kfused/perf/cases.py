@@ -96,11 +96,14 @@ def _factor_steps(w: Dict[str, float], a: dict, steps: float, x16: bool,
                   dx: bool = False) -> None:
     """Products of ``steps`` factor-gradient steps of BT tokens (_kron_grad_kernel's loop
     body, also _kron_dx_grad_kernel's): W1 = G·B, (dX = Aᵀ W1,) dA += W1 Xᵀ, V = A X,
-    dB += Gᵀ V; 16-bit (SPLIT): the W1 and V residues through dA and dB again."""
+    dB += Gᵀ V; 16-bit (SPLIT) tensor-core dots: the W1 and V residues through dA and dB
+    again."""
     BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
-    lo = 2.0 if a.get("SPLIT") else 1.0
-    prods = [("W1", BT * AOP * BIP * BOP, BIP, 1.0), ("DA", AOP * AIP * BT * BIP, AIP, lo),
-             ("V", BT * BIP * AOP * AIP, AOP, 1.0), ("DB", BOP * BIP * BT * AOP, BIP, lo)]
+    # the hi/lo pair only on tensor-core dots (CUDA-core products take the float32 sums)
+    lo_da = 2.0 if a.get("SPLIT") and a["DOT_DA"] else 1.0
+    lo_db = 2.0 if a.get("SPLIT") and a["DOT_DB"] else 1.0
+    prods = [("W1", BT * AOP * BIP * BOP, BIP, 1.0), ("DA", AOP * AIP * BT * BIP, AIP, lo_da),
+             ("V", BT * BIP * AOP * AIP, AOP, 1.0), ("DB", BOP * BIP * BT * AOP, BIP, lo_db)]
     if dx:
         prods.append(("DX", BT * BIP * AIP * AOP, AIP, 1.0))
     for key, mnk, n, times in prods:

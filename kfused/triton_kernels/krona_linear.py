@@ -187,33 +187,48 @@ def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t,
               PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr, IDT: tl.constexpr,
               SPLIT: tl.constexpr):
     """One token block's share of dA = Σ_t W1[t] X[t]ᵀ and dB = Σ_t G[t]ᵀ (A X[t]), given
-    G[t] (g2, rows (t, i)) and W1[t] = G[t] B (w1f float32, w1 rounded to IDT)."""
+    G[t] (g2, rows (t, i)) and W1[t] = G[t] B (w1f float32, w1 rounded to IDT).
+
+    16-bit inputs (SPLIT) on the tensor cores: W1 and V are float32 sums; their rounding
+    residues (lo parts, in the input dtype) go through the same products, so the token sums
+    see W1 and V to ~2^-22 rather than one 16-bit rounding (which cancellation over many
+    tokens can magnify past the docs/math.md §4 bound). A product on the CUDA cores (a
+    factor dim < 16) forms float64 products and takes the float32 W1 / V as they are: exact
+    without the split, one product instead of two."""
     x_ok = ((t0 + rx_t) < t_end)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
     x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
                  mask=x_ok, other=0.0)
-    # dA = Σ_{t,l} W1[t][i, l] X[t][k, l]
-    w1p = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (1, 0, 2)), (AOP, BT * BIP))
     xp = tl.reshape(tl.permute(tl.reshape(x2, (BT, AIP, BIP)), (0, 2, 1)),
                     (BT * BIP, AIP))                                # rows (t, l), cols k
-    da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
+    # dA = Σ_{t,l} W1[t][i, l] X[t][k, l]
+    if DOT_DA:
+        w1p = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (1, 0, 2)),
+                         (AOP, BT * BIP))
+        da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
+        if SPLIT:
+            w1lo = (w1f - w1.to(tl.float32)).to(IDT)
+            w1lop = tl.reshape(tl.permute(tl.reshape(w1lo, (BT, AOP, BIP)), (1, 0, 2)),
+                               (AOP, BT * BIP))
+            da += _mm(w1lop, xp, DOT_DA, PREC, ACC).to(RACC)
+    else:
+        w1fp = tl.reshape(tl.permute(tl.reshape(w1f, (BT, AOP, BIP)), (1, 0, 2)),
+                          (AOP, BT * BIP))
+        da += _mm(w1fp, xp, DOT_DA, PREC, ACC).to(RACC)
     # V[t] = A X[t] (rows (t, l), cols i), then dB = Σ_{t,i} G[t][i, j] V[t][i, l]
     vf = _mm(xp, tl.trans(a), DOT_V, PREC, ACC)                     # (BT*BIP, AOP)
-    v = vf.to(IDT)
-    vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)), (BT * AOP, BIP))
-    db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
-    if SPLIT:
-        # 16-bit inputs: W1 and V are float32 sums; their rounding residues (lo parts, in
-        # the input dtype) go through the same products, so the token sums see W1 and V to
-        # ~2^-22 rather than one 16-bit rounding (which cancellation over many tokens can
-        # magnify past the docs/math.md §4 bound).
-        w1lo = (w1f - w1.to(tl.float32)).to(IDT)
-        w1lop = tl.reshape(tl.permute(tl.reshape(w1lo, (BT, AOP, BIP)), (1, 0, 2)),
-                           (AOP, BT * BIP))
-        da += _mm(w1lop, xp, DOT_DA, PREC, ACC).to(RACC)
-        vlo = (vf - v.to(tl.float32)).to(IDT)
-        vlop = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (0, 2, 1)),
-                          (BT * AOP, BIP))
-        db += _mm(tl.trans(g2), vlop, DOT_DB, PREC, ACC).to(RACC)
+    if DOT_DB:
+        v = vf.to(IDT)
+        vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)), (BT * AOP, BIP))
+        db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
+        if SPLIT:
+            vlo = (vf - v.to(tl.float32)).to(IDT)
+            vlop = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (0, 2, 1)),
+                              (BT * AOP, BIP))
+            db += _mm(tl.trans(g2), vlop, DOT_DB, PREC, ACC).to(RACC)
+    else:
+        vfp = tl.reshape(tl.permute(tl.reshape(vf, (BT, BIP, AOP)), (0, 2, 1)),
+                         (BT * AOP, BIP))
+        db += _mm(tl.trans(g2), vfp, DOT_DB, PREC, ACC).to(RACC)
     return da, db
 
 
