@@ -62,6 +62,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 @pytest.fixture
+def launches(monkeypatch):
+    """``launches(module, name)`` -> a list that records the grid of every launch of the
+    Triton kernel ``module.name`` made from then on (the kernel still runs)."""
+    def spy(module, name):
+        grids = []
+        real = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(module, name, Spy())
+        return grids
+    return spy
+
+
+@pytest.fixture
 def device():
     return DEVICE
 

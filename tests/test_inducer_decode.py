@@ -89,7 +89,7 @@ def test_decode_matches_single_pass(chunk):
         torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6, msg=name)
 
 
-def test_decode_is_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
+def test_decode_is_one_launch_and_leaves_its_counters_at_zero(launches):
     """One kernel launch per decode step (grid: key chunks × kv heads); the arrival counters
     it takes tickets on are back at 0 afterwards, so the next step starts clean and gives the
     same result."""
@@ -99,15 +99,7 @@ def test_decode_is_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
     B, H, H_kv, n_q, n_k, p = 2, 4, 2, 1, 300, 32
     X = {k_: t.half().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
     P = {k_: t.half().to(DEVICE) for k_, t in _params(H, p, l=2).items()}
-    grids = []
-    real = ia._inducer_attn_fwd_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(ia, "_inducer_attn_fwd_kernel", Spy())
+    grids = launches(ia, "_inducer_attn_fwd_kernel")
     first = inducer_attention(**X, **P, causal=True, backend="triton")
     plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device)
     assert grids == [(plan.splits, B * H_kv)] and plan.splits > 1

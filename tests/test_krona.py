@@ -115,7 +115,7 @@ def test_krona_linear_folded_triton(shape, dtype):
 
 @pytest.mark.parametrize("T,shape", [(75, (16, 16, 16, 16)), (37, (17, 16, 16, 20)),
                                      (3, (16, 20, 24, 16))], ids=str)
-def test_folded_backward_one_pass_counts_every_token_once(T, shape, monkeypatch):
+def test_folded_backward_one_pass_counts_every_token_once(T, shape, launches):
     """The folded path's backward is one kernel when every factor product is a tensor-core
     dot (dx = dy W' plus dA, dB over a slice of each row block's tokens per column program).
     With small integers every product and sum is exact in float16/float32, so dx, dA, dB
@@ -131,15 +131,7 @@ def test_folded_backward_one_pass_counts_every_token_once(T, shape, monkeypatch)
 
     x, g = ints(T, a_in * b_in), ints(T, a_out * b_out)
     A, B, W = ints(a_out, a_in), ints(b_out, b_in), ints(a_out * b_out, a_in * b_in)
-    launched = []
-    real = kl._kron_dx_grad_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kl, "_kron_dx_grad_kernel", Spy())
+    launched = launches(kl, "_kron_dx_grad_kernel")
     h = lambda t: t.half().to(DEVICE)  # noqa: E731
     xh = h(x).requires_grad_()
     Ah, Bh = h(A).requires_grad_(), h(B).requires_grad_()

@@ -43,6 +43,17 @@ def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr = tl.
         return tl.sum(prod, axis=1).to(ACC)
 
 
+@triton.jit
+def _grouped_tile(pid, n_m, n_n, GROUP: tl.constexpr):
+    """(row block, column block) of program ``pid`` of an (n_m × n_n)-tile GEMM in grouped
+    order: GROUP row blocks walk every column block before the next group starts, so the
+    group's rows and the column blocks' B tiles are re-read from L2."""
+    per_group = GROUP * n_n
+    first = (pid // per_group) * GROUP
+    gsz = tl.minimum(n_m - first, GROUP)
+    return first + (pid % per_group) % gsz, (pid % per_group) // gsz
+
+
 def use_dot(m: int, k: int, n: int) -> bool:
     return m >= 16 and k >= 16 and n >= 16
 

@@ -62,8 +62,8 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (_AOT_TARGET, _INTERPRETED, _blk, _mm, _rblk,
-                                           _splits, F32, dot_precision, targets_gpu)
+from kfused.triton_kernels._common import (_AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
+                                           _rblk, _splits, F32, dot_precision, targets_gpu)
 
 
 def _tile_n(device: torch.device) -> int:
@@ -152,13 +152,7 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
     # segment and writes float32 partials c[s] (contiguous (S, M, N)).
     pid = tl.program_id(0)
     s = tl.program_id(1)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    per_group = GROUP * n_n
-    first = (pid // per_group) * GROUP
-    gsz = tl.minimum(n_m - first, GROUP)
-    pid_m = first + (pid % per_group) % gsz
-    pid_n = (pid % per_group) // gsz
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mmask = rm < M

@@ -476,8 +476,9 @@ def _inducer_attn_fwd_kernel(
     (:func:`_split_chunk`), then takes a ticket on the kv head's arrival counter COUNT; the
     last of the chunks to arrive merges all of them for the packed rows at once (into slot
     0), runs the prologue, the prefix and the epilogue for each of the GROUP query heads from
-    that slot, then sets the counter back to 0 for the next launch. Ordering: every thread's partial stores, a CTA barrier, then the ticket (one
-    acquire-release atomic at GPU scope); the merging program reads the partials through L2."""
+    that slot, then sets the counter back to 0 for the next launch. Ordering: every thread's
+    partial stores, a CTA barrier, then the ticket (one acquire-release atomic at GPU
+    scope); the merging program reads the partials through L2."""
     if SPLIT_KV:
         pid_s = tl.program_id(0)
         pid_bk = tl.program_id(1)

@@ -90,8 +90,9 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (_mm, acc_dtype, dot_precision, grid_programs,
-                                           inter_dtype, next_pow2, targets_gpu, use_dot)
+from kfused.triton_kernels._common import (_grouped_tile, _mm, acc_dtype, dot_precision,
+                                           grid_programs, inter_dtype, next_pow2, targets_gpu,
+                                           use_dot)
 
 
 @triton.jit
@@ -340,13 +341,8 @@ def _kron_dx_grad_kernel(
     pid = tl.program_id(0)
     d_out = a_out * b_out
     d_in = a_in * b_in
-    n_m = tl.cdiv(T, BM)
     n_n = tl.cdiv(d_in, BN)
-    per_group = GROUP_M * n_n
-    first = (pid // per_group) * GROUP_M
-    gsz = tl.minimum(n_m - first, GROUP_M)
-    pid_m = first + (pid % per_group) % gsz
-    pid_n = (pid % per_group) // gsz
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(T, BM), n_n, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     m_ok = rm < T
