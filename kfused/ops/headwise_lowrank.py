@@ -77,9 +77,12 @@ def _lowrank_setup(ctx, inputs, output):
     ctx.per_head = per_head
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)    # no zero gradient for the rank-space output
 
 
 def _lowrank_backward(ctx, g, gz):
+    if g is None:
+        return (None,) * 5
     basis, A, B, z = ctx.saved_tensors
     nx, nA, nB, nb, _ = ctx.needs_input_grad
     need_f = nA or nB or nb

@@ -77,9 +77,12 @@ def _oproj_setup(ctx, inputs, output):
     ctx.has_b = b_o is not None
     ctx.b_dtype = b_o.dtype if b_o is not None else None
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)    # no zero (T, M) gradient for the rank-space output
 
 
 def _oproj_backward(ctx, g, gz):
+    if g is None:
+        return (None,) * 8
     o, w_o, A, B, sA, sU, z = ctx.saved_tensors
     n_o, n_w, n_b, nA, nB, nsA, nsU, _ = ctx.needs_input_grad
     g = g.contiguous()

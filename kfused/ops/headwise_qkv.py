@@ -127,9 +127,12 @@ def _qkv_setup(ctx, inputs, output):
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
     ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)    # no zero (T, M) gradient for the rank-space output
 
 
 def _qkv_backward(ctx, gY, gZ):
+    if gY is None:
+        return (None,) * 20
     (x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
      v_down, v_up, v_sdown, v_sup, z) = ctx.saved_tensors
     need = ctx.needs_input_grad

@@ -138,6 +138,10 @@ def _setup_context(ctx, inputs, output):
     ctx.causal = causal
     ctx.scale = scale
     ctx.max_qk = (max_q, max_k)
+    # lse, lam, stats, out_lo are internal outputs (their gradients are almost always
+    # absent): autograd would otherwise fill a zero tensor for each — out_lo is the size of
+    # the output — and the backward would read the zero dLSE / dλ
+    ctx.set_materialize_grads(False)
 
 
 def _all_fwd_inputs(inputs):
