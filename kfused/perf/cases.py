@@ -458,7 +458,8 @@ def _m_ind_dq(L) -> Dict[str, float]:
             _mlp_units(progs, BM, DP, RP, 2 + s + s, x16, w)         # hidden ×2; dq; dW1
         w["sfu_ops"] += progs * BM * 2 * (LP + 2 * RP)
         w["alu_ops"] += progs * BM * (6 * DP + 8 * (LP + RP))
-        part = 2 * DP * LP + DP * RP + DP + LP + RP
+        pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
+        part = 2 * hd * pL + hd * pR + hd + pL + pR                  # unpadded
         by += progs * part * 4                                       # per-tile MLP partials
         if a["HAS_DU"]:
             by += a["N_ROWS"] * a["R"] * _el(a["DU"])

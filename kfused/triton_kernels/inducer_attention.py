@@ -831,34 +831,40 @@ def _inducer_attn_bwd_dq_kernel(
         dq += c[:, None] * (2.0 * qf + ck[None, :])
         dq += _dot_fn(cg, tl.trans(bk_t), IS16)
         dq += _dot_fn(dz, tl.trans(ak_w), IS16)
+        # the partials unpadded (HEAD_DIM, L, R: padding lanes are never stored, so the
+        # host sums only real entries): dAk (p, L), dBk (L, p), dck (p), dak (L), db1 (R),
+        # dW1 (p, R)
         base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * (
-            2 * D_PAD * L_PAD + D_PAD * R_PAD + D_PAD + L_PAD + R_PAD)
+            2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
         offs_l = tl.arange(0, L_PAD)
-        tl.store(base + offs_d[:, None] * L_PAD + offs_l[None, :],
-                 _dot_nf(tl.trans(q), dz, IS16))                        # dAk
-        base += D_PAD * L_PAD
-        tl.store(base + offs_l[:, None] * D_PAD + offs_d[None, :],
-                 _dot_fn(tl.trans(cg), q, IS16))                        # dBk
-        base += D_PAD * L_PAD
-        tl.store(base + offs_d, tl.sum(c[:, None] * qf, 0))             # dck
-        base += D_PAD
-        tl.store(base + offs_l, tl.sum(dz, 0))                          # dak
-        base += L_PAD
+        l_ok = offs_l < L
+        r_ok = offs_r < R
+        tl.store(base + offs_d[:, None] * L + offs_l[None, :],
+                 _dot_nf(tl.trans(q), dz, IS16), mask=d_ok[:, None] & l_ok[None, :])  # dAk
+        base += HEAD_DIM * L
+        tl.store(base + offs_l[:, None] * HEAD_DIM + offs_d[None, :],
+                 _dot_fn(tl.trans(cg), q, IS16), mask=l_ok[:, None] & d_ok[None, :])  # dBk
+        base += HEAD_DIM * L
+        tl.store(base + offs_d, tl.sum(c[:, None] * qf, 0), mask=d_ok)                 # dck
+        base += HEAD_DIM
+        tl.store(base + offs_l, tl.sum(dz, 0), mask=l_ok)                              # dak
+        base += L
         if HAS_DU:
             hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
-                         mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
+                         mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             dz1 = (lam[:, None] * du) * hs
             dq += _dot_fn(dz1, tl.trans(w1), IS16)
-            tl.store(base + offs_r, tl.sum(dz1, 0))                     # db1
-            base += R_PAD
-            tl.store(base + offs_d[:, None] * R_PAD + offs_r[None, :],
-                     _dot_nf(tl.trans(q), dz1, IS16))                   # dW1
+            tl.store(base + offs_r, tl.sum(dz1, 0), mask=r_ok)                         # db1
+            base += R
+            tl.store(base + offs_d[:, None] * R + offs_r[None, :],
+                     _dot_nf(tl.trans(q), dz1, IS16), mask=d_ok[:, None] & r_ok[None, :])
         else:
-            tl.store(base + offs_r, tl.zeros([R_PAD], dtype=tl.float32))
-            base += R_PAD
-            tl.store(base + offs_d[:, None] * R_PAD + offs_r[None, :],
-                     tl.zeros([D_PAD, R_PAD], dtype=tl.float32))
+            tl.store(base + offs_r, tl.zeros([R_PAD], dtype=tl.float32), mask=r_ok)
+            base += R
+            tl.store(base + offs_d[:, None] * R + offs_r[None, :],
+                     tl.zeros([D_PAD, R_PAD], dtype=tl.float32),
+                     mask=d_ok[:, None] & r_ok[None, :])
     tl.store(DQ + b * stride_dqb + h * stride_dqh + (q0 + offs_m)[:, None] * stride_dqn
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -1172,7 +1178,7 @@ def inducer_attention_backward(
     dk = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=k.dtype, device=q.device)
     dv = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=v.dtype, device=q.device)
     grid_m = triton.cdiv(n_q, BM)
-    part_size = 2 * d_pad * l_pad + d_pad * r_pad + d_pad + l_pad + r_pad
+    part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the dQ kernel)
     part = (_alloc.empty(grid_m * B, H, part_size, dtype=torch.float32, device=q.device)
             if has_mlp else lse)
     dpk_part = dpv_part = None
@@ -1213,30 +1219,18 @@ def inducer_attention_backward(
         dpv = dpv_part.sum(0).to(prefix_v.dtype)
     dmlp = None
     if has_mlp:
-        dmlp = _mlp_grads(part, H, p, L, r, d_pad, l_pad, r_pad, mlp)
+        dmlp = _mlp_grads(part, H, p, L, r, mlp)
     return dq, dk, dv, dmlp, dpk, dpv
 
 
-def _mlp_grads(part, H, p, L, r, d_pad, l_pad, r_pad, mlp):
-    """Sum the dQ tiles' partials (fixed order: deterministic) and cut off the padding."""
+def _mlp_grads(part, H, p, L, r, mlp):
+    """Sum the dQ tiles' partials (fixed order: deterministic) into the MLP gradients."""
     if part.shape[0] == 0:
         return tuple(torch.zeros_like(t) for t in mlp)
     tot = part.sum(0)                                           # (H, part_size)
-    o = 0
-
-    def take(n):
-        nonlocal o
-        t = tot[:, o:o + n]
-        o += n
-        return t
-
-    d_ak = take(d_pad * l_pad).view(H, d_pad, l_pad)[:, :p, :L]
-    d_bk = take(l_pad * d_pad).view(H, l_pad, d_pad)[:, :L, :p]
-    d_ck = take(d_pad)[:, :p]
-    d_akb = take(l_pad)[:, :L]
-    d_b1 = take(r_pad)[:, :r]
-    d_w1 = take(d_pad * r_pad).view(H, d_pad, r_pad)[:, :p, :r]
-    grads = (d_ak, d_akb, d_bk, d_ck, d_w1, d_b1)
+    sizes = (p * L, L * p, p, L, r, p * r)
+    d_ak, d_bk, d_ck, d_akb, d_b1, d_w1 = tot.split(sizes, dim=1)
+    grads = (d_ak.view(H, p, L), d_akb, d_bk.view(H, L, p), d_ck, d_w1.view(H, p, r), d_b1)
     # copies: views of one buffer would make the custom op's outputs alias each other
     return tuple(g.to(dtype=t.dtype, memory_format=torch.contiguous_format, copy=True)
                  for g, t in zip(grads, mlp))
