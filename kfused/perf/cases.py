@@ -93,17 +93,19 @@ def _m_krona_fwd(L) -> Dict[str, float]:
 
 
 def _factor_steps(w: Dict[str, float], a: dict, steps: float, x16: bool,
-                  dx: bool = False) -> None:
+                  dx: bool = False, dab: bool = True) -> None:
     """Products of ``steps`` factor-gradient steps of BT tokens (_kron_grad_kernel's loop
-    body, also _kron_dx_grad_kernel's): W1 = G·B, (dX = Aᵀ W1,) dA += W1 Xᵀ, V = A X,
-    dB += Gᵀ V; 16-bit (SPLIT) tensor-core dots: the W1 and V residues through dA and dB
+    body, also _kron_dx_grad_kernel's): W1 = G·B, (dX = Aᵀ W1,) (dA += W1 Xᵀ, V = A X,
+    dB += Gᵀ V); 16-bit (SPLIT) tensor-core dots: the W1 and V residues through dA and dB
     again."""
     BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
     # the hi/lo pair only on tensor-core dots (CUDA-core products take the float32 sums)
     lo_da = 2.0 if a.get("SPLIT") and a["DOT_DA"] else 1.0
     lo_db = 2.0 if a.get("SPLIT") and a["DOT_DB"] else 1.0
-    prods = [("W1", BT * AOP * BIP * BOP, BIP, 1.0), ("DA", AOP * AIP * BT * BIP, AIP, lo_da),
-             ("V", BT * BIP * AOP * AIP, AOP, 1.0), ("DB", BOP * BIP * BT * AOP, BIP, lo_db)]
+    prods = [("W1", BT * AOP * BIP * BOP, BIP, 1.0)]
+    if dab:
+        prods += [("DA", AOP * AIP * BT * BIP, AIP, lo_da), ("V", BT * BIP * AOP * AIP, AOP, 1.0),
+                  ("DB", BOP * BIP * BT * AOP, BIP, lo_db)]
     if dx:
         prods.append(("DX", BT * BIP * AIP * AOP, AIP, 1.0))
     for key, mnk, n, times in prods:
@@ -123,12 +125,7 @@ def _m_kron_grad(L) -> Dict[str, float]:
     x16 = _is16(X)
     T, n_blocks = a["T"], a["n_blocks"]
     w = _work()
-    if a["COMPUTE_DAB"]:
-        _factor_steps(w, a, float(n_blocks), x16, dx=a["COMPUTE_DX"])
-    else:
-        BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
-        _prod(w, "W1", n_blocks * 2.0 * BT * AOP * BIP * BOP, a["DOT_W1"], x16)
-        _prod(w, "DX", n_blocks * 2.0 * BT * BIP * AIP * AOP, a["DOT_DX"], x16)
+    _factor_steps(w, a, float(n_blocks), x16, dx=a["COMPUTE_DX"], dab=a["COMPUTE_DAB"])
     el = _el(X)
     d_in, d_out = a["a_in"] * a["b_in"], a["a_out"] * a["b_out"]
     by = T * d_out * el

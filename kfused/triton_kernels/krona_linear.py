@@ -234,6 +234,16 @@ def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t,
 
 
 @triton.jit
+def _step_lanes(BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
+                BIP: tl.constexpr):
+    """Lane indices of a factor step: columns j of G[t] and l of X[t], and the (token, row)
+    of the rows (t, i) of G[t] and (t, k) of X[t]."""
+    rg = tl.arange(0, BT * AOP)
+    rx = tl.arange(0, BT * AIP)
+    return (tl.arange(0, BOP), tl.arange(0, BIP), rg // AOP, rg % AOP, rx // AIP, rx % AIP)
+
+
+@triton.jit
 def _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out, b_in,
              dt, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr, BIP: tl.constexpr):
     io = tl.arange(0, AOP)
@@ -280,14 +290,7 @@ def _kron_grad_kernel(
     n_prog = tl.num_programs(0)
     a, b = _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out,
                     b_in, X.dtype.element_ty, AOP, AIP, BOP, BIP)
-    jo = tl.arange(0, BOP)
-    li = tl.arange(0, BIP)
-    rg = tl.arange(0, BT * AOP)     # rows (t, i) of G[t]
-    rg_t = rg // AOP
-    rg_i = rg % AOP
-    rx = tl.arange(0, BT * AIP)     # rows (t, k) of X[t]
-    rx_t = rx // AIP
-    rx_k = rx % AIP
+    jo, li, rg_t, rg_i, rx_t, rx_k = _step_lanes(BT, AOP, AIP, BOP, BIP)
 
     # The sums over tokens (dA, dB) accumulate across token blocks in RACC: float64 for float32
     # inputs, so that the reduction over T adds no error beyond the per-block products.
@@ -361,14 +364,7 @@ def _kron_dx_grad_kernel(
 
     a, b = _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out,
                     b_in, X.dtype.element_ty, AOP, AIP, BOP, BIP)
-    jo = tl.arange(0, BOP)
-    li = tl.arange(0, BIP)
-    rg = tl.arange(0, BT * AOP)
-    rg_t = rg // AOP
-    rg_i = rg % AOP
-    rx = tl.arange(0, BT * AIP)
-    rx_t = rx // AIP
-    rx_k = rx % AIP
+    jo, li, rg_t, rg_i, rx_t, rx_k = _step_lanes(BT, AOP, AIP, BOP, BIP)
     da = tl.zeros((AOP, AIP), dtype=RACC)
     db = tl.zeros((BOP, BIP), dtype=RACC)
     t_lo = pid_m * BM + pid_n * tok_per_prog
