@@ -287,6 +287,9 @@ def test_opcheck_qkv():
             _t(Hkv, 1, d, grad=True), _t(Hkv, 1, grad=True), _t(Hkv, p, 1, grad=True), None, None,
             p)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_fwd.default, args)
+    # with the per-head biases c beside the frozen biases (b_v absent: c alone)
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_fwd.default,
+                          args + (0.5, 1.0, _t(H * p, grad=True), _t(Hkv * p, grad=True)))
     det = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     Y, Z = torch.ops.kfused.headwise_qkv_triton_fwd(*det)
     bargs = (torch.randn_like(Y), det[0], det[1], det[2], det[3], det[7], det[9], det[10],
@@ -304,6 +307,12 @@ def test_opcheck_oproj():
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
                           (torch.randn_like(Y), det[0], det[1], det[3], det[4], det[5], det[6],
                            Z, H, True, True))
+    # a scale on the shared part and the per-head bias c beside the frozen bias
+    torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_fwd.default,
+                          args + (0.75, _t(dout, grad=True)))
+    torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
+                          (torch.randn_like(Y), det[0], det[1], det[3], det[4], det[5], det[6],
+                           Z, H, True, True, 0.75))
 
 
 def test_compile_fullgraph():

@@ -1,13 +1,12 @@
-"""Pieces shared by the per-head low-rank ops (docs/math.md §2): argument checks, the host-side
-building of kernel-level factors from the user's :class:`HeadFactors` (differentiable torch ops
-on tiny tensors: stack Kernel-wise and lite down-projections along the rank, the lite bases
-``A_h W_k^h`` and ``b_k^h A_hᵀ``, the shared scale folded into ``B_s``, the per-head biases
-folded into the frozen bias), so the custom ops only see plain tensors.
+"""Pieces shared by the per-head low-rank ops (docs/math.md §2): argument checks and the
+kernel-level factors of a section from the user's :class:`HeadFactors` (Kernel-wise and lite
+down-projections stacked along the rank with the lite bases ``A_h W_k^h`` and ``b_k^h A_hᵀ``:
+one kernel each way, :class:`LiteSection`; the per-head biases summed; a tensor scale folded
+into ``B_s``), so the custom ops only see plain tensors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -119,11 +118,60 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
         chk("lite_c", (H, p), "(H, p)")
 
 
+class LiteSection(torch.autograd.Function):
+    """The float32 kernel-level factors of a section with lite heads — ``down (H, R, d)``,
+    ``zb (H, R)``, ``up (H, p, R)`` (layout in :mod:`kfused.triton_kernels.headwise_section`)
+    — from the user's factors in one kernel, their gradients in one more. ``split``: the
+    16-bit activation dtype (hi/lo basis rows; the basis gradient flows through lo only, hi
+    being a constant rounding of it) or None (float32: one basis row)."""
+
+    @staticmethod
+    def forward(ctx, wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk: int, split):
+        from kfused.triton_kernels import headwise_section as tk
+
+        ctx.Hk, ctx.split = Hk, split is not None
+        ctx.save_for_backward(wise_A, wise_B, lite_A, lite_B, w_k, b_k)
+        ctx.set_materialize_grads(False)
+        return tk.section_forward(wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk, split)
+
+    @staticmethod
+    def backward(ctx, d_down, d_zb, d_up):
+        from kfused.triton_kernels import headwise_section as tk
+
+        wise_A, wise_B, lite_A, lite_B, w_k, b_k = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if d_down is None and d_zb is None and d_up is None:
+            return (None,) * 8
+        H, P, d = lite_A.shape[0], lite_A.shape[2], w_k.shape[1]
+        width = (wise_A.shape[1] if wise_A is not None else 0) + lite_A.shape[1] * (
+            2 if ctx.split else 1)
+        z = lambda t, *shape: t.contiguous() if t is not None else lite_A.new_zeros(  # noqa
+            *shape, dtype=torch.float32)
+        d_down, d_zb, d_up = z(d_down, H, width, d), z(d_zb, H, width), z(d_up, H, P, width)
+        dwa, dwb, dla, dlb = tk.section_backward(
+            d_down, d_zb, d_up, wise_A, wise_B, lite_A, lite_B, w_k, b_k, ctx.Hk, ctx.split,
+            need_lite_A=need[2])
+        dwk = dbk = None
+        if need[4] or (b_k is not None and need[5]):
+            # A trainable key projection (rare: it is frozen in every adapter method) also
+            # gets the basis' share: dW_k^k = Σ_{h of k} A_hᵀ dBasis_h, db_k^k = Σ A_hᵀ dzb_h.
+            Hk, RL = ctx.Hk, lite_A.shape[1]
+            r0 = width - RL                         # the basis gradient: lo rows, or the row
+            a = lite_A.float().reshape(Hk, -1, RL, P)
+            if need[4]:
+                db_ = d_down[:, r0:].reshape(Hk, -1, RL, d)
+                dwk = torch.einsum("kgrp,kgrd->kpd", a, db_).reshape(-1, d).to(w_k.dtype)
+            if b_k is not None and need[5]:
+                dz_ = d_zb[:, width - RL * (2 if ctx.split else 1):][:, :RL].reshape(Hk, -1, RL)
+                dbk = torch.einsum("kgrp,kgr->kp", a, dz_).reshape(-1).to(b_k.dtype)
+        return dwa, dwb, dla, dlb, dwk, dbk, None, None
+
+
 def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
              w_k: Optional[torch.Tensor], b_k: Optional[torch.Tensor],
              dtype: torch.dtype = torch.float32):
-    """Kernel-level factors of one section with ``H`` heads and the bias delta (per-head c's),
-    built with differentiable torch ops on the small factor tensors. Lite uses key head
+    """Kernel-level factors of one section with ``H`` heads and the bias delta (per-head c's,
+    added beside the frozen bias in the GEMM's epilogue). Lite uses key head
     ``h // (H / Hk)`` of the frozen key projection ``w_k (Hk·p, d)``, ``b_k``.
 
     ``dtype``: the activations' dtype. For 16-bit activations the lite basis ``A_h W_k^h``
@@ -141,59 +189,25 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     # the pack kernel converts them to float32 and rounds the packed operands once, the
     # unpack kernel writes their gradients in their dtype from float32 sums — the same
     # values as casting to float32 here and back in autograd. Products that build factors
-    # (lite bases, a tensor scale) are formed in float32, so nothing is rounded twice.
-    mixed = f.has_wise and f.has_lite
+    # (lite bases in LiteSection's kernel, a tensor scale) are formed in float32, so nothing
+    # is rounded twice.
     # float32: lite_A's gradient comes from :class:`LiteKeyGrad` after the op (float64,
-    # see there), so the basis below is built from a detached lite_A.
+    # see there), so the basis is built from a detached lite_A.
     exact_lite = f.has_lite and dtype == torch.float32
     lite_grad = None
+    down = zb = up = None
+    cs = [c for c in (f.wise_c, f.lite_c) if c is not None]
     if f.has_lite:
-        # float32: lite factors (they build the lite basis) and, when Kernel-wise rows are
-        # concatenated with them, Kernel-wise A and B. (wise_c is added to a float32 lite_c
-        # or cast by _fold_bias.)
-        fl = lambda t: t.float() if t is not None else None  # noqa: E731
-        f = dataclasses.replace(f, lite_A=fl(f.lite_A), lite_B=fl(f.lite_B),
-                                lite_c=fl(f.lite_c), wise_A=fl(f.wise_A), wise_B=fl(f.wise_B))
-    # The frozen key projection is only needed (and cast: a full (H_k·p, d) copy) for lite.
-    w_k = w_k.float() if (w_k is not None and f.has_lite) else None
-    b_k = b_k.float() if (b_k is not None and f.has_lite) else None
-    downs, zbs, ups, cs = [], [], [], []
-    if f.has_wise:
-        downs.append(f.wise_A)
-        if mixed:   # Kernel-wise alone: no zb (the kernels read zero)
-            zbs.append(f.wise_A.new_zeros(H, f.wise_A.shape[1]))
-        ups.append(f.wise_B)
-        if f.wise_c is not None:
-            cs.append(f.wise_c)
-    if f.has_lite:
-        # Query head h = k·G + i uses key head k: batch over the key heads (no gather).
-        rl = f.lite_A.shape[1]
+        # One kernel builds [wise A | basis hi | basis lo] rows, their zb and [wise B | lite B
+        # | lite B] in float32 (:class:`LiteSection`). Query head h = k·G + i uses key head k.
         if exact_lite:
             lite_grad = (f.lite_A, f.lite_B.detach())
-        la = (f.lite_A.detach() if exact_lite else f.lite_A).reshape(Hk, (H // Hk) * rl, p)
-        lite = torch.matmul(la, w_k.reshape(Hk, p, d)).reshape(H, rl, d)
-        split = dtype in (torch.float16, torch.bfloat16)
-        if split:
-            # Both rows see the same dZ, so d(hi) = d(lo) = the gradient of the basis: let it
-            # flow through lo only (hi is a constant rounding of it).
-            hi = lite.detach().to(dtype).float()
-            downs += [hi, lite - hi]
-        else:
-            downs.append(lite)
-        if b_k is not None:
-            zbs.append(torch.matmul(la, b_k.reshape(Hk, p, 1)).reshape(H, rl))
-        else:
-            zbs.append(f.lite_A.new_zeros(H, rl))
-        ups.append(f.lite_B)
-        if split:
-            zbs.append(f.lite_A.new_zeros(H, rl))
-            ups.append(f.lite_B)
-        if f.lite_c is not None:
-            cs.append(f.lite_c)
-    cat = lambda ts, dim: (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).contiguous()  # noqa
-    down = cat(downs, 1) if downs else None
-    zb = cat(zbs, 1) if zbs else None
-    up = cat(ups, 2) if ups else None
+        split = dtype if dtype in (torch.float16, torch.bfloat16) else None
+        down, zb, up = LiteSection.apply(
+            f.wise_A, f.wise_B, f.lite_A.detach() if exact_lite else f.lite_A, f.lite_B,
+            w_k, b_k, Hk, split)
+    elif f.has_wise:     # Kernel-wise alone: no zb (the kernels read zero)
+        down, up = f.wise_A.contiguous(), f.wise_B.contiguous()
     sdown = f.shared_A.contiguous() if f.has_shared else None
     scale = 1.0
     sup = None
@@ -249,14 +263,6 @@ class LiteKeyGrad(torch.autograd.Function):
         if b_k is not None:
             dA += s.reshape(Hk, G, r, 1).mul(b_k.to(f64).reshape(Hk, 1, 1, p)).reshape(H, r, p)
         return gY, dA.to(lite_B.dtype), None, None, None, None, None, None
-
-
-def _fold_bias(b: Optional[torch.Tensor], dc: Optional[torch.Tensor]):
-    """Frozen bias + per-head biases, in float32 when folded (the kernel adds it in float32)."""
-    if dc is None:
-        return b.contiguous() if b is not None else None
-    dc = dc.float()
-    return dc.contiguous() if b is None else (b.float() + dc).contiguous()
 
 
 def _check_linear(name: str, w: torch.Tensor, rows: int, d: int, ref: torch.Tensor):

@@ -15,7 +15,7 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
-from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _fold_bias, _head_width,
+from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _head_width,
                                          _no_float64, _opt)
 from kfused.reference.headwise import headwise_oproj_ref
 
@@ -34,12 +34,14 @@ def _tk():
 def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
                A: Optional[torch.Tensor], B: Optional[torch.Tensor],
                shared_A: Optional[torch.Tensor], shared_U: Optional[torch.Tensor],
-               n_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _tk().headwise_oproj_forward(o, w_o, b_o, A, B, shared_A, shared_U, n_heads)
+               n_heads: int, scale: float = 1.0,
+               c: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _tk().headwise_oproj_forward(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale,
+                                        c)
 
 
 @_oproj_fwd.register_fake
-def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads):
+def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale=1.0, c=None):
     M = (A.shape[0] * A.shape[1] if A is not None else 0) + \
         (shared_A.shape[0] if shared_A is not None else 0)
     return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
@@ -49,9 +51,9 @@ def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads):
 def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[torch.Tensor],
                B: Optional[torch.Tensor], shared_A: Optional[torch.Tensor],
                shared_U: Optional[torch.Tensor], z: torch.Tensor, n_heads: int,
-               need_do: bool, need_factors: bool) -> List[torch.Tensor]:
+               need_do: bool, need_factors: bool, scale: float = 1.0) -> List[torch.Tensor]:
     dO, gr = _tk().headwise_oproj_backward(g, o, w_o, A, B, shared_A, shared_U, z, n_heads,
-                                           need_do, need_factors)
+                                           need_do, need_factors, scale)
     out = [dO if dO is not None else _empty(o)]
     for key in ("A", "Bw", "As", "Us", "db"):
         t = gr.get(key)
@@ -60,7 +62,7 @@ def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[
 
 
 @_oproj_bwd.register_fake
-def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors):
+def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, scale=1.0):
     hw = need_factors and A is not None
     sh = need_factors and shared_A is not None
     e = o.new_empty(0)
@@ -71,31 +73,35 @@ def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors):
 
 
 def _oproj_setup(ctx, inputs, output):
-    o, w_o, b_o, A, B, sA, sU, H = inputs
+    o, w_o, b_o, A, B, sA, sU, H, *rest = inputs
+    scale, c = tuple(rest) + (1.0, None)[len(rest):]
     ctx.save_for_backward(o, w_o, A, B, sA, sU, output[1])
-    ctx.H = H
+    ctx.H, ctx.scale = H, scale
     ctx.has_b = b_o is not None
     ctx.b_dtype = b_o.dtype if b_o is not None else None
+    ctx.c_dtype = c.dtype if c is not None else None
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)    # no zero (T, M) gradient for the rank-space output
 
 
 def _oproj_backward(ctx, g, gz):
     if g is None:
-        return (None,) * 8
+        return (None,) * 10
     o, w_o, A, B, sA, sU, z = ctx.saved_tensors
-    n_o, n_w, n_b, nA, nB, nsA, nsU, _ = ctx.needs_input_grad
+    n_o, n_w, n_b, nA, nB, nsA, nsU = ctx.needs_input_grad[:7]
+    n_c = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     g = g.contiguous()
-    need_f = nA or nB or nsA or nsU or n_b
+    need_f = nA or nB or nsA or nsU or n_b or n_c
     dO, dA, dB, dsA, dsU, db = torch.ops.kfused.headwise_oproj_triton_bwd(
-        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f)
+        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale)
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
-    if n_b and ctx.has_b:
-        db = (db if _opt(db) is not None else g.sum(0, dtype=torch.float32)).to(ctx.b_dtype)
-    else:
-        db = None
+    if (n_b and ctx.has_b) or n_c:
+        db = db if _opt(db) is not None else g.sum(0, dtype=torch.float32)
+    # the per-head bias c sits beside the frozen bias: the same column sums
+    dc = db.to(ctx.c_dtype) if n_c else None
+    db = db.to(ctx.b_dtype) if n_b and ctx.has_b else None
     return (dO if n_o else None, dw, db, _opt(dA) if nA else None, _opt(dB) if nB else None,
-            _opt(dsA) if nsA else None, _opt(dsU) if nsU else None, None)
+            _opt(dsA) if nsA else None, _opt(dsU) if nsU else None, None, None, dc)
 
 
 _oproj_fwd.register_autograd(_oproj_backward, setup_context=_oproj_setup)
@@ -167,10 +173,13 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
                                   scale=scale)
     lead = o.shape[:-1]
     o2 = o.reshape(-1, HP).contiguous()
-    b = _fold_bias(b_o, wise_c)
-    sU = (shared_B.float() * scale).contiguous() if shared_A is not None else None
+    sB, s = shared_B, 1.0
+    if shared_A is not None:
+        if isinstance(scale, torch.Tensor):     # differentiable: fold it here, in float32
+            sB = shared_B.float() * scale
+        else:                                   # the pack kernel folds it in float32
+            s = float(scale)
+    c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     Y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(
-        o2, w_o, b, wise_A.contiguous() if wise_A is not None else None,
-        wise_B.contiguous() if wise_B is not None else None,
-        shared_A.contiguous() if shared_A is not None else None, sU, H)
+        o2, w_o, c(b_o), wise_A, wise_B, shared_A, sB, H, s, c(wise_c))
     return Y.reshape(*lead, dout)

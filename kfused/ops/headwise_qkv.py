@@ -18,7 +18,7 @@ import torch
 from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _check_linear,
-                                         _check_n_heads, _empty, _fold_bias,
+                                         _check_n_heads, _empty,
                                          LiteKeyGrad, _head_width,
                                          _no_float64, _opt, _section)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
@@ -47,11 +47,12 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
              v_down: Optional[torch.Tensor], v_zb: Optional[torch.Tensor],
              v_up: Optional[torch.Tensor], v_sdown: Optional[torch.Tensor],
              v_sup: Optional[torch.Tensor], head_dim: int, q_scale: float = 1.0,
-             v_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+             v_scale: float = 1.0, q_c: Optional[torch.Tensor] = None,
+             v_c: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     k = _tk()
     q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
-    return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim)
+    return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim, q_c, v_c)
 
 
 def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
@@ -65,7 +66,8 @@ def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
 
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
-      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, q_scale=1.0, v_scale=1.0):
+      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, q_scale=1.0, v_scale=1.0, q_c=None,
+      v_c=None):
     T = x.shape[0]
     M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
                 v_down, v_sdown, x.device)
@@ -119,29 +121,32 @@ def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
 
 def _qkv_setup(ctx, inputs, output):
     (x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
-     v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *scales) = inputs
+     v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *rest) = inputs
+    q_scale, v_scale, q_c, v_c = tuple(rest) + (1.0, 1.0, None, None)[len(rest):]
     ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
                           v_down, v_up, v_sdown, v_sup, output[1])
     ctx.head_dim = head_dim
-    ctx.scales = tuple(scales) + (1.0,) * (2 - len(scales))
+    ctx.scales = (q_scale, v_scale)
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
     ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
+    ctx.c_dtypes = tuple(c.dtype if c is not None else None for c in (q_c, v_c))
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)    # no zero (T, M) gradient for the rank-space output
 
 
 def _qkv_backward(ctx, gY, gZ):
     if gY is None:
-        return (None,) * 20
+        return (None,) * 22
     (x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
      v_down, v_up, v_sdown, v_sup, z) = ctx.saved_tensors
     need = ctx.needs_input_grad
     nx = need[0]
     need_f = any(need[7:17])
+    need_c = (len(need) > 20 and need[20], len(need) > 21 and need[21])
     gY = gY.contiguous()
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6], *ctx.scales)
+        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales)
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
@@ -161,8 +166,11 @@ def _qkv_backward(ctx, gY, gZ):
     # (a factor that was None, e.g. the zero zb of a Kernel-wise-only section, gets None)
     fac = [_opt(sec[key]) if need[7 + i] else None
            for i, (sec, key) in enumerate((sec, key) for sec in (gq, gv) for key in _SEC_KEYS)]
+    # the per-head biases c sit beside the frozen bias: the same column sums
+    dc = [sec["db"].to(dt) if nc else None
+          for sec, nc, dt in zip((gq, gv), need_c, ctx.c_dtypes)]
     return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gq), bias_grad(1, None),
-            bias_grad(2, gv), *fac, None, None, None)
+            bias_grad(2, gv), *fac, None, None, None, *dc)
 
 
 _qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
@@ -250,9 +258,9 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
     kw, kb, Hk = key if key is not None else (w_k, b_k, Hkv)
     qf, dcq, sq, lq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
     vf, dcv, sv, lv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
+    c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
-        x2, w_q, w_k, w_v, _fold_bias(b_q, dcq), b_k.contiguous() if b_k is not None else None,
-        _fold_bias(b_v, dcv), *qf, *vf, p, sq, sv)
+        x2, w_q, w_k, w_v, c(b_q), c(b_k), c(b_v), *qf, *vf, p, sq, sv, c(dcq), c(dcv))
     for lite, c0 in ((lq, 0), (lv, w_q.shape[0] + w_k.shape[0])):
         if lite is not None and lite[0].requires_grad and torch.is_grad_enabled():
             Y = LiteKeyGrad.apply(Y, lite[0], lite[1], x2.detach(), kw.detach(),

@@ -239,6 +239,8 @@ def _m_hw_gemm(L) -> Dict[str, float]:
                + a["u_ptr"].numel() * _el(a["u_ptr"]) + a["zb_ptr"].numel() * 4)
     if a["HAS_BIAS"]:
         by += N * _el(a["bias_ptr"])
+        if a.get("HAS_BIAS2"):
+            by += N * _el(a["bias2_ptr"])
     w["alu_ops"] += P * BM * BN * (2 if a["HAS_BIAS"] else 1)  # (+ bias), convert on store
     by += M * N * _el(C)
     w["hbm_bytes"] = by
@@ -261,6 +263,9 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     w = _work()
     unit = "dot16_flops" if x16 else "fma32_flops"
     w[unit] += Lt * 2 * 2.0 * tp * BN * RB                      # dZ and dU products
+    if a.get("SH_SCALE"):
+        w[unit] += Lt * 2.0 * tp * BN * RB                      # dZ of round(s·dY) (shared)
+        w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
     w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
     z = a["z_ptr"]
     w["hbm_bytes"] = (T * N * el                                # dY once (own columns)

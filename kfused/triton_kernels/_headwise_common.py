@@ -46,8 +46,11 @@ Kernel-mix(qvo) intermediate at p = 64, where v's 8 lite rows are doubled by the
 split), (b) one extra read of dY (rank pass) and of X (dD), (c) for the output projection a
 pass over O (Z) and two over dY (dZ, dB). Predicted kernel time / frozen, fwd+bwd: GPT-2
 small 1.28-1.57 (qkv), 1.98 (o); GPT-2 medium 1.23-1.52, 1.76; Llama-7B GQA 1.19-1.22, 1.22.
-The host-side factor building (~40 tiny torch kernels per adapted section) adds a predicted
-~190 µs per q|k|v call: at GPT-2 widths that, not the kernels, dominates.
+At GPT-2 widths every tiny launch (~3 µs) counts as much as a kernel pass: the factors reach
+the kernels with no torch op in any forward (a lite section's basis, split and stacking:
+one ``headwise_section`` kernel; per-head biases: the GEMM's second bias; the output
+projection's D_o and [B_w | scale·B_s]: one pack kernel), and the backwards have 2 torch
+ops each (tests/test_headwise_launches.py holds the counts).
 """
 
 from __future__ import annotations
@@ -142,10 +145,11 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  a1_ptr, s_a1m, s_a1k, b1_ptr, s_b1k, s_b1n, K1,
                  a2_ptr, s_a2m, s_a2k, b2_ptr, s_b2k, s_b2n, K2,
                  a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3,
-                 bias_ptr, c_ptr, s_cm, s_cn, M, N, K_PER,
-                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm,
+                 bias_ptr, bias2_ptr, c_ptr, s_cm, s_cn, M, N, K_PER,
+                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS,
                  BN: tl.constexpr, RB: tl.constexpr, NSEG: tl.constexpr, LR: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BIAS2: tl.constexpr,
+                 PREC: tl.constexpr, LR_SCALE: tl.constexpr,
                  BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr = 8):
     # grid: (cdiv(M, BM) * cdiv(N, BN), S). Grouped order: GROUP row blocks share the B
     # columns in L2. SPLIT: program s reduces K0 range [s*K_PER, (s+1)*K_PER) of the single
@@ -187,6 +191,9 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                      mask=mmask[:, None])
             cn = tl.arange(0, BN)
             u = tl.load(u_ptr + (pid_n * RB + rr[:, None]) * BN + cn[None, :])
+            if LR_SCALE:    # shared rows: round(scale·Z) against B_s (U holds it unscaled)
+                zl = tl.where((rr < LR_RS)[None, :],
+                              (zl.to(tl.float32) * lr_scale).to(zl.dtype), zl)
             acc += _mm(zl, u, True, PREC)
         else:
             acc = _seg_loop(acc, a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0, rm, rn,
@@ -201,7 +208,12 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
             acc = _seg_loop(acc, a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3, rm, rn,
                             mmask, nmask, BK, PREC)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            # bias2: a second vector summed with the first in float32 (the per-head biases c
+            # beside the frozen bias: no host-side fold)
+            bias = tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            if HAS_BIAS2:
+                bias += tl.load(bias2_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            acc += bias[None, :]
         tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -210,23 +222,33 @@ class LowRankTiles:
     """Packed low-rank epilogue operands of one output section for the augmented GEMM.
 
     D (L, RB, K) and U (L, RB, BN) in the input dtype, zb (L, RB) float32; z: the (T, L·RB)
-    view of the rank-space buffer where the forward stores Z (input dtype).
+    view of the rank-space buffer where the forward stores Z (input dtype). ``scale``
+    multiplies the RS shared rows of every tile (slots [0, RS)), whose U holds B_s unscaled.
     """
 
-    __slots__ = ("D", "zb", "U", "z")
+    __slots__ = ("D", "zb", "U", "z", "scale", "RS")
 
-    def __init__(self, D, zb, U, z):
+    def __init__(self, D, zb, U, z, scale: float = 1.0, RS: int = 0):
         self.D, self.zb, self.U, self.z = D, zb, U, z
+        self.scale, self.RS = float(scale), int(RS)
+
+    @property
+    def scaled(self) -> bool:
+        return self.RS > 0 and self.scale != 1.0
 
 
 def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
-         bias: Optional[torch.Tensor] = None, lr: Optional[LowRankTiles] = None) -> torch.Tensor:
-    """``out (M, N) = Σ_i A_i B_i (+ bias) (+ packed low-rank epilogue)``.
+         bias: Optional[torch.Tensor] = None, lr: Optional[LowRankTiles] = None,
+         bias2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out (M, N) = Σ_i A_i B_i (+ bias + bias2) (+ packed low-rank epilogue)``.
 
     segs: up to four (A_i (M, K_i), B_i (K_i, N)) pairs, any strides (views, transposes,
     expands); all in one dtype. out: an (M, N) view (any strides) in any float dtype. The
-    low-rank epilogue (``lr``) reads segment 0's A.
+    low-rank epilogue (``lr``) reads segment 0's A. bias, bias2: contiguous (N,) vectors in
+    any float dtype, summed in float32.
     """
+    if bias is None:
+        bias, bias2 = bias2, None
     M, N = out.shape
     assert 1 <= len(segs) <= 4
     if M == 0 or N == 0:
@@ -243,17 +265,18 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
         flat += [a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
                  a.shape[1] if i < nseg else 0]
     if lr is not None:
-        lra = [lr.D, lr.zb, lr.U, lr.z, lr.z.stride(0)]
+        lra = [lr.D, lr.zb, lr.U, lr.z, lr.z.stride(0), lr.scale, lr.RS]
         RB = lr.D.shape[1]
     else:
-        lra = [out, out, out, out, 0]
+        lra = [out, out, out, out, 0, 1.0, 0]
         RB = 16
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), 1)  # noqa: E731
     _launch(_gemm_kernel, grid,
-            [*flat, bias if bias is not None else out, out, out.stride(0), out.stride(1), M, N,
-             0, *lra],
+            [*flat, bias if bias is not None else out, bias2 if bias2 is not None else out,
+             out, out.stride(0), out.stride(1), M, N, 0, *lra],
             dict(BN=BN, RB=RB, NSEG=nseg, LR=lr is not None, SPLIT=False,
-                 HAS_BIAS=bias is not None, PREC=dot_precision(dt)))
+                 HAS_BIAS=bias is not None, HAS_BIAS2=bias2 is not None,
+                 PREC=dot_precision(dt), LR_SCALE=lr is not None and lr.scaled))
     return out
 
 
@@ -287,9 +310,9 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
     segs = [at, at.stride(0), at.stride(1), b, b.stride(0), b.stride(1), T] + \
         [at, 0, 0, b, 0, 0, 0] * 3
     _launch(_gemm_kernel, grid,
-            [*segs, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0],
-            dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False,
-                 PREC=dot_precision(b.dtype)))
+            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0],
+            dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False, HAS_BIAS2=False,
+                 PREC=dot_precision(b.dtype), LR_SCALE=False))
     if partials:
         return part
     return part.sum(0) if S > 1 else part[0]
@@ -301,12 +324,14 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
 
 @triton.jit
 def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
-                        du_ptr, dzb_ptr, db_ptr, T, T_PER, L,
+                        du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS,
                         BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, SH_SCALE: tl.constexpr):
     # grid: (L tiles, S token splits). One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
     # (stored in the input dtype), partials of U_l's gradient Z_lᵀ dY_l, of Σ_t dZ_l (float32,
-    # before rounding) and of the bias gradient Σ_t dY_l.
+    # before rounding) and of the bias gradient Σ_t dY_l. SH_SCALE: the shared rows (slots
+    # [0, RS) of every tile) take dZ = round(scale·dY_l) U_lᵀ, rounding the scaled gradient
+    # first as the same-precision torch path does (U holds B_s unscaled).
     l = tl.program_id(0)
     s = tl.program_id(1)
     cn = tl.arange(0, BN)
@@ -327,6 +352,9 @@ def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
         z = tl.load(z_ptr + rt[:, None] * s_zm + l * RB + rr[None, :], mask=tmask[:, None],
                     other=0.0)
         dz = _mm(g, ut, True, PREC)
+        if SH_SCALE:
+            gs = (g.to(tl.float32) * scale).to(g.dtype)
+            dz = tl.where((rr < RS)[None, :], _mm(gs, ut, True, PREC), dz)
         tl.store(dz_ptr + rt[:, None] * s_dzm + l * RB + rr[None, :],
                  dz.to(dz_ptr.dtype.element_ty), mask=tmask[:, None])
         dzb += tl.sum(dz, axis=0)
@@ -359,7 +387,8 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
         return (du, dzb, db) if partials else (du[0], dzb[0], db[0])
     _lr_rank_bwd_kernel[(L, S)](
         g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz, dz.stride(0),
-        du, dzb, db, T, T_PER, L, BT=BT, BN=BN, RB=RB, PREC=dot_precision(g.dtype),
+        du, dzb, db, T, T_PER, L, lr.scale, lr.RS, BT=BT, BN=BN, RB=RB,
+        PREC=dot_precision(g.dtype), SH_SCALE=lr.scaled,
         num_warps=8 if targets_gpu(dev) else 4)
     if partials:
         return du, dzb, db
@@ -406,7 +435,7 @@ class _Packing:
 
 @triton.jit
 def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr,
-                 K, N, P, R, RS, scale,
+                 K, N, P, R, RS,
                  HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
                  BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
     # grid: (L, RB). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
@@ -449,9 +478,9 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
     if HW:
         u += tl.load(up_ptr + n * R + j, mask=(n < tl.where(is_hw, N, 0)) & (n // P == h),
                      other=0.0).to(tl.float32)
-    if SH:
+    if SH:   # B_s unscaled: the GEMM and the rank pass apply the scale (LowRankTiles)
         u += tl.load(sup_ptr + n * RS + js, mask=n < tl.where(is_sh, N, 0),
-                     other=0.0).to(tl.float32) * scale
+                     other=0.0).to(tl.float32)
     tl.store(u_ptr + (l * RB + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
 
 
@@ -463,7 +492,7 @@ def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.T
     c = lambda t: t.contiguous() if t is not None else D  # noqa: E731  (no copy when contiguous)
     _pack_kernel[(pk.L, pk.RB)](
         c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U,
-        K, pk.H * pk.P, pk.P, pk.R, pk.RS, f.scale,
+        K, pk.H * pk.P, pk.P, pk.R, pk.RS,
         HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, RB=pk.RB,
         BK=_blk(K, 16, 256 if targets_gpu(D.device) else 64), num_warps=4)
 

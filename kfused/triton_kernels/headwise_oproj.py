@@ -6,14 +6,15 @@
 from __future__ import annotations
 
 import collections
-import functools
 import weakref
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import F32
+from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu
 from kfused.triton_kernels._headwise_common import _PACKED_MAX, gemm, reduce_tokens
 
 
@@ -21,48 +22,165 @@ from kfused.triton_kernels._headwise_common import _PACKED_MAX, gemm, reduce_tok
 # Fused output projection: Y = O W_oᵀ + b + concat_h(O^h A_hᵀ) Bᵀ + O A_sᵀ U_sᵀ
 
 
-@functools.lru_cache(maxsize=64)
-def _oproj_index(H: int, R: int, P: int, device: str) -> torch.Tensor:
-    """Flat positions of A (H, R, P) in the dense block-diagonal D_o (H·R + R_s, H·P)."""
-    h = torch.arange(H)[:, None, None]
-    j = torch.arange(R)[None, :, None]
-    c = torch.arange(P)[None, None, :]
-    return ((h * R + j) * (H * P) + h * P + c).reshape(-1).to(device)
+@triton.jit
+def _oproj_pack_kernel(a_ptr, s_ah, s_ar, s_ap, as_ptr, s_asr, s_asc,
+                       bw_ptr, s_bwn, s_bwm, sb_ptr, s_sbn, s_sbm, do_ptr, bc_ptr,
+                       HP, P, R, RS, N, scale,
+                       BC: tl.constexpr, BR: tl.constexpr, MP: tl.constexpr):
+    # grid (M + cdiv(N, BR),), M = H·R + RS. Programs [0, M): row i of the dense
+    # block-diagonal D_o (M, H·P): A_h[j, :] at columns [h·P, (h+1)·P) for i = h·R + j < H·R,
+    # shared A_s[i − H·R, :] after. Programs [M, ..): BR rows of [B_w | scale·B_s] (N, M).
+    # Outputs contiguous in the activation dtype; every entry is one factor entry (float32
+    # product for the scaled B_s) rounded once.
+    pid = tl.program_id(0)
+    HR = (HP // P) * R
+    M = HR + RS
+    if pid < M:
+        rr = tl.maximum(R, 1)
+        h = pid // rr
+        j = pid % rr
+        # Scalar conditions enter the vector masks as limits (the interpreter mishandles
+        # scalar & vector masks): per-head rows read A inside their head's columns only,
+        # shared rows read A_s everywhere.
+        lo = tl.where(pid < HR, h * P, 0)
+        hi = tl.where(pid < HR, h * P + P, 0)
+        hs = tl.where(pid < HR, 0, HP)
+        js = tl.maximum(pid - HR, 0)
+        for c0 in range(0, HP, BC):
+            cs = c0 + tl.arange(0, BC)
+            mine = (cs >= lo) & (cs < hi)
+            v = tl.load(a_ptr + h * s_ah + j * s_ar + (cs - lo) * s_ap, mask=mine, other=0.0)
+            v = v.to(tl.float32) + tl.load(as_ptr + js * s_asr + cs * s_asc, mask=cs < hs,
+                                           other=0.0).to(tl.float32)
+            tl.store(do_ptr + pid * HP + cs, v.to(do_ptr.dtype.element_ty), mask=cs < HP)
+    else:
+        n = (pid - M) * BR + tl.arange(0, BR)
+        m = tl.arange(0, MP)
+        nm = (n < N)[:, None]
+        w = tl.load(bw_ptr + n[:, None] * s_bwn + m[None, :] * s_bwm,
+                    mask=nm & (m < HR)[None, :], other=0.0).to(tl.float32)
+        ms = tl.maximum(m - HR, 0)
+        w += tl.load(sb_ptr + n[:, None] * s_sbn + ms[None, :] * s_sbm,
+                     mask=nm & ((m >= HR) & (m < M))[None, :], other=0.0).to(tl.float32) * scale
+        tl.store(bc_ptr + n[:, None] * M + m[None, :], w.to(bc_ptr.dtype.element_ty),
+                 mask=nm & (m < M)[None, :])
 
 
-def _oproj_down(A, As, H: int, P: int, dtype) -> torch.Tensor:
-    """Dense down-projection D_o (H·R + R_s, H·P) of the output projection, in ``dtype``
-    (built in ``dtype`` directly: each entry is one factor entry rounded once, as a float32
-    build then cast would give; three launches)."""
+@triton.jit
+def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
+                         da_ptr, das_ptr, dbw_ptr, dsb_ptr, HP, P, R, RS, N, scale,
+                         BC: tl.constexpr, BR: tl.constexpr, MP: tl.constexpr):
+    # The gradients of _oproj_pack_kernel's outputs back to the factors, summing the token
+    # reductions' partials in a fixed order: dD (S_D, M, H·P), dBcat (S_B, N, M), any float
+    # dtype, unit last stride. Outputs contiguous in the factors' dtypes.
+    pid = tl.program_id(0)
+    HR = (HP // P) * R
+    M = HR + RS
+    if pid < M:
+        rr = tl.maximum(R, 1)
+        h = pid // rr
+        j = pid % rr
+        lo = tl.where(pid < HR, h * P, 0)
+        for c0 in range(0, tl.where(pid < HR, P, HP), BC):
+            # per-head rows: their head's P columns; shared rows: all H·P
+            cs = c0 + tl.arange(0, BC)
+            lim = tl.where(pid < HR, tl.minimum(lo + P, HP), HP)
+            cc = tl.where(pid < HR, lo + cs, cs)
+            acc = tl.zeros((BC,), dtype=tl.float32)
+            for s in range(0, S_D):
+                acc += tl.load(dd_ptr + s * s_dds + pid * s_ddm + cc, mask=cc < lim,
+                               other=0.0).to(tl.float32)
+            tl.store(da_ptr + (h * R + j) * P + cs, acc.to(da_ptr.dtype.element_ty),
+                     mask=cc < tl.where(pid < HR, lim, 0))
+            js = tl.maximum(pid - HR, 0)
+            tl.store(das_ptr + js * HP + cs, acc.to(das_ptr.dtype.element_ty),
+                     mask=cs < tl.where(pid < HR, 0, HP))
+    else:
+        n = (pid - M) * BR + tl.arange(0, BR)
+        m = tl.arange(0, MP)
+        nm = (n < N)[:, None]
+        acc = tl.zeros((BR, MP), dtype=tl.float32)
+        for s in range(0, S_B):
+            acc += tl.load(db_ptr + s * s_dbs + n[:, None] * s_dbn + m[None, :],
+                           mask=nm & (m < M)[None, :], other=0.0).to(tl.float32)
+        tl.store(dbw_ptr + n[:, None] * HR + m[None, :], acc.to(dbw_ptr.dtype.element_ty),
+                 mask=nm & (m < HR)[None, :])
+        ms = tl.maximum(m - HR, 0)
+        tl.store(dsb_ptr + n[:, None] * RS + ms[None, :],
+                 (acc * scale).to(dsb_ptr.dtype.element_ty),
+                 mask=nm & ((m >= HR) & (m < M))[None, :])
+
+
+def _pack_grid(M: int, N: int, width: int, dev):
+    """(BR rows of the up-projection per program, BC columns per step, grid)."""
+    BR = 32 if targets_gpu(dev) else 8
+    return BR, _blk(width, 16, 256 if targets_gpu(dev) else 32), (M + triton.cdiv(N, BR),)
+
+
+def _oproj_pack(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype):
+    """Dense down-projection D_o (H·R + R_s, H·P) and up-projection [B_w | scale·B_s]
+    (N, H·R + R_s), in ``dtype``, contiguous: one launch."""
     R = A.shape[1] if A is not None else 0
     RS = As.shape[0] if As is not None else 0
+    M, HP = H * R + RS, H * P
     ref = A if A is not None else As
-    Do = ref.new_zeros(H * R + RS, H * P, dtype=dtype)
-    if A is not None:
-        Do.view(-1)[_oproj_index(H, R, P, str(ref.device))] = A.reshape(-1).to(dtype)
-    if As is not None:
-        Do[H * R:] = As
-    return Do
+    dev = ref.device
+    Do = _alloc.empty(M, HP, dtype=dtype, device=dev)
+    Bc = _alloc.empty(N, M, dtype=dtype, device=dev)
+    BR, BC, grid = _pack_grid(M, N, HP, dev)
+    a = A if A is not None else Do
+    as_ = As if As is not None else Do
+    bw = Bw if Bw is not None else Do
+    bs = Bs if Bs is not None else Do
+    _oproj_pack_kernel[grid](
+        a, *(a.stride() if A is not None else (0, 0, 0)), as_,
+        *(as_.stride() if As is not None else (0, 0)), bw,
+        *(bw.stride() if Bw is not None else (0, 0)), bs,
+        *(bs.stride() if Bs is not None else (0, 0)), Do, Bc,
+        HP, P, R, RS, N, float(scale), BC=BC, BR=BR, MP=next_pow2(M), num_warps=4)
+    return Do, Bc
 
 
-# D_o and [B | U_s] built by an output-projection forward, handed to its backward (same
-# contract as _PACKED: keyed by the factors' storage, version, shape and strides, valid only
-# for the very Z the forward returned; popped on use, bounded).
+def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int) -> dict:
+    """Factor gradients from the token reductions' partials dD (S, M, H·P) and dB (S, N, M):
+    dA (H, R, P), dB_w (N, H·R), dA_s (R_s, H·P), dB_s = scale·Σ (N, R_s), each in its
+    factor's dtype (one launch)."""
+    R = A.shape[1] if A is not None else 0
+    RS = As.shape[0] if As is not None else 0
+    M, HP, N = H * R + RS, H * P, dB.shape[1]
+    dev = dD.device
+    out = {}
+    if R:
+        out["A"] = _alloc.empty(H, R, P, dtype=A.dtype, device=dev)
+        out["Bw"] = _alloc.empty(N, H * R, dtype=Bw.dtype, device=dev)
+    if RS:
+        out["As"] = _alloc.empty(RS, HP, dtype=As.dtype, device=dev)
+        out["Us"] = _alloc.empty(N, RS, dtype=Bs.dtype, device=dev)
+    BR, BC, grid = _pack_grid(M, N, P, dev)
+    _oproj_unpack_kernel[grid](
+        dD, dD.stride(0), dD.stride(1), dB, dB.stride(0), dB.stride(1), dD.shape[0],
+        dB.shape[0], out.get("A", dD), out.get("As", dD), out.get("Bw", dD),
+        out.get("Us", dD), HP, P, R, RS, N, float(scale), BC=BC, BR=BR, MP=next_pow2(M),
+        num_warps=4)
+    return out
+
+
+# D_o and [B_w | scale·B_s] built by an output-projection forward, handed to its backward
+# (same contract as _PACKED: keyed by the factors' storage, version, shape and strides and
+# the scale, valid only for the very Z the forward returned; popped on use, bounded).
 _OPACKED: "collections.OrderedDict" = collections.OrderedDict()
 
 
-def _oproj_operands(A, Bw, As, Us, H: int, P: int, dtype, Z: torch.Tensor, keep: bool):
+def _oproj_operands(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype,
+                    Z: torch.Tensor, keep: bool):
     key = (tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride(),
-                                         t.dtype, str(t.device)) for t in (A, Bw, As, Us)),
-           dtype, H)
+                                         t.dtype, str(t.device)) for t in (A, Bw, As, Bs)),
+           float(scale), dtype, H)
     if not keep:
         rec = _OPACKED.pop(key, None)
         if rec is not None and rec[0]() is Z:
             return rec[1]
-    Do = _oproj_down(A, As, H, P, dtype)
-    parts = [t for t in (Bw, Us) if t is not None]
-    Bcat = (parts[0].to(dtype) if len(parts) == 1 else torch.cat(parts, 1).to(dtype))
-    out = (Do, Bcat.contiguous())
+    out = _oproj_pack(A, Bw, As, Bs, scale, H, P, N, dtype)
     if keep:
         _OPACKED.pop(key, None)
         _OPACKED[key] = (weakref.ref(Z), out)
@@ -85,9 +203,11 @@ def _thin(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                            A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
-                           As: Optional[torch.Tensor], Us: Optional[torch.Tensor], H: int):
-    """o (T, H·p) any strides; w (d, H·p) any strides; b (d,) (c folded in) or None;
-    A (H, r, p), Bw (d, H·r), As (r_s, H·p), Us (d, r_s) (scale folded in) or None.
+                           As: Optional[torch.Tensor], Us: Optional[torch.Tensor], H: int,
+                           scale: float = 1.0, c: Optional[torch.Tensor] = None):
+    """o (T, H·p) any strides; w (d, H·p) any strides; b (d,) contiguous or None; c (d,)
+    (the per-head bias, added with b in the epilogue) contiguous or None; A (H, r, p),
+    Bw (d, H·r), As (r_s, H·p), Us (d, r_s) any strides or None; ``scale`` multiplies Us.
 
     Returns Y (T, d) and the rank-space Z (T, H·r + r_s) in o.dtype for the backward.
     """
@@ -103,10 +223,10 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
         return Y, Z
     segs = [(o, w.t())]
     if R or RS:
-        Do, Bcat = _oproj_operands(A, Bw, As, Us, H, P, o.dtype, Z, keep=True)
+        Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, o.dtype, Z, keep=True)
         _thin(o, Do.t(), Z)
         segs.append((Z, Bcat.t()))
-    gemm(segs, Y, bias=b)
+    gemm(segs, Y, bias=b, bias2=c)
     return Y, Z
 
 
@@ -114,8 +234,9 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                             A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
                             As: Optional[torch.Tensor], Us: Optional[torch.Tensor],
                             Z: torch.Tensor, H: int, need_do: bool = True,
-                            need_factors: bool = True):
-    """g (T, d) any strides. Returns (dO, dict of dA, dBw, dAs, dUs for present parts)."""
+                            need_factors: bool = True, scale: float = 1.0):
+    """g (T, d) any strides. Returns (dO, dict of dA, dBw, dAs, dUs (scale·Σ) for the present
+    parts, and db)."""
     T, HP = o.shape
     N = w.shape[0]
     P = HP // H
@@ -133,23 +254,15 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             else:
                 dO.zero_()
         return dO, grads
-    Do, Bcat = _oproj_operands(A, Bw, As, Us, H, P, dt, Z, keep=False)
+    Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, dt, Z, keep=False)
     dZ = _alloc.empty(T, M, dtype=dt, device=dev)
     _thin(g, Bcat, dZ)
     if need_do:
         if T:
             gemm([(g, w), (dZ, Do)], dO) if N else gemm([(dZ, Do)], dO)
     if need_factors:
-        dB = reduce_tokens(g, Z)           # (d, M)
-        dD = reduce_tokens(dZ, o)          # (M, H·p)
-        # Fresh tensors for every output: a custom op's outputs may not alias (d_out = 1
-        # made dB[:, :H·r] and dB[:, H·r:] "contiguous" views of one buffer).
-        if R:
-            grads["A"] = dD.reshape(-1)[_oproj_index(H, R, P, str(dev))].view(H, R, P) \
-                .to(A.dtype)
-            grads["Bw"] = dB[:, :H * R].to(Bw.dtype, copy=True)
-        if RS:
-            grads["As"] = dD[H * R:].to(As.dtype, copy=True)
-            grads["Us"] = dB[:, H * R:].to(Us.dtype, copy=True)
+        dB = reduce_tokens(g, Z, partials=True)           # (S, d, M)
+        dD = reduce_tokens(dZ, o, partials=True)          # (S, M, H·p)
+        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P)
         grads["db"] = g.sum(0, dtype=F32)
     return dO, grads

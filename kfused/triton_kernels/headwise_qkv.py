@@ -48,10 +48,13 @@ def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, i
 def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                          bq: Optional[torch.Tensor], bk: Optional[torch.Tensor],
                          bv: Optional[torch.Tensor], q: SectionFactors, v: SectionFactors,
-                         P: int):
+                         P: int, cq: Optional[torch.Tensor] = None,
+                         cv: Optional[torch.Tensor] = None):
     """x (T, d) any strides; w* (N*, d) nn.Linear layout, any strides (Conv1D column views
     work; N* may be 0 to skip a section, e.g. a single adapted projection in the q slot);
-    biases (N*,) or None (per-head biases c already folded in); P the head width.
+    biases (N*,) contiguous or None; cq, cv: the q and v sections' per-head biases (Nq,),
+    (Nv,) contiguous or None, added with the frozen bias in the GEMM epilogue; P the head
+    width.
 
     Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype and the rank-space
     buffer Z (T, M) in x.dtype (packed layout of :func:`qkv_packings`) for the backward.
@@ -67,7 +70,8 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     if M:
         Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
     col = 0
-    for w, b, pk, off in ((wq, bq, pq, oq), (wk, bk, None, 0), (wv, bv, pv, ov)):
+    for w, b, c, pk, off, f in ((wq, bq, cq, pq, oq, q), (wk, bk, None, None, 0, None),
+                                (wv, bv, cv, pv, ov, v)):
         n = w.shape[0]
         if n:
             lr = None
@@ -75,8 +79,8 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
                 L, RB = pk.L, pk.RB
                 s = slice(off, off + L * RB)
                 lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB),
-                                  Up[s].view(L, RB, pk.BN), Z[:, s])
-            gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr)
+                                  Up[s].view(L, RB, pk.BN), Z[:, s], f.scale, pk.RS)
+            gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr, bias2=c)
         col += n
     return Y, Z
 
@@ -100,14 +104,14 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     if M:
         Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
     secs = []
-    for pk, off, c0, n in ((pq, oq, 0, Nq), (pv, ov, Nq + Nk, Nv)):
+    for pk, off, c0, n, f in ((pq, oq, 0, Nq, q), (pv, ov, Nq + Nk, Nv, v)):
         if pk is None:
             secs.append(None)
             continue
         L, RB = pk.L, pk.RB
         s = slice(off, off + L * RB)
         lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB), Up[s].view(L, RB, pk.BN),
-                          Z[:, s])
+                          Z[:, s], f.scale, pk.RS)
         # The rank pass is needed by dx too (dZ is one of its K segments); its token-split
         # partials are summed by the unpack kernel.
         secs.append((s, lr_rank_backward(g[:, c0:c0 + n], lr, dZ[:, s], partials=True)))

@@ -1,0 +1,212 @@
+"""Triton host functions that assemble a Kernel-wise-lite section's kernel-level factors
+(docs/math.md §2) in one launch, and take their gradients back in one launch.
+
+A section with lite heads feeds the packed GEMMs per-head rows ``down (H, R, d)``, biases
+``zb (H, R)`` and up-projections ``up (H, p, R)``, float32, stacked along the rank:
+
+    rows [0, RW)                Kernel-wise A_h                 zb 0         up B_h (wise)
+    rows [RW, RW + RL)          lite basis A_h W_k^h  (hi)      b_k^h A_hᵀ   up B_h (lite)
+    rows [RW + RL, RW + 2 RL)   A_h W_k^h − hi        (lo)      0            up B_h (lite)
+
+(the hi/lo pair only for 16-bit activations, see ``kfused.ops._headwise_common._section``;
+float32 has one basis row per lite rank). Query head h reads key head ``h // G``.
+
+Built with torch ops this was about twenty launch-bound kernels per section and call (casts of
+every factor and of the whole key weight to float32, the basis and bias products, the split,
+zero blocks, concatenations) and seven more in the backward; here it is one kernel each way.
+The basis product is p multiply-adds per element (p ≤ 256): CUDA-core float32 FMA, no tensor
+cores (its operands are rounded 16-bit factors and weights, the product must stay float32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kfused import _alloc
+from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu, tl_dtype
+
+
+@triton.jit
+def _section_fwd_kernel(wa_ptr, s_wah, s_war, s_wad, wb_ptr, s_wbh, s_wbp, s_wbr,
+                        la_ptr, s_lah, s_lar, s_lap, lb_ptr, s_lbh, s_lbp, s_lbr,
+                        wk_ptr, s_wkn, s_wkd, bk_ptr,
+                        down_ptr, zb_ptr, up_ptr, K, P, RW, RL, R, G,
+                        SPLIT: tl.constexpr, HAS_BK: tl.constexpr, HI: tl.constexpr,
+                        RWP: tl.constexpr, RLP: tl.constexpr, PP: tl.constexpr,
+                        BD: tl.constexpr):
+    # grid (H, cdiv(K, BD)): program (h, i) writes columns [i·BD, (i+1)·BD) of head h's rows;
+    # program (h, 0) also writes its zb and up. Outputs contiguous float32.
+    h = tl.program_id(0)
+    kh = h // G
+    ds = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = ds < K
+    jl = tl.arange(0, RLP)
+    lmask = jl < RL
+    jw = tl.arange(0, RWP)
+    wmask = jw < RW
+    # the basis rows: Σ_p A_h[j, p] W_k[kh·P + p, ds]
+    acc = tl.zeros((RLP, BD), dtype=tl.float32)
+    for p in range(0, P):
+        a = tl.load(la_ptr + h * s_lah + jl * s_lar + p * s_lap, mask=lmask, other=0.0)
+        w = tl.load(wk_ptr + (kh * P + p) * s_wkn + ds * s_wkd, mask=dmask, other=0.0)
+        acc += a.to(tl.float32)[:, None] * w.to(tl.float32)[None, :]
+    rows = down_ptr + (h * R + RW + jl[:, None]) * K + ds[None, :]
+    m2 = lmask[:, None] & dmask[None, :]
+    if SPLIT:
+        hi = acc.to(HI).to(tl.float32)
+        tl.store(rows, hi, mask=m2)
+        tl.store(rows + RL * K, acc - hi, mask=m2)
+    else:
+        tl.store(rows, acc, mask=m2)
+    wa = tl.load(wa_ptr + h * s_wah + jw[:, None] * s_war + ds[None, :] * s_wad,
+                 mask=wmask[:, None] & dmask[None, :], other=0.0)
+    tl.store(down_ptr + (h * R + jw[:, None]) * K + ds[None, :], wa.to(tl.float32),
+             mask=wmask[:, None] & dmask[None, :])
+    if tl.program_id(1) == 0:
+        pp = tl.arange(0, PP)
+        pmask = pp < P
+        # zb: 0 on wise rows, b_k^h A_hᵀ on the (hi) basis rows, 0 on the lo rows
+        tl.store(zb_ptr + h * R + jw, tl.zeros((RWP,), dtype=tl.float32), mask=wmask)
+        zl = tl.zeros((RLP,), dtype=tl.float32)
+        if HAS_BK:
+            a2 = tl.load(la_ptr + h * s_lah + jl[:, None] * s_lar + pp[None, :] * s_lap,
+                         mask=lmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+            bk = tl.load(bk_ptr + kh * P + pp, mask=pmask, other=0.0).to(tl.float32)
+            zl = tl.sum(a2 * bk[None, :], axis=1)
+        tl.store(zb_ptr + h * R + RW + jl, zl, mask=lmask)
+        if SPLIT:
+            tl.store(zb_ptr + h * R + RW + RL + jl, tl.zeros((RLP,), dtype=tl.float32),
+                     mask=lmask)
+        # up: [B_wise | B_lite (| B_lite)] along the rank
+        wb = tl.load(wb_ptr + h * s_wbh + pp[:, None] * s_wbp + jw[None, :] * s_wbr,
+                     mask=pmask[:, None] & wmask[None, :], other=0.0).to(tl.float32)
+        ub = up_ptr + (h * P + pp[:, None]) * R
+        tl.store(ub + jw[None, :], wb, mask=pmask[:, None] & wmask[None, :])
+        lb = tl.load(lb_ptr + h * s_lbh + pp[:, None] * s_lbp + jl[None, :] * s_lbr,
+                     mask=pmask[:, None] & lmask[None, :], other=0.0).to(tl.float32)
+        tl.store(ub + RW + jl[None, :], lb, mask=pmask[:, None] & lmask[None, :])
+        if SPLIT:
+            tl.store(ub + RW + RL + jl[None, :], lb, mask=pmask[:, None] & lmask[None, :])
+
+
+@triton.jit
+def _section_bwd_kernel(dd_ptr, dzb_ptr, du_ptr, wk_ptr, s_wkn, s_wkd, bk_ptr,
+                        dwa_ptr, dwb_ptr, dla_ptr, dlb_ptr, K, P, RW, RL, R, G,
+                        SPLIT: tl.constexpr, HAS_BK: tl.constexpr, NEED_LA: tl.constexpr,
+                        RWP: tl.constexpr, RLP: tl.constexpr, PP: tl.constexpr,
+                        BD: tl.constexpr):
+    # grid (H, max(RW, RL, 1)). Program (h, j): the wise down row j (j < RW, a copy in the
+    # factor's dtype), the lite factor row dA_h[j, :] = Σ_d dD[basis row j, d] W_k^h[:, d]
+    # + dzb[basis row j]·b_k^h (j < RL, NEED_LA; the basis gradient is read from the lo row
+    # when split: hi is a constant rounding of the basis, see _section); program (h, 0) also
+    # the up-projection gradients (lite: the sum of its two copies when split). Inputs
+    # contiguous float32 (H, R, K), (H, R), (H, P, R); outputs contiguous in their dtypes.
+    h = tl.program_id(0)
+    j = tl.program_id(1)
+    kh = h // G
+    pp = tl.arange(0, PP)
+    pmask = pp < P
+    # Scalar conditions enter the vector masks as limits (the interpreter mishandles
+    # scalar & vector masks).
+    k_w = tl.where(j < RW, K, 0)
+    for d0 in range(0, K, BD):
+        ds = d0 + tl.arange(0, BD)
+        v = tl.load(dd_ptr + (h * R + j) * K + ds, mask=ds < k_w, other=0.0)
+        tl.store(dwa_ptr + (h * RW + j) * K + ds, v.to(dwa_ptr.dtype.element_ty), mask=ds < k_w)
+    if NEED_LA:
+        p_l = tl.where(j < RL, P, 0)
+        jr = tl.minimum(j, tl.maximum(RL - 1, 0))
+        row = RW + jr
+        if SPLIT:
+            row += RL
+        acc = tl.zeros((PP, BD), dtype=tl.float32)
+        for d0 in range(0, K, BD):
+            ds = d0 + tl.arange(0, BD)
+            dmask = ds < K
+            g = tl.load(dd_ptr + (h * R + row) * K + ds, mask=dmask, other=0.0)
+            w = tl.load(wk_ptr + (kh * P + pp[:, None]) * s_wkn + ds[None, :] * s_wkd,
+                        mask=pmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            acc += w * g[None, :]
+        da = tl.sum(acc, axis=1)
+        if HAS_BK:
+            bk = tl.load(bk_ptr + kh * P + pp, mask=pmask, other=0.0).to(tl.float32)
+            da += tl.load(dzb_ptr + h * R + RW + jr) * bk
+        tl.store(dla_ptr + (h * RL + jr) * P + pp, da.to(dla_ptr.dtype.element_ty),
+                 mask=pp < p_l)
+    if j == 0:
+        jw = tl.arange(0, RWP)
+        jl = tl.arange(0, RLP)
+        ub = du_ptr + (h * P + pp[:, None]) * R
+        mw = pmask[:, None] & (jw < RW)[None, :]
+        tl.store(dwb_ptr + (h * P + pp[:, None]) * RW + jw[None, :],
+                 tl.load(ub + jw[None, :], mask=mw, other=0.0).to(dwb_ptr.dtype.element_ty),
+                 mask=mw)
+        ml = pmask[:, None] & (jl < RL)[None, :]
+        lb = tl.load(ub + RW + jl[None, :], mask=ml, other=0.0)
+        if SPLIT:
+            lb += tl.load(ub + RW + RL + jl[None, :], mask=ml, other=0.0)
+        tl.store(dlb_ptr + (h * P + pp[:, None]) * RL + jl[None, :],
+                 lb.to(dlb_ptr.dtype.element_ty), mask=ml)
+
+
+def _dims(wise_A, lite_A, split):
+    H, RL, P = lite_A.shape
+    RW = wise_A.shape[1] if wise_A is not None else 0
+    return H, P, RW, RL, RW + RL * (2 if split else 1)
+
+
+def _strides3(t: Optional[torch.Tensor], ref: torch.Tensor):
+    return (t, *t.stride()) if t is not None else (ref, 0, 0, 0)
+
+
+def section_forward(wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tensor],
+                    lite_A: torch.Tensor, lite_B: torch.Tensor, w_k: torch.Tensor,
+                    b_k: Optional[torch.Tensor], Hk: int, split: Optional[torch.dtype]):
+    """``down (H, R, d)``, ``zb (H, R)``, ``up (H, p, R)`` float32 (layout in the module
+    docstring). wise_A (H, RW, d) / wise_B (H, p, RW) or None; lite_A (H, RL, p), lite_B
+    (H, p, RL); w_k (Hk·p, d), b_k (Hk·p,) or None; any dtypes and strides. ``split``: the
+    16-bit activation dtype whose hi/lo pair carries the basis, or None (one float32 row)."""
+    H, P, RW, RL, R = _dims(wise_A, lite_A, split is not None)
+    K = w_k.shape[1]
+    dev = lite_A.device
+    down = _alloc.empty(H, R, K, dtype=F32, device=dev)
+    zb = _alloc.empty(H, R, dtype=F32, device=dev)
+    up = _alloc.empty(H, P, R, dtype=F32, device=dev)
+    bk = b_k.contiguous() if b_k is not None else down
+    BD = _blk(K, 16, 128 if targets_gpu(dev) else 32)
+    _section_fwd_kernel[(H, triton.cdiv(K, BD))](
+        *_strides3(wise_A, down), *_strides3(wise_B, down), lite_A, *lite_A.stride(),
+        lite_B, *lite_B.stride(), w_k, *w_k.stride(), bk, down, zb, up,
+        K, P, RW, RL, R, H // Hk,
+        SPLIT=split is not None, HAS_BK=b_k is not None,
+        HI=tl_dtype(split) if split is not None else tl.float32,
+        RWP=next_pow2(RW), RLP=next_pow2(RL), PP=next_pow2(P), BD=BD, num_warps=4)
+    return down, zb, up
+
+
+def section_backward(d_down: torch.Tensor, d_zb: torch.Tensor, d_up: torch.Tensor,
+                     wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tensor],
+                     lite_A: torch.Tensor, lite_B: torch.Tensor, w_k: torch.Tensor,
+                     b_k: Optional[torch.Tensor], Hk: int, split: bool, need_lite_A: bool
+                     ) -> Tuple[Optional[torch.Tensor], ...]:
+    """Gradients of wise_A, wise_B, lite_A (None unless ``need_lite_A``), lite_B, each in its
+    factor's dtype, from those of :func:`section_forward`'s outputs (float32, contiguous)."""
+    H, P, RW, RL, R = _dims(wise_A, lite_A, split)
+    K = w_k.shape[1]
+    dev = lite_A.device
+    dwa = _alloc.empty(H, RW, K, dtype=wise_A.dtype, device=dev) if RW else d_down
+    dwb = _alloc.empty(H, P, RW, dtype=wise_B.dtype, device=dev) if RW else d_down
+    dla = _alloc.empty(H, RL, P, dtype=lite_A.dtype, device=dev) if need_lite_A else d_down
+    dlb = _alloc.empty(H, P, RL, dtype=lite_B.dtype, device=dev)
+    bk = b_k.contiguous() if b_k is not None else d_down
+    BD = _blk(K, 16, 64 if targets_gpu(dev) else 32)
+    _section_bwd_kernel[(H, max(RW, RL, 1))](
+        d_down, d_zb, d_up, w_k, *w_k.stride(), bk, dwa, dwb, dla, dlb,
+        K, P, RW, RL, R, H // Hk,
+        SPLIT=split, HAS_BK=b_k is not None, NEED_LA=need_lite_A,
+        RWP=next_pow2(RW), RLP=next_pow2(RL), PP=next_pow2(P), BD=BD, num_warps=4)
+    return (dwa if RW else None, dwb if RW else None, dla if need_lite_A else None, dlb)
