@@ -42,9 +42,14 @@ def test_predict_units():
     # tail effect: 133 programs on 132 single-CTA slots take two waves
     p4 = R.predict(w, {"hgmma": 1}, R.SMS + 1, 1)
     assert math.isclose(p4["wave_eff"], (R.SMS + 1) / (2 * R.SMS))
-    # memory bound
-    p5 = R.predict(dict(hbm_bytes=R.HBM_BW * 1e-3), {}, 1, 1)
+    # memory bound: a grid on every SM streams at the HBM ceiling
+    p5 = R.predict(dict(hbm_bytes=R.HBM_BW * 1e-3), {}, R.SMS, 1)
     assert p5["bound"] == "memory" and math.isclose(p5["t"], 1e-3 + R.KERNEL_OVERHEAD_S)
+    # ... one program streams at what one SM can pull; the ceiling needs HBM_BW / SM_MEM_BW
+    p6 = R.predict(dict(hbm_bytes=R.HBM_BW * 1e-3), {}, 1, 1)
+    assert math.isclose(p6["t_mem"], R.HBM_BW * 1e-3 / R.SM_MEM_BW)
+    n_full = math.ceil(R.HBM_BW / R.SM_MEM_BW)
+    assert R.mem_bw(n_full) == R.HBM_BW > R.mem_bw(n_full - 1)
 
 
 def test_l2_reread_rule():

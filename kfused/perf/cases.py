@@ -404,12 +404,13 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     w["hbm_bytes"] = out_bytes
     if split:
         row = (DP + 2) * 4
-        written = (splits + 1) * BHkv * SM * row                     # the chunks' partials,
+        merges = 1 if splits > 1 else 0                              # one chunk: no merge
+        written = (splits + merges) * BHkv * SM * row                # the chunks' partials,
         # then the merged slot 0; the last chunk reads the real rows (GROUP·n_q per kv head)
         # of every slot once, then each query head its rows of slot 0
-        read = BHkv * splits * a["GROUP"] * n_q * row + heads * n_q * row
+        read = (merges * BHkv * splits * a["GROUP"] * n_q * row + heads * n_q * row)
         w["hbm_bytes"] += q.numel() * el + kv + written + read
-        m_alu = (BHkv * splits * SM + heads * BM) * (3 * DP + 8)
+        m_alu = (merges * BHkv * splits * SM + heads * BM) * (3 * DP + 8)
         w["alu_ops"] += m_alu
         # the merge of one kv head, serial after the last wave: its partials through one
         # SM's share of L2 bandwidth, its element-wise work at one SM's ALU rate, plus the

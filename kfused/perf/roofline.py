@@ -19,7 +19,8 @@ Work of one kernel launch (or torch op) is split by the unit that executes it:
 
   t_compute = t_dot16 + t_fma32 + t_fma64 + t_sfu + t_alu     (pipes not overlapped: none of
               today's kernels software-pipelines softmax against MMA like FlashAttention-3)
-  t_mem     = hbm_bytes / HBM_BW
+  t_mem     = hbm_bytes / min(HBM_BW, min(programs, SMS) * SM_MEM_BW)   (a grid that leaves
+              SMs idle streams at what its busy SMs can pull)
   t         = max(t_compute / wave_eff, t_mem) + t_tail + KERNEL_OVERHEAD_S
   t_tail    = serial work after the last wave (the split-KV decode's merge by the last
               program of each kv head), given by the kernel model as ``tail_s``
@@ -64,13 +65,17 @@ L2_BYTES = 50 * 2**20                  # H100 SXM5 L2
 # (5-7 TB/s); used only for serial tails (one SM's share, L2_BW / SMS), not for kernels' bytes.
 L2_BW = 5.5e12
 L2_RESIDENT = L2_BYTES // 2            # what an operand may occupy and still be re-used
+# What one busy SM can stream: its share of L2 bandwidth (an assumption of the same source),
+# so a memory-bound grid of fewer than HBM_BW / SM_MEM_BW ≈ 72 programs cannot reach HBM_BW
+# (a split-KV decode with a chunk per kv head, an unpack over a few rows).
+SM_MEM_BW = L2_BW / SMS
 
 CONSTANTS = {k: v for k, v in dict(
     SMS=SMS, PEAK_BF16_DENSE=PEAK_BF16_DENSE, PEAK_HBM=PEAK_HBM, WGMMA_RATE=WGMMA_RATE,
     HBM_BW=HBM_BW, MMA_SYNC_FRACTION=MMA_SYNC_FRACTION, MMA_RATE=MMA_RATE,
     FMA32_RATE=FMA32_RATE, ALU32_RATE=ALU32_RATE, FMA64_RATE=FMA64_RATE, SFU_RATE=SFU_RATE,
     KERNEL_OVERHEAD_S=KERNEL_OVERHEAD_S, L2_BYTES=L2_BYTES, L2_RESIDENT=L2_RESIDENT,
-    L2_BW=L2_BW).items()}
+    L2_BW=L2_BW, SM_MEM_BW=SM_MEM_BW).items()}
 
 
 def reread_bytes(size: float, passes: float) -> float:
@@ -114,6 +119,13 @@ def wave_efficiency(programs: int, ctas_per_sm: int) -> float:
     return programs / (waves * slots)
 
 
+def mem_bw(programs: int) -> float:
+    """HBM bandwidth a grid of ``programs`` CTAs can use (0: unknown, the full ceiling)."""
+    if programs <= 0:
+        return HBM_BW
+    return min(HBM_BW, min(programs, SMS) * SM_MEM_BW)
+
+
 def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
             ctas_per_sm: int) -> Dict[str, float]:
     """Predicted time (seconds) of one launch, with its parts."""
@@ -127,7 +139,7 @@ def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
     t_alu = work.get("alu_ops", 0.0) / ALU32_RATE
     t_comp = t_dot + t_fma + t_f64 + t_sfu + t_alu
     eff = wave_efficiency(programs, max(1, ctas_per_sm)) if programs else 1.0
-    t_mem = work.get("hbm_bytes", 0.0) / HBM_BW
+    t_mem = work.get("hbm_bytes", 0.0) / mem_bw(programs)
     t_tail = work.get("tail_s", 0.0)
     t = max(t_comp / eff, t_mem) + t_tail + KERNEL_OVERHEAD_S
     bound = "memory" if t_mem >= t_comp / eff else "compute"

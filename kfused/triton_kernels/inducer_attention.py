@@ -497,18 +497,19 @@ def _inducer_attn_fwd_kernel(
             # merge the chunks once for all the kv head's packed rows, into slot 0; then each
             # query head's prologue/prefix/epilogue reads that one merged slot
             base = pid_bk.to(tl.int64) * n_splits * SPLIT_M
-            r = tl.arange(0, SPLIT_M)
-            offs_d = tl.arange(0, D_PAD)
-            acc, l_i, m_i = _merge_partials(
-                tl.zeros([SPLIT_M, D_PAD], dtype=tl.float32),
-                tl.zeros([SPLIT_M], dtype=tl.float32),
-                tl.full([SPLIT_M], float("-inf"), dtype=tl.float32),
-                WS_ACC, WS_ML, N_WS, base + r, r < GROUP * N_Q, offs_d, n_splits, SPLIT_M,
-                D_PAD, 4)                                   # padding rows: never read
-            tl.store(WS_ACC + (base + r)[:, None] * D_PAD + offs_d[None, :], acc)
-            tl.store(WS_ML + base + r, m_i)
-            tl.store(WS_ML + N_WS + base + r, l_i)
-            tl.debug_barrier()
+            if n_splits > 1:        # one chunk: its partial in slot 0 is already the merge
+                r = tl.arange(0, SPLIT_M)
+                offs_d = tl.arange(0, D_PAD)
+                acc, l_i, m_i = _merge_partials(
+                    tl.zeros([SPLIT_M, D_PAD], dtype=tl.float32),
+                    tl.zeros([SPLIT_M], dtype=tl.float32),
+                    tl.full([SPLIT_M], float("-inf"), dtype=tl.float32),
+                    WS_ACC, WS_ML, N_WS, base + r, r < GROUP * N_Q, offs_d, n_splits,
+                    SPLIT_M, D_PAD, 4)                      # padding rows: never read
+                tl.store(WS_ACC + (base + r)[:, None] * D_PAD + offs_d[None, :], acc)
+                tl.store(WS_ML + base + r, m_i)
+                tl.store(WS_ML + N_WS + base + r, l_i)
+                tl.debug_barrier()
             for g in range(0, GROUP):
                 _fwd_rows(
                     0, b, hk * GROUP + g, hk, 0, N_Q, 0, N_K, N_PREFIX, causal_off,
@@ -904,13 +905,18 @@ class _DecodePlan:
             if triton_interpret():
                 chunk = 2 * self.block_n                # several chunks even on test shapes
             else:
-                # about two programs per SM, each with >= 256 keys (the partial it writes,
+                # about one program per SM, each with >= 256 keys (the partial it writes,
                 # split_m × p float32, stays small next to the K/V chunk it reads); no split
-                # when the kv heads alone nearly fill that (FlashAttention-2's 80 % rule)
+                # when the kv heads alone nearly fill the SMs (FlashAttention-2's 80 % rule).
+                # PREDICTED by kfused.perf (H100, p = 128, B = 1, H_kv = 8, n_k = 16k): 16
+                # chunks 27.5 µs, 12 chunks 27.1 µs, 32 chunks (two programs per SM, more
+                # partials merged after the last wave) 29.3 µs, 8 chunks 29.5 µs (64 programs
+                # cannot stream at the HBM rate); B = 16 (128 kv heads): no split, 93.5 µs
+                # against 95.0 µs in 3 chunks.
                 sms = (torch.cuda.get_device_properties(device).multi_processor_count
                        if device.type == "cuda" else 132)        # H100 SXM (perf model)
                 kv_heads = max(1, lay.B * lay.h_kv)
-                want = 1 if kv_heads >= 0.8 * 2 * sms else triton.cdiv(2 * sms, kv_heads)
+                want = 1 if kv_heads >= 0.8 * sms else triton.cdiv(sms, kv_heads)
                 chunk = max(256, triton.cdiv(lay.n_k, want))
         self.chunk = triton.cdiv(max(1, chunk), self.block_n) * self.block_n
         self.splits = triton.cdiv(lay.n_k, self.chunk)
