@@ -155,9 +155,19 @@ QKV_CASES = [
 ]
 
 
+@pytest.fixture(params=[False, True], ids=["tiles", "compact"])
+def rank_space(request, monkeypatch):
+    """Both backward layouts of the rank space (kfused.triton_kernels._headwise_common:
+    per tile occurrence, or compact with the occurrences summed), whatever the shapes."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    monkeypatch.setattr(hc, "FORCE_COMPACT", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
-def test_qkv_kernel(dtype, case):
+def test_qkv_kernel(dtype, case, rank_space):
     H, Hkv, qm, vm, biases = QKV_CASES[case]
     # Lite re-associates K A_hᵀ as X (W_k A_hᵀ) + b_k A_hᵀ (docs/math.md §2): its float32 error has the
     # same distribution as torch's but is not the same number, so on a tensor of a dozen
@@ -190,7 +200,7 @@ def test_qkv_kernel(dtype, case):
                              grad_names=grad_names, out_names=["Q", "K", "V"])
 
 
-def test_qkv_kernel_strided_conv1d_weight_and_frozen_grads():
+def test_qkv_kernel_strided_conv1d_weight_and_frozen_grads(rank_space):
     # GPT-2 layout: one (d, 3d) Conv1D weight, q/k/v as transposed column views (no copy);
     # gradients of the frozen weights are also correct when requested.
     H, p, d, T = 2, 5, 10, 9
@@ -210,7 +220,7 @@ def test_qkv_kernel_strided_conv1d_weight_and_frozen_grads():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_projection_kernel(dtype):
+def test_projection_kernel(dtype, rank_space):
     H, Hk, p, d, T = 4, 2, 24, 56, 23
     f = make_factors(H, p, d, shared=2, wise=1, lite=2)
     inputs = dict(x=rnd(T, d), weight=rnd(H * p, d), bias=rnd(H * p), w_k=rnd(Hk * p, d),
@@ -507,7 +517,7 @@ def test_argument_checks_name_the_argument():
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_qkv_lite_fp16_cancelling_key(seed):
+def test_qkv_lite_fp16_cancelling_key(seed, rank_space):
     # issue 13 item 10: fp16 gradients through lite parts exceeded 2x torch's error (9 of 64
     # fuzzed cases; worst H = H_kv = 1, p = 1, d = 14, T = 8, x a column slice, lite on q and
     # v with lite_c on v). The kernel was at fault: the folded basis A_h W_k^h was rounded to

@@ -8,6 +8,7 @@ printed on failure): the same seed replays the same examples. Shrinking is off (
 runs Triton kernels in the CPU interpreter); a failure prints every drawn value.
 """
 
+import contextlib
 
 import pytest
 import torch
@@ -40,6 +41,20 @@ def run_property(seed, body, max_examples):
         body(data)
 
     prop()
+
+
+@contextlib.contextmanager
+def rank_space(data):
+    """The headwise backward on a drawn rank-space layout (per tile occurrence, or compact;
+    see kfused.triton_kernels._headwise_common.compact_pays), whatever the shapes."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    old = hc.FORCE_COMPACT
+    hc.FORCE_COMPACT = data.draw(st.booleans(), label="compact rank space")
+    try:
+        yield
+    finally:
+        hc.FORCE_COMPACT = old
 
 
 def draw_dtype(data):
@@ -236,7 +251,8 @@ def test_headwise_qkv_property(seed):
             return fn
 
         names = [k for k in inputs if frozen_grads or not k.startswith("w_")]
-        check(run("triton"), run("reference"), inputs, dtype, grad_names=names)
+        with rank_space(data):
+            check(run("triton"), run("reference"), inputs, dtype, grad_names=names)
 
     run_property(seed, body, 12)
 
@@ -270,7 +286,8 @@ def test_headwise_projection_property(seed):
                                            backend=backend)
             return fn
 
-        check(run("triton"), run("reference"), inputs, dtype)
+        with rank_space(data):
+            check(run("triton"), run("reference"), inputs, dtype)
 
     run_property(seed, body, 10)
 

@@ -269,7 +269,7 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
     z = a["z_ptr"]
     w["hbm_bytes"] = (T * N * el                                # dY once (own columns)
-                      + 2 * T * Lt * RB * _el(z)                # Z read, dZ written
+                      + T * Lt * RB * (_el(z) + _el(a["dz_ptr"]))  # Z read, dZ written
                       + a["u_ptr"].numel() * _el(a["u_ptr"])
                       + S * (Lt * RB * BN + Lt * RB + N) * 4)   # float32 partials
     return w

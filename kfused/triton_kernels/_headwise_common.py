@@ -434,13 +434,15 @@ class _Packing:
 
 
 @triton.jit
-def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr,
+def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr, dc_ptr,
                  K, N, P, R, RS,
                  HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
                  BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
     # grid: (L, RB). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
     # zb[l, k] (float32) and U[l, k, :] (input dtype) from the section's factors
-    # down (H·R, K), zb (H·R,), up (H·P, R), sdown (RS, K), sup (H·P, RS), all contiguous.
+    # down (H·R, K), zb (H·R,), up (H·P, R), sdown (RS, K), sup (H·P, RS), all contiguous;
+    # and, from the first tile a row occurs in, its compact row Dc[j] (shared) or
+    # Dc[RS + h·R + j] (per-head), input dtype (see compact_dz).
     l = tl.program_id(0)
     k = tl.program_id(1)
     c0 = l * BN
@@ -458,6 +460,9 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
     # scalar & vector masks).
     k_hw = tl.where(is_hw, K, 0)
     k_sh = tl.where(is_sh, K, 0)
+    first = (is_sh & (l == 0)) | (is_hw & (l == (h * P) // BN))
+    crow = tl.where(is_sh, js, RS + g)
+    k_c = tl.where(first, K, 0)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
@@ -466,7 +471,9 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
             row += tl.load(down_ptr + g * K + ks, mask=ks < k_hw, other=0.0).to(tl.float32)
         if SH:
             row += tl.load(sdown_ptr + js * K + ks, mask=ks < k_sh, other=0.0).to(tl.float32)
-        tl.store(d_ptr + (l * RB + k) * K + ks, row.to(d_ptr.dtype.element_ty), mask=kmask)
+        row = row.to(d_ptr.dtype.element_ty)
+        tl.store(d_ptr + (l * RB + k) * K + ks, row, mask=kmask)
+        tl.store(dc_ptr + crow * K + ks, row, mask=ks < k_c)
     zbv = 0.0
     if HAS_ZB:
         zbv = tl.load(zb_ptr + g, mask=is_hw, other=0.0).to(tl.float32)
@@ -485,13 +492,14 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
 
 
 def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.Tensor,
-                 U: torch.Tensor) -> None:
+                 U: torch.Tensor, Dc: torch.Tensor) -> None:
     """Fill the packed operands of one section: D (L·RB, K) and U (L·RB, BN) in the input
-    dtype, zb (L·RB,) float32, all contiguous (one launch)."""
+    dtype, zb (L·RB,) float32, and the compact down-projection Dc (RS + H·R, K) in the input
+    dtype (the rows of the compact rank space, see compact_dz), all contiguous (one launch)."""
     K = D.shape[1]
     c = lambda t: t.contiguous() if t is not None else D  # noqa: E731  (no copy when contiguous)
     _pack_kernel[(pk.L, pk.RB)](
-        c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U,
+        c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U, Dc,
         K, pk.H * pk.P, pk.P, pk.R, pk.RS,
         HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, RB=pk.RB,
         BK=_blk(K, 16, 256 if targets_gpu(D.device) else 64), num_warps=4)
@@ -533,15 +541,18 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                    ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
                    K, N, P, R, RS, L, scale,
                    HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                   BK: tl.constexpr):
+                   BK: tl.constexpr, COMPACT: tl.constexpr):
     # grid: (H·R + RS + L,). Gradients of the packed operands -> the section's factor
     # gradients, every sum in a fixed order (no atomics):
-    #   programs [0, H·R):        per-head row g = (h, j): ddown[g] = Σ_occurrences Σ_s dD,
+    #   programs [0, H·R):        per-head row g = (h, j): ddown[g] = Σ_s dD[RS + g]
+    #                             (COMPACT) or Σ_occurrences Σ_s dD[slot],
     #                             dzbh[g] = Σ_occurrences Σ_s dzb
-    #   programs [H·R, H·R + RS): shared row j: dsd[j] = Σ_l Σ_s dD[l, j]
+    #   programs [H·R, H·R + RS): shared row j: dsd[j] = Σ_s dD[j] (COMPACT) or
+    #                             Σ_l Σ_s dD[l, j]
     #   programs [.., + L):       tile l: dup, dsu (Σ_s dU scattered to the factor layouts)
     #                             and the section bias gradient db = Σ_s db.
-    # dD: (S_D, L·RB, K) partials (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
+    # dD: (S_D, RS + H·R, K) partials over the compact rank space (COMPACT) or (S_D, L·RB, K)
+    # over the tiles' slots (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
     # dU (S_R, L·RB, BN), db (S_R, N) float32 partials of the rank pass.
     pid = tl.program_id(0)
     HR = (N // P) * R
@@ -556,17 +567,23 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
             h = pid * 0
             l_lo = pid * 0
             l_hi = pid * 0 + L - 1
+        crow = tl.where(pid < HR, RS + pid, j)      # the row's compact slot
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             kmask = ks < K
             acc = tl.zeros((BK,), dtype=tl.float32)
-            for l in range(l_lo, l_hi + 1):
-                slot = l * RB + j
-                if pid < HR:
-                    slot = l * RB + RS + (h - (l * BN) // P) * R + j
+            if COMPACT:
                 for s in range(0, S_D):
-                    acc += tl.load(dd_ptr + s * s_dds + slot * s_ddm + ks, mask=kmask,
+                    acc += tl.load(dd_ptr + s * s_dds + crow * s_ddm + ks, mask=kmask,
                                    other=0.0).to(tl.float32)
+            else:
+                for l in range(l_lo, l_hi + 1):
+                    slot = l * RB + j
+                    if pid < HR:
+                        slot = l * RB + RS + (h - (l * BN) // P) * R + j
+                    for s in range(0, S_D):
+                        acc += tl.load(dd_ptr + s * s_dds + slot * s_ddm + ks, mask=kmask,
+                                       other=0.0).to(tl.float32)
             if pid < HR:
                 tl.store(ddown_ptr + pid * K + ks, acc.to(ddown_ptr.dtype.element_ty),
                          mask=kmask)
@@ -585,9 +602,10 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
 
 
 def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: torch.Tensor,
-                   dU: torch.Tensor, db: torch.Tensor) -> dict:
+                   dU: torch.Tensor, db: torch.Tensor, compact: bool) -> dict:
     """Factor gradients of one section from the gradients of its packed operands (one
-    launch): dD (S_D, L·RB, K) token-reduction partials (any float dtype, unit last stride);
+    launch): dD token-reduction partials, (S_D, RS + H·R, K) over the compact rank space
+    (``compact``) or (S_D, L·RB, K) over the tiles' slots (any float dtype, unit last stride);
     dzb (S, L·RB), dU (S, L·RB, BN), db (S, N) float32 partials of the rank pass.
 
     Returns the dict of :func:`headwise_qkv_backward` (down, zb, up, sdown, sup in their
@@ -613,7 +631,7 @@ def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: tor
     _unpack_kernel[(H * R + RS + L,)](
         dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
         ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, f.scale,
-        HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB,
+        HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB, COMPACT=compact,
         # sm_90: RB = 64 with 4 warps needed 255 registers (the (RB, BN) tile); 8 warps halve it
         BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4 if RB * pk.BN <= 2048 else 8)
     return out
@@ -642,7 +660,9 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
               keep: bool):
     """Packed operands of every adapted section in one set of buffers laid out like Z's
     columns: D (M, K), U (M, BN) in ``dtype``, zb (M,) float32 (section s at rows
-    offs[s]:offs[s] + L·RB), so the dx GEMM reads D with no concatenation. The forward
+    offs[s]:offs[s] + L·RB), and the compact down-projection Dc (MC, K) laid out like the
+    compact rank space (:func:`compact_offsets`), so the dx GEMM reads it with no
+    concatenation. The forward
     (keep=True) always packs and records the result with a weak reference to its rank-space
     output Z; the backward (keep=False) consumes the record only if it was made for the very
     Z object it received (else it packs again). The forward never reads a record."""
@@ -656,17 +676,122 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
     D = _alloc.empty(M, K, dtype=dtype, device=dev)
     zb = _alloc.empty(M, dtype=F32, device=dev)
     U = _alloc.empty(M, BN, dtype=dtype, device=dev)
-    for pk, off, f in zip(packs, offs, fs):
+    coffs, MC = compact_offsets(packs)
+    Dc = _alloc.empty(MC, K, dtype=dtype, device=dev)
+    for pk, off, coff, f in zip(packs, offs, coffs, fs):
         if pk is not None:
             w = pk.L * pk.RB
-            pack_section(pk, f, D[off:off + w], zb[off:off + w], U[off:off + w])
-    out = (D, zb, U)
+            pack_section(pk, f, D[off:off + w], zb[off:off + w], U[off:off + w],
+                         Dc[coff:coff + pk.RS + pk.H * pk.R])
+    out = (D, zb, U, Dc)
     if keep:
         _PACKED.pop(key, None)
         _PACKED[key] = (weakref.ref(Z), out)
         while len(_PACKED) > _PACKED_MAX:
             _PACKED.popitem(last=False)
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# The compact rank space of the backward. A shared row occurs in every tile of its section
+# and a head that straddles a tile edge in two: the rank pass writes one dZ column per
+# occurrence (the partial from that tile's output columns). Summed per row they give the
+# compact dZ (T, RS + H·R per section: shared rows, then per-head rows h·R + j), which the
+# dx GEMM (against Dc) and the token reduction dZᵀ X read: at Llama-7B q (32 tiles, 12 shared
+# rows, 3 per head) 108 columns instead of 512. The per-occurrence buffer is float32 when
+# some row has several occurrences, so each compact column is rounded once, from the
+# float32 sum (the same-precision torch path rounds dZ = dY B once too).
+
+
+def compact_offsets(packs) -> Tuple[list, int]:
+    """Column offsets of each section's block in the compact rank space, and its width."""
+    offs, MC = [], 0
+    for pk in packs:
+        offs.append(MC)
+        if pk is not None:
+            MC += pk.RS + pk.H * pk.R
+    return offs, MC
+
+
+# Tests set this to True or False to take one path whatever the shapes (None: decide).
+FORCE_COMPACT = None
+
+
+def compact_pays(packs, T: int, K: int, el: int) -> bool:
+    """Whether the backward should run on the compact rank space: the dx GEMM and the token
+    reduction each lose (M − MC)·K MACs per token, against one more launch per section and
+    the per-occurrence buffer written (float32 when summed) and read once more. Decided by
+    the H100 roofline's ceilings (kfused.perf.roofline; PREDICTED): at GPT-2 widths it does
+    not pay (Kernel-mix(qvo) intermediate, gpt2-small: 17 µs saved, 28 µs spent), at
+    Llama-7B (32 tiles per section) it saves ~140 µs per q|k|v backward."""
+    from kfused.perf import roofline as R
+
+    live = [pk for pk in packs if pk is not None]
+    if FORCE_COMPACT is not None:
+        return bool(FORCE_COMPACT) and bool(live)
+    M = sum(pk.L * pk.RB for pk in live)
+    _, MC = compact_offsets(packs)
+    if not live or MC >= M:
+        return False
+    summed = any(needs_sum(pk) for pk in live)
+    saved = 4.0 * T * (M - MC) * K / R.WGMMA_RATE     # both are compute-bound GEMMs
+    cost = (len(live) * R.KERNEL_OVERHEAD_S
+            + T * (M * ((4 - el) if summed else 0) + M * (4 if summed else el) + MC * el)
+            / R.HBM_BW)
+    return saved > cost
+
+
+def needs_sum(pk: "_Packing") -> bool:
+    """Whether some compact column of the section sums several tile occurrences."""
+    return (pk.RS > 0 and pk.L > 1) or (pk.R > 0 and pk.BN % pk.P != 0 and pk.L > 1)
+
+
+@triton.jit
+def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
+                       BN: tl.constexpr, RB: tl.constexpr, SPAN: tl.constexpr,
+                       BT: tl.constexpr, CB: tl.constexpr):
+    # grid (cdiv(T, BT), cdiv(MC, CB)), one section: dzt (T, L·RB) per-occurrence view (any
+    # float dtype), dzc (T, MC) compact view (input dtype). Compact column c < RS: the sum of
+    # slot c over every tile; c = RS + h·R + j: the sum of its slot in the SPAN (at most)
+    # tiles head h's columns meet. Float32 sums in tile order, one rounding.
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = rt < T
+    cc = tl.program_id(1) * CB + tl.arange(0, CB)
+    cmask = cc < MC
+    is_sh = cc < RS
+    acc = tl.zeros((BT, CB), dtype=tl.float32)
+    base = dzt_ptr + rt[:, None] * s_dzt
+    for l in range(0, L):
+        m = tmask[:, None] & (is_sh & cmask)[None, :]
+        acc += tl.load(base + (l * RB + cc)[None, :], mask=m, other=0.0).to(tl.float32)
+    rr = tl.maximum(R, 1)
+    gg = tl.maximum(cc - RS, 0)
+    h = gg // rr
+    j = gg % rr
+    l_lo = (h * P) // BN
+    l_hi = ((h + 1) * P - 1) // BN
+    for i in range(0, SPAN):
+        lt = l_lo + i
+        ok = (cc >= RS) & cmask & (lt <= l_hi)
+        slot = lt * RB + RS + (h - (lt * BN) // P) * R + j
+        acc += tl.load(base + slot[None, :], mask=tmask[:, None] & ok[None, :],
+                       other=0.0).to(tl.float32)
+    tl.store(dzc_ptr + rt[:, None] * s_dzc + cc[None, :], acc.to(dzc_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
+    """dzc (T, RS + H·R) ← the per-occurrence rank-pass output dzt (T, L·RB) of one section
+    (views with unit last stride; one launch)."""
+    T, MC = dzc.shape
+    if T == 0 or MC == 0:
+        return
+    span = max(((h + 1) * pk.P - 1) // pk.BN - (h * pk.P) // pk.BN + 1 for h in range(pk.H))
+    BT = 64 if targets_gpu(dzc.device) else 16
+    CB = _blk(MC, 16, 64)
+    _compact_dz_kernel[(triton.cdiv(T, BT), triton.cdiv(MC, CB))](
+        dzt, dzt.stride(0), dzc, dzc.stride(0), T, pk.P, pk.R, pk.RS, pk.L, MC,
+        BN=pk.BN, RB=pk.RB, SPAN=span, BT=BT, CB=CB, num_warps=4)
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,9 +12,13 @@ from typing import Optional, Tuple
 import torch
 
 from kfused import _alloc
+from kfused.triton_kernels._common import F32
 from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
-                                                    _packing, _tile_n, gemm, lr_rank_backward,
-                                                    pack_dims, reduce_tokens, unpack_section)
+                                                    _packing, _tile_n, compact_dz,
+                                                    compact_offsets, compact_pays, gemm,
+                                                    lr_rank_backward,
+                                                    needs_sum, pack_dims, reduce_tokens,
+                                                    unpack_section)
 
 
 def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
@@ -68,7 +72,7 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     if T == 0 or Y.shape[1] == 0:
         return Y, Z
     if M:
-        Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
+        Dp, zbp, Up, _ = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
     col = 0
     for w, b, c, pk, off, f in ((wq, bq, cq, pq, oq, q), (wk, bk, None, None, 0, None),
                                 (wv, bv, cv, pv, ov, v)):
@@ -100,11 +104,18 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     Nq, Nk, Nv = HQ * P, HK * P, HV * P
     dev = x.device
     (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
-    dZ = _alloc.empty(T, M, dtype=x.dtype, device=dev)
+    (cq, cv), MC = compact_offsets((pq, pv))
+    compact = compact_pays((pq, pv), T, D, x.element_size())
+    # the rank pass's dZ, one column per tile occurrence of a row. Compact: float32 when some
+    # compact column sums several occurrences (rounded once, by compact_dz), and the dx GEMM
+    # and the token reduction read the compact dZ; otherwise they read this one.
+    summed = compact and any(pk is not None and needs_sum(pk) for pk in (pq, pv))
+    dZt = _alloc.empty(T, M, dtype=F32 if summed else x.dtype, device=dev)
+    dZ = _alloc.empty(T, MC, dtype=x.dtype, device=dev) if compact else dZt
     if M:
-        Dp, zbp, Up = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
+        Dp, zbp, Up, Dc = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
     secs = []
-    for pk, off, c0, n, f in ((pq, oq, 0, Nq, q), (pv, ov, Nq + Nk, Nv, v)):
+    for pk, off, coff, c0, n, f in ((pq, oq, cq, 0, Nq, q), (pv, ov, cv, Nq + Nk, Nv, v)):
         if pk is None:
             secs.append(None)
             continue
@@ -114,25 +125,29 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
                           Z[:, s], f.scale, pk.RS)
         # The rank pass is needed by dx too (dZ is one of its K segments); its token-split
         # partials are summed by the unpack kernel.
-        secs.append((s, lr_rank_backward(g[:, c0:c0 + n], lr, dZ[:, s], partials=True)))
+        sec = lr_rank_backward(g[:, c0:c0 + n], lr, dZt[:, s], partials=True)
+        if compact:
+            cs = slice(coff, coff + pk.RS + pk.H * pk.R)
+            compact_dz(pk, dZt[:, s], dZ[:, cs])
+        secs.append((cs if compact else s, sec))
     dx = None
     if need_dx:
         dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
         segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, wq), (Nq, Nk, wk),
                                                           (Nq + Nk, Nv, wv)) if n]
         if M:
-            segs.append((dZ, Dp))
+            segs.append((dZ, Dc) if compact else (dZ, Dp))
         if segs and T:
             gemm(segs, dx)
         else:
             dx.zero_()
     grads = [{}, {}]
     if need_factors and M:
-        dDall = reduce_tokens(dZ, x, partials=True)               # (S, M, d)
+        dDall = reduce_tokens(dZ, x, partials=True)               # (S, MC or M, d)
         for i, (f, pk, sec) in enumerate(zip((q, v), (pq, pv), secs)):
             if sec is not None:
-                s, (dU, dzb, db) = sec
+                cs, (dU, dzb, db) = sec
                 S = dU.shape[0]
-                grads[i] = unpack_section(pk, f, dDall[:, s], dzb.view(S, -1),
-                                          dU.view(S, -1, pk.BN), db)
+                grads[i] = unpack_section(pk, f, dDall[:, cs], dzb.view(S, -1),
+                                          dU.view(S, -1, pk.BN), db, compact)
     return dx, grads[0], grads[1]
