@@ -542,3 +542,23 @@ def test_qkv_lite_fp16_cancelling_key(seed, rank_space):
     assert_against_reference(run("triton"), run("reference"), inputs, torch.float16, DEVICE,
                              grad_names=[k for k in inputs if not k.startswith("w_")],
                              out_names=["Q", "K", "V"], seed=seed)
+
+
+@pytest.mark.parametrize("BM", [32, 64])
+def test_gemm_colsum_every_row_whatever_the_tile(BM):
+    # The output projection's bias gradient comes from the dx GEMM's column sums of dY, one
+    # row per _CS_BM-token slice. On a GPU the autotuner tries several BM: every config must
+    # write the same rows (a stale row from a tried config would be summed into db).
+    from kfused.triton_kernels import _headwise_common as hc
+
+    T, K, N = 77, 40, 24
+    a = torch.randn(T, K, device=DEVICE)
+    b = torch.randn(K, N, device=DEVICE)
+    rows = hc.colsum_rows(T)
+    cs = torch.full((rows, K), float("nan"), device=DEVICE)
+    out = torch.empty(T, N, device=DEVICE)
+    hc.gemm([(a, b)], out, colsum=cs, config=dict(BM=BM, BK=16, num_warps=4, num_stages=1))
+    step = hc._CS_BM
+    want = torch.stack([a[i * step:(i + 1) * step].sum(0) for i in range(rows)])
+    torch.testing.assert_close(cs, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, a @ b, rtol=1e-4, atol=1e-4)

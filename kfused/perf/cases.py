@@ -242,6 +242,9 @@ def _m_hw_gemm(L) -> Dict[str, float]:
         if a.get("HAS_BIAS2"):
             by += N * _el(a["bias2_ptr"])
     w["alu_ops"] += P * BM * BN * (2 if a["HAS_BIAS"] else 1)  # (+ bias), convert on store
+    if a.get("COLSUM"):                    # column sums of A_0 (the first column tile)
+        w["alu_ops"] += M * a["K0"]
+        by += cdiv(M, a["CS_BM"]) * a["K0"] * 4
     by += M * N * _el(C)
     w["hbm_bytes"] = by
     return w

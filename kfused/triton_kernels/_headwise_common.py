@@ -125,7 +125,11 @@ def _launch(kernel, grid, args: Sequence, kwargs: dict) -> None:
 
 @triton.jit
 def _seg_loop(acc, a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, K, rm, rn, mmask, nmask,
-              BK: tl.constexpr, PREC: tl.constexpr):
+              BK: tl.constexpr, PREC: tl.constexpr, cs_ptr, k_cs, CS: tl.constexpr,
+              CS_BM: tl.constexpr = 16, cs_left=0):
+    # CS: also store the column sums of A's rows per CS_BM-row slice (float32): slice i <
+    # cs_left of this row block at cs_ptr + i·K + k, for k < k_cs (the same rows whatever BM
+    # the autotuner picks)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
@@ -134,6 +138,12 @@ def _seg_loop(acc, a_ptr, s_am, s_ak, b_ptr, s_bk, s_bn, K, rm, rn, mmask, nmask
         b = tl.load(b_ptr + ks[:, None] * s_bk + rn[None, :] * s_bn,
                     mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc += _mm(a, b, True, PREC)
+        if CS:
+            BMq: tl.constexpr = a.shape[0] // CS_BM
+            part = tl.sum(tl.reshape(a.to(tl.float32), (BMq, CS_BM, BK)), axis=1)
+            sl = tl.arange(0, BMq)
+            tl.store(cs_ptr + sl[:, None] * K + ks[None, :], part,
+                     mask=(ks < k_cs)[None, :] & (sl < cs_left)[:, None])
     return acc
 
 
@@ -146,10 +156,11 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  a2_ptr, s_a2m, s_a2k, b2_ptr, s_b2k, s_b2n, K2,
                  a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3,
                  bias_ptr, bias2_ptr, c_ptr, s_cm, s_cn, M, N, K_PER,
-                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS,
+                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS, cs_ptr,
                  BN: tl.constexpr, RB: tl.constexpr, NSEG: tl.constexpr, LR: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BIAS2: tl.constexpr,
-                 PREC: tl.constexpr, LR_SCALE: tl.constexpr,
+                 PREC: tl.constexpr, LR_SCALE: tl.constexpr, COLSUM: tl.constexpr,
+                 CS_BM: tl.constexpr,
                  BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr = 8):
     # grid: (cdiv(M, BM) * cdiv(N, BN), S). Grouped order: GROUP row blocks share the B
     # columns in L2. SPLIT: program s reduces K0 range [s*K_PER, (s+1)*K_PER) of the single
@@ -166,7 +177,8 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
         k_lo = s * K_PER
         k_hi = tl.minimum(k_lo + K_PER, K0)
         acc = _seg_loop(acc, a0_ptr + k_lo * s_a0k, s_a0m, s_a0k, b0_ptr + k_lo * s_b0k,
-                        s_b0k, s_b0n, k_hi - k_lo, rm, rn, mmask, nmask, BK, PREC)
+                        s_b0k, s_b0n, k_hi - k_lo, rm, rn, mmask, nmask, BK, PREC,
+                        cs_ptr, 0, False)
         tl.store(c_ptr + (s * M + rm[:, None]) * N + rn[None, :], acc,
                  mask=mmask[:, None] & nmask[None, :])
     else:
@@ -196,17 +208,21 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                               (zl.to(tl.float32) * lr_scale).to(zl.dtype), zl)
             acc += _mm(zl, u, True, PREC)
         else:
+            # COLSUM: the first column tile of each row block also stores segment 0's
+            # column sums (the output projection's bias gradient, read once with dY)
             acc = _seg_loop(acc, a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0, rm, rn,
-                            mmask, nmask, BK, PREC)
+                            mmask, nmask, BK, PREC, cs_ptr + pid_m * (BM // CS_BM) * K0,
+                            tl.where(pid_n == 0, K0, 0), COLSUM, CS_BM,
+                            tl.cdiv(M, CS_BM) - pid_m * (BM // CS_BM))
         if NSEG > 1:
             acc = _seg_loop(acc, a1_ptr, s_a1m, s_a1k, b1_ptr, s_b1k, s_b1n, K1, rm, rn,
-                            mmask, nmask, BK, PREC)
+                            mmask, nmask, BK, PREC, cs_ptr, 0, False)
         if NSEG > 2:
             acc = _seg_loop(acc, a2_ptr, s_a2m, s_a2k, b2_ptr, s_b2k, s_b2n, K2, rm, rn,
-                            mmask, nmask, BK, PREC)
+                            mmask, nmask, BK, PREC, cs_ptr, 0, False)
         if NSEG > 3:
             acc = _seg_loop(acc, a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3, rm, rn,
-                            mmask, nmask, BK, PREC)
+                            mmask, nmask, BK, PREC, cs_ptr, 0, False)
         if HAS_BIAS:
             # bias2: a second vector summed with the first in float32 (the per-head biases c
             # beside the frozen bias: no host-side fold)
@@ -237,16 +253,31 @@ class LowRankTiles:
         return self.RS > 0 and self.scale != 1.0
 
 
+_CS_BM = min(c.kwargs["BM"] for c in _GEMM_CONFIGS)
+
+
+def colsum_rows(M: int) -> int:
+    """Rows of :func:`gemm`'s column-sum partials: one per slice of _CS_BM rows of A_0 (the
+    smallest BM of the configs)."""
+    return triton.cdiv(M, _CS_BM)
+
+
 def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
          bias: Optional[torch.Tensor] = None, lr: Optional[LowRankTiles] = None,
-         bias2: Optional[torch.Tensor] = None) -> torch.Tensor:
+         bias2: Optional[torch.Tensor] = None,
+         colsum: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
     """``out (M, N) = Σ_i A_i B_i (+ bias + bias2) (+ packed low-rank epilogue)``.
 
     segs: up to four (A_i (M, K_i), B_i (K_i, N)) pairs, any strides (views, transposes,
     expands); all in one dtype. out: an (M, N) view (any strides) in any float dtype. The
     low-rank epilogue (``lr``) reads segment 0's A. bias, bias2: contiguous (N,) vectors in
-    any float dtype, summed in float32.
+    any float dtype, summed in float32. colsum: a float32 (colsum_rows(M), K_0) buffer that
+    receives segment 0's column sums per slice of _CS_BM rows (every row written, whatever
+    tile the autotuner picks: their sum over rows is Σ_m A_0[m, :]); not with ``lr``.
+    config: launch with these meta-parameters (BM, BK, num_warps, num_stages) instead of
+    the autotuned ones (tests).
     """
+    assert colsum is None or lr is None
     if bias is None:
         bias, bias2 = bias2, None
     M, N = out.shape
@@ -270,13 +301,17 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
     else:
         lra = [out, out, out, out, 0, 1.0, 0]
         RB = 16
+    lra.append(colsum if colsum is not None else out)
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), 1)  # noqa: E731
-    _launch(_gemm_kernel, grid,
-            [*flat, bias if bias is not None else out, bias2 if bias2 is not None else out,
-             out, out.stride(0), out.stride(1), M, N, 0, *lra],
-            dict(BN=BN, RB=RB, NSEG=nseg, LR=lr is not None, SPLIT=False,
-                 HAS_BIAS=bias is not None, HAS_BIAS2=bias2 is not None,
-                 PREC=dot_precision(dt), LR_SCALE=lr is not None and lr.scaled))
+    args = [*flat, bias if bias is not None else out, bias2 if bias2 is not None else out,
+            out, out.stride(0), out.stride(1), M, N, 0, *lra]
+    kw = dict(BN=BN, RB=RB, NSEG=nseg, LR=lr is not None, SPLIT=False,
+              HAS_BIAS=bias is not None, HAS_BIAS2=bias2 is not None, PREC=dot_precision(dt),
+              LR_SCALE=lr is not None and lr.scaled, COLSUM=colsum is not None, CS_BM=_CS_BM)
+    if config is not None:
+        _gemm_kernel.fn[grid({**kw, **config})](*args, **kw, **config)
+    else:
+        _launch(_gemm_kernel, grid, args, kw)
     return out
 
 
@@ -310,9 +345,10 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
     segs = [at, at.stride(0), at.stride(1), b, b.stride(0), b.stride(1), T] + \
         [at, 0, 0, b, 0, 0, 0] * 3
     _launch(_gemm_kernel, grid,
-            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0],
+            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0,
+             part],
             dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False, HAS_BIAS2=False,
-                 PREC=dot_precision(b.dtype), LR_SCALE=False))
+                 PREC=dot_precision(b.dtype), LR_SCALE=False, COLSUM=False, CS_BM=_CS_BM))
     if partials:
         return part
     return part.sum(0) if S > 1 else part[0]

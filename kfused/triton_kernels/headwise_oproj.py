@@ -15,7 +15,8 @@ import triton.language as tl
 
 from kfused import _alloc
 from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu
-from kfused.triton_kernels._headwise_common import _PACKED_MAX, gemm, reduce_tokens
+from kfused.triton_kernels._headwise_common import (_PACKED_MAX, colsum_rows, gemm,
+                                                    reduce_tokens)
 
 
 # ------------------------------------------------------------------------------------------
@@ -68,11 +69,15 @@ def _oproj_pack_kernel(a_ptr, s_ah, s_ar, s_ap, as_ptr, s_asr, s_asc,
 
 @triton.jit
 def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
-                         da_ptr, das_ptr, dbw_ptr, dsb_ptr, HP, P, R, RS, N, scale,
-                         BC: tl.constexpr, BR: tl.constexpr, MP: tl.constexpr):
+                         da_ptr, das_ptr, dbw_ptr, dsb_ptr, cs_ptr, CS_ROWS, dbo_ptr,
+                         HP, P, R, RS, N, scale,
+                         BC: tl.constexpr, BR: tl.constexpr, MP: tl.constexpr,
+                         HAS_CS: tl.constexpr):
     # The gradients of _oproj_pack_kernel's outputs back to the factors, summing the token
     # reductions' partials in a fixed order: dD (S_D, M, H·P), dBcat (S_B, N, M), any float
-    # dtype, unit last stride. Outputs contiguous in the factors' dtypes.
+    # dtype, unit last stride. Outputs contiguous in the factors' dtypes. HAS_CS: also the
+    # bias gradient dbo (N,) float32 = the sum of the dx GEMM's column-sum rows cs
+    # (CS_ROWS, N).
     pid = tl.program_id(0)
     HR = (HP // P) * R
     M = HR + RS
@@ -109,6 +114,11 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
         tl.store(dsb_ptr + n[:, None] * RS + ms[None, :],
                  (acc * scale).to(dsb_ptr.dtype.element_ty),
                  mask=nm & ((m >= HR) & (m < M))[None, :])
+        if HAS_CS:
+            db = tl.zeros((BR,), dtype=tl.float32)
+            for r in range(0, CS_ROWS):
+                db += tl.load(cs_ptr + r * N + n, mask=n < N, other=0.0)
+            tl.store(dbo_ptr + n, db, mask=n < N)
 
 
 def _pack_grid(M: int, N: int, width: int, dev):
@@ -141,10 +151,12 @@ def _oproj_pack(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype):
     return Do, Bc
 
 
-def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int) -> dict:
+def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int,
+                  cs: Optional[torch.Tensor] = None) -> dict:
     """Factor gradients from the token reductions' partials dD (S, M, H·P) and dB (S, N, M):
     dA (H, R, P), dB_w (N, H·R), dA_s (R_s, H·P), dB_s = scale·Σ (N, R_s), each in its
-    factor's dtype (one launch)."""
+    factor's dtype, and with ``cs`` (the dx GEMM's column-sum rows, (rows, N) float32) the
+    bias gradient "db" (N,) float32 (one launch)."""
     R = A.shape[1] if A is not None else 0
     RS = As.shape[0] if As is not None else 0
     M, HP, N = H * R + RS, H * P, dB.shape[1]
@@ -156,12 +168,15 @@ def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int) -> dict:
     if RS:
         out["As"] = _alloc.empty(RS, HP, dtype=As.dtype, device=dev)
         out["Us"] = _alloc.empty(N, RS, dtype=Bs.dtype, device=dev)
+    if cs is not None:
+        out["db"] = _alloc.empty(N, dtype=F32, device=dev)
     BR, BC, grid = _pack_grid(M, N, P, dev)
     _oproj_unpack_kernel[grid](
         dD, dD.stride(0), dD.stride(1), dB, dB.stride(0), dB.stride(1), dD.shape[0],
         dB.shape[0], out.get("A", dD), out.get("As", dD), out.get("Bw", dD),
-        out.get("Us", dD), HP, P, R, RS, N, float(scale), BC=BC, BR=BR, MP=next_pow2(M),
-        num_warps=4)
+        out.get("Us", dD), cs if cs is not None else dD, cs.shape[0] if cs is not None else 0,
+        out.get("db", dD), HP, P, R, RS, N, float(scale), BC=BC, BR=BR, MP=next_pow2(M),
+        HAS_CS=cs is not None, num_warps=4)
     return out
 
 
@@ -257,12 +272,20 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
     Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, dt, Z, keep=False)
     dZ = _alloc.empty(T, M, dtype=dt, device=dev)
     _thin(g, Bcat, dZ)
-    if need_do:
-        if T:
-            gemm([(g, w), (dZ, Do)], dO) if N else gemm([(dZ, Do)], dO)
+    cs = None
+    if need_do and T:
+        if N:
+            # the bias gradient Σ_t dY from the dx GEMM's own reads of dY (column sums per
+            # row slice, summed by the unpack kernel): no separate pass over dY
+            cs = (_alloc.empty(colsum_rows(T), N, dtype=F32, device=dev) if need_factors
+                  else None)
+            gemm([(g, w), (dZ, Do)], dO, colsum=cs)
+        else:
+            gemm([(dZ, Do)], dO)
     if need_factors:
         dB = reduce_tokens(g, Z, partials=True)           # (S, d, M)
         dD = reduce_tokens(dZ, o, partials=True)          # (S, M, H·p)
-        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P)
-        grads["db"] = g.sum(0, dtype=F32)
+        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P, cs)
+        if cs is None:
+            grads["db"] = g.sum(0, dtype=F32)
     return dO, grads
