@@ -24,6 +24,16 @@ from kfused.triton_kernels._headwise_common import (_PACKED_MAX, colsum_rows, ge
 
 
 @triton.jit
+def _oproj_row(pid, HP, P, R, RS):
+    """Row ``pid`` of D_o (H·R + R_s rows): (H·R, H·R + R_s, head h, rank j, the head's
+    first column h·P, or 0 for a shared row)."""
+    HR = (HP // P) * R
+    rr = tl.maximum(R, 1)
+    h = pid // rr
+    return HR, HR + RS, h, pid % rr, tl.where(pid < HR, h * P, 0)
+
+
+@triton.jit
 def _oproj_pack_kernel(a_ptr, s_ah, s_ar, s_ap, as_ptr, s_asr, s_asc,
                        bw_ptr, s_bwn, s_bwm, sb_ptr, s_sbn, s_sbm, do_ptr, bc_ptr,
                        HP, P, R, RS, N, scale,
@@ -34,16 +44,11 @@ def _oproj_pack_kernel(a_ptr, s_ah, s_ar, s_ap, as_ptr, s_asr, s_asc,
     # Outputs contiguous in the activation dtype; every entry is one factor entry (float32
     # product for the scaled B_s) rounded once.
     pid = tl.program_id(0)
-    HR = (HP // P) * R
-    M = HR + RS
+    HR, M, h, j, lo = _oproj_row(pid, HP, P, R, RS)
     if pid < M:
-        rr = tl.maximum(R, 1)
-        h = pid // rr
-        j = pid % rr
         # Scalar conditions enter the vector masks as limits (the interpreter mishandles
         # scalar & vector masks): per-head rows read A inside their head's columns only,
         # shared rows read A_s everywhere.
-        lo = tl.where(pid < HR, h * P, 0)
         hi = tl.where(pid < HR, h * P + P, 0)
         hs = tl.where(pid < HR, 0, HP)
         js = tl.maximum(pid - HR, 0)
@@ -79,13 +84,8 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
     # bias gradient dbo (N,) float32 = the sum of the dx GEMM's column-sum rows cs
     # (CS_ROWS, N).
     pid = tl.program_id(0)
-    HR = (HP // P) * R
-    M = HR + RS
+    HR, M, h, j, lo = _oproj_row(pid, HP, P, R, RS)
     if pid < M:
-        rr = tl.maximum(R, 1)
-        h = pid // rr
-        j = pid % rr
-        lo = tl.where(pid < HR, h * P, 0)
         for c0 in range(0, tl.where(pid < HR, P, HP), BC):
             # per-head rows: their head's P columns; shared rows: all H·P
             cs = c0 + tl.arange(0, BC)
