@@ -193,6 +193,21 @@ def test_headwise_lowrank_property(seed):
     run_property(seed, body, 10)
 
 
+def _lite_comparable(dtype, lead, d) -> bool:
+    """Whether a 16-bit run may draw Kernel-wise-lite parts. Lite is computed as
+    X (W_k A_hᵀ) + b_k A_hᵀ where torch computes K A_hᵀ with K rounded (docs/math.md §2): the
+    two 16-bit errors have the same distribution but are different numbers, so on a dx of a
+    handful of elements (T·d < 40) "max err <= 2 x torch's + eps" is a lottery that torch
+    sometimes wins (KFUSED_TEST_SEED=11 sweep, stop 23: dx of 1 element, T = d = 1, 8.5
+    ulps against torch's lucky 2.5; the same example fails with the pre-stop-23 torch-built
+    basis). test_qkv_kernel keeps its lite shapes at >= ~40 elements for the same reason;
+    float32 and the non-lite parts keep the tiny shapes."""
+    tokens = 1
+    for n in lead:
+        tokens *= n
+    return dtype == torch.float32 or tokens * d >= 40
+
+
 def draw_factors(data, g, name, H, p, d, *, lite=True):
     """A random subset of the shared / Kernel-wise / Kernel-wise-lite parts (maybe none)."""
     kw = {}
@@ -235,8 +250,9 @@ def test_headwise_qkv_property(seed):
                                                                    "slice"))
             if data.draw(st.booleans(), label=f"b_{w[-1]}"):
                 inputs[f"b_{w[-1]}"] = rnd(g, rows)
-        qf, qs = draw_factors(data, g, "q", H, p, d)
-        vf, vs = draw_factors(data, g, "v", Hkv, p, d)
+        lite = _lite_comparable(dtype, lead, d)
+        qf, qs = draw_factors(data, g, "q", H, p, d, lite=lite)
+        vf, vs = draw_factors(data, g, "v", Hkv, p, d, lite=lite)
         inputs.update(qf)
         inputs.update(vf)
         fused = data.draw(st.booleans(), label="fused_output")
@@ -270,7 +286,7 @@ def test_headwise_projection_property(seed):
         inputs = {"x": xs, "weight": Ws}
         if data.draw(st.booleans(), label="bias"):
             inputs["bias"] = rnd(g, H * p)
-        ff, fs = draw_factors(data, g, "f", H, p, d)
+        ff, fs = draw_factors(data, g, "f", H, p, d, lite=_lite_comparable(dtype, lead, d))
         inputs.update(ff)
         factors = gather("f", ff, fs)
         if factors is not None and factors.has_lite:
