@@ -179,7 +179,9 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
             sB = shared_B.float() * scale
         else:                                   # the pack kernel folds it in float32
             s = float(scale)
+    # contiguous factors (no copy when they are): the backward's fake outputs (empty_like)
+    # then have the strides the real ones have
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     Y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(
-        o2, w_o, c(b_o), wise_A, wise_B, shared_A, sB, H, s, c(wise_c))
+        o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c))
     return Y.reshape(*lead, dout)
