@@ -20,7 +20,7 @@ from kfused import (HeadFactors, headwise_lowrank, headwise_oproj, headwise_proj
                     inducer_output_projection, kron_matvec, krona_linear)
 from kfused.reference.inducer import inducer_output_projection_ref, key_allowed
 from kfused.reference.krona import kron_matvec_ref, krona_linear_ref
-from kfused.testing import assert_against_reference
+from kfused.testing import assert_against_reference, min_extent
 
 from conftest import DEVICE, DTYPES
 
@@ -90,6 +90,19 @@ def strided(data, g, name, shape, layouts=LAYOUTS):
     return rnd(g, *shape), lambda s: s
 
 
+def layouts_for(dtype, layouts=LAYOUTS):
+    """The drawn input layouts: a 16-bit case takes no stride-0 layout, whose repeated rows
+    leave a gradient of few independent elements (docs/math.md §4)."""
+    if dtype == torch.float32:
+        return layouts
+    return tuple(lay for lay in layouts if lay != "expand")
+
+
+def extent(data, label, lo, width):
+    """An integer in ``[lo, lo + width]`` (``lo`` from :func:`kfused.testing.min_extent`)."""
+    return data.draw(st.integers(lo, lo + width), label=label)
+
+
 def draw_scale(data, label="scale"):
     """An adapter scale: either sign, magnitude 1/8 to 2 (not subnormal: docs/math.md §4 compares
     finite normal values; float32 flushes 1e-46 to zero like the GPU does)."""
@@ -105,10 +118,6 @@ def check(kernel, ref, inputs, dtype, grad_names=None):
 # KronA
 
 
-def _x_layouts():
-    return LAYOUTS
-
-
 def test_kron_matvec_expanded_x_grad():
     g = torch.Generator().manual_seed(1)
     x0 = rnd(g, 1, 20)
@@ -118,9 +127,12 @@ def test_kron_matvec_expanded_x_grad():
           {"x0": x0, "A": A, "B": B}, torch.float32)
 
 
-def _kron_dims(data):
-    a_out, a_in, b_out, b_in = (data.draw(st.integers(1, 5), label=n)
-                                for n in ("a_out", "a_in", "b_out", "b_in"))
+def _kron_dims(data, dtype):
+    """Factor shapes; a 16-bit case has >= 16 elements in A, B and d_out (docs/math.md §4)."""
+    a_out = data.draw(st.integers(1, 5), label="a_out")
+    a_in = extent(data, "a_in", min_extent(dtype, a_out), 4)
+    b_out = extent(data, "b_out", min_extent(dtype, a_out), 4)
+    b_in = extent(data, "b_in", min_extent(dtype, b_out), 4)
     lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
     return a_out, a_in, b_out, b_in, lead
 
@@ -128,9 +140,9 @@ def _kron_dims(data):
 def test_kron_matvec_property(seed):
     def body(data):
         dtype = draw_dtype(data)
-        a_out, a_in, b_out, b_in, lead = _kron_dims(data)
+        a_out, a_in, b_out, b_in, lead = _kron_dims(data, dtype)
         g = gen(data)
-        xs, xv = strided(data, g, "x", (*lead, a_in * b_in), _x_layouts())
+        xs, xv = strided(data, g, "x", (*lead, a_in * b_in), layouts_for(dtype))
         As, Av = strided(data, g, "A", (a_out, a_in), ("contiguous", "transpose"))
         Bs, Bv = strided(data, g, "B", (b_out, b_in), ("contiguous", "transpose", "slice"))
         check(lambda x, A, B: kron_matvec(xv(x), Av(A), Bv(B), backend="triton"),
@@ -143,10 +155,10 @@ def test_kron_matvec_property(seed):
 def test_krona_linear_property(seed):
     def body(data):
         dtype = draw_dtype(data)
-        a_out, a_in, b_out, b_in, lead = _kron_dims(data)
+        a_out, a_in, b_out, b_in, lead = _kron_dims(data, dtype)
         d_in, d_out = a_in * b_in, a_out * b_out
         g = gen(data)
-        xs, xv = strided(data, g, "x", (*lead, d_in), _x_layouts())
+        xs, xv = strided(data, g, "x", (*lead, d_in), layouts_for(dtype))
         Ws, Wv = strided(data, g, "weight", (d_out, d_in), ("contiguous", "transpose", "slice"))
         inputs = {"x": xs, "weight": Ws, "A": rnd(g, a_out, a_in), "B": rnd(g, b_out, b_in)}
         if data.draw(st.booleans(), label="bias"):
@@ -171,13 +183,14 @@ def test_krona_linear_property(seed):
 def test_headwise_lowrank_property(seed):
     def body(data):
         dtype = draw_dtype(data)
-        H, r, p, db = (data.draw(st.integers(1, n), label=k)
-                       for k, n in (("H", 4), ("r", 4), ("p", 6), ("d_b", 12)))
+        H, r = (data.draw(st.integers(1, 4), label=k) for k in ("H", "r"))
+        p = extent(data, "p", min_extent(dtype, H), 5)
+        db = extent(data, "d_b", min_extent(dtype), 11)
         per_head = data.draw(st.booleans(), label="per_head")
         lead = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=2), label="lead")
         g = gen(data)
         shape = (*lead, H, db) if per_head else (*lead, db)
-        bs, bv = strided(data, g, "basis", shape)
+        bs, bv = strided(data, g, "basis", shape, layouts_for(dtype))
         inputs = {"basis": bs, "A": rnd(g, H, r, db), "B": rnd(g, H, p, r)}
         if data.draw(st.booleans(), label="bias"):
             inputs["bias"] = rnd(g, H, p)
@@ -239,10 +252,11 @@ def test_headwise_qkv_property(seed):
         dtype = draw_dtype(data)
         Hkv = data.draw(st.integers(1, 3), label="H_kv")
         H = Hkv * data.draw(st.integers(1, 2), label="group")
-        p, d = data.draw(st.integers(1, 5), label="p"), data.draw(st.integers(1, 12), label="d")
+        p = extent(data, "p", min_extent(dtype, Hkv), 4)
+        d = extent(data, "d", min_extent(dtype), 11)
         lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
         g = gen(data)
-        xs, xv = strided(data, g, "x", (*lead, d))
+        xs, xv = strided(data, g, "x", (*lead, d), layouts_for(dtype))
         views = {"x": xv}
         inputs = {"x": xs}
         for w, rows in (("w_q", H * p), ("w_k", Hkv * p), ("w_v", Hkv * p)):
@@ -278,10 +292,11 @@ def test_headwise_projection_property(seed):
         dtype = draw_dtype(data)
         Hk = data.draw(st.integers(1, 3), label="H_k")
         H = Hk * data.draw(st.integers(1, 2), label="group")
-        p, d = data.draw(st.integers(1, 5), label="p"), data.draw(st.integers(1, 12), label="d")
+        p = extent(data, "p", min_extent(dtype, Hk), 4)
+        d = extent(data, "d", min_extent(dtype), 11)
         lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
         g = gen(data)
-        xs, xv = strided(data, g, "x", (*lead, d))
+        xs, xv = strided(data, g, "x", (*lead, d), layouts_for(dtype))
         Ws, Wv = strided(data, g, "weight", (H * p, d), ("contiguous", "transpose", "slice"))
         inputs = {"x": xs, "weight": Ws}
         if data.draw(st.booleans(), label="bias"):
@@ -324,12 +339,13 @@ def _oproj_inputs(data, g, H, p, dout, *, wise, shared):
 def test_headwise_oproj_property(seed):
     def body(data):
         dtype = draw_dtype(data)
-        H, p = data.draw(st.integers(1, 4), label="H"), data.draw(st.integers(1, 6), label="p")
-        dout = data.draw(st.integers(1, 12), label="d_out")
+        H = data.draw(st.integers(1, 4), label="H")
+        p = extent(data, "p", min_extent(dtype, H), 5)
+        dout = extent(data, "d_out", min_extent(dtype), 11)
         wise, shared = (data.draw(st.booleans(), label=k) for k in ("wise", "shared"))
         lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
         g = gen(data)
-        os_, ov = strided(data, g, "o", (*lead, H * p))
+        os_, ov = strided(data, g, "o", (*lead, H * p), layouts_for(dtype))
         Ws, Wv = strided(data, g, "w_o", (dout, H * p), ("contiguous", "transpose", "slice"))
         inputs = {"o": os_, "w_o": Ws, **_oproj_inputs(data, g, H, p, dout, wise=wise,
                                                         shared=shared)}
@@ -365,12 +381,13 @@ def test_oproj_width_one_with_wise_and_shared():
 # inducer
 
 
-def _inducer_params(data, g, H, p, composition, l):
+def _inducer_params(data, g, H, p, composition, l, dtype):
     """Random inducer parameters for ``composition`` ("none", "add", "gate") and ``l``
-    prefix columns (float64)."""
+    prefix columns (float64); a 16-bit case has >= 16 elements in ak and b1."""
     out = {}
     if composition != "none":
-        L, r = data.draw(st.integers(1, 4), label="L"), data.draw(st.integers(1, 4), label="r")
+        L = extent(data, "L", min_extent(dtype, H), 3)
+        r = extent(data, "r", min_extent(dtype, H), 3)
         out.update(Ak=rnd(g, H, p, L) * 0.5, ak=rnd(g, H, L) * 0.5, Bk=rnd(g, H, L, p) * 0.5,
                    ck=rnd(g, H, p) * 0.5, W1=rnd(g, H, p, r) * 0.5, b1=rnd(g, H, r) * 0.5)
         if composition == "gate":
@@ -393,7 +410,7 @@ def test_inducer_attention_property(seed):
         causal = data.draw(st.booleans(), label="causal")
         l = data.draw(st.sampled_from([0, 0, 1, 3]), label="prefix length")
         g = gen(data)
-        qkv_layouts = ("contiguous", "slice", "expand", "heads-major")
+        qkv_layouts = layouts_for(dtype, ("contiguous", "slice", "expand", "heads-major"))
 
         def qkv(name, heads, n):
             layout = data.draw(st.sampled_from(qkv_layouts), label=f"{name} layout")
@@ -408,7 +425,7 @@ def test_inducer_attention_property(seed):
         inputs, views = {}, {}
         for name, heads, n in (("q", H, n_q), ("k", Hkv, n_k), ("v", Hkv, n_k)):
             inputs[name], views[name] = qkv(name, heads, n)
-        inputs.update(_inducer_params(data, g, H, p, composition, l))
+        inputs.update(_inducer_params(data, g, H, p, composition, l, dtype))
         mask = data.draw(st.sampled_from(["none", "mask", "lens", "both"]), label="mask")
         if mask in ("mask", "both"):
             m = torch.rand(B, n_k, generator=g) > data.draw(st.sampled_from([0.2, 0.5, 1.0]),
@@ -482,7 +499,7 @@ def test_inducer_attention_varlen_property(seed):
         inputs["cu_seqlens_q"] = cu(lens_q)
         if not same:
             inputs["cu_seqlens_k"] = cu(lens_k)
-        inputs.update(_inducer_params(data, g, H, p, composition, l))
+        inputs.update(_inducer_params(data, g, H, p, composition, l, dtype))
         # the single-visible-column guard of test_inducer_attention_property, per sequence
         fewest = min([nk if not causal else max(0, min(nk, nk - nq + 1))
                       for nq, nk in zip(lens_q, lens_k) if nq] or [2])
@@ -507,15 +524,16 @@ def test_inducer_output_projection_property(seed):
     def body(data):
         dtype = draw_dtype(data)
         B, H, n = (data.draw(st.integers(1, 3), label=k) for k in ("B", "H", "n"))
-        p, r, d = (data.draw(st.integers(1, 6), label=k) for k in ("p", "r", "d"))
+        p, r = (extent(data, k, min_extent(dtype, H), 5) for k in ("p", "r"))
+        d = extent(data, "d", min_extent(dtype), 5)
         g = gen(data)
-        fs, fv = strided(data, g, "f", (B, H, n, p))
+        fs, fv = strided(data, g, "f", (B, H, n, p), layouts_for(dtype))
         Ws, Wv = strided(data, g, "W_o", (d, H * p), ("contiguous", "transpose", "slice"))
         inputs = {"f": fs, "W_o": Ws}
         if data.draw(st.booleans(), label="b_o"):
             inputs["b_o"] = rnd(g, d)
         if data.draw(st.booleans(), label="u"):
-            inputs["u"], uv = strided(data, g, "u", (B, H, n, r))
+            inputs["u"], uv = strided(data, g, "u", (B, H, n, r), layouts_for(dtype))
             inputs["W2"] = rnd(g, H, r, d)
             if data.draw(st.booleans(), label="b2"):
                 inputs["b2"] = rnd(g, d)
