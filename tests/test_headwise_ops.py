@@ -239,14 +239,10 @@ def test_projection_kernel(dtype, rank_space):
 OPROJ_CASES = [(3, 2, 1, True), (1, 1, 0, False), (4, 0, 3, True), (2, 3, 2, False)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", range(len(OPROJ_CASES)))
-def test_oproj_kernel(dtype, case):
+def oproj_inputs(case, lead, p, dout):
+    """Inputs of OPROJ_CASES[case] (H, wise rank, shared rank, biases) for o (*lead, H·p)."""
     H, r, rs, bias = OPROJ_CASES[case]
-    p = random.choice([24, 40, 80])
-    dout = random.choice([48, 80, 96])
-    T = random.choice([5, 21, 40])
-    inputs = dict(o=rnd(2, T, H * p), w_o=rnd(dout, H * p))
+    inputs = dict(o=rnd(*lead, H * p), w_o=rnd(dout, H * p))
     if bias:
         inputs["b_o"] = rnd(dout)
     if r:
@@ -255,6 +251,14 @@ def test_oproj_kernel(dtype, case):
             inputs["wise_c"] = rnd(dout)
     if rs:
         inputs.update(shared_A=rnd(rs, H * p), shared_B=rnd(dout, rs))
+    return H, inputs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(OPROJ_CASES)))
+def test_oproj_kernel(dtype, case):
+    H, inputs = oproj_inputs(case, (2, random.choice([5, 21, 40])),
+                             random.choice([24, 40, 80]), random.choice([48, 80, 96]))
 
     def run(backend):
         def fn(**kw):
@@ -263,6 +267,70 @@ def test_oproj_kernel(dtype, case):
 
     assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
                              grad_names=[k for k in inputs if k != "w_o"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(OPROJ_CASES)))
+def test_oproj_folded(dtype, case, launches):
+    """exact=False: W' = W_o + [B_w | s·B_s]·D_o folded once (16-bit), then the frozen-shaped
+    GEMM for Y and dO; the factor gradients from Z and dZ as before. Same docs/math.md §4
+    rule; float32 never folds."""
+    from kfused.triton_kernels import headwise_oproj as tk
+
+    H, inputs = oproj_inputs(case, (random.choice([5, 33]),), random.choice([24, 40]),
+                             random.choice([48, 80]))
+    folds = launches(tk, "_oproj_fold_kernel")
+
+    def run(backend):
+        def fn(**kw):
+            return headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend, exact=False)
+        return fn
+
+    assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
+                             grad_names=[k for k in inputs if k != "w_o"])
+    # forward and backward each fold (16-bit); float32 takes the exact path
+    assert len(folds) == (0 if dtype == torch.float32 else 2)
+
+
+def test_oproj_fold_kernel_is_exact_on_small_integers():
+    """W' = W + Bc·Do with small integers: every product and the float32 sum are exact, so the
+    folded weight equals the float64 one exactly, whatever the strides of W and the M tail."""
+    from kfused.triton_kernels.headwise_oproj import oproj_fold
+
+    gen = torch.Generator().manual_seed(7)
+    for N, HP, M in ((37, 50, 19), (64, 96, 16), (5, 33, 40)):
+        ints = lambda *s: torch.randint(-3, 4, s, generator=gen).double()  # noqa: E731
+        W, Bc, Do = ints(HP, N).t(), ints(N, M), ints(M, HP)       # W a transposed view
+        got = oproj_fold(W.half().to(DEVICE), Bc.half().to(DEVICE), Do.half().to(DEVICE))
+        want = W + Bc @ Do
+        assert want.abs().max() < 2048                            # exact in float16
+        assert got.dtype == torch.float16 and got.is_contiguous()
+        assert torch.equal(got.double().cpu(), want)
+
+
+def test_oproj_folded_rounds_away_sub_ulp_update():
+    """The documented cost of exact=False: in float16 an update below half an ulp of W_o does
+    not survive the fold, while the exact path keeps it."""
+    H, p, d = 2, 2, 3
+    o = torch.ones(2, H * p, dtype=torch.float16, device=DEVICE)
+    w = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float16, device=DEVICE).repeat(d, 1)
+    A = torch.full((H, 1, p), 1e-2, dtype=torch.float16, device=DEVICE)
+    B = torch.full((d, H), 1e-2, dtype=torch.float16, device=DEVICE)   # ΔW = 1e-4 < ulp(1)/2
+    y_fold = headwise_oproj(o, w, n_heads=H, wise_A=A, wise_B=B, backend="triton",
+                            exact=False)
+    assert torch.equal(y_fold, torch.zeros_like(y_fold))       # o W_oᵀ = 0, update lost
+    y_exact = headwise_oproj(o, w, n_heads=H, wise_A=A, wise_B=B, backend="triton",
+                             exact=True)
+    want = H * p * A[0, 0, 0].double() * B[0, 0].double()      # Σ_c ΔW[n, c] = 4e-4
+    torch.testing.assert_close(y_exact.double().cpu(), torch.full((2, d), want.item(),
+                                                                  dtype=F64),
+                               rtol=2e-3, atol=0)
+
+
+def test_oproj_exact_must_be_bool_or_none():
+    o, w = torch.randn(2, 4, device=DEVICE), torch.randn(3, 4, device=DEVICE)
+    with pytest.raises(TypeError, match=r"exact must be True, False or None, got str"):
+        headwise_oproj(o, w, n_heads=2, exact="yes")
 
 
 # ------------------------------------------------------------------------------------------
@@ -323,6 +391,17 @@ def test_opcheck_oproj():
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
                           (torch.randn_like(Y), det[0], det[1], det[3], det[4], det[5], det[6],
                            Z, H, True, True, 0.75))
+    # the folded path (16-bit): W' = W_o + B D_o, then the frozen-shaped GEMM each way
+    h = [a.half() if isinstance(a, torch.Tensor) else a for a in det]
+    for i in (0, 3, 4, 5, 6):
+        h[i].requires_grad_()
+    fargs = tuple(h) + (0.75, h[2].detach().clone().requires_grad_(), True)
+    torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_fwd.default, fargs)
+    Yh, Zh = torch.ops.kfused.headwise_oproj_triton_fwd(
+        *[a.detach() if isinstance(a, torch.Tensor) else a for a in fargs])
+    torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
+                          (torch.randn_like(Yh), *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
+                           Zh, H, True, True, 0.75, True))
 
 
 def test_compile_fullgraph():

@@ -2,7 +2,7 @@
 updates of W_o (basis O) — torch.library registrations, autograd and the public API.
 
     headwise_oproj(o, w_o, b_o, n_heads=, wise_A=, wise_B=, wise_c=, shared_A=, shared_B=,
-                   scale=)                            -> Y
+                   scale=, exact=)                    -> Y
 
 ``backend="auto" | "triton" | "reference"``. Custom ops: kfused::headwise_oproj_triton_fwd / _bwd.
 """
@@ -15,6 +15,7 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
+from kfused.ops._fold import check_exact, fold_decision
 from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _head_width,
                                          _no_float64, _opt)
 from kfused.reference.headwise import headwise_oproj_ref
@@ -34,14 +35,14 @@ def _tk():
 def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
                A: Optional[torch.Tensor], B: Optional[torch.Tensor],
                shared_A: Optional[torch.Tensor], shared_U: Optional[torch.Tensor],
-               n_heads: int, scale: float = 1.0,
-               c: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               n_heads: int, scale: float = 1.0, c: Optional[torch.Tensor] = None,
+               fold: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     return _tk().headwise_oproj_forward(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale,
-                                        c)
+                                        c, fold)
 
 
 @_oproj_fwd.register_fake
-def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale=1.0, c=None):
+def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale=1.0, c=None, fold=False):
     M = (A.shape[0] * A.shape[1] if A is not None else 0) + \
         (shared_A.shape[0] if shared_A is not None else 0)
     return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
@@ -51,9 +52,10 @@ def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale=1.0, c=None):
 def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[torch.Tensor],
                B: Optional[torch.Tensor], shared_A: Optional[torch.Tensor],
                shared_U: Optional[torch.Tensor], z: torch.Tensor, n_heads: int,
-               need_do: bool, need_factors: bool, scale: float = 1.0) -> List[torch.Tensor]:
+               need_do: bool, need_factors: bool, scale: float = 1.0,
+               fold: bool = False) -> List[torch.Tensor]:
     dO, gr = _tk().headwise_oproj_backward(g, o, w_o, A, B, shared_A, shared_U, z, n_heads,
-                                           need_do, need_factors, scale)
+                                           need_do, need_factors, scale, fold)
     out = [dO if dO is not None else _empty(o)]
     for key in ("A", "Bw", "As", "Us", "db"):
         t = gr.get(key)
@@ -62,7 +64,8 @@ def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[
 
 
 @_oproj_bwd.register_fake
-def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, scale=1.0):
+def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, scale=1.0,
+      fold=False):
     hw = need_factors and A is not None
     sh = need_factors and shared_A is not None
     e = o.new_empty(0)
@@ -74,9 +77,9 @@ def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, sc
 
 def _oproj_setup(ctx, inputs, output):
     o, w_o, b_o, A, B, sA, sU, H, *rest = inputs
-    scale, c = tuple(rest) + (1.0, None)[len(rest):]
+    scale, c, fold = tuple(rest) + (1.0, None, False)[len(rest):]
     ctx.save_for_backward(o, w_o, A, B, sA, sU, output[1])
-    ctx.H, ctx.scale = H, scale
+    ctx.H, ctx.scale, ctx.fold = H, scale, fold
     ctx.has_b = b_o is not None
     ctx.b_dtype = b_o.dtype if b_o is not None else None
     ctx.c_dtype = c.dtype if c is not None else None
@@ -86,14 +89,14 @@ def _oproj_setup(ctx, inputs, output):
 
 def _oproj_backward(ctx, g, gz):
     if g is None:
-        return (None,) * 10
+        return (None,) * 11
     o, w_o, A, B, sA, sU, z = ctx.saved_tensors
     n_o, n_w, n_b, nA, nB, nsA, nsU = ctx.needs_input_grad[:7]
     n_c = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     g = g.contiguous()
     need_f = nA or nB or nsA or nsU or n_b or n_c
     dO, dA, dB, dsA, dsU, db = torch.ops.kfused.headwise_oproj_triton_bwd(
-        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale)
+        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale, ctx.fold)
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
     if (n_b and ctx.has_b) or n_c:
         db = db if _opt(db) is not None else g.sum(0, dtype=torch.float32)
@@ -101,7 +104,7 @@ def _oproj_backward(ctx, g, gz):
     dc = db.to(ctx.c_dtype) if n_c else None
     db = db.to(ctx.b_dtype) if n_b and ctx.has_b else None
     return (dO if n_o else None, dw, db, _opt(dA) if nA else None, _opt(dB) if nB else None,
-            _opt(dsA) if nsA else None, _opt(dsU) if nsU else None, None, None, dc)
+            _opt(dsA) if nsA else None, _opt(dsU) if nsU else None, None, None, dc, None)
 
 
 _oproj_fwd.register_autograd(_oproj_backward, setup_context=_oproj_setup)
@@ -112,7 +115,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
                    wise_B: Optional[torch.Tensor] = None, wise_c: Optional[torch.Tensor] = None,
                    shared_A: Optional[torch.Tensor] = None,
                    shared_B: Optional[torch.Tensor] = None, scale: float = 1.0,
-                   backend: Optional[str] = None) -> torch.Tensor:
+                   backend: Optional[str] = None, exact: Optional[bool] = None) -> torch.Tensor:
     """Fused output projection with the docs/math.md §2 updates of W_o (basis O).
 
     ``Y = O W_oᵀ + b_o + concat_h(O^h A_hᵀ) Bᵀ + c + scale · O A_sᵀ B_sᵀ``.
@@ -124,10 +127,21 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         wise_A ``(H, r, p)``, wise_B ``(d, H·r)``, wise_c ``(d,)``: Kernel-wise on W_o (a
             rank-r update of each row block W_o^h).
         shared_A ``(r_s, H·p)``, shared_B ``(d, r_s)``, scale: the shared LoRA part.
+        backend: "auto" | "triton" | "reference".
+        exact: how the Triton backend applies the update (the rule of
+            :func:`kfused.ops._fold.fold_decision`, shared with ``krona_linear``).
+            True: Y = [O | Z]·[W_o | B]ᵀ, the update never rounded into W_o.
+            False (16-bit only): fold it into the weight, ``W' = W_o + B D_o`` (one d×H·p
+            pass, rounded once to the weight dtype), then the frozen-shaped GEMM for Y and for
+            dO; the part of the update below half an ulp of W_o is rounded away there (the
+            factor gradients stay exact).
+            None (default): False for float16/bfloat16 CUDA inputs with at least
+            ``FOLD_MIN_TOKENS`` tokens, True otherwise. float32 never folds.
 
     Triton plan: Z = O D_oᵀ (D_o: block-diagonal A_h and A_s; a thin GEMM, cuBLAS for 16-bit
-    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM. Backward: dZ = dY B,
-    dO = [dY | dZ]·[W_o; D_o] (one GEMM), token reductions dYᵀ Z and dZᵀ O.
+    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM (folded: O W'ᵀ + b).
+    Backward: dZ = dY B, dO = [dY | dZ]·[W_o; D_o] (folded: dY W'), token reductions dYᵀ Z
+    and dZᵀ O.
     """
     _validate.check_tensor("o", o, min_ndim=1)
     HP = o.shape[-1]
@@ -160,6 +174,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         if wise_c is not None:
             _validate.check_shape("wise_c", wise_c, (dout,), "(d_out,)")
     _check_scale("scale", scale, o)
+    check_exact(exact)
     if shared_A is not None:
         _validate.check_tensor("shared_A", shared_A, ndim=2)
         rs = shared_A.shape[0]
@@ -182,6 +197,7 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     # contiguous factors (no copy when they are): the backward's fake outputs (empty_like)
     # then have the strides the real ones have
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    fold = fold_decision(o2.dtype, o2.shape[0], exact, o2.device.type == "cuda")
     Y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(
-        o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c))
+        o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c), fold)
     return Y.reshape(*lead, dout)

@@ -16,6 +16,7 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
+from kfused.ops._fold import FOLD_MIN_TOKENS, check_exact, fold_decision  # noqa: F401
 from kfused.ops._krona_common import check_factors, rows
 from kfused.reference.krona import krona_linear_ref
 
@@ -141,34 +142,10 @@ def check_scale(scale) -> float:
     return value
 
 
-# Tokens from which krona_linear(exact=None) folds the adapter into the weight on a GPU: the
-# fold is one d_out×d_in pass (plus one launch) per direction, under 5% of the frozen GEMM
-# from here on (see the roofline in kfused/triton_kernels/krona_linear.py).
-FOLD_MIN_TOKENS = 1024
-
-
 def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
-    """Whether krona_linear folds the adapter into the weight (see its ``exact`` argument).
-
-    Only 16-bit inputs fold: there the single rounding of W' costs no more than the rounding
-    the same-precision torch path does anyway (it meets docs/math.md §4). In float32 it does not
-    (W' rounded to float32 then one float32 GEMM: dx error 3.5e-5 against a docs/math.md §4 bound of
-    2.6e-5 at (24, 24, 32, 32)), so float32 always takes the exact factored kernels.
-    """
+    """Whether krona_linear folds the adapter into the weight (see its ``exact`` argument and
+    :mod:`kfused.ops._fold`)."""
     return fold_decision(x2.dtype, x2.shape[0], exact, x2.device.type == "cuda")
-
-
-def fold_decision(dtype: torch.dtype, tokens: int, exact: Optional[bool],
-                  on_cuda: bool) -> bool:
-    """The rule of :func:`use_folded_weight` on plain values: whether ``tokens`` rows of
-    ``dtype`` on a CUDA device (``on_cuda``) or not fold the adapter into the weight. The
-    static performance model (kfused.perf) evaluates it with ``on_cuda=True`` to follow the
-    path a GPU takes although it traces CPU stand-in tensors."""
-    if exact or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if exact is not None:
-        return True
-    return bool(on_cuda) and tokens >= FOLD_MIN_TOKENS
 
 
 def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -208,9 +185,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         _validate.check_tensor("bias", bias, ndim=1)
         _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
     scale = check_scale(scale)
-    if exact is not None and not isinstance(exact, bool):
-        raise TypeError(f"exact must be True, False or None, got {type(exact).__name__} "
-                        f"{exact!r}")
+    check_exact(exact)
     be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton",))
     if be == "reference":
         return krona_linear_ref(x, weight, bias, A, B, scale)

@@ -183,6 +183,25 @@ def _m_kron_fold(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_oproj_fold_kernel")
+def _m_oproj_fold(L) -> Dict[str, float]:
+    """W' = W + Bc·Do (headwise_oproj, exact=False): one (BN × BK) tile of W' per program,
+    cdiv(M, BR) tensor-core dots (BN × BR)·(BR × BK) (M padded to BR); the W tile converted
+    and added, W' converted on store. HBM: W read and W' written once; Bc re-read by every
+    column program and Do by every row program (L2 rule of reread_bytes)."""
+    a = L.bound()
+    N, HP, M = a["N"], a["HP"], a["M"]
+    BN, BK, BR = a["BN"], a["BK"], a["BR"]
+    progs = L.programs()
+    w = _work()
+    _prod(w, "fold", progs * 2.0 * BN * BK * cdiv(M, BR) * BR, True, _is16(a["do_ptr"]))
+    w["alu_ops"] = progs * BN * BK * 3
+    el = _el(a["out_ptr"])
+    w["hbm_bytes"] = (N * HP * (_el(a["w_ptr"]) + el) + R.reread_bytes(N * M * el, cdiv(HP, BK))
+                      + R.reread_bytes(M * HP * el, cdiv(N, BN)))
+    return w
+
+
 def _k_pad(K: int, BK: int) -> int:
     return cdiv(K, BK) * BK if K > 0 else 0
 
@@ -636,10 +655,10 @@ def _grad(outs, leaves):
 
 def _krona_case(T, d_in, d_out, A_shape, B_shape, fac, path="gpu-default"):
     """path "gpu-default": what ``krona_linear(exact=None)`` runs on a GPU for bfloat16 at this
-    T (``kfused.ops.krona_linear.fold_decision`` evaluated as on CUDA: the folded W' + cuBLAS path
+    T (``kfused.ops._fold.fold_decision`` evaluated as on CUDA: the folded W' + cuBLAS path
     from T ≥ FOLD_MIN_TOKENS); "exact": the factored kernels (``exact=True``, also what
     float32 and small T run)."""
-    from kfused.ops.krona_linear import fold_decision
+    from kfused.ops._fold import fold_decision
 
     (a_out, a_in), (b_out, b_in) = A_shape, B_shape
     assert a_out * b_out == d_out and a_in * b_in == d_in
@@ -785,8 +804,15 @@ def _headwise_case(width, d, H, Hkv, preset, T):
 
 
 def _oproj_case(width, d, H, preset, T):
-    """headwise_oproj (Kernel-wise + shared LoRA on W_o, basis O) with the preset's o ranks."""
+    """headwise_oproj (Kernel-wise + shared LoRA on W_o, basis O) with the preset's o ranks,
+    on the path ``exact=None`` takes on a GPU in bfloat16 at this T
+    (``kfused.ops._fold.fold_decision`` evaluated as on CUDA: W' = W_o + B D_o folded from
+    T ≥ FOLD_MIN_TOKENS)."""
     from kfused.integration.headwise import HEADWISE_PRESETS as PRESETS
+    from kfused.ops._fold import fold_decision
+
+    folded = fold_decision(torch.bfloat16, T, None, on_cuda=True)
+    tag = "folded" if folded else "exact"
 
     p = d // H
     HP = H * p
@@ -805,7 +831,8 @@ def _oproj_case(width, d, H, preset, T):
         if ro.shared:
             kw.update(shared_A=_e(ro.shared, HP, grad=True), shared_B=_e(d, ro.shared, grad=True))
         leaves += [t for t in kw.values()]
-        y = headwise_oproj(o, w, b, n_heads=H, **kw, scale=0.5, backend="triton")
+        y = headwise_oproj(o, w, b, n_heads=H, **kw, scale=0.5, backend="triton",
+                           exact=not folded)
         _grad(y, leaves)
 
     el = 2
@@ -824,8 +851,9 @@ def _oproj_case(width, d, H, preset, T):
     cols = H * ro.wise + ro.shared
     useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * cols * (p + d)
     return Case(
-        op="headwise_oproj", label=f"{width} T={T} {preset}[o]",
-        shape=dict(width=width, d=d, H=H, p=p, T=T, preset=preset, lora_rank=r), run=run,
+        op="headwise_oproj", label=f"{width} T={T} {preset}[o] ({tag})",
+        shape=dict(width=width, d=d, H=H, p=p, T=T, preset=preset, lora_rank=r, path=tag),
+        run=run,
         useful_flops=useful, min_bytes=el * (2 * T * HP + 2 * T * d + d * HP),
         baselines={"floor": floor, "peft-lora": lora},
         targets=[Target(12, "floor", 1.25, "≤ 1.25× the frozen projections"),

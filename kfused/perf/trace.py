@@ -180,8 +180,9 @@ def _traced(run: Callable[[], None]) -> Tuple[List[Launch], List[GlueOp]]:
 def trace(run: Callable[[], None], warm: bool = True) -> Tuple[List[Launch], List[GlueOp]]:
     """Call ``run()`` (which runs an op forward and backward on CPU tensors); return the Triton
     launches it made and the torch glue operations between them. Host-side dispatch follows
-    the GPU's choices (:func:`_gpu_dispatch`; KronA's fold-or-factored choice is made by the
-    benchmark case itself from ``kfused.ops.krona_linear.fold_decision``).
+    the GPU's choices (:func:`_gpu_dispatch`; the fold-or-exact choice of KronA and of the
+    output projection is made by the benchmark case itself from
+    ``kfused.ops._fold.fold_decision``).
 
     ``warm``: run once unrecorded first, so that what the ops memoise per shape (index maps,
     packings by dimensions: ``functools.lru_cache``) is built, and record the second call:

@@ -121,6 +121,48 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
             tl.store(dbo_ptr + n, db, mask=n < N)
 
 
+@triton.jit
+def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, N, HP, M,
+                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    # grid (cdiv(N, BN), cdiv(H·P, BK)). W' (N, H·P) contiguous = W + [B_w | s·B_s] (N, M) ·
+    # D_o (M, H·P), the packed 16-bit operands of _oproj_pack_kernel: exact products summed
+    # with W in float32 (tensor-core dots), rounded once to the output dtype.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = pid_k * BK + tl.arange(0, BK)
+    nm = (rn < N)[:, None]
+    km = (rk < HP)[None, :]
+    acc = tl.load(w_ptr + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=nm & km,
+                  other=0.0).to(tl.float32)
+    for m0 in range(0, M, BR):
+        rm = m0 + tl.arange(0, BR)
+        b = tl.load(bc_ptr + rn[:, None] * M + rm[None, :], mask=nm & (rm < M)[None, :],
+                    other=0.0)
+        d = tl.load(do_ptr + rm[:, None] * HP + rk[None, :], mask=(rm < M)[:, None] & km,
+                    other=0.0)
+        acc += tl.dot(b, d, out_dtype=tl.float32)
+    tl.store(out_ptr + rn[:, None] * HP + rk[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=nm & km)
+
+
+def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor) -> torch.Tensor:
+    """W' = w + Bc·Do (N, H·P), contiguous, in the packed operands' (16-bit) dtype: the update
+    folded into the frozen weight (any strides), one launch."""
+    N, HP = w.shape
+    M = Bc.shape[1]
+    out = _alloc.empty(N, HP, dtype=Do.dtype, device=w.device)
+    if N == 0 or HP == 0:
+        return out
+    gpu = targets_gpu(w.device)
+    BN, BK = (64, 128) if gpu else (32, 32)
+    BR = _blk(M, 16, 32)
+    _oproj_fold_kernel[(triton.cdiv(N, BN), triton.cdiv(HP, BK))](
+        w, w.stride(0), w.stride(1), Bc, Do, out, N, HP, M, BN=BN, BK=BK, BR=BR,
+        num_warps=4 if gpu else 1)
+    return out
+
+
 def _pack_grid(M: int, N: int, width: int, dev):
     """(BR rows of the up-projection per program, BC columns per step, grid)."""
     BR = 32 if targets_gpu(dev) else 8
@@ -219,10 +261,13 @@ def _thin(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                            A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
                            As: Optional[torch.Tensor], Us: Optional[torch.Tensor], H: int,
-                           scale: float = 1.0, c: Optional[torch.Tensor] = None):
+                           scale: float = 1.0, c: Optional[torch.Tensor] = None,
+                           fold: bool = False):
     """o (T, H·p) any strides; w (d, H·p) any strides; b (d,) contiguous or None; c (d,)
     (the per-head bias, added with b in the epilogue) contiguous or None; A (H, r, p),
     Bw (d, H·r), As (r_s, H·p), Us (d, r_s) any strides or None; ``scale`` multiplies Us.
+    ``fold`` (16-bit only): Y = O W'ᵀ with W' = W + [B_w | s·B_s] D_o (:func:`oproj_fold`)
+    instead of the two-segment GEMM [O | Z]·[W | B]ᵀ.
 
     Returns Y (T, d) and the rank-space Z (T, H·r + r_s) in o.dtype for the backward.
     """
@@ -240,7 +285,10 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
     if R or RS:
         Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, o.dtype, Z, keep=True)
         _thin(o, Do.t(), Z)
-        segs.append((Z, Bcat.t()))
+        if fold:
+            segs = [(o, oproj_fold(w, Bcat, Do).t())]
+        else:
+            segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b, bias2=c)
     return Y, Z
 
@@ -249,9 +297,10 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                             A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
                             As: Optional[torch.Tensor], Us: Optional[torch.Tensor],
                             Z: torch.Tensor, H: int, need_do: bool = True,
-                            need_factors: bool = True, scale: float = 1.0):
+                            need_factors: bool = True, scale: float = 1.0, fold: bool = False):
     """g (T, d) any strides. Returns (dO, dict of dA, dBw, dAs, dUs (scale·Σ) for the present
-    parts, and db)."""
+    parts, and db). ``fold``: dO = g W' with the forward's folded weight (recomputed) instead
+    of [g | dZ]·[W; D_o]; dZ is then formed only for the factor gradients."""
     T, HP = o.shape
     N = w.shape[0]
     P = HP // H
@@ -270,8 +319,11 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                 dO.zero_()
         return dO, grads
     Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, dt, Z, keep=False)
-    dZ = _alloc.empty(T, M, dtype=dt, device=dev)
-    _thin(g, Bcat, dZ)
+    fold = fold and N > 0
+    dZ = None
+    if need_factors or not fold:
+        dZ = _alloc.empty(T, M, dtype=dt, device=dev)
+        _thin(g, Bcat, dZ)
     cs = None
     if need_do and T:
         if N:
@@ -279,7 +331,8 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             # row slice, summed by the unpack kernel): no separate pass over dY
             cs = (_alloc.empty(colsum_rows(T), N, dtype=F32, device=dev) if need_factors
                   else None)
-            gemm([(g, w), (dZ, Do)], dO, colsum=cs)
+            segs = [(g, oproj_fold(w, Bcat, Do))] if fold else [(g, w), (dZ, Do)]
+            gemm(segs, dO, colsum=cs)
         else:
             gemm([(dZ, Do)], dO)
     if need_factors:
