@@ -353,12 +353,16 @@ def check_cases(device: torch.device):
                     wise_A=r(H, 2, p), wise_B=r(d, H * 2), wise_c=r(d), shared_A=r(3, H * p),
                     shared_B=r(d, 3))
 
-        def oproj(backend, H=H):
-            return lambda **kw: headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend)
+        def oproj(backend, H=H, exact=None):
+            return lambda **kw: headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend,
+                                               exact=exact)
 
+        o_grads = ["o", "wise_A", "wise_B", "wise_c", "shared_A", "shared_B"]
         cases.append(CheckCase("headwise_oproj", label, "triton", oproj("triton"),
-                               oproj("reference"), o_in,
-                               ["o", "wise_A", "wise_B", "wise_c", "shared_A", "shared_B"]))
+                               oproj("reference"), o_in, o_grads))
+        # the folded path (W' = W_o + B D_o; what 16-bit GPU inputs take from 1024 tokens)
+        cases.append(CheckCase("headwise_oproj", label + " folded", "triton",
+                               oproj("triton", exact=False), oproj("reference"), o_in, o_grads))
         lr_in = dict(basis=r(T, H, p), A=r(H, 3, p), B=r(H, p, 3), bias=r(H, p))
 
         def lowrank(backend):
