@@ -120,3 +120,39 @@ def test_wgmma_feed_efficiency():
     assert math.isclose(p["t_dot16"], 1.5e-3)
     p2 = R.predict(w, {"hmma": 1}, R.SMS, 1)
     assert math.isclose(p2["t_dot16"], 1e-3 / R.MMA_SYNC_FRACTION)
+
+
+def test_cuda_inducer_model_follows_the_csrc_host():
+    """The Python replica of inducer_attention_fwd's launch decision (kfused.perf.cases) uses
+    the tile constants csrc/inducer/inducer.cuh defines, and splits the keys the way the
+    host does: prefill fills the GPU with 64-row blocks (no split); decode with few blocks
+    splits the keys (at most 64 splits, at least one stage each), else not."""
+    import pathlib
+    import re
+
+    from kfused.perf import cases as C
+
+    src = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "inducer" /
+           "inducer.cuh").read_text()
+    consts = dict(re.findall(r"(k(?:Prefill|Decode)(?:BN|RW|KW)) = (\d+)", src))
+    assert (int(consts["kPrefillBN"]), int(consts["kPrefillRW"]), int(consts["kDecodeBN"]),
+            int(consts["kDecodeKW"])) == (C._CU_PREFILL_BN, C._CU_PREFILL_RW, C._CU_DECODE_BN,
+                                          C._CU_DECODE_KW)
+    decode, BM, SK, row_tiles, nsplit, per = C._cuda_inducer_grid(8, 16, 2048, 2048)
+    assert (decode, BM, SK, row_tiles, nsplit) == (False, 64, 64, 32, 1)
+    decode, BM, SK, row_tiles, nsplit, per = C._cuda_inducer_grid(1, 8, 1, 16384)
+    assert decode and (BM, SK, row_tiles) == (16, 64, 1)
+    # min(cdiv(2·132, 8) = 33, 256 stages, 64) splits of cdiv(256, 33) = 8 stages -> 32
+    assert (nsplit, per) == (32, 8)
+    assert C._cuda_inducer_grid(8, 32, 1, 4096)[4] == 1     # 256 blocks fill the GPU
+
+
+def test_min_ratio_targets():
+    """A target with a lower limit (a baseline that must keep up with kfused's Triton path,
+    such as the CUDA C++ one) is met only at or above it, and prints as ">=x"."""
+    from kfused.perf.report import _limit, _within
+
+    assert _within(0.95, None, 1 / 1.1) and not _within(0.5, None, 1 / 1.1)
+    assert _within(1.2, 1.25) and not _within(1.3, 1.25)
+    assert _limit(dict(max_ratio=None, min_ratio=1.0)) == ">=1.00"
+    assert _limit(dict(max_ratio=1.25, min_ratio=None)) == "1.25"

@@ -3,6 +3,8 @@ and the benchmark cases for the shared harness (kfused.bench).
 
 Benchmark providers per case (forward, and forward+backward through the harness):
     kfused-triton  the flash-style kernel with the inducer ("add": f and u)
+    kfused-cuda    the CUDA C++ inference kernel with the same inducer (forward only: timed in
+                   "fwd" mode, beside kfused-triton's "fwd"; q's head count for k/v)
     sdpa           torch scaled_dot_product_attention without an inducer (the ceiling)
     flex           FlexAttention with return_lse plus the λ / u epilogue in PyTorch (CUDA only)
     eager          the materialised reference (O(n²) memory)
@@ -94,7 +96,8 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
         widths = [64] if quick else [64, 128]
     else:                                  # CPU: interpreter-sized smoke shapes
         ns, widths = [64, 128], [64]
-    triton_reason = available_backends(OP, device=str(device), dtype=dtype)["triton"]
+    avail = available_backends(OP, device=str(device), dtype=dtype)
+    triton_reason, cuda_reason = avail["triton"], avail["cuda"]
     out: List[BenchCase] = []
     for p in widths:
         for causal in (False, True):
@@ -113,6 +116,14 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
                         return inducer_attention(q, k, v, **params, causal=causal,
                                                  backend="triton")
                     return fn, _leaves(q, k, v, params)
+
+                def mk_cuda(B=B, H=H_, n=n, p=p, causal=causal):
+                    # inference inputs (no grad): the harness then times "fwd" only
+                    q, k, v, params = _make_inputs(B, H, n, p, device, dtype, grad=False)
+                    def fn():
+                        return inducer_attention(q, k, v, **params, causal=causal,
+                                                 backend="cuda")
+                    return fn, []
 
                 def mk_sdpa(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, _ = _make_inputs(B, H, n, p, device, dtype)
@@ -143,6 +154,7 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
                            if score_bytes > _MATERIALISED_LIMIT else None)
                 no_cuda = None if device.type == "cuda" else "FlexAttention needs CUDA"
                 provs = [Provider("kfused-triton", mk_kfused, skip_reason=triton_reason),
+                         Provider("kfused-cuda", mk_cuda, skip_reason=cuda_reason),
                          Provider("sdpa", mk_sdpa),
                          Provider("flex", mk_flex, skip_reason=no_cuda),
                          Provider("eager", mk_eager, skip_reason=too_big),
@@ -153,14 +165,15 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
                            "r": R_VALUE, "composition": "add"},
                     dtype=dtype, providers=provs, flops_fwd=flops, flops_bwd=2.5 * flops,
                     bytes_fwd=float(4 * B * H_ * n * p * torch.finfo(dtype).bits // 8)))
-    return out + _decode_cases(device, dtype, quick, triton_reason) + _varlen_cases(
-        device, dtype, quick, triton_reason)
+    return out + _decode_cases(device, dtype, quick, triton_reason, cuda_reason) + \
+        _varlen_cases(device, dtype, quick, triton_reason)
 
 
-def _decode_cases(device, dtype, quick, triton_reason) -> List[BenchCase]:
+def _decode_cases(device, dtype, quick, triton_reason, cuda_reason=None) -> List[BenchCase]:
     """One new token per sequence against a KV cache (forward only: inference). kfused's
     decode path (split-KV, GQA-packed) with and without the inducer against SDPA (GQA
-    natively when the kv heads are fewer)."""
+    natively when the kv heads are fewer), and the CUDA C++ kernel where it applies (k/v
+    with q's head count)."""
     el = torch.finfo(dtype).bits // 8
     if device.type == "cuda":
         shapes = [(1, 32, 8, 16384, 128), (16, 32, 8, 4096, 128), (8, 32, 32, 4096, 128)]
@@ -181,6 +194,10 @@ def _decode_cases(device, dtype, quick, triton_reason) -> List[BenchCase]:
                 return (lambda: inducer_attention(q, k, v, **params, backend="triton")), []
             return (lambda: inducer_attention(q, k, v, backend="triton")[0]), []
 
+        def mk_cuda(inputs=inputs):
+            q, k, v, params = inputs()
+            return (lambda: inducer_attention(q, k, v, **params, backend="cuda")), []
+
         def mk_sdpa(inputs=inputs, gqa=Hkv != H):
             q, k, v, _ = inputs()
             kw = {"enable_gqa": True} if gqa else {}
@@ -194,6 +211,9 @@ def _decode_cases(device, dtype, quick, triton_reason) -> List[BenchCase]:
                                 skip_reason=triton_reason),
                        Provider("kfused-triton-plain", lambda mk=mk_kfused: mk(False),
                                 skip_reason=triton_reason),
+                       Provider("kfused-cuda", mk_cuda, skip_reason=cuda_reason or (
+                           "the CUDA inducer kernel has no grouped-query attention "
+                           f"(H={H}, H_kv={Hkv})" if Hkv != H else None)),
                        Provider("sdpa", mk_sdpa)],
             flops_fwd=4.0 * B * H * n_k * p, bytes_fwd=float(2 * B * Hkv * n_k * p * el)))
     return out

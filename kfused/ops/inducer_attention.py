@@ -425,7 +425,11 @@ def _gate_compose(f: Tensor, u: Tensor, lam: Tensor, W2: Tensor, b2: Tensor) -> 
 
 
 def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal, seq_lens,
-                    prefix_k, prefix_v, scale, has_inducer):
+                    prefix_k, prefix_v, scale, has_inducer, kernel=None):
+    """The CUDA C++ path: the inducer MLP in float32 torch around the extension's flash
+    kernel (``kernel``: kfused::inducer_attention_cuda_fwd; the performance model passes a
+    stand-in to cost the torch work around it)."""
+    kernel = kernel or torch.ops.kfused.inducer_attention_cuda_fwd
     up = torch.float32
     qf = q.to(up)
     if has_inducer:
@@ -434,8 +438,7 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
         s0 = q.new_zeros(q.shape[:3], dtype=up)
     pk = prefix_k.contiguous() if prefix_k is not None else None
     pv = prefix_v.contiguous() if prefix_v is not None else None
-    f, _, lam = torch.ops.kfused.inducer_attention_cuda_fwd(q, k, v, s0, pk, pv, seq_lens,
-                                                             bool(causal))
+    f, _, lam = kernel(q, k, v, s0, pk, pv, seq_lens, bool(causal))
     if not has_inducer:
         return f, None
     hidden = inducer_value_hidden(qf, W1.to(up), b1.to(up))

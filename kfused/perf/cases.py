@@ -614,6 +614,88 @@ def _traced_torch(prefix: str, run: Callable[[], None]) -> List[dict]:
             for g in ops]
 
 
+# --- the CUDA C++ inference kernel of inducer attention (issue 15) --------------------------
+# csrc/inducer/inducer.cuh: prefill blocks of 16·RW rows walk stages of BN keys; decode blocks
+# (n_q <= 16) of 16 rows split each stage of BN·KW keys over their KW warps. mma.sync m16n8k16.
+_CU_PREFILL_BN, _CU_PREFILL_RW, _CU_DECODE_BN, _CU_DECODE_KW = 64, 4, 16, 4
+_CU_SMEM_PER_SM = 227 * 1024            # sm_90 shared memory a CTA set may use
+
+
+def _cuda_inducer_grid(B: int, H: int, n_q: int, n_k: int, l: int = 0):
+    """(decode?, rows per block, keys per stage, row tiles, nsplit, stages per split): the
+    host decision of inducer_attention_fwd (csrc/inducer/inducer_attention_fwd.cu, 16-bit)."""
+    decode = n_q <= 16
+    BM = 16 if decode else 16 * _CU_PREFILL_RW
+    SK = _CU_DECODE_BN * _CU_DECODE_KW if decode else _CU_PREFILL_BN
+    row_tiles = cdiv(n_q, BM)
+    blocks = row_tiles * B * H
+    ntiles = cdiv(l + n_k, SK)
+    nsplit = 1
+    if blocks < R.SMS:
+        nsplit = max(1, min(cdiv(2 * R.SMS, blocks), ntiles, 64))
+    per = max(1, cdiv(ntiles, nsplit))
+    return decode, BM, SK, row_tiles, max(1, cdiv(ntiles, per)), per
+
+
+def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal: bool,
+                  L_KEY: int = 4, R_VALUE: int = 8, l: int = 0, el: int = 2) -> List[dict]:
+    """PREDICTED time of ``inducer_attention(..., backend="cuda")`` (16-bit, "add"): the CUDA
+    C++ flash kernel (mma.sync: the HMMA rate; per block S = QKᵀ and PV over the visited
+    stages, causal blocks stopping at their last row's key; every score exp'd, masked and
+    rescaled; K and V read once per head, L2 holding them across its row tiles), the
+    flash-decoding merge when the keys are split, and the float32 torch MLP around it
+    (``_cuda_inference``: q cast, the key logit s0, tanh(q W1 + b1), λ·hidden), traced."""
+    decode, BM, SK, row_tiles, nsplit, per = _cuda_inducer_grid(B, H, n_q, n_k, l)
+    D = cdiv(p, 32) * 32
+    stages = 0
+    for rt in range(row_tiles):
+        last = min((rt + 1) * BM, n_q) - 1
+        end = min(n_k, n_k - n_q + last + 1) if causal else n_k
+        stages += cdiv(l + max(end, 0), SK)
+    stages *= B * H
+    rows = B * H * n_q
+    work = _work()
+    work["dot16_flops"] = stages * 2 * 2.0 * BM * SK * D
+    work["sfu_ops"] = stages * BM * SK
+    work["alu_ops"] = stages * (BM * SK * 8 + BM * D)
+    work["hbm_bytes"] = (el * B * H * (2 * n_q * p + 2 * n_k * p) + 2 * el * H * l * p
+                         + rows * 4 * 3 + (rows * nsplit * (p + 2) * 4 if nsplit > 1 else 0))
+    pitch = D + 8
+    smem = el * (BM * pitch + 2 * 2 * SK * pitch)
+    if decode:
+        smem = max(smem, el * BM * pitch + 4 * (_CU_DECODE_KW * 16 * D + 2 * _CU_DECODE_KW * 16))
+    ctas = max(1, min(4, _CU_SMEM_PER_SM // smem))
+    programs = row_tiles * nsplit * B * H
+    pr = R.predict(work, {"hmma": 1}, programs, ctas)
+    out = [dict(name=f"{name}: inducer_mma_kernel ({'decode' if decode else 'prefill'}, "
+                     f"{programs} blocks, {nsplit} split{'s' if nsplit > 1 else ''})",
+                t=pr["t"], flops=work["dot16_flops"])]
+    if nsplit > 1:
+        mw = _work()
+        mw["hbm_bytes"] = rows * nsplit * (p + 2) * 4 + rows * (p * el + 8)
+        mw["alu_ops"] = rows * nsplit * (p + 4)
+        out.append(dict(name=f"{name}: inducer_merge_kernel",
+                        t=R.predict(mw, {}, cdiv(rows, 4), 8)["t"], flops=0.0))
+
+    def glue():
+        from kfused.ops.inducer_attention import _cuda_inference
+
+        q = _e(B, H, n_q, p)
+        k = v = _e(B, H, n_k, p)
+        prm = [_e(H, p, L_KEY), _e(H, L_KEY), _e(H, L_KEY, p), _e(H, p), _e(H, p, R_VALUE),
+               _e(H, R_VALUE)]
+
+        def kernel(q, k, v, s0, pk, pv, lens, causal):      # stand-in: the kernel above
+            st = q.new_empty(q.shape[:3], dtype=torch.float32)
+            return torch.empty_like(q), st, torch.empty_like(st)
+
+        with torch.no_grad():
+            _cuda_inference(q, k, v, *prm, None, None, "add", causal, None, None, None,
+                            p ** -0.5, True, kernel=kernel)
+
+    return out + _traced_torch(f"{name}: torch MLP", glue)
+
+
 # ==========================================================================================
 # cases
 
@@ -624,6 +706,8 @@ class Target:
     baseline: str           # baseline provider name
     max_ratio: float        # kfused fwd+bwd time / baseline time must be <= this
     text: str
+    min_ratio: Optional[float] = None   # ... and >= this (a baseline that must keep up
+    #                                     with kfused's Triton path: the CUDA C++ one)
 
 
 @dataclasses.dataclass
@@ -953,13 +1037,46 @@ def _inducer_decode_case(B, H, Hkv, n_k, p, L_KEY=4, R_VALUE=8):
             out.append(_stream("sdpa decode: combine the splits", partials + el * B * H * p))
         return out
 
+    baselines = {"sdpa": sdpa}
+    targets = [Target(14, "sdpa", 1.0, "decode at least as fast per token as SDPA")]
+    if Hkv == H:       # the CUDA C++ kernel has no grouped-query attention
+        baselines["kfused-cuda"] = lambda: _cuda_inducer("cuda decode", B, H, 1, n_k, p, True,
+                                                         L_KEY, R_VALUE)
+        targets.append(Target(15, "kfused-cuda", math.inf, "CUDA C++ faster than Triton on "
+                              "decode", min_ratio=1.0))
     return Case(
         op="inducer_attention", label=f"decode B={B} H={H}/{Hkv} n_k={n_k} p={p}",
         shape=dict(B=B, H=H, H_kv=Hkv, n_q=1, n_k=n_k, p=p, L=L_KEY, r=R_VALUE, decode=True),
         run=run, useful_flops=4.0 * B * H * n_k * p, min_bytes=kv_bytes,
-        baselines={"sdpa": sdpa},
-        targets=[Target(14, "sdpa", 1.0, "decode at least as fast per token as SDPA")],
-        compile_group=f"inducer decode p={p}")
+        baselines=baselines, targets=targets, compile_group=f"inducer decode p={p}")
+
+
+def _inducer_fwd_case(n, p, causal, L_KEY=4, R_VALUE=8):
+    """The forward alone (inference prefill, no grad): the Triton kernel against the CUDA C++
+    one (issue 15: within 10 % of the Triton path) and SDPA's flash forward."""
+    B, H = max(1, 16384 // n), 2048 // p
+
+    def run():
+        from kfused.ops import inducer_attention
+
+        q, k, v = (_e(B, H, n, p) for _ in range(3))
+        prm = dict(Ak=_e(H, p, L_KEY), ak=_e(H, L_KEY), Bk=_e(H, L_KEY, p), ck=_e(H, p),
+                   W1=_e(H, p, R_VALUE), b1=_e(H, R_VALUE))
+        with torch.no_grad():
+            inducer_attention(q, k, v, **prm, causal=causal, backend="triton")
+
+    fl = 4.0 * B * H * n * n * p * (0.5 if causal else 1.0)
+    return Case(
+        op="inducer_attention",
+        label=f"fwd B={B} H={H} n={n} p={p} {'causal' if causal else 'full'} (inference)",
+        shape=dict(B=B, H=H, n=n, p=p, causal=causal, L=L_KEY, r=R_VALUE, forward_only=True),
+        run=run, useful_flops=fl, min_bytes=2 * B * H * n * p * 4,
+        baselines={"kfused-cuda": lambda: _cuda_inducer("cuda prefill", B, H, n, n, p, causal,
+                                                        L_KEY, R_VALUE),
+                   "sdpa-fwd": lambda: _fa2("sdpa fwd", B, H, n, p, causal, False)},
+        targets=[Target(15, "kfused-cuda", math.inf, "CUDA C++ within 10 % of the Triton "
+                        "path", min_ratio=1 / 1.1)],
+        compile_group=f"inducer fwd p={p} {'causal' if causal else 'full'}")
 
 
 def _inducer_varlen_case(lens, H, p, L_KEY=4, R_VALUE=8):
@@ -1002,6 +1119,7 @@ def _inducer_varlen_case(lens, H, p, L_KEY=4, R_VALUE=8):
 def _inducer_cases():
     return ([_inducer_case(n, p, c) for p in (64, 128) for c in (False, True)
              for n in (512, 2048, 16384)]
+            + [_inducer_fwd_case(n, p, True) for p in (64, 128) for n in (2048, 16384)]
             + [_inducer_decode_case(B, 32, Hkv, n_k, 128)
                for B, Hkv, n_k in ((1, 8, 16384), (16, 8, 4096), (8, 32, 4096))]
             + [_inducer_varlen_case([2048, 128, 1024, 512, 4096, 256, 3072, 640, 1536, 3072],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -283,8 +284,10 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
         for tg in case.targets:
             ratio = t_k / base[tg.baseline]["t"]
             targets.append(dict(issue=tg.issue, baseline=tg.baseline, text=tg.text,
-                                max_ratio=tg.max_ratio, predicted_ratio=ratio,
-                                met=ratio <= tg.max_ratio,
+                                max_ratio=None if math.isinf(tg.max_ratio) else tg.max_ratio,
+                                min_ratio=tg.min_ratio,
+                                predicted_ratio=ratio, met=_within(ratio, tg.max_ratio,
+                                                                   tg.min_ratio),
                                 ratio_if_wgmma_at_mma_sync=t_ms / base[tg.baseline]["t"]))
         report["cases"].append(dict(
             op=case.op, label=case.label, shape=case.shape,
@@ -344,6 +347,20 @@ def _glue_by_op(rows: List[dict]) -> Dict[str, dict]:
     return out
 
 
+def _within(ratio: float, max_ratio=None, min_ratio=None) -> bool:
+    """Met: at most ``max_ratio`` and at least ``min_ratio`` (None / inf: no such limit)."""
+    return ((max_ratio is None or ratio <= max_ratio)
+            and (min_ratio is None or ratio >= min_ratio))
+
+
+def _limit(t: dict) -> str:
+    """A target's limit: "1.25" (kfused / baseline at most) or ">=0.91" (at least: a
+    baseline that must keep up with kfused's Triton path)."""
+    if t.get("min_ratio") is not None and t.get("max_ratio") is None:
+        return f">={t['min_ratio']:.2f}"
+    return f"{t['max_ratio']:.2f}"
+
+
 def _fmt_t(t: float) -> str:
     return f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
 
@@ -363,7 +380,7 @@ def table(report: dict) -> str:
                 out.append(head + " | (no target at this shape)")
             else:
                 out.append(head + f" | #{t['issue']} {t['text'][:40]:<40} vs {t['baseline']:<10}"
-                           f" {t['predicted_ratio']:>7.2f}x {t['max_ratio']:>6.2f}  "
+                           f" {t['predicted_ratio']:>7.2f}x {_limit(t):>6}  "
                            f"{'yes' if t['met'] else 'NO'}")
     out.append("")
     out.append("Sensitivity (PREDICTED): the ratio if every Triton wgmma (HGMMA) product ran at "
@@ -378,8 +395,8 @@ def table(report: dict) -> str:
                 continue
             out.append(f"  {c['op'] + ' ' + c['label']:<80.80} #{t['issue']} vs "
                        f"{t['baseline']:<10} {t['predicted_ratio']:>6.2f}x -> {alt:>6.2f}x "
-                       f"(limit {t['max_ratio']:.2f}: "
-                       f"{'yes' if alt <= t['max_ratio'] else 'NO'})")
+                       f"(limit {_limit(t)}: "
+                       f"{'yes' if _within(alt, t['max_ratio'], t.get('min_ratio')) else 'NO'})")
     out.append("")
     out.append("Per kernel (sm_90; predicted time, bound, registers, spill, CTAs/SM, "
                "instruction for 16-bit dots):")
