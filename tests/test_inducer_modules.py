@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
+from kfused.backends import available_backends
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.ops import inducer_attention
 
@@ -188,8 +189,14 @@ def test_bench_cases_build():
     from kfused.cases.inducer import bench_cases as cases
 
     cs = cases("cpu", torch.float32, quick=True)
-    assert cs and {p.name for p in cs[0].providers} == {"kfused-triton", "sdpa", "flex", "eager",
-                                                         "compile"}
+    assert cs and {p.name for p in cs[0].providers} == {"kfused-triton", "kfused-cuda", "sdpa",
+                                                         "flex", "eager", "compile"}
+    # the CUDA C++ provider is skipped with its reason where the extension is not built
+    cu = next(p for p in cs[0].providers if p.name == "kfused-cuda")
+    assert (cu.skip_reason is None) == (available_backends("inducer_attention", "cpu",
+                                                           torch.float32)["cuda"] is None)
+    decode = [c for c in cs if c.shape.get("decode")]
+    assert decode and all("kfused-cuda" in {p.name for p in c.providers} for c in decode)
     fn, leaves = next(p for p in cs[0].providers if p.name == "sdpa").make()
     assert fn().shape[-1] == 64 and len(leaves) == 3
     assert cs[0].shape["n"] <= 128                 # CPU cases stay interpreter-sized
