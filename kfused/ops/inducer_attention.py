@@ -30,8 +30,7 @@ from torch import Tensor
 from kfused import _validate, cuda
 from kfused._memo import LastResult
 from kfused.backends import select_backend
-from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
-                                      inducer_value_hidden)
+from kfused.reference.inducer import inducer_attention_ref
 
 OP_NAME = "inducer_attention"
 COMPOSITIONS = ("add", "gate")
@@ -424,16 +423,34 @@ def _gate_compose(f: Tensor, u: Tensor, lam: Tensor, W2: Tensor, b2: Tensor) -> 
     return (one_minus_lam * f.to(up) + pv).to(f.dtype)
 
 
+def _inducer_mlp_f32(qf: Tensor, Ak, ak, Bk, ck, W1, b1, scale: float):
+    """The key logit s0 = τ⟨q, q + tanh(q Ak + ak) Bk + ck⟩ (B, H, n) and the value hidden
+    tanh(q W1 + b1) (B, H, n, r) from float32 q in three passes over it (the docs/math.md §3
+    formulas regrouped: ⟨q, h Bk⟩ = Σ_l h_l ⟨q, Bk_l⟩): the cast, one matmul against
+    [Ak | W1 | Bkᵀ | ck], one ‖q‖², and the small (n × (2L + r + 1)) rest (the reference's
+    formulas made ~15 float32 passes over q)."""
+    up = torch.float32
+    L, r = Ak.shape[-1], W1.shape[-1]
+    cols = torch.cat([Ak.to(up), W1.to(up), Bk.to(up).transpose(-1, -2),
+                      ck.to(up).unsqueeze(-1)], dim=-1)                 # (H, p, 2L + r + 1)
+    proj = torch.matmul(qf, cols)
+    hk = torch.tanh(proj[..., :L] + ak.to(up)[:, None, :])
+    hidden = torch.tanh(proj[..., L:L + r] + b1.to(up)[:, None, :])
+    qq = torch.linalg.vector_norm(qf, dim=-1).square()                # one read of q
+    s0 = scale * (qq + (hk * proj[..., L + r:2 * L + r]).sum(-1) + proj[..., -1])
+    return s0, hidden
+
+
 def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal, seq_lens,
                     prefix_k, prefix_v, scale, has_inducer, kernel=None):
     """The CUDA C++ path: the inducer MLP in float32 torch around the extension's flash
-    kernel (``kernel``: kfused::inducer_attention_cuda_fwd; the performance model passes a
-    stand-in to cost the torch work around it)."""
+    kernel (``kernel``: kfused::inducer_attention_cuda_fwd; tests and the performance model
+    pass a stand-in to check and cost the torch work around it)."""
     kernel = kernel or torch.ops.kfused.inducer_attention_cuda_fwd
     up = torch.float32
-    qf = q.to(up)
+    hidden = None
     if has_inducer:
-        s0 = inducer_key_logit(qf, Ak.to(up), ak.to(up), Bk.to(up), ck.to(up), scale)
+        s0, hidden = _inducer_mlp_f32(q.to(up), Ak, ak, Bk, ck, W1, b1, scale)
     else:
         s0 = q.new_zeros(q.shape[:3], dtype=up)
     pk = prefix_k.contiguous() if prefix_k is not None else None
@@ -441,7 +458,6 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
     f, _, lam = kernel(q, k, v, s0, pk, pv, seq_lens, bool(causal))
     if not has_inducer:
         return f, None
-    hidden = inducer_value_hidden(qf, W1.to(up), b1.to(up))
     lam = lam.unsqueeze(-1)
     if composition == "add":
         return f, (lam * hidden).to(q.dtype)
