@@ -462,11 +462,14 @@ def pack_dims(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
 class _Packing:
     """Dimensions of one section's packing (see the comment above)."""
 
-    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB")
+    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB", "SPAN")
 
     def __init__(self, H: int, P: int, R: int, RS: int, BN: int):
         self.H, self.P, self.R, self.RS, self.BN = H, P, R, RS, BN
         self.L, self.RB = pack_dims(H, P, R, RS, BN)
+        # the most tiles one head's columns meet (2 where heads straddle tile edges)
+        self.SPAN = max((((h + 1) * P - 1) // BN - (h * P) // BN + 1 for h in range(H)),
+                        default=1)
 
 
 @triton.jit
@@ -779,7 +782,7 @@ def compact_pays(packs, T: int, K: int, el: int) -> bool:
 
 def needs_sum(pk: "_Packing") -> bool:
     """Whether some compact column of the section sums several tile occurrences."""
-    return (pk.RS > 0 and pk.L > 1) or (pk.R > 0 and pk.BN % pk.P != 0 and pk.L > 1)
+    return (pk.RS > 0 and pk.L > 1) or (pk.R > 0 and pk.SPAN > 1)
 
 
 @triton.jit
@@ -822,12 +825,11 @@ def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
     T, MC = dzc.shape
     if T == 0 or MC == 0:
         return
-    span = max(((h + 1) * pk.P - 1) // pk.BN - (h * pk.P) // pk.BN + 1 for h in range(pk.H))
     BT = 64 if targets_gpu(dzc.device) else 16
     CB = _blk(MC, 16, 64)
     _compact_dz_kernel[(triton.cdiv(T, BT), triton.cdiv(MC, CB))](
         dzt, dzt.stride(0), dzc, dzc.stride(0), T, pk.P, pk.R, pk.RS, pk.L, MC,
-        BN=pk.BN, RB=pk.RB, SPAN=span, BT=BT, CB=CB, num_warps=4)
+        BN=pk.BN, RB=pk.RB, SPAN=pk.SPAN, BT=BT, CB=CB, num_warps=4)
 
 
 @functools.lru_cache(maxsize=256)
