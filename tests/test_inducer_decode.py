@@ -31,6 +31,7 @@ CASES = [
     (2, 2, 1, 3, 150, 32, 0, True, "gate", True, "mask"),    # 3 new tokens, padded cache
     (2, 8, 1, 1, 70, 128, 0, False, "add", False, None),     # MQA, plain attention
     (2, 2, 2, 16, 200, 80, 1, True, "add", True, "lens0"),   # the most queries it takes
+    (2, 3, 3, 1, 100, 64, 0, True, "add", True, "lens0"),    # one chunk, H == H_kv: 1 pass
 ]
 
 
@@ -108,6 +109,29 @@ def test_decode_is_one_launch_and_leaves_its_counters_at_zero(launches):
     second = inducer_attention(**X, **P, causal=True, backend="triton")
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("H_kv,n_k,split", [(3, 100, False), (3, 200, True), (1, 100, True)])
+def test_decode_splits_only_when_there_is_something_to_split(launches, H_kv, n_k, split):
+    """With one key chunk and a kv head per query head there is nothing to split or pack:
+    the decode path runs the single pass on 16-row tiles (grid (1, B·H), no workspace, no
+    merge); several chunks, or query heads to pack (grouped-query attention), take the
+    split-KV launch (grid (chunks, B·H_kv)). Same outputs as the single pass either way."""
+    from kfused.triton_kernels import inducer_attention as ia
+
+    torch.manual_seed(3)
+    B, H, n_q, p = 2, 3, 1, 32
+    X = {k_: t.half().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
+    P = {k_: t.half().to(DEVICE) for k_, t in _params(H, p, l=0).items()}
+    mlp = tuple(P[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
+    plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device)
+    assert (plan.splits > 1) == (n_k > plan.chunk)
+    grids = launches(ia, "_inducer_attn_fwd_kernel")
+    a = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, causal=True, decode=True)
+    assert grids == ([(plan.splits, B * H_kv)] if split else [(1, B * H)])
+    b = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, causal=True, decode=False)
+    for name, x, y in zip(("out", "u", "lse", "lam", "stats"), a, b):
+        torch.testing.assert_close(x, y, rtol=2e-3, atol=2e-3, msg=name)
 
 
 def test_decode_refuses_what_it_cannot_take():

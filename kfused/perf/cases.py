@@ -427,9 +427,9 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     if split:
         row = (DP + 2) * 4
         merges = 1 if splits > 1 else 0                              # one chunk: no merge
-        written = (splits + merges) * BHkv * SM * row                # the chunks' partials,
-        # then the merged slot 0; the last chunk reads the real rows (GROUP·n_q per kv head)
-        # of every slot once, then each query head its rows of slot 0
+        written = (splits + merges) * BHkv * a["GROUP"] * n_q * row  # the chunks' partials,
+        # then the merged slot 0, real rows only (GROUP·n_q per kv head, not SPLIT_M); the
+        # last chunk reads each slot's real rows once, then each query head its rows of slot 0
         read = (merges * BHkv * splits * a["GROUP"] * n_q * row + heads * n_q * row)
         w["hbm_bytes"] += q.numel() * el + kv + written + read
         m_alu = (merges * BHkv * splits * SM + heads * BM) * (3 * DP + 8)
