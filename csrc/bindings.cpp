@@ -40,8 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("A"), py::arg("B"), py::arg("has_bias"));
 
   m.def("inducer_attention_fwd", &kfused::inducer_attention_fwd,
-        "(f, lse, lam) of inducer attention (forward only)", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("s0"), py::arg("prefix_k") = py::none(),
-        py::arg("prefix_v") = py::none(), py::arg("key_lengths") = py::none(),
-        py::arg("causal") = false);
+        "(f, lse, lam, u) of inducer attention (forward only): s0 given, or computed in the "
+        "kernel from the inducer MLP (Ak, ak, Bk, ck, W1, b1; float16 / bfloat16)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("s0") = py::none(),
+        py::arg("prefix_k") = py::none(), py::arg("prefix_v") = py::none(),
+        py::arg("key_lengths") = py::none(), py::arg("causal") = false,
+        py::arg("Ak") = py::none(), py::arg("ak") = py::none(), py::arg("Bk") = py::none(),
+        py::arg("ck") = py::none(), py::arg("W1") = py::none(), py::arg("b1") = py::none(),
+        py::arg("u_float") = false);
 }

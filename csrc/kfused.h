@@ -28,10 +28,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
     const at::Tensor& g, const at::Tensor& basis, const at::Tensor& A, const at::Tensor& B,
     bool has_bias);
 
-// docs/math.md §3 forward (inference): -> (f (B, H, n_q, p), lse (B, H, n_q) fp32, lam (B, H, n_q) fp32).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
-    const std::optional<at::Tensor>& prefix_k, const std::optional<at::Tensor>& prefix_v,
-    const std::optional<at::Tensor>& key_lengths, bool causal);
+// docs/math.md §3 forward (inference): -> (f (B, H, n_q, p), lse (B, H, n_q) fp32,
+// lam (B, H, n_q) fp32, u (B, H, n_q, r): lam tanh(q W1 + b1), float32 when u_float, else q's
+// dtype; (0,) without the MLP). Either s0 (B, H, n_q) or the MLP weights Ak (H, p, L),
+// ak (H, L), Bk (H, L, p), ck (H, p), W1 (H, p, r), b1 (H, r) (16-bit q, q's dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& s0, const std::optional<at::Tensor>& prefix_k,
+    const std::optional<at::Tensor>& prefix_v, const std::optional<at::Tensor>& key_lengths,
+    bool causal, const std::optional<at::Tensor>& Ak, const std::optional<at::Tensor>& ak,
+    const std::optional<at::Tensor>& Bk, const std::optional<at::Tensor>& ck,
+    const std::optional<at::Tensor>& W1, const std::optional<at::Tensor>& b1, bool u_float);
 
 }  // namespace kfused

@@ -420,7 +420,7 @@ def test_inducer_attention_fwd(case, dtype):
         ft, lset, lamt = inducer_ref(cast(q), cast(k), cast(v), cast(s0), cast(pk), cast(pv),
                                      lens_t, causal)
     _poison_allocator()
-    f, lse, lam = _C.inducer_attention_fwd(
+    f, lse, lam, _ = _C.inducer_attention_fwd(
         cast(q), kd, vd, cast(s0), cast(pk), cast(pv),
         lens_t.to(DEV) if lens_t is not None else None, causal)
     torch.cuda.synchronize()
@@ -446,7 +446,7 @@ def test_inducer_attention_unaligned(n_q, dtype):
     with no_tf32():
         ft, lset, lamt = inducer_ref(cast(q), cast(k), cast(v), cast(s0), cast(pk), cast(pv),
                                      None, True)
-    f, lse, lam = _C.inducer_attention_fwd(_unaligned(cast(q)), _unaligned(cast(k)),
+    f, lse, lam, _ = _C.inducer_attention_fwd(_unaligned(cast(q)), _unaligned(cast(k)),
                                            _unaligned(cast(v)), cast(s0), cast(pk), cast(pv),
                                            None, True)
     torch.cuda.synchronize()
@@ -462,13 +462,85 @@ def test_inducer_attention_fully_masked_rows(p):
     v = torch.randn(2, 2, 50, p, device=DEV, dtype=dtype)
     s0 = torch.randn(2, 2, 16, device=DEV)
     lens = torch.tensor([50, 0], device=DEV)
-    f, lse, lam = _C.inducer_attention_fwd(q, k, v, s0, None, None, lens, False)
+    f, lse, lam, _ = _C.inducer_attention_fwd(q, k, v, s0, None, None, lens, False)
     assert torch.all(f[1] == 0) and torch.all(lse[1] == -1e30) and torch.all(lam[1] == 1)
     assert torch.isfinite(f).all() and torch.isfinite(lse).all() and torch.isfinite(lam).all()
     # causal with more queries than keys: the first rows see nothing
-    f, lse, lam = _C.inducer_attention_fwd(q, k[:, :, :3], v[:, :, :3], s0, None, None, None, True)
+    f, lse, lam, _ = _C.inducer_attention_fwd(q, k[:, :, :3], v[:, :, :3], s0, None, None, None, True)
     assert torch.all(f[:, :, :13] == 0) and torch.all(lam[:, :, :13] == 1)
     assert torch.isfinite(f).all()
+
+
+def _mlp_weights(H, p, L, r, gen_scale=0.5):
+    """float64 inducer MLP weights (Ak, ak, Bk, ck, W1, b1)."""
+    return [torch.randn(*s, dtype=torch.float64) * gen_scale
+            for s in ((H, p, L), (H, L), (H, L, p), (H, p), (H, p, r), (H, r))]
+
+
+def mlp_ref(q, Ak, ak, Bk, ck, W1, b1):
+    """s0 = tau <q, q + tanh(q Ak + ak) Bk + ck> and tanh(q W1 + b1) (docs/math.md §3)."""
+    tau = q.shape[-1] ** -0.5
+    pk = q + torch.matmul(torch.tanh(torch.matmul(q, Ak) + ak[:, None, :]), Bk) + ck[:, None, :]
+    return tau * (q * pk).sum(-1), torch.tanh(torch.matmul(q, W1) + b1[:, None, :])
+
+
+@pytest.mark.parametrize("u_float", [False, True], ids=["u16", "u32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case", INDUCER_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_inducer_attention_fwd_mlp_in_kernel(case, dtype, u_float):
+    """The 16-bit kernel computing the inducer MLP itself: s0 from its q tile (prologue), λ and
+    u = λ tanh(q W1 + b1) in its epilogue (or, split over keys, in the merge kernel)."""
+    Bn, H, n_q, n_k, p, l, causal, lens = case
+    L, r = 4, 9 if p % 2 else 8
+    q = torch.randn(Bn, H, n_q, p, dtype=torch.float64)
+    k = torch.randn(Bn, H, n_k, p, dtype=torch.float64)
+    v = torch.randn(Bn, H, n_k, p, dtype=torch.float64)
+    W = _mlp_weights(H, p, L, r, gen_scale=p ** -0.5)
+    pk = torch.randn(H, l, p, dtype=torch.float64) if l else None
+    pv = torch.randn(H, l, p, dtype=torch.float64) if l else None
+    lens_t = torch.tensor(lens) if lens is not None else None
+    cast = lambda t: None if t is None else t.to(DEV, dtype)  # noqa: E731
+
+    def formula(q, k, v, pk, pv, W):
+        s0, hid = mlp_ref(q, *W)
+        f, lse, lam = inducer_ref(q, k, v, s0, pk, pv, lens_t, causal)
+        return f, lse, lam, lam[..., None] * hid
+
+    want = formula(q, k, v, pk, pv, W)
+    with no_tf32():
+        same = formula(cast(q), cast(k), cast(v), cast(pk), cast(pv), [cast(w) for w in W])
+    _poison_allocator()
+    got = _C.inducer_attention_fwd(cast(q), cast(k), cast(v), None, cast(pk), cast(pv),
+                                   lens_t.to(DEV) if lens_t is not None else None, causal,
+                                   *[cast(w) for w in W], u_float)
+    torch.cuda.synchronize()
+    f, lse, lam, u = got
+    assert u.shape == (Bn, H, n_q, r) and u.dtype == (torch.float32 if u_float else dtype)
+    assert all(not torch.isnan(t).any() for t in got)
+    _check([compare(n, x, w, t, dtype) for n, x, w, t in zip(("f", "lse", "lam", "u"), got,
+                                                             want, same)])
+
+
+def test_inducer_attention_mlp_errors():
+    q = torch.randn(1, 2, 3, 32, device=DEV, dtype=torch.float16)
+    k = torch.randn(1, 2, 5, 32, device=DEV, dtype=torch.float16)
+    s0 = torch.randn(1, 2, 3, device=DEV)
+    W = [w.to(DEV, torch.float16) for w in _mlp_weights(2, 32, 4, 8)]
+    with pytest.raises(RuntimeError, match="either s0 or the inducer MLP"):
+        _C.inducer_attention_fwd(q, k, k, s0, None, None, None, False, *W, False)
+    with pytest.raises(RuntimeError, match="either s0 or the inducer MLP"):
+        _C.inducer_attention_fwd(q, k, k, None, None, None, None, False)
+    with pytest.raises(RuntimeError, match="all of Ak, ak, Bk, ck, W1, b1"):
+        _C.inducer_attention_fwd(q, k, k, None, None, None, None, False, *W[:5], None, False)
+    with pytest.raises(RuntimeError, match="float32 q"):
+        _C.inducer_attention_fwd(q.float(), k.float(), k.float(), None, None, None, None, False,
+                                 *[w.float() for w in W], False)
+    with pytest.raises(RuntimeError, match="Bk"):
+        _C.inducer_attention_fwd(q, k, k, None, None, None, None, False, *W[:2],
+                                 W[2].transpose(1, 2).contiguous(), *W[3:], False)
+    big = [w.to(DEV, torch.float16) for w in _mlp_weights(2, 32, 20, 30)]
+    with pytest.raises(RuntimeError, match="2 L \\+ r \\+ 1 <= 64"):
+        _C.inducer_attention_fwd(q, k, k, None, None, None, None, False, *big, False)
 
 
 def test_inducer_attention_errors():

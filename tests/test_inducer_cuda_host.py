@@ -1,38 +1,59 @@
-"""The torch side of the CUDA C++ inducer path (``_cuda_inference``: the inducer MLP in float32
-around the extension's flash kernel) on the CPU, with a stand-in for the kernel built from the
-float64 reference: it checks every formula the host computes (the key logit s0, λ from the
-kernel's log-sum-exp, u, the "gate" composition) without a GPU. The kernel itself is tested
-on a GPU (tests/test_inducer.py, CUDA backend)."""
+"""The torch side of the CUDA C++ inducer path (``_cuda_inference``) on the CPU, with a stand-in
+for the kernel built from the float64 reference. float16 / bfloat16: the kernel takes the
+inducer MLP's weights and returns u = λ tanh(q W1 + b1) itself; the host adds "gate"'s
+(1 − λ) f + u W2 + λ b2. float32: the host computes s0 and tanh(q W1 + b1) in three passes over
+q and the kernel only λ. Checked: the call contract (s0 or the weights, u in float32 for
+"gate"), every formula the host computes, without a GPU. The kernel itself is tested on a
+GPU (tests/test_cuda_ext.py, tests/test_inducer.py)."""
 
 import pytest
 import torch
 
 from kfused.ops.inducer_attention import _cuda_inference
-from kfused.reference.inducer import inducer_attention_ref
+from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
+                                      inducer_value_hidden)
 
 F64 = torch.float64
 
 
-def _standin(q, k, v, s0, pk, pv, lens, causal):
-    """What inducer_attention_fwd returns: f (ordinary prefix-attention), its LSE and
-    λ = σ(s0 − LSE), from the float64 reference (float32 stats like the kernel's)."""
-    f, _, lse, _ = inducer_attention_ref(q.double(), k.double(), v.double(), causal=causal,
-                                         seq_lens=lens, prefix_k=None if pk is None else
-                                         pk.double(), prefix_v=None if pv is None else
-                                         pv.double(), return_stats=True)
+def _d(t):
+    return None if t is None else t.double()
+
+
+def _standin(q, k, v, s0, pk, pv, lens, causal, Ak=None, ak=None, Bk=None, ck=None, W1=None,
+             b1=None, u_float=False):
+    """What inducer_attention_fwd returns — f (ordinary prefix-attention), its LSE, λ =
+    σ(s0 − LSE) and, given the MLP weights instead of s0 (16-bit only), s0 and u = λ tanh(q W1
+    + b1) computed as the kernel does — from the float64 reference (float32 stats)."""
+    mlp = W1 is not None
+    assert (s0 is None) == mlp, "the kernel takes s0 or the MLP weights, not both / neither"
+    assert not mlp or q.dtype != torch.float32, "the in-kernel MLP is the 16-bit path"
+    f, _, lse, _ = inducer_attention_ref(_d(q), _d(k), _d(v), causal=causal, seq_lens=lens,
+                                         prefix_k=_d(pk), prefix_v=_d(pv), return_stats=True)
+    if mlp:
+        s0 = inducer_key_logit(_d(q), _d(Ak), _d(ak), _d(Bk), _d(ck), q.shape[-1] ** -0.5)
     lam = torch.sigmoid(s0.double() - lse)
-    return f.to(q.dtype), lse.float(), lam.float()
+    u = q.new_empty(0)
+    if mlp:
+        u = (lam[..., None] * inducer_value_hidden(_d(q), _d(W1), _d(b1))).to(
+            torch.float32 if u_float else q.dtype)
+    return f.to(q.dtype), lse.float(), lam.float(), u
 
 
+# float32: float32-accurate host MLP; float16: the output's own rounding (and f's) only
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("composition", ["add", "gate"])
 @pytest.mark.parametrize("causal,prefix,lens", [(False, 0, False), (True, 2, False),
                                                 (True, 0, True), (False, 3, True)])
-def test_cuda_host_glue_matches_the_reference(composition, causal, prefix, lens):
+def test_cuda_host_glue_matches_the_reference(composition, causal, prefix, lens, dtype):
     g = torch.Generator().manual_seed(7)
     B, H, n_q, n_k, p, L, r = 2, 3, 5, 7, 16, 4, 6
 
     def t(*s, sc=1.0):
-        return torch.randn(*s, generator=g, dtype=F64) * sc
+        return (torch.randn(*s, generator=g, dtype=F64) * sc).to(dtype)
 
     q, k, v = t(B, H, n_q, p), t(B, H, n_k, p), t(B, H, n_k, p)
     prm = dict(Ak=t(H, p, L, sc=0.3), ak=t(H, L), Bk=t(H, L, p, sc=0.3), ck=t(H, p, sc=0.3),
@@ -40,18 +61,28 @@ def test_cuda_host_glue_matches_the_reference(composition, causal, prefix, lens)
     pk = t(H, prefix, p) if prefix else None
     pv = t(H, prefix, p) if prefix else None
     seq_lens = torch.tensor([n_k, 0]) if lens else None       # batch 1: every key masked
-    f32 = lambda x: None if x is None else x.float()          # noqa: E731
-    got, gu = _cuda_inference(f32(q), f32(k), f32(v), *[f32(prm[n]) for n in
-                                                         ("Ak", "ak", "Bk", "ck", "W1", "b1",
+    calls = []
+
+    def kernel(*a):
+        calls.append(a)
+        return _standin(*a)
+
+    got, gu = _cuda_inference(q, k, v, *[prm[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1",
                                                           "W2", "b2")],
-                              composition, causal, seq_lens, f32(pk), f32(pv), p ** -0.5, True,
-                              kernel=_standin)
-    want, wu = inducer_attention_ref(q, k, v, **prm, composition=composition, causal=causal,
-                                     seq_lens=seq_lens, prefix_k=pk, prefix_v=pv)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+                              composition, causal, seq_lens, pk, pv, p ** -0.5, True,
+                              kernel=kernel)
+    # 16-bit: no s0 from the host, the weights to the kernel, u in float32 for "gate"
+    assert len(calls) == 1 and (calls[0][3] is None) == (dtype != torch.float32)
+    assert calls[0][-1] == (dtype != torch.float32 and composition == "gate")
+    want, wu = inducer_attention_ref(*map(_d, (q, k, v)), **{n: _d(x) for n, x in prm.items()},
+                                     composition=composition, causal=causal,
+                                     seq_lens=seq_lens, prefix_k=_d(pk), prefix_v=_d(pv))
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     if composition == "add":
-        torch.testing.assert_close(gu.double(), wu, rtol=2e-5, atol=2e-5)
+        assert gu.dtype == dtype
+        torch.testing.assert_close(gu.double(), wu, rtol=tol, atol=tol)
     else:
         assert gu is None and wu is None
 

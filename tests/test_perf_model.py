@@ -145,6 +145,9 @@ def test_cuda_inducer_model_follows_the_csrc_host():
     # min(cdiv(2·132, 8) = 33, 256 stages, 64) splits of cdiv(256, 33) = 8 stages -> 32
     assert (nsplit, per) == (32, 8)
     assert C._cuda_inducer_grid(8, 32, 1, 4096)[4] == 1     # 256 blocks fill the GPU
+    # the host's limit on the in-kernel MLP (kfused.ops refuses wider MLPs for "cuda")
+    from kfused.ops.inducer_attention import CUDA_MLP_MAX_COLS
+    assert int(re.search(r"kMlpMaxCols = (\d+)", src).group(1)) == CUDA_MLP_MAX_COLS
 
 
 def test_min_ratio_targets():

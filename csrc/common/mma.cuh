@@ -91,6 +91,20 @@ __device__ __forceinline__ uint32_t pack2<c10::BFloat16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// One register holding a pair of T (low half first) -> the two values as float (exact).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+
+template <>
+__device__ __forceinline__ float2 unpack2<c10::Half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+template <>
+__device__ __forceinline__ float2 unpack2<c10::BFloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
 // ---- ldmatrix ----------------------------------------------------------------------------
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {

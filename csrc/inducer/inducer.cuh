@@ -25,7 +25,7 @@ struct InducerParams {
   const void* q;
   const void* k;
   const void* v;
-  const float* s0;  // (B, H, n_q) contiguous float32
+  const float* s0;  // (B, H, n_q) contiguous float32, or nullptr with the in-kernel MLP
   const void* pk;   // (H, l, p) contiguous or nullptr
   const void* pv;
   const int* lens;  // (B,) int32 or nullptr
@@ -45,10 +45,56 @@ struct InducerParams {
   float* part_o;        // (B, H, n_q, nsplit, p) unnormalised P V        (nsplit > 1)
   float* part_ml;       // (B, H, n_q, nsplit, 2) running max (log2), sum (nsplit > 1)
   bool vec;             // tensor-core path: 16-byte cp.async rows (see inducer_attention_fwd)
+  // The inducer MLP inside the tensor-core kernel (docs/math.md §3; L == 0: none, s0 given):
+  // s0 = tau <q, q + tanh(q Ak + ak) Bk + ck>, u = lam tanh(q W1 + b1). Weights in q's dtype,
+  // contiguous: Ak (H, p, L), ak (H, L), Bk (H, L, p), ck (H, p), W1 (H, p, r), b1 (H, r).
+  const void* ak_w;
+  const void* ak_b;
+  const void* bk_w;
+  const void* ck;
+  const void* w1;
+  const void* b1;
+  int L, r;
+  int ncp;       // columns of [Ak | W1 | Bk^T | ck] (2L + r + 1) padded to 16 (<= kMlpMaxCols)
+  float scale;   // tau
+  void* u;       // (B, H, n_q, r): float32 when u_f32, else q's dtype
+  bool u_f32;
+  float* ws_s0;  // nsplit > 1: the split-0 block's s0 (rows) and tanh(q W1 + b1) (rows, r)
+  float* ws_hid; //   for the merge kernel
 };
 
-// f = o / l, lse = ln(sum exp S), lam = sigmoid(s0 - lse); the row's lanes hold o[c] for
-// features lane + 32 c. m is the running max in the log2 domain.
+// The combined MLP weight [Ak | W1 | Bk^T | ck] is staged in the second K buffer of the
+// tensor-core kernel, which has 64 rows in both schedules.
+constexpr int kMlpMaxCols = 64;
+
+// Shared memory the in-kernel MLP adds after the kernel's tiles: per row of the block its
+// ncp products (row pitch ncp + 1) and its s0.
+inline size_t mlp_smem_bytes(int rows, int ncp) {
+  return sizeof(float) * static_cast<size_t>(rows) * (ncp + 2);
+}
+
+// lse = ln(sum exp S) from the log2-domain max m and sum l (kFullyMaskedLse for an empty row)
+// and lam = sigmoid(s0 - lse), evaluated without overflow.
+__device__ __forceinline__ float row_lse(float m, float l) {
+  return l > 0.f ? (m + log2f(l)) * kLn2 : kFullyMaskedLse;
+}
+
+__device__ __forceinline__ float sigmoid_of(float x) {
+  return x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+}
+
+// u[row, j] = lam * hidden (float32 or T, as the caller asked).
+template <typename T>
+__device__ __forceinline__ void store_u(const InducerParams& P, int64_t ridx, int j, float v) {
+  if (P.u_f32)
+    static_cast<float*>(P.u)[ridx * P.r + j] = v;
+  else
+    static_cast<T*>(P.u)[ridx * P.r + j] = static_cast<T>(v);
+}
+
+// f = o / l, lse = ln(sum exp S), lam = sigmoid(s0 - lse) (and, with the in-kernel MLP,
+// u = lam * hidden from the split workspace); the warp's lanes hold o[c] for features
+// lane + 32 c. m is the running max in the log2 domain.
 
 template <typename T, int CH>
 __device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t ridx, float m,
@@ -62,13 +108,14 @@ __device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t rid
     const int d = lane + 32 * c;
     if (d < P.p) f[ridx * P.p + d] = static_cast<T>(o[c] * inv);
   }
+  const float lse = row_lse(m, lsum);
+  const float lam = sigmoid_of((P.L > 0 ? P.ws_s0[ridx] : P.s0[ridx]) - lse);
   if (lane == 0) {
-    const float lse = any ? (m + log2f(lsum)) * kLn2 : kFullyMaskedLse;
-    const float x = P.s0[ridx] - lse;  // lam = sigmoid(x), evaluated without overflow
-    const float lam = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
     P.lse[ridx] = lse;
     P.lam[ridx] = lam;
   }
+  if (P.L > 0)
+    for (int j = lane; j < P.r; j += 32) store_u<T>(P, ridx, j, lam * P.ws_hid[ridx * P.r + j]);
 }
 
 // Shared-memory row pitch for K/V tiles: 32 lanes reading 32 different rows at the same

@@ -2,8 +2,10 @@
 //   f_i   = sum_j softmax_j(S_i.) v_j         over the real keys (prefix + sequence)
 //   lse_i = log sum_j exp(S_ij)               S_ij = <q_i, k_j> / sqrt(p), masked keys excluded
 //   lam_i = sigmoid(s0_i - lse_i)             the inducer column's share of the extended softmax
-// The caller computes s0 (the virtual key's logit) from the inducer MLP and composes the
-// output ("add": u = lam * tanh(q W1 + b1); "gate": (1 - lam) f + lam p_v) outside.
+// s0 (the virtual key's logit) is either given, or — float16 / bfloat16 with the inducer MLP
+// weights — computed inside the tensor-core kernel from the q tile it already holds
+// (inducer_mma.cuh), which then also writes u = lam * tanh(q W1 + b1) ("add"; for "gate" the
+// caller composes (1 - lam) f + u W2 + lam b2 from a float32 u).
 //
 // Keys are the l prefix keys (P_k, P_v: (H, l, p), shared over the batch, never masked)
 // followed by the n_k sequence keys of the KV cache. Sequence key j is visible to query row i
@@ -34,6 +36,7 @@
 #include "kfused.h"
 
 #include <cmath>
+#include <vector>
 
 namespace kfused {
 namespace inducer {
@@ -265,10 +268,13 @@ void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t
 
 using namespace inducer;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& s0,
-    const std::optional<at::Tensor>& prefix_k, const std::optional<at::Tensor>& prefix_v,
-    const std::optional<at::Tensor>& key_lengths, bool causal) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& s0_opt, const std::optional<at::Tensor>& prefix_k,
+    const std::optional<at::Tensor>& prefix_v, const std::optional<at::Tensor>& key_lengths,
+    bool causal, const std::optional<at::Tensor>& Ak, const std::optional<at::Tensor>& ak,
+    const std::optional<at::Tensor>& Bk, const std::optional<at::Tensor>& ck,
+    const std::optional<at::Tensor>& W1, const std::optional<at::Tensor>& b1, bool u_float) {
   check_float_cuda(q, "q");
   check_float_cuda(k, "k");
   check_float_cuda(v, "v");
@@ -294,12 +300,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
               "at most 65535 (q ", q.sizes(), ")");
   TORCH_CHECK(n_q < (int64_t(1) << 31) && n_k < (int64_t(1) << 31),
               "kfused: inducer_attention_fwd: sequence lengths must fit in int32");
-  TORCH_CHECK(s0.is_cuda() && s0.is_floating_point() && s0.dim() == 3 && s0.size(0) == Bn &&
-                  s0.size(1) == H && s0.size(2) == n_q,
-              "kfused: inducer_attention_fwd: s0 (", describe(s0),
-              ") must be a floating CUDA tensor of shape (", Bn, ", ", H, ", ", n_q, ")");
-  TORCH_CHECK(s0.device() == q.device(), "kfused: inducer_attention_fwd: s0 (", describe(s0),
-              ") must be on the device of q (", q.device(), ")");
+  // The virtual key's logit: given (s0), or computed in the kernel from the inducer MLP.
+  const std::optional<at::Tensor>* mlp_args[6] = {&Ak, &ak, &Bk, &ck, &W1, &b1};
+  const char* mlp_names[6] = {"Ak", "ak", "Bk", "ck", "W1", "b1"};
+  int n_mlp = 0;
+  for (auto* t : mlp_args) n_mlp += (t->has_value() && (*t)->defined()) ? 1 : 0;
+  TORCH_CHECK(n_mlp == 0 || n_mlp == 6, "kfused: inducer_attention_fwd: the inducer MLP needs "
+              "all of Ak, ak, Bk, ck, W1, b1 (", n_mlp, " of 6 given)");
+  const bool has_mlp = n_mlp == 6;
+  const bool has_s0 = s0_opt.has_value() && s0_opt->defined();
+  TORCH_CHECK(has_s0 != has_mlp, "kfused: inducer_attention_fwd: give either s0 or the inducer "
+              "MLP weights (Ak, ak, Bk, ck, W1, b1), not ", has_s0 ? "both" : "neither");
+  int64_t L = 0, r = 0;
+  if (has_s0) {
+    const at::Tensor& s0 = *s0_opt;
+    TORCH_CHECK(s0.is_cuda() && s0.is_floating_point() && s0.dim() == 3 && s0.size(0) == Bn &&
+                    s0.size(1) == H && s0.size(2) == n_q,
+                "kfused: inducer_attention_fwd: s0 (", describe(s0),
+                ") must be a floating CUDA tensor of shape (", Bn, ", ", H, ", ", n_q, ")");
+    TORCH_CHECK(s0.device() == q.device(), "kfused: inducer_attention_fwd: s0 (", describe(s0),
+                ") must be on the device of q (", q.device(), ")");
+  } else {
+    TORCH_CHECK(q.scalar_type() != at::kFloat, "kfused: inducer_attention_fwd: the in-kernel "
+                "inducer MLP is the tensor-core (float16 / bfloat16) path; float32 q (",
+                describe(q), ") takes s0");
+    for (int i = 0; i < 6; ++i) {
+      const at::Tensor& t = **mlp_args[i];
+      check_float_cuda(t, mlp_names[i]);
+      check_like(t, mlp_names[i], q, "q");
+      check_contiguous(t, mlp_names[i]);
+    }
+    L = Ak->size(-1);
+    r = W1->size(-1);
+    auto want = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape,
+                    const char* what) {
+      TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "kfused: inducer_attention_fwd: ", name,
+                  " (", describe(t), ") must be ", what, " = ", at::IntArrayRef(shape));
+    };
+    TORCH_CHECK(Ak->dim() == 3 && W1->dim() == 3, "kfused: inducer_attention_fwd: Ak (",
+                describe(*Ak), ") and W1 (", describe(*W1), ") must be (H, p, L) and (H, p, r)");
+    want(*Ak, "Ak", {H, p, L}, "(H, p, L)");
+    want(*ak, "ak", {H, L}, "(H, L)");
+    want(*Bk, "Bk", {H, L, p}, "(H, L, p)");
+    want(*ck, "ck", {H, p}, "(H, p)");
+    want(*W1, "W1", {H, p, r}, "(H, p, r)");
+    want(*b1, "b1", {H, r}, "(H, r)");
+    TORCH_CHECK(L >= 1 && r >= 1 && 2 * L + r + 1 <= kMlpMaxCols, "kfused: inducer_attention_fwd: "
+                "the in-kernel MLP takes 2 L + r + 1 <= ", kMlpMaxCols, " columns (L = ", L,
+                ", r = ", r, ")");
+  }
   const bool has_pk = prefix_k.has_value() && prefix_k->defined();
   const bool has_pv = prefix_v.has_value() && prefix_v->defined();
   TORCH_CHECK(has_pk == has_pv, "kfused: inducer_attention_fwd: prefix_k and prefix_v must be "
@@ -337,9 +386,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
   const auto fopts = q.options().dtype(at::kFloat);
   at::Tensor lse = at::empty({Bn, H, n_q}, fopts);
   at::Tensor lam = at::empty({Bn, H, n_q}, fopts);
-  if (Bn == 0 || H == 0 || n_q == 0) return {f, lse, lam};
+  at::Tensor u = has_mlp ? at::empty({Bn, H, n_q, r}, u_float ? fopts : q.options())
+                         : at::empty({0}, q.options());
+  if (Bn == 0 || H == 0 || n_q == 0) return {f, lse, lam, u};
   DeviceGuard guard(q);
-  at::Tensor s0f = s0.to(at::kFloat).contiguous();
+  at::Tensor s0f = has_s0 ? s0_opt->to(at::kFloat).contiguous() : at::Tensor();
 
   const int64_t sms = sm_count();
   // float16 / bfloat16: tensor-core kernel (prefill: 64 rows per block; decode, n_q <= 16:
@@ -372,17 +423,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
   }
   const int64_t tiles_per_split = std::max<int64_t>(1, ceil_div(ntiles, nsplit));
   nsplit = std::max<int64_t>(1, ceil_div(ntiles, tiles_per_split));
-  at::Tensor part_o, part_ml;
+  at::Tensor part_o, part_ml, ws_s0, ws_hid;
   if (nsplit > 1) {
     part_o = at::empty({Bn * H * n_q * nsplit * p}, fopts);
     part_ml = at::empty({Bn * H * n_q * nsplit * 2}, fopts);
+    if (has_mlp) {
+      ws_s0 = at::empty({Bn * H * n_q}, fopts);
+      ws_hid = at::empty({Bn * H * n_q * r}, fopts);
+    }
   }
 
   InducerParams P{};
   P.q = q.data_ptr();
   P.k = k.data_ptr();
   P.v = v.data_ptr();
-  P.s0 = s0f.data_ptr<float>();
+  P.s0 = has_s0 ? s0f.data_ptr<float>() : nullptr;
+  if (has_mlp) {
+    P.ak_w = Ak->data_ptr();
+    P.ak_b = ak->data_ptr();
+    P.bk_w = Bk->data_ptr();
+    P.ck = ck->data_ptr();
+    P.w1 = W1->data_ptr();
+    P.b1 = b1->data_ptr();
+    P.L = static_cast<int>(L);
+    P.r = static_cast<int>(r);
+    P.ncp = static_cast<int>(ceil_div(2 * L + r + 1, 16) * 16);
+    P.u = u.data_ptr();
+    P.u_f32 = u_float;
+    P.ws_s0 = nsplit > 1 ? ws_s0.data_ptr<float>() : nullptr;
+    P.ws_hid = nsplit > 1 ? ws_hid.data_ptr<float>() : nullptr;
+  }
+  P.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p)));
   P.pk = has_pk ? prefix_k->data_ptr() : nullptr;
   P.pv = has_pv ? prefix_v->data_ptr() : nullptr;
   P.lens = lens.defined() ? lens.data_ptr<int>() : nullptr;
@@ -428,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
       launch_inducer_mma_p<c10::Half>(P, decode, chunks, grid, stream);
     else
       launch_inducer_mma_p<c10::BFloat16>(P, decode, chunks, grid, stream);
-    return {f, lse, lam};
+    return {f, lse, lam, u};
   }
   const int64_t optin = max_smem_optin();
   {
@@ -447,7 +518,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd(
       default: launch_inducer<scalar_t, 4>(P, grid, smem, stream); break;
     }
   }
-  return {f, lse, lam};
+  return {f, lse, lam, u};
 }
 
 }  // namespace kfused

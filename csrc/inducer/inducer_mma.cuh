@@ -34,6 +34,7 @@ struct InducerMmaCfg {
   static constexpr int kSK = BN * KW;
   static constexpr int kPitch = mma::pitch_for(D);
   static_assert(D % 32 == 0 && BN % 16 == 0, "tile shapes");
+  static_assert(BN * KW >= kMlpMaxCols, "the MLP weight is staged in one K buffer");
   static constexpr size_t kKvBytes = 2 * 2 * size_t(kSK) * kPitch * sizeof(T);
   static constexpr size_t kMergeBytes = sizeof(float) * (size_t(KW) * 16 * D + 2 * KW * 16);
   static constexpr size_t kSmem = sizeof(T) * size_t(kBM) * kPitch +
@@ -54,15 +55,14 @@ __device__ __forceinline__ float quad_sum(float v) {
 // split workspace), lse and lam by the caller's `lead` thread of the row.
 template <typename T>
 __device__ __forceinline__ void store_row_state(const InducerParams& P, int64_t ridx, int split,
-                                                int col, float v, bool lead, float m, float l) {
+                                                int col, float v, bool lead, float m, float l,
+                                                float s0) {
   if (P.nsplit == 1) {
     if (col < P.p) static_cast<T*>(P.f)[ridx * P.p + col] = static_cast<T>(l > 0.f ? v / l : 0.f);
     if (lead) {
-      const bool any = l > 0.f;
-      const float lse = any ? (m + log2f(l)) * kLn2 : kFullyMaskedLse;
-      const float x = P.s0[ridx] - lse;
+      const float lse = row_lse(m, l);
       P.lse[ridx] = lse;
-      P.lam[ridx] = x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+      P.lam[ridx] = sigmoid_of(s0 - lse);
     }
   } else {
     const int64_t sidx = ridx * P.nsplit + split;
@@ -70,6 +70,47 @@ __device__ __forceinline__ void store_row_state(const InducerParams& P, int64_t 
     if (lead) {
       P.part_ml[2 * sidx] = m;
       P.part_ml[2 * sidx + 1] = l;
+    }
+  }
+}
+
+// ---- the inducer MLP inside the kernel ---------------------------------------------------
+//
+// Column n of the combined weight C = [Ak | W1 | Bk^T | ck] (p x (2L + r + 1)) of head h at
+// feature k < p. One product Q C on the tensor cores (16-bit operands, exact products,
+// float32 accumulation, as the Triton kernel's prologue) gives every row's q Ak, q W1, q Bk^T
+// and q . ck; the rest is per row: s0 = tau (|q|^2 + q . ck + sum_l tanh(q Ak + ak)_l (q Bk^T)_l)
+// and hidden = tanh(q W1 + b1).
+template <typename T>
+__device__ __forceinline__ T mlp_weight(const InducerParams& P, int h, int n, int k) {
+  const int L = P.L, r = P.r, p = P.p;
+  if (n < L) return static_cast<const T*>(P.ak_w)[(static_cast<int64_t>(h) * p + k) * L + n];
+  if (n < L + r)
+    return static_cast<const T*>(P.w1)[(static_cast<int64_t>(h) * p + k) * r + (n - L)];
+  if (n < 2 * L + r)
+    return static_cast<const T*>(P.bk_w)[(static_cast<int64_t>(h) * L + (n - L - r)) * p + k];
+  return static_cast<const T*>(P.ck)[static_cast<int64_t>(h) * p + k];
+}
+
+// C^T (ncp x D, K-major: element (n, k) at Wc[n * pitch + k]) into shared memory, zero beyond
+// p and beyond the 2L + r + 1 real columns. Eight loads in flight per thread before the
+// stores (the weights are L2-resident and small: p x ncp elements per block).
+template <typename T, int D, int NT>
+__device__ __forceinline__ void stage_mlp_weights(const InducerParams& P, int h, T* Wc,
+                                                  int pitch) {
+  constexpr int U = 8;
+  const int total = P.ncp * D, ncols = 2 * P.L + P.r + 1;
+  for (int e0 = threadIdx.x; e0 < total; e0 += NT * U) {
+    T w[U];
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int e = e0 + i * NT, n = e / D, k = e - n * D;
+      w[i] = (e < total && n < ncols && k < P.p) ? mlp_weight<T>(P, h, n, k) : T(0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int e = e0 + i * NT, n = e / D, k = e - n * D;
+      if (e < total) Wc[n * pitch + k] = w[i];
     }
   }
 }
@@ -123,6 +164,15 @@ __global__ void __launch_bounds__(32 * RW * KW)
     const int nrows = P.n_q - row0 < BM ? P.n_q - row0 : BM;
     mma::load_tile<T>(Qs, PITCH, qb + row0 * P.q_sn, P.q_sn, nrows, p, BM, D, P.vec, tid, NT);
   }
+  mma::cp_async_commit();  // group 0: the Q tile
+  // The inducer MLP runs once per row: in the block of key split 0. Its per-row results live
+  // after the kernel's tiles: Ms (BM, ncp + 1) floats (the products, then tanh(q W1 + b1) in
+  // place of q W1), S0s (BM) (|q|^2, then s0).
+  const bool mlp = P.L > 0 && split == 0;
+  const int mpitch = P.ncp + 1;  // odd: a thread per row reads its row conflict-free
+  float* Ms = reinterpret_cast<float*>(smem_raw + Cfg::kSmem);
+  float* S0s = Ms + BM * mpitch;
+  if (mlp) stage_mlp_weights<T, D, NT>(P, h, Ks + SK * PITCH, PITCH);  // the second K buffer
   // Keys [st * SK, st * SK + SK): prefix keys, then sequence keys, zero beyond kend / p.
   auto load_stage = [&](int st, int buf) {
     T* ks = Ks + buf * SK * PITCH;
@@ -169,7 +219,67 @@ __global__ void __launch_bounds__(32 * RW * KW)
   const int diag = P.n_k - P.n_q;       // causal: sequence key j visible to row i iff j <= diag + i
 
   if (nsteps > 0) load_stage(st_beg, 0);
-  mma::cp_async_commit();
+  mma::cp_async_commit();  // group 1: the first key stage (empty when nsteps == 0)
+  mma::cp_async_wait<1>();
+  __syncthreads();         // Q (and the MLP weights) in shared memory
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) mma::load_a_kmajor<T>(qf[kc], Qs, PITCH, rw * 16, kc * 16);
+  if (mlp) {
+    if (kw == 0) {
+      const T* Wc = Ks + SK * PITCH;
+      for (int np = 0; np < P.ncp / 16; ++np) {
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+          uint32_t bf[4];
+          mma::load_b2_kmajor<T>(bf, Wc, PITCH, np * 16, kc * 16);
+          mma::mma16816<T>(c0, qf[kc], bf[0], bf[1]);
+          mma::mma16816<T>(c1, qf[kc], bf[2], bf[3]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = rw * 16 + g + 8 * (e >> 1), cc = np * 16 + 2 * qd + (e & 1);
+          Ms[rr * mpitch + cc] = c0[e];
+          Ms[rr * mpitch + cc + 8] = c1[e];
+        }
+      }
+      // |q|^2 of rows g and g + 8 from the A fragments (a[0], a[2]: row g; a[1], a[3]: row
+      // g + 8; zero padding beyond p and n_q)
+      float ss[2] = {0.f, 0.f};
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 x = mma::unpack2<T>(qf[kc][i]);
+          ss[i & 1] += x.x * x.x + x.y * x.y;
+        }
+      ss[0] = quad_sum(ss[0]);
+      ss[1] = quad_sum(ss[1]);
+      if (qd == 0) {
+        S0s[rw * 16 + g] = ss[0];
+        S0s[rw * 16 + g + 8] = ss[1];
+      }
+    }
+    __syncthreads();  // products in Ms; the second K buffer is free again
+    const int Lk = P.L, R = P.r;
+    const T* akb = static_cast<const T*>(P.ak_b) + static_cast<int64_t>(h) * Lk;
+    const T* b1 = static_cast<const T*>(P.b1) + static_cast<int64_t>(h) * R;
+    for (int rr = tid; rr < BM; rr += NT) {
+      float* m = Ms + rr * mpitch;
+      float acc = S0s[rr] + m[2 * Lk + R];
+      for (int i = 0; i < Lk; ++i) acc += tanhf(m[i] + to_float(akb[i])) * m[Lk + R + i];
+      const float s0 = acc * P.scale;
+      S0s[rr] = s0;
+      for (int j = 0; j < R; ++j) m[Lk + j] = tanhf(m[Lk + j] + to_float(b1[j]));
+      const int row = row0 + rr;
+      if (P.nsplit > 1 && row < P.n_q) {  // for the merge kernel
+        const int64_t ridx = (static_cast<int64_t>(b) * P.H + h) * P.n_q + row;
+        P.ws_s0[ridx] = s0;
+        for (int j = 0; j < R; ++j) P.ws_hid[ridx * R + j] = m[Lk + j];
+      }
+    }
+    __syncthreads();
+  }
   for (int it = 0; it < nsteps; ++it) {
     if (it + 1 < nsteps) {
       load_stage(st_beg + it + 1, (it + 1) & 1);
@@ -179,10 +289,6 @@ __global__ void __launch_bounds__(32 * RW * KW)
       mma::cp_async_wait<0>();
     }
     __syncthreads();
-    if (it == 0) {
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) mma::load_a_kmajor<T>(qf[kc], Qs, PITCH, rw * 16, kc * 16);
-    }
     const T* ks = Ks + ((it & 1) * SK + kw * BN) * PITCH;
     const T* vs = Vs + ((it & 1) * SK + kw * BN) * PITCH;
     const int key0 = (st_beg + it) * SK + kw * BN;
@@ -258,18 +364,28 @@ __global__ void __launch_bounds__(32 * RW * KW)
   l_r[1] = quad_sum(l_r[1]);
 
   const int64_t rbase = (static_cast<int64_t>(b) * P.H + h) * P.n_q;
+  // s0 of global row ridx (block row lr): in-kernel MLP, given, or none (no inducer)
+  auto row_s0 = [&](int64_t ridx, int lr) -> float {
+    return mlp ? S0s[lr] : (P.s0 ? P.s0[ridx] : 0.f);
+  };
   if constexpr (KW == 1) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int row = rowA + 8 * i;
+      const int row = rowA + 8 * i, lr = rw * 16 + g + 8 * i;
       if (row >= P.n_q) continue;
+      const float s0 = row_s0(rbase + row, lr);
 #pragma unroll
       for (int j = 0; j < ND; ++j) {
         const int col = 8 * j + 2 * qd;
         store_row_state<T>(P, rbase + row, split, col, o[j][2 * i], j == 0 && qd == 0, m_r[i],
-                           l_r[i]);
+                           l_r[i], s0);
         store_row_state<T>(P, rbase + row, split, col + 1, o[j][2 * i + 1], false, m_r[i],
-                           l_r[i]);
+                           l_r[i], s0);
+      }
+      if (mlp && P.nsplit == 1) {  // u = lam tanh(q W1 + b1), the row's quad over j
+        const float lam = sigmoid_of(s0 - row_lse(m_r[i], l_r[i]));
+        for (int j = qd; j < P.r; j += 4)
+          store_u<T>(P, rbase + row, j, lam * Ms[lr * mpitch + P.L + j]);
       }
     }
   } else {
@@ -292,24 +408,39 @@ __global__ void __launch_bounds__(32 * RW * KW)
       }
     }
     __syncthreads();
-    for (int e = tid; e < 16 * D; e += NT) {
-      const int r = e / D, col = e - r * D;
-      const int row = row0 + r;
-      if (row >= P.n_q || col >= p) continue;
-      float M = -INFINITY;
+    // row r's merged state: (max, sum, output column col; 0 for col < 0)
+    auto merged = [&](int r, int col) -> float3 {
+      float M = -INFINITY, L = 0.f, acc = 0.f;
 #pragma unroll
       for (int w = 0; w < KW; ++w) M = fmaxf(M, Mb[w * 16 + r]);
-      float L = 0.f, acc = 0.f;
       if (M != -INFINITY) {
 #pragma unroll
         for (int w = 0; w < KW; ++w) {
           const float mw = Mb[w * 16 + r];
           const float sc = mw == -INFINITY ? 0.f : exp2f(mw - M);
           L += Lb[w * 16 + r] * sc;
-          acc += Ob[(w * 16 + r) * D + col] * sc;
+          if (col >= 0) acc += Ob[(w * 16 + r) * D + col] * sc;
         }
       }
-      store_row_state<T>(P, rbase + row, split, col, acc, col == 0, M, L);
+      return make_float3(M, L, acc);
+    };
+    for (int e = tid; e < 16 * D; e += NT) {
+      const int r = e / D, col = e - r * D;
+      const int row = row0 + r;
+      if (row >= P.n_q || col >= p) continue;
+      const float3 st = merged(r, col);
+      store_row_state<T>(P, rbase + row, split, col, st.z, col == 0, st.x, st.y,
+                         row_s0(rbase + row, r));
+    }
+    if (mlp && P.nsplit == 1) {  // u = lam tanh(q W1 + b1)
+      for (int e = tid; e < 16 * P.r; e += NT) {
+        const int r = e / P.r, j = e - r * P.r;
+        const int row = row0 + r;
+        if (row >= P.n_q) continue;
+        const float3 st = merged(r, -1);
+        const float lam = sigmoid_of(S0s[r] - row_lse(st.x, st.y));
+        store_u<T>(P, rbase + row, j, lam * Ms[r * mpitch + P.L + j]);
+      }
     }
   }
 }
@@ -318,8 +449,9 @@ template <typename T, int D, int BN, int RW, int KW>
 void launch_inducer_mma(const InducerParams& P, dim3 grid, cudaStream_t stream) {
   using Cfg = InducerMmaCfg<T, D, BN, RW, KW>;
   auto kernel = inducer_mma_kernel<T, D, BN, RW, KW>;
-  set_smem(kernel, Cfg::kSmem, "inducer_mma_kernel");
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(P);
+  const size_t smem = Cfg::kSmem + (P.L > 0 ? mlp_smem_bytes(Cfg::kBM, P.ncp) : 0);
+  set_smem(kernel, smem, "inducer_mma_kernel");
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(P);
   check_launch("inducer_mma_kernel");
   if (P.nsplit > 1) {
     const int64_t rows = static_cast<int64_t>(P.B) * P.H * P.n_q;

@@ -298,25 +298,38 @@ def _combined_key_mask(key_padding_mask: Optional[Tensor], seq_lens: Optional[Te
 
 
 @torch.library.custom_op("kfused::inducer_attention_cuda_fwd", mutates_args=())
-def _cuda_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Tensor, prefix_k: Optional[Tensor],
-              prefix_v: Optional[Tensor], key_lengths: Optional[Tensor],
-              causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def _cuda_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor], prefix_k: Optional[Tensor],
+              prefix_v: Optional[Tensor], key_lengths: Optional[Tensor], causal: bool,
+              Ak: Optional[Tensor], ak: Optional[Tensor], Bk: Optional[Tensor],
+              ck: Optional[Tensor], W1: Optional[Tensor], b1: Optional[Tensor],
+              u_float: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(f, lse, λ, u) from the extension: the virtual key's logit s0 given, or (16-bit) the
+    inducer MLP weights, from which the kernel computes s0 and u = λ tanh(q W1 + b1) itself
+    (u float32 when ``u_float``, else q's dtype; empty without the MLP)."""
     ext = cuda.require("inducer_attention")
-    f, lse, lam = ext.inducer_attention_fwd(q, k, v, s0, prefix_k, prefix_v, key_lengths,
-                                            causal)
-    return f, lse, lam
+    f, lse, lam, u = ext.inducer_attention_fwd(q, k, v, s0, prefix_k, prefix_v, key_lengths,
+                                               causal, Ak, ak, Bk, ck, W1, b1, u_float)
+    return f, lse, lam, u
 
 
 @_cuda_fwd.register_fake
-def _(q, k, v, s0, prefix_k, prefix_v, key_lengths, causal):
+def _(q, k, v, s0, prefix_k, prefix_v, key_lengths, causal, Ak, ak, Bk, ck, W1, b1, u_float):
     B, H, n_q, _ = q.shape
     stat = q.new_empty(B, H, n_q, dtype=torch.float32)
-    return torch.empty_like(q), stat, torch.empty_like(stat)
+    u = (q.new_empty(B, H, n_q, W1.shape[-1], dtype=torch.float32 if u_float else q.dtype)
+         if W1 is not None else q.new_empty(0))
+    return torch.empty_like(q), stat, torch.empty_like(stat), u
 
 
-def _cuda_unfit(q: Tensor, k: Tensor, key_padding_mask, scale: float, tensors):
+# csrc/inducer/inducer.cuh kMlpMaxCols: the in-kernel MLP's [Ak | W1 | Bkᵀ | ck] columns
+CUDA_MLP_MAX_COLS = 64
+
+
+def _cuda_unfit(q: Tensor, k: Tensor, key_padding_mask, scale: float, tensors,
+                mlp_cols: int = 0):
     """The CUDA kernel is the inference path: no autograd, sequence lengths rather than a
-    boolean mask, k/v with q's head count, the default softmax scale."""
+    boolean mask, k/v with q's head count, the default softmax scale; its in-kernel MLP
+    (16-bit) takes 2L + r + 1 = ``mlp_cols`` <= CUDA_MLP_MAX_COLS."""
     def unfit(name: str) -> Optional[str]:
         if name != "cuda":
             return None
@@ -329,6 +342,9 @@ def _cuda_unfit(q: Tensor, k: Tensor, key_padding_mask, scale: float, tensors):
             return "the CUDA inducer kernel needs k/v with q's head count (no grouped-query)"
         if abs(scale - q.shape[-1] ** -0.5) > 1e-12:
             return "the CUDA inducer kernel uses the default scale 1/sqrt(head_dim)"
+        if q.dtype != torch.float32 and mlp_cols > CUDA_MLP_MAX_COLS:
+            return (f"the CUDA inducer kernel's MLP takes 2L + r + 1 <= {CUDA_MLP_MAX_COLS} "
+                    f"columns, got {mlp_cols}")
         return None
     return unfit
 
@@ -382,7 +398,8 @@ def inducer_attention(
     tensors = [t for t in (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v)
                if t is not None]
     tri_unfit = _triton_unfit(p)
-    cu_unfit = _cuda_unfit(q, k, key_padding_mask, float(scale), tensors)
+    cu_unfit = _cuda_unfit(q, k, key_padding_mask, float(scale), tensors,
+                           2 * Ak.shape[-1] + W1.shape[-1] + 1 if has_inducer else 0)
     chosen = select_backend(OP_NAME, backend, tensors, impls=("triton", "cuda"),
                             extra_unfit=lambda name: tri_unfit(name) or cu_unfit(name))
     if chosen == "reference":
@@ -443,23 +460,35 @@ def _inducer_mlp_f32(qf: Tensor, Ak, ak, Bk, ck, W1, b1, scale: float):
 
 def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal, seq_lens,
                     prefix_k, prefix_v, scale, has_inducer, kernel=None):
-    """The CUDA C++ path: the inducer MLP in float32 torch around the extension's flash
-    kernel (``kernel``: kfused::inducer_attention_cuda_fwd; tests and the performance model
-    pass a stand-in to check and cost the torch work around it)."""
+    """The CUDA C++ path around the extension's flash kernel (``kernel``:
+    kfused::inducer_attention_cuda_fwd; tests and the performance model pass a stand-in to
+    check and cost the torch work around it). float16 / bfloat16: the inducer MLP runs inside
+    the kernel (s0 from the q tile it holds, u = λ tanh(q W1 + b1) in its epilogue; "gate"
+    adds (1 − λ) f + u W2 + λ b2 here in float32). float32 (the CUDA-core kernel): s0 and
+    tanh(q W1 + b1) from :func:`_inducer_mlp_f32` here, λ from the kernel."""
     kernel = kernel or torch.ops.kfused.inducer_attention_cuda_fwd
     up = torch.float32
+    pk = prefix_k.contiguous() if prefix_k is not None else None
+    pv = prefix_v.contiguous() if prefix_v is not None else None
+    gate = composition == "gate"
+    if has_inducer and q.dtype != up:
+        mlp = tuple(t.contiguous() for t in (Ak, ak, Bk, ck, W1, b1))
+        f, _, lam, u = kernel(q, k, v, None, pk, pv, seq_lens, bool(causal), *mlp, gate)
+        if not gate:
+            return f, u
+        lam = lam.unsqueeze(-1)
+        return ((1.0 - lam) * f.to(up) + torch.matmul(u, W2.to(up))
+                + lam * b2.to(up)[:, None, :]).to(q.dtype), None
     hidden = None
     if has_inducer:
         s0, hidden = _inducer_mlp_f32(q.to(up), Ak, ak, Bk, ck, W1, b1, scale)
     else:
         s0 = q.new_zeros(q.shape[:3], dtype=up)
-    pk = prefix_k.contiguous() if prefix_k is not None else None
-    pv = prefix_v.contiguous() if prefix_v is not None else None
-    f, _, lam = kernel(q, k, v, s0, pk, pv, seq_lens, bool(causal))
+    f, _, lam, _ = kernel(q, k, v, s0, pk, pv, seq_lens, bool(causal), *([None] * 6), False)
     if not has_inducer:
         return f, None
     lam = lam.unsqueeze(-1)
-    if composition == "add":
+    if not gate:
         return f, (lam * hidden).to(q.dtype)
     pvh = torch.matmul(hidden, W2.to(up)) + b2.to(up)[:, None, :]
     return ((1.0 - lam) * f.to(up) + lam * pvh).to(q.dtype), None

@@ -642,10 +642,15 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
     """PREDICTED time of ``inducer_attention(..., backend="cuda")`` (16-bit, "add"): the CUDA
     C++ flash kernel (mma.sync: the HMMA rate; per block S = QKᵀ and PV over the visited
     stages, causal blocks stopping at their last row's key; every score exp'd, masked and
-    rescaled; K and V read once per head, L2 holding them across its row tiles), the
-    flash-decoding merge when the keys are split, and the float32 torch MLP around it
-    (``_cuda_inference``: q cast, the key logit s0, tanh(q W1 + b1), λ·hidden), traced."""
+    rescaled; K and V read once per head, L2 holding them across its row tiles) with the
+    inducer MLP inside (csrc/inducer/inducer_mma.cuh: the key-split-0 block of each row tile
+    stages [Ak | W1 | Bkᵀ | ck] and multiplies its Q tile by it on the tensor cores, one
+    thread per row finishes s0 and tanh(q W1 + b1) — 2 SFU ops per tanh —, the epilogue
+    writes u), the flash-decoding merge when the keys are split (s0 and the hidden row
+    through a float32 workspace), and whatever torch work ``_cuda_inference`` still does
+    around the kernel, traced with a stand-in kernel (none for "add")."""
     decode, BM, SK, row_tiles, nsplit, per = _cuda_inducer_grid(B, H, n_q, n_k, l)
+    ncp = cdiv(2 * L_KEY + R_VALUE + 1, 16) * 16        # [Ak | W1 | Bkᵀ | ck] padded
     D = cdiv(p, 32) * 32
     stages = 0
     for rt in range(row_tiles):
@@ -659,11 +664,22 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
     work["sfu_ops"] = stages * BM * SK
     work["alu_ops"] = stages * (BM * SK * 8 + BM * D)
     work["hbm_bytes"] = (el * B * H * (2 * n_q * p + 2 * n_k * p) + 2 * el * H * l * p
-                         + rows * 4 * 3 + (rows * nsplit * (p + 2) * 4 if nsplit > 1 else 0))
+                         + rows * 4 * 2 + (rows * nsplit * (p + 2) * 4 if nsplit > 1 else 0))
+    # the MLP, once per row tile (key split 0): Q·C on the tensor cores, the weights staged
+    # from L2 (read from HBM once per head), the per-row finish, u written (its workspace
+    # when split)
+    mlp_blocks = row_tiles * B * H
+    work["dot16_flops"] += mlp_blocks * 2.0 * BM * D * ncp
+    work["sfu_ops"] += rows * (2 * (L_KEY + R_VALUE) + 2)
+    work["alu_ops"] += mlp_blocks * ncp * D + rows * (3 * L_KEY + 2 * R_VALUE + D + 8)
+    work["hbm_bytes"] += (el * H * (2 * L_KEY * p + R_VALUE * p + p + L_KEY + R_VALUE)
+                          + rows * R_VALUE * el
+                          + (rows * (1 + R_VALUE) * 4 if nsplit > 1 else 0))
     pitch = D + 8
     smem = el * (BM * pitch + 2 * 2 * SK * pitch)
     if decode:
         smem = max(smem, el * BM * pitch + 4 * (_CU_DECODE_KW * 16 * D + 2 * _CU_DECODE_KW * 16))
+    smem += 4 * BM * (ncp + 2)                          # the MLP's per-row results
     ctas = max(1, min(4, _CU_SMEM_PER_SM // smem))
     programs = row_tiles * nsplit * B * H
     pr = R.predict(work, {"hmma": 1}, programs, ctas)
@@ -672,8 +688,10 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
                 t=pr["t"], flops=work["dot16_flops"])]
     if nsplit > 1:
         mw = _work()
-        mw["hbm_bytes"] = rows * nsplit * (p + 2) * 4 + rows * (p * el + 8)
-        mw["alu_ops"] = rows * nsplit * (p + 4)
+        mw["hbm_bytes"] = (rows * nsplit * (p + 2) * 4 + rows * (p * el + 8)
+                           + rows * ((1 + R_VALUE) * 4 + R_VALUE * el))
+        mw["alu_ops"] = rows * nsplit * (p + 4) + rows * 2 * R_VALUE
+        mw["sfu_ops"] = rows * 2
         out.append(dict(name=f"{name}: inducer_merge_kernel",
                         t=R.predict(mw, {}, cdiv(rows, 4), 8)["t"], flops=0.0))
 
@@ -685,15 +703,17 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
         prm = [_e(H, p, L_KEY), _e(H, L_KEY), _e(H, L_KEY, p), _e(H, p), _e(H, p, R_VALUE),
                _e(H, R_VALUE)]
 
-        def kernel(q, k, v, s0, pk, pv, lens, causal):      # stand-in: the kernel above
-            st = q.new_empty(q.shape[:3], dtype=torch.float32)
-            return torch.empty_like(q), st, torch.empty_like(st)
+        def kernel(q, k, v, s0, pk, pv, lens, causal, Ak, ak, Bk, ck, W1, b1, u_float):
+            st = q.new_empty(q.shape[:3], dtype=torch.float32)    # stand-in: the kernel above
+            u = q.new_empty(*q.shape[:3], W1.shape[-1], dtype=torch.float32 if u_float
+                            else q.dtype)
+            return torch.empty_like(q), st, torch.empty_like(st), u
 
         with torch.no_grad():
             _cuda_inference(q, k, v, *prm, None, None, "add", causal, None, None, None,
                             p ** -0.5, True, kernel=kernel)
 
-    return out + _traced_torch(f"{name}: torch MLP", glue)
+    return out + _traced_torch(f"{name}: torch", glue)
 
 
 # ==========================================================================================
