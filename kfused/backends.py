@@ -8,12 +8,18 @@ reason, never a silent fallback.
 
 The process-wide default comes from the ``KFUSED_BACKEND`` environment variable
 (``auto`` when unset); a per-call ``backend=`` argument overrides it.
+
+Where an op has several fused backends and says which *regime* a call is in (inducer
+attention: "prefill" or "decode"), ``auto`` takes them in the order measured on this GPU
+model by ``kfused bench --write-prefs`` (:func:`measured_order`), not by their names; with
+nothing measured it keeps the op's own order (Triton first).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,6 +93,65 @@ def default_backend() -> str:
     return value
 
 
+PREFS_ENV = "KFUSED_BACKEND_PREFS"
+PREFS_WRITER = "kfused bench --write-prefs"
+_PREFS: dict = {}
+
+
+def prefs_path() -> Optional[str]:
+    """The measured backend preferences in use: the file ``KFUSED_BACKEND_PREFS`` names, else
+    the package's ``kfused/data/backend_prefs.json`` when one was committed, else None."""
+    path = os.environ.get(PREFS_ENV, "").strip()
+    if path:
+        return path
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "backend_prefs.json")
+    return here if os.path.exists(here) else None
+
+
+def load_prefs(path: str) -> dict:
+    """Read a preferences file (``{"written_by": ..., "devices": {gpu name: {op: {regime:
+    [backend, ...]}}}}``); a malformed one is an error naming the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        devices = data["devices"]
+        ok = isinstance(devices, dict) and all(
+            isinstance(ops, dict) and all(isinstance(reg, dict) and all(
+                isinstance(o, list) and all(b in BACKENDS for b in o) for o in reg.values())
+                for reg in ops.values()) for ops in devices.values())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BackendError(f"backend preferences {path}: cannot be read ({exc})") from exc
+    if not ok:
+        raise BackendError(f"backend preferences {path}: expected {{'devices': {{gpu name: "
+                           f"{{op: {{regime: [backend, ...]}}}}}}}} with backends from "
+                           f"{BACKENDS}")
+    return data
+
+
+def measured_order(op: str, device: torch.device, regime: str) -> Optional[Tuple[str, ...]]:
+    """``op``'s backends fastest first in ``regime`` on this GPU model, as measured (see
+    :func:`prefs_path`), or None when nothing was measured for it."""
+    path = prefs_path()
+    if path is None or device.type != "cuda":
+        return None
+    stamp = (path, os.path.getmtime(path) if os.path.exists(path) else None)
+    if _PREFS.get("stamp") != stamp:
+        data = load_prefs(path)
+        _PREFS.clear()
+        _PREFS.update(stamp=stamp, data=data)
+    name = torch.cuda.get_device_name(device)
+    order = _PREFS["data"]["devices"].get(name, {}).get(op, {}).get(regime)
+    return tuple(order) if order else None
+
+
+def ordered(impls: Sequence[str], order: Optional[Sequence[str]]) -> Tuple[str, ...]:
+    """``impls`` with those named in ``order`` first, in that order; the rest after, as given."""
+    if not order:
+        return tuple(impls)
+    first = [n for n in order if n in impls]
+    return tuple(first) + tuple(n for n in impls if n not in first)
+
+
 def select_backend(
     op: str,
     requested: Optional[str],
@@ -94,12 +159,15 @@ def select_backend(
     *,
     impls: Iterable[str] = ("triton", "cuda"),
     extra_unfit: Optional[Callable[[str], Optional[str]]] = None,
+    regime: Optional[str] = None,
 ) -> str:
     """Pick the backend that runs ``op`` on ``tensors``.
 
     impls: fused backends that implement ``op``, fastest first ("reference" always exists).
     extra_unfit: op-specific check, ``backend -> reason or None`` (e.g. a head width a kernel
     does not support).
+    regime: the call's regime (e.g. "decode"); ``auto`` then takes ``impls`` in the order
+    measured for it on this GPU model (:func:`measured_order`) when there is one.
     """
     impls = tuple(impls)
     requested = default_backend() if requested is None else str(requested).lower()
@@ -126,6 +194,8 @@ def select_backend(
         return requested
     if device.type != "cuda":
         return "reference"
+    if regime is not None:
+        impls = ordered(impls, measured_order(op, device, regime))
     for name in impls:
         if unfit(name) is None:
             return name

@@ -137,3 +137,37 @@ def measure(case: BenchCase, device: Union[str, torch.device], *, rep_ms: float 
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+# the fused backends' providers in the benchmark cases, by backend name
+FUSED_PROVIDERS = {"kfused-triton": "triton", "kfused-cuda": "cuda"}
+
+
+def backend_prefs(rows: Sequence[dict], regime_of: Callable[[str, dict], Optional[str]]
+                  ) -> Dict[str, Dict[str, List[str]]]:
+    """``{op: {regime: [backend, ...] fastest first}}`` from measured rows: for each op and
+    regime (``regime_of(op, shape)``; None: the op has none), the fused backends compared on
+    the cases and modes where each of them was measured, by the sum of their medians (a tie
+    keeps the order of FUSED_PROVIDERS). Needs at least two backends measured together."""
+    times: Dict[Tuple[str, str, str, str], Dict[str, float]] = {}
+    for r in rows:
+        backend = FUSED_PROVIDERS.get(r.get("provider", ""))
+        if backend is None or "ms_p50" not in r:
+            continue
+        reg = regime_of(r["op"], r["shape"])
+        if reg is None:
+            continue
+        key = (r["op"], reg, repr(sorted(r["shape"].items())), r["mode"])
+        times.setdefault(key, {})[backend] = float(r["ms_p50"])
+    sums: Dict[Tuple[str, str], Dict[str, float]] = {}
+    for (op, reg, _, _), by in times.items():
+        if len(by) < 2:
+            continue
+        acc = sums.setdefault((op, reg), {})
+        for backend, t in by.items():
+            acc[backend] = acc.get(backend, 0.0) + t
+    rank = list(FUSED_PROVIDERS.values())
+    out: Dict[str, Dict[str, List[str]]] = {}
+    for (op, reg), acc in sorted(sums.items()):
+        out.setdefault(op, {})[reg] = sorted(acc, key=lambda b: (acc[b], rank.index(b)))
+    return out

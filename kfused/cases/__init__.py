@@ -68,3 +68,14 @@ def bench_cases(name: str, device, dtype: torch.dtype, quick: bool = False) -> l
         raise ValueError(f"no benchmark family {name!r}; expected one of "
                          f"{', '.join(BENCH_FAMILIES)}")
     return family(name).bench_cases(device, dtype, quick=quick)
+
+
+def regime_of(op: str, shape: Mapping[str, object]) -> Optional[str]:
+    """The backend-preference regime of a benchmark case (kfused.backends.measured_order), as
+    the op itself computes it for a call of that shape; None for ops without regimes."""
+    if op == "inducer_attention":
+        from kfused.ops.inducer_attention import regime
+
+        n_q = shape.get("n_q", shape.get("n"))
+        return regime(int(n_q)) if n_q is not None else None
+    return None

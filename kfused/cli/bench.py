@@ -217,6 +217,11 @@ def run(argv: Optional[List[str]] = None) -> int:
                         "git-ignored, or ./kfused_bench_results; committed results live in "
                         "benchmarks/results/<device>/)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--write-prefs", default=None, metavar="PATH",
+                   help="also record which fused backend was faster per op and regime on this "
+                        "GPU model into PATH (JSON, merged with what kfused wrote there "
+                        "before); backend='auto' reads it through KFUSED_BACKEND_PREFS or as "
+                        "kfused/data/backend_prefs.json")
     p.add_argument("--list", action="store_true", help="list the ops and exit")
     args = p.parse_args(argv)
     if args.list:
@@ -246,12 +251,18 @@ def run(argv: Optional[List[str]] = None) -> int:
         from tqdm import tqdm
     except Exception:  # pragma: no cover
         tqdm = lambda it, **k: it  # noqa: E731
+    if args.write_prefs and device.type != "cuda":
+        raise SystemExit("kfused bench: --write-prefs records GPU measurements; no CUDA device")
+    if args.write_prefs:
+        _check_prefs_target(Path(args.write_prefs))
+    all_rows: List[dict] = []
     for op in ops:
         rows: List[dict] = []
         case_list = bench_cases(op, device, DTYPES[args.dtype], quick=args.quick)
         for case in tqdm(case_list, desc=f"bench {op}", file=sys.stderr):
             rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
         add_ratios(rows)
+        all_rows.extend(rows)
         path = out_dir / f"{op}_{slug}_{stamp}.json"
         path.write_text(json.dumps({"meta": {**meta, "quick": args.quick}, "rows": rows},
                                    indent=1, default=str))
@@ -261,4 +272,50 @@ def run(argv: Optional[List[str]] = None) -> int:
             png = plot_results(path)
             if png:
                 print(f"wrote {png}")
+    if args.write_prefs:
+        prefs = write_prefs(Path(args.write_prefs), str(meta.get("device")), all_rows,
+                            meta.get("git_commit"))
+        print(f"wrote {args.write_prefs}: {json.dumps(prefs)}")
     return 0
+
+
+def _check_prefs_target(path: Path) -> None:
+    """kfused never overwrites a file it did not write: an existing PATH must be a
+    preferences file written by ``kfused bench --write-prefs``."""
+    from kfused.backends import PREFS_WRITER
+
+    if path.exists():
+        try:
+            mine = json.loads(path.read_text()).get("written_by") == PREFS_WRITER
+        except (OSError, ValueError, AttributeError):
+            mine = False
+        if not mine:
+            raise SystemExit(f"kfused bench: {path} exists and was not written by "
+                             f"'{PREFS_WRITER}'; not overwriting it")
+
+
+def write_prefs(path: Path, device_name: str, rows: List[dict],
+                commit: Optional[str] = None) -> dict:
+    """Merge this run's measured backend order (:func:`kfused.bench.backend_prefs`) for
+    ``device_name`` into the preferences file at ``path`` (created if absent; replaced
+    atomically, so it always holds one complete version). Returns this device's entry."""
+    import os
+    import tempfile
+
+    from kfused.backends import PREFS_WRITER, load_prefs
+    from kfused.bench import backend_prefs
+    from kfused.cases import regime_of
+
+    _check_prefs_target(path)
+    data = load_prefs(str(path)) if path.exists() else {
+        "written_by": PREFS_WRITER, "devices": {}}
+    entry = data["devices"].setdefault(device_name, {})
+    for op, regimes in backend_prefs(rows, regime_of).items():
+        entry.setdefault(op, {}).update(regimes)
+    data.setdefault("commits", {})[device_name] = commit
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return entry

@@ -321,6 +321,13 @@ def _(q, k, v, s0, prefix_k, prefix_v, key_lengths, causal, Ak, ak, Bk, ck, W1, 
     return torch.empty_like(q), stat, torch.empty_like(stat), u
 
 
+def regime(n_q: int) -> str:
+    """The regime a call is in for measured backend preferences (kfused.backends
+    .measured_order): "decode" for few queries against a KV cache (n_q <= 16, the split-KV
+    schedules of both kernels), else "prefill"."""
+    return "decode" if n_q <= 16 else "prefill"
+
+
 # csrc/inducer/inducer.cuh kMlpMaxCols: the in-kernel MLP's [Ak | W1 | Bkᵀ | ck] columns
 CUDA_MLP_MAX_COLS = 64
 
@@ -382,7 +389,9 @@ def inducer_attention(
         scale: softmax scale τ, default 1/√p.
         backend: "auto" | "triton" | "cuda" | "reference" (default from ``KFUSED_BACKEND``).
             "cuda" is the CUDA C++ inference kernel (no autograd; seq_lens masks only; k/v
-            with q's head count); "auto" prefers Triton.
+            with q's head count); "auto" prefers Triton, unless backend preferences measured
+            on this GPU model (``kfused bench inducer --write-prefs``) rank CUDA first for
+            the call's regime ("prefill" / "decode").
 
     Returns:
         no inducer: ``(f, None)``, f (B, H, n_q, p) ordinary (prefix-)attention;
@@ -401,7 +410,8 @@ def inducer_attention(
     cu_unfit = _cuda_unfit(q, k, key_padding_mask, float(scale), tensors,
                            2 * Ak.shape[-1] + W1.shape[-1] + 1 if has_inducer else 0)
     chosen = select_backend(OP_NAME, backend, tensors, impls=("triton", "cuda"),
-                            extra_unfit=lambda name: tri_unfit(name) or cu_unfit(name))
+                            extra_unfit=lambda name: tri_unfit(name) or cu_unfit(name),
+                            regime=regime(q.shape[2]))
     if chosen == "reference":
         return inducer_attention_ref(
             q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition=composition, causal=causal,

@@ -1,0 +1,141 @@
+"""``backend="auto"`` from measurement: ``kfused bench --write-prefs`` records which fused
+backend was faster per op and regime on a GPU model, and the ops' ``auto`` follows that file
+(``KFUSED_BACKEND_PREFS`` or the package's kfused/data/backend_prefs.json), not the backends'
+names. Everything here runs on the CPU with stand-in devices and rows."""
+
+import json
+import types
+
+import pytest
+import torch
+
+from kfused import backends
+from kfused.backends import (BackendError, PREFS_ENV, PREFS_WRITER, load_prefs, measured_order,
+                             ordered, select_backend)
+from kfused.bench import backend_prefs
+from kfused.cases import regime_of
+from kfused.cli.bench import write_prefs
+from kfused.ops.inducer_attention import regime
+
+GPU = "NVIDIA H100 80GB HBM3"
+CUDA = torch.device("cuda", 0)      # a device object only: nothing is allocated on it
+
+
+@pytest.fixture
+def prefs(tmp_path, monkeypatch):
+    """Write a preferences file, point KFUSED_BACKEND_PREFS at it, pretend to be on GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    backends._PREFS.clear()
+
+    def make(devices):
+        path = tmp_path / "prefs.json"
+        path.write_text(json.dumps({"written_by": PREFS_WRITER, "devices": devices}))
+        monkeypatch.setenv(PREFS_ENV, str(path))
+        backends._PREFS.clear()
+        return path
+    return make
+
+
+def test_ordered():
+    assert ordered(("triton", "cuda"), None) == ("triton", "cuda")
+    assert ordered(("triton", "cuda"), ["cuda", "triton"]) == ("cuda", "triton")
+    assert ordered(("triton", "cuda"), ["cuda"]) == ("cuda", "triton")
+    assert ordered(("triton",), ["cuda", "triton"]) == ("triton",)    # not an impl: ignored
+
+
+def test_measured_order_reads_this_gpu_models_entry(prefs):
+    prefs({GPU: {"inducer_attention": {"decode": ["cuda", "triton"]}},
+           "other GPU": {"inducer_attention": {"prefill": ["cuda", "triton"]}}})
+    assert measured_order("inducer_attention", CUDA, "decode") == ("cuda", "triton")
+    assert measured_order("inducer_attention", CUDA, "prefill") is None
+    assert measured_order("krona_linear", CUDA, "decode") is None
+    assert measured_order("inducer_attention", torch.device("cpu"), "decode") is None
+
+
+def test_malformed_prefs_name_the_file(prefs, tmp_path):
+    path = prefs({GPU: {"inducer_attention": {"decode": ["fastest"]}}})
+    with pytest.raises(BackendError, match="prefs.json"):
+        measured_order("inducer_attention", CUDA, "decode")
+    path.write_text("{not json")
+    backends._PREFS.clear()
+    with pytest.raises(BackendError, match="cannot be read"):
+        load_prefs(str(path))
+
+
+def test_auto_follows_the_measured_order(prefs, monkeypatch):
+    """auto on CUDA tensors walks the op's backends in the measured order for the call's
+    regime; without a regime or a measurement it keeps the op's order (Triton first); an
+    explicit backend is never reordered."""
+    monkeypatch.setattr(backends, "cuda_unfit", lambda device, dtype, op: None)
+    monkeypatch.setattr(backends, "triton_unfit", lambda device, dtype: None)
+    t = [types.SimpleNamespace(device=CUDA, dtype=torch.float16)]
+    prefs({GPU: {"inducer_attention": {"decode": ["cuda", "triton"],
+                                       "prefill": ["triton", "cuda"]}}})
+    pick = lambda **kw: select_backend("inducer_attention", "auto", t, **kw)  # noqa: E731
+    assert pick(regime="decode") == "cuda"
+    assert pick(regime="prefill") == "triton"
+    assert pick() == "triton"
+    assert select_backend("inducer_attention", "triton", t, regime="decode") == "triton"
+    # the measured backend cannot run these inputs: the next one, not an error
+    assert pick(regime="decode", extra_unfit=lambda n: "no" if n == "cuda" else None) == "triton"
+    monkeypatch.delenv(PREFS_ENV)
+    monkeypatch.setattr(backends, "prefs_path", lambda: None)
+    assert pick(regime="decode") == "triton"
+
+
+def _row(provider, shape, ms, mode="fwd", op="inducer_attention"):
+    return {"op": op, "shape": shape, "provider": provider, "mode": mode, "ms_p50": ms}
+
+
+def test_backend_prefs_from_rows():
+    dec = {"B": 8, "H": 32, "n_q": 1, "n_k": 4096, "p": 128}
+    dec2 = {**dec, "B": 1}
+    pre = {"B": 8, "H": 16, "n": 2048, "p": 128, "causal": True}
+    rows = [_row("kfused-triton", dec, 0.20), _row("kfused-cuda", dec, 0.18),
+            _row("kfused-triton", dec2, 0.03), _row("kfused-cuda", dec2, 0.04),
+            _row("sdpa", dec, 0.10),                                   # not a kfused backend
+            _row("kfused-triton", pre, 0.40), _row("kfused-cuda", pre, 0.50),
+            _row("kfused-triton", pre, 9.0, mode="fwd+bwd"),   # no CUDA backward: not compared
+            {"op": "inducer_attention", "shape": pre, "provider": "kfused-cuda", "mode": "all",
+             "skipped": "forward-only"},
+            _row("kfused-triton", {"T": 16}, 0.1, op="krona_linear"),
+            _row("kfused-cuda", {"T": 16}, 0.05, op="krona_linear")]   # no regimes: left out
+    got = backend_prefs(rows, regime_of)
+    # decode: 0.18 + 0.04 = 0.22 against 0.23; prefill 0.50 against 0.40
+    assert got == {"inducer_attention": {"decode": ["cuda", "triton"],
+                                         "prefill": ["triton", "cuda"]}}
+    tie = [_row("kfused-cuda", dec, 0.2), _row("kfused-triton", dec, 0.2)]
+    assert backend_prefs(tie, regime_of)["inducer_attention"]["decode"] == ["triton", "cuda"]
+    assert backend_prefs([_row("kfused-cuda", dec, 0.2)], regime_of) == {}
+
+
+def test_regimes():
+    assert regime(1) == regime(16) == "decode" and regime(17) == "prefill"
+    assert regime_of("inducer_attention", {"n_q": 1, "n_k": 4096}) == "decode"
+    assert regime_of("inducer_attention", {"n": 2048}) == "prefill"
+    assert regime_of("krona_linear", {"T": 16384}) is None
+
+
+def test_write_prefs_merges_and_never_overwrites_a_foreign_file(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "backend_prefs.json"
+    dec = {"n_q": 1, "n_k": 64}
+    pre = {"n": 2048}
+    e = write_prefs(path, GPU, [_row("kfused-triton", dec, 2.0), _row("kfused-cuda", dec, 1.0)],
+                    "abc")
+    assert e == {"inducer_attention": {"decode": ["cuda", "triton"]}}
+    e = write_prefs(path, GPU, [_row("kfused-triton", pre, 1.0), _row("kfused-cuda", pre, 2.0)])
+    assert e == {"inducer_attention": {"decode": ["cuda", "triton"],
+                                       "prefill": ["triton", "cuda"]}}
+    write_prefs(path, "other GPU", [])
+    data = load_prefs(str(path))
+    assert data["written_by"] == PREFS_WRITER and set(data["devices"]) == {GPU, "other GPU"}
+    assert [p.name for p in path.parent.iterdir()] == ["backend_prefs.json"]   # no temp left
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    monkeypatch.setenv(PREFS_ENV, str(path))
+    backends._PREFS.clear()
+    assert measured_order("inducer_attention", CUDA, "prefill") == ("triton", "cuda")
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": true}')
+    with pytest.raises(SystemExit, match="not written by"):
+        write_prefs(foreign, GPU, [])
+    assert foreign.read_text() == '{"mine": true}'
