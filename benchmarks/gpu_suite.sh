@@ -66,7 +66,11 @@ for stage in "${LIST[@]}"; do
       grep -v "^bench " "$WORK/bench_quick.log" | tail -40 ;;
     bench:*)
       op=${stage#bench:}
-      py -m kfused.cli.main bench "$op" --out "$WORK/bench" >"$WORK/bench_$op.log" 2>&1 || status=1
+      # the inducer family also records which fused backend was faster per regime on this
+      # GPU model (backend="auto" reads it: KFUSED_BACKEND_PREFS / kfused/data/backend_prefs.json)
+      prefs=()
+      [ "$op" = inducer ] && prefs=(--write-prefs "$WORK/backend_prefs.json")
+      py -m kfused.cli.main bench "$op" --out "$WORK/bench" "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1 || status=1
       grep -v "^bench " "$WORK/bench_$op.log" | tail -40 ;;
     perf)
       if python3 -c "import kfused.perf" 2>/dev/null; then
