@@ -29,8 +29,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kron_matvec_fwd", &kfused::kron_matvec_fwd,
         "y (T, a_out*b_out) = vec(A X[t] B^T) for x (T, a_in*b_in)", py::arg("x"), py::arg("A"),
         py::arg("B"));
-  m.def("kron_matvec_bwd", &kfused::kron_matvec_bwd, "(dx, dA, dB) of kron_matvec",
-        py::arg("g"), py::arg("x"), py::arg("A"), py::arg("B"));
+  m.def("kron_matvec_bwd", &kfused::kron_matvec_bwd,
+        "(dx, dA, dB) of scale * kron_matvec (need_dx false: dx is (0,), not formed)",
+        py::arg("g"), py::arg("x"), py::arg("A"), py::arg("B"), py::arg("need_dx") = true,
+        py::arg("scale") = 1.0);
+  m.def("krona_fold_fwd", &kfused::krona_fold_fwd,
+        "W + scale * kron(A, B) (a_out*b_out, a_in*b_in), formed in float32, rounded once",
+        py::arg("W"), py::arg("A"), py::arg("B"), py::arg("scale") = 1.0);
 
   m.def("headwise_lowrank_fwd", &kfused::headwise_lowrank_fwd,
         "out (T, H, p) = per head basis A_h^T B_h^T + bias_h", py::arg("basis"), py::arg("A"),

@@ -16,9 +16,15 @@ namespace kfused {
 
 // docs/math.md §1: y[t] = vec(A X[t] B^T), x (T, a_in*b_in), A (a_out, a_in), B (b_out, b_in).
 at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B);
-// -> (dx (T, a_in*b_in), dA (a_out, a_in), dB (b_out, b_in)).
+// -> (dx (T, a_in*b_in), dA (a_out, a_in), dB (b_out, b_in)) of scale * kron(x): every
+// gradient times scale before its one rounding; need_dx false: dx is (0,) and not formed.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(
-    const at::Tensor& g, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B);
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+    bool need_dx, double scale);
+// docs/math.md §1, the folded KronA weight: W + scale * (A ⊗ B), (a_out*b_out, a_in*b_in)
+// contiguous in W's dtype, each element formed in float32 and rounded once.
+at::Tensor krona_fold_fwd(const at::Tensor& W, const at::Tensor& A, const at::Tensor& B,
+                          double scale);
 
 // docs/math.md §2: out[t, h] = B_h A_h basis[t(, h)] + bias_h.
 at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,

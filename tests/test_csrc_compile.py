@@ -155,11 +155,14 @@ spec.loader.exec_module(m)
 names = sorted(n for n in dir(m) if n.endswith(("_fwd", "_bwd")))
 assert m.USES_TORCH_CURRENT_STREAM in (True, False)
 assert names == ["headwise_lowrank_bwd", "headwise_lowrank_fwd", "inducer_attention_fwd",
-                 "kron_matvec_bwd", "kron_matvec_fwd"], names
+                 "kron_matvec_bwd", "kron_matvec_fwd", "krona_fold_fwd"], names
 r = torch.randn
 calls = {
     "kron_matvec_fwd": lambda: m.kron_matvec_fwd(r(4, 6), r(2, 3), r(2, 2)),
     "kron_matvec_bwd": lambda: m.kron_matvec_bwd(r(4, 4), r(4, 6), r(2, 3), r(2, 2)),
+    "kron_matvec_bwd(need_dx=False, scale)": lambda: m.kron_matvec_bwd(
+        r(4, 4), r(4, 6), r(2, 3), r(2, 2), need_dx=False, scale=0.5),
+    "krona_fold_fwd": lambda: m.krona_fold_fwd(r(4, 6), r(2, 3), r(2, 2), 0.5),
     "headwise_lowrank_fwd": lambda: m.headwise_lowrank_fwd(r(3, 8), r(2, 1, 8), r(2, 4, 1)),
     "headwise_lowrank_bwd": lambda: m.headwise_lowrank_bwd(r(3, 2, 4), r(3, 8), r(2, 1, 8),
                                                            r(2, 4, 1), True),

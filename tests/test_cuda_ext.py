@@ -121,6 +121,90 @@ def test_kron_matvec(shape, T, dtype):
             compare("dA", dA, dA64, dAt, dtype), compare("dB", dB, dB64, dBt, dtype)])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("shape", KRON_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kron_matvec_bwd_scaled_without_dx(shape, dtype):
+    """The folded KronA path's backward: dA, dB of scale · kron(x), no dx formed."""
+    a_out, a_in, b_out, b_in = shape
+    T, s = 300, 0.37
+    x = torch.randn(T, a_in * b_in, dtype=torch.float64)
+    A = torch.randn(a_out, a_in, dtype=torch.float64) / math.sqrt(a_in)
+    B = torch.randn(b_out, b_in, dtype=torch.float64) / math.sqrt(b_in)
+    g = torch.randn(T, a_out * b_out, dtype=torch.float64)
+    inputs = {"x": x, "A": A, "B": B}
+    scaled = lambda x, A, B: s * kron_ref(x, A, B)  # noqa: E731
+    with no_tf32():
+        _, (_, dA64, dB64) = _grads(scaled, inputs, ["x", "A", "B"], g)
+        dev_in = {k: v.to(DEV, dtype) for k, v in inputs.items()}
+        _, (_, dAt, dBt) = _grads(scaled, dev_in, ["x", "A", "B"], g.to(DEV, dtype))
+    _poison_allocator()
+    dx, dA, dB = _C.kron_matvec_bwd(g.to(DEV, dtype), dev_in["x"], dev_in["A"], dev_in["B"],
+                                    need_dx=False, scale=s)
+    torch.cuda.synchronize()
+    assert dx.numel() == 0 and dA.dtype == dB.dtype == dtype
+    _check([compare("dA", dA, dA64, dAt, dtype), compare("dB", dB, dB64, dBt, dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("shape", KRON_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_krona_fold(shape, dtype, layout):
+    """W' = W + s·A⊗B, each element formed in float32 and rounded once (the Triton fold's
+    formula), for contiguous W (vector path when d_in % 8 == 0) and a transposed view."""
+    a_out, a_in, b_out, b_in = shape
+    s = 0.61
+    W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64)
+    A = torch.randn(a_out, a_in, dtype=torch.float64)
+    B = torch.randn(b_out, b_in, dtype=torch.float64)
+    want = W + s * torch.kron(A, B)
+    Wd = W.to(DEV, dtype)
+    if layout == "transposed":
+        Wd = Wd.t().contiguous().t()
+    Ad, Bd = A.to(DEV, dtype), B.to(DEV, dtype)
+    with no_tf32():
+        same = Wd + s * torch.kron(Ad, Bd)
+    _poison_allocator()
+    got = _C.krona_fold_fwd(Wd, Ad, Bd, s)
+    torch.cuda.synchronize()
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == W.shape
+    _check([compare("W'", got, want, same, dtype)])
+    # exactly the float32 formula rounded once
+    exact = (Wd.float() + s * (torch.kron(Ad.float(), Bd.float()))).to(dtype)
+    assert (got.float() - exact.float()).abs().max() <= torch.finfo(dtype).eps * \
+        exact.float().abs().max()
+
+
+def test_krona_fold_errors():
+    W = torch.randn(6, 6, device=DEV, dtype=torch.float16)
+    A = torch.randn(3, 3, device=DEV, dtype=torch.float16)
+    B = torch.randn(2, 2, device=DEV, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="W .* must be \\(a_out\\*b_out, a_in\\*b_in\\)"):
+        _C.krona_fold_fwd(W[:5], A, B, 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        _C.krona_fold_fwd(W, A.float(), B, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("exact", [False, True])
+def test_krona_linear_cuda_backend(dtype, exact):
+    """krona_linear(backend="cuda"): the extension's fold + cuBLAS (16-bit, exact=False) or
+    F.linear + its kron_matvec, output and every gradient against the float64 reference."""
+    import kfused
+    from kfused.reference.krona import krona_linear_ref
+    from kfused.testing import assert_against_reference
+
+    T, (a_out, a_in), (b_out, b_in) = 333, (24, 24), (32, 32)
+    inputs = {"x": torch.randn(T, a_in * b_in, dtype=torch.float64),
+              "weight": torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / 28,
+              "bias": torch.randn(a_out * b_out, dtype=torch.float64),
+              "A": torch.randn(a_out, a_in, dtype=torch.float64) / 5,
+              "B": torch.randn(b_out, b_in, dtype=torch.float64) / 6}
+    fn = lambda x, weight, bias, A, B: kfused.krona_linear(  # noqa: E731
+        x, weight, bias, A, B, 0.8, backend="cuda", exact=exact)
+    ref = lambda x, weight, bias, A, B: krona_linear_ref(x, weight, bias, A, B, 0.8)  # noqa: E731
+    assert_against_reference(fn, ref, inputs, dtype, DEV, grad_names=("x", "A", "B"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_ids)
 def test_kron_matvec_empty_and_strided(dtype):
     x = torch.randn(0, 12, device=DEV, dtype=dtype)

@@ -272,11 +272,13 @@ __device__ __forceinline__ void block_gemm(int M, int N, int K, int kbatch, cons
 // (no atomics: run-to-run identical for a given grid).
 template <typename T>
 __global__ void reduce_partials_kernel(const float* __restrict__ part, int64_t nparts, int64_t n,
-                                       int64_t n0, T* __restrict__ out0, T* __restrict__ out1) {
+                                       int64_t n0, T* __restrict__ out0, T* __restrict__ out1,
+                                       float scale) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.f;
     for (int64_t b = 0; b < nparts; ++b) s += part[b * n + e];
+    s *= scale;  // 1 (exact) unless the caller scales the sums before their one rounding
     if (e < n0)
       out0[e] = static_cast<T>(s);
     else
@@ -286,12 +288,12 @@ __global__ void reduce_partials_kernel(const float* __restrict__ part, int64_t n
 
 template <typename T>
 inline void reduce_partials(const float* part, int64_t nparts, int64_t n, int64_t n0, T* out0,
-                            T* out1, cudaStream_t stream) {
+                            T* out1, cudaStream_t stream, float scale = 1.f) {
   if (n == 0) return;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>(ceil_div(n, threads), 4096);
   reduce_partials_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      part, nparts, n, n0, out0, out1);
+      part, nparts, n, n0, out0, out1, scale);
   check_launch("reduce_partials_kernel");
 }
 

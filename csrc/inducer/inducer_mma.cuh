@@ -116,7 +116,7 @@ __device__ __forceinline__ void stage_mlp_weights(const InducerParams& P, int h,
 }
 
 template <typename T, int D, int BN, int RW, int KW>
-__global__ void __launch_bounds__(32 * RW * KW)
+__global__ void __launch_bounds__(32 * RW * KW, 1)
     inducer_mma_kernel(const InducerParams P) {
   using Cfg = InducerMmaCfg<T, D, BN, RW, KW>;
   constexpr int NT = Cfg::kThreads, BM = Cfg::kBM, SK = Cfg::kSK, PITCH = Cfg::kPitch;
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(32 * RW * KW)
   const int64_t rbase = (static_cast<int64_t>(b) * P.H + h) * P.n_q;
   // s0 of global row ridx (block row lr): in-kernel MLP, given, or none (no inducer)
   auto row_s0 = [&](int64_t ridx, int lr) -> float {
-    return mlp ? S0s[lr] : (P.s0 ? P.s0[ridx] : 0.f);
+    return P.s0 ? P.s0[ridx] : (P.L > 0 && split == 0 ? S0s[lr] : 0.f);
   };
   if constexpr (KW == 1) {
 #pragma unroll
@@ -382,7 +382,8 @@ __global__ void __launch_bounds__(32 * RW * KW)
         store_row_state<T>(P, rbase + row, split, col + 1, o[j][2 * i + 1], false, m_r[i],
                            l_r[i], s0);
       }
-      if (mlp && P.nsplit == 1) {  // u = lam tanh(q W1 + b1), the row's quad over j
+      if (P.L > 0 && P.nsplit == 1) {  // u = lam tanh(q W1 + b1), the row's quad over j
+        // (nsplit == 1: this block is key split 0, which ran the MLP)
         const float lam = sigmoid_of(s0 - row_lse(m_r[i], l_r[i]));
         for (int j = qd; j < P.r; j += 4)
           store_u<T>(P, rbase + row, j, lam * Ms[lr * mpitch + P.L + j]);
@@ -432,7 +433,7 @@ __global__ void __launch_bounds__(32 * RW * KW)
       store_row_state<T>(P, rbase + row, split, col, st.z, col == 0, st.x, st.y,
                          row_s0(rbase + row, r));
     }
-    if (mlp && P.nsplit == 1) {  // u = lam tanh(q W1 + b1)
+    if (P.L > 0 && P.nsplit == 1) {  // u = lam tanh(q W1 + b1) (split 0 ran the MLP)
       for (int e = tid; e < 16 * P.r; e += NT) {
         const int r = e / P.r, j = e - r * P.r;
         const int row = row0 + r;

@@ -142,6 +142,8 @@ struct KronBwdParams {
   int pX;  // row pitch of X in shared memory (odd: X^T reads are bank-conflict free)
   bool stage;
   bool acc_smem;
+  bool need_dx;  // false: dA, dB only (dx is not formed)
+  float scale;   // dx (and, at the reduction, dA, dB) of scale * kron(x)
 };
 
 template <typename T>
@@ -213,14 +215,16 @@ __global__ void __launch_bounds__(kThreads) kron_bwd_kernel(const KronBwdParams 
         });
     __syncthreads();
 
-    // dX[t][i][k] = sum_j A[j][i] W[t][j][k]
-    T* dxt = dx + t0 * d_in;
-    block_gemm<4, 4>(
-        s.a_in, nt * s.b_in, s.a_out, 1, GemmA{As, 1, s.a_in, 0},
-        GemmB{Ws, s.b_in, 1, s.b_in, s.a_out * s.b_in, 0}, [&](int i, int n, float v) {
-          const int t = n / s.b_in, k = n - t * s.b_in;
-          dxt[t * d_in + i * s.b_in + k] = static_cast<T>(v);
-        });
+    // dX[t][i][k] = scale * sum_j A[j][i] W[t][j][k]
+    if (P.need_dx) {
+      T* dxt = dx + t0 * d_in;
+      block_gemm<4, 4>(
+          s.a_in, nt * s.b_in, s.a_out, 1, GemmA{As, 1, s.a_in, 0},
+          GemmB{Ws, s.b_in, 1, s.b_in, s.a_out * s.b_in, 0}, [&](int i, int n, float v) {
+            const int t = n / s.b_in, k = n - t * s.b_in;
+            dxt[t * d_in + i * s.b_in + k] = static_cast<T>(v * P.scale);
+          });
+    }
     // dA[j][i] += sum_t sum_k W[t][j][k] X[t][i][k]   (each thread owns its elements)
     block_gemm<4, 4>(s.a_out, s.a_in, s.b_in, nt, GemmA{Ws, s.b_in, 1, s.a_out * s.b_in},
                      GemmB{Xs, 1, pX, kNoSplit, 0, s.a_in * pX},
@@ -300,6 +304,8 @@ struct KronTcParams {
   int TT;
   bool vec_x, vec_g;  // 16-byte cp.async rows possible for x / g
   bool acc_smem;
+  bool need_dx;  // backward: false -> dA, dB only (dx is not formed)
+  float scale;   // backward: dx (and, at the reduction, dA, dB) of scale * kron(x)
 };
 
 // Factor (rows x cols, strides s0, s1) into a zero-padded (rpad, pitch) tile.
@@ -470,13 +476,17 @@ __global__ void __launch_bounds__(kThreads) kron_mma_bwd_kernel(const KronTcPara
           *reinterpret_cast<uint32_t*>(Vs + t * d.sV + j * d.PV + k) = mma::pack2<T>(v0, v1);
         });
     __syncthreads();
-    // dX[t] = A^T W[t]: M = a_in, N = b_in, K = a_out.
-    T* dxt = dx + tile * P.TT * d_in;
-    mma::block_mma<T, false, false>(
-        nt, d.ai_p / 16, d.bi_p / 16, 1, d.ao_p / 16, mma::SmemOp{As, d.PA, 0, 0},
-        mma::SmemOp{Ws, d.PV, d.sV, 0}, [&](int t, int i, int k, float v0, float v1) {
-          if (i < s.a_in) mma::store2<T>(dxt + t * d_in + i * s.b_in, k, s.b_in, pair_x, v0, v1);
-        });
+    // dX[t] = scale * A^T W[t]: M = a_in, N = b_in, K = a_out.
+    if (P.need_dx) {
+      T* dxt = dx + tile * P.TT * d_in;
+      mma::block_mma<T, false, false>(
+          nt, d.ai_p / 16, d.bi_p / 16, 1, d.ao_p / 16, mma::SmemOp{As, d.PA, 0, 0},
+          mma::SmemOp{Ws, d.PV, d.sV, 0}, [&](int t, int i, int k, float v0, float v1) {
+            if (i < s.a_in)
+              mma::store2<T>(dxt + t * d_in + i * s.b_in, k, s.b_in, pair_x, v0 * P.scale,
+                             v1 * P.scale);
+          });
+    }
     // dA += sum_t W[t] X[t]^T: M = a_out, N = a_in, K = (t, k).
     mma::block_mma<T, true, true>(
         1, d.ao_p / 16, d.ai_p / 16, nt, d.bi_p / 16, mma::SmemOp{Ws, d.PV, 0, d.sV},
@@ -577,7 +587,8 @@ void launch_kron_tc_bwd(KronTcParams P, size_t smem, int64_t nAB, int64_t nA, at
   P.part = part.data_ptr<float>();
   kron_mma_bwd_kernel<T><<<grid, kThreads, smem, stream>>>(P);
   check_launch("kron_mma_bwd_kernel");
-  reduce_partials<T>(P.part, grid, nAB, nA, dA.data_ptr<T>(), dB.data_ptr<T>(), stream);
+  reduce_partials<T>(P.part, grid, nAB, nA, dA.data_ptr<T>(), dB.data_ptr<T>(), stream,
+                     P.scale);
 }
 
 // Tokens per tile that fit `budget` bytes next to `fixed` floats (0: not even one token).
@@ -686,7 +697,9 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor& g,
                                                                const at::Tensor& x,
                                                                const at::Tensor& A,
-                                                               const at::Tensor& B) {
+                                                               const at::Tensor& B,
+                                                               bool need_dx, double scale_d) {
+  const float scale = static_cast<float>(scale_d);
   const KronShape s = check_factors("kron_matvec_bwd", x, A, B);
   check_float_cuda(g, "g");
   check_like(g, "g", x, "x");
@@ -697,7 +710,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
               "kfused: kron_matvec_bwd: g (", describe(g), ") must have shape (", T, ", ",
               int64_t(s.a_out) * s.b_out, ") to match x ", x.sizes(), ", A ", A.sizes(), ", B ",
               B.sizes());
-  at::Tensor dx = at::empty_like(x);
+  at::Tensor dx = need_dx ? at::empty_like(x) : at::empty({0}, x.options());
   at::Tensor dA = at::empty({s.a_out, s.a_in}, x.options());
   at::Tensor dB = at::empty({s.b_out, s.b_in}, x.options());
   if (T == 0) return {dx, dA.zero_(), dB.zero_()};
@@ -730,6 +743,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
       P.vec_x = s.b_in % 8 == 0 && mma_aligned(x.data_ptr());
       P.vec_g = s.b_out % 8 == 0 && mma_aligned(g.data_ptr());
       P.acc_smem = acc_smem;
+      P.need_dx = need_dx;
+      P.scale = scale;
       const size_t smem =
           static_cast<size_t>(fixed16 + TT * token_b + (acc_smem ? 16 + 4 * nAB : 0));
       const int64_t ntiles = ceil_div(T, TT);
@@ -787,12 +802,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   P.part = part.data_ptr<float>();
   P.pX = static_cast<int>(pX);
   P.acc_smem = acc_smem;
+  P.need_dx = need_dx;
+  P.scale = scale;
   KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_bwd", [&] {
     set_smem(kron_bwd_kernel<scalar_t>, smem, "kron_bwd_kernel");
     kron_bwd_kernel<scalar_t><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(P);
     check_launch("kron_bwd_kernel");
     reduce_partials<scalar_t>(P.part, grid, nA + nB, nA, dA.data_ptr<scalar_t>(),
-                              dB.data_ptr<scalar_t>(), stream);
+                              dB.data_ptr<scalar_t>(), stream, scale);
   });
   return {dx, dA, dB};
 }

@@ -9,7 +9,8 @@ does inside a network, A and B trainable):
     kfused-triton   krona_linear (auto: at these sizes W' = W + s·A⊗B folded, then cuBLAS; the
                     tensor-core factor-gradient pass)
     kfused-triton-exact  krona_linear(exact=True): the factored Triton kernels
-    kfused-cuda     F.linear + kron_matvec from the CUDA C++ extension (unfused add)
+    kfused-cuda     krona_linear(backend="cuda"): at these sizes the extension's W' fold, then
+                    cuBLAS; dA, dB from its kron_matvec backward (no dx)
     eager           the reference: F.linear + reshape/matmul Kronecker term
     compile         torch.compile of the reference
     kron-dense      F.linear + F.linear(x, s·torch.kron(A, B)): what PEFT's LoKr does
@@ -85,7 +86,7 @@ def bench_cases(device, dtype=torch.bfloat16, quick=False):
     factor_sets = QUICK_FACTORS if (quick or not on_gpu) else list(FACTORS)
     if not on_gpu and dtype == torch.bfloat16:
         dtype = torch.float32
-    backends = available_backends("kron_matvec", device=str(device), dtype=dtype)
+    backends = available_backends("krona_linear", device=str(device), dtype=dtype)
     scale = 0.5
     out = []
     for d_in, d_out in widths:
@@ -113,8 +114,8 @@ def bench_cases(device, dtype=torch.bfloat16, quick=False):
                               skip=None if on_gpu else "Triton is benchmarked on a GPU only",
                               **common),
                     _provider("kfused-cuda",
-                              lambda x, W, b, A, B: F.linear(x, W, b) + scale *
-                              kron_matvec(x, A, B, backend="cuda"),
+                              lambda x, W, b, A, B: krona_linear(x, W, b, A, B, scale,
+                                                                 backend="cuda"),
                               skip=backends["cuda"], **common),
                     _provider("eager",
                               lambda x, W, b, A, B: krona_linear_ref(x, W, b, A, B, scale),
@@ -208,6 +209,15 @@ def check_cases(device: torch.device) -> List[CheckCase]:
             lambda **kw: krona_linear(**kw, scale=0.5, backend="triton"),
             lambda **kw: krona_linear_ref(**kw, scale=0.5),
             {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
+        # the CUDA C++ path: F.linear + its kron_matvec (T < FOLD_MIN_TOKENS), and its fold
+        # kernel + cuBLAS (exact=False; float32 never folds)
+        for exact, tag in ((None, ""), (False, " folded")):
+            cases.append(CheckCase(
+                "krona_linear", label + tag, "cuda",
+                lambda exact=exact, **kw: krona_linear(**kw, scale=0.5, backend="cuda",
+                                                       exact=exact),
+                lambda **kw: krona_linear_ref(**kw, scale=0.5),
+                {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
     return cases
 
 

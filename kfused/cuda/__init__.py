@@ -29,13 +29,18 @@ def extension():
     return _load()[0]
 
 
+# ops the extension runs with the kernels of others (name -> the kernels' op names)
+_COMPOSED = {"krona_linear": ("krona_fold", "kron_matvec")}
+
+
 def unavailable_reason(op: str = "") -> Optional[str]:
     """None when the extension is loaded and implements ``op``; else the reason."""
     mod, err = _load()
     if mod is None:
         return err
-    if op and not hasattr(mod, f"{op}_fwd"):
-        return f"the CUDA extension has no kernel for {op}"
+    for part in _COMPOSED.get(op, (op,) if op else ()):
+        if not hasattr(mod, f"{part}_fwd"):
+            return f"the CUDA extension has no kernel for {part}"
     return None
 
 

@@ -3,7 +3,8 @@
 
 Custom ops (each with a fake and an autograd registration): kfused::krona_linear_triton_fwd /
 _bwd (factored) and kfused::krona_linear_folded_fwd / _bwd (W + s·A⊗B folded into the weight,
-then cuBLAS).
+then cuBLAS); kfused::krona_linear_cuda_folded_fwd / _bwd (the same fold by the CUDA C++
+extension, its factor gradients from the extension's kron_matvec backward).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from kfused import _validate
+from kfused import _validate, cuda
 from kfused.backends import select_backend
 from kfused.ops._fold import FOLD_MIN_TOKENS, check_exact, fold_decision  # noqa: F401
 from kfused.ops._krona_common import check_factors, rows
@@ -124,6 +125,47 @@ _krona_linear_folded_fwd.register_autograd(
     _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_krona_setup)
 
 # ------------------------------------------------------------------------------------------
+# CUDA C++: the folded path on the extension (W' by its fold kernel, then cuBLAS; dA, dB from
+# its kron_matvec backward without dx, scaled before their one rounding)
+
+
+def _ext():
+    return cuda.require("krona_linear")
+
+
+@torch.library.custom_op("kfused::krona_linear_cuda_folded_fwd", mutates_args=())
+def _krona_linear_cuda_folded_fwd(x: torch.Tensor, weight: torch.Tensor,
+                                  bias: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+    return torch.nn.functional.linear(x, _ext().krona_fold_fwd(weight, A, B, scale), bias)
+
+
+@_krona_linear_cuda_folded_fwd.register_fake
+def _(x, weight, bias, A, B, scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("kfused::krona_linear_cuda_folded_bwd", mutates_args=())
+def _krona_linear_cuda_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                  A: torch.Tensor, B: torch.Tensor, scale: float,
+                                  need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+    ext = _ext()
+    # W' is recomputed (one d_out×d_in pass) rather than saved, as on the Triton path
+    dx = torch.matmul(g, ext.krona_fold_fwd(weight, A, B, scale)) if need_dx else x.new_zeros(0)
+    if not need_dab:
+        return [dx, A.new_zeros(0), B.new_zeros(0)]
+    _, dA, dB = ext.kron_matvec_bwd(g, x.contiguous(), A.contiguous(), B.contiguous(),
+                                    need_dx=False, scale=scale)
+    return [dx, dA, dB]
+
+
+_krona_linear_cuda_folded_bwd.register_fake(_krona_bwd_fake)
+
+
+_krona_linear_cuda_folded_fwd.register_autograd(
+    _krona_backward(torch.ops.kfused.krona_linear_cuda_folded_bwd), setup_context=_krona_setup)
+
+# ------------------------------------------------------------------------------------------
 # validation and the public API
 
 
@@ -159,8 +201,10 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             fine: strides are honoured without a copy); d_out = a_out * b_out.
         bias: (d_out,) or None.
         A: (a_out, a_in).  B: (b_out, b_in).  scale: the adapter scale s.
-        backend: "auto", "triton" or "reference" (the CUDA extension implements kron_matvec
-            only; "cuda" raises BackendError here).
+        backend: "auto", "triton", "cuda" or "reference". "cuda" (the C++ extension): where
+            the fold applies (below), its fold kernel then cuBLAS, dA and dB from its
+            kron_matvec backward; otherwise ``F.linear`` plus its kron_matvec (unfused).
+            "auto" prefers Triton.
         exact: how the Triton backend applies the adapter.
             False: fold it into the weight — ``W' = W + s·(A⊗B)`` (one d_out×d_in pass, each
             element rounded once to the weight dtype), then the frozen GEMM (cuBLAS) on W'
@@ -186,11 +230,20 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
     scale = check_scale(scale)
     check_exact(exact)
-    be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton",))
+    be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton", "cuda"))
     if be == "reference":
         return krona_linear_ref(x, weight, bias, A, B, scale)
     lead = x.shape[:-1]
     x2 = rows(x)
+    if be == "cuda":
+        if use_folded_weight(x2, exact):
+            y = torch.ops.kfused.krona_linear_cuda_folded_fwd(x2, weight, bias, A, B, scale)
+        else:
+            from kfused.ops.kron_matvec import kron_matvec
+
+            y = (torch.nn.functional.linear(x2, weight, bias)
+                 + scale * kron_matvec(x2, A, B, backend="cuda"))
+        return y.reshape(*lead, a_out * b_out)
     if use_folded_weight(x2, exact):
         y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)
     else:

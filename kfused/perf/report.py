@@ -27,9 +27,10 @@ OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "predicted")
 
 # CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA): every 16-bit (Half /
 # BFloat16 template) instantiation in csrc/ except those whose name contains one of these
-# fragments (pure reductions, the split-KV merge). float32 instantiations compute in IEEE
-# float32 (docs/math.md §4) and are not required to use tensor cores.
-CSRC_NOT_GEMM = ("reduce", "merge")
+# fragments (pure reductions, the split-KV merge, the element-wise KronA weight fold). float32
+# instantiations compute in IEEE float32 (docs/math.md §4) and are not required to use tensor
+# cores.
+CSRC_NOT_GEMM = ("reduce", "merge", "krona_fold")
 CSRC_16BIT = ("Half", "BFloat16")
 
 
