@@ -150,6 +150,31 @@ def test_cuda_inducer_model_follows_the_csrc_host():
     assert int(re.search(r"kMlpMaxCols = (\d+)", src).group(1)) == CUDA_MLP_MAX_COLS
 
 
+def test_cuda_krona_model_follows_the_csrc_host():
+    """The model of krona_linear(backend="cuda") uses kron_matvec.cu's launch constants
+    (threads, tokens per tile, the 100 KiB budget) and costs what the folded path runs: the
+    fold twice, cuBLAS twice, the backward kernel without dx and its reduction."""
+    import pathlib
+    import re
+
+    from kfused.perf import cases as C
+
+    src = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "krona" /
+           "kron_matvec.cu").read_text()
+    assert int(re.search(r"kThreads = (\d+);", src).group(1)) == C._CU_KRON_THREADS
+    assert int(re.search(r"kTileMaxTokens = (\d+);", src).group(1)) == C._CU_KRON_MAX_TT
+    assert re.search(r"kPreferred = (\d+) \* 1024", src).group(1) == "100"
+    assert C._CU_KRON_BUDGET == 100 * 1024
+    parts = C._cuda_krona(16384, 768, 768, (24, 24), (32, 32))
+    names = [p["name"] for p in parts]
+    assert sum("krona_fold_kernel" in n for n in names) == 2
+    assert sum("GEMM on W'" in n for n in names) == 2
+    assert any("kron_mma_bwd_kernel" in n for n in names) and "reduce_partials" in names[-1]
+    with_dx = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=True)
+    without = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=False)
+    assert with_dx[0]["flops"] > without[0]["flops"] and with_dx[0]["t"] > without[0]["t"]
+
+
 def test_min_ratio_targets():
     """A target with a lower limit (a baseline that must keep up with kfused's Triton path,
     such as the CUDA C++ one) is met only at or above it, and prints as ">=x"."""

@@ -267,22 +267,39 @@ __device__ __forceinline__ void block_gemm(int M, int N, int K, int kbatch, cons
   }
 }
 
-// Deterministic reduction of per-block float partials: value e = sum_b part[b*n + e] in block
-// order, cast to T and written to out0[e] (e < n0) or out1[e - n0]. Used for weight gradients
-// (no atomics: run-to-run identical for a given grid).
+// Deterministic reduction of per-block float partials: value e = sum_b part[b*n + e], cast to
+// T and written to out0[e] (e < n0) or out1[e - n0]. Used for weight gradients (no atomics:
+// run-to-run identical for a given grid). A block takes 32 consecutive values (one per lane,
+// coalesced rows of part) and its 8 warps split the partials: warp w sums b = w, w + 8, ...
+// in order, then warp 0 adds the 8 warp sums in order — a fixed tree for a given nparts, with
+// 8x the memory parallelism of one thread per value (few values, many partials).
+constexpr int kReduceGroups = 8;
+
 template <typename T>
-__global__ void reduce_partials_kernel(const float* __restrict__ part, int64_t nparts, int64_t n,
-                                       int64_t n0, T* __restrict__ out0, T* __restrict__ out1,
-                                       float scale) {
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__global__ void __launch_bounds__(32 * kReduceGroups) reduce_partials_kernel(
+    const float* __restrict__ part, int64_t nparts, int64_t n, int64_t n0, T* __restrict__ out0,
+    T* __restrict__ out1, float scale) {
+  __shared__ float sums[kReduceGroups][33];
+  const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32; c0 < n;
+       c0 += static_cast<int64_t>(gridDim.x) * 32) {
+    const int64_t e = c0 + lane;
     float s = 0.f;
-    for (int64_t b = 0; b < nparts; ++b) s += part[b * n + e];
-    s *= scale;  // 1 (exact) unless the caller scales the sums before their one rounding
-    if (e < n0)
-      out0[e] = static_cast<T>(s);
-    else
-      out1[e - n0] = static_cast<T>(s);
+    if (e < n)
+      for (int64_t b = grp; b < nparts; b += kReduceGroups) s += part[b * n + e];
+    sums[grp][lane] = s;
+    __syncthreads();
+    if (grp == 0 && e < n) {
+      float t = sums[0][lane];
+#pragma unroll
+      for (int g = 1; g < kReduceGroups; ++g) t += sums[g][lane];
+      t *= scale;  // 1 (exact) unless the caller scales the sums before their one rounding
+      if (e < n0)
+        out0[e] = static_cast<T>(t);
+      else
+        out1[e - n0] = static_cast<T>(t);
+    }
+    __syncthreads();  // sums is reused by the next 32 values
   }
 }
 
@@ -290,9 +307,8 @@ template <typename T>
 inline void reduce_partials(const float* part, int64_t nparts, int64_t n, int64_t n0, T* out0,
                             T* out1, cudaStream_t stream, float scale = 1.f) {
   if (n == 0) return;
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>(ceil_div(n, threads), 4096);
-  reduce_partials_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, 32), 4096);
+  reduce_partials_kernel<T><<<static_cast<unsigned>(blocks), 32 * kReduceGroups, 0, stream>>>(
       part, nparts, n, n0, out0, out1, scale);
   check_launch("reduce_partials_kernel");
 }

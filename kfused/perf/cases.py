@@ -716,6 +716,71 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
     return out + _traced_torch(f"{name}: torch", glue)
 
 
+# --- krona_linear(backend="cuda") (issue 15): the extension's fold + cuBLAS -----------------
+# csrc/krona/kron_matvec.cu: kron_mma_bwd_kernel, 256 threads, persistent over tiles of TT <= 16
+# tokens (kron_tc_tokens: a 100 KiB budget, at least 2 tiles per SM), 16 x 16 block_mma warp
+# tiles whose two operands come from shared memory by ldmatrix every k-step.
+_CU_KRON_THREADS, _CU_KRON_MAX_TT, _CU_KRON_BUDGET = 256, 16, 100 * 1024
+
+
+def _pitch16(n: int) -> int:
+    return cdiv(n, 16) * 16 + 8                          # mma::pitch_for
+
+
+def _block_mma_rate() -> float:
+    """block_mma's rate: a 16 × 16 × 16 warp step loads 2 × 512 B by ldmatrix for 8192 FLOPs,
+    so shared memory (SMEM_BYTES_PER_CLK per SM) feeds at most 8 FLOP/B — below mma.sync's."""
+    feed = R.SMEM_BYTES_PER_CLK * 8.0 * R.SMS * 1.98e9
+    return min(R.MMA_RATE, feed)
+
+
+def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int = 2) -> List[dict]:
+    """kron_matvec_bwd's tensor-core kernel (+ the fixed-order reduction of its partials)."""
+    (a_out, a_in), (b_out, b_in) = A_shape, B_shape
+    ao, ai, bo, bi = (cdiv(v, 16) * 16 for v in (a_out, a_in, b_out, b_in))
+    sX, sG, sV = ai * _pitch16(b_in), ao * _pitch16(b_out), ao * _pitch16(b_in)
+    fixed = 2 * (ao * _pitch16(a_in) + bo * _pitch16(b_in))
+    nAB = a_out * a_in + b_out * b_in
+    token = 2 * (2 * sX + 2 * sG + 2 * sV)
+    tt = max(1, min(_CU_KRON_MAX_TT, (_CU_KRON_BUDGET - fixed - 16 - 4 * nAB) // token,
+                    cdiv(T, 2 * R.SMS)))
+    smem = fixed + tt * token + 16 + 4 * nAB
+    per_sm = max(1, min(2048 // _CU_KRON_THREADS, _CU_SMEM_PER_SM // smem))
+    ntiles = cdiv(T, tt)
+    grid = min(ntiles, per_sm * R.SMS)
+    products = ao * bi * bo + ao * bi * ai + ao * ai * bi + bo * bi * ao    # W, V, dA, dB
+    if need_dx:
+        products += ai * bi * ao
+    w = _work()
+    # block_mma's shared-memory feed, expressed as mma.sync-rate FLOPs
+    w["dot16_flops"] = T * 2.0 * products * (R.MMA_RATE / _block_mma_rate())
+    w["alu_ops"] = T * (2 * ao * bi + ai * bi + ao * bo) / 8            # 128-bit smem stages
+    w["hbm_bytes"] = (el * T * (a_out * b_out + a_in * b_in * (2 if need_dx else 1))
+                      + grid * nAB * 4)
+    out = [dict(name=f"{name}: kron_mma_bwd_kernel ({grid} blocks, {tt} tokens per tile)",
+                t=R.predict(w, {"hmma": 1}, grid, per_sm)["t"], flops=T * 2.0 * products)]
+    rw = _work()
+    rw["hbm_bytes"] = grid * nAB * 4 + nAB * el
+    rw["alu_ops"] = grid * nAB
+    out.append(dict(name=f"{name}: reduce_partials_kernel",              # 32 values a block
+                    t=R.predict(rw, {}, cdiv(nAB, 32), 8)["t"], flops=0.0))
+    return out
+
+
+def _cuda_krona(T: int, d_in: int, d_out: int, A_shape, B_shape, el: int = 2) -> List[dict]:
+    """PREDICTED time of ``krona_linear(..., backend="cuda")`` fwd+bwd on the folded path
+    (16-bit, T >= FOLD_MIN_TOKENS): the fold kernel (W read, W' written: 128-bit element-wise)
+    before the forward GEMM and again before the dx GEMM (cuBLAS), and the factor gradients
+    from the extension's kron_matvec backward without dx (g and x read once, block partials
+    reduced in a fixed order)."""
+    fold = el * d_out * d_in * 2
+    return ([_stream("cuda: krona_fold_kernel (fwd)", fold),
+             _gemm("cuda: fwd GEMM on W' (cuBLAS)", T, d_out, d_in),
+             _stream("cuda: krona_fold_kernel (bwd)", fold),
+             _gemm("cuda: dx GEMM on W' (cuBLAS)", T, d_in, d_out)]
+            + _cuda_kron_bwd("cuda", T, A_shape, B_shape, need_dx=False, el=el))
+
+
 # ==========================================================================================
 # cases
 
@@ -813,10 +878,14 @@ def _krona_case(T, d_in, d_out, A_shape, B_shape, fac, path="gpu-default"):
                    path=tag), run=run,
         useful_flops=2 * gemm + 4 * kron,
         min_bytes=el * (2 * T * d_in + 2 * T * d_out + d_in * d_out),
-        baselines={"floor": floor, "kron-dense": kron_dense, "compile": compiled},
+        baselines=dict({"floor": floor, "kron-dense": kron_dense, "compile": compiled},
+                       **({"kfused-cuda": lambda: _cuda_krona(T, d_in, d_out, A_shape, B_shape)}
+                          if not exact else {})),
         targets=[Target(11, "floor", 1.15, "≤ 1.15× the frozen linear"),
                  Target(11, "kron-dense", 0.5, "≥ 2× faster than materialised kron"),
-                 Target(11, "compile", 1 / 1.3, "≥ 1.3× faster than torch.compile")],
+                 Target(11, "compile", 1 / 1.3, "≥ 1.3× faster than torch.compile")]
+        + ([Target(15, "kfused-cuda", math.inf, "CUDA C++ within 10 % of the Triton path",
+                   min_ratio=1 / 1.1)] if not exact else []),
         compile_group=f"krona {d_in}->{d_out} A{a_out}x{a_in} B{b_out}x{b_in}"
                       + (" exact" if path == "exact" else ""))
 
