@@ -98,14 +98,21 @@ PREFS_WRITER = "kfused bench --write-prefs"
 _PREFS: dict = {}
 
 
+_PACKAGE_PREFS: list = []
+
+
 def prefs_path() -> Optional[str]:
     """The measured backend preferences in use: the file ``KFUSED_BACKEND_PREFS`` names, else
-    the package's ``kfused/data/backend_prefs.json`` when one was committed, else None."""
+    the package's ``kfused/data/backend_prefs.json`` when one was committed (looked up once per
+    process), else None."""
     path = os.environ.get(PREFS_ENV, "").strip()
     if path:
         return path
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "backend_prefs.json")
-    return here if os.path.exists(here) else None
+    if not _PACKAGE_PREFS:
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                            "backend_prefs.json")
+        _PACKAGE_PREFS.append(here if os.path.exists(here) else None)
+    return _PACKAGE_PREFS[0]
 
 
 def load_prefs(path: str) -> dict:
@@ -130,15 +137,15 @@ def load_prefs(path: str) -> dict:
 
 def measured_order(op: str, device: torch.device, regime: str) -> Optional[Tuple[str, ...]]:
     """``op``'s backends fastest first in ``regime`` on this GPU model, as measured (see
-    :func:`prefs_path`), or None when nothing was measured for it."""
+    :func:`prefs_path`), or None when nothing was measured for it. The file is read once per
+    path (a call costs a dict lookup; a process that rewrites it calls ``_PREFS.clear()``)."""
     path = prefs_path()
     if path is None or device.type != "cuda":
         return None
-    stamp = (path, os.path.getmtime(path) if os.path.exists(path) else None)
-    if _PREFS.get("stamp") != stamp:
+    if _PREFS.get("path") != path:
         data = load_prefs(path)
         _PREFS.clear()
-        _PREFS.update(stamp=stamp, data=data)
+        _PREFS.update(path=path, data=data)
     name = torch.cuda.get_device_name(device)
     order = _PREFS["data"]["devices"].get(name, {}).get(op, {}).get(regime)
     return tuple(order) if order else None
