@@ -299,6 +299,46 @@ def check_cases(device: torch.device) -> list:
         cases.append(CheckCase(OP, label, "triton", run("triton"), run("reference"),
                                inputs))
     cases += _decode_and_packed_checks(g, on_gpu)
+    cases += _cuda_checks(g, on_gpu)
+    return cases
+
+
+def _cuda_checks(g: torch.Generator, on_gpu: bool) -> list:
+    """The CUDA C++ inference kernel (forward only, seq_lens masks; 16-bit: the inducer MLP
+    inside the kernel): prefill with a prefix, "gate", a few-block prefill that splits the keys
+    over blocks, single-token decode against a long cache."""
+    f64 = torch.float64
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, generator=g, dtype=f64) * s
+
+    cases = []
+    for B, H, n_q, n_k, p, l, causal, comp in [
+            (2, 4, 1025 if on_gpu else 65, 1025 if on_gpu else 65, 64, 2, True, "add"),
+            (2, 3, 40, 57, 80, 1, False, "gate"),
+            (1, 1, 130, 130, 128, 0, True, "add"),          # 3 row tiles: keys split
+            (2, 2, 1, 4099 if on_gpu else 300, 128, 0, True, "add")]:
+        inputs = {"q": rnd(B, H, n_q, p), "k": rnd(B, H, n_k, p), "v": rnd(B, H, n_k, p),
+                  "Ak": rnd(H, p, 4, s=0.5), "ak": rnd(H, 4, s=0.5),
+                  "Bk": rnd(H, 4, p, s=0.5), "ck": rnd(H, p, s=0.5),
+                  "W1": rnd(H, p, 8, s=0.5), "b1": rnd(H, 8, s=0.5),
+                  "seq_lens": torch.tensor([n_k, max(1, n_k // 2)][:B])}
+        if comp == "gate":
+            inputs.update(W2=rnd(H, 8, p), b2=rnd(H, p))
+        if l:
+            inputs.update(prefix_k=rnd(H, l, p), prefix_v=rnd(H, l, p))
+
+        def run(backend, comp=comp, causal=causal):
+            def fn(**kw):
+                out, u = inducer_attention(**kw, composition=comp, causal=causal,
+                                           backend=backend)
+                return out if u is None else (out, u)
+            return fn
+
+        label = (f"B={B} H={H} n_q={n_q} n_k={n_k} p={p} l={l} "
+                 f"{'causal ' if causal else ''}{comp} inference")
+        cases.append(CheckCase(OP, label, "cuda", run("cuda"), run("reference"), inputs,
+                               grad_names=[]))
     return cases
 
 
