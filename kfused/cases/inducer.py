@@ -263,6 +263,14 @@ def _varlen_cases(device, dtype, quick, triton_reason) -> List[BenchCase]:
 # `kfused check`
 
 
+def _runner(backend: str, comp: str, causal: bool):
+    """inducer_attention on ``backend`` returning out, or (out, u) for "add"."""
+    def fn(**kw):
+        out, u = inducer_attention(**kw, composition=comp, causal=causal, backend=backend)
+        return out if u is None else (out, u)
+    return fn
+
+
 def check_cases(device: torch.device) -> list:
     """`kfused check` cases (docs/math.md §4 against the float64 reference): inducer "add" and
     "gate", prefix, causal and padding masks, odd n, every supported head width."""
@@ -288,16 +296,9 @@ def check_cases(device: torch.device) -> list:
         mask[:, 0] = True
         inputs["key_padding_mask"] = mask
 
-        def run(backend, comp=comp, causal=causal):
-            def fn(**kw):
-                out, u = inducer_attention(**kw, composition=comp, causal=causal,
-                                           backend=backend)
-                return out if u is None else (out, u)
-            return fn
-
         label = f"B={B} H={H} n={n} p={p} l={l} {'causal ' if causal else ''}{comp}"
-        cases.append(CheckCase(OP, label, "triton", run("triton"), run("reference"),
-                               inputs))
+        cases.append(CheckCase(OP, label, "triton", _runner("triton", comp, causal),
+                               _runner("reference", comp, causal), inputs))
     cases += _decode_and_packed_checks(g, on_gpu)
     cases += _cuda_checks(g, on_gpu)
     return cases
@@ -328,17 +329,10 @@ def _cuda_checks(g: torch.Generator, on_gpu: bool) -> list:
         if l:
             inputs.update(prefix_k=rnd(H, l, p), prefix_v=rnd(H, l, p))
 
-        def run(backend, comp=comp, causal=causal):
-            def fn(**kw):
-                out, u = inducer_attention(**kw, composition=comp, causal=causal,
-                                           backend=backend)
-                return out if u is None else (out, u)
-            return fn
-
         label = (f"B={B} H={H} n_q={n_q} n_k={n_k} p={p} l={l} "
                  f"{'causal ' if causal else ''}{comp} inference")
-        cases.append(CheckCase(OP, label, "cuda", run("cuda"), run("reference"), inputs,
-                               grad_names=[]))
+        cases.append(CheckCase(OP, label, "cuda", _runner("cuda", comp, causal),
+                               _runner("reference", comp, causal), inputs, grad_names=[]))
     return cases
 
 

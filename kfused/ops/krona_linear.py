@@ -35,9 +35,11 @@ def _krona_linear_triton_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Option
     return _tk().krona_linear_forward(x, weight, bias, A, B, scale)
 
 
-@_krona_linear_triton_fwd.register_fake
-def _(x, weight, bias, A, B, scale):
+def _krona_fwd_fake(x, weight, bias, A, B, scale):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+_krona_linear_triton_fwd.register_fake(_krona_fwd_fake)
 
 
 @torch.library.custom_op("kfused::krona_linear_triton_bwd", mutates_args=())
@@ -96,9 +98,7 @@ def _krona_linear_folded_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Option
     return torch.nn.functional.linear(x, w_fold, bias)
 
 
-@_krona_linear_folded_fwd.register_fake
-def _(x, weight, bias, A, B, scale):
-    return x.new_empty(x.shape[0], weight.shape[0])
+_krona_linear_folded_fwd.register_fake(_krona_fwd_fake)
 
 
 @torch.library.custom_op("kfused::krona_linear_folded_bwd", mutates_args=())
@@ -140,9 +140,7 @@ def _krona_linear_cuda_folded_fwd(x: torch.Tensor, weight: torch.Tensor,
     return torch.nn.functional.linear(x, _ext().krona_fold_fwd(weight, A, B, scale), bias)
 
 
-@_krona_linear_cuda_folded_fwd.register_fake
-def _(x, weight, bias, A, B, scale):
-    return x.new_empty(x.shape[0], weight.shape[0])
+_krona_linear_cuda_folded_fwd.register_fake(_krona_fwd_fake)
 
 
 @torch.library.custom_op("kfused::krona_linear_cuda_folded_bwd", mutates_args=())
