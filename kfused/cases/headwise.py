@@ -12,6 +12,9 @@ pair with the providers:
     peft-lora      plain LoRA on q and v with the same parameter budget, as PEFT runs it
                    (peft.get_peft_model on q_proj/k_proj/v_proj linears)
 
+plus the standalone ``headwise_lowrank`` op (LOWRANK_CASES) with its two fused backends side by
+side: kfused-triton, kfused-cuda (the CUDA C++ extension) and eager (the reference).
+
 Presets: Kernel-mix(qvo) (intermediate; its q and v parts ride on this projection, its o part
 belongs to the output projection) and Kernel-mix-lite(qv) (small). Widths: GPT-2 small
 (d = 768, 12 heads) and medium (d = 1024, 16 heads), head width 64, and Llama-7B-like with
@@ -180,14 +183,60 @@ def bench_cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List
     if dev.type != "cuda":
         if dtype == torch.bfloat16:
             dtype = torch.float32
-        return [_case(w, p, device, dtype, CPU_WIDTHS[w]["tokens"]) for w in CPU_WIDTHS
-                for p in BENCH_PRESETS]
+        return ([_case(w, p, device, dtype, CPU_WIDTHS[w]["tokens"]) for w in CPU_WIDTHS
+                 for p in BENCH_PRESETS]
+                + [_lowrank_case("cpu-sized kernel-wise-lite", 64, 2, 16, 16, 4, True, dev,
+                                 dtype)])
     out = []
     for width, w in WIDTHS.items():
         tokens = w["tokens"] // 4 if quick else w["tokens"]
         for preset in BENCH_PRESETS:
             out.append(_case(width, preset, device, dtype, tokens))
+    for label, T, H, d_b, p, r, per_head in LOWRANK_CASES:
+        out.append(_lowrank_case(label, T // 4 if quick else T, H, d_b, p, r, per_head, dev,
+                                 dtype))
     return out
+
+
+# headwise_lowrank on its own (the standalone op; the modules use the fused projections):
+# its two fused backends side by side (issue 15: the CUDA C++ path against the Triton one)
+LOWRANK_CASES = [  # label, T, H, d_b, p, r, per_head
+    ("gpt2-small kernel-wise (shared basis x)", 16384, 12, 768, 64, 8, False),
+    ("gpt2-small kernel-wise-lite (basis k_h)", 16384, 12, 64, 64, 8, True),
+    ("llama-7b kernel-wise-lite (basis k_h)", 16384, 32, 128, 128, 16, True),
+]
+
+
+def _lowrank_case(label, T, H, d_b, p, r, per_head, device, dtype) -> BenchCase:
+    from kfused.backends import available_backends
+    from kfused.ops import headwise_lowrank
+
+    def make(backend):
+        def mk():
+            g = torch.Generator(device=device).manual_seed(0)
+
+            def rnd(*shape, s=1.0):
+                return (torch.randn(*shape, device=device, dtype=dtype, generator=g) * s
+                        ).requires_grad_()
+
+            basis = rnd(*((T, H, d_b) if per_head else (T, d_b)))
+            A, B, bias = rnd(H, r, d_b, s=d_b ** -0.5), rnd(H, p, r, s=r ** -0.5), rnd(H, p)
+            return (lambda: headwise_lowrank(basis, A, B, bias, per_head=per_head,
+                                             backend=backend)), [basis, A, B, bias]
+        return mk
+
+    unfit = available_backends("headwise_lowrank", device=str(device), dtype=dtype)
+    el = torch.finfo(dtype).bits // 8
+    flops = 2.0 * T * H * r * (d_b + p)
+    return BenchCase(
+        op="headwise_lowrank",
+        shape=dict(model=label, T=T, H=H, d_b=d_b, p=p, r=r, per_head=per_head),
+        dtype=dtype,
+        providers=[Provider("kfused-triton", make("triton"), skip_reason=unfit["triton"]),
+                   Provider("kfused-cuda", make("cuda"), skip_reason=unfit["cuda"]),
+                   Provider("eager", make("reference"))],
+        flops_fwd=flops, flops_bwd=2 * flops,
+        bytes_fwd=el * T * ((H if per_head else 1) * d_b + H * p))
 
 
 # ------------------------------------------------------------------------------------------
