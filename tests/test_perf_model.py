@@ -170,6 +170,11 @@ def test_cuda_krona_model_follows_the_csrc_host():
     assert sum("krona_fold_kernel" in n for n in names) == 2
     assert sum("GEMM on W'" in n for n in names) == 2
     assert any("kron_mma_bwd_kernel" in n for n in names) and "reduce_partials" in names[-1]
+    # the host's choice between the tensor-core and the CUDA-core backward kernel
+    assert float(re.search(r"kTcMaxWaste = ([\d.]+);", src).group(1)) == C._CU_KRON_TC_MAX_WASTE
+    assert C._cuda_kron_tc_pays((24, 24), (32, 32)) and C._cuda_kron_tc_pays((48, 24), (64, 32))
+    assert not C._cuda_kron_tc_pays((2, 384), (384, 2))          # 64x padding waste
+    assert "CUDA cores" in C._cuda_kron_bwd("x", 4096, (2, 384), (384, 2), False)[0]["name"]
     with_dx = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=True)
     without = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=False)
     assert with_dx[0]["flops"] > without[0]["flops"] and with_dx[0]["t"] > without[0]["t"]

@@ -523,6 +523,26 @@ inline int64_t kron_tc_token_bwd(const KronTcDims& d) {
   return 2 * int64_t(d.sX) + 2 * int64_t(d.sG) + 2 * int64_t(d.sV);
 }
 
+// Whether the tensor-core kernels pay for these factors. Every factor side is padded to 16,
+// and a 16 x 16 x 16 block_mma step is fed by two ldmatrix loads from shared memory (about
+// 5x the float32 FMA rate of the CUDA cores on H100, kfused/perf/cases.py _block_mma_rate):
+// when the padding multiplies the products' MACs by more than kTcMaxWaste, the CUDA-core
+// kernel does the real MACs faster. The paper's 2 x 384 / 384 x 2 factors waste 64x (every
+// product has two 2-wide sides); balanced factors (24 x 24, 32 x 32) 1.5x.
+constexpr double kTcMaxWaste = 4.0;
+
+inline bool kron_tc_pays(const KronShape& s, bool bwd) {
+  auto macs = [&](double ao, double ai, double bo, double bi) {
+    const double fwd = ao * ai * bi + ao * bi * bo;             // V = A X, Y = V B^T
+    return bwd ? ao * bo * bi + ao * ai * bi + ai * ao * bi     // W = G B, V, dX = A^T W,
+                     + ao * ai * bi + bo * ao * bi               // dA, dB
+               : fwd;
+  };
+  const double useful = macs(s.a_out, s.a_in, s.b_out, s.b_in);
+  const double padded = macs(r16(s.a_out), r16(s.a_in), r16(s.b_out), r16(s.b_in));
+  return padded <= kTcMaxWaste * useful;
+}
+
 // Tokens per tile for the tensor-core kernels (0: does not fit -> CUDA-core kernel).
 inline int kron_tc_tokens(int64_t fixed_bytes, int64_t token_bytes, int64_t T, int64_t optin) {
   constexpr int64_t kPreferred = 100 * 1024;  // two blocks per SM on sm_90
@@ -632,7 +652,7 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
   cudaStream_t stream = current_stream();
   const int64_t optin = max_smem_optin();
 
-  if (x.scalar_type() != at::kFloat) {
+  if (x.scalar_type() != at::kFloat && kron_tc_pays(s, false)) {
     // Tensor-core kernel when its zero-padded tiles fit in shared memory.
     const KronTcDims d = kron_tc_dims(s);
     const int64_t fixed_b = 2 * kron_tc_fixed(d), token_b = 2 * kron_tc_token_fwd(d);
@@ -719,7 +739,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   const int64_t optin = max_smem_optin();
   const int64_t sms = sm_count();
 
-  if (x.scalar_type() != at::kFloat) {
+  if (x.scalar_type() != at::kFloat && kron_tc_pays(s, true)) {
     // Tensor-core kernel when its zero-padded tiles fit (float dA | dB accumulators in shared
     // memory when they fit too, else in the block's slice of the partials workspace).
     const KronTcDims d = kron_tc_dims(s);

@@ -734,13 +734,45 @@ def _block_mma_rate() -> float:
     return min(R.MMA_RATE, feed)
 
 
-def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int = 2) -> List[dict]:
-    """kron_matvec_bwd's tensor-core kernel (+ the fixed-order reduction of its partials)."""
+_CU_KRON_TC_MAX_WASTE = 4.0            # kron_matvec.cu kTcMaxWaste
+
+
+def _kron_bwd_macs(ao, ai, bo, bi, need_dx=True):
+    """MACs per token of kron_matvec_bwd: W = G B, V = A X, dX = Aᵀ W, dA, dB."""
+    return ao * bo * bi + ao * ai * bi + (ai * ao * bi if need_dx else 0) + ao * ai * bi \
+        + bo * ao * bi
+
+
+def _cuda_kron_tc_pays(A_shape, B_shape) -> bool:
+    """kron_matvec.cu kron_tc_pays (backward): the tensor-core kernel unless padding every
+    factor side to 16 multiplies the MACs by more than kTcMaxWaste."""
     (a_out, a_in), (b_out, b_in) = A_shape, B_shape
+    pad = [cdiv(v, 16) * 16 for v in (a_out, a_in, b_out, b_in)]
+    return _kron_bwd_macs(*pad) <= _CU_KRON_TC_MAX_WASTE * _kron_bwd_macs(a_out, a_in, b_out,
+                                                                          b_in)
+
+
+def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int = 2) -> List[dict]:
+    """kron_matvec_bwd (+ the fixed-order reduction of its partials): the tensor-core kernel,
+    or — where the 16-padding would waste more than kTcMaxWaste — the CUDA-core kernel
+    (block_gemm on float shared-memory operands: 8 operand loads per 16 FMAs, about half the
+    FMA rate; up to 2 blocks per SM)."""
+    (a_out, a_in), (b_out, b_in) = A_shape, B_shape
+    nAB = a_out * a_in + b_out * b_in
+    if not _cuda_kron_tc_pays(A_shape, B_shape):
+        w = _work()
+        macs = _kron_bwd_macs(a_out, a_in, b_out, b_in, need_dx)
+        w["fma32_flops"] = T * 2.0 * macs * 2                       # at half the FMA rate
+        w["alu_ops"] = T * (a_in * b_in + a_out * b_out) / 4         # float staging
+        grid = min(cdiv(T, _CU_KRON_MAX_TT), 2 * R.SMS)
+        w["hbm_bytes"] = (el * T * (a_out * b_out + a_in * b_in * (2 if need_dx else 1))
+                          + grid * nAB * 4)
+        out = [dict(name=f"{name}: kron_bwd_kernel (CUDA cores; {grid} blocks)",
+                    t=R.predict(w, {}, grid, 2)["t"], flops=T * 2.0 * macs)]
+        return out + [_reduce_partials(name, grid, nAB, el)]
     ao, ai, bo, bi = (cdiv(v, 16) * 16 for v in (a_out, a_in, b_out, b_in))
     sX, sG, sV = ai * _pitch16(b_in), ao * _pitch16(b_out), ao * _pitch16(b_in)
     fixed = 2 * (ao * _pitch16(a_in) + bo * _pitch16(b_in))
-    nAB = a_out * a_in + b_out * b_in
     token = 2 * (2 * sX + 2 * sG + 2 * sV)
     tt = max(1, min(_CU_KRON_MAX_TT, (_CU_KRON_BUDGET - fixed - 16 - 4 * nAB) // token,
                     cdiv(T, 2 * R.SMS)))
@@ -759,12 +791,16 @@ def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int =
                       + grid * nAB * 4)
     out = [dict(name=f"{name}: kron_mma_bwd_kernel ({grid} blocks, {tt} tokens per tile)",
                 t=R.predict(w, {"hmma": 1}, grid, per_sm)["t"], flops=T * 2.0 * products)]
+    return out + [_reduce_partials(name, grid, nAB, el)]
+
+
+def _reduce_partials(name: str, grid: int, n: int, el: int) -> dict:
+    """common.cuh reduce_partials_kernel: 32 values a block, 8 warps over the partials."""
     rw = _work()
-    rw["hbm_bytes"] = grid * nAB * 4 + nAB * el
-    rw["alu_ops"] = grid * nAB
-    out.append(dict(name=f"{name}: reduce_partials_kernel",              # 32 values a block
-                    t=R.predict(rw, {}, cdiv(nAB, 32), 8)["t"], flops=0.0))
-    return out
+    rw["hbm_bytes"] = grid * n * 4 + n * el
+    rw["alu_ops"] = grid * n
+    return dict(name=f"{name}: reduce_partials_kernel",
+                t=R.predict(rw, {}, cdiv(n, 32), 8)["t"], flops=0.0)
 
 
 def _cuda_krona(T: int, d_in: int, d_out: int, A_shape, B_shape, el: int = 2) -> List[dict]:
