@@ -180,6 +180,26 @@ def test_cuda_krona_model_follows_the_csrc_host():
     assert with_dx[0]["flops"] > without[0]["flops"] and with_dx[0]["t"] > without[0]["t"]
 
 
+def test_cuda_headwise_lowrank_model_follows_the_csrc_host():
+    """The headwise_lowrank CUDA model uses headwise_lowrank.cu's tile constants and costs
+    every launch of its backward (U, dU, dbasis, dA, dB, dbias and the reductions)."""
+    import pathlib
+    import re
+
+    from kfused.perf import cases as C
+
+    src = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "headwise" /
+           "headwise_lowrank.cu").read_text()
+    assert int(re.search(r"kHwBM = (\d+)", src).group(1)) == C._CU_HW_BM
+    assert int(re.search(r"kHwMaxN = (\d+)", src).group(1)) == C._CU_HW_MAXN
+    assert int(re.search(r"kSgBM = (\d+)", src).group(1)) == C._CU_SG_TILE
+    names = [p["name"] for p in C._cuda_headwise_lowrank(4096, 12, 768, 64, 8, True)]
+    for part in ("headwise_mma_kernel", "headwise_du_kernel", "(dbasis)", "(dA)", "(dB)",
+                 "(dbias)"):
+        assert any(part in n for n in names), part
+    assert sum("reduce_partials" in n for n in names) == 3
+
+
 def test_min_ratio_targets():
     """A target with a lower limit (a baseline that must keep up with kfused's Triton path,
     such as the CUDA C++ one) is met only at or above it, and prints as ">=x"."""

@@ -297,6 +297,50 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_hw_lowrank_fwd_kernel")
+def _m_hw_lowrank_fwd(L) -> Dict[str, float]:
+    """headwise_lowrank forward, grid (T blocks, H): Z = basis·A_hᵀ over d_b in BK chunks
+    (tensor cores for 16-bit tiles ≥ 16), out = Z B_hᵀ as a float32 IEEE product on the CUDA
+    cores (Z stays float32), Z written as float32 for the backward. A shared basis is read by
+    every head: HBM once when it fits in L2 (reread_bytes)."""
+    a = L.bound()
+    x = a["x_ptr"]
+    x16, el = _is16(x), _el(x)
+    T, H, DB, P, Rk = a["T"], a["H"], a["DB"], a["P"], a["R"]
+    BT, BK, PB, RB = a["BT"], a["BK"], a["PB"], a["RB"]
+    tp = cdiv(T, BT) * BT
+    w = _work()
+    _prod(w, "down", H * 2.0 * tp * cdiv(DB, BK) * BK * RB, a["DOT_DOWN"], x16)
+    _prod(w, "up", H * 2.0 * tp * RB * PB, a["DOT_UP"], False)
+    shared = a["s_xh"] == 0
+    w["hbm_bytes"] = ((R.reread_bytes(T * DB * el, H) if shared else T * H * DB * el)
+                      + a["a_ptr"].numel() * el + T * H * (Rk * 4 + P * _el(a["out_ptr"])))
+    return w
+
+
+@kernel("_hw_lowrank_bwd_kernel")
+def _m_hw_lowrank_bwd(L) -> Dict[str, float]:
+    """headwise_lowrank backward, grid (T blocks, d_b blocks, heads or 1): per head dZ = g_h B_h
+    and dbasis += dZ A_h, both float32 IEEE products on the CUDA cores (g loaded as float32);
+    g is re-read by every d_b block (L2), dZ written by the first."""
+    a = L.bound()
+    g = a["g_ptr"]
+    el = _el(g)
+    T, H, DB, P, Rk = a["T"], a["H"], a["DB"], a["P"], a["R"]
+    BT, BD, PB, RB = a["BT"], a["BD"], a["PB"], a["RB"]
+    hpp = a["HEADS_PER_PROG"]
+    tb, db_blocks, nh = L.grid
+    heads = nh * hpp
+    tp = tb * BT
+    w = _work()
+    _prod(w, "dz", db_blocks * heads * 2.0 * tp * PB * RB, a["DOT_G"], False)
+    _prod(w, "dx", db_blocks * heads * 2.0 * tp * RB * BD, a["DOT_A"], False)
+    w["alu_ops"] += db_blocks * heads * tp * PB               # g -> float32
+    w["hbm_bytes"] = (R.reread_bytes(T * H * P * el, db_blocks) + T * H * Rk * 4
+                      + T * nh * DB * _el(a["dx_ptr"]))
+    return w
+
+
 @kernel("_atb_kernel")
 def _m_atb(L) -> Dict[str, float]:
     a = L.bound()
@@ -1080,6 +1124,91 @@ def _headwise_cases():
     return out
 
 
+# --- headwise_lowrank, the standalone op: its Triton path against the CUDA C++ one (issue 15)
+# csrc/headwise/headwise_lowrank.cu (16-bit, r <= 64): headwise_mma_kernel (64 tokens × a group of
+# HG = 64 / r8 heads sharing the basis tile), headwise_du_kernel (dU = g B on the CUDA cores),
+# stream_gemm_mma_kernel (64 × 64 tiles; dbasis, dA, dB with K = T split over blocks), the
+# fixed-order reductions and the bias column sums.
+_CU_HW_BM, _CU_HW_MAXN, _CU_SG_TILE = 64, 64, 64
+
+
+def _cu_launch(name: str, programs: int, dot16=0.0, fma32=0.0, nbytes=0.0, ctas=2) -> dict:
+    w = _work()
+    w["dot16_flops"], w["fma32_flops"], w["hbm_bytes"] = dot16, fma32, nbytes
+    return dict(name=name, t=R.predict(w, {"hmma": 1}, programs, ctas)["t"],
+                flops=dot16 + fma32)
+
+
+def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2) -> List[dict]:
+    """PREDICTED fwd+bwd of ``headwise_lowrank(..., backend="cuda")`` (16-bit, r ≤ 64)."""
+    r8, r16, p16 = cdiv(r, 8) * 8, cdiv(r, 16) * 16, cdiv(p, 16) * 16
+    HG = max(1, min(H, _CU_HW_MAXN // r8)) if shared else 1
+    groups = cdiv(H, HG)
+    tiles = cdiv(T, _CU_HW_BM) * groups
+    basis = (R.reread_bytes(T * d_b * el, groups) if shared else T * H * d_b * el)
+    down = 2.0 * cdiv(T, _CU_HW_BM) * _CU_HW_BM * groups * HG * r8 * cdiv(d_b, 64) * 64
+    up = 2.0 * T * H * r16 * p16
+    hr = H * r
+    out = [_cu_launch("cuda fwd: headwise_mma_kernel", tiles, down + up, 0.0,
+                      basis + T * H * p * el),
+           _cu_launch("cuda bwd: headwise_mma_kernel (U)", tiles, down, 0.0,
+                      basis + T * hr * el),
+           _cu_launch("cuda bwd: headwise_du_kernel (dU = g B)", cdiv(T * hr, 256), 0.0,
+                      2.0 * T * hr * p, T * H * p * el + T * hr * el, ctas=8)]
+
+    def sg(name, M, N, K, batch, nbytes, split=False):
+        t = cdiv(M, _CU_SG_TILE) * cdiv(N, _CU_SG_TILE) * batch
+        sp = max(1, min(cdiv(2 * R.SMS, t), K // 256)) if split else 1
+        res = [_cu_launch(f"cuda bwd: stream_gemm_mma_kernel ({name})", t * sp,
+                          2.0 * M * N * K * batch, 0.0, nbytes + (2 * sp * M * N * batch * 4
+                                                                    if split else 0))]
+        if split:
+            res.append(_reduce_partials(f"cuda bwd ({name})", sp, M * N * batch, el))
+        return res
+
+    dU, g = T * hr * el, T * H * p * el
+    out += sg("dbasis", T, d_b, hr if shared else r, 1 if shared else H,
+              dU + T * (1 if shared else H) * d_b * el)
+    out += sg("dA", hr if shared else r, d_b, T, 1 if shared else H, dU + basis, split=True)
+    out += sg("dB", p, r, T, H, g + T * hr * el, split=True)
+    # dbias: column sums of g split over tokens (4 blocks per SM's worth), then the reduction
+    cols = cdiv(H * p, 256)
+    sp = min(max(1, cdiv(4 * R.SMS, cols)), max(1, cdiv(T, 32)))
+    out.append(_cu_launch("cuda bwd: headwise_colreduce_kernel (dbias)", cols * sp, 0.0, 0.0,
+                          g + sp * H * p * 4, ctas=8))
+    out.append(_reduce_partials("cuda bwd (dbias)", sp, H * p, el))
+    return out
+
+
+def _headwise_lowrank_case(label, T, H, d_b, p, r, shared):
+    def run():
+        from kfused.ops import headwise_lowrank
+
+        basis = _e(*((T, d_b) if shared else (T, H, d_b)), grad=True)
+        A, B, c = _e(H, r, d_b, grad=True), _e(H, p, r, grad=True), _e(H, p, grad=True)
+        y = headwise_lowrank(basis, A, B, c, per_head=not shared, backend="triton")
+        _grad(y, [basis, A, B, c])
+
+    flops = 2.0 * T * H * r * (d_b + p)
+    return Case(
+        op="headwise_lowrank", label=f"{label} T={T} H={H} d_b={d_b} p={p} r={r}",
+        shape=dict(T=T, H=H, d_b=d_b, p=p, r=r, shared=shared), run=run,
+        useful_flops=3 * flops,
+        min_bytes=2 * (T * (1 if shared else H) * d_b * 2 + T * H * p * 2),
+        baselines={"kfused-cuda": lambda: _cuda_headwise_lowrank(T, H, d_b, p, r, shared)},
+        targets=[Target(15, "kfused-cuda", math.inf, "CUDA C++ within 10 % of the Triton path",
+                        min_ratio=1 / 1.1)],
+        compile_group=f"headwise_lowrank {label}")
+
+
+def _headwise_lowrank_cases():
+    # the benchmark's LOWRANK_CASES (kfused/cases/headwise.py)
+    from kfused.cases.headwise import LOWRANK_CASES
+
+    return [_headwise_lowrank_case(label.split(" (")[0], T, H, d_b, p, r, not per_head)
+            for label, T, H, d_b, p, r, per_head in LOWRANK_CASES]
+
+
 # --- inducer attention (issue 14) ---------------------------------------------------------
 
 
@@ -1252,4 +1381,4 @@ def _inducer_cases():
 
 
 def all_cases() -> List[Case]:
-    return _krona_cases() + _headwise_cases() + _inducer_cases()
+    return _krona_cases() + _headwise_cases() + _headwise_lowrank_cases() + _inducer_cases()
