@@ -44,6 +44,16 @@ def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr = tl.
 
 
 @triton.jit
+def _dot_f32_by16(a, b):
+    """a (float32, M × K) @ b (16-bit, K × N) -> float32 on the tensor cores: a is split into
+    a 16-bit high and low part (two products; ~16 mantissa bits of a kept, b's products
+    exact in the float32 accumulator). Every dim >= 16."""
+    a_hi = a.to(b.dtype)
+    a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
+    return tl.dot(a_hi, b, out_dtype=tl.float32) + tl.dot(a_lo, b, out_dtype=tl.float32)
+
+
+@triton.jit
 def _grouped_tile(pid, n_m, n_n, GROUP: tl.constexpr):
     """(row block, column block) of program ``pid`` of an (n_m × n_n)-tile GEMM in grouped
     order: GROUP row blocks walk every column block before the next group starts, so the
