@@ -95,10 +95,8 @@ def default_backend() -> str:
 
 PREFS_ENV = "KFUSED_BACKEND_PREFS"
 PREFS_WRITER = "kfused bench --write-prefs"
-_PREFS: dict = {}
-
-
-_PACKAGE_PREFS: list = []
+_PREFS: dict = {}            # {"path": the file read, "data": its contents}
+_PACKAGE_PREFS: list = []    # [the package's file or None], looked up once
 
 
 def prefs_path() -> Optional[str]:

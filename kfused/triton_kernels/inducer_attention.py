@@ -923,6 +923,11 @@ class _DecodePlan:
                 chunk = max(256, triton.cdiv(lay.n_k, want))
         self.chunk = triton.cdiv(max(1, chunk), self.block_n) * self.block_n
         self.splits = triton.cdiv(lay.n_k, self.chunk)
+        # Something to split (several chunks) or to pack (query heads per kv head): else the
+        # single pass on block_m-row tiles does the same work with no workspace and no merge.
+        # PREDICTED (kfused.perf, H100, B=8 H=32/32 n_k=4096 p=128): 182.9 -> 182.0 µs (2.1 MB
+        # of partials and the serial merge after the last wave gone; SDPA 182.0 µs).
+        self.split_kv = self.splits > 1 or group > 1
 
     @staticmethod
     def applies(lay: "_Layout") -> bool:
@@ -1118,11 +1123,7 @@ def inducer_attention_forward(
         plan = _DecodePlan(lay, q.device, decode_chunk)
         BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
         warps, stages = 4, (1 if triton_interpret() else 2)
-        # One chunk and no query heads to pack (H == H_kv): the single pass with the plan's
-        # row tile does the same work with no workspace and no merge. PREDICTED (kfused.perf,
-        # H100, B=8 H=32/32 n_k=4096 p=128): 182.9 -> 182.0 µs (2.1 MB of partials and the
-        # serial merge after the last wave gone; SDPA 182.0 µs on the same 537 MB).
-        decode = plan.splits > 1 or h_kv != H
+        decode = plan.split_kv
         grid = (triton.cdiv(n_q, BM), B * H)
     if decode and B * H * n_q > 0:
         n_ws = B * h_kv * plan.splits * split_m
