@@ -38,11 +38,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("W"), py::arg("A"), py::arg("B"), py::arg("scale") = 1.0);
 
   m.def("headwise_lowrank_fwd", &kfused::headwise_lowrank_fwd,
-        "out (T, H, p) = per head basis A_h^T B_h^T + bias_h", py::arg("basis"), py::arg("A"),
-        py::arg("B"), py::arg("bias") = py::none());
+        "(out (T, H, p) = per head basis A_h^T B_h^T + bias_h, U for the backward when save_u "
+        "(16-bit), else (0,))",
+        py::arg("basis"), py::arg("A"), py::arg("B"), py::arg("bias") = py::none(),
+        py::arg("save_u") = false);
   m.def("headwise_lowrank_bwd", &kfused::headwise_lowrank_bwd,
-        "(dbasis, dA, dB, dbias) of headwise_lowrank", py::arg("g"), py::arg("basis"),
-        py::arg("A"), py::arg("B"), py::arg("has_bias"));
+        "(dbasis, dA, dB, dbias) of headwise_lowrank; U: the forward's saved U or None",
+        py::arg("g"), py::arg("basis"), py::arg("A"), py::arg("B"), py::arg("has_bias"),
+        py::arg("U") = py::none());
 
   m.def("inducer_attention_fwd", &kfused::inducer_attention_fwd,
         "(f, lse, lam, u) of inducer attention (forward only): s0 given, or computed in the "

@@ -164,8 +164,12 @@ calls = {
         r(4, 4), r(4, 6), r(2, 3), r(2, 2), need_dx=False, scale=0.5),
     "krona_fold_fwd": lambda: m.krona_fold_fwd(r(4, 6), r(2, 3), r(2, 2), 0.5),
     "headwise_lowrank_fwd": lambda: m.headwise_lowrank_fwd(r(3, 8), r(2, 1, 8), r(2, 4, 1)),
+    "headwise_lowrank_fwd(save_u)": lambda: m.headwise_lowrank_fwd(
+        r(3, 8), r(2, 1, 8), r(2, 4, 1), None, save_u=True),
     "headwise_lowrank_bwd": lambda: m.headwise_lowrank_bwd(r(3, 2, 4), r(3, 8), r(2, 1, 8),
                                                            r(2, 4, 1), True),
+    "headwise_lowrank_bwd(U)": lambda: m.headwise_lowrank_bwd(
+        r(3, 2, 4), r(3, 8), r(2, 1, 8), r(2, 4, 1), True, U=r(3, 2, 8)),
     "inducer_attention_fwd": lambda: m.inducer_attention_fwd(
         r(1, 2, 3, 32), r(1, 2, 5, 32), r(1, 2, 5, 32), r(1, 2, 3), causal=True),
 }

@@ -359,11 +359,25 @@ def test_headwise_lowrank(case, dtype):
         dev_in = {k: (v.to(DEV, dtype) if v is not None else None) for k, v in inputs.items()}
         outt, gt = _grads(headwise_ref, dev_in, names, g.to(DEV, dtype))
     _poison_allocator()
-    out = _C.headwise_lowrank_fwd(dev_in["basis"], dev_in["A"], dev_in["B"], dev_in["bias"])
+    out, U = _C.headwise_lowrank_fwd(dev_in["basis"], dev_in["A"], dev_in["B"], dev_in["bias"],
+                                     save_u=True)
+    out_plain, U_none = _C.headwise_lowrank_fwd(dev_in["basis"], dev_in["A"], dev_in["B"],
+                                                dev_in["bias"])
+    tc = dtype != torch.float32 and r <= 64
+    uw = (r + int(has_bias) + 7) // 8 * 8
+    assert U.shape == ((T, H, uw) if tc else (0,)) and U_none.shape == (0,)
+    assert torch.equal(out, out_plain)
+    if tc and has_bias:     # the ones column that makes dB's product yield dbias
+        assert torch.all(U[..., r] == 1) and torch.all(U[..., r + 1:] == 0)
     _poison_allocator()
-    grads = _C.headwise_lowrank_bwd(g.to(DEV, dtype), dev_in["basis"], dev_in["A"], dev_in["B"],
-                                    has_bias)
+    gd = g.to(DEV, dtype)
+    grads = _C.headwise_lowrank_bwd(gd, dev_in["basis"], dev_in["A"], dev_in["B"], has_bias,
+                                    U=U if U.numel() else None)
+    # the forward's U and a recomputed one give the same bits
+    again = _C.headwise_lowrank_bwd(gd, dev_in["basis"], dev_in["A"], dev_in["B"], has_bias)
     torch.cuda.synchronize()
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)
     res = [compare("out", out, out64, outt, dtype)]
     for n, k, r64, rt in zip(names, grads, g64, gt):
         res.append(compare("d" + n, k, r64, rt, dtype))
@@ -387,8 +401,9 @@ def test_headwise_lowrank_unaligned(shared, dtype):
         dev_in = {k: v.to(DEV, dtype) for k, v in inputs.items()}
         outt, gt = _grads(headwise_ref, dev_in, names, g.to(DEV, dtype))
     bu, Au = _unaligned(dev_in["basis"]), _unaligned(dev_in["A"])
-    out = _C.headwise_lowrank_fwd(bu, Au, dev_in["B"], None)
-    grads = _C.headwise_lowrank_bwd(_unaligned(g.to(DEV, dtype)), bu, Au, dev_in["B"], False)
+    out, U = _C.headwise_lowrank_fwd(bu, Au, dev_in["B"], None, save_u=True)
+    grads = _C.headwise_lowrank_bwd(_unaligned(g.to(DEV, dtype)), bu, Au, dev_in["B"], False,
+                                    U=U)
     torch.cuda.synchronize()
     res = [compare("out", out, out64, outt, dtype)]
     for n, k, r64, rt in zip(names, grads, g64, gt):
@@ -412,7 +427,7 @@ def test_headwise_lowrank_empty():
     basis = torch.randn(0, 16, device=DEV)
     A = torch.randn(2, 3, 16, device=DEV)
     B = torch.randn(2, 8, 3, device=DEV)
-    assert _C.headwise_lowrank_fwd(basis, A, B, None).shape == (0, 2, 8)
+    assert _C.headwise_lowrank_fwd(basis, A, B, None)[0].shape == (0, 2, 8)
     db, dA, dB, dbias = _C.headwise_lowrank_bwd(torch.randn(0, 2, 8, device=DEV), basis, A, B,
                                                 True)
     assert db.shape == (0, 16) and torch.all(dA == 0) and torch.all(dB == 0)
@@ -429,6 +444,15 @@ def test_headwise_lowrank_errors():
                                 None)
     with pytest.raises(RuntimeError, match="bias"):
         _C.headwise_lowrank_fwd(torch.randn(4, 16, device=DEV), A, B, torch.randn(2, 7, device=DEV))
+    h = dict(device=DEV, dtype=torch.bfloat16)
+    basis, A16, B16 = torch.randn(4, 16, **h), A.to(torch.bfloat16), B.to(torch.bfloat16)
+    g = torch.randn(4, 2, 8, **h)
+    _, U = _C.headwise_lowrank_fwd(basis, A16, B16, None, save_u=True)
+    assert U.shape == (4, 2, 8)
+    with pytest.raises(RuntimeError, match="U .*has_bias=True"):   # U without the ones column
+        _C.headwise_lowrank_bwd(g, basis, A16, B16, True, U=U)
+    with pytest.raises(RuntimeError, match="U "):
+        _C.headwise_lowrank_bwd(g, basis, A16, B16, False, U=U[:3])
 
 
 # ------------------------------------------------------------------------------------------

@@ -488,6 +488,12 @@ def test_lowrank_cuda_extension(dtype, per_head):
     args = (basis.to(DEVICE, dtype)[0], inputs["A"].to(DEVICE, dtype),
             inputs["B"].to(DEVICE, dtype), inputs["bias"].to(DEVICE, dtype))
     torch.library.opcheck(torch.ops.kfused.headwise_lowrank_cuda_fwd.default, args)
+    # with U saved for the backward (16-bit: (T, H, uw)), and the backward taking it
+    torch.library.opcheck(torch.ops.kfused.headwise_lowrank_cuda_fwd.default, args + (True,))
+    _, U = torch.ops.kfused.headwise_lowrank_cuda_fwd(*args, True)
+    g = torch.randn(args[0].shape[0], H, p, device=DEVICE, dtype=dtype)
+    torch.library.opcheck(torch.ops.kfused.headwise_lowrank_cuda_bwd.default,
+                          (g,) + args[:3] + (True, U if U.numel() else None))
 
 
 # ------------------------------------------------------------------------------------------

@@ -268,7 +268,9 @@ __device__ __forceinline__ void block_gemm(int M, int N, int K, int kbatch, cons
 }
 
 // Deterministic reduction of per-block float partials: value e = sum_b part[b*n + e], cast to
-// T and written to out0[e] (e < n0) or out1[e - n0]. Used for weight gradients (no atomics:
+// T and written to out0 or out1 (reduce_partials: a split at n0; reduce_partials_rows: the
+// columns of rows, e.g. a weight gradient and a bias gradient packed side by side in one
+// GEMM's output). Used for weight gradients (no atomics:
 // run-to-run identical for a given grid). A block takes 32 consecutive values (one per lane,
 // coalesced rows of part) and its 8 warps split the partials: warp w sums b = w, w + 8, ...
 // in order, then warp 0 adds the 8 warp sums in order — a fixed tree for a given nparts, with
@@ -277,8 +279,8 @@ constexpr int kReduceGroups = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(32 * kReduceGroups) reduce_partials_kernel(
-    const float* __restrict__ part, int64_t nparts, int64_t n, int64_t n0, T* __restrict__ out0,
-    T* __restrict__ out1, float scale) {
+    const float* __restrict__ part, int64_t nparts, int64_t n, int64_t w, int64_t w0,
+    int64_t w1, T* __restrict__ out0, T* __restrict__ out1, float scale) {
   __shared__ float sums[kReduceGroups][33];
   const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
   for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32; c0 < n;
@@ -294,23 +296,37 @@ __global__ void __launch_bounds__(32 * kReduceGroups) reduce_partials_kernel(
 #pragma unroll
       for (int g = 1; g < kReduceGroups; ++g) t += sums[g][lane];
       t *= scale;  // 1 (exact) unless the caller scales the sums before their one rounding
-      if (e < n0)
-        out0[e] = static_cast<T>(t);
-      else
-        out1[e - n0] = static_cast<T>(t);
+      // value e is column `col` of a row of w: the first w0 columns of every row go to out0,
+      // the next w1 to out1, any further ones nowhere
+      const int64_t row = e / w, col = e - row * w;
+      if (col < w0)
+        out0[row * w0 + col] = static_cast<T>(t);
+      else if (col - w0 < w1)
+        out1[row * w1 + col - w0] = static_cast<T>(t);
     }
     __syncthreads();  // sums is reused by the next 32 values
   }
 }
 
+// out0[row * w0 + c] = sum of the nparts partials of value row * w + c for c < w0, and
+// out1[row * w1 + c - w0] for w0 <= c < w0 + w1 (n = rows * w values per partial, float32
+// sums in a fixed order: deterministic).
 template <typename T>
-inline void reduce_partials(const float* part, int64_t nparts, int64_t n, int64_t n0, T* out0,
-                            T* out1, cudaStream_t stream, float scale = 1.f) {
+inline void reduce_partials_rows(const float* part, int64_t nparts, int64_t n, int64_t w,
+                                 int64_t w0, int64_t w1, T* out0, T* out1, cudaStream_t stream,
+                                 float scale = 1.f) {
   if (n == 0) return;
   const int64_t blocks = std::min<int64_t>(ceil_div(n, 32), 4096);
   reduce_partials_kernel<T><<<static_cast<unsigned>(blocks), 32 * kReduceGroups, 0, stream>>>(
-      part, nparts, n, n0, out0, out1, scale);
+      part, nparts, n, w, w0, w1, out0, out1, scale);
   check_launch("reduce_partials_kernel");
+}
+
+// The first n0 of the n sums to out0, the rest to out1 (one row of n values).
+template <typename T>
+inline void reduce_partials(const float* part, int64_t nparts, int64_t n, int64_t n0, T* out0,
+                            T* out1, cudaStream_t stream, float scale = 1.f) {
+  reduce_partials_rows<T>(part, nparts, n, n, n0, n - n0, out0, out1, stream, scale);
 }
 
 }  // namespace kfused

@@ -270,8 +270,15 @@ struct HeadwiseTcParams {
   int64_t basis_ld;  // elements between consecutive tokens' basis rows
   int r8, r16, p16, HG;
   bool vec;     // 16-byte cp.async rows for basis and A
-  void* u_out;  // backward: write U (T, H, r) rounded here and skip the output GEMM
+  void* u_out;  // U (T, H, uw) rounded to T here as well (the backward's dB operand), or null
+  int uw;       // U's row length per head: u_width(r, has_bias)
+  bool u_ones;  // column r of every U row holds 1: dB's GEMM then also yields sum_t g (dbias)
+  bool u_only;  // backward recompute: U only, no output GEMM
 };
+
+// Row length per head of the saved U: r values, then (with a bias) a column of ones at r, then
+// zeros up to a multiple of 8 (16-byte rows for the dB GEMM's cp.async loads).
+inline int u_width(int r, bool has_bias) { return (r + (has_bias ? 1 : 0) + 7) / 8 * 8; }
 
 struct HeadwiseTcSmem {
   int PK, PU, PB;
@@ -400,9 +407,9 @@ __global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const Headwise
           mma::pack2<T>(acc[jt][2 * i], acc[jt][2 * i + 1]);
     }
   }
-  if (P.u_out) {  // backward: U (T, H, r) in the input dtype (block-uniform branch)
+  if (P.u_out) {  // U (T, H, uw) in the input dtype (block-uniform branch)
     T* u = static_cast<T*>(P.u_out);
-    const bool upair = s.r % 2 == 0;
+    const bool upair = P.uw % 2 == 0;  // j is even: 4-byte aligned pairs
 #pragma unroll
     for (int jt = 0; jt < kHwMaxN / 8; ++jt) {
       if (jt * 8 >= N) continue;
@@ -412,11 +419,18 @@ __global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const Headwise
       for (int i = 0; i < 2; ++i) {
         const int m = warp * 16 + g + 8 * i;
         if (m < nt && hl < hg)
-          mma::store2<T>(u + ((t0 + m) * s.H + h0 + hl) * s.r, j, s.r, upair, acc[jt][2 * i],
+          mma::store2<T>(u + ((t0 + m) * s.H + h0 + hl) * P.uw, j, s.r, upair, acc[jt][2 * i],
                          acc[jt][2 * i + 1]);
       }
     }
-    return;
+    // columns [r, uw): the ones column (u_ones) at r, zeros after
+    const int extra = P.uw - s.r;
+    for (int e = tid; e < nt * hg * extra; e += kHwThreads) {
+      const int m = e / (hg * extra), rem = e - m * (hg * extra);
+      const int hl = rem / extra, j = s.r + rem - hl * extra;
+      u[((t0 + m) * s.H + h0 + hl) * P.uw + j] = T((P.u_ones && j == s.r) ? 1.f : 0.f);
+    }
+    if (P.u_only) return;
   }
   __syncthreads();
   // out[t, h0 + hl, o] = U_hl B_hl^T + bias.
@@ -630,25 +644,35 @@ HeadwiseTcParams headwise_tc_params(const HeadwiseShape& s, const at::Tensor& ba
   Q.HG = s.shared ? std::max(1, std::min(s.H, kHwMaxN / Q.r8)) : 1;
   Q.vec = s.d_b % 8 == 0 && al16(Q.basis) && al16(Q.A);
   Q.u_out = nullptr;
+  Q.uw = s.r;
+  Q.u_ones = false;
+  Q.u_only = false;
   return Q;
 }
 
-// Tensor-core backward: U (mma kernel), dU, dbasis = dU A, dA = dU^T basis, dB = g^T U,
-// dbias = sum_t g; weight gradients split over tokens and reduced in a fixed order.
+// Tensor-core backward: U (the forward's, or recomputed by the mma kernel), dU, dbasis = dU A,
+// dA = dU^T basis, dB = g^T U and with it dbias = sum_t g (U's ones column); weight gradients
+// split over tokens and reduced in a fixed order.
 template <typename T>
 void headwise_bwd_tc(const HeadwiseShape& s, const at::Tensor& g, const at::Tensor& basis,
-                     const at::Tensor& A, const at::Tensor& B, bool has_bias, at::Tensor& dbasis,
-                     at::Tensor& dA, at::Tensor& dB, at::Tensor& dbias, const HeadwiseTcParams& Q,
-                     size_t qsmem, cudaStream_t stream) {
+                     const at::Tensor& A, const at::Tensor& B, bool has_bias,
+                     const at::Tensor& U_saved, at::Tensor& dbasis, at::Tensor& dA,
+                     at::Tensor& dB, at::Tensor& dbias, const HeadwiseTcParams& Q, size_t qsmem,
+                     cudaStream_t stream) {
   const int64_t hr = int64_t(s.H) * s.r;
-  at::Tensor Uw = at::empty({s.T, hr}, basis.options());
-  at::Tensor dUw = at::empty({s.T, hr}, basis.options());
-  const auto fopts = basis.options().dtype(at::kFloat);
-  {
+  const int uw = u_width(s.r, has_bias);
+  at::Tensor Uw = U_saved;
+  if (Uw.numel() == 0) {  // no U from the forward: recompute it (one more pass over the basis)
+    Uw = at::empty({s.T, int64_t(s.H), int64_t(uw)}, basis.options());
     HeadwiseTcParams P = Q;
     P.u_out = Uw.data_ptr();
+    P.uw = uw;
+    P.u_ones = has_bias;
+    P.u_only = true;
     launch_headwise_tc<T>(P, qsmem, stream);
   }
+  at::Tensor dUw = at::empty({s.T, hr}, basis.options());
+  const auto fopts = basis.options().dtype(at::kFloat);
   {
     const int64_t n = s.T * hr;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
@@ -711,54 +735,33 @@ void headwise_bwd_tc(const HeadwiseShape& s, const at::Tensor& g, const at::Tens
     reduce_partials<T>(G.part, G.nsplit, hr * s.d_b, hr * s.d_b, dA.data_ptr<T>(), nullptr,
                        stream);
   }
-  // dB_h (p x r) = g_h^T U_h, batch h.
+  // dB_h (p x r) = g_h^T U_h, batch h. With a bias, U's column r holds ones, so column r of
+  // the same product is dbias_h = sum_t g_h: one pass over g for both, split apart by the
+  // reduction (rows (h, o) of N = r + 1 values: r to dB, 1 to dbias).
   {
+    const int N = s.r + (has_bias ? 1 : 0);
     StreamGemmParams G{};
     G.a = g.data_ptr();
     G.b = Uw.data_ptr();
     G.lda = int64_t(s.H) * s.p;
-    G.ldb = hr;
+    G.ldb = int64_t(s.H) * uw;
     G.M = s.p;
-    G.N = s.r;
+    G.N = N;
     G.K = static_cast<int>(s.T);
     G.nbatch = s.H;
     G.a_batch = s.p;
-    G.b_batch = s.r;
+    G.b_batch = uw;
     const int64_t tiles = ceil_div(G.M, kSgBM) * ceil_div(G.N, kSgBN) * G.nbatch;
     G.nsplit = stream_splits(tiles, s.T);
     G.k_per_split = static_cast<int>(ceil_div(ceil_div(s.T, G.nsplit), kSgBK) * kSgBK);
     G.nsplit = static_cast<int>(ceil_div(s.T, G.k_per_split));
-    at::Tensor part = at::empty({int64_t(G.nsplit) * s.H * s.p * s.r}, fopts);
+    const int64_t rows = int64_t(s.H) * s.p;
+    at::Tensor part = at::empty({int64_t(G.nsplit) * rows * N}, fopts);
     G.part = part.data_ptr<float>();
-    G.vec = s.p % 8 == 0 && s.r % 8 == 0 && al16(G.a) && al16(G.b);
+    G.vec = s.p % 8 == 0 && al16(G.a) && al16(G.b);  // uw is a multiple of 8
     launch_stream_gemm<T, false>(G, stream, "stream_gemm_mma_kernel<dB>");
-    const int64_t nB = int64_t(s.H) * s.p * s.r;
-    reduce_partials<T>(G.part, G.nsplit, nB, nB, dB.data_ptr<T>(), nullptr, stream);
-  }
-  if (has_bias) {
-    const int64_t hp = int64_t(s.H) * s.p;
-    const int64_t sms = sm_count();
-    int64_t sp = std::max<int64_t>(1, ceil_div(4 * sms, ceil_div(hp, 256)));
-    sp = std::min<int64_t>(std::min<int64_t>(sp, std::max<int64_t>(1, ceil_div(s.T, 32))), 65535);
-    at::Tensor part = at::empty({sp * hp}, fopts);
-    ColReduceParams R{};
-    R.data = g.data_ptr();
-    R.ds = hp;
-    R.dh = s.p;
-    R.coef = nullptr;
-    R.part = part.data_ptr<float>();
-    R.n_total = hp;
-    R.T = s.T;
-    R.tokens_per_split = ceil_div(s.T, sp);
-    R.H = s.H;
-    R.r = 0;
-    R.W = s.p;
-    R.layout = 1;
-    R.ones = true;
-    const dim3 cgrid(static_cast<unsigned>(ceil_div(hp, 256)), static_cast<unsigned>(sp));
-    headwise_colreduce_kernel<T><<<cgrid, 256, 0, stream>>>(R);
-    check_launch("headwise_colreduce_kernel<dbias>");
-    reduce_partials<T>(R.part, sp, hp, hp, dbias.data_ptr<T>(), nullptr, stream);
+    reduce_partials_rows<T>(G.part, G.nsplit, rows * N, N, s.r, has_bias ? 1 : 0,
+                            dB.data_ptr<T>(), has_bias ? dbias.data_ptr<T>() : nullptr, stream);
   }
 }
 
@@ -793,10 +796,22 @@ HeadwiseShape check_headwise(const char* op, const at::Tensor& basis, const at::
   return s;
 }
 
+// The tensor-core path's rule (forward and backward alike): 16-bit, 1 <= r <= 64, and its
+// tiles fit in shared memory; `smem` gets their size.
+bool tc_path(const HeadwiseShape& s, const at::Tensor& basis, const HeadwiseTcParams& Q,
+             size_t* smem) {
+  if (basis.scalar_type() == at::kFloat || s.r < 1 || s.r > kHwMaxN || s.d_b < 1 || s.p < 1)
+    return false;
+  *smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
+  return static_cast<int64_t>(*smem) <= max_smem_optin();
+}
+
 }  // namespace
 
-at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
-                                const at::Tensor& B, const std::optional<at::Tensor>& bias) {
+std::tuple<at::Tensor, at::Tensor> headwise_lowrank_fwd(const at::Tensor& basis,
+                                                        const at::Tensor& A, const at::Tensor& B,
+                                                        const std::optional<at::Tensor>& bias,
+                                                        bool save_u) {
   const HeadwiseShape s = check_headwise("headwise_lowrank_fwd", basis, A, B);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
@@ -809,21 +824,31 @@ at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
   }
   at::Tensor out = at::empty({s.T, static_cast<int64_t>(s.H), static_cast<int64_t>(s.p)},
                              basis.options());
-  if (out.numel() == 0) return out;
+  // U for the backward: 16-bit with 1 <= r <= 64 (the shape rule the Python fake follows; only
+  // the tensor-core path writes it, and only that path of the backward reads it)
+  const bool u16 = basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN &&
+                   s.d_b >= 1 && s.p >= 1;
+  at::Tensor U = save_u && u16 ? at::empty({s.T, static_cast<int64_t>(s.H),
+                                            static_cast<int64_t>(u_width(s.r, has_bias))},
+                                           basis.options())
+                               : at::empty({0}, basis.options());
+  if (out.numel() == 0) return {out, U};
   DeviceGuard guard(basis);
   cudaStream_t stream = current_stream();
-  if (basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN && s.d_b >= 1 && s.p >= 1) {
-    // Tensor-core kernel (r <= 64 and its tiles fit in shared memory).
-    HeadwiseTcParams Q = headwise_tc_params(s, basis, A, B, has_bias ? bias->data_ptr() : nullptr,
-                                            out.data_ptr());
-    const size_t smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
-    if (static_cast<int64_t>(smem) <= max_smem_optin()) {
-      if (basis.scalar_type() == at::kHalf)
-        launch_headwise_tc<c10::Half>(Q, smem, stream);
-      else
-        launch_headwise_tc<c10::BFloat16>(Q, smem, stream);
-      return out;
+  HeadwiseTcParams Q = headwise_tc_params(s, basis, A, B, has_bias ? bias->data_ptr() : nullptr,
+                                          out.data_ptr());
+  size_t tc_smem = 0;
+  if (tc_path(s, basis, Q, &tc_smem)) {
+    if (U.numel() > 0) {
+      Q.u_out = U.data_ptr();
+      Q.uw = static_cast<int>(U.size(2));
+      Q.u_ones = has_bias;
     }
+    if (basis.scalar_type() == at::kHalf)
+      launch_headwise_tc<c10::Half>(Q, tc_smem, stream);
+    else
+      launch_headwise_tc<c10::BFloat16>(Q, tc_smem, stream);
+    return {out, U};
   }
   HeadwiseFwdParams P{};
   P.basis = basis.data_ptr();
@@ -839,13 +864,27 @@ at::Tensor headwise_lowrank_fwd(const at::Tensor& basis, const at::Tensor& A,
     headwise_rows_kernel<scalar_t, false><<<grid, kWarps * 32, smem, stream>>>(P);
     check_launch("headwise_rows_kernel");
   });
-  return out;
+  return {out, U};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
     const at::Tensor& g, const at::Tensor& basis, const at::Tensor& A, const at::Tensor& B,
-    bool has_bias) {
+    bool has_bias, const std::optional<at::Tensor>& U) {
   const HeadwiseShape s = check_headwise("headwise_lowrank_bwd", basis, A, B);
+  at::Tensor Us = U.has_value() && U->defined() ? *U : at::Tensor();
+  if (Us.defined() && Us.numel() == 0) Us = at::Tensor();
+  if (Us.defined()) {
+    check_float_cuda(Us, "U");
+    check_like(Us, "U", basis, "basis");
+    check_contiguous(Us, "U");
+    const int uw = u_width(s.r, has_bias);
+    TORCH_CHECK(basis.scalar_type() != at::kFloat && Us.dim() == 3 && Us.size(0) == s.T &&
+                    Us.size(1) == s.H && Us.size(2) == uw,
+                "kfused: headwise_lowrank_bwd: U (", describe(Us), ") must be the (T, H, ", uw,
+                ") = (", s.T, ", ", s.H, ", ", uw, ") tensor headwise_lowrank_fwd(save_u=True) "
+                "returned for a 16-bit basis with has_bias=", has_bias ? "True" : "False",
+                ", or None");
+  }
   check_float_cuda(g, "g");
   check_like(g, "g", basis, "basis");
   check_contiguous(g, "g");
@@ -865,16 +904,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
   }
   DeviceGuard guard(basis);
   cudaStream_t stream = current_stream();
-  if (basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN && s.d_b >= 1 && s.p >= 1) {
-    HeadwiseTcParams Q = headwise_tc_params(s, basis, A, B, nullptr, nullptr);
-    const size_t smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
-    if (static_cast<int64_t>(smem) <= max_smem_optin()) {
+  {
+    const HeadwiseTcParams Q = headwise_tc_params(s, basis, A, B, nullptr, nullptr);
+    size_t smem = 0;
+    if (tc_path(s, basis, Q, &smem)) {
+      const at::Tensor Uin = Us.defined() ? Us : at::empty({0}, basis.options());
       if (basis.scalar_type() == at::kHalf)
-        headwise_bwd_tc<c10::Half>(s, g, basis, A, B, has_bias, dbasis, dA, dB, dbias, Q, smem,
-                                   stream);
+        headwise_bwd_tc<c10::Half>(s, g, basis, A, B, has_bias, Uin, dbasis, dA, dB, dbias, Q,
+                                   smem, stream);
       else
-        headwise_bwd_tc<c10::BFloat16>(s, g, basis, A, B, has_bias, dbasis, dA, dB, dbias, Q,
-                                       smem, stream);
+        headwise_bwd_tc<c10::BFloat16>(s, g, basis, A, B, has_bias, Uin, dbasis, dA, dB, dbias,
+                                       Q, smem, stream);
       return {dbasis, dA, dB, dbias};
     }
   }

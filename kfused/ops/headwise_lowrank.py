@@ -102,42 +102,71 @@ _lowrank_fwd.register_autograd(_lowrank_backward, setup_context=_lowrank_setup)
 
 @torch.library.custom_op("kfused::headwise_lowrank_cuda_fwd", mutates_args=())
 def _lowrank_cuda_fwd(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+                      bias: Optional[torch.Tensor],
+                      save_u: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     ext = cuda.require("headwise_lowrank")
     return ext.headwise_lowrank_fwd(basis.contiguous(), A.contiguous(), B.contiguous(),
-                                    bias.contiguous() if bias is not None else None)
+                                    bias.contiguous() if bias is not None else None, save_u)
+
+
+# csrc/headwise/headwise_lowrank.cu kHwMaxN: the tensor-core path's largest rank
+CUDA_HW_MAX_RANK = 64
+
+
+def cuda_u_width(r: int, has_bias: bool) -> int:
+    """Row length per head of the U the CUDA forward saves (csrc ``u_width``): r values, a
+    column of ones at r with a bias (dB's product then also yields dbias), zeros up to a
+    multiple of 8."""
+    return (r + (1 if has_bias else 0) + 7) // 8 * 8
+
+
+def _cuda_saves_u(basis: torch.Tensor, r: int, d_b: int, p: int, save_u: bool) -> bool:
+    # the extension's shape rule: 16-bit, 1 <= r <= 64 (CUDA_HW_MAX_RANK), d_b and p >= 1
+    return (save_u and basis.dtype in (torch.float16, torch.bfloat16)
+            and 1 <= r <= CUDA_HW_MAX_RANK and d_b >= 1 and p >= 1)
 
 
 @_lowrank_cuda_fwd.register_fake
-def _(basis, A, B, bias):
-    return basis.new_empty(basis.shape[0], A.shape[0], B.shape[1])
+def _(basis, A, B, bias, save_u=False):
+    H, r, d_b = A.shape
+    p = B.shape[1]
+    out = basis.new_empty(basis.shape[0], H, p)
+    if _cuda_saves_u(basis, r, d_b, p, save_u):
+        return out, basis.new_empty(basis.shape[0], H, cuda_u_width(r, bias is not None))
+    return out, basis.new_empty(0)
 
 
 @torch.library.custom_op("kfused::headwise_lowrank_cuda_bwd", mutates_args=())
 def _lowrank_cuda_bwd(g: torch.Tensor, basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                      has_bias: bool) -> List[torch.Tensor]:
+                      has_bias: bool, U: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     ext = cuda.require("headwise_lowrank")
     dx, dA, dB, db = ext.headwise_lowrank_bwd(g.contiguous(), basis.contiguous(),
-                                              A.contiguous(), B.contiguous(), has_bias)
+                                              A.contiguous(), B.contiguous(), has_bias,
+                                              U if U is not None and U.numel() else None)
     return [dx, dA, dB, db]
 
 
 @_lowrank_cuda_bwd.register_fake
-def _(g, basis, A, B, has_bias):
+def _(g, basis, A, B, has_bias, U=None):
     return [torch.empty_like(basis), torch.empty_like(A), torch.empty_like(B),
             B.new_empty(B.shape[0], B.shape[1]) if has_bias else B.new_empty(0)]
 
 
 def _lowrank_cuda_setup(ctx, inputs, output):
-    basis, A, B, bias = inputs
-    ctx.save_for_backward(basis, A, B)
+    basis, A, B, bias, *_ = inputs
+    ctx.save_for_backward(basis, A, B, output[1])
     ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)    # no zero gradient for U
 
 
-def _lowrank_cuda_backward(ctx, g):
-    basis, A, B = ctx.saved_tensors
-    dx, dA, dB, db = torch.ops.kfused.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias)
-    return dx, dA, dB, (db if ctx.has_bias else None)
+def _lowrank_cuda_backward(ctx, g, gU):
+    if g is None:
+        return (None,) * 5
+    basis, A, B, U = ctx.saved_tensors
+    dx, dA, dB, db = torch.ops.kfused.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias,
+                                                                U)
+    return dx, dA, dB, (db if ctx.has_bias else None), None
 
 
 _lowrank_cuda_fwd.register_autograd(_lowrank_cuda_backward, setup_context=_lowrank_cuda_setup)
@@ -200,7 +229,11 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     lead = basis.shape[:-2] if ph else basis.shape[:-1]
     flat = basis.reshape(-1, H, db_) if ph else basis.reshape(-1, db_)
     if be == "cuda":
-        out = torch.ops.kfused.headwise_lowrank_cuda_fwd(flat, A, B, bias)
+        # U for the backward (saves it a pass over the basis and one over g) only when a
+        # backward can follow
+        save_u = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (basis, A, B, bias))
+        out, _ = torch.ops.kfused.headwise_lowrank_cuda_fwd(flat, A, B, bias, save_u)
         return out.reshape(*lead, H, p)
     out, _ = torch.ops.kfused.headwise_lowrank_triton_fwd(
         flat, A.contiguous(), B.contiguous(), bias.contiguous() if bias is not None else None, ph)

@@ -1140,9 +1140,13 @@ def _cu_launch(name: str, programs: int, dot16=0.0, fma32=0.0, nbytes=0.0, ctas=
                 flops=dot16 + fma32)
 
 
-def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2) -> List[dict]:
-    """PREDICTED fwd+bwd of ``headwise_lowrank(..., backend="cuda")`` (16-bit, r ≤ 64)."""
+def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2, has_bias=True) -> List[dict]:
+    """PREDICTED fwd+bwd of ``headwise_lowrank(..., backend="cuda")`` (16-bit, r ≤ 64): the
+    forward also writes U (T, H, uw) for the backward (uw = r, + 1 with a bias, rounded up to
+    8: csrc ``u_width``), so the backward neither recomputes U nor reads g for the bias: U's
+    ones column makes dB's product yield dbias as its column r."""
     r8, r16, p16 = cdiv(r, 8) * 8, cdiv(r, 16) * 16, cdiv(p, 16) * 16
+    uw = cdiv(r + (1 if has_bias else 0), 8) * 8
     HG = max(1, min(H, _CU_HW_MAXN // r8)) if shared else 1
     groups = cdiv(H, HG)
     tiles = cdiv(T, _CU_HW_BM) * groups
@@ -1150,10 +1154,9 @@ def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2) -> List[dict]:
     down = 2.0 * cdiv(T, _CU_HW_BM) * _CU_HW_BM * groups * HG * r8 * cdiv(d_b, 64) * 64
     up = 2.0 * T * H * r16 * p16
     hr = H * r
-    out = [_cu_launch("cuda fwd: headwise_mma_kernel", tiles, down + up, 0.0,
-                      basis + T * H * p * el),
-           _cu_launch("cuda bwd: headwise_mma_kernel (U)", tiles, down, 0.0,
-                      basis + T * hr * el),
+    u_bytes = T * H * uw * el
+    out = [_cu_launch("cuda fwd: headwise_mma_kernel (+ U for the backward)", tiles, down + up,
+                      0.0, basis + T * H * p * el + u_bytes),
            _cu_launch("cuda bwd: headwise_du_kernel (dU = g B)", cdiv(T * hr, 256), 0.0,
                       2.0 * T * hr * p, T * H * p * el + T * hr * el, ctas=8)]
 
@@ -1171,13 +1174,8 @@ def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2) -> List[dict]:
     out += sg("dbasis", T, d_b, hr if shared else r, 1 if shared else H,
               dU + T * (1 if shared else H) * d_b * el)
     out += sg("dA", hr if shared else r, d_b, T, 1 if shared else H, dU + basis, split=True)
-    out += sg("dB", p, r, T, H, g + T * hr * el, split=True)
-    # dbias: column sums of g split over tokens (4 blocks per SM's worth), then the reduction
-    cols = cdiv(H * p, 256)
-    sp = min(max(1, cdiv(4 * R.SMS, cols)), max(1, cdiv(T, 32)))
-    out.append(_cu_launch("cuda bwd: headwise_colreduce_kernel (dbias)", cols * sp, 0.0, 0.0,
-                          g + sp * H * p * 4, ctas=8))
-    out.append(_reduce_partials("cuda bwd (dbias)", sp, H * p, el))
+    out += sg("dB + dbias" if has_bias else "dB", p, r + (1 if has_bias else 0), T, H,
+              g + u_bytes, split=True)
     return out
 
 
