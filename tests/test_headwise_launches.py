@@ -192,11 +192,12 @@ CASES = [(p, s, "qkv") for p in PRESETS for s in SHAPES] + \
 # and the GEMM's second bias for the per-head biases; o: one pack and one unpack kernel for
 # D_o and [B_w | scale·B_s], the bias gradient from the dx GEMM's column sums); the forwards
 # now launch no torch op. The folded output projection (exact=False) adds the fold of W' in
-# each direction and drops nothing (Z and dZ are still formed for the factor gradients).
+# each direction (11 launches) and, since its GEMMs run over the appended [W'; D_o] and
+# [W' | B_c], drops the thin GEMMs for Z and dZ (9).
 BUDGET = {("kernel-mix-qvo-intermediate", "qkv"): 15,
           ("kernel-mix-lite-qv-small", "qkv"): 17,
           ("kernel-mix-qvo-intermediate", "oproj"): 9,
-          ("kernel-mix-qvo-intermediate", "oproj-folded"): 11}
+          ("kernel-mix-qvo-intermediate", "oproj-folded"): 9}
 FWD_TORCH_BUDGET = {"qkv": 0, "oproj": 0, "oproj-folded": 0}
 
 

@@ -649,6 +649,71 @@ def test_gemm_colsum_every_row_whatever_the_tile(BM):
     torch.testing.assert_close(out, a @ b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("N1,N2", [(24, 9), (40, 40), (0, 17), (33, 0)])
+def test_gemm_second_output_takes_the_last_columns(N1, N2):
+    # out2: one GEMM over an appended B writes its first N1 columns (with the biases) to out
+    # and the last N2 (no bias) to out2 — headwise_oproj's folded [W'; D_o] and [W' | B_c]
+    from kfused.triton_kernels import _headwise_common as hc
+
+    T, K = 45, 40
+    a = torch.randn(T, K, device=DEVICE)
+    b = torch.randn(K, N1 + N2, device=DEVICE)
+    bias, bias2 = torch.randn(N1, device=DEVICE), torch.randn(N1, device=DEVICE)
+    wide = torch.full((T, N1 + 5), float("nan"), device=DEVICE)
+    out, out2 = wide[:, 2:2 + N1], torch.full((T, N2), float("nan"), device=DEVICE)
+    cs = torch.full((hc.colsum_rows(T), K), float("nan"), device=DEVICE)
+    hc.gemm([(a, b)], out, bias=bias, bias2=bias2, out2=out2, colsum=cs)
+    want = a @ b
+    torch.testing.assert_close(out, want[:, :N1] + bias + bias2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out2, want[:, N1:], rtol=1e-4, atol=1e-4)
+    assert torch.isnan(wide[:, :2]).all() and torch.isnan(wide[:, 2 + N1:]).all()
+    torch.testing.assert_close(cs.sum(0), a.sum(0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("need", ["all", "factors", "do"])
+def test_oproj_folded_one_gemm_per_pass(need, monkeypatch):
+    """Folded (16-bit): Z = O D_oᵀ comes out of the forward GEMM over [W'; D_o] and, when the
+    backward wants dO and the factor gradients, dZ = dY B_c out of the dO GEMM over [W' | B_c]
+    — no thin GEMM pass over O or dY for them; with only the factors wanted dZ has its own."""
+    from kfused.triton_kernels import headwise_oproj as tk
+
+    thin = []
+    real = tk._thin
+    monkeypatch.setattr(tk, "_thin", lambda a, b, out: thin.append(out.shape) or real(a, b, out))
+    H, inputs = oproj_inputs(0, (37,), 24, 40)
+    dt = torch.float16
+    t = {k: v.to(DEVICE, dt).requires_grad_(need != "do" or k == "o")
+         for k, v in inputs.items()}
+    t["o"].requires_grad_(need != "factors")
+    y = headwise_oproj(**t, n_heads=H, scale=0.5, backend="triton", exact=False)
+    assert thin == []
+    y.float().sum().backward()
+    M = inputs["wise_A"].shape[0] * inputs["wise_A"].shape[1] + \
+        (inputs["shared_A"].shape[0] if "shared_A" in inputs else 0)
+    assert thin == ([(37, M)] if need == "factors" else [])
+    want = headwise_oproj(**{k: v.detach() for k, v in t.items()}, n_heads=H, scale=0.5,
+                          backend="triton", exact=True)
+    torch.testing.assert_close(y.detach().float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_oproj_fold_kernel_appends_exactly():
+    """[W'; D_o] and [W' | B_c] copy the packed operands into the appended rows / columns
+    exactly (small integers: every value exact in float16), beside the same W'."""
+    from kfused.triton_kernels.headwise_oproj import oproj_fold
+
+    gen = torch.Generator().manual_seed(8)
+    for N, HP, M in ((37, 50, 19), (64, 96, 16), (5, 33, 40)):
+        ints = lambda *s: torch.randint(-3, 4, s, generator=gen).double()  # noqa: E731
+        W, Bc, Do = ints(HP, N).t(), ints(N, M), ints(M, HP)
+        args = (W.half().to(DEVICE), Bc.half().to(DEVICE), Do.half().to(DEVICE))
+        fold = W + Bc @ Do
+        rows = oproj_fold(*args, append=1)
+        cols = oproj_fold(*args, append=2)
+        assert rows.shape == (N + M, HP) and cols.shape == (N, HP + M)
+        assert torch.equal(rows.double().cpu(), torch.cat([fold, Do], 0))
+        assert torch.equal(cols.double().cpu(), torch.cat([fold, Bc], 1))
+
+
 def test_lowrank_16bit_rank_space_kept_beyond_16_bits():
     """headwise_lowrank's 16-bit Triton kernels run the rank-space products on the tensor
     cores with the float32 Z (and dZ) split into a 16-bit high and low part: the output keeps

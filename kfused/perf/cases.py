@@ -186,9 +186,11 @@ def _m_kron_fold(L) -> Dict[str, float]:
 @kernel("_oproj_fold_kernel")
 def _m_oproj_fold(L) -> Dict[str, float]:
     """W' = W + Bc·Do (headwise_oproj, exact=False): one (BN × BK) tile of W' per program,
-    cdiv(M, BR) tensor-core dots (BN × BR)·(BR × BK) (M padded to BR); the W tile converted
-    and added, W' converted on store. HBM: W read and W' written once; Bc re-read by every
-    column program and Do by every row program (L2 rule of reread_bytes)."""
+    cdiv(M, BR) tensor-core dots (BN × BR)·(BR × BK) (M padded to BR; programs of the
+    appended rows / columns issue them too, masked); the W tile converted and added, W'
+    converted on store. APPEND 1 / 2: Do's rows / Bc's columns copied after W' (read once
+    more, written once). HBM: W read and W' written once; Bc re-read by every column program
+    and Do by every row program (L2 rule of reread_bytes)."""
     a = L.bound()
     N, HP, M = a["N"], a["HP"], a["M"]
     BN, BK, BR = a["BN"], a["BK"], a["BR"]
@@ -197,8 +199,9 @@ def _m_oproj_fold(L) -> Dict[str, float]:
     _prod(w, "fold", progs * 2.0 * BN * BK * cdiv(M, BR) * BR, True, _is16(a["do_ptr"]))
     w["alu_ops"] = progs * BN * BK * 3
     el = _el(a["out_ptr"])
+    appended = 2 * M * (HP if a.get("APPEND", 0) == 1 else N) * el if a.get("APPEND") else 0
     w["hbm_bytes"] = (N * HP * (_el(a["w_ptr"]) + el) + R.reread_bytes(N * M * el, cdiv(HP, BK))
-                      + R.reread_bytes(M * HP * el, cdiv(N, BN)))
+                      + R.reread_bytes(M * HP * el, cdiv(N, BN)) + appended)
     return w
 
 
@@ -256,15 +259,16 @@ def _m_hw_gemm(L) -> Dict[str, float]:
         by += (R.reread_bytes(D.numel() * _el(D), cdiv(n_m, GROUP))   # D_l per row group
                + M * n_n * RB * el                                     # Z stored
                + a["u_ptr"].numel() * _el(a["u_ptr"]) + a["zb_ptr"].numel() * 4)
+    nb = a.get("N1", N) if a.get("OUT2") else N           # OUT2: biases on [0, N1) only
     if a["HAS_BIAS"]:
-        by += N * _el(a["bias_ptr"])
+        by += nb * _el(a["bias_ptr"])
         if a.get("HAS_BIAS2"):
-            by += N * _el(a["bias2_ptr"])
+            by += nb * _el(a["bias2_ptr"])
     w["alu_ops"] += P * BM * BN * (2 if a["HAS_BIAS"] else 1)  # (+ bias), convert on store
     if a.get("COLSUM"):                    # column sums of A_0 (the first column tile)
         w["alu_ops"] += M * a["K0"]
         by += cdiv(M, a["CS_BM"]) * a["K0"] * 4
-    by += M * N * _el(C)
+    by += M * N * _el(C)                   # OUT2: the last N − N1 columns go to c2
     w["hbm_bytes"] = by
     return w
 

@@ -35,6 +35,9 @@ Output projection (the down-projection reads O head by head, the up-projection s
 output column, so Z cannot be finished inside one output tile):
   forward   Z = O D_oᵀ (D_o: block-diagonal A_h plus A_s, thin GEMM), Y = [O | Z]·[W_o | B]ᵀ
   backward  dZ = dY B; dO = [dY | dZ]·[W_o; D_o] (one GEMM); dB = dYᵀ Z; dD_o = dZᵀ O.
+  folded (16-bit, exact=False; W' = W_o + B D_o): [Y | Z] = O·[W'; D_o]ᵀ and
+            [dO | dZ] = dY·[W' | B] (one GEMM each, the second output of ``gemm``), then the
+            two token reductions.
 
 Roofline (PREDICTED, not measured: ``python benchmarks/bench_headwise.py --roofline``; H100
 SXM, 700 TFLOP/s sustained bf16 tensor-core rate, 3.0 TB/s HBM, T = 16k tokens). For 16-bit
@@ -157,14 +160,16 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3,
                  bias_ptr, bias2_ptr, c_ptr, s_cm, s_cn, M, N, K_PER,
                  d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS, cs_ptr,
+                 c2_ptr, s_c2m, N1,
                  BN: tl.constexpr, RB: tl.constexpr, NSEG: tl.constexpr, LR: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BIAS2: tl.constexpr,
                  PREC: tl.constexpr, LR_SCALE: tl.constexpr, COLSUM: tl.constexpr,
-                 CS_BM: tl.constexpr,
+                 CS_BM: tl.constexpr, OUT2: tl.constexpr,
                  BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr = 8):
     # grid: (cdiv(M, BM) * cdiv(N, BN), S). Grouped order: GROUP row blocks share the B
     # columns in L2. SPLIT: program s reduces K0 range [s*K_PER, (s+1)*K_PER) of the single
-    # segment and writes float32 partials c[s] (contiguous (S, M, N)).
+    # segment and writes float32 partials c[s] (contiguous (S, M, N)). OUT2: columns [N1, N)
+    # go to c2 (column n − N1, unit column stride) instead of c; the biases cover [0, N1).
     pid = tl.program_id(0)
     s = tl.program_id(1)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
@@ -223,15 +228,21 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
         if NSEG > 3:
             acc = _seg_loop(acc, a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3, rm, rn,
                             mmask, nmask, BK, PREC, cs_ptr, 0, False)
+        n1mask = rn < N1
         if HAS_BIAS:
             # bias2: a second vector summed with the first in float32 (the per-head biases c
             # beside the frozen bias: no host-side fold)
-            bias = tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + rn, mask=n1mask, other=0.0).to(tl.float32)
             if HAS_BIAS2:
-                bias += tl.load(bias2_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+                bias += tl.load(bias2_ptr + rn, mask=n1mask, other=0.0).to(tl.float32)
             acc += bias[None, :]
         tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+                 acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & n1mask[None, :])
+        if OUT2:
+            r2 = tl.maximum(rn - N1, 0)
+            tl.store(c2_ptr + rm[:, None] * s_c2m + r2[None, :],
+                     acc.to(c2_ptr.dtype.element_ty),
+                     mask=mmask[:, None] & (nmask & (rn >= N1))[None, :])
 
 
 class LowRankTiles:
@@ -265,8 +276,13 @@ def colsum_rows(M: int) -> int:
 def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
          bias: Optional[torch.Tensor] = None, lr: Optional[LowRankTiles] = None,
          bias2: Optional[torch.Tensor] = None,
-         colsum: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
+         colsum: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+         out2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out (M, N) = Σ_i A_i B_i (+ bias + bias2) (+ packed low-rank epilogue)``.
+
+    out2: an (M, N2) view with unit column stride: the B_i then have N + N2 columns and the
+    last N2 of the product go to out2 (no bias there; e.g. an output and the rank-space Z of
+    the same A from one GEMM over an appended weight); not with ``lr``.
 
     segs: up to four (A_i (M, K_i), B_i (K_i, N)) pairs, any strides (views, transposes,
     expands); all in one dtype. out: an (M, N) view (any strides) in any float dtype. The
@@ -278,9 +294,12 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
     the autotuned ones (tests).
     """
     assert colsum is None or lr is None
+    assert out2 is None or (lr is None and out2.shape[0] == out.shape[0]
+                            and (out2.shape[1] <= 1 or out2.stride(1) == 1))
     if bias is None:
         bias, bias2 = bias2, None
-    M, N = out.shape
+    M, N1 = out.shape
+    N = N1 + (out2.shape[1] if out2 is not None else 0)
     assert 1 <= len(segs) <= 4
     if M == 0 or N == 0:
         return out
@@ -303,11 +322,14 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
         RB = 16
     lra.append(colsum if colsum is not None else out)
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), 1)  # noqa: E731
+    o2 = out2 if out2 is not None and out2.numel() else None
     args = [*flat, bias if bias is not None else out, bias2 if bias2 is not None else out,
-            out, out.stride(0), out.stride(1), M, N, 0, *lra]
+            out, out.stride(0), out.stride(1), M, N, 0, *lra,
+            o2 if o2 is not None else out, o2.stride(0) if o2 is not None else 0, N1]
     kw = dict(BN=BN, RB=RB, NSEG=nseg, LR=lr is not None, SPLIT=False,
               HAS_BIAS=bias is not None, HAS_BIAS2=bias2 is not None, PREC=dot_precision(dt),
-              LR_SCALE=lr is not None and lr.scaled, COLSUM=colsum is not None, CS_BM=_CS_BM)
+              LR_SCALE=lr is not None and lr.scaled, COLSUM=colsum is not None, CS_BM=_CS_BM,
+              OUT2=o2 is not None)
     if config is not None:
         _gemm_kernel.fn[grid({**kw, **config})](*args, **kw, **config)
     else:
@@ -346,9 +368,10 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
         [at, 0, 0, b, 0, 0, 0] * 3
     _launch(_gemm_kernel, grid,
             [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0,
-             part],
+             part, part, 0, N],
             dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False, HAS_BIAS2=False,
-                 PREC=dot_precision(b.dtype), LR_SCALE=False, COLSUM=False, CS_BM=_CS_BM))
+                 PREC=dot_precision(b.dtype), LR_SCALE=False, COLSUM=False, CS_BM=_CS_BM,
+                 OUT2=False))
     if partials:
         return part
     return part.sum(0) if S > 1 else part[0]

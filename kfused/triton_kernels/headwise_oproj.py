@@ -122,11 +122,17 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
 
 
 @triton.jit
-def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, N, HP, M,
+def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, M,
+                       APPEND: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    # grid (cdiv(N, BN), cdiv(H·P, BK)). W' (N, H·P) contiguous = W + [B_w | s·B_s] (N, M) ·
-    # D_o (M, H·P), the packed 16-bit operands of _oproj_pack_kernel: exact products summed
-    # with W in float32 (tensor-core dots), rounded once to the output dtype.
+    # W' (N, H·P) = W + [B_w | s·B_s] (N, M) · D_o (M, H·P), the packed 16-bit operands of
+    # _oproj_pack_kernel (both contiguous): exact products summed with W in float32
+    # (tensor-core dots), rounded once to the output dtype; out has row stride s_on.
+    # APPEND 0: out = W', grid (cdiv(N, BN), cdiv(H·P, BK)). APPEND 1: out = [W'; D_o]
+    # (N + M, H·P), rows N.. copy D_o (the forward's B operand: Y and Z from one GEMM), grid
+    # (cdiv(N + M, BN), cdiv(H·P, BK)). APPEND 2: out = [W' | B_c] (N, H·P + M), columns
+    # H·P.. copy B_c (the backward's: dO and dZ from one GEMM), grid (cdiv(N, BN),
+    # cdiv(H·P + M, BK)). A copied entry is the packed value itself (0 + v in float32: exact).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -142,24 +148,40 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, N, HP, M,
         d = tl.load(do_ptr + rm[:, None] * HP + rk[None, :], mask=(rm < M)[:, None] & km,
                     other=0.0)
         acc += tl.dot(b, d, out_dtype=tl.float32)
-    tl.store(out_ptr + rn[:, None] * HP + rk[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=nm & km)
+    if APPEND == 1:
+        dr = tl.maximum(rn - N, 0)
+        acc += tl.load(do_ptr + dr[:, None] * HP + rk[None, :],
+                       mask=((rn >= N) & (rn < N + M))[:, None] & km, other=0.0).to(tl.float32)
+        om = (rn < N + M)[:, None] & km
+    elif APPEND == 2:
+        bcol = tl.maximum(rk - HP, 0)
+        acc += tl.load(bc_ptr + rn[:, None] * M + bcol[None, :],
+                       mask=nm & ((rk >= HP) & (rk < HP + M))[None, :], other=0.0).to(tl.float32)
+        om = nm & (rk < HP + M)[None, :]
+    else:
+        om = nm & km
+    tl.store(out_ptr + rn[:, None] * s_on + rk[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=om)
 
 
-def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor) -> torch.Tensor:
+def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
+               append: int = 0) -> torch.Tensor:
     """W' = w + Bc·Do (N, H·P), contiguous, in the packed operands' (16-bit) dtype: the update
-    folded into the frozen weight (any strides), one launch."""
+    folded into the frozen weight (any strides), one launch. ``append=1``: [W'; Do]
+    (N + M, H·P), the forward's B operand (Y and Z = O Doᵀ from one GEMM); ``append=2``:
+    [W' | Bc] (N, H·P + M), the backward's (dO and dZ = dY Bc from one GEMM)."""
     N, HP = w.shape
     M = Bc.shape[1]
-    out = _alloc.empty(N, HP, dtype=Do.dtype, device=w.device)
-    if N == 0 or HP == 0:
+    rows, cols = (N + M, HP) if append == 1 else (N, HP + M) if append == 2 else (N, HP)
+    out = _alloc.empty(rows, cols, dtype=Do.dtype, device=w.device)
+    if rows == 0 or cols == 0:
         return out
     gpu = targets_gpu(w.device)
     BN, BK = (64, 128) if gpu else (32, 32)
     BR = _blk(M, 16, 32)
-    _oproj_fold_kernel[(triton.cdiv(N, BN), triton.cdiv(HP, BK))](
-        w, w.stride(0), w.stride(1), Bc, Do, out, N, HP, M, BN=BN, BK=BK, BR=BR,
-        num_warps=4 if gpu else 1)
+    _oproj_fold_kernel[(triton.cdiv(rows, BN), triton.cdiv(cols, BK))](
+        w, w.stride(0), w.stride(1), Bc, Do, out, cols, N, HP, M, APPEND=append, BN=BN, BK=BK,
+        BR=BR, num_warps=4 if gpu else 1)
     return out
 
 
@@ -266,8 +288,9 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
     """o (T, H·p) any strides; w (d, H·p) any strides; b (d,) contiguous or None; c (d,)
     (the per-head bias, added with b in the epilogue) contiguous or None; A (H, r, p),
     Bw (d, H·r), As (r_s, H·p), Us (d, r_s) any strides or None; ``scale`` multiplies Us.
-    ``fold`` (16-bit only): Y = O W'ᵀ with W' = W + [B_w | s·B_s] D_o (:func:`oproj_fold`)
-    instead of the two-segment GEMM [O | Z]·[W | B]ᵀ.
+    ``fold`` (16-bit only): [Y | Z] = O·[W'; D_o]ᵀ, one GEMM over the appended folded weight
+    W' = W + [B_w | s·B_s] D_o (:func:`oproj_fold`), instead of Z's thin GEMM and the
+    two-segment GEMM [O | Z]·[W | B]ᵀ.
 
     Returns Y (T, d) and the rank-space Z (T, H·r + r_s) in o.dtype for the backward.
     """
@@ -284,11 +307,12 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
     segs = [(o, w.t())]
     if R or RS:
         Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, o.dtype, Z, keep=True)
-        _thin(o, Do.t(), Z)
         if fold:
-            segs = [(o, oproj_fold(w, Bcat, Do).t())]
-        else:
-            segs.append((Z, Bcat.t()))
+            # one GEMM over [W'; D_o]: Y from its first N columns, Z = O D_oᵀ from the rest
+            gemm([(o, oproj_fold(w, Bcat, Do, append=1).t())], Y, bias=b, bias2=c, out2=Z)
+            return Y, Z
+        _thin(o, Do.t(), Z)
+        segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b, bias2=c)
     return Y, Z
 
@@ -300,7 +324,8 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                             need_factors: bool = True, scale: float = 1.0, fold: bool = False):
     """g (T, d) any strides. Returns (dO, dict of dA, dBw, dAs, dUs (scale·Σ) for the present
     parts, and db). ``fold``: dO = g W' with the forward's folded weight (recomputed) instead
-    of [g | dZ]·[W; D_o]; dZ is then formed only for the factor gradients."""
+    of [g | dZ]·[W; D_o]; dZ is then formed only for the factor gradients, by the same GEMM
+    over [W' | B_c] when dO is wanted too."""
     T, HP = o.shape
     N = w.shape[0]
     P = HP // H
@@ -320,9 +345,11 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
         return dO, grads
     Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, dt, Z, keep=False)
     fold = fold and N > 0
-    dZ = None
-    if need_factors or not fold:
-        dZ = _alloc.empty(T, M, dtype=dt, device=dev)
+    dZ = _alloc.empty(T, M, dtype=dt, device=dev) if need_factors or not fold else None
+    # folded with dO and the factor gradients wanted: dO and dZ = dY Bc from one GEMM over
+    # [W' | Bc]; otherwise dZ (when wanted) from its own thin GEMM first
+    fused_dz = fold and need_do and need_factors and T > 0
+    if dZ is not None and not fused_dz:
         _thin(g, Bcat, dZ)
     cs = None
     if need_do and T:
@@ -331,8 +358,11 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             # row slice, summed by the unpack kernel): no separate pass over dY
             cs = (_alloc.empty(colsum_rows(T), N, dtype=F32, device=dev) if need_factors
                   else None)
-            segs = [(g, oproj_fold(w, Bcat, Do))] if fold else [(g, w), (dZ, Do)]
-            gemm(segs, dO, colsum=cs)
+            if fused_dz:
+                gemm([(g, oproj_fold(w, Bcat, Do, append=2))], dO, colsum=cs, out2=dZ)
+            else:
+                segs = [(g, oproj_fold(w, Bcat, Do))] if fold else [(g, w), (dZ, Do)]
+                gemm(segs, dO, colsum=cs)
         else:
             gemm([(dZ, Do)], dO)
     if need_factors:
