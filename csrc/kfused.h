@@ -28,14 +28,15 @@ at::Tensor krona_fold_fwd(const at::Tensor& W, const at::Tensor& A, const at::Te
 
 // docs/math.md §2: out[t, h] = B_h A_h basis[t(, h)] + bias_h. -> (out, U): with save_u and a
 // 16-bit basis (1 <= r <= 64), U (T, H, uw) = the rank-space A_h basis rounded to the basis
-// dtype, uw = r (+ 1 with a bias) rounded up to 8, column r = 1 with a bias, zeros after —
-// what headwise_lowrank_bwd takes so that it neither recomputes U nor reads g twice; else (0,).
+// dtype, uw = r + 1 rounded up to 8, column r = 1, zeros after — what headwise_lowrank_bwd
+// takes so that it neither recomputes U nor reads g twice (the ones column gives dbias); else
+// (0,).
 std::tuple<at::Tensor, at::Tensor> headwise_lowrank_fwd(const at::Tensor& basis,
                                                         const at::Tensor& A, const at::Tensor& B,
                                                         const std::optional<at::Tensor>& bias,
                                                         bool save_u);
 // -> (dbasis, dA, dB, dbias); dbias is an empty (0,) tensor when has_bias is false. U: the
-// forward's (same has_bias) or None (recomputed).
+// forward's or None (recomputed).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
     const at::Tensor& g, const at::Tensor& basis, const at::Tensor& A, const at::Tensor& B,
     bool has_bias, const std::optional<at::Tensor>& U);

@@ -364,10 +364,10 @@ def test_headwise_lowrank(case, dtype):
     out_plain, U_none = _C.headwise_lowrank_fwd(dev_in["basis"], dev_in["A"], dev_in["B"],
                                                 dev_in["bias"])
     tc = dtype != torch.float32 and r <= 64
-    uw = (r + int(has_bias) + 7) // 8 * 8
+    uw = (r + 1 + 7) // 8 * 8
     assert U.shape == ((T, H, uw) if tc else (0,)) and U_none.shape == (0,)
     assert torch.equal(out, out_plain)
-    if tc and has_bias:     # the ones column that makes dB's product yield dbias
+    if tc:     # the ones column that makes dB's product yield dbias, zeros after
         assert torch.all(U[..., r] == 1) and torch.all(U[..., r + 1:] == 0)
     _poison_allocator()
     gd = g.to(DEV, dtype)
@@ -448,11 +448,14 @@ def test_headwise_lowrank_errors():
     basis, A16, B16 = torch.randn(4, 16, **h), A.to(torch.bfloat16), B.to(torch.bfloat16)
     g = torch.randn(4, 2, 8, **h)
     _, U = _C.headwise_lowrank_fwd(basis, A16, B16, None, save_u=True)
-    assert U.shape == (4, 2, 8)
-    with pytest.raises(RuntimeError, match="U .*has_bias=True"):   # U without the ones column
-        _C.headwise_lowrank_bwd(g, basis, A16, B16, True, U=U)
+    assert U.shape == (4, 2, 8)          # r = 3: 3 values, the ones column, zeros to 8
     with pytest.raises(RuntimeError, match="U "):
         _C.headwise_lowrank_bwd(g, basis, A16, B16, False, U=U[:3])
+    with pytest.raises(RuntimeError, match="U "):
+        _C.headwise_lowrank_bwd(g, basis, A16, B16, True, U=U[..., :4].contiguous())
+    with pytest.raises(RuntimeError, match="U "):   # float32 takes no U
+        _C.headwise_lowrank_bwd(g.float(), basis.float(), A16.float(), B16.float(), True,
+                                U=U.float())
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ hl = importlib.import_module("kfused.ops.headwise_lowrank")
 CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "headwise" / "headwise_lowrank.cu"
 
 
-def _u_width(r, has_bias):
-    return (r + (1 if has_bias else 0) + 7) // 8 * 8
+def _u_width(r):
+    return (r + 1 + 7) // 8 * 8
 
 
 class StandIn:
@@ -46,10 +46,9 @@ class StandIn:
             out = out + bias.double()
         U = basis.new_empty(0)
         if save_u and basis.dtype != torch.float32 and 1 <= r <= 64:
-            U = torch.zeros(T, H, _u_width(r, bias is not None), dtype=basis.dtype)
+            U = torch.zeros(T, H, _u_width(r), dtype=basis.dtype)
             U[..., :r] = u
-            if bias is not None:
-                U[..., r] = 1
+            U[..., r] = 1
         self.calls.append(("fwd", save_u, tuple(U.shape)))
         self.saved_u = U
         return out.to(basis.dtype), U
@@ -59,9 +58,8 @@ class StandIn:
         self.calls.append(("bwd", has_bias, U is not None))
         if U is not None:
             assert U is self.saved_u, "the backward must get the forward's own U"
-            assert U.shape == (basis.shape[0], A.shape[0], _u_width(r, has_bias))
-            if has_bias:
-                assert torch.all(U[..., r] == 1)
+            assert U.shape == (basis.shape[0], A.shape[0], _u_width(r))
+            assert torch.all(U[..., r] == 1)
             u = U[..., :r].double()
         else:
             u = self._u(basis, A).double()
@@ -109,7 +107,7 @@ def test_cuda_glue_passes_the_forward_u_and_matches_the_reference(ext, dtype, bi
     gy = torch.randn(T, H, p, generator=gen, dtype=F64).to(dtype)
     grads = torch.autograd.grad(out, leaves, gy)
     saved = dtype != torch.float32
-    assert U.shape == ((T, H, _u_width(r, bias)) if saved else (0,))
+    assert U.shape == ((T, H, _u_width(r)) if saved else (0,))
     assert ext.calls == [("fwd", True, tuple(U.shape)), ("bwd", bias, saved)]
 
     r64 = [v.detach().double().requires_grad_() for v in leaves]
@@ -157,8 +155,7 @@ def test_u_layout_follows_the_csrc():
     """The Python side's U rule is csrc's: the same largest rank, the same row length."""
     src = CSRC.read_text()
     assert int(re.search(r"kHwMaxN = (\d+)", src).group(1)) == hl.CUDA_HW_MAX_RANK
-    assert "(r + (has_bias ? 1 : 0) + 7) / 8 * 8" in src
+    assert "inline int u_width(int r) { return (r + 1 + 7) / 8 * 8; }" in src
     for r in (1, 7, 8, 9, 64):
-        for b in (True, False):
-            assert hl.cuda_u_width(r, b) == _u_width(r, b)
-    assert hl.cuda_u_width(8, True) == 16 and hl.cuda_u_width(8, False) == 8
+        assert hl.cuda_u_width(r) == _u_width(r)
+    assert hl.cuda_u_width(7) == 8 and hl.cuda_u_width(8) == 16 and hl.cuda_u_width(64) == 72

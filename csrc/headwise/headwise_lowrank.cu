@@ -271,14 +271,14 @@ struct HeadwiseTcParams {
   int r8, r16, p16, HG;
   bool vec;     // 16-byte cp.async rows for basis and A
   void* u_out;  // U (T, H, uw) rounded to T here as well (the backward's dB operand), or null
-  int uw;       // U's row length per head: u_width(r, has_bias)
-  bool u_ones;  // column r of every U row holds 1: dB's GEMM then also yields sum_t g (dbias)
+  int uw;       // U's row length per head: u_width(r)
   bool u_only;  // backward recompute: U only, no output GEMM
 };
 
-// Row length per head of the saved U: r values, then (with a bias) a column of ones at r, then
-// zeros up to a multiple of 8 (16-byte rows for the dB GEMM's cp.async loads).
-inline int u_width(int r, bool has_bias) { return (r + (has_bias ? 1 : 0) + 7) / 8 * 8; }
+// Row length per head of the saved U: r values, a column of ones at r (with a bias, dB's GEMM
+// then also yields sum_t g = dbias), zeros up to a multiple of 8 (16-byte rows for the dB
+// GEMM's cp.async loads). The same U serves a backward with or without a bias.
+inline int u_width(int r) { return (r + 1 + 7) / 8 * 8; }
 
 struct HeadwiseTcSmem {
   int PK, PU, PB;
@@ -298,8 +298,10 @@ __host__ __device__ inline HeadwiseTcSmem headwise_tc_smem(int HG, int r16, int 
   return m;
 }
 
+// 4 blocks per SM: without a minimum ptxas held the kernel to 80 registers and spilled 4-8
+// bytes around the U stores (tests/test_csrc_sass.py); with it, 110 registers and no spill.
 template <typename T>
-__global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const HeadwiseTcParams P) {
+__global__ void __launch_bounds__(kHwThreads, 4) headwise_mma_kernel(const HeadwiseTcParams P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const HeadwiseShape s = P.s;
   const HeadwiseTcSmem L = headwise_tc_smem(P.HG, P.r16, P.p16);
@@ -335,6 +337,18 @@ __global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const Headwise
       const int hl = rem / (r16 - r8), j = r8 + rem - hl * (r16 - r8);
       Us[m * PU + hl * r16 + j] = T(0.f);
     }
+
+  if (P.u_out) {
+    // U's columns [r, uw) do not depend on the products: the ones column at r, zeros after,
+    // written here where few registers are live (after the GEMM they cost a spill)
+    T* u = static_cast<T*>(P.u_out);
+    const int extra = P.uw - s.r;
+    for (int e = tid; e < nt * hg * extra; e += kHwThreads) {
+      const int m = e / (hg * extra), rem = e - m * (hg * extra);
+      const int hl = rem / extra, j = s.r + rem - hl * extra;
+      u[((t0 + m) * s.H + h0 + hl) * P.uw + j] = T(j == s.r ? 1.f : 0.f);
+    }
+  }
 
   auto load_chunk = [&](int kc, int buf) {
     const int k0 = kc * kHwBK;
@@ -422,13 +436,6 @@ __global__ void __launch_bounds__(kHwThreads) headwise_mma_kernel(const Headwise
           mma::store2<T>(u + ((t0 + m) * s.H + h0 + hl) * P.uw, j, s.r, upair, acc[jt][2 * i],
                          acc[jt][2 * i + 1]);
       }
-    }
-    // columns [r, uw): the ones column (u_ones) at r, zeros after
-    const int extra = P.uw - s.r;
-    for (int e = tid; e < nt * hg * extra; e += kHwThreads) {
-      const int m = e / (hg * extra), rem = e - m * (hg * extra);
-      const int hl = rem / extra, j = s.r + rem - hl * extra;
-      u[((t0 + m) * s.H + h0 + hl) * P.uw + j] = T((P.u_ones && j == s.r) ? 1.f : 0.f);
     }
     if (P.u_only) return;
   }
@@ -644,8 +651,7 @@ HeadwiseTcParams headwise_tc_params(const HeadwiseShape& s, const at::Tensor& ba
   Q.HG = s.shared ? std::max(1, std::min(s.H, kHwMaxN / Q.r8)) : 1;
   Q.vec = s.d_b % 8 == 0 && al16(Q.basis) && al16(Q.A);
   Q.u_out = nullptr;
-  Q.uw = s.r;
-  Q.u_ones = false;
+  Q.uw = u_width(s.r);
   Q.u_only = false;
   return Q;
 }
@@ -660,14 +666,13 @@ void headwise_bwd_tc(const HeadwiseShape& s, const at::Tensor& g, const at::Tens
                      at::Tensor& dB, at::Tensor& dbias, const HeadwiseTcParams& Q, size_t qsmem,
                      cudaStream_t stream) {
   const int64_t hr = int64_t(s.H) * s.r;
-  const int uw = u_width(s.r, has_bias);
+  const int uw = u_width(s.r);
   at::Tensor Uw = U_saved;
   if (Uw.numel() == 0) {  // no U from the forward: recompute it (one more pass over the basis)
     Uw = at::empty({s.T, int64_t(s.H), int64_t(uw)}, basis.options());
     HeadwiseTcParams P = Q;
     P.u_out = Uw.data_ptr();
     P.uw = uw;
-    P.u_ones = has_bias;
     P.u_only = true;
     launch_headwise_tc<T>(P, qsmem, stream);
   }
@@ -829,7 +834,7 @@ std::tuple<at::Tensor, at::Tensor> headwise_lowrank_fwd(const at::Tensor& basis,
   const bool u16 = basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN &&
                    s.d_b >= 1 && s.p >= 1;
   at::Tensor U = save_u && u16 ? at::empty({s.T, static_cast<int64_t>(s.H),
-                                            static_cast<int64_t>(u_width(s.r, has_bias))},
+                                            static_cast<int64_t>(u_width(s.r))},
                                            basis.options())
                                : at::empty({0}, basis.options());
   if (out.numel() == 0) return {out, U};
@@ -842,7 +847,6 @@ std::tuple<at::Tensor, at::Tensor> headwise_lowrank_fwd(const at::Tensor& basis,
     if (U.numel() > 0) {
       Q.u_out = U.data_ptr();
       Q.uw = static_cast<int>(U.size(2));
-      Q.u_ones = has_bias;
     }
     if (basis.scalar_type() == at::kHalf)
       launch_headwise_tc<c10::Half>(Q, tc_smem, stream);
@@ -877,13 +881,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> headwise_lowrank_bwd(
     check_float_cuda(Us, "U");
     check_like(Us, "U", basis, "basis");
     check_contiguous(Us, "U");
-    const int uw = u_width(s.r, has_bias);
+    const int uw = u_width(s.r);
     TORCH_CHECK(basis.scalar_type() != at::kFloat && Us.dim() == 3 && Us.size(0) == s.T &&
                     Us.size(1) == s.H && Us.size(2) == uw,
                 "kfused: headwise_lowrank_bwd: U (", describe(Us), ") must be the (T, H, ", uw,
                 ") = (", s.T, ", ", s.H, ", ", uw, ") tensor headwise_lowrank_fwd(save_u=True) "
-                "returned for a 16-bit basis with has_bias=", has_bias ? "True" : "False",
-                ", or None");
+                "returned for this 16-bit basis, or None");
   }
   check_float_cuda(g, "g");
   check_like(g, "g", basis, "basis");

@@ -113,11 +113,11 @@ def _lowrank_cuda_fwd(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 CUDA_HW_MAX_RANK = 64
 
 
-def cuda_u_width(r: int, has_bias: bool) -> int:
+def cuda_u_width(r: int) -> int:
     """Row length per head of the U the CUDA forward saves (csrc ``u_width``): r values, a
-    column of ones at r with a bias (dB's product then also yields dbias), zeros up to a
+    column of ones at r (with a bias, dB's product then also yields dbias), zeros up to a
     multiple of 8."""
-    return (r + (1 if has_bias else 0) + 7) // 8 * 8
+    return (r + 1 + 7) // 8 * 8
 
 
 def _cuda_saves_u(basis: torch.Tensor, r: int, d_b: int, p: int, save_u: bool) -> bool:
@@ -132,7 +132,7 @@ def _(basis, A, B, bias, save_u=False):
     p = B.shape[1]
     out = basis.new_empty(basis.shape[0], H, p)
     if _cuda_saves_u(basis, r, d_b, p, save_u):
-        return out, basis.new_empty(basis.shape[0], H, cuda_u_width(r, bias is not None))
+        return out, basis.new_empty(basis.shape[0], H, cuda_u_width(r))
     return out, basis.new_empty(0)
 
 

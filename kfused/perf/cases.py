@@ -1146,11 +1146,11 @@ def _cu_launch(name: str, programs: int, dot16=0.0, fma32=0.0, nbytes=0.0, ctas=
 
 def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2, has_bias=True) -> List[dict]:
     """PREDICTED fwd+bwd of ``headwise_lowrank(..., backend="cuda")`` (16-bit, r ≤ 64): the
-    forward also writes U (T, H, uw) for the backward (uw = r, + 1 with a bias, rounded up to
-    8: csrc ``u_width``), so the backward neither recomputes U nor reads g for the bias: U's
-    ones column makes dB's product yield dbias as its column r."""
+    forward also writes U (T, H, uw) for the backward (uw = r + 1 rounded up to 8: csrc
+    ``u_width``), so the backward neither recomputes U nor reads g for the bias: U's ones
+    column makes dB's product yield dbias as its column r."""
     r8, r16, p16 = cdiv(r, 8) * 8, cdiv(r, 16) * 16, cdiv(p, 16) * 16
-    uw = cdiv(r + (1 if has_bias else 0), 8) * 8
+    uw = cdiv(r + 1, 8) * 8
     HG = max(1, min(H, _CU_HW_MAXN // r8)) if shared else 1
     groups = cdiv(H, HG)
     tiles = cdiv(T, _CU_HW_BM) * groups
