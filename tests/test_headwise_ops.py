@@ -533,14 +533,17 @@ def test_qkv_and_oproj_strided_inputs(layout):
     o_in = dict(base=base, w_o=rnd(H * p, dout), wise_A=rnd(H, 2, p), wise_B=rnd(dout, H * 2),
                 shared_A=rnd(3, H * p), shared_B=rnd(dout, 3))
 
-    def orun(backend):
+    def orun(backend, exact=None):
         def fn(base, w_o, **kw):
             return headwise_oproj(view(base, H * p), w_o.t(), n_heads=H, scale=0.5,
-                                  backend=backend, **kw)
+                                  backend=backend, exact=exact, **kw)
         return fn
 
     assert_against_reference(orun("triton"), orun("reference"), o_in, torch.float32, DEVICE,
                              grad_names=[k for k in o_in if k != "w_o"])
+    # folded (16-bit): the appended [W'; D_o] / [W' | B_c] GEMMs read the same strided views
+    assert_against_reference(orun("triton", exact=False), orun("reference"), o_in,
+                             torch.float16, DEVICE, grad_names=[k for k in o_in if k != "w_o"])
 
 
 def test_oproj_output_width_one():
@@ -551,11 +554,15 @@ def test_oproj_output_width_one():
                   wise_B=rnd(1, H * 2), wise_c=rnd(1), shared_A=rnd(2, H * p),
                   shared_B=rnd(1, 2))
 
-    def run(backend):
-        return lambda **kw: headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend)
+    def run(backend, exact=None):
+        return lambda **kw: headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend,
+                                           exact=exact)
 
     assert_against_reference(run("triton"), run("reference"), inputs, torch.float32, DEVICE,
                              grad_names=[k for k in inputs if k != "w_o"])
+    # folded: Y is the first of the appended GEMM's 1 + M columns, Z the rest
+    assert_against_reference(run("triton", exact=False), run("reference"), inputs,
+                             torch.float16, DEVICE, grad_names=[k for k in inputs if k != "w_o"])
 
 
 def test_argument_checks_name_the_argument():
