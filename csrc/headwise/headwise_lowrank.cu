@@ -467,9 +467,9 @@ void launch_headwise_tc(const HeadwiseTcParams& P, size_t smem, cudaStream_t str
 }
 
 
-// dU[t][h][j] = sum_o g[t][h][o] B_h[o][j], rounded to T, stored as W (float workspace for the
-// CUDA-core path, T for the tensor-core path). One thread per (t, h, j); r * p FMAs each
-// (cheap next to the d_b-long products).
+// dU[t][h][j] = sum_o g[t][h][o] B_h[o][j], rounded to T, stored as W (the float workspace of
+// the CUDA-core path; the tensor-core path forms dU with stream_gemm_mma_kernel). One thread
+// per (t, h, j); r * p FMAs each (cheap next to the d_b-long products).
 template <typename T, typename W>
 __global__ void __launch_bounds__(256) headwise_du_kernel(const T* __restrict__ g,
                                                           const T* __restrict__ B,
@@ -678,12 +678,27 @@ void headwise_bwd_tc(const HeadwiseShape& s, const at::Tensor& g, const at::Tens
   }
   at::Tensor dUw = at::empty({s.T, hr}, basis.options());
   const auto fopts = basis.options().dtype(at::kFloat);
+  // dU_h (T x r) = g_h (T x p) B_h (p x r), batch h, on the tensor cores (K = p): rounded to T
+  // on store, as the reference rounds dU
   {
-    const int64_t n = s.T * hr;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
-    headwise_du_kernel<T, T><<<blocks, 256, 0, stream>>>(
-        g.data_ptr<T>(), B.data_ptr<T>(), dUw.data_ptr<T>(), s);
-    check_launch("headwise_du_kernel");
+    StreamGemmParams G{};
+    G.a = g.data_ptr();
+    G.b = B.data_ptr();
+    G.c = dUw.data_ptr();
+    G.lda = int64_t(s.H) * s.p;
+    G.ldb = s.r;
+    G.ldc = hr;
+    G.M = static_cast<int>(std::min<int64_t>(s.T, INT32_MAX));
+    G.N = s.r;
+    G.K = s.p;
+    G.nbatch = s.H;
+    G.a_batch = s.p;
+    G.b_batch = int64_t(s.p) * s.r;
+    G.c_batch = s.r;
+    G.nsplit = 1;
+    G.k_per_split = G.K;
+    G.vec = s.p % 8 == 0 && s.r % 8 == 0 && al16(G.a) && al16(G.b);
+    launch_stream_gemm<T, true>(G, stream, "stream_gemm_mma_kernel<dU>");
   }
   const T* basis_p = basis.data_ptr<T>();
   const int64_t bld = s.shared ? s.d_b : hr / s.r * s.d_b;  // basis row stride

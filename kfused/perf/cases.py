@@ -1131,9 +1131,9 @@ def _headwise_cases():
 
 # --- headwise_lowrank, the standalone op: its Triton path against the CUDA C++ one (issue 15)
 # csrc/headwise/headwise_lowrank.cu (16-bit, r <= 64): headwise_mma_kernel (64 tokens × a group of
-# HG = 64 / r8 heads sharing the basis tile), headwise_du_kernel (dU = g B on the CUDA cores),
-# stream_gemm_mma_kernel (64 × 64 tiles; dbasis, dA, dB with K = T split over blocks), the
-# fixed-order reductions and the bias column sums.
+# HG = 64 / r8 heads sharing the basis tile; it also saves U), stream_gemm_mma_kernel (64 × 64
+# tiles; dU, dbasis, dA, dB with K = T split over blocks; dB's ones column of U gives dbias),
+# the fixed-order reductions.
 _CU_HW_BM, _CU_HW_MAXN, _CU_SG_TILE = 64, 64, 64
 
 
@@ -1160,9 +1160,7 @@ def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2, has_bias=True) -> List
     hr = H * r
     u_bytes = T * H * uw * el
     out = [_cu_launch("cuda fwd: headwise_mma_kernel (+ U for the backward)", tiles, down + up,
-                      0.0, basis + T * H * p * el + u_bytes),
-           _cu_launch("cuda bwd: headwise_du_kernel (dU = g B)", cdiv(T * hr, 256), 0.0,
-                      2.0 * T * hr * p, T * H * p * el + T * hr * el, ctas=8)]
+                      0.0, basis + T * H * p * el + u_bytes)]
 
     def sg(name, M, N, K, batch, nbytes, split=False):
         t = cdiv(M, _CU_SG_TILE) * cdiv(N, _CU_SG_TILE) * batch
@@ -1175,6 +1173,7 @@ def _cuda_headwise_lowrank(T, H, d_b, p, r, shared, el=2, has_bias=True) -> List
         return res
 
     dU, g = T * hr * el, T * H * p * el
+    out += sg("dU = g B", T, r, p, H, g + dU)
     out += sg("dbasis", T, d_b, hr if shared else r, 1 if shared else H,
               dU + T * (1 if shared else H) * d_b * el)
     out += sg("dA", hr if shared else r, d_b, T, 1 if shared else H, dU + basis, split=True)
