@@ -218,6 +218,29 @@ def test_hf_generate_with_kv_cache_matches_sdpa():
     assert torch.equal(out, ref)
 
 
+def test_packed_mask_recognised_in_either_order():
+    """transformers composes its packed-sequence mask as and_masks of the segment mask and the
+    position remap — remap first since 5.x, segments first before: both are recognised, with
+    the segments and the base mask function; anything more (a third part, an or-overlay) is
+    not (and so refused by the mask interface)."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    if not hasattr(mu, "packed_sequence_mask_function"):
+        pytest.skip("this transformers has no packed-sequence masks")
+    from kfused.integration.hf_attention import packed_segments
+
+    seg = torch.tensor([[0, 0, 0, 1, 1]])
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    s_fn = mu.packed_sequence_mask_function(seg)
+    r_fn = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos)
+    for parts in ((s_fn, r_fn), (r_fn, s_fn)):
+        got = packed_segments(mu.and_masks(*parts))
+        assert got is not None and got[0] is seg and got[1] is mu.causal_mask_function
+    assert packed_segments(mu.and_masks(s_fn, r_fn, s_fn)) is None
+    assert packed_segments(mu.or_masks(s_fn, r_fn)) is None
+    assert packed_segments(mu.and_masks(s_fn, s_fn)) is None
+    assert packed_segments(mu.causal_mask_function) is None
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_hf_packed_sequences_match_padded_batch(kind, monkeypatch):
     """Padding-free training (transformers' packed format: one row, position_ids restarting

@@ -122,18 +122,20 @@ def _closure(fn) -> dict:
 
 def packed_segments(mask_function) -> Optional[Tuple[torch.Tensor, object]]:
     """``(segments, base)`` when ``mask_function`` is transformers' packed-sequence mask
-    (``and_masks(packed_sequence_mask_function(segments), remap_positions_for_packed_sequence(
-    base, position_ids))``), else None. Anything else (an extra sliding window, offsets, a
-    changed construction in a later transformers) is not recognised, and so refused."""
+    (``and_masks`` of ``packed_sequence_mask_function(segments)`` and
+    ``remap_positions_for_packed_sequence(base, position_ids)``, in either order: transformers
+    5.x builds the remap first), else None. Anything else (an extra sliding window, offsets, a
+    block overlay, a changed construction in a later transformers) is not recognised, and so
+    refused."""
     if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
         return None
     parts = _closure(mask_function).get("mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2:
         return None
-    seg_fn, remap_fn = parts
-    if (getattr(seg_fn, "__qualname__", "") != "packed_sequence_mask_function.<locals>.inner_mask"
-            or getattr(remap_fn, "__qualname__", "")
-            != "remap_positions_for_packed_sequence.<locals>.inner_mask"):
+    by_name = {getattr(f, "__qualname__", ""): f for f in parts}
+    seg_fn = by_name.get("packed_sequence_mask_function.<locals>.inner_mask")
+    remap_fn = by_name.get("remap_positions_for_packed_sequence.<locals>.inner_mask")
+    if seg_fn is None or remap_fn is None:
         return None
     segments = _closure(seg_fn).get("packed_sequence_mask")
     base = _closure(remap_fn).get("mask_function")
