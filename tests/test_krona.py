@@ -166,19 +166,22 @@ def test_folded_backward_path_choice():
     assert not fused_dx_grad_applies(24, 8, 32, 32)
 
 
-@pytest.mark.parametrize("shape", [(2, 6, 6, 2), (3, 5, 7, 2), (16, 17, 16, 16)], ids=str)
-def test_exact_backward_16bit_split_dx(shape, launches):
-    """exact path, 16-bit: dx is the factor pass's adapter term (formed with dA, dB in the
-    same _kron_grad_kernel launch) plus g W by one GEMM adding it — not the forward kernel on
-    the transposed factors. Small integers: every product and sum exact in float16, so dx,
-    dA, dB equal float64's."""
+@pytest.mark.parametrize("shape", [(2, 6, 6, 2), (3, 5, 7, 2)], ids=str)
+def test_exact_backward_narrow_factors_split_dx(shape, launches):
+    """exact path, 16-bit, a factor dim < 16: dx is the factor pass's adapter term (formed
+    with dA, dB in the same _kron_grad_kernel launch) plus g W by one GEMM adding it — not the
+    forward kernel on the transposed factors (broadcast products per output tile). Small
+    integers: every product and sum exact in float16, so dx, dA, dB equal float64's."""
     from kfused.triton_kernels import krona_linear as kl
 
     fwd = launches(kl, "_krona_fwd_kernel")
     grad = launches(kl, "_kron_grad_kernel")
     pairs = _int_backward(29, shape, True, 3)
     assert len(fwd) == 1 and len(grad) == 1          # the forward; one backward pass
-    assert kl.split_dx(torch.bfloat16) and not kl.split_dx(torch.float32)
+    A = torch.empty(shape[:2], dtype=torch.float16)
+    B = torch.empty(shape[2:], dtype=torch.float16)
+    assert kl.narrow_dx_split(torch.float16, A, B)
+    assert not kl.narrow_dx_split(torch.float32, A, B)
     for got, want in pairs:
         assert torch.equal(got, want)
 

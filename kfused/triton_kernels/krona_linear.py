@@ -12,10 +12,9 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     o = i·b_out + j (BJ a power of two; a partial last j-block is masked), so the Kronecker term of the tile is
     ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
     x rows the frozen GEMM has just streamed (they are in L2), in the factored form: A ⊗ B is
-    never formed, not even per tile. With HAS_W=False it is the plain ``kron_matvec``; for
-    float32 the same kernel computes the input gradient ``dy (W + s A⊗B)`` when given Wᵀ, Aᵀ
-    and Bᵀ as strided views (16-bit: the factor pass's dx term plus one addmm, see
-    :func:`krona_linear_backward`).
+    never formed, not even per tile. With HAS_W=False it is the plain ``kron_matvec``; the
+    same kernel computes the input gradient ``dy (W + s A⊗B)`` when given Wᵀ, Aᵀ and Bᵀ as
+    strided views.
 
 ``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy (when every factor
     product is a tensor-core dot, :func:`fused_dx_grad_applies`): a (BM × BN) tile of
@@ -698,11 +697,12 @@ def krona_dx_and_factor_grads(g: torch.Tensor, x: torch.Tensor, w_fold: torch.Te
     return (dx, *_sum_factor_partials(dab, A, B))
 
 
-def split_dx(dtype: torch.dtype) -> bool:
+def narrow_dx_split(dtype: torch.dtype, A: torch.Tensor, B: torch.Tensor) -> bool:
     """Whether :func:`krona_linear_backward` forms dx as the factor-gradient pass's adapter
-    term plus one GEMM for g W (16-bit) rather than with the forward kernel on the transposed
-    factors (float32: its IEEE dots keep the one-rounding exact form)."""
-    return dtype in (torch.float16, torch.bfloat16)
+    term plus one GEMM for g W (16-bit, some factor dim < 16) rather than with the forward
+    kernel on the transposed factors."""
+    return (dtype in (torch.float16, torch.bfloat16)
+            and not fused_dx_grad_applies(*A.shape, *B.shape))
 
 
 def krona_linear_backward(g: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
@@ -710,20 +710,18 @@ def krona_linear_backward(g: torch.Tensor, x: torch.Tensor, weight: Optional[tor
                           need_dx: bool = True, need_dab: bool = True
                           ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
                                      Optional[torch.Tensor]]:
-    """Gradients of ``x Wᵀ + b + scale · (A ⊗ B) x`` for x, A and B given ``g``: float32: dx =
-    g (W + scale · A⊗B) in one pass over g (the forward kernel run on Wᵀ, Aᵀ, Bᵀ), dA and dB
-    in one pass over (x, g). Returns (dx or None, dA or None, dB or None) as need_dx / need_dab ask.
+    """Gradients of ``x Wᵀ + b + scale · (A ⊗ B) x`` for x, A and B given ``g``: dx = g (W +
+    scale · A⊗B) in one pass over g (the forward kernel run on Wᵀ, Aᵀ, Bᵀ), dA and dB in one
+    pass over (x, g). Returns (dx or None, dA or None, dB or None) as need_dx / need_dab ask.
 
-    16-bit: the factor-gradient pass also forms the adapter's dx term s·Aᵀ G B (the pass reads
-    g and x anyway; rounded once) and one GEMM adds g W to it (``addmm``: cuBLAS on a GPU,
-    float32 accumulation). The forward kernel on the transposed factors would form the
-    Kronecker products per output tile — as broadcast products for a factor dim below 16
-    (the paper's 2×384 / 384×2: PREDICTED 1.24 ms for dx at T = 16k, 768², against 27 µs for
-    g W) and beside a Triton GEMM otherwise (PREDICTED fwd+bwd 768² 24/32 factors 112.9 →
-    105.8 µs). dx then rounds twice (the term, the sum), as torch's own 16-bit path does.
-    float32 keeps the one-rounding kernel."""
+    16-bit with a factor dim below 16 (the paper's 2×384 / 384×2): the forward kernel run on
+    the transposed factors would form its Kronecker products as broadcast products per output
+    tile (PREDICTED 1.24 ms for dx at T = 16k, 768², against 27 µs for g W), so instead the
+    factor-gradient pass also forms the adapter's dx term s·Aᵀ G B (exact float64 products on
+    the CUDA cores, rounded once) and the frozen product is added by one GEMM whose epilogue
+    adds that term (``addmm``: cuBLAS on a GPU)."""
     dx = dA = dB = None
-    if need_dx and split_dx(x.dtype):
+    if need_dx and narrow_dx_split(x.dtype, A, B):
         dx, dA, dB = kron_factor_grads(g, x, A, B, scale, compute_dx=True,
                                        compute_dab=need_dab)
         if weight is not None and dx.numel():
