@@ -697,14 +697,6 @@ def krona_dx_and_factor_grads(g: torch.Tensor, x: torch.Tensor, w_fold: torch.Te
     return (dx, *_sum_factor_partials(dab, A, B))
 
 
-def narrow_dx_split(dtype: torch.dtype, A: torch.Tensor, B: torch.Tensor) -> bool:
-    """Whether :func:`krona_linear_backward` forms dx as the factor-gradient pass's adapter
-    term plus one GEMM for g W (16-bit, some factor dim < 16) rather than with the forward
-    kernel on the transposed factors."""
-    return (dtype in (torch.float16, torch.bfloat16)
-            and not fused_dx_grad_applies(*A.shape, *B.shape))
-
-
 def krona_linear_backward(g: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
                           A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
                           need_dx: bool = True, need_dab: bool = True
@@ -712,21 +704,8 @@ def krona_linear_backward(g: torch.Tensor, x: torch.Tensor, weight: Optional[tor
                                      Optional[torch.Tensor]]:
     """Gradients of ``x Wᵀ + b + scale · (A ⊗ B) x`` for x, A and B given ``g``: dx = g (W +
     scale · A⊗B) in one pass over g (the forward kernel run on Wᵀ, Aᵀ, Bᵀ), dA and dB in one
-    pass over (x, g). Returns (dx or None, dA or None, dB or None) as need_dx / need_dab ask.
-
-    16-bit with a factor dim below 16 (the paper's 2×384 / 384×2): the forward kernel run on
-    the transposed factors would form its Kronecker products as broadcast products per output
-    tile (PREDICTED 1.24 ms for dx at T = 16k, 768², against 27 µs for g W), so instead the
-    factor-gradient pass also forms the adapter's dx term s·Aᵀ G B (exact float64 products on
-    the CUDA cores, rounded once) and the frozen product is added by one GEMM whose epilogue
-    adds that term (``addmm``: cuBLAS on a GPU)."""
+    pass over (x, g). Returns (dx or None, dA or None, dB or None) as need_dx / need_dab ask."""
     dx = dA = dB = None
-    if need_dx and narrow_dx_split(x.dtype, A, B):
-        dx, dA, dB = kron_factor_grads(g, x, A, B, scale, compute_dx=True,
-                                       compute_dab=need_dab)
-        if weight is not None and dx.numel():
-            dx = torch.addmm(dx, g, weight)
-        return dx, dA, dB
     if need_dx:
         wt = weight.t() if weight is not None else None
         dx = krona_linear_forward(g, wt, None, A.t(), B.t(), scale)
