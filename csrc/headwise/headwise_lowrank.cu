@@ -672,7 +672,6 @@ void headwise_bwd_tc(const HeadwiseShape& s, const at::Tensor& g, const at::Tens
     Uw = at::empty({s.T, int64_t(s.H), int64_t(uw)}, basis.options());
     HeadwiseTcParams P = Q;
     P.u_out = Uw.data_ptr();
-    P.uw = uw;
     P.u_only = true;
     launch_headwise_tc<T>(P, qsmem, stream);
   }
@@ -816,12 +815,18 @@ HeadwiseShape check_headwise(const char* op, const at::Tensor& basis, const at::
   return s;
 }
 
-// The tensor-core path's rule (forward and backward alike): 16-bit, 1 <= r <= 64, and its
-// tiles fit in shared memory; `smem` gets their size.
+// The tensor-core path's shape rule: 16-bit, 1 <= r <= 64 (also the rule for a saved U, which
+// the Python fake follows: it cannot see the shared-memory check below).
+bool tc_shape(const HeadwiseShape& s, const at::Tensor& basis) {
+  return basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN && s.d_b >= 1 &&
+         s.p >= 1;
+}
+
+// The tensor-core path's rule (forward and backward alike): tc_shape, and its tiles fit in
+// shared memory; `smem` gets their size.
 bool tc_path(const HeadwiseShape& s, const at::Tensor& basis, const HeadwiseTcParams& Q,
              size_t* smem) {
-  if (basis.scalar_type() == at::kFloat || s.r < 1 || s.r > kHwMaxN || s.d_b < 1 || s.p < 1)
-    return false;
+  if (!tc_shape(s, basis)) return false;
   *smem = headwise_tc_smem(Q.HG, Q.r16, Q.p16).total;
   return static_cast<int64_t>(*smem) <= max_smem_optin();
 }
@@ -844,11 +849,9 @@ std::tuple<at::Tensor, at::Tensor> headwise_lowrank_fwd(const at::Tensor& basis,
   }
   at::Tensor out = at::empty({s.T, static_cast<int64_t>(s.H), static_cast<int64_t>(s.p)},
                              basis.options());
-  // U for the backward: 16-bit with 1 <= r <= 64 (the shape rule the Python fake follows; only
-  // the tensor-core path writes it, and only that path of the backward reads it)
-  const bool u16 = basis.scalar_type() != at::kFloat && s.r >= 1 && s.r <= kHwMaxN &&
-                   s.d_b >= 1 && s.p >= 1;
-  at::Tensor U = save_u && u16 ? at::empty({s.T, static_cast<int64_t>(s.H),
+  // U for the backward (only the tensor-core path writes it, and only that path of the
+  // backward reads it)
+  at::Tensor U = save_u && tc_shape(s, basis) ? at::empty({s.T, static_cast<int64_t>(s.H),
                                             static_cast<int64_t>(u_width(s.r))},
                                            basis.options())
                                : at::empty({0}, basis.options());
@@ -859,10 +862,7 @@ std::tuple<at::Tensor, at::Tensor> headwise_lowrank_fwd(const at::Tensor& basis,
                                           out.data_ptr());
   size_t tc_smem = 0;
   if (tc_path(s, basis, Q, &tc_smem)) {
-    if (U.numel() > 0) {
-      Q.u_out = U.data_ptr();
-      Q.uw = static_cast<int>(U.size(2));
-    }
+    if (U.numel() > 0) Q.u_out = U.data_ptr();
     if (basis.scalar_type() == at::kHalf)
       launch_headwise_tc<c10::Half>(Q, tc_smem, stream);
     else
