@@ -15,11 +15,15 @@ from kfused.testing import assert_against_reference
 
 from conftest import DEVICE, DTYPES
 
-# (a_out, a_in, b_out, b_in): the default 768 split, the paper's GLUE factors, odd and tiny ones.
+# (a_out, a_in, b_out, b_in): the default 768 split, the paper's GLUE factors (and the same pair
+# the other way round: its forward takes the X Bᵀ-first order), a shape whose X Bᵀ-first order
+# brings V through A on a tensor-core dot, odd and tiny ones.
 FIXED_SHAPES = [
     (24, 24, 32, 32),
     (32, 24, 24, 32),
     (2, 384, 384, 2),
+    (384, 2, 2, 384),
+    (32, 16, 2, 64),
     (3, 5, 7, 2),
     (1, 1, 1, 1),
     (5, 3, 1, 4),
@@ -146,6 +150,69 @@ def test_folded_backward_one_pass_counts_every_token_once(T, shape, launches):
     for got, want in ((xh.grad, g @ Wp), (Ah.grad, dA), (Bh.grad, dB)):
         assert want.abs().max() < 1024          # halves below 2^10: exact in float16
         assert torch.equal(got.double().cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape,orders", [
+    ((2, 384, 384, 2), (False, True)),     # the paper's factors: dx takes X Bᵀ first
+    ((384, 2, 2, 384), (True, False)),
+    ((32, 16, 2, 64), (True, False)),      # forward: V through A on a dot (KC = 16)
+    ((5, 3, 2, 7), (True, False)),
+], ids=str)
+def test_exact_kron_term_orders_are_exact_on_integers(shape, orders, dtype, monkeypatch):
+    """The exact path's _krona_fwd_kernel (forward, and dx on the transposed factors) forms
+    the Kronecker term A X first or X Bᵀ first, whichever issues fewer products. With small
+    integers every product and sum is exact in float16 and float32, so y and dx must equal
+    the float64 result exactly in either order: a k or l chunk dropped or counted twice, or a
+    V column brought through the wrong row of A, cannot hide in a tolerance. The launches'
+    flags show which order ran."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    a_out, a_in, b_out, b_in = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    T = 19          # one ragged 32-token block in the interpreter, a third of a 64-token one
+
+    def ints(*s):
+        return torch.randint(-1, 2, s, generator=gen).double()
+
+    x, g = ints(T, a_in * b_in), ints(T, a_out * b_out)
+    A, B, W = ints(a_out, a_in), ints(b_out, b_in), ints(a_out * b_out, a_in * b_in)
+    seen = []
+    real = kl._krona_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append(kw)
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(kl, "_krona_fwd_kernel", Spy())
+    cast = lambda t: t.to(dtype).to(DEVICE)  # noqa: E731
+    xc = cast(x).requires_grad_()
+    y = krona_linear(xc, cast(W), None, cast(A), cast(B), 0.5, backend="triton", exact=True)
+    y.backward(cast(g))
+    assert tuple(bool(kw.get("XB_FIRST", False)) for kw in seen) == orders
+    if shape == (32, 16, 2, 64):
+        assert seen[0]["KC"] == 16 and seen[0]["DOT_Y"]
+    want_y = x @ (W + 0.5 * torch.kron(A, B)).T
+    want_dx = g @ (W + 0.5 * torch.kron(A, B))
+    for got, want in ((y, want_y), (xc.grad, want_dx)):
+        assert want.abs().max() < 1024          # halves below 2^10: exact in float16
+        assert torch.equal(got.double().cpu(), want)
+
+
+def test_exact_kron_term_order_choice():
+    """X Bᵀ first only where it issues under half the products of A X first: the paper's
+    transposed factors (dx) and the reverse pair's forward, not the balanced shapes."""
+    from kfused.triton_kernels.krona_linear import _fwd_config
+
+    gpu = torch.device("cuda")
+    order = lambda *s: _fwd_config(16384, *s, True, gpu, 2).get("XB_FIRST", False)  # noqa: E731
+    assert not order(2, 384, 384, 2) and order(384, 2, 2, 384)        # paper fwd, its dx
+    assert not order(8, 384, 384, 2) and order(384, 8, 2, 384)        # 768->3072 paper
+    for balanced in [(24, 24, 32, 32), (32, 24, 24, 32), (48, 24, 64, 32), (24, 48, 32, 64)]:
+        assert not order(*balanced)
 
 
 def test_folded_backward_path_choice():

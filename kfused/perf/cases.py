@@ -79,11 +79,21 @@ def _m_krona_fwd(L) -> Dict[str, float]:
     w = _work()
     if a["HAS_W"]:
         _prod(w, "W", P * 2.0 * BM * BI * BJ * cdiv(d_in, BK) * BK, a["DOT_W"], x16)
-    n_l = cdiv(b_in, LC)
-    _prod(w, "U", P * n_l * cdiv(a_in, KC) * 2.0 * BM * LC * BI * KC, a["DOT_U"], x16)
-    # 16-bit: U's rounding residue through the same product (SPLIT): twice the Y products
-    _prod(w, "Y", P * n_l * 2.0 * BM * BI * BJ * LC * (2 if a["SPLIT"] else 1), a["DOT_Y"], x16)
-    w["alu_ops"] += P * BM * BI * BJ * (n_l + 1)          # scale·y + acc per l chunk, epilogue
+    n_l, n_k = cdiv(b_in, LC), cdiv(a_in, KC)
+    if not a.get("XB_FIRST", False):
+        _prod(w, "U", P * n_l * n_k * 2.0 * BM * LC * BI * KC, a["DOT_U"], x16)
+        # 16-bit: U's rounding residue through the same dot (SPLIT): twice the Y products;
+        # not a dot (LC = 1): a float64 outer product of U's float32 sums
+        _prod(w, "Y", P * n_l * 2.0 * BM * BI * BJ * LC
+              * (2 if a["SPLIT"] and a["DOT_Y"] else 1), a["DOT_Y"], x16)
+        w["alu_ops"] += P * BM * BI * BJ * (n_l + 1)      # scale·y + acc per l chunk, epilogue
+    else:
+        # X Bᵀ first: V (BM·KC, BJ) over every l chunk, then through A per k chunk — a dot
+        # (with V's residue when SPLIT) or, KC = 1, a float64 outer product into the tile
+        _prod(w, "U", P * n_k * n_l * 2.0 * BM * KC * LC * BJ, a["DOT_U"], x16)
+        _prod(w, "Y", P * n_k * 2.0 * BM * BJ * KC * BI
+              * (2 if a["SPLIT"] and a["DOT_Y"] else 1), a["DOT_Y"], x16)
+        w["alu_ops"] += P * BM * BI * BJ * (n_k + 1)
     el = _el(X)
     col_blocks = L.grid[1]
     w["hbm_bytes"] = (R.reread_bytes(T * d_in * el, col_blocks)       # x once per column block

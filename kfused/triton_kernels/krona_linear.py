@@ -14,7 +14,13 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     x rows the frozen GEMM has just streamed (they are in L2), in the factored form: A ⊗ B is
     never formed, not even per tile. With HAS_W=False it is the plain ``kron_matvec``; the
     same kernel computes the input gradient ``dy (W + s A⊗B)`` when given Wᵀ, Aᵀ and Bᵀ as
-    strided views.
+    strided views. The term is formed in whichever order issues fewer products
+    (:func:`_xb_first`): ``(A X) Bᵀ`` or ``A (X Bᵀ)``. On narrow factors the orders differ by
+    ~25×: the input gradient of the paper's A 2×384, B 384×2 is this kernel on Aᵀ 384×2,
+    Bᵀ 2×384, where A X first forms a 384×384 product per token (PREDICTED 768² exact dx
+    1.24 ms) and X Bᵀ first a 2×2 one (37 µs); torch's autograd of the reference takes that
+    order too (G B first). A product with a dim < 16 runs on the CUDA cores in float64: a
+    reduction of 2 (LC or KC = 1) as an outer product into the output tile.
 
 ``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy (when every factor
     product is a tensor-core dot, :func:`fused_dx_grad_applies`): a (BM × BN) tile of
@@ -55,7 +61,9 @@ HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 �
       than this path; torch.compile of the reference (bmm/mm + pointwise, ≈ 8 passes over
       T·d bytes): 1.9–3.4 × slower. The paper's A 2×384 / B 384×2 factors (CUDA-core
       broadcast products, 1 CTA per SM, assumed 30–35 % of bandwidth): 2.0 × frozen at 768²,
-      1.65 × at 768→3072, and only 1.8–1.9 × faster than torch.kron.
+      1.65 × at 768→3072, and only 1.8–1.9 × faster than torch.kron. (This hand estimate
+      predates the kernels' current form; ``kfused perf`` has the current PREDICTED
+      numbers: exact path 1.92 × / 1.77 × the frozen linear for the paper's factors.)
 
     Why 1.15× is out of reach with a separate factor-gradient pass: it must read x and dy
     (50 MB at 768² = 18 µs even at 100 % bandwidth) while the budget is 0.15 × 64 µs = 10 µs.
@@ -105,7 +113,7 @@ def _krona_fwd_kernel(
     BM: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
     KC: tl.constexpr, LC: tl.constexpr,
     DOT_W: tl.constexpr, DOT_U: tl.constexpr, DOT_Y: tl.constexpr, PREC: tl.constexpr,
-    ACC: tl.constexpr, IDT: tl.constexpr, SPLIT: tl.constexpr,
+    ACC: tl.constexpr, IDT: tl.constexpr, SPLIT: tl.constexpr, XB_FIRST: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,38 +141,97 @@ def _krona_fwd_kernel(
                         mask=c_ok[:, None] & col_ok[None, :], other=0.0)
             acc += _mm(x, w.to(x.dtype), DOT_W, PREC, ACC)
 
-    # Kronecker term, l (the b_in axis) in chunks of LC to bound the registers:
-    # U[(t, l), i] = Σ_k X[t, k, l] A[i, k]  (= (A X[t])ᵀ, k in chunks of KC), then
-    # Y[t, i, j] += Σ_l U[t, i, l] B[j, l] after bringing i next to t.
-    r = tl.arange(0, BM * LC)
-    rt = pid_m * BM + r // LC
-    lc = tl.arange(0, LC)
-    for l0 in range(0, b_in, LC):
-        rl = l0 + r % LC
-        r_ok = (rt < T) & (rl < b_in)
-        u = tl.zeros((BM * LC, BI), dtype=ACC)
+    if not XB_FIRST:
+        # Kronecker term, l (the b_in axis) in chunks of LC to bound the registers:
+        # U[(t, l), i] = Σ_k X[t, k, l] A[i, k]  (= (A X[t])ᵀ, k in chunks of KC), then
+        # Y[t, i, j] += Σ_l U[t, i, l] B[j, l] after bringing i next to t.
+        r = tl.arange(0, BM * LC)
+        rt = pid_m * BM + r // LC
+        lc = tl.arange(0, LC)
+        for l0 in range(0, b_in, LC):
+            rl = l0 + r % LC
+            r_ok = (rt < T) & (rl < b_in)
+            u = tl.zeros((BM * LC, BI), dtype=ACC)
+            for k0 in range(0, a_in, KC):
+                kk = k0 + tl.arange(0, KC)
+                k_ok = kk < a_in
+                xk = tl.load(X + rt[:, None] * stride_xt + kk[None, :] * b_in + rl[:, None],
+                             mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
+                             mask=k_ok[:, None] & i_ok[None, :], other=0.0)
+                u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
+            uf = tl.reshape(tl.permute(tl.reshape(u, (BM, LC, BI)), (0, 2, 1)), (BM * BI, LC))
+            u = uf.to(IDT)
+            ll = l0 + lc
+            bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
+                         mask=(ll[:, None] < b_in) & (jj[None, :] < b_out), other=0.0)
+            if DOT_Y:
+                yk = _mm(u, bt.to(u.dtype), DOT_Y, PREC, ACC)
+                if SPLIT:
+                    # 16-bit inputs: U = A X is a float32 sum; its rounding residue goes through
+                    # the same product, so Y sees U to ~2^-22 rather than one 16-bit rounding
+                    # (where the frozen and adapter terms cancel, that rounding alone exceeded
+                    # the docs/math.md §4 bound: float16 dx of 1x1 factors, 16 ulp; test_krona
+                    # seed 13)
+                    ulo = (uf - u.to(ACC)).to(IDT)
+                    yk += _mm(ulo, bt.to(u.dtype), DOT_Y, PREC, ACC)
+                acc += scale * tl.reshape(yk, (BM, BI * BJ))
+            else:
+                # LC == 1 (a dim of this product < 16): U's column times the tile's row of B,
+                # an outer product into the tile (no (M, K, N) temporary). 16-bit: U's float32
+                # sum as is (what the hi/lo pair above amounts to), products exact in float64.
+                if SPLIT:
+                    uk = uf.to(tl.float64)
+                else:
+                    uk = u.to(tl.float64)
+                bk = tl.sum(bt, axis=0).to(tl.float64)
+                yk = tl.reshape(uk * bk[None, :], (BM, BI * BJ))
+                acc += scale * yk.to(ACC)
+
+    else:
+        # Kronecker term in the other order (chosen on the host where it issues fewer
+        # products: a narrow a_in with a wide b_in, e.g. dx of the paper's 2x384 / 384x2):
+        # V[(t, k), j] = Σ_l X[t, k, l] B[j, l] (l in chunks of LC, contiguous in x), then
+        # Y[t, i, j] += Σ_k A[i, k] V[t, k, j] — as a dot over a chunk of KC k's after bringing
+        # j next to t, or (KC == 1, a dim < 16) as an outer product into the tile.
+        r = tl.arange(0, BM * KC)
+        rt = pid_m * BM + r // KC
+        kc = tl.arange(0, KC)
         for k0 in range(0, a_in, KC):
-            kk = k0 + tl.arange(0, KC)
-            k_ok = kk < a_in
-            xk = tl.load(X + rt[:, None] * stride_xt + kk[None, :] * b_in + rl[:, None],
-                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            ak = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
-                         mask=k_ok[:, None] & i_ok[None, :], other=0.0)
-            u += _mm(xk, ak.to(xk.dtype), DOT_U, PREC, ACC)
-        uf = tl.reshape(tl.permute(tl.reshape(u, (BM, LC, BI)), (0, 2, 1)), (BM * BI, LC))
-        u = uf.to(IDT)
-        ll = l0 + lc
-        bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
-                     mask=(ll[:, None] < b_in) & (jj[None, :] < b_out), other=0.0)
-        yk = _mm(u, bt.to(u.dtype), DOT_Y, PREC, ACC)
-        if SPLIT:
-            # 16-bit inputs: U = A X is a float32 sum; its rounding residue goes through the
-            # same product, so Y sees U to ~2^-22 rather than one 16-bit rounding (where the
-            # frozen and adapter terms cancel, that rounding alone exceeded the docs/math.md §4
-            # bound: float16 dx of 1x1 factors, 16 ulp; test_krona seed 13)
-            ulo = (uf - u.to(ACC)).to(IDT)
-            yk += _mm(ulo, bt.to(u.dtype), DOT_Y, PREC, ACC)
-        acc += scale * tl.reshape(yk, (BM, BI * BJ))
+            rk = k0 + r % KC
+            r_ok = (rt < T) & (rk < a_in)
+            v = tl.zeros((BM * KC, BJ), dtype=ACC)
+            for l0 in range(0, b_in, LC):
+                ll = l0 + tl.arange(0, LC)
+                l_ok = ll < b_in
+                xl = tl.load(X + rt[:, None] * stride_xt + rk[:, None] * b_in + ll[None, :],
+                             mask=r_ok[:, None] & l_ok[None, :], other=0.0)
+                bt = tl.load(B + jj[None, :] * stride_bj + ll[:, None] * stride_bl,
+                             mask=l_ok[:, None] & (jj[None, :] < b_out), other=0.0)
+                v += _mm(xl, bt.to(xl.dtype), DOT_U, PREC, ACC)
+            kk = k0 + kc
+            at = tl.load(A + ii[None, :] * stride_ai + kk[:, None] * stride_ak,
+                         mask=(kk[:, None] < a_in) & i_ok[None, :], other=0.0)
+            if DOT_Y:
+                vf = tl.reshape(tl.permute(tl.reshape(v, (BM, KC, BJ)), (0, 2, 1)), (BM * BJ, KC))
+                vv = vf.to(IDT)
+                yk = _mm(vv, at.to(vv.dtype), DOT_Y, PREC, ACC)
+                if SPLIT:
+                    # V's rounding residue through the same product, as U's above
+                    yk += _mm((vf - vv.to(ACC)).to(IDT), at.to(vv.dtype), DOT_Y, PREC, ACC)
+                acc += scale * tl.reshape(tl.permute(tl.reshape(yk, (BM, BJ, BI)), (0, 2, 1)),
+                                          (BM, BI * BJ))
+            else:
+                # KC == 1: V (BM, BJ) times the tile's column of A. 16-bit (SPLIT): V's
+                # float32 sum is used as is (what the hi/lo pair of the dot path amounts to);
+                # products of a 16-bit A and a float32 V are exact in float64.
+                if SPLIT:
+                    vk = v.to(tl.float64)
+                else:
+                    vk = v.to(IDT).to(tl.float64)
+                ak = tl.sum(at, axis=0).to(tl.float64)
+                yk = tl.reshape(ak[None, :, None] * vk[:, None, :], (BM, BI * BJ))
+                acc += scale * yk.to(ACC)
 
     if HAS_BIAS:
         bias = tl.load(BIAS + cols, mask=col_ok, other=0.0)
@@ -452,7 +519,13 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
         bn_target = 128 if gpu else 64
         BJ = min(p2, 64)
         BI = max(1, min(next_pow2(a_out), bn_target // BJ))
+    if _xb_first(a_out, a_in, b_out, b_in, BI, BJ):
+        if gpu:
+            BI = max(BI, min(next_pow2(a_out), 256 // BJ))
+        return _fwd_config_xb(T, a_in, b_in, BI, BJ, has_w, gpu, elem_bytes)
     LC = max(2, min(next_pow2(b_in), 16))
+    if not (LC >= 16 and BJ >= 16):
+        LC = 1              # Y = U Bᵀ is not a dot: one l at a time, as an outer product
     KC = max(2, min(next_pow2(a_in), 16))
     BK = 64 if gpu else 128
     # 4-byte inputs: 16-token tiles and 8 warps on a GPU (IEEE float32 dots run on the CUDA
@@ -466,11 +539,11 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
         BM //= 2
 
     def widest_broadcast(bm: int, lc: int) -> int:
-        m_u, m_y = bm * lc, bm * BI
+        # Y = U Bᵀ needs none: a tensor-core dot, or (LC = 1) an outer product into the tile
+        m_u = bm * lc
         tmp_u = 0 if use_dot(m_u, KC, BI) else m_u * KC * BI
-        tmp_y = 0 if use_dot(m_y, lc, BJ) else m_y * lc * BJ
         tmp_w = 0 if (not has_w or use_dot(bm, BK, BI * BJ)) else bm * BK * BI * BJ
-        return max(tmp_u, tmp_y, tmp_w)
+        return max(tmp_u, tmp_w)
 
     # Narrow the l chunk first, then the token block — but with W, not below 16 tokens: the
     # frozen product is a tensor-core dot only from BM = 16 (an 8-token block turned it into a
@@ -483,9 +556,69 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
             BM //= 2
         else:
             break
+    if not use_dot(BM * BI, LC, BJ):
+        LC = 1
     return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC,
                 DOT_W=has_w and use_dot(BM, BK, BI * BJ),
                 DOT_U=use_dot(BM * LC, KC, BI), DOT_Y=use_dot(BM * BI, LC, BJ),
+                num_warps=8 if gpu and (BM * BI * BJ >= 8192 or elem_bytes > 2) else 4)
+
+
+def _kron_products(a_out: int, a_in: int, b_out: int, b_in: int, BI: int, BJ: int
+                   ) -> Tuple[int, int]:
+    """Multiply-adds per token of _krona_fwd_kernel's Kronecker term in its two orders at the
+    tile (BI, BJ): (U = A X first, V = X Bᵀ first). Each order recomputes its first product for
+    every tile of the other output axis."""
+    n_ib, n_jb = triton.cdiv(a_out, BI), triton.cdiv(b_out, BJ)
+    rows, cols = n_ib * BI, n_jb * BJ
+    ax = n_jb * rows * a_in * b_in + rows * b_in * cols
+    xb = n_ib * a_in * b_in * cols + rows * a_in * cols
+    return ax, xb
+
+
+def _xb_first(a_out: int, a_in: int, b_out: int, b_in: int, BI: int, BJ: int) -> bool:
+    """Whether _krona_fwd_kernel takes the V = X Bᵀ-first order: when it issues under half the
+    products of the A X-first one. Transposed narrow factors do (the input gradient of the
+    paper's A 2×384, B 384×2 runs this kernel on Aᵀ 384×2, Bᵀ 2×384: A X first forms a 384×384
+    product per token, 295k multiply-adds, X Bᵀ first about 11k); the balanced shapes and the
+    paper's forward keep A X first."""
+    ax, xb = _kron_products(a_out, a_in, b_out, b_in, BI, BJ)
+    return 2 * xb < ax
+
+
+def _fwd_config_xb(T: int, a_in: int, b_in: int, BI: int, BJ: int, has_w: bool, gpu: bool,
+                   elem_bytes: int) -> dict:
+    """Block sizes of _krona_fwd_kernel in the X Bᵀ-first order (XB_FIRST): V (BM·KC, BJ) is
+    summed over l in chunks of LC (contiguous in x), then brought through A by a dot over KC
+    k's, or by an outer product (KC = 1) when that dot would have a dim < 16."""
+    BK = 64 if gpu else 128
+    BM = (64 if elem_bytes <= 2 else 16) if gpu else 32
+    BM = min(BM, max(16, next_pow2(T)))
+    KC = min(next_pow2(a_in), 16)
+    if not (KC >= 16 and use_dot(BM * BJ, KC, BI)):
+        KC = 1
+    LC = max(2, min(next_pow2(b_in), 64))
+    bm_floor = 16 if has_w else 1
+
+    def widest_broadcast(bm: int, lc: int) -> int:
+        tmp_v = 0 if use_dot(bm * KC, lc, BJ) else bm * KC * lc * BJ
+        tmp_w = 0 if (not has_w or use_dot(bm, BK, BI * BJ)) else bm * BK * BI * BJ
+        return max(tmp_v, tmp_w)
+
+    # registers: the x chunk (BM·KC, LC) and the broadcast temporaries, as in the A X order
+    while (BM * KC * LC > 16384
+           or widest_broadcast(BM, LC) > (_FWD_GPU_TMP if gpu else 65536)):
+        if LC > 16 or (LC > 2 and BM <= bm_floor):
+            LC //= 2
+        elif BM > bm_floor:
+            BM //= 2
+        else:
+            break
+    if KC > 1 and not use_dot(BM * BJ, KC, BI):
+        KC = 1
+    return dict(BM=BM, BI=BI, BJ=BJ, BK=BK, KC=KC, LC=LC, XB_FIRST=True,
+                DOT_W=has_w and use_dot(BM, BK, BI * BJ),
+                DOT_U=use_dot(BM * KC, LC, BJ), DOT_Y=KC > 1 and use_dot(BM * BJ, KC, BI),
                 num_warps=8 if gpu and (BM * BI * BJ >= 8192 or elem_bytes > 2) else 4)
 
 
