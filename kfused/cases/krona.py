@@ -232,9 +232,11 @@ def aot_launches() -> None:
     from kfused.triton_kernels import krona_linear as kl
 
     # bfloat16 on every shape (the interpreter never runs it), float32 (IEEE dots) on one.
+    # float32 (IEEE dots) on the balanced and the paper's shape (its dx: the X Bᵀ-first order).
     shapes = [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (48, 24, 64, 32),
-              (128, 24, 24, 32), (8, 384, 384, 2), (3, 5, 7, 2)]
-    runs = [(torch.bfloat16, s) for s in shapes] + [(torch.float32, shapes[0])]
+              (128, 24, 24, 32), (8, 384, 384, 2), (3, 5, 7, 2), (384, 2, 2, 384)]
+    runs = [(torch.bfloat16, s) for s in shapes] + [(torch.float32, shapes[0]),
+                                                     (torch.float32, shapes[2])]
     for dtype, (a_out, a_in, b_out, b_in) in runs:
         T = 4096
         x = torch.empty(T, a_in * b_in, dtype=dtype)
