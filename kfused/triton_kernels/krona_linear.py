@@ -500,6 +500,15 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
+def _token_tiles(T: int, gpu: bool, elem_bytes: int) -> Tuple[int, int]:
+    """(BM, BK) of _krona_fwd_kernel before the register budgets, for either order.
+    4-byte inputs: 16-token tiles and 8 warps on a GPU (IEEE float32 dots run on the CUDA
+    cores; in the sm_90 compile 64 tokens spilled 64 B, 32 tokens or 4 warps 8-24 B; 16
+    tokens with 8 warps: 142-166 registers, no spill)."""
+    BM = (64 if elem_bytes <= 2 else 16) if gpu else 32
+    return min(BM, max(16, next_pow2(T))), (64 if gpu else 128)
+
+
 def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: bool,
                 device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _krona_fwd_kernel.
@@ -527,12 +536,7 @@ def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: boo
     if not (LC >= 16 and BJ >= 16):
         LC = 1              # Y = U Bᵀ is not a dot: one l at a time, as an outer product
     KC = max(2, min(next_pow2(a_in), 16))
-    BK = 64 if gpu else 128
-    # 4-byte inputs: 16-token tiles and 8 warps on a GPU (IEEE float32 dots run on the CUDA
-    # cores; in the sm_90 compile 64 tokens spilled 64 B, 32 tokens or 4 warps 8-24 B; 16
-    # tokens with 8 warps: 142-166 registers, no spill).
-    BM = (64 if elem_bytes <= 2 else 16) if gpu else 32
-    BM = min(BM, max(16, next_pow2(T)))
+    BM, BK = _token_tiles(T, gpu, elem_bytes)
     # Registers: the U tile (BM*LC, BI) and the X chunk (BM*LC, KC); broadcast products (a tile
     # dim < 16) within a temporary budget.
     while BM > 16 and BM * LC * max(KC, BI) > 16384:
@@ -591,9 +595,7 @@ def _fwd_config_xb(T: int, a_in: int, b_in: int, BI: int, BJ: int, has_w: bool, 
     """Block sizes of _krona_fwd_kernel in the X Bᵀ-first order (XB_FIRST): V (BM·KC, BJ) is
     summed over l in chunks of LC (contiguous in x), then brought through A by a dot over KC
     k's, or by an outer product (KC = 1) when that dot would have a dim < 16."""
-    BK = 64 if gpu else 128
-    BM = (64 if elem_bytes <= 2 else 16) if gpu else 32
-    BM = min(BM, max(16, next_pow2(T)))
+    BM, BK = _token_tiles(T, gpu, elem_bytes)
     KC = min(next_pow2(a_in), 16)
     if not (KC >= 16 and use_dot(BM * BJ, KC, BI)):
         KC = 1
