@@ -1,5 +1,6 @@
 """Kronecker adapter (docs/math.md §1): reference, Triton/CUDA kernels, autograd, ops, modules."""
 
+import itertools
 import random
 
 import pytest
@@ -15,14 +16,20 @@ from kfused.testing import assert_against_reference
 
 from conftest import DEVICE, DTYPES
 
-# (a_out, a_in, b_out, b_in): the default 768 split, the paper's GLUE factors (and the same pair
-# the other way round: its forward takes the X Bᵀ-first order), a shape whose X Bᵀ-first order
-# brings V through A on a tensor-core dot, odd and tiny ones.
+# The paper's GLUE factors A 2×384, B 384×2 (and the same pair the other way round: its forward
+# takes the X Bᵀ-first order). On the CPU the interpreter runs their 128-wide stand-ins: the same
+# block configs in every kernel (checked by test_paper_pair_stand_ins_keep_the_configs), every
+# loop still over several blocks, at a ninth of the 768×768 weight's interpreter time;
+# test_exact_kron_term_orders_are_exact_on_integers runs the real pair on the CPU too.
+PAPER_PAIR = [(2, 384, 384, 2), (384, 2, 2, 384)]
+PAPER_PAIR_CPU = [(2, 128, 128, 2), (128, 2, 2, 128)]
+
+# (a_out, a_in, b_out, b_in): the default 768 split, the paper's pair, a shape whose X Bᵀ-first
+# order brings V through A on a tensor-core dot, odd and tiny ones.
 FIXED_SHAPES = [
     (24, 24, 32, 32),
     (32, 24, 24, 32),
-    (2, 384, 384, 2),
-    (384, 2, 2, 384),
+    *(PAPER_PAIR if DEVICE == "cuda" else PAPER_PAIR_CPU),
     (32, 16, 2, 64),
     (3, 5, 7, 2),
     (1, 1, 1, 1),
@@ -38,6 +45,30 @@ def _random_shape(rng: random.Random):
 _RNG = random.Random()
 RANDOM_SHAPES = [_random_shape(_RNG) for _ in range(2)]
 SHAPES = FIXED_SHAPES + RANDOM_SHAPES
+
+
+def test_paper_pair_stand_ins_keep_the_configs():
+    """The CPU stand-ins of the paper's pair take the same block configs as the pair itself in
+    every kernel that runs them (forward, dx on the transposed factors, factor gradients), so
+    the interpreter exercises the same code paths (orders, dots, outer products)."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    cpu = torch.device("cpu")
+    for real, stand_in in zip(PAPER_PAIR, PAPER_PAIR_CPU):
+        for el in (2, 4):
+            for T in (1, 40, 70):
+                for (a_out, a_in, b_out, b_in), w in itertools.product(
+                        ((0, 1, 2, 3), (1, 0, 3, 2)), (True, False)):
+                    cfg = [kl._fwd_config(T, s[a_out], s[a_in], s[b_out], s[b_in], w, cpu, el)
+                           for s in (real, stand_in)]
+                    assert cfg[0] == cfg[1], (real, stand_in, T, el, w)
+                g = [kl._grad_config(T, *s, cpu, el) for s in (real, stand_in)]
+                # the token step differs (a 512-padded factor takes 4 tokens per step, a
+                # 128-padded one 16): both are several steps at these T
+                assert {k: v for k, v in g[0].items() if k not in ("BT", "AOP", "AIP", "BOP",
+                                                                   "BIP")} == \
+                    {k: v for k, v in g[1].items() if k not in ("BT", "AOP", "AIP", "BOP",
+                                                                "BIP")}, (real, stand_in, T)
 
 
 def _factors(shape, lead=(3, 11), dtype=torch.float64):
