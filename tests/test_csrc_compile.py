@@ -29,6 +29,11 @@ SOURCES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True)
                  + glob.glob(os.path.join(CSRC, "**", "*.cpp"), recursive=True))
 TIMEOUT_S = 900  # per compile; a loaded shared 2-core machine is several times slower than idle
 
+# src -> (returncode, compiler output with ptxas's -v report, object path) of every .cu file the
+# ``compiled`` fixture built in this session: test_csrc_sass disassembles these objects instead
+# of compiling the device code a second time (about a minute of CI).
+DEVICE_OBJECTS = {}
+
 
 def _find_nvcc():
     for env in ("CUDA_HOME", "CUDA_PATH"):
@@ -86,8 +91,9 @@ def _command(src, nvcc, host_cxx, flags, out):
     defines = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     if src.endswith(".cu") or host_cxx is None:
         # 3306: torch's headers use a C++20 bit-field initializer; harmless under -std=c++17.
+        # -Xptxas -v: the register / spill report test_csrc_sass reads (see DEVICE_OBJECTS)
         return [nvcc, "-c", "-std=c++17", "-arch=sm_90", "-x", "cu", "-Xcompiler", "-fPIC",
-                *_nvcc_torch_flags(),
+                *_nvcc_torch_flags(), "-Xptxas", "-v",
                 "-Xcudafe", "--diag_suppress=3306", *defines, *flags, src, "-o", out]
     return [host_cxx, "-c", "-std=c++17", "-fPIC", "-Wno-c++20-extensions", *defines, *flags,
             src, "-o", out]
@@ -125,6 +131,8 @@ def compiled(tmp_path_factory):
         for src, fut in futs.items():
             # (command, returncode, output, seconds, object path)
             results[src] = (cmds[src],) + fut.result() + (cmds[src][-1],)
+            if src.endswith(".cu"):
+                DEVICE_OBJECTS[src] = (results[src][1], results[src][2], cmds[src][-1])
     total = time.perf_counter() - t0
     lines = [f"  {os.path.relpath(s, ROOT)}: {r[3]:.1f} s" for s, r in results.items()]
     print(f"\ncsrc compile check: {len(results)} files in {total:.1f} s (2 in parallel)\n"

@@ -11,9 +11,13 @@ and no kernel of the file may use local memory (ptxas "0 bytes spill stores, 0 b
 loads" and no STL / LDL instruction in the SASS). A kernel name missing from the SASS fails too
 (a renamed kernel must be renamed here).
 
-Compiles run in parallel processes (one per file, at most 2 at a time) and are cached under
-``~/.cache/kfused/sass/<hash>`` keyed by the sources (csrc/**/*.{cu,cuh,h,hpp,cpp}), the nvcc version and the flags,
-so a second run costs only the disassembly. Skipped without nvcc or without cuobjdump.
+When test_csrc_compile ran earlier in the same session (as in the full suite), its sm_90
+objects — the same device code, built with the same flags and ``-Xptxas -v`` — are
+disassembled instead of compiling every file again. Otherwise compiles run in parallel
+processes (one per file, at most 2 at a time) and are cached under
+``~/.cache/kfused/sass/<hash>`` keyed by the sources (csrc/**/*.{cu,cuh,h,hpp,cpp}), the nvcc
+version and the flags, so a second run costs only the disassembly. Skipped without nvcc or
+without cuobjdump.
 """
 
 from __future__ import annotations
@@ -93,34 +97,52 @@ def _key(src, nvcc):
     return h.hexdigest()[:24]
 
 
+def _from_compile_check(src, dump):
+    """(0, ptxas log, sass text, seconds, "compile check") from the object test_csrc_compile
+    built for ``src`` in this session, or None (not built there, or it failed: then the
+    cubin build below reports the error itself)."""
+    got = _cc.DEVICE_OBJECTS.get(src)
+    if got is None or got[0] != 0 or not os.path.isfile(got[2]):
+        return None
+    t0 = time.perf_counter()
+    dis = subprocess.run([dump, "-sass", got[2]], capture_output=True, text=True)
+    if dis.returncode != 0 or "Function :" not in dis.stdout:
+        return None
+    return 0, got[1], dis.stdout, time.perf_counter() - t0, "compile check"
+
+
 def _build(src, nvcc, dump):
-    """(returncode, ptxas log, sass text, seconds, cached)."""
+    """(returncode, ptxas log, sass text, seconds, where it came from: "compile check",
+    "cached" or "")."""
+    reused = _from_compile_check(src, dump)
+    if reused is not None:
+        return reused
     key = _key(src, nvcc)
     d = os.path.join(CACHE, key)
     cub, log, sass = (os.path.join(d, n) for n in ("k.cubin", "ptxas.log", "k.sass"))
     if os.path.isfile(sass) and os.path.isfile(log):
         with open(log) as f1, open(sass) as f2:
-            return 0, f1.read(), f2.read(), 0.0, True
+            return 0, f1.read(), f2.read(), 0.0, "cached"
     os.makedirs(d, exist_ok=True)
     t0 = time.perf_counter()
     try:
         res = subprocess.run(_command(src, nvcc, cub), capture_output=True, text=True,
                              timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return -1, f"timed out after {TIMEOUT_S} s", "", time.perf_counter() - t0, False
+        return -1, f"timed out after {TIMEOUT_S} s", "", time.perf_counter() - t0, ""
     out = res.stderr + res.stdout
     if res.returncode != 0:
-        return res.returncode, out, "", time.perf_counter() - t0, False
+        return res.returncode, out, "", time.perf_counter() - t0, ""
     dis = subprocess.run([dump, "-sass", cub], capture_output=True, text=True)
     if dis.returncode != 0:
-        return dis.returncode, out + dis.stderr, "", time.perf_counter() - t0, False
+        return dis.returncode, out + dis.stderr, "", time.perf_counter() - t0, ""
     with open(log + ".tmp", "w") as f:
         f.write(out)
     with open(sass + ".tmp", "w") as f:
         f.write(dis.stdout)
     os.replace(log + ".tmp", log)
     os.replace(sass + ".tmp", sass)
-    return 0, out, dis.stdout, time.perf_counter() - t0, False
+    return 0, out, dis.stdout, time.perf_counter() - t0, ""
 
 
 def _functions(sass):
@@ -167,7 +189,7 @@ def built():
         res = {s: f.result() for s, f in futs.items()}
     total = time.perf_counter() - t0
     print(f"\ncsrc SASS check: {len(res)} files in {total:.1f} s (2 in parallel)\n" + "\n".join(
-        f"  {os.path.relpath(s, ROOT)}: {'cached' if r[4] else f'{r[3]:.1f} s'}"
+        f"  {os.path.relpath(s, ROOT)}: {f'{r[3]:.1f} s' + (f' ({r[4]})' if r[4] else '')}"
         for s, r in res.items()), file=sys.stderr)
     return res
 
@@ -186,6 +208,9 @@ def test_sass(built, src):
                     pytrace=False)
     funcs = _functions(sass)
     assert funcs, f"{rel}: no kernel in the SASS"
+    # the spill check below reads ptxas's -v report: without it, it would pass on nothing
+    assert "Compiling entry function" in log and "spill stores" in log, \
+        f"{rel}: no ptxas -v report in the build output\n{log[-2000:]}"
     problems = [f"{k}: {line}" for k, line in _spills(log)]
     for name, text in funcs.items():
         if _LOCAL.search(text):
