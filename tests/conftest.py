@@ -61,6 +61,34 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     "set it to replay them")
 
 
+# The structural compile run of the perf tests (tests/_perf_helpers.py) takes about 9 minutes
+# on a fresh machine: start it as soon as a test that needs it is collected, so it runs beside
+# the interpreter tests instead of after them.
+_STRUCTURE_TESTS = ("test_perf_structure.py", "test_triton_sm90_compile.py")
+
+
+@pytest.hookimpl(trylast=True)        # after -k / -m deselection
+def pytest_collection_modifyitems(session, config, items):
+    if config.option.collectonly or not any(
+            os.path.basename(str(item.fspath)) in _STRUCTURE_TESTS for item in items):
+        return
+    try:
+        import triton.backends.nvidia  # noqa: F401  (the tests skip without it)
+    except ImportError:
+        return
+    from tests._perf_helpers import start_structure_report
+
+    start_structure_report()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    helpers = sys.modules.get("tests._perf_helpers")
+    if helpers is not None:
+        helpers.stop_structure_report()
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """``launches(module, name)`` -> a list that records the grid of every launch of the
