@@ -55,10 +55,15 @@ def _kill(proc) -> None:
 
 
 def stop_structure_report() -> None:
-    """End a background run nobody waited for (a session stopped early)."""
+    """At the session's end: end a run nobody waited for (a session stopped early) and remove
+    its log and output."""
     proc = _run.get("proc")
-    if proc is not None and proc.poll() is None:
+    if proc is None:
+        return
+    if proc.poll() is None:
         _kill(proc)
+    _run["log"].close()
+    _run["tmp"].cleanup()
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,6 +3,7 @@ seeded, and kernel outputs are NaN-poisoned before each launch."""
 
 import os
 import random
+import sys
 import zlib
 
 import torch
@@ -82,8 +83,6 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import sys
-
     helpers = sys.modules.get("tests._perf_helpers")
     if helpers is not None:
         helpers.stop_structure_report()

@@ -97,6 +97,10 @@ def _key(src, nvcc):
     return h.hexdigest()[:24]
 
 
+def _disassemble(dump, path):
+    return subprocess.run([dump, "-sass", path], capture_output=True, text=True)
+
+
 def _from_compile_check(src, dump):
     """(0, ptxas log, sass text, seconds, "compile check") from the object test_csrc_compile
     built for ``src`` in this session, or None (not built there, or it failed: then the
@@ -105,7 +109,7 @@ def _from_compile_check(src, dump):
     if got is None or got[0] != 0 or not os.path.isfile(got[2]):
         return None
     t0 = time.perf_counter()
-    dis = subprocess.run([dump, "-sass", got[2]], capture_output=True, text=True)
+    dis = _disassemble(dump, got[2])
     if dis.returncode != 0 or "Function :" not in dis.stdout:
         return None
     return 0, got[1], dis.stdout, time.perf_counter() - t0, "compile check"
@@ -133,7 +137,7 @@ def _build(src, nvcc, dump):
     out = res.stderr + res.stdout
     if res.returncode != 0:
         return res.returncode, out, "", time.perf_counter() - t0, ""
-    dis = subprocess.run([dump, "-sass", cub], capture_output=True, text=True)
+    dis = _disassemble(dump, cub)
     if dis.returncode != 0:
         return dis.returncode, out + dis.stderr, "", time.perf_counter() - t0, ""
     with open(log + ".tmp", "w") as f:
