@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -52,11 +53,43 @@ def _triton_import_error() -> Optional[str]:
     return _TRITON_IMPORT[0]
 
 
+def _version(text: str) -> Tuple[int, ...]:
+    """(major, minor) of a version string such as "3.6.0" or "2.4.0rc1"."""
+    return tuple(int(m.group()) if m else 0
+                 for m in (re.match(r"\d+", piece) for piece in text.split(".")[:2]))
+
+
+_INTERPRETER_CHECK: list = []
+
+
+def _interpreter_unfit() -> Optional[str]:
+    """Why the Triton CPU interpreter of this install cannot run kfused's kernels (None if it
+    can). Triton before 3.7 converts a runtime loop bound with ``int()`` of a one-element
+    array, which numpy 2.4 made an error: every kernel with a ``range`` over a runtime size
+    fails inside the interpreter ("only 0-dimensional arrays can be converted to Python
+    scalars")."""
+    if not _INTERPRETER_CHECK:  # checked once
+        import numpy
+        import triton
+
+        reason = None
+        if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+            reason = (f"the Triton {triton.__version__} CPU interpreter cannot run loops over "
+                      f"runtime sizes with numpy {numpy.__version__}; install 'numpy<2.4' or "
+                      "triton>=3.7 (compiled Triton on a GPU is not affected)")
+        _INTERPRETER_CHECK.append(reason)
+    return _INTERPRETER_CHECK[0]
+
+
 def triton_unfit(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """Why the Triton backend cannot run tensors of this device/dtype (None if it can)."""
     err = _triton_import_error()
     if err:
         return err
+    if device.type == "cpu" and triton_interpret():
+        err = _interpreter_unfit()
+        if err:
+            return err
     if device.type == "cpu" and triton_interpret() and dtype == torch.float64:
         return None  # interpreter only: lets gradcheck run the kernels' autograd path
     if dtype not in FUSED_DTYPES:

@@ -29,6 +29,22 @@ TIMEOUT_S = 1800
 _run = {}   # the background run: proc, tmp (TemporaryDirectory), out, log, t0
 
 
+# Runs kfused.perf.report, and ends it with its workers (its process group) as soon as the
+# pytest process that started it is gone: a session killed by a signal (a CI timeout, `kill`)
+# runs no pytest_sessionfinish, and the compile run would otherwise go on for minutes.
+_EXIT_WITH_PARENT = """
+import os, runpy, signal, sys, threading, time
+parent = int(sys.argv.pop(1))
+def watch():
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=watch, daemon=True).start()
+sys.argv[0] = "kfused.perf.report"
+runpy.run_module("kfused.perf.report", run_name="__main__", alter_sys=True)
+"""
+
+
 def start_structure_report() -> None:
     """Start the structural compile run in the background (once per process)."""
     if _run:
@@ -39,8 +55,9 @@ def start_structure_report() -> None:
     tmp = tempfile.TemporaryDirectory()
     out = os.path.join(tmp.name, "structure.json")
     log = open(os.path.join(tmp.name, "structure.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kfused.perf.report", "--structure-only",
-                             "--arch", "90", "--no-csrc", "--jobs", "2", "--json", out],
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()),
+                             "--structure-only", "--arch", "90", "--no-csrc", "--jobs", "2",
+                             "--json", out],
                             stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)   # its own group: _kill ends the workers too
     _run.update(proc=proc, tmp=tmp, out=out, log=log, t0=time.perf_counter())

@@ -160,3 +160,33 @@ def test_bench_ratios_against_each_family_baseline():
                    ("floor", 1.0, "floor"), ("sdpa", 9.0, "floor"),
                    ("kfused-triton", 1.5, "floor"), ("kfused-varlen", 0.25, "kfused-padded"),
                    ("kfused-padded", 1.0, "kfused-padded"), ("eager", None, None)]
+
+
+def test_old_triton_interpreter_with_new_numpy_is_refused_by_name(monkeypatch):
+    # Triton < 3.7's CPU interpreter calls int() on a one-element array for every runtime
+    # loop bound, an error from numpy 2.4 on (seen with triton 3.6.0 + numpy 2.4.6: every
+    # kernel with a loop failed inside the interpreter). The backend check says so instead.
+    import numpy
+    import triton
+
+    from kfused import backends
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    for tv, nv, refused in [("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False),
+                            ("3.7.0", "2.4.6", False), ("3.5.1", "2.5.0", True)]:
+        monkeypatch.setattr(triton, "__version__", tv)
+        monkeypatch.setattr(numpy, "__version__", nv)
+        monkeypatch.setattr(backends, "_INTERPRETER_CHECK", [])
+        reason = backends.triton_unfit(cpu, torch.float32)
+        assert (reason is not None) == refused, (tv, nv, reason)
+        if refused:
+            assert tv in reason and nv in reason and "numpy<2.4" in reason
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    monkeypatch.setattr(backends, "_INTERPRETER_CHECK", [])
+    x, A, B = torch.randn(4, 6), torch.randn(2, 3), torch.randn(2, 2)
+    with pytest.raises(kfused.BackendError, match="numpy<2.4"):
+        kfused.kron_matvec(x, A, B, backend="triton")
+    # the reference backend is not affected
+    kfused.kron_matvec(x, A, B, backend="reference")
