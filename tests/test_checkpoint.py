@@ -526,3 +526,96 @@ def test_training_a_merged_model_says_so():
     m.zero_grad()
     m(**inputs).loss.backward()
     assert all(m.get_parameter(n).grad is not None for n in get_state(m).param_names)
+
+
+# ------------------------------------------------------------------------------------------
+# a hostile probe's findings (stop 29)
+
+
+def test_leftover_names_alone_never_make_a_file_removable(tmp_path):
+    """Names of kfused's pattern from another host, older than a day: removed only when their
+    content shows kfused wrote them (a user's folder of that name, holding a PEFT-named file,
+    and a temp file that is not kfused's JSON are kept)."""
+    d = tmp_path / "c"
+    save(tiny(fill=1.0), str(d))
+    old = "20200101T000000-deadbeef-1-abcdef12"
+    theirs = d / (ck.VERSION_PREFIX + old)
+    theirs.mkdir()
+    (theirs / ck.WEIGHTS).write_bytes(b"user weights, not safetensors")
+    their_tmp = d / f".{ck.POINTER}.{old}.tmp"
+    their_tmp.write_text('{"note": "mine"}')
+    ours_old = "20200101T000000-deadbeef-2-abcdef13"
+    ours = d / (ck.VERSION_PREFIX + ours_old)
+    shutil.copytree(version_folder(d), ours)
+    ours_tmp = d / f".{ck.POINTER}.{ours_old}.tmp"
+    ours_tmp.write_text((d / ck.POINTER).read_text())
+    half = d / (ck.VERSION_PREFIX + "20200101T000000-deadbeef-3-abcdef14")
+    half.mkdir()  # killed before its description: a weights file with kfused's header
+    (half / ck.WEIGHTS).write_bytes((version_folder(d) / ck.WEIGHTS).read_bytes()[:-4])
+    save(tiny(fill=2.0), str(d))
+    assert theirs.is_dir() and (theirs / ck.WEIGHTS).read_bytes() == b"user weights, not safetensors"
+    assert their_tmp.read_text() == '{"note": "mine"}'
+    assert not ours.exists() and not ours_tmp.exists() and not half.exists()
+    assert states_equal(loaded(d), adapter_state_dict(tiny(fill=2.0)))
+
+
+def test_load_with_another_config_is_refused(tmp_path):
+    """Same method and shapes but another scale: the tensors would act differently, so load
+    into an injected model refuses and names the field; a fresh model takes the saved config."""
+    d = tmp_path / "c"
+    torch.manual_seed(0)
+    src = Tiny()
+    inject(src, AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4, alpha=32,
+                              init="random", backend="reference"))
+    save(src, str(d))
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    dst = Tiny()
+    inject(dst, AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4, alpha=8,
+                              backend="reference"))
+    before = adapter_state_dict(dst)
+    with pytest.raises(CheckpointError, match="alpha: checkpoint 32, model 8"):
+        load(dst, str(d))
+    assert states_equal(adapter_state_dict(dst), before)
+    torch.manual_seed(0)
+    fresh = Tiny()
+    load(fresh, str(d))
+    torch.testing.assert_close(fresh(x), src(x), rtol=0, atol=0)
+    # what does not change the tensors' meaning may differ (backend, dropout, init)
+    torch.manual_seed(0)
+    other = Tiny()
+    inject(other, AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4, alpha=32,
+                                dropout=0.1, init="zero", backend="reference"))
+    load(other, str(d))
+    other.eval()
+    torch.testing.assert_close(other(x), src(x), rtol=0, atol=0)
+
+
+def test_refused_load_leaves_an_uninjected_model_uninjected(tmp_path):
+    d = tmp_path / "c"
+    save(tiny(fill=1.0), str(d))
+
+    class Wider(nn.Module):  # same class name and names, other widths
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(16, 32)
+            self.fc2 = nn.Linear(32, 8)
+
+    Wider.__name__ = "Tiny"
+    m = Wider()
+    before = {n: p.detach().clone() for n, p in m.state_dict().items()}
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        load(m, str(d))
+    assert get_state(m, required=False) is None
+    assert isinstance(m.fc1, nn.Linear) and isinstance(m.fc2, nn.Linear)
+    assert all(p.requires_grad for p in m.parameters())
+    assert m.state_dict().keys() == before.keys()
+    assert all(torch.equal(m.state_dict()[n], t) for n, t in before.items())
+    inject(m, AdapterConfig(method="lora", targets=["fc1", "fc2"]))  # still injectable
+
+
+@pytest.mark.parametrize("fn", [save, load, read_checkpoint_config])
+def test_directory_must_be_a_path(fn):
+    args = (None,) if fn is read_checkpoint_config else (tiny(), None)
+    with pytest.raises(TypeError, match="directory must be a path"):
+        fn(*args)

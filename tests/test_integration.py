@@ -308,3 +308,132 @@ def test_merge_and_unload(arch, method):
     assert set(model.state_dict()) == plain_keys
     assert get_state(model, required=False) is None
     inject(model, method="lora")  # an unloaded model can be adapted again
+
+
+# ------------------------------------------------------------------------------------------
+# a hostile probe's findings (stop 29): a failed inject changes nothing, configs are checked
+# field by field, merge refuses tied weights
+
+
+def _model_fingerprint(model):
+    return ([(n, type(m).__name__) for n, m in model.named_modules()],
+            {n: (p.data_ptr(), p.requires_grad) for n, p in model.named_parameters()},
+            getattr(model.config, "_attn_implementation", None))
+
+
+def test_failed_inject_leaves_the_model_as_it_was():
+    model = make("gpt2")
+    before = _model_fingerprint(model)
+    with pytest.raises(ValueError, match="is a LayerNorm"):  # fails after c_attn was wrapped
+        inject(model, AdapterConfig(method="lora", targets=["c_attn", "ln_f"]))
+    assert _model_fingerprint(model) == before and get_state(model, required=False) is None
+    inject(model, AdapterConfig(method="lora", targets=["c_attn"]))  # and can be injected
+
+
+@pytest.mark.parametrize("method", ["kernel_mix", "inducer", "prefix"])
+def test_failed_attention_site_inject_is_undone(method, monkeypatch):
+    """A method placed on attention blocks that fails at the second block (simulated): the
+    first block's changes, the model config and every requires_grad flag are restored."""
+    from kfused.integration import registry
+
+    spec = registry.get_method(method)
+    calls = []
+
+    def failing_wrap(block, target, cfg):
+        calls.append(block.name)
+        if len(calls) == 2:
+            raise ValueError("simulated failure at the second block")
+        return real(block, target, cfg)
+
+    real = spec.wrap
+    monkeypatch.setattr(spec, "wrap", failing_wrap)
+    model = make("llama")
+    before = _model_fingerprint(model)
+    with pytest.raises(ValueError, match="simulated failure"):
+        inject(model, AdapterConfig(method=method, backend="reference"))
+    assert len(calls) == 2
+    assert _model_fingerprint(model) == before and get_state(model, required=False) is None
+
+
+def test_unused_ranks_keys_are_refused():
+    model = make("gpt2")  # GPT-2's fused c_attn has the role "qkv", not "q"
+    with pytest.raises(ValueError, match=r"ranks keys \['q'\] match no adapted target"):
+        inject(model, AdapterConfig(method="lora", ranks={"q": 2}))
+    assert get_state(model, required=False) is None
+    inject(model, AdapterConfig(method="lora", ranks={"qkv": 2}))
+    assert model.transformer.h[0].attn.c_attn.A.shape[0] == 2
+    llama = make("llama")  # per-head methods look their ranks up by projection
+    inject(llama, AdapterConfig(method="kernel_mix", targets=["q", "v"],
+                                ranks={"q": (1, 2), "v": (2, 1)}))
+    with pytest.raises(ValueError, match=r"ranks keys \['o'\]"):
+        inject(make("llama"), AdapterConfig(method="kernel_mix", targets=["q", "v"],
+                                            ranks={"q": (1, 2), "o": (2, 1)}))
+
+
+@pytest.mark.parametrize("fields,error,match", [
+    (dict(r=1.7), TypeError, "r must be an integer"),
+    (dict(r=True), TypeError, "r must be an integer"),
+    (dict(r="8"), TypeError, "r must be an integer"),
+    (dict(r=None), TypeError, "r must be an integer"),
+    (dict(r=0), ValueError, "r must be an integer >= 1"),
+    (dict(dropout=-0.5), ValueError, "dropout must be a probability"),
+    (dict(dropout=1.0), ValueError, "dropout must be a probability"),
+    (dict(alpha=0), ValueError, "alpha must be a finite non-zero"),
+    (dict(alpha=float("inf")), ValueError, "alpha must be a finite non-zero"),
+    (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+    (dict(scale="2"), ValueError, "scale must be a finite number"),
+    (dict(options=3), TypeError, "options must be a dict"),
+    (dict(ranks=[1, 2]), TypeError, "ranks must be a dict"),
+    (dict(ranks={"q": -1}), ValueError, r"ranks\['q'\] must be a non-negative integer"),
+    (dict(ranks={"q": (1, 1.5)}), ValueError, r"ranks\['q'\]"),
+    (dict(targets=5), TypeError, "targets must be a list of strings"),
+    (dict(exclude=[3]), TypeError, "exclude must be a list of strings"),
+    (dict(targets=["c_attn("]), ValueError, "not a valid regular expression"),
+    (dict(a_shape=(4.0, 4)), ValueError, "a_shape must be"),
+    (dict(b_shape=(0, 4)), ValueError, "b_shape must be"),
+    (dict(backend="bogus"), ValueError, "backend='bogus' is not a backend"),
+    (dict(bias=1), TypeError, "bias must be a bool"),
+    (dict(method=3), TypeError, "method must be a method name"),
+])
+def test_config_fields_are_checked(fields, error, match):
+    with pytest.raises(error, match=match):
+        AdapterConfig(**fields)
+
+
+def test_config_accepts_what_it_should():
+    import numpy as np
+
+    cfg = AdapterConfig(r=np.int64(4), alpha=-8, scale=0.0, dropout=0.0, targets="q",
+                        ranks={"q": 0, "v": (3, 0)}, a_shape=[2, 3], backend="auto")
+    assert cfg.r == 4 and type(cfg.r) is int and cfg.targets == ["q"] and cfg.a_shape == (2, 3)
+    for name in ("lora-e2e", "kernel-mix-qvo-intermediate", "krona-glue", "mam-adapter"):
+        preset(name)
+
+
+@pytest.mark.parametrize("model,config", [(42, "lora-4"), (None, "lora-4"), ("gpt2", None)])
+def test_inject_arguments_are_checked(model, config):
+    if model == "gpt2":
+        model, config = make("gpt2"), 42
+    with pytest.raises(TypeError, match="must be"):
+        inject(model, config)
+
+
+def test_merge_refuses_tied_weights():
+    """LoRA on GPT-2's lm_head, whose weight is the token embedding's: folding the update in
+    would change the embedding too, so merge refuses and leaves the model unmerged."""
+    model = make("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    inject(model, AdapterConfig(method="lora", targets=["lm_head"], init="random"))
+    inputs = batch("gpt2")
+    model.eval()
+    with torch.no_grad():
+        y = model(**inputs).logits
+    emb = model.transformer.wte.weight.detach().clone()
+    with pytest.raises(ValueError, match="tied weights"):
+        merge(model)
+    from kfused.integration import merge_and_unload
+    with pytest.raises(ValueError, match="tied weights"):
+        merge_and_unload(model)
+    assert torch.equal(model.transformer.wte.weight, emb)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, y)

@@ -54,7 +54,8 @@ import torch
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import get_state, inject, merged_modules, unwrap
+from kfused.integration.inject import (get_state, inject, merged_modules, restore,
+                                       snapshot, unwrap)
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -152,17 +153,51 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _writer_gone(match: "re.Match") -> bool:
-    """Whether the save that wrote a leftover named ``match`` can no longer be running."""
+def _content_is_ours(path: str) -> bool:
+    """Whether a leftover's content shows kfused wrote it: a pointer temp file or a version
+    folder's description that is kfused's JSON, a weights file whose safetensors header
+    carries kfused's format tag, or an empty version folder."""
+    def tagged_json(f: str, limit: int) -> bool:
+        try:
+            with open(f, "rb") as fh:
+                data = fh.read(limit + 1)
+            return len(data) <= limit and json.loads(data).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    if os.path.isfile(path):
+        return tagged_json(path, 1 << 16)
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    if CONFIG in names:
+        return tagged_json(os.path.join(path, CONFIG), 1 << 26)
+    if WEIGHTS in names:
+        try:
+            with open(os.path.join(path, WEIGHTS), "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n <= (1 << 26) else {}
+            return header.get("__metadata__", {}).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False
+    return not names
+
+
+def _writer_gone(match: "re.Match", path: str) -> bool:
+    """Whether the save that wrote the leftover ``path`` (its name parsed as ``match``) can no
+    longer be running: this host's process ``pid`` has ended, or the leftover is older than a
+    day (another host's, or a recycled pid) and its content shows kfused wrote it. A name
+    alone never makes a file or folder removable when its writer cannot be checked."""
     ident = "-".join(match.group(k) for k in ("stamp", "host", "pid", "tag"))
     try:
         age = time.time() - calendar.timegm(time.strptime(match.group("stamp"), "%Y%m%dT%H%M%S"))
     except ValueError:  # pragma: no cover
         age = 0.0
-    if age > LEFTOVER_MAX_AGE_S:
-        return True
     if match.group("host") != _host_tag():
-        return False
+        return age > LEFTOVER_MAX_AGE_S and _content_is_ours(path)
+    if age > LEFTOVER_MAX_AGE_S and _content_is_ours(path):
+        return True
     pid = int(match.group("pid"))
     if pid == os.getpid():
         with _ACTIVE_LOCK:
@@ -357,15 +392,15 @@ def _clean(directory: str) -> None:
     for n in os.listdir(directory):
         path = os.path.join(directory, n)
         m = _POINTER_TMP_RE.fullmatch(n)
-        if m and _writer_gone(m) and os.path.isfile(path):
+        if m and os.path.isfile(path) and _writer_gone(m, path):
             try:
                 os.unlink(path)
             except OSError:
                 pass
             continue
         m = _VERSION_RE.fullmatch(n)
-        if m and n != current and _writer_gone(m) and os.path.isdir(path) \
-                and not os.path.islink(path) and _only_ours(path):
+        if m and n != current and os.path.isdir(path) and not os.path.islink(path) \
+                and _only_ours(path) and _writer_gone(m, path):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -391,6 +426,13 @@ def _describe(model: nn.Module) -> Dict[str, object]:
             "arch": state.arch, **model_dims(m)}
 
 
+def _path_arg(directory, fn: str) -> str:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"{fn}: directory must be a path (str or os.PathLike), got "
+                        f"{type(directory).__name__} {directory!r}")
+    return os.path.abspath(os.fspath(directory))
+
+
 def _check_target(directory: str) -> None:
     if os.path.lexists(directory) and not os.path.isdir(directory):
         kind = "a regular file" if os.path.isfile(directory) else "not a directory"
@@ -414,9 +456,9 @@ def save(model: nn.Module, directory: str) -> str:
     """
     from safetensors.torch import save as save_bytes
 
+    directory = _path_arg(directory, "save")
     state = get_state(model)
     tensors = adapter_state_dict(model)  # collective under FSDP2: every rank gathers
-    directory = os.path.abspath(directory)
     if _dist_rank() == 0:
         _check_target(directory)
         meta = {
@@ -489,7 +531,7 @@ def save(model: nn.Module, directory: str) -> str:
 
 def read_checkpoint_config(directory: str) -> Dict[str, object]:
     """The JSON description of the checkpoint in ``directory`` (CheckpointError otherwise)."""
-    return _current(os.path.abspath(directory))[0]
+    return _current(_path_arg(directory, "read_checkpoint_config"))[0]
 
 
 def _parse_weights(weights: bytes, path: str) -> Dict[str, torch.Tensor]:
@@ -532,7 +574,7 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
     another architecture, different adapter names or shapes, or a merged model.
     backend: overrides the saved config's kernel backend when injecting.
     """
-    directory = os.path.abspath(directory)
+    directory = _path_arg(directory, "load")
     m = unwrap(model)
     state = get_state(m, required=False)
     if state is not None:
@@ -576,13 +618,50 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
     if state is not None and state.config.method != cfg.method:
         raise CheckpointError(f"checkpoint holds method {cfg.method!r} adapters but the model has "
                               f"{state.config.method!r} adapters")
+    if state is not None:
+        _check_same_config(state.config, cfg, directory)
+    snap = None
     if state is None:
+        snap = snapshot(m)
         try:
             inject(m, cfg)
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"cannot inject the checkpoint's adapters "
                                   f"({cfg.method}) into this model: {exc}") from exc
         state = get_state(m)
+    try:
+        _fill(m, state, saved, tensors, directory, base, here_class)
+    except BaseException:
+        if snap is not None:
+            restore(snap)  # a refused load leaves the model as it was, uninjected
+        raise
+    return model
+
+
+# Config fields that change what the saved tensors mean (the scale they are applied with, the
+# parts of a composite); the kernel backend, dropout, the initialisation (the tensors replace
+# it) and the adapter dtype (tensors are cast on load) do not, and names and shapes are
+# compared tensor by tensor.
+_MEANING_FIELDS = ("r", "ranks", "alpha", "scale", "a_shape", "b_shape", "bias", "options")
+
+
+def _check_same_config(have: AdapterConfig, saved: AdapterConfig, directory: str) -> None:
+    a, b = have.to_dict(), saved.to_dict()
+    diff = [f"{f}: checkpoint {b[f]!r}, model {a[f]!r}" for f in _MEANING_FIELDS
+            if json.dumps(a[f], sort_keys=True, default=str)
+            != json.dumps(b[f], sort_keys=True, default=str)]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved with another {have.method!r} config than this "
+            "model's adapters, so its tensors would act differently here: " + "; ".join(diff)
+            + ". Load it into a model without adapters (load injects from the checkpoint's "
+            "config), or inject with the checkpoint's config (read_checkpoint_config).")
+
+
+def _fill(m: nn.Module, state, saved: dict, tensors: Dict[str, torch.Tensor], directory: str,
+          base: dict, here_class: str) -> None:
+    """Copy the checked tensors into the model's adapters, after every name, shape and dtype
+    kind was compared (CheckpointError before any tensor is written)."""
     expected = {n: m.get_parameter(n) for n in state.param_names}
     expected.update({n: m.get_buffer(n) for n in state.buffer_names})
     missing = sorted(set(expected) - set(saved))
@@ -615,5 +694,4 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
                 src = distribute_tensor(src.to(dst.device_mesh.device_type), dst.device_mesh,
                                         dst.placements)
             dst.copy_(src)
-    return model
 

@@ -7,11 +7,26 @@ config travels inside every adapter checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from kfused.modules._init import INITS
 
 Rank = Union[int, Sequence[int]]
+
+
+_RANK_KEYS_USED: List[set] = []   # one set per inject() in progress: the ranks keys looked up
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return (isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
 
 
 @dataclasses.dataclass
@@ -71,20 +86,65 @@ class AdapterConfig:
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if isinstance(self.targets, str):
-            self.targets = [self.targets]
-        if isinstance(self.exclude, str):
-            self.exclude = [self.exclude]
-        if self.targets is not None:
-            self.targets = list(self.targets)
+        if not isinstance(self.method, str):
+            raise TypeError(f"AdapterConfig.method must be a method name (str), got "
+                            f"{type(self.method).__name__} {self.method!r}")
+        for f in ("targets", "exclude"):
+            v = getattr(self, f)
+            if isinstance(v, str):
+                v = [v]
+            if v is not None:
+                if not isinstance(v, (list, tuple)) or not all(isinstance(t, str) for t in v):
+                    raise TypeError(f"AdapterConfig.{f} must be a list of strings (role names, "
+                                    f"module-name regexes or suffixes), got {v!r}")
+                for t in v:
+                    try:
+                        re.compile(t)
+                    except re.error as exc:
+                        raise ValueError(f"AdapterConfig.{f}: {t!r} is not a valid regular "
+                                         f"expression ({exc})") from exc
+                v = list(v)
+            setattr(self, f, v)
         for f in ("a_shape", "b_shape"):
             v = getattr(self, f)
             if v is not None:
-                if len(v) != 2:
-                    raise ValueError(f"{f} must be (out, in), got {v!r}")
+                if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(
+                        _is_int(x) and x >= 1 for x in v):
+                    raise ValueError(f"AdapterConfig.{f} must be (out, in), two positive "
+                                     f"integers, got {v!r}")
                 setattr(self, f, (int(v[0]), int(v[1])))
-        if int(self.r) < 1:
-            raise ValueError(f"r must be >= 1, got {self.r}")
+        if not _is_int(self.r) or self.r < 1:
+            raise (ValueError if _is_int(self.r) else TypeError)(
+                f"AdapterConfig.r must be an integer >= 1, got {self.r!r}")
+        self.r = int(self.r)
+        if not isinstance(self.ranks, dict):
+            raise TypeError(f"AdapterConfig.ranks must be a dict of role or module name -> rank, "
+                            f"got {type(self.ranks).__name__} {self.ranks!r}")
+        for k, v in self.ranks.items():
+            ok = (_is_int(v) and v >= 0) or (
+                isinstance(v, (list, tuple)) and v and all(_is_int(x) and x >= 0 for x in v))
+            if not isinstance(k, str) or not ok:
+                raise ValueError(f"AdapterConfig.ranks[{k!r}] must be a non-negative integer (or "
+                                 f"a tuple of them, e.g. Kernel-mix (wise, shared)), got {v!r}")
+        if self.alpha is not None and not (_is_real(self.alpha) and self.alpha != 0):
+            raise ValueError(f"AdapterConfig.alpha must be a finite non-zero number (scale = "
+                             f"alpha / r) or None, got {self.alpha!r}")
+        if not _is_real(self.scale):
+            raise ValueError(f"AdapterConfig.scale must be a finite number, got {self.scale!r}")
+        if not (_is_real(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"AdapterConfig.dropout must be a probability in [0, 1), got "
+                             f"{self.dropout!r}")
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"AdapterConfig.bias must be a bool, got {self.bias!r}")
+        if self.backend is not None:
+            from kfused.backends import BACKENDS
+
+            if self.backend not in ("auto",) + BACKENDS:
+                raise ValueError(f"AdapterConfig.backend={self.backend!r} is not a backend; "
+                                 f"expected None, 'auto' or one of {', '.join(BACKENDS)}")
+        if not isinstance(self.options, dict):
+            raise TypeError(f"AdapterConfig.options must be a dict, got "
+                            f"{type(self.options).__name__} {self.options!r}")
         if self.init is not None and self.init not in INITS:
             raise ValueError(f"init={self.init!r} is not an init value; valid values: None (the "
                              "method's default); "
@@ -94,11 +154,21 @@ class AdapterConfig:
         """The rank for one target: ``ranks[role]``, else a ranks key that is a suffix of the
         module name, else ``r``."""
         if role is not None and role in self.ranks:
-            return self.ranks[role]
-        for k, v in self.ranks.items():
+            return self._used(role)
+        for k in self.ranks:
             if name == k or name.endswith("." + k):
-                return v
+                return self._used(k)
         return self.r
+
+    def rank_of(self, key: str) -> Rank:
+        """``ranks[key]`` if given, else ``r`` (methods that look ranks up by their own keys,
+        e.g. the per-head projections q, v, o)."""
+        return self._used(key) if key in self.ranks else self.r
+
+    def _used(self, key: str) -> Rank:
+        for used in _RANK_KEYS_USED:  # inject() checks that every ranks key was used
+            used.add(key)
+        return self.ranks[key]
 
     def replace(self, **changes) -> "AdapterConfig":
         return dataclasses.replace(self, **changes)

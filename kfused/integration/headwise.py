@@ -98,7 +98,7 @@ def headwise_config(cfg: AdapterConfig) -> HeadwiseConfig:
         lite_projs |= set(targets)
     ranks: Dict[str, ProjRanks] = {}
     for proj in targets:
-        value = cfg.ranks.get(proj, cfg.r)
+        value = cfg.rank_of(proj)
         if method == "lora":
             ranks[proj] = ProjRanks(shared=int(value))
             continue

@@ -23,7 +23,7 @@ from torch import nn
 from kfused.integration import methods as _builtin_methods  # noqa: F401  (registers builtins)
 from kfused.integration.arch import (ArchSpec, attention_blocks, describe_archs, detect_arch,
                                      model_dims, model_type_of)
-from kfused.integration.config import AdapterConfig, preset
+from kfused.integration.config import _RANK_KEYS_USED, AdapterConfig, preset
 from kfused.integration.registry import MethodSpec, Target, get_method, is_mergeable, methods
 from kfused.modules._linear import is_conv1d as _is_conv1d, linear_dims
 
@@ -232,6 +232,41 @@ def _apply_whole(model, part, cfg, arch, dims, before, adapter_dtype, exclude) -
     return names
 
 
+def snapshot(model: nn.Module):
+    """What :func:`restore` needs to undo an injection that failed part way: every module's
+    attributes (its submodule, parameter, buffer and hook tables copied), the HF config's
+    attributes and every parameter's ``requires_grad``."""
+    mods = [(mod, {k: (v.copy() if isinstance(v, dict) else v) for k, v in vars(mod).items()})
+            for mod in model.modules()]
+    cfg = getattr(model, "config", None)
+    cfg_attrs = dict(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else None
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    return mods, cfg, cfg_attrs, grads
+
+
+def restore(snap) -> None:
+    """Put a model back as :func:`snapshot` saw it (modules placed since are dropped)."""
+    mods, cfg, cfg_attrs, grads = snap
+    for mod, attrs in mods:
+        vars(mod).clear()
+        vars(mod).update(attrs)
+    if cfg_attrs is not None:
+        vars(cfg).clear()
+        vars(cfg).update(cfg_attrs)
+    for p, flag in grads:
+        p.requires_grad_(flag)
+
+
+def _check_ranks_used(config: AdapterConfig, used: set, adapted: List[str]) -> None:
+    unused = sorted(set(config.ranks) - used)
+    if unused:
+        raise ValueError(
+            f"AdapterConfig.ranks keys {unused} match no adapted target: a key is a role of the "
+            "target (e.g. 'qkv' for GPT-2's fused c_attn, 'q'/'v'/'o' for the per-head methods) "
+            f"or a module-name suffix; adapted here: {adapted[:6]}"
+            + (" ..." if len(adapted) > 6 else ""))
+
+
 # ------------------------------------------------------------------------------------------
 # public API
 
@@ -250,10 +285,15 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     Raises:
         ValueError: unknown method, no matching module, wrong module type, already injected.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"inject: model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(config, str):
         config = preset(config, **fields)
     elif config is None:
         config = AdapterConfig(**fields)
+    elif not isinstance(config, AdapterConfig):
+        raise TypeError(f"inject: config must be an AdapterConfig, a preset name or None, got "
+                        f"{type(config).__name__} {config!r}")
     elif fields:
         config = config.replace(**fields)
     target_model = unwrap(model)
@@ -272,6 +312,31 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     for part, _ in plan:  # refuse unsupported models before any part changes the model
         if part.check is not None:
             part.check(target_model, arch)
+    snap = snapshot(target_model)
+    used: set = set()
+    _RANK_KEYS_USED.append(used)
+    try:
+        adapted = _place(target_model, plan, arch, dims, before, adapter_dtype)
+        _check_ranks_used(config, used, adapted)
+    except BaseException:
+        restore(snap)  # a failed inject leaves the model as it was
+        raise
+    finally:
+        _RANK_KEYS_USED.remove(used)
+
+    for p in target_model.parameters():
+        p.requires_grad_(id(p) not in before)
+    params = [n for n, p in target_model.named_parameters() if id(p) not in before]
+    buffers = [n for n, b in target_model.named_buffers() if id(b) not in before]
+    target_model.kfused_state = InjectState(
+        config=config, arch=arch.name if arch else None, model_type=model_type_of(target_model),
+        model_class=type(target_model).__name__, adapter_modules=adapted, param_names=params,
+        buffer_names=buffers)
+    return model
+
+
+def _place(target_model, plan, arch, dims, before, adapter_dtype) -> List[str]:
+    """Place every part's adapters; returns the adapted module names, in order."""
     adapted: List[str] = []
     for part, cfg in plan:
         if part.site in ("attention", "model"):
@@ -302,16 +367,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
             _place_new_params(new, before, adapter_dtype, ref)
             _set_submodule(target_model, name, new)
             adapted.append(name)
-
-    for p in target_model.parameters():
-        p.requires_grad_(id(p) not in before)
-    params = [n for n, p in target_model.named_parameters() if id(p) not in before]
-    buffers = [n for n, b in target_model.named_buffers() if id(b) not in before]
-    target_model.kfused_state = InjectState(
-        config=config, arch=arch.name if arch else None, model_type=model_type_of(target_model),
-        model_class=type(target_model).__name__, adapter_modules=adapted, param_names=params,
-        buffer_names=buffers)
-    return model
+    return adapted
 
 
 def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -369,7 +425,29 @@ def _merge_check(model: nn.Module, verb: str) -> Dict[str, nn.Module]:
     missing = [n for n, m in mods.items() if not hasattr(m, "merge")]
     if missing:
         raise ValueError(f"cannot {verb}: adapter modules {missing} have no merge()/unmerge()")
+    if verb == "merge":
+        _refuse_tied_bases(unwrap(model), mods, set(state.param_names))
     return mods
+
+
+def _refuse_tied_bases(m: nn.Module, mods: Dict[str, nn.Module], adapter_params: set) -> None:
+    """Merging folds the update into the frozen weight in place: refuse when that weight is
+    also another module's (tied weights, e.g. GPT-2's lm_head and its token embedding), which
+    the fold would change as well."""
+    names: Dict[int, List[str]] = {}
+    for n, p in m.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for name, mod in mods.items():
+        for sub, p in mod.named_parameters(prefix=name, remove_duplicate=False):
+            if sub in adapter_params:
+                continue
+            others = [o for o in names.get(id(p), []) if not o.startswith(name + ".")]
+            if others:
+                raise ValueError(
+                    f"cannot merge {name}: its frozen weight {sub} is the same tensor as "
+                    f"{others[0]} (tied weights), so folding the update into it would change "
+                    f"{others[0]} too. Keep this model unmerged, or untie the weights before "
+                    "inject (e.g. load the model with tie_word_embeddings=False).")
 
 
 def merged_modules(model: nn.Module) -> List[str]:
