@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import kfused  # noqa: E402
 from kfused.integration import AdapterConfig  # noqa: E402
-from kfused.integration.peft_interop import PeftConversionError  # noqa: E402
+from kfused.integration.peft_interop import PEFT_WEIGHTS, PeftConversionError  # noqa: E402
 from kfused.modules.krona import KronALinear  # noqa: E402
 from kfused.modules.lora import LoRALinear  # noqa: E402
 from kfused.testing import assert_against_reference  # noqa: E402
@@ -35,8 +35,8 @@ LORA_TARGETS = {"gpt2": ["c_attn"], "roberta": ["query", "value"], "llama": ["q_
 LOKR_TARGETS = {"roberta": ["query", "value"], "llama": ["q_proj", "k_proj", "v_proj"]}
 
 
-def _peft_model(arch, cfg, seed=0):
-    base = make(arch, seed=seed)
+def _peft_model(arch, cfg, seed=0, **kw):
+    base = make(arch, seed=seed, **kw)
     torch.manual_seed(seed + 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -445,6 +445,49 @@ def test_from_peft_folder_refusal_leaves_model_alone(tmp_path):
     _assert_unchanged(model, before)
 
 
+def _assert_untouched(model, before, grads):
+    _assert_unchanged(model, before)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert not hasattr(model, "peft_config")
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+     r"'model.layers.0.self_attn.q_proj'.*lora_A.*\(4, 64\).*\(4, 32\)"),
+    (LoKrConfig(r=8, target_modules=["v_proj"]),
+     r"'model.layers.0.self_attn.v_proj'.*\(32, 64\).*\(16, 32\)"),
+], ids=["lora", "lokr"])
+def test_from_peft_folder_for_other_width_refused_before_changing(cfg, match, tmp_path):
+    """A folder saved from a wider model: PeftConversionError naming the module, the saved
+    shape and the expected one, before PEFT injects anything."""
+    _peft_model("llama", cfg, d_model=64).save_pretrained(tmp_path / "wide")
+    model = make("llama", d_model=32)
+    before, grads = _state(model), {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(PeftConversionError, match=match):
+        kfused.from_peft(model, tmp_path / "wide")
+    _assert_untouched(model, before, grads)
+
+
+def test_from_peft_folder_load_failure_restores_model(tmp_path):
+    """A folder that passes the checks but that PEFT still cannot load (here its config's rank
+    disagrees with the saved factors): PeftConversionError, and the model is put back exactly
+    as it was (layers, requires_grad, no peft_config)."""
+    _peft_model("llama", LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "a")
+    meta = json.load(open(tmp_path / "a" / "adapter_config.json"))
+    meta["r"] = 8
+    json.dump(meta, open(tmp_path / "a" / "adapter_config.json", "w"))
+    model = make("llama")
+    before, grads = _state(model), {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(PeftConversionError, match="restored"):
+        kfused.from_peft(model, tmp_path / "a")
+    _assert_untouched(model, before, grads)
+    # the model is usable as before: a good folder converts onto it
+    _peft_model("llama", _lora_cfg("llama")).save_pretrained(tmp_path / "b")
+    kf = kfused.from_peft(model, tmp_path / "b", backend="reference")
+    assert len(kfused.integration.adapter_modules(kf)) == 4
+
+
 @pytest.mark.parametrize("arch,cfg,match", [
     ("gpt2", AdapterConfig(method="krona"), "Conv1D"),
     ("llama", AdapterConfig(method="parallel_adapter", r=4), "no PEFT equivalent"),
@@ -486,6 +529,97 @@ def test_to_peft_never_clobbers_foreign_files(tmp_path):
     with pytest.raises(FileExistsError, match="changed since"):
         kfused.to_peft(kf, out)
     assert (tmp_path / "ours" / "adapter_config.json").read_text().endswith(" ")
+
+
+def _folder_bytes(d):
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("how", ["swap fails", "rename in fails", "rename back fails too"])
+def test_to_peft_failed_replace_keeps_previous_export(how, tmp_path, monkeypatch):
+    """Replacing an earlier export: whatever step of the final swap fails, the previous export
+    is still complete at the path (or, if even putting it back fails, at the place the error
+    names), and the new one never half-replaces it."""
+    import kfused.integration.peft_interop as pi
+
+    kf = kfused.inject(make("llama"), AdapterConfig(method="lora", init="random",
+                                                    backend="reference"))
+    out = kfused.to_peft(kf, tmp_path / "p")
+    old = _folder_bytes(out)
+    with torch.no_grad():
+        next(p for p in kf.parameters() if p.requires_grad).add_(1.0)
+    real_replace = os.replace
+
+    def boom(*args, **kwargs):
+        raise OSError("simulated: disk full")
+
+    if how == "swap fails":  # the atomic exchange (Linux) and the plain rename both fail
+        monkeypatch.setattr(pi, "_exchange", boom, raising=False)
+        monkeypatch.setattr(pi.os, "replace", boom)
+    else:  # no atomic exchange: the old folder is moved aside, the new one renamed in
+        monkeypatch.setattr(pi, "_exchange", lambda a, b: False, raising=False)
+
+        def replace(src, dst):
+            if os.fspath(src) != out:  # moving the old export aside works; the rest fails
+                if how == "rename back fails too" or ".tmp-" in os.path.basename(src):
+                    raise OSError("simulated: disk full")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(pi.os, "replace", replace)
+    with pytest.raises(OSError, match="simulated") as err:
+        kfused.to_peft(kf, out)
+    monkeypatch.undo()
+    if how == "rename back fails too":
+        assert not os.path.exists(out)
+        kept = [n for n in os.listdir(tmp_path) if n in str(err.value)]
+        assert len(kept) == 1, (str(err.value), os.listdir(tmp_path))
+        assert _folder_bytes(tmp_path / kept[0]) == old
+        return
+    assert _folder_bytes(out) == old
+    assert os.listdir(tmp_path) == ["p"]  # no temporary folder left behind
+    # and a later export replaces it completely
+    assert kfused.to_peft(kf, out) == out
+    new = _folder_bytes(out)
+    assert new.keys() == old.keys() and new != old
+    assert os.listdir(tmp_path) == ["p"]
+
+
+def test_to_peft_replaces_previous_export_without_atomic_exchange(tmp_path, monkeypatch):
+    """Where the platform cannot swap two folders atomically, the old export is moved aside,
+    the new one renamed in, then the old one removed: the result is the new export alone."""
+    import kfused.integration.peft_interop as pi
+
+    monkeypatch.setattr(pi, "_exchange", lambda a, b: False, raising=False)
+    kf = kfused.inject(make("llama"), AdapterConfig(method="lora", init="random",
+                                                    backend="reference"))
+    out = kfused.to_peft(kf, tmp_path / "p")
+    with torch.no_grad():
+        next(p for p in kf.parameters() if p.requires_grad).add_(1.0)
+    want = _folder_bytes(kfused.to_peft(kf, tmp_path / "fresh"))
+    got = _folder_bytes(kfused.to_peft(kf, out))
+    assert got[PEFT_WEIGHTS] == want[PEFT_WEIGHTS] and got.keys() == want.keys()
+    assert sorted(os.listdir(tmp_path)) == ["fresh", "p"]
+
+
+def test_to_peft_refuses_symlinked_target(tmp_path):
+    """A symlink at the path is refused (ValueError naming it) before anything is written; the
+    export it points to and the link stay as they were."""
+    kf = kfused.inject(make("llama"), AdapterConfig(method="lora", init="random",
+                                                    backend="reference"))
+    real = kfused.to_peft(kf, tmp_path / "real")
+    old = _folder_bytes(real)
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    with pytest.raises(ValueError, match=r"'.*link'.*symbolic link"):
+        kfused.to_peft(kf, link)
+    assert os.path.islink(link) and os.readlink(link) == real
+    assert _folder_bytes(real) == old
+    dangling = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere", dangling)
+    with pytest.raises(ValueError, match="symbolic link"):
+        kfused.to_peft(kf, dangling)
+    assert os.path.islink(dangling) and not os.path.exists(tmp_path / "nowhere")
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "link", "real"]
 
 
 def test_to_peft_refuses_merged(tmp_path):

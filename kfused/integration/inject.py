@@ -233,26 +233,34 @@ def _apply_whole(model, part, cfg, arch, dims, before, adapter_dtype, exclude) -
 
 
 def snapshot(model: nn.Module):
-    """What :func:`restore` needs to undo an injection that failed part way: every module's
-    attributes (its submodule, parameter, buffer and hook tables copied), the HF config's
+    """What :func:`restore` needs to undo changes made to a model in place (an injection that
+    failed part way, PEFT's loading): every module's attributes and the contents of its
+    dict/set attributes (submodule, parameter, buffer and hook tables), the HF config's
     attributes and every parameter's ``requires_grad``."""
-    mods = [(mod, {k: (v.copy() if isinstance(v, dict) else v) for k, v in vars(mod).items()})
-            for mod in model.modules()]
+    def record(obj):
+        attrs = dict(vars(obj))
+        return obj, attrs, {k: v.copy() for k, v in attrs.items() if isinstance(v, (dict, set))}
+
     cfg = getattr(model, "config", None)
-    cfg_attrs = dict(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else None
-    grads = [(p, p.requires_grad) for p in model.parameters()]
-    return mods, cfg, cfg_attrs, grads
+    objs = [record(m) for m in model.modules()]
+    if cfg is not None and hasattr(cfg, "__dict__") and not isinstance(cfg, nn.Module):
+        objs.append(record(cfg))
+    return objs, [(p, p.requires_grad) for p in model.parameters()]
 
 
 def restore(snap) -> None:
-    """Put a model back as :func:`snapshot` saw it (modules placed since are dropped)."""
-    mods, cfg, cfg_attrs, grads = snap
-    for mod, attrs in mods:
-        vars(mod).clear()
-        vars(mod).update(attrs)
-    if cfg_attrs is not None:
-        vars(cfg).clear()
-        vars(cfg).update(cfg_attrs)
+    """Put a model back as :func:`snapshot` saw it: attributes added since are removed, the
+    recorded ones (and the contents of its tables) put back, so modules placed since are
+    dropped."""
+    objs, grads = snap
+    for obj, attrs, contents in objs:
+        d = vars(obj)
+        for k in [k for k in d if k not in attrs]:
+            del d[k]
+        d.update(attrs)
+        for k, v in contents.items():
+            attrs[k].clear()
+            attrs[k].update(v)
     for p, flag in grads:
         p.requires_grad_(flag)
 

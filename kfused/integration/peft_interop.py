@@ -53,21 +53,27 @@ consumed: use the returned model).
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import errno
+import functools
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import uuid
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import adapter_modules, get_state, inject, unwrap
+from kfused.integration.inject import (adapter_modules, get_state, inject, restore, snapshot,
+                                       unwrap)
 from kfused.modules._linear import is_conv1d, linear_dims
 from kfused.modules.krona import KronALinear, _resolve_shapes
 from kfused.modules.lora import LoRALinear
@@ -440,18 +446,19 @@ def _prevalidate_folder(model: nn.Module, folder: str) -> None:
     path = os.path.join(folder, PEFT_WEIGHTS)
     if not os.path.exists(path):
         raise PeftConversionError(f"{folder!r} has no {PEFT_WEIGHTS}")
-    with safe_open(path, framework="pt") as f:
-        keys = list(f.keys())
     suffix = (r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
               r"(\.weight)?$" if method == "lora" else r"\.lokr_(w1|w1_a|w1_b|w2|w2_a|w2_b|t2)$")
-    names = set()
-    for k in keys:
-        m = re.search(suffix, k)
-        if m is None:
-            raise PeftConversionError(f"{folder!r}: tensor {k!r} is not a {method} factor "
-                                      "kfused can convert")
-        names.add(k[:m.start()])
-    for n in sorted(names):
+    # module -> {factor key suffix: saved shape}, read from the header without loading tensors
+    factors: Dict[str, Dict[str, Tuple[int, ...]]] = collections.defaultdict(dict)
+    with safe_open(path, framework="pt") as f:
+        for k in f.keys():
+            m = re.search(suffix, k)
+            if m is None:
+                raise PeftConversionError(f"{folder!r}: tensor {k!r} is not a {method} factor "
+                                          "kfused can convert")
+            factors[k[:m.start()]][k[m.start() + 1:]] = tuple(f.get_slice(k).get_shape())
+    for n in sorted(factors):
+        shapes = factors[n]
         n = n[len(_KEY_PREFIX):] if n.startswith(_KEY_PREFIX) else n
         try:
             mod = model.get_submodule(n)
@@ -463,6 +470,50 @@ def _prevalidate_folder(model: nn.Module, folder: str) -> None:
                 "nn.Linear and transformers Conv1D only")
         if method == "krona" and is_conv1d(mod):
             raise PeftConversionError(f"{folder!r}: LoKr on the Conv1D {n!r} is not supported")
+        _check_factor_shapes(folder, n, method, shapes, *linear_dims(mod))
+
+
+def _check_factor_shapes(folder: str, name: str, method: str,
+                         shapes: Dict[str, Tuple[int, ...]], d_in: int, d_out: int) -> None:
+    """Refuse saved factors whose shapes do not fit the target layer (a folder saved from a model
+    of another width), before PeftModel.from_pretrained injects anything."""
+    where = f"{folder!r}: {name!r}"
+    for key, shape in shapes.items():
+        if len(shape) != 2 and (key in ("lora_A.weight", "lora_B.weight")
+                                or key.startswith("lokr_w")):
+            raise PeftConversionError(f"{where}: saved {key} has shape {shape}, expected a matrix")
+    if method == "lora":
+        a, b = shapes.get("lora_A.weight"), shapes.get("lora_B.weight")
+        if a is not None and a[1] != d_in:
+            raise PeftConversionError(
+                f"{where}: saved lora_A.weight is {a}, this model's layer needs {(a[0], d_in)} "
+                f"(r, in_features={d_in}); was the adapter saved from a model of another width?")
+        if b is not None and b[0] != d_out:
+            raise PeftConversionError(
+                f"{where}: saved lora_B.weight is {b}, this model's layer needs {(d_out, b[1])} "
+                f"(out_features={d_out}, r); was the adapter saved from a model of another width?")
+        if a is not None and b is not None and a[0] != b[1]:
+            raise PeftConversionError(f"{where}: saved lora_A.weight {a} and lora_B.weight {b} "
+                                      "have different ranks")
+        return
+
+    def full(w: str) -> Optional[Tuple[int, int]]:
+        if f"lokr_{w}" in shapes:
+            return shapes[f"lokr_{w}"]
+        lo, hi = shapes.get(f"lokr_{w}_a"), shapes.get(f"lokr_{w}_b")
+        if lo is None or hi is None:
+            return None  # incomplete: PEFT reports the missing key
+        if lo[1] != hi[0]:
+            raise PeftConversionError(f"{where}: saved lokr_{w}_a {lo} and lokr_{w}_b {hi} do "
+                                      "not multiply")
+        return lo[0], hi[1]
+
+    w1, w2 = full("w1"), full("w2")
+    if w1 is not None and w2 is not None and (w1[0] * w2[0], w1[1] * w2[1]) != (d_out, d_in):
+        raise PeftConversionError(
+            f"{where}: the saved LoKr factors w1 {w1} ⊗ w2 {w2} make a "
+            f"{(w1[0] * w2[0], w1[1] * w2[1])} update (out, in), this model's layer is "
+            f"{(d_out, d_in)}; was the adapter saved from a model of another width?")
 
 
 def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
@@ -489,7 +540,9 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
         adapter_dtype: dtype of the kfused factors (None: the PEFT factors' dtype).
     Raises:
         PeftConversionError (a ValueError): something kfused cannot represent exactly, naming
-            the layer and the reason; raised before the model is changed.
+            the layer and the reason (for a folder: also factors whose shapes do not fit the
+            model's layers); raised before the model is changed. Should PEFT still fail to load
+            a folder, the model is restored as it was and the error says so.
         TypeError: wrong argument types.
     """
     _peft()
@@ -507,12 +560,21 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
     _prevalidate_folder(target, folder)
     from peft import PeftModel
 
-    pm = PeftModel.from_pretrained(target, folder)
+    snap = snapshot(target)  # PEFT changes the model in place; undone on failure
+    try:
+        pm = PeftModel.from_pretrained(target, folder)
+    except Exception as exc:
+        restore(snap)
+        raise PeftConversionError(
+            f"PEFT could not load the adapter folder {folder!r} onto this model "
+            f"({type(exc).__name__}: {exc}); the model was restored unchanged") from exc
+    except BaseException:
+        restore(snap)
+        raise
     try:
         return _convert(pm, backend, adapter_dtype)
     except BaseException:
-        if hasattr(pm.base_model, "unload"):
-            pm.base_model.unload()  # put the original layers back (LoRA / LoKr)
+        restore(snap)  # the original layers, requires_grad flags and attributes
         raise
 
 
@@ -547,6 +609,11 @@ def _lokr_factor(sites: Dict[str, Tuple[Tuple[int, int], Tuple[int, int], Tuple[
 
 
 def _check_target_folder(path: str) -> None:
+    """Refuse (before anything is written) a target that is not ours to replace."""
+    if os.path.islink(path):
+        raise ValueError(f"to_peft: path {path!r} is a symbolic link (to "
+                         f"{os.readlink(path)!r}); refusing to replace it: pass the real "
+                         "folder (os.path.realpath) or a new path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"to_peft: {path!r} exists and is not a folder; refusing to "
                               "replace it")
@@ -574,6 +641,90 @@ def _check_target_folder(path: str) -> None:
         if hashes.get(fname) != _sha256(os.path.join(path, fname)):
             raise FileExistsError(f"to_peft: {path!r}/{fname} changed since to_peft wrote it; "
                                   "refusing to overwrite it")
+
+
+@functools.lru_cache(maxsize=None)
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+    False, with nothing changed, where the platform or the filesystem cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # not supported here: the caller falls back to two renames
+    raise OSError(err, os.strerror(err), b)
+
+
+def _install(tmp: str, path: str) -> Optional[str]:
+    """Put the finished export folder ``tmp`` at ``path`` so that ``path`` holds one complete
+    export at every moment it exists: the old one until the new one is in place. Returns where
+    the previous folder now is (to be removed by the caller), or None if there was none. On
+    failure the previous folder is back at ``path`` (or, if even that fails, the error names
+    where it is) and ``tmp`` is untouched."""
+    if not os.path.lexists(path):
+        os.replace(tmp, path)
+        return None
+    if _exchange(tmp, path):
+        return tmp  # one atomic step: tmp now holds the previous export
+    # no atomic exchange: move the old folder aside, rename the new one in, then drop the old
+    parent, base = os.path.split(path)
+    aside = os.path.join(parent, f".{base}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, aside)
+    try:
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.replace(aside, path)
+        except BaseException as exc2:
+            raise OSError(f"to_peft: writing {path!r} failed ({exc}) and so did putting the "
+                          f"previous export back ({exc2}); it is complete at {aside!r}: rename it "
+                          f"to {path!r}") from exc
+        raise
+    return aside
+
+
+def _remove_old_export(folder: str) -> None:
+    """Delete what an earlier to_peft wrote in ``folder`` (only files whose hash its marker
+    records) and the folder if that empties it; anything else is left, with a warning."""
+    if os.path.islink(folder) or not os.path.isdir(folder):  # pragma: no cover - checked before
+        warnings.warn(f"to_peft: the previous export was replaced; {folder!r} is not a folder "
+                      "to_peft wrote, so it was left in place")
+        return
+    marker = os.path.join(folder, EXPORT_MARKER)
+    try:
+        with open(marker) as f:
+            hashes = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        hashes = {}
+    for fname in (PEFT_WEIGHTS, PEFT_CONFIG):
+        p = os.path.join(folder, fname)
+        if (isinstance(hashes, dict) and os.path.isfile(p) and not os.path.islink(p)
+                and hashes.get(fname) == _sha256(p)):
+            os.remove(p)
+    if os.path.isfile(marker) and not (set(os.listdir(folder)) & {PEFT_WEIGHTS, PEFT_CONFIG}):
+        os.remove(marker)
+    try:
+        os.rmdir(folder)
+    except OSError:
+        warnings.warn(f"to_peft: the new export is in place; the previous export's folder, now "
+                      f"{folder!r}, still holds files to_peft did not write "
+                      f"({sorted(os.listdir(folder))[:5]}), so it was left there")
 
 
 def _sha256(path: str) -> str:
@@ -696,13 +847,17 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
     Args:
         model: a model with kfused adapters (``kfused.inject`` or :func:`from_peft`).
         path: the folder to write (created). An existing folder is replaced only if it is empty
-            or holds exactly what an earlier to_peft wrote, unchanged.
+            or holds exactly what an earlier to_peft wrote, unchanged; the replacement is
+            atomic where the platform can swap two folders (Linux), else the old folder is
+            moved aside and put back if the new one cannot be renamed in. Never a symlink.
         task_type: PEFT task type recorded in the config (e.g. "CAUSAL_LM"; None: plain
             PeftModel for LoRA / LoKr, "CAUSAL_LM" for prefix tuning).
     Returns: the folder's absolute path.
     Raises:
         PeftConversionError: a method or layout PEFT has no equivalent for (nothing is written).
         FileExistsError: ``path`` is a file, or a folder with files to_peft did not write.
+        ValueError: ``path`` is a symbolic link (nothing is written).
+        OSError: writing or renaming failed; the previous export, if any, is kept complete.
     """
     from safetensors.torch import save_file
 
@@ -724,13 +879,11 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
             json.dump({"writer": "kfused.to_peft",
                        "files": {n: _sha256(os.path.join(tmp, n)) for n in written}}, f, indent=2)
-        if os.path.isdir(path):
-            _check_target_folder(path)  # again, just before replacing
-            for n in os.listdir(path):   # only to_peft's own files are there
-                os.remove(os.path.join(path, n))
-            os.rmdir(path)
-        os.replace(tmp, path)
+        _check_target_folder(path)  # again, just before replacing
+        old = _install(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the new export, not yet in place
         raise
+    if old is not None:
+        _remove_old_export(old)
     return path
