@@ -197,9 +197,8 @@ def _print_table(rows: List[dict]) -> None:
               f"{(mem / 2**20) if mem is not None else float('nan'):9.1f}")
 
 
-def run(argv: Optional[List[str]] = None) -> int:
-    from kfused.bench import measure
-    from kfused.cases import bench_cases
+def build_parser() -> argparse.ArgumentParser:
+    from kfused.cli.args import device, positive_float
 
     p = argparse.ArgumentParser(prog="kfused bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,9 +208,12 @@ def run(argv: Optional[List[str]] = None) -> int:
                    help="compute dtype (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--quick", action="store_true",
                    help="fewer, smaller shapes (on a CPU: tiny float32 cases, about a minute)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--rep-ms", type=float, default=None,
-                   help="measuring time per point (default 200 on GPU, 50 on CPU)")
+    p.add_argument("--device", type=device,
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--rep-ms", type=positive_float, default=None,
+                   help="measuring time per point in ms, > 0 (default 200 on GPU, 50 on CPU; "
+                        "warm-up is a quarter of it)")
     p.add_argument("--out", default=None,
                    help="results folder (default benchmarks/results/local of the checkout, "
                         "git-ignored, or ./kfused_bench_results; committed results live in "
@@ -223,21 +225,31 @@ def run(argv: Optional[List[str]] = None) -> int:
                         "before); backend='auto' reads it through KFUSED_BACKEND_PREFS or as "
                         "kfused/data/backend_prefs.json")
     p.add_argument("--list", action="store_true", help="list the ops and exit")
+    return p
+
+
+def run(argv: Optional[List[str]] = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(available_ops()))
         return 0
-    device = torch.device(args.device)
     ops = args.ops or available_ops()
     unknown = [op for op in ops if op not in available_ops()]
     if unknown:
-        raise SystemExit(f"kfused bench: no benchmark cases for {', '.join(unknown)} "
-                         f"(ops: {', '.join(available_ops())})")
+        p.error(f"argument ops: no benchmark cases for {', '.join(unknown)}; expected any of "
+                f"{', '.join(available_ops())}")
+    from kfused.bench import measure
+    from kfused.cases import bench_cases
+
+    device = torch.device(args.device)
+    if args.write_prefs and device.type != "cuda":
+        p.error("argument --write-prefs: records GPU measurements; needs a CUDA --device")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     out_dir = Path(args.out) if args.out else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    rep = args.rep_ms or (200 if device.type == "cuda" else 50)
+    rep = args.rep_ms if args.rep_ms is not None else (200 if device.type == "cuda" else 50)
     if device.type != "cuda":
         print("kfused bench: no CUDA device — running the CPU-sized cases of the baselines only "
               "(Triton/CUDA kernels and every speed claim need a GPU).", file=sys.stderr)
@@ -251,8 +263,6 @@ def run(argv: Optional[List[str]] = None) -> int:
         from tqdm import tqdm
     except Exception:  # pragma: no cover
         tqdm = lambda it, **k: it  # noqa: E731
-    if args.write_prefs and device.type != "cuda":
-        raise SystemExit("kfused bench: --write-prefs records GPU measurements; no CUDA device")
     if args.write_prefs:
         _check_prefs_target(Path(args.write_prefs))
     all_rows: List[dict] = []

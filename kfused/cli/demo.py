@@ -56,6 +56,9 @@ DEFAULT_METHODS = ",".join(METHODS)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kfused.cli.args import (device_or_auto, finite_float, nonnegative_int, positive_float,
+                                 positive_int, seed_int)
+
     p = argparse.ArgumentParser(
         prog="kfused demo",
         description="Adapt the shipped pretrained GPT-2-shaped base to the bundled "
@@ -70,35 +73,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None, help="one preset only (same as --methods NAME)")
     p.add_argument("--targets", default=None,
                    help="comma-separated roles/regexes for every row (default: each method's)")
-    p.add_argument("--rank", type=int, default=None,
+    p.add_argument("--rank", type=positive_int, default=None,
                    help="rank r for every row (default: each row's, 8 for LoRA)")
-    p.add_argument("--scale", type=float, default=None, help="adapter scale s (KronA)")
+    p.add_argument("--scale", type=finite_float, default=None, help="adapter scale s (KronA)")
     p.add_argument("--base", default="pretrained", choices=["pretrained", "random"],
                    help="pretrained: the base shipped in kfused/data/base; random: a randomly "
                         "initialised model of --layers/--d-model/--heads")
     p.add_argument("--model-dir", default=None,
                    help="local transformers GPT-2 checkpoint directory (overrides --base)")
-    p.add_argument("--layers", type=int, default=4, help="layers of a --base random model")
-    p.add_argument("--d-model", type=int, default=128, help="width of a --base random model")
-    p.add_argument("--heads", type=int, default=4, help="attention heads of a --base random model")
-    p.add_argument("--seq-len", type=int, default=384,
+    p.add_argument("--layers", type=positive_int, default=4,
+                   help="layers of a --base random model")
+    p.add_argument("--d-model", type=positive_int, default=128,
+                   help="width of a --base random model (a multiple of --heads)")
+    p.add_argument("--heads", type=positive_int, default=4,
+                   help="attention heads of a --base random model")
+    p.add_argument("--seq-len", type=positive_int, default=384,
                    help="longest training sequence in bytes (batches are cut to their longest "
                         "example; at most the model's positions)")
     p.add_argument("--loss", default="target", choices=["target", "all"],
                    help="target: loss on the sentence only (the meaning representation is the "
                         "prompt); all: on the whole sequence")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    p.add_argument("--steps", type=int, default=48, help="optimizer steps per run")
-    p.add_argument("--lr", type=float, default=1.2e-2, help="AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=3, help="steps excluded from the timings")
-    p.add_argument("--gen-examples", type=int, default=40,
+    p.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
+    p.add_argument("--steps", type=positive_int, default=48, help="optimizer steps per run")
+    p.add_argument("--lr", type=positive_float, default=1.2e-2, help="AdamW learning rate")
+    p.add_argument("--warmup", type=nonnegative_int, default=3,
+                   help="steps excluded from the timings (0: none)")
+    p.add_argument("--gen-examples", type=nonnegative_int, default=40,
                    help="held-out meaning representations to generate for and score "
                         "(0: no generation)")
-    p.add_argument("--max-new-tokens", type=int, default=200,
+    p.add_argument("--max-new-tokens", type=positive_int, default=200,
                    help="generation length limit in bytes")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=seed_int, default=0,
                    help="seed of the adapter initialisation and of the batch order")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--device", type=device_or_auto, default="auto",
+                   help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype (auto: bfloat16 on CUDA, float32 on the CPU); adapter "
                         "weights stay float32")
@@ -109,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute activations in the backward pass (less memory)")
     p.add_argument("--distributed", default="none", choices=["none", "ddp", "fsdp2"],
                    help="multi-process training (launch with torchrun)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=os.path.join("runs", "demo"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -448,7 +456,11 @@ def _print_table(report: dict) -> None:
 
 def run_demo(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``kfused demo``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.model_dir and args.base == "random" and args.d_model % args.heads:
+        parser.error(f"argument --d-model: {args.d_model} is not a multiple of --heads "
+                     f"{args.heads} (each head gets d_model / heads)")
     from kfused import distributed as kd
     from kfused.data import ByteTokenizer, encode_pairs, load_pairs
 

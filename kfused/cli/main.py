@@ -1,7 +1,8 @@
-"""The `kfused` command: demo (the main job), bench, check, info."""
+"""The `kfused` command: demo (the main job), bench, check, info, perf."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import List, Optional
@@ -30,6 +31,15 @@ def _ensure_interpreter_on_cpu(argv: List[str]) -> None:
         return
     os.environ["TRITON_INTERPRET"] = "1"
     os.execv(sys.executable, [sys.executable, "-m", "kfused.cli.main", *argv])
+
+
+def info_parser() -> argparse.ArgumentParser:
+    """``kfused info`` takes no options (only ``--help``)."""
+    return argparse.ArgumentParser(
+        prog="kfused info",
+        description="Print the versions of kfused, torch and triton, the device, and which "
+                    "backends (triton, cuda, reference) can run each dtype here, with the "
+                    "reason for each one that cannot.")
 
 
 def _info() -> int:
@@ -73,9 +83,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "check":
-        _ensure_interpreter_on_cpu(argv)
         from kfused.cli import check
 
+        check.parse_args(rest)  # usage errors (and --help) before re-running in the interpreter
+        _ensure_interpreter_on_cpu(argv)
         return check.run(rest)
     if cmd == "bench":
         from kfused.cli import bench
@@ -86,6 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_demo(rest)
     if cmd == "info":
+        info_parser().parse_args(rest)
         return _info()
     if cmd == "perf":
         from kfused.perf import report

@@ -451,18 +451,34 @@ def write_known(report: dict) -> None:
         f.write("\n")
 
 
+def _archs(text: str) -> tuple:
+    """--arch: a comma list of SM versions (e.g. 90,80), as integers."""
+    try:
+        archs = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        archs = ()
+    if not archs or any(a < 50 for a in archs):
+        raise argparse.ArgumentTypeError(f"expected a comma list of SM versions such as 90,80, "
+                                         f"got {text!r}")
+    return archs
+
+
 def run(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.call([sys.executable, "-m", "kfused.perf.report", *(argv or [])],
                                env=env)
+    from kfused.cli.args import positive_int
+
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     p = argparse.ArgumentParser(prog="kfused perf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="", help="comma-separated op prefixes (krona,headwise,"
                    "inducer); default all")
-    p.add_argument("--arch", default="90,80", help="comma-separated SM versions (default 90,80)")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--arch", type=_archs, default=(90, 80),
+                   help="comma-separated SM versions (default 90,80)")
+    p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
+                   help="parallel compile jobs (>= 1)")
     p.add_argument("--no-csrc", action="store_true")
     p.add_argument("--no-grounding", action="store_true")
     p.add_argument("--no-representative", action="store_true",
@@ -477,8 +493,7 @@ def run(argv=None) -> int:
                    help="exit 1 on compile failures or violations beyond the known list")
     a = p.parse_args(argv)
     ops = [o for o in a.ops.split(",") if o] or None
-    archs = tuple(int(x) for x in a.arch.split(",") if x)
-    report = analyse(ops, archs, a.jobs, with_csrc=not a.no_csrc,
+    report = analyse(ops, a.arch, a.jobs, with_csrc=not a.no_csrc,
                      with_grounding=not a.no_grounding,
                      with_representative=not a.no_representative,
                      structure_only=a.structure_only)
