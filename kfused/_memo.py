@@ -8,24 +8,53 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
+def _state(t: torch.Tensor):
+    """What must be unchanged for a remembered result to still hold: the version counter
+    (in-place writes through autograd-visible ops), the data pointer and the shape (a
+    ``t.data = other`` swap keeps the version). None when it cannot be read: inference
+    tensors (``torch.inference_mode``) have no version counter, tensors without storage no
+    data pointer."""
+    try:
+        if t.is_inference():
+            return None
+        return t._version, t.data_ptr(), tuple(t.shape)
+    except Exception:                           # noqa: BLE001 (no storage, a subclass, ...)
+        return None
+
+
 class LastResult:
     """``memo(tensors, compute)`` returns ``compute()``, remembered for the last ``tensors``
     asked: the very same objects (or None), none changed in place since (their version
-    counters). Every layer of one forward passes the same tensors, so a host read or check
-    done for the first layer serves the rest. Nothing is kept alive but the result."""
+    counters, data pointers and shapes). Every layer of one forward passes the same tensors,
+    so a host read or check done for the first layer serves the rest. Nothing is kept alive
+    but the result.
+
+    Not seen: writes that bypass the version counter (``t.data[i] = x``, a write through
+    ``t.numpy()`` or through a view taken under ``torch.no_grad`` of ``t.data``); the
+    remembered result is then stale. Tensors whose state cannot be read (inference tensors)
+    are never remembered: ``compute()`` runs on every call, and the memo keeps what it had."""
 
     def __init__(self):
-        self._refs: Optional[list] = None
-        self._versions: Optional[list] = None
-        self._value = None
+        self._entry = None                      # (refs, states, value), replaced as a whole
 
     def __call__(self, tensors: Sequence[Optional[torch.Tensor]], compute: Callable):
-        if self._refs is not None and len(self._refs) == len(tensors) and all(
-                (r is None and t is None) or (r is not None and r() is t and t._version == v)
-                for r, v, t in zip(self._refs, self._versions, tensors)):
-            return self._value
-        value = compute()                       # raises: nothing is remembered
-        self._refs = [None if t is None else weakref.ref(t) for t in tensors]
-        self._versions = [None if t is None else t._version for t in tensors]
-        self._value = value
+        states = []
+        for t in tensors:
+            if t is None:
+                states.append(None)
+                continue
+            s = _state(t)
+            if s is None:                       # cannot tell a change: bypass the memo
+                return compute()
+            states.append(s)
+        entry = self._entry
+        if entry is not None:
+            refs, old, value = entry
+            if len(refs) == len(tensors) and all(
+                    (r is None and t is None) or (r is not None and r() is t and s == o)
+                    for r, o, s, t in zip(refs, old, states, tensors)):
+                return value
+        value = compute()                       # raises: the memo keeps what it had
+        refs = [None if t is None else weakref.ref(t) for t in tensors]
+        self._entry = (refs, states, value)     # one assignment: never half-updated
         return value

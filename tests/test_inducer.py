@@ -413,6 +413,51 @@ def test_bad_inputs():
     assert out.shape == q.shape
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_seq_lens_values_checked(backend):
+    """A key count outside [0, n_k] is an error (a negative one masked the whole row, one
+    above n_k read as "all keys"); the bounds themselves are valid."""
+    X, P = _good()                                           # n_k = 8
+    for lens, bad in (([-3, 4], -3), ([4, 99], 99), ([9, 0], 9)):
+        with pytest.raises(ValueError, match=rf"seq_lens\[\d\] = {bad} is out of range.*"
+                                             r"\[0, n_k\] = \[0, 8\]"):
+            inducer_attention(**X, **P, seq_lens=torch.tensor(lens), backend=backend)
+    out, _ = inducer_attention(**X, seq_lens=torch.tensor([0, 8]), backend="reference")
+    assert bool((out[0] == 0).all()) and bool(out.isfinite().all())
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = -1 is out of range"):
+        inducer_attention_ref(**X, seq_lens=torch.tensor([2, -1]))      # the oracle too
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_scale_and_causal_checked(backend):
+    """scale: None or a finite positive real number (a string was accepted by one backend
+    and refused with an unrelated error by the other; nan gave all-NaN output); causal: a
+    bool ("no" was read as True)."""
+    X, P = _good()
+    for bad in ("0.1", torch.tensor(0.1), True, [0.1]):
+        with pytest.raises(TypeError, match="scale must be None or a real number"):
+            inducer_attention(**X, **P, scale=bad, backend=backend)
+    for bad in (float("nan"), float("inf"), float("-inf"), -0.1, 0.0, 0):
+        with pytest.raises(ValueError, match="scale must be a finite positive number"):
+            inducer_attention(**X, **P, scale=bad, backend=backend)
+    for bad in ("no", "", 1, None, torch.tensor(True)):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            inducer_attention(**X, **P, causal=bad, backend=backend)
+
+
+def test_scale_and_causal_accept_real_numbers_and_bools():
+    import numpy as np
+
+    X, P = _good()
+    ref = inducer_attention(**X, **P, causal=True, scale=0.5, backend="reference")
+    for scale, causal in ((np.float32(0.5), np.bool_(True)), (np.float64(0.5), True),
+                          (0.5, np.True_)):
+        got = inducer_attention(**X, **P, causal=causal, scale=scale, backend="reference")
+        torch.testing.assert_close(got, ref)
+    one = inducer_attention(**X, scale=1, backend="reference")[0]          # an int is fine
+    torch.testing.assert_close(one, inducer_attention(**X, scale=1.0, backend="reference")[0])
+
+
 def test_output_projection_matches_reference():
     B, H, n, p, r, d = 2, 3, 5, 8, 4, 20
     f, u = torch.randn(B, H, n, p, dtype=f64), torch.randn(B, H, n, r, dtype=f64)
@@ -603,3 +648,20 @@ def test_no_queries_gives_zero_gradients(packed):
     for name, t in P.items():
         assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
     assert k.grad.shape == k.shape and not k.grad.any()
+
+
+def test_float64_is_refused_by_the_triton_kernels():
+    """The interpreter admits float64 (kfused.backends), but the inducer kernels compute in
+    float32: a float64 result would carry float32 error (seen: u off by 1e-8, gradients by
+    1e-7 relative). The Triton backend refuses float64 by name; the reference runs it."""
+    from kfused.ops import inducer_attention_varlen
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(BackendError, match="compute in float32"):
+        inducer_attention(q, k, v, backend="triton")
+    inducer_attention(q, k, v, backend="reference")
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(BackendError, match="compute in float32"):
+        inducer_attention_varlen(qp, kp, vp, cu, backend="triton")

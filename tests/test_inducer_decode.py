@@ -144,6 +144,26 @@ def test_decode_refuses_what_it_cannot_take():
     assert _DecodePlan.chosen(one, torch.bfloat16) and not _DecodePlan.chosen(one, torch.float32)
 
 
+def test_decode_checks_cache_lengths_scale_and_causal():
+    """The decode regime (16-bit, one query against a cache) takes the op's checks: cache
+    lengths outside [0, n_k], a non-number or non-finite scale, a non-bool causal are errors
+    before any launch; the split-KV path never takes a packed batch."""
+    X = {k_: t.half() for k_, t in _cache(2, 4, 2, 1, 130, 32).items()}
+    P = {k_: t.half() for k_, t in _params(4, 32).items()}
+    for lens, bad in (([131, 7], 131), ([5, -1], -1)):
+        with pytest.raises(ValueError, match=rf"seq_lens\[\d\] = {bad} is out of range.*"
+                                             r"\[0, 130\]"):
+            inducer_attention(**X, **P, seq_lens=torch.tensor(lens), backend="triton")
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        inducer_attention(**X, **P, scale=float("nan"), backend="triton")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        inducer_attention(**X, **P, causal="no", backend="triton")
+    q = torch.randn(3, 2, 32, device=DEVICE)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="no packed batch"):
+        inducer_attention_forward(q, q, q, varlen=(cu, cu, 2, 2), decode=True)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_decode_non_finite_cache_propagates(bad):
     """A non-finite cached key reaches f, λ and u as in the reference (no silent 0 or 1)."""

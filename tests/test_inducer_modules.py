@@ -6,7 +6,7 @@ import torch
 from tests.conftest import DEVICE
 from kfused.backends import available_backends
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
-from kfused.ops import inducer_attention
+from kfused.ops import inducer_attention, inducer_output_projection
 
 transformers = pytest.importorskip("transformers")
 from kfused.integration import hf_attention  # noqa: E402
@@ -324,3 +324,104 @@ def test_packed_kwargs_converted_once_per_forward():
     assert hf_attention._packed_from_kwargs(cu, cu, 4) is a
     with pytest.raises(ValueError, match="cu_seq_lens_k != cu_seq_lens_q"):
         hf_attention._packed_from_kwargs(torch.tensor([0, 3, 7]), torch.tensor([0, 2, 7]), 4)
+
+
+def test_packed_kwargs_under_inference_mode():
+    """Inference tensors (no version counter) bypass the cache, and later ordinary calls
+    still work (they failed with "'NoneType' object is not iterable")."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        a = hf_attention._packed_from_kwargs(cu, None, 7)
+        pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        b = hf_attention._packed_from_positions(pos, 1, 12)
+    assert a[0].tolist() == [0, 5, 12] and b.cu_seqlens()[0].tolist() == [0, 5, 12]
+    c = hf_attention._packed_from_kwargs(torch.tensor([0, 3, 7]), None, 4)
+    assert c[0].tolist() == [0, 3, 7]
+    pos = torch.cat([torch.arange(3), torch.arange(4)])[None]
+    assert hf_attention._packed_from_positions(pos, 1, 7).cu_seqlens()[0].tolist() == [0, 3, 7]
+
+
+def test_module_names_q_heads_and_width_against_its_configuration():
+    """q with the wrong head count or width is named as such, not as a parameter's shape
+    (``Ak has shape (2, 32, 3), expected (4, 32, 3)``)."""
+    ad = InducerAttention(2, 32, key_bottleneck=3, value_bottleneck=5)
+    for shape, match in (((1, 4, 5, 32), r"q has 4 heads \(shape \(1, 4, 5, 32\).*num_heads=2"),
+                         ((1, 2, 5, 64), r"q has head width 64 .*head_dim=32")):
+        q = torch.randn(*shape)
+        with pytest.raises(ValueError, match=match):
+            ad(q, q, q, backend="reference")
+    q = torch.randn(6, 3, 32)                                  # packed (total, H, p)
+    with pytest.raises(ValueError, match=r"q has 3 heads .*\(total, heads, head_dim\).*"
+                                         r"num_heads=2"):
+        ad(q, q, q, cu_seqlens=torch.tensor([0, 6]), backend="reference")
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        ad(torch.randn(2, 5, 32), torch.randn(2, 5, 32), torch.randn(2, 5, 32))
+    pre = InducerAttention(2, 32, prefix_len=2, inducer=False)
+    with pytest.raises(ValueError, match="q has 4 heads"):
+        pre(*(torch.randn(1, 4, 5, 32) for _ in range(3)), backend="reference")
+    q, kv = torch.randn(1, 2, 5, 32), torch.randn(1, 1, 5, 32)  # fewer kv heads: fine
+    assert ad(q, kv, kv, backend="reference")[0].shape == q.shape
+
+
+def test_module_output_projection_checks_u_and_weight():
+    """The module's output projection takes the functional op's checks: a wrong r or n of u,
+    or a u given to an adapter without an output-space value path, is a ValueError naming u
+    (it was a raw matmul / cat RuntimeError)."""
+    H, p, d, r = 2, 32, 48, 4
+    m = InducerAttention(H, p, d_model=d, composition="add", value_bottleneck=r)
+    f, u = torch.randn(2, H, 5, p), torch.randn(2, H, 5, r)
+    W_o, b_o = torch.randn(d, H * p), torch.randn(d)
+    y = m.output_projection(f, u, W_o, b_o)
+    want = inducer_output_projection(f, u, W_o, b_o, m.W2, m.b2)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(m.output_projection(f, u, W_o.t(), b_o, layout="conv1d"), want)
+    with pytest.raises(ValueError, match=r"u has shape \(2, 2, 5, 2\), expected \(2, 2, 5, 4\)"):
+        m.output_projection(f, u[..., :2], W_o, b_o)
+    with pytest.raises(ValueError, match=r"u has shape \(2, 2, 3, 4\), expected \(2, 2, 5, 4\)"):
+        m.output_projection(f, u[:, :, :3], W_o, b_o)
+    with pytest.raises(ValueError, match=r"f has 4 heads .*num_heads=2"):
+        m.output_projection(torch.randn(2, 4, 5, p), u, W_o, b_o)
+    with pytest.raises(ValueError, match=r"weight has shape \(48, 10\).*\(d, 64\)"):
+        m.output_projection(f, u, W_o[:, :10], b_o)
+    with pytest.raises(ValueError, match="d_model=48"):
+        m.output_projection(f, u, torch.randn(20, H * p), None)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        m.output_projection(f, u, W_o, b_o, layout="conv")
+    with pytest.raises(ValueError, match="weight is on meta but f is on cpu"):
+        m.output_projection(f, u, W_o.to("meta"), b_o)
+    with pytest.raises(ValueError, match=r"b_o has shape \(1,\)"):
+        m.output_projection(f, u, W_o, b_o[:1])
+    torch.testing.assert_close(m.output_projection(f, u, W_o.double(), b_o.double()), want)
+    with pytest.raises(ValueError, match=r"bias has shape \(1,\)"):
+        m.fused_output_weight(W_o, b_o[:1])
+    for kw in (dict(composition="gate"), dict(inducer=False, prefix_len=2)):
+        g = InducerAttention(H, p, d_model=d, **kw)
+        with pytest.raises(ValueError, match="u was given .* pass u=None"):
+            g.output_projection(f, u, W_o, b_o)
+        torch.testing.assert_close(g.output_projection(f, None, W_o, b_o),
+                                   inducer_output_projection(f, None, W_o, b_o))
+
+
+def test_output_projection_wrapper_checks_its_input():
+    H, p, d, r = 2, 32, 48, 4
+    m = InducerAttention(H, p, d_model=d, value_bottleneck=r)
+    lin = torch.nn.Linear(H * p, d)
+    wrap = InducerOutputProjection(lin, m)
+    x = torch.randn(2, 5, H * (p + r))
+    f = x.reshape(2, 5, H, p + r)[..., :p].reshape(2, 5, H * p)
+    u = x.reshape(2, 5, H, p + r)[..., p:].permute(0, 2, 1, 3)
+    want = lin(f) + u.transpose(1, 2).reshape(2, 5, H * r) @ m.W2.reshape(H * r, d) + m.b2
+    torch.testing.assert_close(wrap(x), want)
+    torch.testing.assert_close(wrap(f), lin(f))
+    with pytest.raises(ValueError, match=r"x has shape \(2, 5, 7\): width 7, expected H·p = 64 "
+                                         r".* or H·\(p \+ r\) = 72"):
+        wrap(torch.randn(2, 5, 7))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        wrap(x.tolist())
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        wrap(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="x is on meta but the projection's weight is on cpu"):
+        wrap(x.to("meta"))
+    gate = InducerOutputProjection(lin, InducerAttention(H, p, d_model=d, composition="gate"))
+    with pytest.raises(ValueError, match=r"expected H·p = 64 .*adds no u columns"):
+        gate(x)

@@ -2,6 +2,8 @@
 kernel vs the float64 reference (docs/math.md §4), agreement with the padded batched op,
 op registration and bad inputs."""
 
+import math
+
 import pytest
 import torch
 
@@ -197,6 +199,22 @@ def test_varlen_bad_inputs():
         inducer_attention_varlen(q, q, q, _cu([4]), backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_varlen_scale_and_causal_checked(backend):
+    """scale: None or a finite positive real number; causal: a bool (a string read as True)."""
+    X = {k_: t.float() for k_, t in _packed([3, 5], [3, 5], 2, 2, 32).items()}
+    cu = _cu([3, 5])
+    for bad in ("0.1", torch.tensor(0.1), True, [0.1]):
+        with pytest.raises(TypeError, match="scale must be None or a real number"):
+            inducer_attention_varlen(**X, cu_seqlens_q=cu, scale=bad, backend=backend)
+    for bad in (float("nan"), float("inf"), -0.1, 0.0, 0):
+        with pytest.raises(ValueError, match="scale must be a finite positive number"):
+            inducer_attention_varlen(**X, cu_seqlens_q=cu, scale=bad, backend=backend)
+    for bad in ("no", 1, None, torch.tensor(True)):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            inducer_attention_varlen(**X, cu_seqlens_q=cu, causal=bad, backend=backend)
+
+
 def test_lengths_are_read_once_per_tensor():
     """Every layer of a packed forward passes the same cumulative lengths: one host copy,
     and a changed tensor (in place or a new one) is read again."""
@@ -208,3 +226,153 @@ def test_lengths_are_read_once_per_tensor():
     cu[1] = 2
     assert host_values(cu) == [0, 2, 8]
     assert host_values(_cu([1, 7])) == [0, 1, 8]
+
+
+# ------------------------------------------------------------------------------------------
+# the host-value cache and lengths that change behind its back
+
+
+def test_memo_bypasses_inference_tensors_and_is_never_half_updated():
+    """Inference tensors have no version counter: they are never remembered (computed on
+    every call) and leave the memo as it was; a compute that raises leaves it too."""
+    from kfused._memo import LastResult
+
+    memo, calls = LastResult(), []
+
+    def compute(value):
+        def fn():
+            calls.append(value)
+            return value
+        return fn
+
+    a = torch.tensor([0, 3])
+    assert memo((a,), compute("a")) == "a" and memo((a,), compute("again")) == "a"
+    with torch.inference_mode():
+        b = torch.tensor([0, 4])
+    assert memo((b,), compute("b1")) == "b1" and memo((b,), compute("b2")) == "b2"
+    assert memo((a,), compute("again")) == "a"              # the entry for a survived
+    with pytest.raises(RuntimeError, match="boom"):
+        memo((b, None), lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert memo((a,), compute("again")) == "a" and calls == ["a", "b1", "b2"]
+    a.data = torch.tensor([0, 1, 3])                         # .data swap: same version
+    assert memo((a,), compute("swapped")) == "swapped"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_inference_mode_lengths_leave_later_calls_working(backend):
+    """A packed call under torch.inference_mode (the lengths an inference tensor) works, and
+    so does every later ordinary call in the process (the cache was left half-updated)."""
+    q = torch.randn(12, 2, 32, device=DEVICE)
+
+    def lengths(*vals):
+        return torch.tensor(vals, dtype=torch.int32, device=DEVICE)
+
+    with torch.inference_mode():
+        cu = lengths(0, 5, 12)
+        out, _ = inducer_attention_varlen(q, q, q, cu, backend=backend)
+    ref, _ = inducer_attention_varlen(q, q, q, lengths(0, 5, 12), backend=backend)
+    torch.testing.assert_close(out, ref)
+    with torch.inference_mode():                               # a new split: read again
+        cu.copy_(lengths(0, 7, 12))
+        again, _ = inducer_attention_varlen(q, q, q, cu, backend=backend)
+    fresh, _ = inducer_attention_varlen(q, q, q, lengths(0, 7, 12), backend=backend)
+    torch.testing.assert_close(again, fresh)
+
+
+_PAD = 4096                   # sentinel elements on each side of every guarded buffer
+
+
+class _Guarded:
+    """Tensors that are views into larger buffers with sentinels on both sides: outputs
+    (``empty``, standing in for kfused._alloc.empty: zeros inside, -777 around) and inputs
+    (``like``: the values inside, NaN around, so a read outside shows up as NaN)."""
+
+    def __init__(self):
+        self.bufs = []
+
+    def _make(self, shape, dtype, inside, sentinel):
+        n = math.prod(shape)
+        buf = torch.full((n + 2 * _PAD,), sentinel, dtype=dtype, device=DEVICE)
+        buf[_PAD:_PAD + n] = inside.reshape(-1) if isinstance(inside, torch.Tensor) else inside
+        self.bufs.append((buf, n, sentinel))
+        return buf[_PAD:_PAD + n].view(shape)
+
+    def empty(self, *shape, dtype, device):
+        return self._make(shape, dtype, 0.0, -777.0)
+
+    def like(self, t):
+        return self._make(tuple(t.shape), t.dtype, t.detach().to(DEVICE), float("nan"))
+
+    def intact(self) -> bool:
+        def same(x, s):
+            return bool(x.isnan().all()) if math.isnan(s) else bool((x == s).all())
+        return all(same(b[:_PAD], s) and same(b[_PAD + n:], s) for b, n, s in self.bufs)
+
+
+@pytest.mark.parametrize("values,causal", [
+    ([0, 15, 12], True),       # a span past the end (and decreasing)
+    ([0, -5, 12], False),      # a negative start
+    ([0, 5, 40], True),        # the last span far past the end
+], ids=["past-end-causal", "negative-start", "far-past-end-causal"])
+def test_lengths_changed_behind_the_cache_stay_in_bounds(monkeypatch, values, causal):
+    """cu_seqlens written through ``.data`` after a first call (no version bump): the cache
+    still holds the old, valid values (checks, grid), the kernels read the new ones. Forward
+    and backward must not read or write outside q, k, v and their outputs (views into
+    buffers with sentinels around them); the result is undefined (documented), not an
+    out-of-bounds access."""
+    import kfused._alloc
+
+    H, p = 2, 32
+    g = _Guarded()
+    monkeypatch.setattr(kfused._alloc, "empty", g.empty)
+    X = {n: g.like(t.float()).requires_grad_() for n, t in _packed([5, 7], [5, 7], H, H,
+                                                                   p).items()}
+    P = {n: t.float().to(DEVICE).requires_grad_() for n, t in _params(H, p, l=2).items()}
+    cu = _cu([5, 7]).to(DEVICE)
+
+    def run():
+        out, u = inducer_attention_varlen(**X, cu_seqlens_q=cu, **P, causal=causal,
+                                          backend="triton")
+        leaves = [*X.values(), *P.values()]
+        grads = torch.autograd.grad([out, u], leaves, [torch.ones_like(out),
+                                                       torch.ones_like(u)])
+        return [out, u, *grads]
+
+    first = run()                                    # checked, lengths cached
+    assert all(bool(t.isfinite().all()) for t in first) and g.intact()
+    version = cu._version
+    cu.data.copy_(torch.tensor(values, dtype=torch.int32, device=DEVICE))
+    assert cu._version == version                    # invisible to the cache
+    second = run()
+    assert g.intact(), "a kernel wrote outside its tensors"
+    assert all(bool(t.isfinite().all()) for t in second), "a kernel read outside its tensors"
+
+
+@pytest.mark.parametrize("cu_q,cu_k,max_q,max_k", [
+    ([0, 5, 12], [0, 2, 30], 5, 28),       # keys' span past the end, a long max
+    ([0, 9, 3], [-7, 4, 12], 2, 2),        # decreasing queries, negative key start, short max
+], ids=["keys-past-end", "decreasing-negative"])
+def test_kernels_stay_in_bounds_whatever_the_lengths(monkeypatch, cu_q, cu_k, max_q, max_k):
+    """The host functions with any cumulative lengths and longest lengths (queries and keys
+    packed differently): no access outside q, k, v and the outputs, forward and backward."""
+    import kfused._alloc
+    from kfused.triton_kernels.inducer_attention import (inducer_attention_backward,
+                                                         inducer_attention_forward)
+
+    H, H_kv, p = 2, 1, 32
+    g = _Guarded()
+    monkeypatch.setattr(kfused._alloc, "empty", g.empty)
+    X = {n: g.like(t.float()) for n, t in _packed([12], [12], H, H_kv, p).items()}
+    P = _params(H, p, l=2)
+    mlp = tuple(g.like(P[n].float()) for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
+    pk, pv = g.like(P["prefix_k"].float()), g.like(P["prefix_v"].float())
+    varlen = (torch.tensor(cu_q, dtype=torch.int32, device=DEVICE),
+              torch.tensor(cu_k, dtype=torch.int32, device=DEVICE), max_q, max_k)
+    out, u, lse, lam, stats, _ = inducer_attention_forward(
+        X["q"], X["k"], X["v"], mlp, pk, pv, None, True, varlen=varlen)
+    grads = inducer_attention_backward(
+        g.like(torch.randn_like(out)), g.like(torch.randn_like(u)), None, None, X["q"],
+        X["k"], X["v"], out, lse, stats, lam, mlp, pk, pv, None, True, varlen=varlen)
+    assert g.intact(), "a kernel wrote outside its tensors"
+    for t in (out, u, lse, lam, stats, *grads[:3], *grads[3], *grads[4:]):
+        assert bool(t.isfinite().all()), "a kernel read outside its tensors"

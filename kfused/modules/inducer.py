@@ -26,9 +26,13 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from kfused import _validate
 from kfused.modules._init import check_init, paper_
 from kfused.ops.inducer_attention import (COMPOSITIONS, inducer_attention,
                                           inducer_attention_varlen)
+from kfused.ops.inducer_output_projection import inducer_output_projection
+
+LAYOUTS = ("linear", "conv1d")
 
 
 class InducerAttention(nn.Module):
@@ -103,6 +107,21 @@ class InducerAttention(nn.Module):
         t = getattr(self, name, None)
         return None if t is None else t.to(dtype)
 
+    def _check_heads(self, name: str, t, *, packed: bool = False) -> None:
+        """``t`` (batch, heads, n, width), or packed (total, heads, width), with this
+        adapter's head count and head width: a mismatch is named on the input and the
+        module's configuration, not on whichever parameter shape disagrees first."""
+        _validate.check_tensor(name, t, ndim=3 if packed else 4)
+        what = "(total, heads, head_dim)" if packed else "(batch, heads, n, head_dim)"
+        if t.shape[1] != self.num_heads:
+            raise ValueError(f"{name} has {t.shape[1]} heads (shape {tuple(t.shape)}, {what}) "
+                             f"but this InducerAttention was built for "
+                             f"num_heads={self.num_heads}")
+        if t.shape[-1] != self.head_dim:
+            raise ValueError(f"{name} has head width {t.shape[-1]} (shape {tuple(t.shape)}, "
+                             f"{what}) but this InducerAttention was built for "
+                             f"head_dim={self.head_dim}")
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                 key_padding_mask: Optional[Tensor] = None, seq_lens: Optional[Tensor] = None,
                 scale: Optional[float] = None, backend: Optional[str] = None,
@@ -112,7 +131,10 @@ class InducerAttention(nn.Module):
 
         With ``cu_seqlens`` (cumulative lengths) the batch is packed instead: q, k, v
         (total, H, p), one sequence after another (see inducer_attention_varlen; no masks).
+        q must have this adapter's ``num_heads`` heads of width ``head_dim`` (ValueError
+        otherwise); k and v may have fewer heads (grouped-query attention).
         """
+        self._check_heads("q", q, packed=cu_seqlens is not None)
         if self.query_hook is not None:
             if cu_seqlens is not None:       # the hook sees (1, H, total, p)
                 q = self.query_hook(q.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)
@@ -139,6 +161,21 @@ class InducerAttention(nn.Module):
             prefix_k=self._p("prefix_k", dt), prefix_v=self._p("prefix_v", dt), scale=scale,
             backend=backend)
 
+    def _weight_in_out(self, weight: Tensor, layout: str) -> Tensor:
+        """The frozen output projection as (H·p, d): ``weight`` is (d, H·p) for
+        ``layout="linear"`` (nn.Linear) or (H·p, d) for ``"conv1d"`` (GPT-2's Conv1D)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        _validate.check_tensor("weight", weight, ndim=2)
+        H, p = self.num_heads, self.head_dim
+        w_in_out = weight.transpose(0, 1) if layout == "linear" else weight
+        if w_in_out.shape[0] != H * p:
+            expected = f"(d, {H * p})" if layout == "linear" else f"({H * p}, d)"
+            raise ValueError(f"output projection weight has shape {tuple(weight.shape)}; "
+                             f"expected {expected} for layout={layout!r}: {H * p} inputs "
+                             f"({H} heads of width {p})")
+        return w_in_out
+
     def fused_output_weight(self, weight: Tensor, bias: Optional[Tensor], *,
                             layout: str = "linear") -> Tuple[Tensor, Optional[Tensor]]:
         """The output projection extended to per-head rows ``[f_h | u_h]``.
@@ -148,11 +185,11 @@ class InducerAttention(nn.Module):
         ``W (H·(p + r), d)`` so that ``y = x W + b`` for ``x = concat_h([f_h | u_h])``.
         """
         H, p = self.num_heads, self.head_dim
-        w_in_out = weight.transpose(0, 1) if layout == "linear" else weight
-        if w_in_out.shape[0] != H * p:
-            raise ValueError(f"output projection weight has shape {tuple(weight.shape)}; "
-                             f"expected {H * p} inputs ({H} heads of width {p})")
+        w_in_out = self._weight_in_out(weight, layout)
         d = w_in_out.shape[1]
+        if bias is not None:
+            _validate.check_tensor("bias", bias, ndim=1)
+            _validate.check_shape("bias", bias, (d,), "(d,): the output projection's bias")
         if not self.inducer or self.composition != "add":
             return w_in_out, bias
         if d != self.d_model:
@@ -166,16 +203,41 @@ class InducerAttention(nn.Module):
     def output_projection(self, f: Tensor, u: Optional[Tensor], weight: Tensor,
                           bias: Optional[Tensor] = None, *, layout: str = "linear") -> Tensor:
         """``y = concat_h(f) W_oᵀ + b_o + Σ_h u_h W2_h + b2`` as one GEMM. f (B, H, n, p),
-        u (B, H, n, r) or None -> (B, n, d)."""
+        u (B, H, n, r) or None -> (B, n, d); weight as in :meth:`fused_output_weight`.
+
+        The checks and the GEMM of :func:`kfused.ops.inducer_output_projection`, with this
+        adapter's W2, b2; the weights are cast to f's dtype (as the wrapped projection of
+        :class:`InducerOutputProjection` does, and as autocast would). u only from an adapter
+        with composition "add" (a "gate" adapter's value path acts inside the attention: its
+        u is None)."""
+        self._check_heads("f", f)
         B, H, n, p = f.shape
+        W_o = self._weight_in_out(weight, layout).transpose(0, 1)        # (d, H·p)
+        if bias is not None:
+            _validate.check_tensor("bias", bias, ndim=1)
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.device != f.device:
+                raise ValueError(f"{name} is on {t.device} but f is on {f.device}")
+        W_o = W_o.to(f.dtype)
+        bias = None if bias is None else bias.to(f.dtype)
         if u is None:
-            x = f.transpose(1, 2).reshape(B, n, H * p)
-            W, b = (weight.transpose(0, 1) if layout == "linear" else weight), bias
-        else:
-            x = torch.cat([f, u], dim=-1).transpose(1, 2).reshape(B, n, -1)
-            W, b = self.fused_output_weight(weight, bias, layout=layout)
-        y = torch.matmul(x, W)
-        return y if b is None else y + b
+            return inducer_output_projection(f, None, W_o, bias)
+        if not self.inducer or self.composition != "add":
+            kind = (f"composition {self.composition!r}" if self.inducer else "inducer=False")
+            got = tuple(u.shape) if isinstance(u, Tensor) else type(u).__name__
+            raise ValueError(f"u was given ({got}) but this adapter ({kind}) has no "
+                             f"output-space value path: its attention returns u = None; "
+                             f"pass u=None")
+        r = self.value_bottleneck
+        _validate.check_tensor("u", u, ndim=4)
+        _validate.check_shape("u", u, (B, H, n, r),
+                              f"(batch, heads, n, value_bottleneck) like f {tuple(f.shape)}, "
+                              f"r = {r}")
+        if W_o.shape[0] != self.d_model:
+            raise ValueError(f"output projection has {W_o.shape[0]} outputs but the adapter's "
+                             f"W2 maps to d_model={self.d_model}")
+        return inducer_output_projection(f, u, W_o, bias, self._p("W2", f.dtype),
+                                         self._p("b2", f.dtype))
 
 
 class InducerOutputProjection(nn.Module):
@@ -192,12 +254,22 @@ class InducerOutputProjection(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         a = self.adapter
-        if x.shape[-1] == a.num_heads * a.head_dim:
+        _validate.check_tensor("x", x, min_ndim=1)
+        plain = a.num_heads * a.head_dim
+        if x.shape[-1] == plain:
             return self.base(x)
         W, b = a.fused_output_weight(self.base.weight, self.base.bias, layout=self.layout)
         if x.shape[-1] != W.shape[0]:
-            raise ValueError(f"output projection got width {x.shape[-1]}, expected "
-                             f"{a.num_heads * a.head_dim} or {W.shape[0]}")
+            fused = (f" or H·(p + r) = {W.shape[0]} (per-head [f_h | u_h] rows of the "
+                     f"'add' inducer, r = {a.value_bottleneck})" if W.shape[0] != plain else
+                     f" (this adapter, composition {a.composition!r}, inducer={a.inducer}, "
+                     f"adds no u columns)")
+            raise ValueError(f"output projection input x has shape {tuple(x.shape)}: width "
+                             f"{x.shape[-1]}, expected H·p = {plain} ({a.num_heads} heads of "
+                             f"width {a.head_dim}){fused}")
+        if x.device != W.device:
+            raise ValueError(f"output projection input x is on {x.device} but the projection's "
+                             f"weight is on {W.device}")
         y = torch.matmul(x, W.to(x.dtype))
         return y if b is None else y + b.to(x.dtype)
 

@@ -22,6 +22,8 @@ PyTorch (O(n·r·p), autograd).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -30,7 +32,7 @@ from torch import Tensor
 from kfused import _validate, cuda
 from kfused._memo import LastResult
 from kfused.backends import select_backend
-from kfused.reference.inducer import inducer_attention_ref
+from kfused.reference.inducer import check_seq_lens, inducer_attention_ref
 
 OP_NAME = "inducer_attention"
 COMPOSITIONS = ("add", "gate")
@@ -197,6 +199,45 @@ def _check_heads(q: Tensor, k: Tensor, v: Tensor, head_dim: int) -> None:
                          f"v {v.shape[head_dim]}")
 
 
+def check_scale(scale) -> Optional[float]:
+    """``scale`` (the softmax scale τ): None (1/√p) or a finite positive real number, returned
+    as a float (a symbolic one under torch.compile passes as it is)."""
+    if scale is None:
+        return None
+    if isinstance(scale, (torch.SymFloat, torch.SymInt)):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        hint = " (pass float(scale))" if isinstance(scale, Tensor) else ""
+        raise TypeError(f"scale must be None or a real number (the softmax scale, default "
+                        f"1/sqrt(head_dim)), got {type(scale).__name__} {scale!r}{hint}")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"scale must be a finite positive number (the softmax scale, default "
+                         f"1/sqrt(head_dim)), got {value!r}")
+    return value
+
+
+def check_causal(causal) -> bool:
+    """``causal`` must be a bool (a string such as "no" would otherwise read as True)."""
+    if isinstance(causal, torch.SymBool):
+        return causal
+    if isinstance(causal, bool) or (type(causal).__module__ == "numpy"
+                                    and type(causal).__name__ in ("bool", "bool_")):
+        return bool(causal)
+    raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+
+
+def _check_seq_lens_values(seq_lens: Tensor, n_k: int) -> None:
+    """Every entry of seq_lens in [0, n_k] (ValueError naming the first bad one). Read only
+    where that costs no device sync: CPU tensors, outside torch.compile tracing (the
+    reference checks on every device). CUDA tensors are not read here — that would add a
+    device-to-host sync to every call — and the kernels stay in bounds whatever they hold
+    (Triton: the key mask ``j < seq_lens[b]``, so a count above n_k reads as n_k and a
+    negative one as 0; the CUDA kernel clamps the lengths to [0, n_k] the same way)."""
+    if seq_lens.device.type == "cpu":
+        check_seq_lens(seq_lens, n_k)
+
+
 def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_padding_mask,
                      seq_lens, prefix_k, prefix_v):
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -231,6 +272,7 @@ def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_p
         _validate.check_shape("seq_lens", seq_lens, (B,), "one key count per batch element")
         if seq_lens.device != q.device:
             raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {q.device}")
+        _check_seq_lens_values(seq_lens, n_k)
     if (prefix_k is None) != (prefix_v is None):
         raise ValueError("prefix_k and prefix_v must be given together")
     if prefix_k is not None:
@@ -270,10 +312,13 @@ def _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, key_p
     return has_inducer
 
 
-def _triton_unfit(p: int):
+def _triton_unfit(p: int, dtype: torch.dtype):
     def unfit(name: str) -> Optional[str]:
         if name != "triton":
             return None
+        if dtype == torch.float64:  # the CPU interpreter admits float64 (kfused.backends)
+            return ("the Triton inducer kernels compute in float32 (their float64 results "
+                    "would carry float32 error); float64 runs on the reference backend")
         # asked only once Triton is known to be importable
         from kfused.triton_kernels.inducer_attention import SUPPORTED_HEAD_DIMS
 
@@ -401,12 +446,14 @@ def inducer_attention(
     """
     has_inducer = _validate_inputs(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition,
                                    key_padding_mask, seq_lens, prefix_k, prefix_v)
+    causal = check_causal(causal)
+    scale = check_scale(scale)
     p = q.shape[-1]
     if scale is None:
         scale = p ** -0.5
     tensors = [t for t in (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v)
                if t is not None]
-    tri_unfit = _triton_unfit(p)
+    tri_unfit = _triton_unfit(p, q.dtype)
     cu_unfit = _cuda_unfit(q, k, key_padding_mask, float(scale), tensors,
                            2 * Ak.shape[-1] + W1.shape[-1] + 1 if has_inducer else 0)
     chosen = select_backend(OP_NAME, backend, tensors, impls=("triton", "cuda"),
@@ -512,9 +559,12 @@ _host_values = LastResult()
 
 
 def host_values(t: Tensor) -> list:
-    """``t.tolist()``, remembered for the last tensor asked (same object, unchanged since):
-    every layer of a packed forward passes the same cumulative lengths, and only the first
-    call pays the device-to-host copy."""
+    """``t.tolist()``, remembered for the last tensor asked (same object, unchanged since:
+    version counter, data pointer, shape; :class:`kfused._memo.LastResult`): every layer of
+    a packed forward passes the same cumulative lengths, and only the first call pays the
+    device-to-host copy. Inference tensors are read on every call. A write that bypasses the
+    version counter (``t.data[i] = x``, through ``t.numpy()``) is not seen: the values are
+    stale, while the kernels read the tensor itself and stay in bounds whatever it holds."""
     return _host_values((t,), t.tolist)
 
 
@@ -576,7 +626,16 @@ def inducer_attention_varlen(
 
     Returns ``out`` (total_q, H, p) and, for ``"add"``, ``u`` (total_q, H, r) (a view in the
     kernels' row layout), else None. Backends: "triton" and "reference"; the lengths are
-    read on the host (one small copy per call) to check them and size the grid.
+    read on the host to check them and size the grid, once per tensor: the values are
+    remembered for the last cumulative-lengths tensor seen (same object, same version
+    counter), so the layers of one forward share one device-to-host copy.
+
+    Changing the lengths in place in a way that bypasses the version counter (through
+    ``cu.data``, ``cu.numpy()`` or another alias the autograd engine does not track) is not
+    seen by that cache: the next call checks and sizes the grid from the old values and the
+    result is undefined (not an error). Modify lengths with ordinary in-place ops, or pass a
+    new tensor. Whatever the tensor holds, the kernels never touch memory outside q, k, v
+    and their outputs: every sequence span is clamped to the tensors' token counts.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _validate.check_tensor(name, t, ndim=3)
@@ -595,21 +654,23 @@ def inducer_attention_varlen(
         cu_seqlens_k, ckv = cu_seqlens_q, cq
     else:
         ckv = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k", q)
-        if len(ckv) != len(cq):
-            raise ValueError(f"cu_seqlens_q describes {len(cq) - 1} sequences but cu_seqlens_k "
-                             f"{len(ckv) - 1}")
+        if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+            raise ValueError(f"cu_seqlens_q describes {cu_seqlens_q.numel() - 1} sequences but "
+                             f"cu_seqlens_k {cu_seqlens_k.numel() - 1}")
     max_q = _max_len("max_seqlen_q", max_seqlen_q, cq)
     max_k = _max_len("max_seqlen_k", max_seqlen_k, ckv)
     # the per-tensor checks of the batched op, on (1, heads, total, p) views
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     has_inducer = _validate_inputs(q4, k4, v4, Ak, ak, Bk, ck, W1, b1, W2, b2, composition,
                                    None, None, prefix_k, prefix_v)
+    causal = check_causal(causal)
+    scale = check_scale(scale)
     if scale is None:
         scale = p ** -0.5
     tensors = [t for t in (q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, prefix_k, prefix_v)
                if t is not None]
     chosen = select_backend(OP_NAME, backend, tensors, impls=("triton",),
-                            extra_unfit=_triton_unfit(p))
+                            extra_unfit=_triton_unfit(p, q.dtype))
     if chosen == "reference":
         from kfused.reference.inducer import inducer_attention_varlen_ref
 

@@ -29,6 +29,21 @@ from typing import Optional, Tuple
 import torch
 
 
+def check_seq_lens(seq_lens: torch.Tensor, n_k: int) -> None:
+    """Every key count in [0, n_k] (a negative count would mask the whole row, one above n_k
+    would read as "all keys"): ValueError naming the first bad entry. The oracle reads the
+    values on any device (a device sync on a GPU); skipped while torch.compile traces."""
+    if seq_lens.numel() == 0 or torch.compiler.is_compiling():
+        return
+    bad = ((seq_lens < 0) | (seq_lens > n_k)).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        vals = seq_lens.tolist()
+        raise ValueError(f"seq_lens[{b}] = {vals[b]} is out of range: each entry is a key count "
+                         f"in [0, n_k] = [0, {n_k}] (k has {n_k} keys); got seq_lens = "
+                         f"{vals if len(vals) <= 16 else vals[:8] + ['...']}")
+
+
 def key_allowed(n_q: int, n_k: int, *, causal: bool, key_padding_mask: Optional[torch.Tensor],
                 seq_lens: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
     """Boolean (B or 1, 1, n_q, n_k) mask of visible sequence keys, or None (all visible)."""
@@ -42,6 +57,7 @@ def key_allowed(n_q: int, n_k: int, *, causal: bool, key_padding_mask: Optional[
         pad = key_padding_mask.to(device=device, dtype=torch.bool)
     if seq_lens is not None:
         lens = seq_lens.to(device=device)
+        check_seq_lens(lens, n_k)
         by_len = torch.arange(n_k, device=device)[None, :] < lens[:, None]
         pad = by_len if pad is None else pad & by_len
     if pad is not None:

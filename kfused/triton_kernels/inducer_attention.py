@@ -189,10 +189,20 @@ def _visible(offs_m, offs_n, n_ok, kmask_base, causal_off, BOUNDS: tl.constexpr,
 def _seq_span(CU, b, N, VARLEN: tl.constexpr):
     """``(start, length)`` of batch element b along the token axis: sequence b of a packed
     batch (``CU``: int32 cumulative lengths, rows ``[start, start + length)``) when VARLEN,
-    else ``(0, N)``."""
+    else ``(0, N)``.
+
+    VARLEN: N is the packed tensor's token count (from its shape, never from CU), and the
+    span is clamped to it, ``0 <= start <= start + length <= N``. Every row a kernel loads
+    or stores is ``start + i`` under its existing mask ``i < length`` (or in a loop bounded
+    by length), so whatever CU holds — stale host values after a write that bypassed the
+    version counter, negative or decreasing entries — no access leaves the tensor. Valid
+    lengths are unchanged; two scalar clamps per program, nothing in the key loops."""
     if VARLEN:
         start = tl.load(CU + b)
-        n = tl.load(CU + b + 1) - start
+        end = tl.load(CU + b + 1)
+        start = tl.minimum(tl.maximum(start, 0), N)
+        end = tl.minimum(tl.maximum(end, start), N)
+        n = end - start
         start = start.to(tl.int64)
     else:
         start = 0
@@ -470,7 +480,8 @@ def _inducer_attn_fwd_kernel(
     """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
     ((B, H, n_q) or, packed, (H, total_q)); O is written through its strides. VARLEN: batch
     element b is sequence b of a packed batch (CU_Q, CU_K cumulative lengths; q, k, v, O with
-    batch stride 0); tiles past the sequence's end do nothing.
+    batch stride 0; N_Q, N_K the token counts of q and k, to which every span is clamped:
+    :func:`_seq_span`); tiles past the sequence's end do nothing.
 
     SPLIT_KV (the decode path, flash-decoding in one launch): grid (key chunks, B·H_kv); each
     program reduces its chunk of CHUNK keys for the GQA-packed rows of its kv head
@@ -573,7 +584,8 @@ def _inducer_attn_bwd_dkdv_kernel(
     the sequence keys, or (IS_PREFIX, batch stride 0) the prefix keys, which are never masked.
     DK/DV (strides stride_dk*, unit along HEAD_DIM): float32 per-batch partials for the
     prefix. Per-row inputs are indexed as in the forward (ROW_SB, ROW_SH); VARLEN: batch
-    element b is sequence b of a packed batch (the prefix keys are not packed).
+    element b is sequence b of a packed batch (the prefix keys are not packed; N_Q, N_K the
+    token counts of q and k bounding the spans, as in the forward).
     """
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)                 # over batch × kv heads (H_KV)
@@ -1010,7 +1022,8 @@ class _Layout:
     (B, H_kv, n_k, p), per-row outputs (B, H, n_q). Packed (``varlen``): q (total_q, H, p),
     k/v (total_k, H_kv, p), B = number of sequences, n_q/n_k the longest sequence (the grid),
     per-row outputs (H, total_q); the kernels read each sequence's span from the cumulative
-    lengths."""
+    lengths. ``bounds``: the kernels' (N_Q, N_K), the lengths (batched) or the token counts
+    total_q, total_k (packed: the spans are clamped to them)."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, varlen: Optional[Varlen]):
         self.varlen = varlen is not None
@@ -1020,13 +1033,24 @@ class _Layout:
             self.rows = (self.B, self.H, self.n_q)
             self.row_strides = (self.H * self.n_q, self.n_q)
             self.cu_q = self.cu_k = q                      # dummy pointers, never read
+            self.bounds = (self.n_q, self.n_k)
         else:
             self.cu_q, self.cu_k, self.n_q, self.n_k = varlen
             total_q, self.H, self.p = q.shape
             self.h_kv = k.shape[1]
+            for name, cu in (("cu_seqlens_q", self.cu_q), ("cu_seqlens_k", self.cu_k)):
+                if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+                    raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths, "
+                                     f"got dtype {cu.dtype}, shape {tuple(cu.shape)}")
+            if self.cu_k.numel() != self.cu_q.numel():
+                raise ValueError(f"cu_seqlens_q describes {self.cu_q.numel() - 1} sequences "
+                                 f"but cu_seqlens_k {self.cu_k.numel() - 1}")
             self.B = self.cu_q.numel() - 1
             self.rows = (self.H, total_q)
             self.row_strides = (0, total_q)
+            # the kernels' N_Q / N_K: the token counts of q and k (from their shapes), which
+            # bound every sequence's span (_seq_span)
+            self.bounds = (total_q, k.shape[0])
 
     @property
     def n_rows(self) -> int:
@@ -1137,8 +1161,8 @@ def inducer_attention_forward(
             u if has_mlp else lse, lse, lam if has_mlp else lse, stats, lay.n_rows, *lay.args(),
             ws_acc, ws_ml, n_ws, count, chunk,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk, *spv, smb,
-            *lay.strides(out), H, H // h_kv, n_q, n_k, n_prefix, L, r, n_k - n_q, float(scale),
-            float(scale) * LOG2E,
+            *lay.strides(out), H, H // h_kv, *lay.bounds, n_prefix, L, r, n_k - n_q,
+            float(scale), float(scale) * LOG2E,
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
             IS16=is16, SAVE_LO=save_lo, PREC=dot_precision(q.dtype), VARLEN=lay.varlen,
@@ -1212,7 +1236,7 @@ def inducer_attention_backward(
             lam if has_mlp else lse, du, dlam, dlse,
             ak_w, ak_b, bk_w, ck, w1, b1, lay.n_rows, dq, delta, adj, part, *lay.args(),
             *lay.strides(dq)[:3], *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk,
-            *spv, smb, *lay.strides(dout), *lay.strides(out), H, group, n_q, n_k, n_prefix,
+            *spv, smb, *lay.strides(dout), *lay.strides(out), H, group, *lay.bounds, n_prefix,
             L, r, n_k - n_q, float(scale), float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad,
             HAS_PREFIX=has_prefix, HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam,
             HAS_DLSE=has_dlse, HAS_LO=has_lo,
@@ -1222,13 +1246,13 @@ def inducer_attention_backward(
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](
             q, k, v, km, dout, stats, lay.n_rows, delta, adj, dk, dv, *lay.args(),
             *lay.strides(dk)[:3], *lay.strides(q), *lay.strides(k), *lay.strides(v), smb,
-            *lay.strides(dout), H, h_kv, group, n_q, n_k, n_k - n_q, float(scale) * LOG2E,
+            *lay.strides(dout), H, h_kv, group, *lay.bounds, n_k - n_q, float(scale) * LOG2E,
             float(scale), IS_PREFIX=False, **kv_kw)
     if has_prefix and B * H > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN_KV), B * H)](
             q, pk, pv, km, dout, stats, lay.n_rows, delta, adj, dpk_part, dpv_part, *lay.args(),
             *dpk_part.stride()[:3], *lay.strides(q), 0, *spk, 0, *spv, smb, *lay.strides(dout),
-            H, H, 1, n_q, n_prefix, n_k - n_q, float(scale) * LOG2E, float(scale),
+            H, H, 1, lay.bounds[0], n_prefix, n_k - n_q, float(scale) * LOG2E, float(scale),
             IS_PREFIX=True, **kv_kw)
     dpk = dpv = None
     if has_prefix:
