@@ -291,13 +291,17 @@ def test_register_model_level_method(tmp_path):
     load(make("gpt2"), str(tmp_path / "c"))
 
 
-@pytest.mark.parametrize("arch,method", [("gpt2", "krona"), ("roberta", "lora")])
+@pytest.mark.parametrize("arch,method", [("gpt2", "krona"), ("roberta", "lora"),
+                                         ("gpt2", "kernel_mix"), ("llama", "kernel_mix")])
 def test_merge_and_unload(arch, method):
+    """GPT-2's per-head q|k|v adapter wraps the fused c_attn: it unloads to it."""
     from kfused.integration import merge_and_unload
 
     model = make(arch).double()
     plain_keys = set(make(arch).state_dict())
-    inject(model, AdapterConfig(method=method, init="random", adapter_dtype="float64"))
+    targets = ["q", "v", "o"] if method.startswith("kernel") else None
+    inject(model, AdapterConfig(method=method, init="random", adapter_dtype="float64",
+                                targets=targets, backend="reference"))
     model.eval()
     inputs = batch(arch)
     with torch.no_grad():

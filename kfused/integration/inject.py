@@ -542,12 +542,19 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     those of an unadapted model) with the updates folded in. Mergeable methods only."""
     mods = _merge_check(model, "merge")
     m = unwrap(model)
-    for name, mod in mods.items():
+    bases = {}
+    for name, mod in mods.items():  # every base found before any module changes
+        # the frozen layer the adapter wraps: .base, or the fused projection of a per-head
+        # q|k|v adapter on a model with one fused qkv layer (GPT-2's c_attn)
         base = getattr(mod, "base", None)
+        if base is None:
+            base = getattr(mod, "fused", None)
         if not isinstance(base, nn.Module):
             raise ValueError(f"cannot unload {name}: {type(mod).__name__} has no .base layer")
+        bases[name] = base
+    for name, mod in mods.items():
         mod.merge()
-        _set_submodule(m, name, base)
+        _set_submodule(m, name, bases[name])
     for h in getattr(m, "_kfused_merge_guards", None) or []:
         h.remove()
     m._kfused_merge_guards = []
