@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -44,3 +46,16 @@ def check_same(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor
             raise TypeError(
                 f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; "
                 "all inputs must share one dtype")
+
+
+def check_real(name: str, value) -> float:
+    """``value`` as a float: a real Python/NumPy number (not a bool), finite. TypeError for a
+    non-number, ValueError for NaN/inf, naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (int or float), got "
+                        f"{type(value).__name__} {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {out}")
+    return out
+

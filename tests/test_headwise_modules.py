@@ -254,3 +254,41 @@ def test_config_errors():
     m = HeadwiseProjection(nn.Linear(12, 10, bias=False), 2, ProjRanks(wise=1), head_bias=True)
     with pytest.raises(ValueError, match="no bias"):
         m.merge()
+
+
+def test_constructor_arguments_are_checked():
+    # Probe: n_heads=0 raised ZeroDivisionError, n_kv_heads=0 was taken as n_heads, a str or
+    # NaN scale and ProjRanks(wise=True) were accepted. A non-number is a TypeError, a
+    # non-finite number or a bad count a ValueError, each naming the argument.
+    fused, lin = nn.Linear(12, 36), nn.Linear(12, 12)
+    with pytest.raises(ValueError, match=r"n_heads must be a positive int, got 0"):
+        HeadwiseQKV(fused=fused, n_heads=0)
+    with pytest.raises(ValueError, match=r"n_kv_heads must be a positive int or None, got 0"):
+        HeadwiseQKV(fused=fused, n_heads=3, n_kv_heads=0)
+    with pytest.raises(ValueError, match=r"n_heads must be a positive int, got 2.0"):
+        HeadwiseQKV(fused=fused, n_heads=2.0)
+    with pytest.raises(ValueError, match=r"n_key_heads must be a positive int or None, got 0"):
+        HeadwiseProjection(lin, 3, ProjRanks(lite=1), key=lin, n_key_heads=0)
+    with pytest.raises(ValueError, match=r"n_heads must be a positive int, got True"):
+        HeadwiseOutput(lin, True, ProjRanks(wise=1))
+    for bad, exc in (("a", TypeError), (None, TypeError), (float("nan"), ValueError),
+                     (float("inf"), ValueError)):
+        with pytest.raises(exc, match=r"HeadwiseConfig\.scale must be"):
+            HeadwiseConfig(scale=bad)
+        with pytest.raises(exc, match=r"scale must be"):
+            HeadwiseProjection(lin, 3, ProjRanks(shared=1), scale=bad)
+        with pytest.raises(exc, match=r"scale must be"):
+            HeadwiseOutput(lin, 3, ProjRanks(shared=1), scale=bad)
+        with pytest.raises(exc, match=r"scale must be"):
+            HeadwiseQKV(fused=fused, n_heads=3, v_ranks=ProjRanks(shared=1), scale=bad)
+    with pytest.raises(ValueError, match=r"ProjRanks.wise must be a non-negative int, got True"):
+        ProjRanks(wise=True)
+    with pytest.raises(TypeError, match=r"HeadwiseConfig.q must be a ProjRanks"):
+        HeadwiseConfig(q=(1, 0, 0))
+    with pytest.raises(TypeError, match=r"head_bias"):
+        HeadwiseConfig(head_bias="yes")
+    with pytest.raises(TypeError, match=r"ranks must be a ProjRanks"):
+        HeadwiseOutput(lin, 3, {"wise": 1})
+    import numpy as np
+    assert HeadwiseConfig(scale=np.float32(2.0)).scale == 2.0
+    assert HeadwiseQKV(fused=fused, n_heads=3, n_kv_heads=None).n_kv_heads == 3

@@ -603,3 +603,233 @@ def test_krona_block(residual):
     assert m.A.grad is not None and m.bias.grad is not None
     if residual:
         torch.testing.assert_close(m.res_scale.grad, x.sum())
+
+
+# ------------------------------------------------------------------------------------------
+# Probe findings (strides, state, constructors, double backward)
+
+
+def _layout(shape, mode):
+    """A float64 base tensor and the view of ``shape`` taken from it: "strided" (every stride
+    2x a contiguous one's, offset 1) or "expanded" (stride 0 along dim 0)."""
+    if mode == "strided":
+        base = torch.randn(*[2 * s + 1 for s in shape], dtype=torch.float64)
+        return base, lambda b: b[tuple(slice(1, None, 2) for _ in shape)]
+    base = torch.randn(1, *shape[1:], dtype=torch.float64)
+    return base, lambda b: b.expand(*shape)
+
+
+def _kron_case(op):
+    """(kernel fn, reference fn, inputs, dtype) of one KronA op on small odd shapes."""
+    if op == "krona_linear_folded_one_pass":     # every padded factor dim >= 16: one-pass dx
+        shape, T = (9, 10, 11, 9), 7
+    else:      # (16-bit: >= 16 elements in every compared tensor, docs/math.md §4)
+        shape, T = (4, 5, 4, 6), 7
+    x, A, B = _factors(shape, lead=(T,))
+    if op == "kron_matvec":
+        return (lambda x, A, B: kron_matvec(x, A, B, backend="triton"), kron_matvec_ref,
+                {"x": x, "A": A, "B": B}, torch.float32)
+    d_out, d_in = shape[0] * shape[2], shape[1] * shape[3]
+    inputs = {"x": x, "weight": torch.randn(d_out, d_in, dtype=torch.float64) / d_in ** 0.5,
+              "bias": torch.randn(d_out, dtype=torch.float64), "A": A, "B": B}
+    exact = op == "krona_linear"
+    return (lambda **kw: krona_linear(**kw, scale=0.7, backend="triton", exact=exact),
+            lambda **kw: krona_linear_ref(**kw, scale=0.7), inputs,
+            torch.float32 if exact else torch.float16)
+
+
+_LAYOUT_CASES = [(op, arg, mode)
+                 for op, args in (("kron_matvec", "x A B"),
+                                  ("krona_linear", "x weight bias A B"),
+                                  ("krona_linear_folded", "x weight bias A B"),
+                                  ("krona_linear_folded_one_pass", "x weight bias A B"))
+                 for arg in args.split() for mode in ("strided", "expanded")]
+
+
+@pytest.mark.parametrize("op,arg,mode", _LAYOUT_CASES, ids=["-".join(c) for c in _LAYOUT_CASES])
+def test_every_tensor_argument_strided_or_expanded(op, arg, mode):
+    # Probe: the forward kernel loaded BIAS + cols (unit stride): a strided bias gave wrong
+    # numbers (max error 2.19), an expanded one read out of bounds (NaN / 1e28). Every tensor
+    # argument of every KronA op, in both layouts, must give the contiguous result.
+    fn, ref, inputs, dtype = _kron_case(op)
+    base, view = _layout(inputs[arg].shape, mode)
+    inputs[arg] = base
+
+    def on_view(f):
+        def g(**kw):
+            kw[arg] = view(kw[arg])
+            return f(**kw)
+        return g
+
+    if dtype == torch.float32 or mode == "strided":
+        assert_against_reference(on_view(fn), on_view(ref), inputs, dtype, DEVICE)
+        return
+    # float16 with a stride-0 input (the folded path is 16-bit only): repeated rows defeat
+    # the docs/math.md §4 comparison, so the oracle is the same op on a contiguous copy
+    # (the same kernels and blocks: equal up to summation order)
+    leaves = {k: v.to(DEVICE, dtype).requires_grad_() for k, v in inputs.items()}
+    outs = []
+    for layout in (view, lambda b: view(b).contiguous()):
+        for v in leaves.values():
+            v.grad = None
+        kw = dict(leaves)
+        kw[arg] = layout(kw[arg])
+        y = fn(**kw)
+        y.backward(torch.ones_like(y))
+        outs.append([y.detach()] + [v.grad.clone() for v in leaves.values()])
+    for got, want in zip(*outs):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+class _ContiguousExt:
+    """The extension's kron_matvec_fwd/_bwd and krona_fold_fwd from float64 formulas; like
+    the C++ (csrc/krona/kron_matvec.cu check_contiguous) they refuse a non-contiguous x or g."""
+
+    def kron_matvec_fwd(self, x, A, B):
+        assert x.is_contiguous() and A.is_contiguous() and B.is_contiguous()
+        return kron_matvec_ref(x.double(), A.double(), B.double()).to(x.dtype)
+
+    def kron_matvec_bwd(self, g, x, A, B, need_dx=True, scale=1.0):
+        assert g.is_contiguous() and x.is_contiguous(), "the extension needs contiguous g, x"
+        assert A.is_contiguous() and B.is_contiguous()
+        # y[t] = A X[t] Bᵀ: dX[t] = Aᵀ G[t] B, dA = Σ G[t] B X[t]ᵀ, dB = Σ G[t]ᵀ A X[t]
+        A64, B64 = A.double(), B.double()
+        G = g.double().view(-1, A.shape[0], B.shape[0]) * scale
+        X = x.double().view(-1, A.shape[1], B.shape[1])
+        dx = (A64.t() @ G @ B64).reshape(x.shape)
+        dA = (G @ B64 @ X.transpose(1, 2)).sum(0)
+        dB = (G.transpose(1, 2) @ A64 @ X).sum(0)
+        return ((dx.to(x.dtype) if need_dx else x.new_empty(0)), dA.to(A.dtype), dB.to(B.dtype))
+
+    def krona_fold_fwd(self, W, A, B, scale=1.0):      # strides honoured, as the C++ does
+        return (W.double() + scale * torch.kron(A.double(), B.double())).to(W.dtype)
+
+
+def test_cuda_backend_glue_hands_the_extension_contiguous_tensors(monkeypatch):
+    # The CUDA host wrappers (custom ops) call kernels that require contiguous x and g: the
+    # ops must make them so, whatever the caller (or autograd) passes.
+    import kfused.cuda
+    kl = __import__("kfused.ops.krona_linear", fromlist=["_ext"])
+    ext = _ContiguousExt()
+    monkeypatch.setattr(kfused.cuda, "require", lambda op: ext)
+    monkeypatch.setattr(kl, "_ext", lambda: ext)
+    x, A, B = (t.float() for t in _factors((3, 5, 4, 6), lead=(7,)))
+    xs = torch.randn(7, 60)[:, ::2]                       # inner stride 2
+    gs = torch.randn(12, 7).t()                           # column-major g
+    W = torch.randn(12, 30)
+    want = kron_matvec_ref(xs.double(), A.double(), B.double())
+    y = torch.ops.kfused.kron_matvec_cuda_fwd(xs, A.t().contiguous().t(), B)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    x64, A64, B64 = (t.double().requires_grad_() for t in (xs, A, B))
+    wgrads = torch.autograd.grad(kron_matvec_ref(x64, A64, B64), (x64, A64, B64), gs.double())
+    for got, w in zip(torch.ops.kfused.kron_matvec_cuda_bwd(gs, xs, A, B), wgrads):
+        torch.testing.assert_close(got.double(), w, rtol=1e-5, atol=1e-5)
+    dx, dA, dB = torch.ops.kfused.krona_linear_cuda_folded_bwd(gs, xs, W.t().contiguous().t(),
+                                                               A, B, 0.7, True, True)
+    w_fold = W.double() + 0.7 * torch.kron(A.double(), B.double())
+    torch.testing.assert_close(dx.double(), gs.double() @ w_fold, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dA.double(), 0.7 * wgrads[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dB.double(), 0.7 * wgrads[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["kron_matvec", "krona_linear", "krona_linear_folded"])
+def test_double_backward_says_it_is_unsupported(op):
+    # create_graph=True then the gradient of a gradient: a clear error naming the op and the
+    # way out, not torch's "no autograd formula was registered".
+    dtype = torch.float16 if op == "krona_linear_folded" else torch.float32
+    x = torch.randn(5, 6, dtype=dtype, device=DEVICE, requires_grad=True)
+    A = torch.randn(2, 3, dtype=dtype, device=DEVICE, requires_grad=True)
+    B = torch.randn(4, 2, dtype=dtype, device=DEVICE, requires_grad=True)
+    W = torch.randn(8, 6, dtype=dtype, device=DEVICE)
+    if op == "kron_matvec":
+        y = kron_matvec(x, A, B, backend="triton")
+    else:
+        y = krona_linear(x, W, None, A, B, backend="triton", exact=op == "krona_linear")
+    gx, gA = torch.autograd.grad(y.float().square().sum(), (x, A), create_graph=True)
+    # the first backward is unaffected
+    x64 = x.detach().double().requires_grad_()
+    y64 = (krona_linear_ref(x64, W.double(), None, A.double(), B.double())
+           if op != "kron_matvec" else kron_matvec_ref(x64, A.double(), B.double()))
+    torch.testing.assert_close(gx.double(), torch.autograd.grad(y64.square().sum(), x64)[0],
+                               rtol=2e-2, atol=2e-2)
+    name = "kron_matvec" if op == "kron_matvec" else "krona_linear"
+    with pytest.raises(RuntimeError, match=rf"double backward is not supported by "
+                                           rf"kfused\.{name}.*backend='reference'"):
+        torch.autograd.grad(gx.float().square().sum() + gA.float().sum(), (x, A))
+
+
+def test_constructor_arguments_are_checked():
+    lin = nn.Linear(24, 20)
+    for kw, exc, msg in [
+            (dict(b_shape=(0, 4)), ValueError, r"b_shape must have dimensions >= 1, got \(0, 4\)"),
+            (dict(a_shape=(-4, -4)), ValueError, r"a_shape must have dimensions >= 1"),
+            (dict(a_shape=(4, 4, 1)), ValueError, r"a_shape must be a pair \(out, in\), got 3"),
+            (dict(a_shape=(4.0, 4.0)), TypeError, r"a_shape must be a pair of ints.*float"),
+            (dict(a_shape=4), TypeError, r"a_shape must be a pair of ints"),
+            (dict(b_shape=(True, 4)), TypeError, r"b_shape must be a pair of ints.*bool"),
+            (dict(backend="junk"), BackendError, r"backend='junk' is not a backend"),
+            (dict(backend=1), TypeError, r"backend must be None or a str")]:
+        with pytest.raises(exc, match=msg):
+            KronALinear(lin, **kw)
+    assert KronALinear(lin, a_shape=[4, 4], backend="Reference").A.shape == (4, 4)  # JSON lists
+    with pytest.raises(BackendError, match="not a backend"):
+        KronABlock(nn.Linear(24, 24), 24, backend="junk")
+    from kfused.modules import LoRALinear      # (ignores its backend, but takes only real ones)
+    with pytest.raises(BackendError, match="not a backend"):
+        LoRALinear(lin, backend="junk")
+    with pytest.raises(TypeError, match=r"factorize: d must be an int, got float 12.0"):
+        factorize(12.0)
+    with pytest.raises(TypeError, match=r"d must be an int, got bool True"):
+        factorize(True)
+    with pytest.raises(ValueError, match=r"cannot factorize dimension 0"):
+        factorize(0)
+    import numpy as np
+    assert factorize(np.int64(12)) == (3, 4)
+    with pytest.raises(TypeError, match=r"d_in must be an int"):
+        KronABlock(nn.Linear(24, 24), 24.0)
+    with pytest.raises(ValueError, match=r"d_out must be >= 1"):
+        KronABlock(nn.Linear(24, 24), 24, 0)
+
+
+def test_krona_block_output_width_is_checked():
+    # Probe: KronABlock(nn.Linear(24, 20), 24, 24) failed at forward with torch's broadcast
+    # error, and a block with a width-1 output broadcast silently.
+    with pytest.raises(ValueError, match=r"block is a linear layer of \(in, out\) = \(24, 20\), "
+                                         r"but .* \(d_in, d_out\) = \(24, 24\)"):
+        KronABlock(nn.Linear(24, 20), 24, 24)
+    narrow = KronABlock(nn.Sequential(nn.Linear(24, 1)), 24, 24, backend="reference",
+                        init="random")
+    with pytest.raises(ValueError, match=r"block returned shape \(3, 1\) .* expected \(3, 24\)"):
+        narrow(torch.randn(3, 24))
+    ok = KronABlock(nn.Sequential(nn.Linear(24, 20)), 24, 20, backend="reference")
+    assert ok(torch.randn(2, 3, 24)).shape == (2, 3, 20)
+
+
+def test_triton_custom_ops_take_any_layout():
+    # the custom ops themselves (not only the public functions) hand their kernels rows with
+    # unit inner stride and a contiguous bias, whatever the caller passes
+    x = torch.randn(7, 60)[:, 1::2]                           # inner stride 2
+    A, B = torch.randn(5, 3).t(), torch.randn(4, 6)           # A transposed
+    W, g = torch.randn(12, 30), torch.randn(12, 7).t()        # g column-major
+    for bias in (torch.randn(24)[::2], torch.randn(1).expand(12)):
+        for op in (torch.ops.kfused.krona_linear_triton_fwd,
+                   torch.ops.kfused.krona_linear_folded_fwd):
+            y = op(x, W, bias, A, B, 0.5)
+            torch.testing.assert_close(y, krona_linear_ref(x, W, bias, A, B, 0.5),
+                                       rtol=1e-5, atol=1e-5)
+    y = torch.ops.kfused.kron_matvec_triton_fwd(x, A, B)
+    torch.testing.assert_close(y, kron_matvec_ref(x, A, B), rtol=1e-5, atol=1e-5)
+    x64, A64, B64 = (t.double().requires_grad_() for t in (x, A, B))
+    want = torch.autograd.grad(kron_matvec_ref(x64, A64, B64), (x64, A64, B64),
+                               g.double().contiguous())
+    got = torch.ops.kfused.kron_matvec_triton_bwd(g, x, A, B, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+    for op in (torch.ops.kfused.krona_linear_triton_bwd,
+               torch.ops.kfused.krona_linear_folded_bwd):
+        dx, dA, dB = op(g, x, W, A, B, 0.5, True, True)
+        w_fold = W.double() + 0.5 * torch.kron(A.double().contiguous(), B.double())
+        torch.testing.assert_close(dx.double(), g.double() @ w_fold, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dA.double(), 0.5 * want[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dB.double(), 0.5 * want[2], rtol=1e-4, atol=1e-4)

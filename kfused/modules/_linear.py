@@ -3,10 +3,90 @@ handling, freezing, autocast of the activation, and merge/unmerge of ``delta_wei
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
+
+from kfused.backends import BACKENDS, BackendError
+
+# The state_dict key (under the module's prefix) that marks a merged adapter: a 0-d bool
+# tensor, present only while merged, so that unmerged state_dicts keep their keys.
+MERGED_KEY = "kfused_merged"
+
+
+class MergedState:
+    """Mixin for mergeable adapters (``self.merged``, ``merge()``, ``unmerge()``): the
+    state_dict records whether the frozen weights it holds already contain the update, and
+    ``load_state_dict`` restores exactly that module.
+
+    A merged module's state_dict has one more entry, ``<prefix>kfused_merged`` (a 0-d bool
+    tensor ``True``); an unmerged one has exactly the keys of the module's parameters and
+    buffers. Loading a dict that holds the frozen weights (see :meth:`_frozen_children`) sets
+    ``merged`` from that entry (present: the loaded weights contain the update; absent: they do
+    not), so a merged dict loaded into a fresh module does not add the update twice and an
+    unmerged dict loaded into a merged module leaves it unmerged. A dict without the frozen
+    weights (an adapter-only, ``strict=False`` load) keeps the module's own frozen weights: a
+    merged module is unmerged first when the dict replaces its adapter parameters (the update
+    folded in its weights is that of the old ones), and stays unmerged.
+    """
+
+    def _frozen_children(self) -> Tuple[str, ...]:
+        """Names of the child modules holding the frozen weights that merge() changes."""
+        return ("base",)
+
+    def _frozen_state_keys(self, prefix: str):
+        keys = []
+        for child in self._frozen_children():
+            mod = getattr(self, child, None)
+            if isinstance(mod, nn.Module):
+                keys += [prefix + child + "." + k for k, _ in mod.named_parameters()]
+                keys += [prefix + child + "." + k for k, _ in mod.named_buffers()]
+        return keys
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if getattr(self, "merged", False):
+            destination[prefix + MERGED_KEY] = torch.tensor(True)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + MERGED_KEY
+        flag = state_dict.pop(key, None)   # load_state_dict passes a copy: the caller's is kept
+        if flag is not None and not (isinstance(flag, bool) or (
+                isinstance(flag, torch.Tensor) and flag.numel() == 1)):
+            error_msgs.append(f"{key} must be a bool or a one-element tensor, got "
+                              f"{type(flag).__name__}")
+            flag = None
+        saved_merged = bool(flag) if flag is not None else False
+        frozen = self._frozen_state_keys(prefix)
+        frozen_prefixes = tuple(prefix + c + "." for c in self._frozen_children())
+        if frozen and any(k in state_dict for k in frozen):
+            # the dict brings the frozen weights: they hold the update iff it was merged
+            self.merged = saved_merged
+        elif self.merged and any(k.startswith(prefix) and not k.startswith(frozen_prefixes)
+                                 for k in state_dict):
+            # new adapter parameters for a merged module whose own frozen weights stay: take
+            # the current update out of them first (computed from the current parameters)
+            self.unmerge()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+def check_backend_name(backend) -> Optional[str]:
+    """A module's ``backend`` argument: None or one of "auto", "triton", "cuda", "reference"
+    (any case, as :func:`kfused.backends.select_backend` reads it); refused at construction
+    rather than at the first forward. Whether the backend fits the inputs is decided per call."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be None or a str, got {type(backend).__name__} "
+                        f"{backend!r}")
+    if backend.lower() != "auto" and backend.lower() not in BACKENDS:
+        raise BackendError(f"backend={backend!r} is not a backend; expected one of auto, "
+                           f"{', '.join(BACKENDS)}")
+    return backend
+
 
 def is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT-2): weight is (in, out) and y = x @ W + b."""
@@ -38,11 +118,12 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class WrappedLinear(nn.Module):
+class WrappedLinear(MergedState, nn.Module):
     """Base of adapters around a frozen nn.Linear / Conv1D (``self.base``, frozen here).
 
     Subclasses define ``delta_weight()`` — the update in (out, in) layout — and get exact
-    ``merge()`` / ``unmerge()`` (up to the float rounding of one add/sub pair).
+    ``merge()`` / ``unmerge()`` (up to the float rounding of one add/sub pair); the state_dict
+    records ``merged`` (:class:`MergedState`).
     """
 
     def __init__(self, base: nn.Module):

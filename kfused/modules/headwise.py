@@ -30,7 +30,9 @@ head share the basis ``W_k^{g(h)}`` but keep their own A_h, B_h.
 
 ``merge()`` folds every update into the frozen weight and bias exactly (the dense ΔW is
 formed once); ``unmerge()`` subtracts the same ΔW. While merged, the module runs the plain
-frozen projection. Do not train while merged.
+frozen projection. Do not train while merged. A merged module's ``state_dict`` says so (one
+more key, ``kfused_merged``), and ``load_state_dict`` restores the module that was saved
+(:class:`kfused.modules._linear.MergedState`).
 
 Placing these modules in a Hugging Face model: :func:`kfused.integration.headwise.attach_headwise`.
 """
@@ -43,8 +45,9 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from kfused import _validate
 from kfused.modules._init import check_init, init_pair_
-from kfused.modules._linear import is_conv1d
+from kfused.modules._linear import MergedState, is_conv1d
 from kfused.ops import HeadFactors, headwise_oproj, headwise_projection, headwise_qkv
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 
@@ -66,7 +69,7 @@ class ProjRanks:
     def __post_init__(self):
         for name in ("wise", "lite", "shared"):
             val = getattr(self, name)
-            if not isinstance(val, int) or val < 0:
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
                 raise ValueError(f"ProjRanks.{name} must be a non-negative int, got {val!r}")
 
     @property
@@ -91,6 +94,14 @@ class HeadwiseConfig:
     head_bias: Optional[bool] = None
 
     def __post_init__(self):
+        for name in ("q", "v", "o"):
+            if not isinstance(getattr(self, name), ProjRanks):
+                raise TypeError(f"HeadwiseConfig.{name} must be a ProjRanks, got "
+                                f"{type(getattr(self, name)).__name__} {getattr(self, name)!r}")
+        _check_scale_arg("HeadwiseConfig.scale", self.scale)
+        if self.head_bias is not None and not isinstance(self.head_bias, bool):
+            raise TypeError(f"HeadwiseConfig.head_bias must be None or a bool, got "
+                            f"{self.head_bias!r}")
         if self.o.lite:
             raise ValueError("HeadwiseConfig.o.lite must be 0: Kernel-wise-lite is defined for "
                              "q and v only (docs/math.md §2)")
@@ -109,6 +120,19 @@ def _linear_weight(mod: nn.Module) -> torch.Tensor:
 def _out_in(mod: nn.Module) -> Tuple[int, int]:
     w = _linear_weight(mod)
     return w.shape[0], w.shape[1]
+
+
+_check_scale_arg = _validate.check_real  # TypeError / ValueError naming the argument
+
+
+def _check_heads(name: str, n, optional: bool = False) -> Optional[int]:
+    """A head count: a positive int (None allowed when ``optional``), ValueError otherwise."""
+    if optional and n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, "
+                         f"got {n!r}")
+    return n
 
 
 def _head_width(width: int, n_heads: int, what: str, heads: str = "n_heads") -> int:
@@ -165,11 +189,12 @@ class _QVFactors(nn.Module):
                            lite_c=None if wise else self.c)
 
 
-class _FoldsIntoBase:
+class _FoldsIntoBase(MergedState):
     """merge()/unmerge(): ``_fold(+1)`` adds the update to the frozen weights, ``_fold(-1)``
     subtracts the same update (an exact float round trip). The default ``_fold`` folds
     ``delta_weight() -> (dW, db)`` into one frozen projection ``self.base`` when ``_active()``;
-    modules over several projections override ``_fold``."""
+    modules over several projections override ``_fold`` (and ``_frozen_children``). The
+    state_dict records ``merged`` (:class:`kfused.modules._linear.MergedState`)."""
 
     def _active(self) -> bool:
         raise NotImplementedError
@@ -211,6 +236,11 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
                  key: Optional[nn.Module] = None, n_key_heads: Optional[int] = None,
                  scale: float = 1.0, head_bias: Optional[bool] = None, init: str = "zero"):
         super().__init__()
+        _check_heads("n_heads", n_heads)
+        _check_heads("n_key_heads", n_key_heads, optional=True)
+        if not isinstance(ranks, ProjRanks):
+            raise TypeError(f"ranks must be a ProjRanks, got {type(ranks).__name__}")
+        scale = _check_scale_arg("scale", scale)
         out, d = _out_in(base)
         if head_bias is None:
             head_bias = getattr(base, "bias", None) is not None
@@ -222,7 +252,7 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
             if kd != d or kout % p != 0:
                 raise ValueError(f"key projection of shape (out={kout}, in={kd}) does not match "
                                  f"heads of width {p} over input width {d}")
-            n_key_heads = n_key_heads or kout // p
+            n_key_heads = n_key_heads if n_key_heads is not None else kout // p
             if n_key_heads * p != kout or n_heads % n_key_heads != 0:
                 raise ValueError(f"n_key_heads={n_key_heads} must divide n_heads={n_heads} and "
                                  f"match the key projection's {kout} outputs")
@@ -296,8 +326,13 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
         super().__init__()
         if (fused is None) == (q is None or k is None or v is None):
             raise ValueError("give either fused= (one q|k|v projection) or all of q=, k=, v=")
-        H = n_heads
-        Hkv = n_kv_heads or H
+        H = _check_heads("n_heads", n_heads)
+        Hkv = _check_heads("n_kv_heads", n_kv_heads, optional=True)
+        Hkv = H if Hkv is None else Hkv
+        for name, r in (("q_ranks", q_ranks), ("v_ranks", v_ranks)):
+            if not isinstance(r, ProjRanks):
+                raise TypeError(f"{name} must be a ProjRanks, got {type(r).__name__}")
+        scale = _check_scale_arg("scale", scale)
         if H % Hkv != 0:
             raise ValueError(f"n_kv_heads={Hkv} must divide n_heads={H}")
         if fused is not None:
@@ -323,6 +358,9 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
         self.q_adapter = mk(q_ranks, H)
         self.v_adapter = mk(v_ranks, Hkv)
         self.merged = False
+
+    def _frozen_children(self) -> Tuple[str, ...]:
+        return ("fused",) if self.fused is not None else ("q", "k", "v")
 
     def _splits(self) -> Tuple[slice, slice, slice]:
         p, H, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
@@ -404,6 +442,10 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
     def __init__(self, base: nn.Module, n_heads: int, ranks: ProjRanks, *, scale: float = 1.0,
                  head_bias: Optional[bool] = None, init: str = "zero"):
         super().__init__()
+        _check_heads("n_heads", n_heads)
+        if not isinstance(ranks, ProjRanks):
+            raise TypeError(f"ranks must be a ProjRanks, got {type(ranks).__name__}")
+        scale = _check_scale_arg("scale", scale)
         if head_bias is None:
             head_bias = getattr(base, "bias", None) is not None
         if ranks.lite:

@@ -6,13 +6,15 @@ Modules own parameters and call the functional ops; every kernel choice lives in
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
-from kfused.modules._linear import WrappedLinear, autocast_input, linear_dims, linear_weight
+from kfused.modules._linear import (WrappedLinear, autocast_input, check_backend_name,
+                                    linear_dims, linear_weight)
 from kfused.ops import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
@@ -24,15 +26,49 @@ def factorize(d: int) -> Tuple[int, int]:
 
     768 -> (24, 32), 1024 -> (32, 32), 3072 -> (48, 64), 4096 -> (64, 64).
     """
+    if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+        raise TypeError(f"factorize: d must be an int, got {type(d).__name__} {d!r}")
+    d = int(d)
     if d < 1:
-        raise ValueError(f"cannot factorize dimension {d}")
+        raise ValueError(f"cannot factorize dimension {d}: d must be >= 1")
     a = int(math.isqrt(d))
     while d % a:
         a -= 1
     return a, d // a
 
 
+def _check_width(name: str, d) -> int:
+    if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(d).__name__} {d!r}")
+    if d < 1:
+        raise ValueError(f"{name} must be >= 1, got {d}")
+    return int(d)
+
+
+def _check_pair(name: str, shape) -> Optional[Tuple[int, int]]:
+    """``a_shape`` / ``b_shape``: None or two positive ints (a tuple or a list)."""
+    if shape is None:
+        return None
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"{name} must be a pair of ints (out, in) or None, got "
+                        f"{type(shape).__name__} {shape!r}")
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be a pair (out, in), got {len(shape)} values "
+                         f"{tuple(shape)}")
+    for v in shape:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be a pair of ints (out, in), got {tuple(shape)!r} "
+                            f"({type(v).__name__} {v!r})")
+    if min(shape) < 1:
+        raise ValueError(f"{name} must have dimensions >= 1, got {tuple(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
 def _resolve_shapes(d_in: int, d_out: int, a_shape, b_shape) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    a_shape = _check_pair("a_shape", a_shape)
+    b_shape = _check_pair("b_shape", b_shape)
     if a_shape is None and b_shape is None:
         ao, bo = factorize(d_out)
         ai, bi = factorize(d_in)
@@ -75,7 +111,9 @@ class _KronFactors:
 
     def delta_weight(self) -> torch.Tensor:
         """``scale · A ⊗ B`` in (out, in) layout (materialised: for merge and inspection)."""
-        return self.scale * kron_delta_weight(self.A, self.B)
+        # (contiguous: torch.kron raises on a transposed factor, e.g. one loaded with
+        # load_state_dict(assign=True))
+        return self.scale * kron_delta_weight(self.A.contiguous(), self.B.contiguous())
 
 
 class KronALinear(_KronFactors, WrappedLinear):
@@ -97,7 +135,7 @@ class KronALinear(_KronFactors, WrappedLinear):
         d_in, d_out = linear_dims(base)
         a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
         self.scale = check_scale(scale)
-        self.backend = backend
+        self.backend = check_backend_name(backend)
         w = base.weight
         self._init_factors(a_shape, b_shape, init, w.dtype, w.device)
 
@@ -150,10 +188,21 @@ class KronABlock(_KronFactors, nn.Module):
                  backend: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                  device=None):
         super().__init__()
-        d_out = d_in if d_out is None else d_out
+        d_in = _check_width("d_in", d_in)
+        d_out = d_in if d_out is None else _check_width("d_out", d_out)
         if residual and d_in != d_out:
             raise ValueError(f"residual (KronA^B_res) needs d_in == d_out, got {d_in} and {d_out}")
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"block must be an nn.Module, got {type(block).__name__}")
+        try:
+            widths = linear_dims(block)       # a linear block: its widths are known now
+        except TypeError:
+            widths = None                     # any other block: its output is checked per call
+        if widths is not None and widths != (d_in, d_out):
+            raise ValueError(f"block is a linear layer of (in, out) = {widths}, but the adapter "
+                             f"was given (d_in, d_out) = ({d_in}, {d_out})")
         a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
+        self.d_in, self.d_out = d_in, d_out
         self.block = block
         for p in block.parameters():
             p.requires_grad_(False)
@@ -161,7 +210,7 @@ class KronABlock(_KronFactors, nn.Module):
         dtype = dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
         device = device or (ref.device if ref is not None else None)
         self.scale = check_scale(scale)
-        self.backend = backend
+        self.backend = check_backend_name(backend)
         accepted = self.inits_for(residual)
         self._init_factors(a_shape, b_shape, init or accepted[0], dtype, device, accepted)
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype, device=device)) if bias else None
@@ -170,6 +219,16 @@ class KronABlock(_KronFactors, nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.block(x, *args, **kwargs)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"KronABlock: the block returned {type(y).__name__}; the adapter "
+                            "adds to a block that returns one tensor")
+        want = (*x.shape[:-1], self.d_out)
+        if tuple(y.shape) != want:
+            # never broadcast: a width-1 (or otherwise mis-shaped) block output would silently
+            # take the adapter's shape
+            raise ValueError(f"KronABlock: the block returned shape {tuple(y.shape)} for x of "
+                             f"shape {tuple(x.shape)}, expected {want} (x's leading dimensions "
+                             f"and d_out={self.d_out})")
         A, B = self.A, self.B
         xa = autocast_input(x)
         if xa.dtype != A.dtype:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
-from kfused.modules._linear import WrappedLinear, linear_dims
+from kfused.modules._linear import WrappedLinear, check_backend_name, linear_dims
 
 
 class LoRALinear(WrappedLinear):
@@ -27,7 +27,8 @@ class LoRALinear(WrappedLinear):
         dropout: dropout on the adapter's input only (as PEFT does).
         init: "zero" (A kaiming-uniform a=√5, B = 0: starts exactly at the frozen model) or
             "random" (both kaiming-uniform); see :mod:`kfused.modules._init`.
-        backend: accepted for interface symmetry with the fused modules and ignored.
+        backend: accepted for interface symmetry with the fused modules and ignored (a name
+            that is not a backend is still refused, as by the other modules).
     """
 
     INITS = PAIR_INITS
@@ -43,7 +44,7 @@ class LoRALinear(WrappedLinear):
         self.alpha = float(self.r if alpha is None else alpha)
         self.scale = self.alpha / self.r
         self.init = init
-        self.backend = backend
+        self.backend = check_backend_name(backend)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         w = base.weight
         self.A = nn.Parameter(torch.empty(self.r, d_in, dtype=w.dtype, device=w.device))

@@ -7,11 +7,13 @@ into ``B_s``), so the custom ops only see plain tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from kfused import _validate
+from kfused.ops._common import dense as _dense, no_double_backward  # noqa: F401
 from kfused.reference.headwise import HeadFactors
 
 IMPLS = ("triton",)
@@ -54,19 +56,48 @@ def _check_flag(name: str, v, optional: bool = False) -> None:
 
 
 def _check_scale(name: str, s, ref: torch.Tensor) -> None:
-    """A scale is a finite real number, or a one-element floating tensor on ref's device."""
-    import math
-    import numbers
-
+    """A scale is a finite real number, or a one-element floating tensor on ref's device (its
+    value is not inspected: that would synchronise with the device). TypeError for anything
+    else that is not a number, ValueError for NaN/inf or a tensor of several elements (the
+    rule of :func:`kfused.ops.krona_linear.check_scale`)."""
     if isinstance(s, torch.Tensor):
-        if not s.is_floating_point() or s.numel() != 1:
+        if not s.is_floating_point():
+            raise TypeError(f"{name} must be a real number or a one-element floating-point "
+                            f"tensor, got a {s.dtype} tensor of shape {tuple(s.shape)}")
+        if s.numel() != 1:
             raise ValueError(f"{name} must be a real number or a one-element floating-point "
                              f"tensor, got a {s.dtype} tensor of shape {tuple(s.shape)}")
         if s.device != ref.device:
             raise ValueError(f"{name} is on {s.device} but the inputs are on {ref.device}")
         return
-    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(float(s)):
-        raise TypeError(f"{name} must be a finite real number, got {s!r}")
+    _validate.check_real(name, s)
+
+
+def _scalar(s):
+    """A one-element tensor scale as a 0-d tensor (a (1, 1, 1) one would broadcast the
+    factors it multiplies to three dimensions); numbers unchanged."""
+    return s.reshape(()) if isinstance(s, torch.Tensor) and s.dim() else s
+
+
+def _scalar_factors(f: Optional[HeadFactors]) -> Optional[HeadFactors]:
+    if f is None or not isinstance(f.scale, torch.Tensor) or f.scale.dim() == 0:
+        return f
+    return dataclasses.replace(f, scale=_scalar(f.scale))
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on tensors computed by kernels inside a backward that ran with
+    ``create_graph=True``: ties them to the incoming gradients so that a second backward
+    reaches this node and raises :func:`no_double_backward`'s error."""
+
+    @staticmethod
+    def forward(ctx, op, anchor, *outs):
+        ctx.op = op
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        no_double_backward(ctx.op)(ctx, *grads)
 
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
@@ -151,6 +182,16 @@ class LiteSection(torch.autograd.Function):
         dwa, dwb, dla, dlb = tk.section_backward(
             d_down, d_zb, d_up, wise_A, wise_B, lite_A, lite_B, w_k, b_k, ctx.Hk, ctx.split,
             need_lite_A=need[2])
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (d_down, d_zb, d_up)):
+            # create_graph: the kernels' results carry no graph; a second backward through
+            # them must raise, not drop their terms
+            anchor = next(t for t in (d_down, d_zb, d_up) if t is not None and t.requires_grad)
+            got = [t for t in (dwa, dwb, dla, dlb) if t is not None]
+            wrapped = iter(_NoDoubleBackward.apply("headwise_qkv / headwise_projection",
+                                                   anchor, *got))
+            dwa, dwb, dla, dlb = (next(wrapped) if t is not None else None
+                                  for t in (dwa, dwb, dla, dlb))
         dwk = dbk = None
         if need[4] or (b_k is not None and need[5]):
             # A trainable key projection (rare: it is frozen in every adapter method) also
@@ -263,6 +304,18 @@ class LiteKeyGrad(torch.autograd.Function):
         if b_k is not None:
             dA += s.reshape(Hk, G, r, 1).mul(b_k.to(f64).reshape(Hk, 1, 1, p)).reshape(H, r, p)
         return gY, dA.to(lite_B.dtype), None, None, None, None, None, None
+
+
+def _check_input_width(x_name: str, x: torch.Tensor, weights: dict) -> None:
+    """When every weight (nn.Linear layout (out, in)) agrees on the input width and ``x``'s
+    last dimension differs, the error names ``x`` (the weights' own shape checks follow)."""
+    ins = {int(w.shape[1]) for w in weights.values()}
+    if len(ins) == 1 and x.shape[-1] not in ins:
+        (d_w,) = ins
+        shapes = ", ".join(f"{n} {tuple(w.shape)}" for n, w in weights.items())
+        raise ValueError(f"{x_name} has shape {tuple(x.shape)}: its last dimension "
+                         f"{x.shape[-1]} must equal the input width {d_w} of the weights "
+                         f"({shapes}; (out, in) as in nn.Linear)")
 
 
 def _check_linear(name: str, w: torch.Tensor, rows: int, d: int, ref: torch.Tensor):

@@ -7,6 +7,7 @@ from typing import Tuple
 import torch
 
 from kfused import _validate
+from kfused.ops._common import dense, no_double_backward  # noqa: F401  (re-exported)
 
 
 def check_factors(x: torch.Tensor, A, B, x_name: str = "x") -> Tuple[int, int, int, int]:
@@ -27,5 +28,7 @@ def check_factors(x: torch.Tensor, A, B, x_name: str = "x") -> Tuple[int, int, i
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (T, d) rows with unit inner stride (no copy when it has one): the layout every
+    KronA kernel reads (any row stride, 0 included)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()

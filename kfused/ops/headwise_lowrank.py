@@ -24,7 +24,8 @@ import torch
 
 from kfused import _validate, cuda
 from kfused.backends import select_backend
-from kfused.ops._headwise_common import _check_flag, _empty, _no_float64
+from kfused.ops._headwise_common import (_check_flag, _dense, _empty, _no_float64,
+                                         no_double_backward)
 from kfused.reference.headwise import headwise_lowrank_ref
 
 
@@ -41,7 +42,9 @@ def _tk():
 @torch.library.custom_op("kfused::headwise_lowrank_triton_fwd", mutates_args=())
 def _lowrank_fwd(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                  bias: Optional[torch.Tensor], per_head: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _tk().headwise_lowrank_forward(basis, A, B, bias, per_head)
+    # the kernels index A, B and the bias as contiguous (the basis through its strides)
+    return _tk().headwise_lowrank_forward(basis, A.contiguous(), B.contiguous(), _dense(bias),
+                                          per_head)
 
 
 @_lowrank_fwd.register_fake
@@ -56,8 +59,9 @@ def _(basis, A, B, bias, per_head):
 def _lowrank_bwd(g: torch.Tensor, basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                  z: torch.Tensor, per_head: bool, need_basis: bool, need_factors: bool,
                  has_bias: bool) -> List[torch.Tensor]:
-    dx, dA, dB, db = _tk().headwise_lowrank_backward(g, basis, A, B, z, per_head, need_basis,
-                                                     need_factors, has_bias)
+    dx, dA, dB, db = _tk().headwise_lowrank_backward(g.contiguous(), basis, A.contiguous(),
+                                                     B.contiguous(), z.contiguous(), per_head,
+                                                     need_basis, need_factors, has_bias)
     return [dx if dx is not None else _empty(basis), dA if dA is not None else _empty(A),
             dB if dB is not None else _empty(B), db if db is not None else _empty(B)]
 
@@ -93,6 +97,7 @@ def _lowrank_backward(ctx, g, gz):
 
 
 _lowrank_fwd.register_autograd(_lowrank_backward, setup_context=_lowrank_setup)
+_lowrank_bwd.register_autograd(no_double_backward("headwise_lowrank", "triton"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -170,6 +175,7 @@ def _lowrank_cuda_backward(ctx, g, gU):
 
 
 _lowrank_cuda_fwd.register_autograd(_lowrank_cuda_backward, setup_context=_lowrank_cuda_setup)
+_lowrank_cuda_bwd.register_autograd(no_double_backward("headwise_lowrank", "cuda"))
 
 
 def _infer_per_head(basis: torch.Tensor, H: int, per_head: Optional[bool]) -> bool:
@@ -224,7 +230,8 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
         _validate.check_shape("bias", bias, (H, p), "(H, p) per-head bias")
     be = select_backend("headwise_lowrank", backend, [basis, A, B], impls=("triton", "cuda"),
                         extra_unfit=_no_float64(basis))
-    if be == "reference":
+    # an empty basis width: every head's map is an empty sum, the reference is exact (bias)
+    if be == "reference" or db_ == 0:
         return headwise_lowrank_ref(basis, A, B, bias, per_head=ph)
     lead = basis.shape[:-2] if ph else basis.shape[:-1]
     flat = basis.reshape(-1, H, db_) if ph else basis.reshape(-1, db_)

@@ -16,8 +16,8 @@ import torch
 from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._fold import check_exact, fold_decision
-from kfused.ops._headwise_common import (IMPLS, _check_scale, _empty, _head_width,
-                                         _no_float64, _opt)
+from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _head_width,
+                                         _no_float64, _opt, _scalar, no_double_backward)
 from kfused.reference.headwise import headwise_oproj_ref
 
 
@@ -37,8 +37,9 @@ def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
                shared_A: Optional[torch.Tensor], shared_U: Optional[torch.Tensor],
                n_heads: int, scale: float = 1.0, c: Optional[torch.Tensor] = None,
                fold: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _tk().headwise_oproj_forward(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale,
-                                        c, fold)
+    # the GEMM epilogue reads b_o and c with unit stride (o, w_o and the factors via strides)
+    return _tk().headwise_oproj_forward(o, w_o, _dense(b_o), A, B, shared_A, shared_U, n_heads,
+                                        scale, _dense(c), fold)
 
 
 @_oproj_fwd.register_fake
@@ -108,6 +109,7 @@ def _oproj_backward(ctx, g, gz):
 
 
 _oproj_fwd.register_autograd(_oproj_backward, setup_context=_oproj_setup)
+_oproj_bwd.register_autograd(no_double_backward("headwise_oproj"))
 
 
 def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor] = None, *,
@@ -156,7 +158,9 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     _validate.check_same("o", o, w_o=w_o, b_o=b_o, wise_A=wise_A, wise_B=wise_B, wise_c=wise_c,
                          shared_A=shared_A, shared_B=shared_B)
     if w_o.shape[1] != HP:
-        raise ValueError(f"w_o has shape {tuple(w_o.shape)}, expected (d_out, {HP})")
+        raise ValueError(f"w_o has shape {tuple(w_o.shape)}, expected (d_out, {HP}): its input "
+                         f"width must equal the last dimension of o, which has shape "
+                         f"{tuple(o.shape)}")
     dout = w_o.shape[0]
     if b_o is not None:
         _validate.check_shape("b_o", b_o, (dout,), "(d_out,)")
@@ -180,9 +184,11 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
         rs = shared_A.shape[0]
         _validate.check_shape("shared_A", shared_A, (rs, HP), "(r_s, H·p)")
         _validate.check_shape("shared_B", shared_B, (dout, rs), "(d_out, r_s)")
+    scale = _scalar(scale)
     be = select_backend("headwise_oproj", backend, [o], impls=IMPLS,
                         extra_unfit=_no_float64(o))
-    if be == "reference":
+    # an empty input width (H·p = 0): nothing to fuse, the reference is exact (b_o + c)
+    if be == "reference" or HP == 0:
         return headwise_oproj_ref(o, w_o, b_o, n_heads=H, wise_A=wise_A, wise_B=wise_B,
                                   wise_c=wise_c, shared_A=shared_A, shared_B=shared_B,
                                   scale=scale)

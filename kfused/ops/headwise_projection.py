@@ -13,8 +13,9 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
-from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_int, _check_linear,
-                                         _head_width, _no_float64)
+from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_input_width, _check_int,
+                                         _check_linear, _head_width, _no_float64,
+                                         _scalar_factors)
 from kfused.ops.headwise_qkv import _qkv_call
 from kfused.reference.headwise import HeadFactors, kv_group_index, projection_delta_ref
 
@@ -37,6 +38,7 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
     _validate.check_tensor("x", x, min_ndim=1)
     d = x.shape[-1]
     _validate.check_tensor("weight", weight, ndim=2)
+    _check_input_width("x", x, {"weight": weight})
     p = _head_width(n_heads, "weight", weight, "output rows", weight.shape[0])
     H = n_heads
     _check_linear("weight", weight, H * p, d, x)
@@ -69,9 +71,11 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
                 _validate.check_tensor("b_k", b_k, ndim=1)
                 _validate.check_same("x", x, b_k=b_k)
                 _validate.check_shape("b_k", b_k, (Hk * p,), "bias of the key projection")
+    factors = _scalar_factors(factors)
     be = select_backend("headwise_projection", backend, [x], impls=IMPLS,
                         extra_unfit=_no_float64(x))
-    if be == "reference":
+    # an empty input width or head width: nothing to fuse, the reference is exact
+    if be == "reference" or d == 0 or p == 0:
         out = torch.nn.functional.linear(x, weight, bias)
         if factors is None or factors.empty:
             return out

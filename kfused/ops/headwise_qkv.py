@@ -17,10 +17,12 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
-from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _check_linear,
-                                         _check_n_heads, _empty,
+from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
+                                         _check_input_width, _check_linear,
+                                         _check_n_heads, _dense, _empty,
                                          LiteKeyGrad, _head_width,
-                                         _no_float64, _opt, _section)
+                                         _no_float64, _opt, _scalar_factors, _section,
+                                         no_double_backward)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
 
 
@@ -52,7 +54,9 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
     k = _tk()
     q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
-    return k.headwise_qkv_forward(x, w_q, w_k, w_v, b_q, b_k, b_v, q, v, head_dim, q_c, v_c)
+    # the GEMM epilogue reads the biases with unit stride (x and the weights via strides)
+    return k.headwise_qkv_forward(x, w_q, w_k, w_v, _dense(b_q), _dense(b_k), _dense(b_v), q, v,
+                                  head_dim, _dense(q_c), _dense(v_c))
 
 
 def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
@@ -174,6 +178,8 @@ def _qkv_backward(ctx, gY, gZ):
 
 
 _qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
+# (headwise_projection runs these ops too)
+_qkv_bwd.register_autograd(no_double_backward("headwise_qkv / headwise_projection"))
 
 
 def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
@@ -218,6 +224,9 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                          f"n_heads={H}")
     d = x.shape[-1]
     _validate.check_tensor("w_q", w_q, ndim=2)
+    _validate.check_tensor("w_k", w_k, ndim=2)
+    _validate.check_tensor("w_v", w_v, ndim=2)
+    _check_input_width("x", x, {"w_q": w_q, "w_k": w_k, "w_v": w_v})
     p = _head_width(n_heads, "w_q", w_q, "output rows", w_q.shape[0])
     _check_linear("w_q", w_q, H * p, d, x)
     _check_linear("w_k", w_k, Hkv * p, d, x)
@@ -233,9 +242,12 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                 raise TypeError(f"{name} must be a kfused HeadFactors or None, got "
                                 f"{type(f).__name__}")
             _check_factors(name, f, Hs, p, d, x)
+    q, v = _scalar_factors(q), _scalar_factors(v)
     be = select_backend("headwise_qkv", backend, [x], impls=IMPLS,
                         extra_unfit=_no_float64(x))
-    if be == "reference":
+    # An empty input width or head width leaves nothing to fuse: every product is an empty
+    # sum, and the reference gives the exact result (biases, c, lite's b_k A_hᵀ B_hᵀ).
+    if be == "reference" or d == 0 or p == 0:
         out = headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
                                q=q, v=v)
         return torch.cat(out, dim=-1) if fused_output else out

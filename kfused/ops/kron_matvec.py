@@ -14,7 +14,7 @@ import torch
 
 from kfused import cuda
 from kfused.backends import select_backend
-from kfused.ops._krona_common import check_factors, rows
+from kfused.ops._krona_common import check_factors, no_double_backward, rows
 from kfused.reference.krona import kron_matvec_ref
 
 
@@ -27,7 +27,7 @@ def _tk():
 
 @torch.library.custom_op("kfused::kron_matvec_triton_fwd", mutates_args=())
 def _kron_matvec_triton_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return _tk().kron_matvec_forward(x, A, B)
+    return _tk().kron_matvec_forward(rows(x), A, B)     # x rows with unit stride, A, B any
 
 
 @_kron_matvec_triton_fwd.register_fake
@@ -38,7 +38,7 @@ def _(x, A, B):
 @torch.library.custom_op("kfused::kron_matvec_triton_bwd", mutates_args=())
 def _kron_matvec_triton_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                             need_dab: bool) -> List[torch.Tensor]:
-    dx, dA, dB = _tk().kron_matvec_backward(g, x, A, B, need_dab)
+    dx, dA, dB = _tk().kron_matvec_backward(rows(g), rows(x), A, B, need_dab)
     if not need_dab:
         dA, dB = A.new_zeros(0), B.new_zeros(0)
     return [dx, dA, dB]
@@ -64,6 +64,7 @@ def _kron_triton_backward(ctx, g):
 
 
 _kron_matvec_triton_fwd.register_autograd(_kron_triton_backward, setup_context=_kron_setup)
+_kron_matvec_triton_bwd.register_autograd(no_double_backward("kron_matvec", "triton"))
 
 # ------------------------------------------------------------------------------------------
 # CUDA C++ extension
@@ -71,7 +72,9 @@ _kron_matvec_triton_fwd.register_autograd(_kron_triton_backward, setup_context=_
 
 @torch.library.custom_op("kfused::kron_matvec_cuda_fwd", mutates_args=())
 def _kron_matvec_cuda_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return cuda.require("kron_matvec").kron_matvec_fwd(x, A.contiguous(), B.contiguous())
+    # the extension requires a contiguous x (it checks) and reads A, B contiguous
+    return cuda.require("kron_matvec").kron_matvec_fwd(x.contiguous(), A.contiguous(),
+                                                       B.contiguous())
 
 
 @_kron_matvec_cuda_fwd.register_fake
@@ -82,7 +85,8 @@ def _(x, A, B):
 @torch.library.custom_op("kfused::kron_matvec_cuda_bwd", mutates_args=())
 def _kron_matvec_cuda_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor,
                           B: torch.Tensor) -> List[torch.Tensor]:
-    dx, dA, dB = cuda.require("kron_matvec").kron_matvec_bwd(g, x, A.contiguous(), B.contiguous())
+    dx, dA, dB = cuda.require("kron_matvec").kron_matvec_bwd(g.contiguous(), x.contiguous(),
+                                                             A.contiguous(), B.contiguous())
     return [dx, dA, dB]
 
 
@@ -98,6 +102,7 @@ def _kron_cuda_backward(ctx, g):
 
 
 _kron_matvec_cuda_fwd.register_autograd(_kron_cuda_backward, setup_context=_kron_setup)
+_kron_matvec_cuda_bwd.register_autograd(no_double_backward("kron_matvec", "cuda"))
 
 
 def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,

@@ -9,8 +9,6 @@ extension, its factor gradients from the extension's kron_matvec backward).
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import List, Optional
 
 import torch
@@ -18,7 +16,7 @@ import torch
 from kfused import _validate, cuda
 from kfused.backends import select_backend
 from kfused.ops._fold import FOLD_MIN_TOKENS, check_exact, fold_decision  # noqa: F401
-from kfused.ops._krona_common import check_factors, rows
+from kfused.ops._krona_common import check_factors, dense, no_double_backward, rows
 from kfused.reference.krona import krona_linear_ref
 
 
@@ -32,7 +30,9 @@ def _tk():
 @torch.library.custom_op("kfused::krona_linear_triton_fwd", mutates_args=())
 def _krona_linear_triton_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
-    return _tk().krona_linear_forward(x, weight, bias, A, B, scale)
+    # The kernel reads x rows and the bias with unit stride (weight, A, B through their
+    # strides): a strided or expanded bias read the wrong elements, or past its storage.
+    return _tk().krona_linear_forward(rows(x), weight, dense(bias), A, B, scale)
 
 
 def _krona_fwd_fake(x, weight, bias, A, B, scale):
@@ -46,8 +46,8 @@ _krona_linear_triton_fwd.register_fake(_krona_fwd_fake)
 def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              A: torch.Tensor, B: torch.Tensor, scale: float,
                              need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
-    dx, dA, dB = _tk().krona_linear_backward(g, x, weight, A, B, scale, need_dx=need_dx,
-                                             need_dab=need_dab)
+    dx, dA, dB = _tk().krona_linear_backward(rows(g), rows(x), weight, A, B, scale,
+                                             need_dx=need_dx, need_dab=need_dab)
     return [dx if need_dx else x.new_zeros(0), dA if need_dab else A.new_zeros(0),
             dB if need_dab else B.new_zeros(0)]
 
@@ -86,6 +86,7 @@ def _krona_backward(bwd_op):
 
 _krona_linear_triton_fwd.register_autograd(
     _krona_backward(torch.ops.kfused.krona_linear_triton_bwd), setup_context=_krona_setup)
+_krona_linear_triton_bwd.register_autograd(no_double_backward("krona_linear", "triton"))
 
 # ------------------------------------------------------------------------------------------
 # Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
@@ -106,6 +107,7 @@ def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
                              A: torch.Tensor, B: torch.Tensor, scale: float,
                              need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
     k = _tk()
+    g, x = rows(g), rows(x)   # the factor-gradient kernels read rows with unit stride
     # W' is recomputed (one d_out×d_in pass) rather than saved: no extra activation memory.
     if need_dx and need_dab and k.fused_dx_grad_applies(*A.shape, *B.shape):
         # one pass over dy: dx = dy W' and the factor gradients in the same kernel
@@ -123,6 +125,7 @@ _krona_linear_folded_bwd.register_fake(_krona_bwd_fake)
 
 _krona_linear_folded_fwd.register_autograd(
     _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_krona_setup)
+_krona_linear_folded_bwd.register_autograd(no_double_backward("krona_linear", "triton"))
 
 # ------------------------------------------------------------------------------------------
 # CUDA C++: the folded path on the extension (W' by its fold kernel, then cuBLAS; dA, dB from
@@ -148,6 +151,7 @@ def _krona_linear_cuda_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torc
                                   A: torch.Tensor, B: torch.Tensor, scale: float,
                                   need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
     ext = _ext()
+    g = g.contiguous()          # the extension's kron_matvec_bwd requires contiguous g and x
     # W' is recomputed (one d_out×d_in pass) rather than saved, as on the Triton path
     dx = torch.matmul(g, ext.krona_fold_fwd(weight, A, B, scale)) if need_dx else x.new_zeros(0)
     if not need_dab:
@@ -162,6 +166,7 @@ _krona_linear_cuda_folded_bwd.register_fake(_krona_bwd_fake)
 
 _krona_linear_cuda_folded_fwd.register_autograd(
     _krona_backward(torch.ops.kfused.krona_linear_cuda_folded_bwd), setup_context=_krona_setup)
+_krona_linear_cuda_folded_bwd.register_autograd(no_double_backward("krona_linear", "cuda"))
 
 # ------------------------------------------------------------------------------------------
 # validation and the public API
@@ -173,13 +178,7 @@ def check_scale(scale) -> float:
     if isinstance(scale, torch.Tensor):
         raise TypeError("scale must be a Python float, got a torch.Tensor; use a module "
                         "parameter for a learned scale")
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number (int or float), got "
-                        f"{type(scale).__name__} {scale!r}")
-    value = float(scale)
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
-    return value
+    return _validate.check_real("scale", scale)
 
 
 def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:

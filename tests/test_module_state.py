@@ -1,0 +1,158 @@
+"""state_dict / load_state_dict of the mergeable adapter modules: a state_dict records whether
+its frozen weights already hold the update (``<prefix>kfused_merged``, only while merged), so
+loading it always gives the module that was saved — never the update applied twice (a merged
+dict into a fresh module) or not at all (an unmerged dict into a merged module)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from kfused.modules import (HeadwiseOutput, HeadwiseProjection, HeadwiseQKV, KronALinear,
+                            LoRALinear, ProjRanks)
+from kfused.modules._linear import MERGED_KEY
+
+F64 = torch.float64
+D, H = 12, 3            # width 12, 3 heads of width 4
+KEY = nn.Linear(D, D).double()   # the frozen key projection lite reads (not in any state_dict)
+
+
+def _randomize(m: nn.Module, seed: int) -> nn.Module:
+    """Every parameter (frozen ones too) random: the update and the biases are far from 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return m
+
+
+BUILDERS = {
+    "krona": lambda: KronALinear(nn.Linear(D, 20), a_shape=(4, 3), scale=0.7, init="random"),
+    "lora": lambda: LoRALinear(nn.Linear(D, 20), r=2, alpha=3.0, init="random"),
+    "proj": lambda: HeadwiseProjection(nn.Linear(D, D), H, ProjRanks(wise=1, lite=2, shared=1),
+                                       key=KEY, scale=0.5, head_bias=True),
+    "qkv_fused": lambda: HeadwiseQKV(fused=nn.Linear(D, 3 * D), n_heads=H,
+                                     q_ranks=ProjRanks(wise=1, shared=2),
+                                     v_ranks=ProjRanks(lite=1), scale=0.5, head_bias=True),
+    "qkv_split": lambda: HeadwiseQKV(q=nn.Linear(D, D), k=nn.Linear(D, 4), v=nn.Linear(D, 4),
+                                     n_heads=H, n_kv_heads=1, q_ranks=ProjRanks(lite=1),
+                                     v_ranks=ProjRanks(wise=2), head_bias=True),
+    "output": lambda: HeadwiseOutput(nn.Linear(D, 10), H, ProjRanks(wise=2, shared=1),
+                                     scale=0.5, head_bias=True),
+}
+
+
+def build(kind: str, seed: int) -> nn.Module:
+    return _randomize(BUILDERS[kind]().double(), seed)
+
+
+def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(m, (KronALinear, LoRALinear)):
+        m.backend = "reference"
+        return m(x)
+    return m(x, backend="reference")
+
+
+X = torch.randn(5, D, dtype=F64, generator=torch.Generator().manual_seed(0))
+X_OUT = torch.randn(5, D, dtype=F64, generator=torch.Generator().manual_seed(1))
+
+
+def _x(kind):
+    return X_OUT if kind == "output" else X
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_merged_state_dict_into_a_fresh_module(kind, strict):
+    src = build(kind, 1)
+    x = _x(kind)
+    y = run(src, x)
+    plain_keys = list(src.state_dict().keys())
+    assert MERGED_KEY not in "".join(plain_keys)
+    src.merge()
+    sd = copy.deepcopy(src.state_dict())
+    assert sorted(sd) == sorted(plain_keys + [MERGED_KEY])     # one key more, only when merged
+    assert sd[MERGED_KEY].dim() == 0 and bool(sd[MERGED_KEY])
+    fresh = build(kind, 2)
+    assert not fresh.merged
+    res = fresh.load_state_dict(sd, strict=strict)
+    assert not res.missing_keys and not res.unexpected_keys
+    assert fresh.merged                                        # the update is in its weights
+    _close(run(fresh, x), y)                                   # not applied twice
+    assert MERGED_KEY in sd                                    # the caller's dict is untouched
+    fresh.unmerge()
+    _close(run(fresh, x), y)
+    adapter = [k for k in plain_keys if k.split(".")[0] not in ("base", "fused", "q", "k", "v")]
+    assert adapter
+    for k in adapter:                                          # the adapter, loaded as saved
+        _close(fresh.state_dict()[k], sd[k])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_unmerged_state_dict_into_a_merged_module(kind, strict):
+    src = build(kind, 3)
+    x = _x(kind)
+    y = run(src, x)
+    sd = copy.deepcopy(src.state_dict())
+    assert not any(k.endswith(MERGED_KEY) for k in sd)         # today's keys, exactly
+    dst = build(kind, 4)
+    dst.merge()
+    dst.load_state_dict(sd, strict=strict)
+    assert not dst.merged                                      # its weights are the plain ones
+    _close(run(dst, x), y)
+    dst.merge()
+    _close(run(dst, x), y)
+
+
+def test_merged_state_dict_of_a_model_round_trips_and_strict_loading_holds():
+    torch.manual_seed(0)
+
+    def model():
+        return nn.Sequential(nn.Linear(D, D), build("krona", 5), nn.ReLU(),
+                             KronALinear(nn.Linear(20, 8), init="random")).double()
+
+    src = model()
+    src[1].merge()                                  # one adapter merged, the other not
+    x = torch.randn(4, D, dtype=F64)
+    src[1].backend = src[3].backend = "reference"
+    y = src(x)
+    sd = src.state_dict()
+    assert [k for k in sd if k.endswith(MERGED_KEY)] == ["1." + MERGED_KEY]
+    dst = model()
+    dst.load_state_dict(sd)                         # strict
+    assert dst[1].merged and not dst[3].merged
+    dst[1].backend = dst[3].backend = "reference"
+    _close(dst(x), y)
+    # a model without kfused modules refuses the extra key under strict loading
+    plain = nn.Sequential(nn.Linear(D, D), nn.Linear(D, 20))
+    with pytest.raises(RuntimeError, match="Unexpected key.*kfused_merged"):
+        plain.load_state_dict({"0.weight": sd["0.weight"], "0.bias": sd["0.bias"],
+                               "1.weight": sd["1.base.weight"], "1.bias": sd["1.base.bias"],
+                               "1." + MERGED_KEY: sd["1." + MERGED_KEY]})
+
+
+def test_adapter_only_load_into_a_merged_module():
+    # strict=False with the adapter parameters only: the module keeps its own frozen weights;
+    # being merged, it takes its current update out first, so the new factors apply once.
+    m = build("krona", 6)
+    frozen = copy.deepcopy(m.base)
+    m.merge()
+    new = build("krona", 7)
+    res = m.load_state_dict({"A": new.A.detach(), "B": new.B.detach()}, strict=False)
+    assert set(res.missing_keys) == {"base.weight", "base.bias"}
+    assert not m.merged
+    want = KronALinear(frozen, a_shape=(4, 3), scale=0.7).double()
+    with torch.no_grad():
+        want.A.copy_(new.A)
+        want.B.copy_(new.B)
+    _close(run(m, X), run(want, X))
+    # a dict that touches nothing of the module leaves it as it is
+    m.merge()
+    m.load_state_dict({}, strict=False)
+    assert m.merged
