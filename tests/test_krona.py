@@ -15,6 +15,7 @@ from kfused.reference.krona import kron_delta_weight, kron_matvec_ref, krona_lin
 from kfused.testing import assert_against_reference
 
 from conftest import DEVICE, DTYPES
+from test_krona_cuda_host import StandIn
 
 # The paper's GLUE factors A 2×384, B 384×2 (and the same pair the other way round: its forward
 # takes the X Bᵀ-first order). On the CPU the interpreter runs their 128-wide stand-ins: the same
@@ -682,28 +683,13 @@ def test_every_tensor_argument_strided_or_expanded(op, arg, mode):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
-class _ContiguousExt:
-    """The extension's kron_matvec_fwd/_bwd and krona_fold_fwd from float64 formulas; like
-    the C++ (csrc/krona/kron_matvec.cu check_contiguous) they refuse a non-contiguous x or g."""
+class _ContiguousExt(StandIn):
+    """test_krona_cuda_host's stand-in for the extension (float64 formulas; like the C++ it
+    refuses a non-contiguous x or g), with its kron_matvec forward."""
 
     def kron_matvec_fwd(self, x, A, B):
         assert x.is_contiguous() and A.is_contiguous() and B.is_contiguous()
         return kron_matvec_ref(x.double(), A.double(), B.double()).to(x.dtype)
-
-    def kron_matvec_bwd(self, g, x, A, B, need_dx=True, scale=1.0):
-        assert g.is_contiguous() and x.is_contiguous(), "the extension needs contiguous g, x"
-        assert A.is_contiguous() and B.is_contiguous()
-        # y[t] = A X[t] Bᵀ: dX[t] = Aᵀ G[t] B, dA = Σ G[t] B X[t]ᵀ, dB = Σ G[t]ᵀ A X[t]
-        A64, B64 = A.double(), B.double()
-        G = g.double().view(-1, A.shape[0], B.shape[0]) * scale
-        X = x.double().view(-1, A.shape[1], B.shape[1])
-        dx = (A64.t() @ G @ B64).reshape(x.shape)
-        dA = (G @ B64 @ X.transpose(1, 2)).sum(0)
-        dB = (G.transpose(1, 2) @ A64 @ X).sum(0)
-        return ((dx.to(x.dtype) if need_dx else x.new_empty(0)), dA.to(A.dtype), dB.to(B.dtype))
-
-    def krona_fold_fwd(self, W, A, B, scale=1.0):      # strides honoured, as the C++ does
-        return (W.double() + scale * torch.kron(A.double(), B.double())).to(W.dtype)
 
 
 def test_cuda_backend_glue_hands_the_extension_contiguous_tensors(monkeypatch):

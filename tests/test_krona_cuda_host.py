@@ -29,7 +29,9 @@ class StandIn:
 
     def kron_matvec_bwd(self, g, x, A, B, need_dx=True, scale=1.0):
         self.calls.append(("kron_bwd", need_dx, scale))
-        assert x.is_contiguous() and A.is_contiguous() and B.is_contiguous()
+        # like the C++ (csrc/krona/kron_matvec.cu check_contiguous)
+        assert g.is_contiguous() and x.is_contiguous(), "the extension needs contiguous g, x"
+        assert A.is_contiguous() and B.is_contiguous()
         # y[t] = A X[t] Bᵀ: dX[t] = Aᵀ G[t] B, dA = Σ G[t] B X[t]ᵀ, dB = Σ G[t]ᵀ A X[t]
         A64, B64 = A.double(), B.double()
         G = g.double().view(-1, A.shape[0], B.shape[0]) * scale
