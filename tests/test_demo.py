@@ -85,6 +85,61 @@ def test_demo_local_checkpoint_dir(tmp_path, capsys):
     assert report["checkpoint"]["lora"]["reload_bit_exact"] is True
 
 
+def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
+    # --out held the user's own demo.json / demo.png: they were silently overwritten
+    (tmp_path / "demo.json").write_text('{"mine": 1}')
+    (tmp_path / "demo.png").write_bytes(b"my plot")
+    assert run_demo(TINY + ["--steps", "1", "--methods", "lora", "--out", str(tmp_path)]) == 2
+    assert "not written by 'kfused demo'" in capsys.readouterr().err
+    assert (tmp_path / "demo.json").read_text() == '{"mine": 1}'
+    assert (tmp_path / "demo.png").read_bytes() == b"my plot"
+    assert sorted(os.listdir(tmp_path)) == ["demo.json", "demo.png"]  # nothing trained/saved
+    (tmp_path / "demo.json").unlink()  # a plot without a report beside it: not ours either
+    assert run_demo(TINY + ["--steps", "1", "--methods", "lora", "--out", str(tmp_path)]) == 2
+    assert (tmp_path / "demo.png").read_bytes() == b"my plot"
+    # --out a file, or a symlinked report: a usage error before any training (was a
+    # FileExistsError traceback after the frozen base's evaluation)
+    assert run_demo(TINY + ["--out", str(tmp_path / "demo.png")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / "demo.json").symlink_to(tmp_path / "demo.png")
+    assert run_demo(TINY + ["--out", str(tmp_path / "link")]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    assert (tmp_path / "demo.png").read_bytes() == b"my plot"
+
+
+def test_demo_interrupted_write_keeps_the_earlier_files(tmp_path, monkeypatch):
+    import types
+
+    from kfused.cli import demo
+
+    args = TINY + ["--steps", "1", "--methods", "krona", "--gen-examples", "0", "--out",
+                   str(tmp_path)]
+    assert run_demo(args) == 0
+    before = {n: (tmp_path / n).read_bytes() for n in ("demo.json", "demo.png")}
+
+    def partial(_report, f, **_):  # a kill in the middle of writing the report
+        f.write('{"title": "kfused demo: par')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "json", types.SimpleNamespace(load=json.load, dump=partial))
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(args)
+    monkeypatch.undo()
+    assert (tmp_path / "demo.json").read_bytes() == before["demo.json"]  # whole, not partial
+
+    def half_plot(_report, path):
+        open(path, "wb").write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_plot", half_plot)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(args)
+    assert (tmp_path / "demo.png").read_bytes() == before["demo.png"]
+    assert json.loads((tmp_path / "demo.json").read_text())["written_by"] == "kfused demo"
+    assert sorted(os.listdir(tmp_path)) == ["adapter_krona", "demo.json", "demo.png"]
+
+
 def test_demo_help_documents_every_option():
     for action in build_parser()._actions:
         assert action.help and action.help.strip(), action.option_strings

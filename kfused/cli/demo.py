@@ -39,6 +39,7 @@ import platform
 import random
 import resource
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -383,6 +384,69 @@ def _checkpoint_roundtrip(model, method, args, vocab, device, out_dir, eval_data
 
 
 # ------------------------------------------------------------------------------------------
+# output files
+
+WRITER = "kfused demo"
+REPORT, PLOT = "demo.json", "demo.png"
+
+
+def _ours(json_path: str) -> bool:
+    """True when ``json_path`` is a report an earlier ``kfused demo`` wrote."""
+    try:
+        with open(json_path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and (data.get("written_by") == WRITER or str(
+        data.get("title", "")).startswith(WRITER + ":"))
+
+
+def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
+    """Why ``--out`` cannot take this run's files (None if it can): kfused never overwrites
+    a file it did not write, nor writes through a symbolic link it finds there."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out} exists and is not a directory"
+    report = os.path.join(out, REPORT)
+    for name in (REPORT, PLOT):
+        path = os.path.join(out, name)
+        if not os.path.lexists(path):
+            continue
+        if os.path.islink(path) or not os.path.isfile(path):
+            return f"{path} exists and is not a regular file; not replacing it"
+        if not _ours(report):  # the plot is ours when the report beside it is
+            return (f"{path} exists and was not written by '{WRITER}' (no report of an "
+                    f"earlier run beside it); not overwriting it")
+    for m in methods:
+        ckpt = os.path.join(out, f"adapter_{m}")
+        if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
+            return f"{ckpt} (the {m} adapter checkpoint) exists and is not a directory"
+    return None
+
+
+class _NoPlot(Exception):
+    """matplotlib is unavailable: the plot is left as it was."""
+
+
+def _replace_atomically(path: str, write) -> None:
+    """``write(tmp)`` into a new file beside ``path``, then rename it over ``path``: an
+    interrupted run leaves the earlier file whole, never a partial one."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                               prefix="." + os.path.basename(path) + ".",
+                               suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # the mode a plain open() gives, not mkstemp's 0600
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+# ------------------------------------------------------------------------------------------
 # report
 
 
@@ -509,6 +573,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     except (ValueError, NotImplementedError) as exc:
         print(f"kfused demo: {exc}", file=sys.stderr)
         return 2
+    refusal = _out_refusal(args.out, methods) if main else None
+    if refusal:  # before any training: nothing is written
+        print(f"kfused demo: {refusal}", file=sys.stderr)
+        return 2
 
     tok = ByteTokenizer()
     vocab = tok.vocab_size
@@ -600,6 +668,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             base_info = json.load(f)
             base_info.pop("loss_every_50_steps", None)
     report = {
+        "written_by": WRITER,
         "title": f"kfused demo: GPT-2-shaped byte-level base ({total_params:,d} params), "
                  f"E2E-style data-to-text, {args.steps} steps, {device.type}",
         "device": str(device), "device_name": (torch.cuda.get_device_name(device)
@@ -623,9 +692,21 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     except OSError:  # pragma: no cover
         pass
     if main:
-        with open(os.path.join(args.out, "demo.json"), "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        err = _plot(report, os.path.join(args.out, "demo.png"))
+        def dump(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+
+        _replace_atomically(os.path.join(args.out, REPORT), dump)
+        err = None
+
+        def draw(tmp: str) -> None:
+            nonlocal err
+            err = _plot(report, tmp)
+            if err is not None:
+                raise _NoPlot
+
+        with contextlib.suppress(_NoPlot):
+            _replace_atomically(os.path.join(args.out, PLOT), draw)
         _print_table(report)
         print()
         if comparisons:
