@@ -110,6 +110,41 @@ def test_bench_defaults_to_git_ignored_local_folder():
     assert bench  # imported without error
 
 
+def test_bench_out_never_overwrites_a_file(tmp_path, monkeypatch, capsys):
+    import datetime
+    import json
+    import types
+
+    import kfused.cases
+    from kfused.cli import bench
+
+    class Fixed(datetime.datetime):  # two runs in the same second
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 1, 1, tzinfo=tz)
+
+    monkeypatch.setattr(bench, "_dt", types.SimpleNamespace(datetime=Fixed,
+                                                            timezone=datetime.timezone))
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: [])
+    argv = ["krona", "--device", "cpu", "--no-plot", "--out", str(tmp_path)]
+    assert bench.run(argv) == 0
+    (first,) = tmp_path.iterdir()
+    first.write_text("the user's notes")  # or the earlier run's results
+    assert bench.run(argv) == 0
+    assert first.read_text() == "the user's notes"
+    second = first.with_name(first.stem + "-2.json")
+    assert json.loads(second.read_text())["meta"]["device_type"] == "cpu"
+    first.with_name(first.stem + "-3.png").write_text("a plot of the user's")  # its PNG too
+    assert bench.run(argv) == 0
+    assert {p.name[len(first.stem):] for p in tmp_path.iterdir()} == \
+        {".json", "-2.json", "-3.png", "-4.json"}
+    # --out naming a file: a usage error (was a FileExistsError traceback)
+    with pytest.raises(SystemExit) as exc:
+        bench.run(argv[:-1] + [str(first)])
+    assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err and first.read_text() == "the user's notes"
+
+
 @pytest.mark.slow
 def test_inducer_bench_compile_baseline_runs_backward():
     # torch.compile's donated buffers refused the harness's replayed backward (retain_graph)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -247,6 +248,8 @@ def run(argv: Optional[List[str]] = None) -> int:
         p.error("argument --write-prefs: records GPU measurements; needs a CUDA --device")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    if args.out and os.path.lexists(args.out) and not os.path.isdir(args.out):
+        p.error(f"argument --out: {args.out} exists and is not a directory")
     out_dir = Path(args.out) if args.out else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     rep = args.rep_ms if args.rep_ms is not None else (200 if device.type == "cuda" else 50)
@@ -273,9 +276,9 @@ def run(argv: Optional[List[str]] = None) -> int:
             rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
         add_ratios(rows)
         all_rows.extend(rows)
-        path = out_dir / f"{op}_{slug}_{stamp}.json"
-        path.write_text(json.dumps({"meta": {**meta, "quick": args.quick}, "rows": rows},
-                                   indent=1, default=str))
+        path = _new_results_file(out_dir, f"{op}_{slug}_{stamp}",
+                                 json.dumps({"meta": {**meta, "quick": args.quick},
+                                             "rows": rows}, indent=1, default=str))
         _print_table(rows)
         print(f"wrote {path}")
         if not args.no_plot:
@@ -287,6 +290,23 @@ def run(argv: Optional[List[str]] = None) -> int:
                             meta.get("git_commit"))
         print(f"wrote {args.write_prefs}: {json.dumps(prefs)}")
     return 0
+
+
+def _new_results_file(out_dir: Path, stem: str, text: str) -> Path:
+    """Write ``text`` to a new ``<stem>.json`` in ``out_dir`` (``<stem>-2.json``, ... when a
+    file of that name or its ``.png`` is there: another run in the same second, or a file
+    kfused did not write; kfused never overwrites either)."""
+    for i in range(1, 1000):
+        path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
+        if os.path.lexists(path.with_suffix(".png")):
+            continue
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"kfused bench: {out_dir} holds {stem}.json to {stem}-999.json")
 
 
 def _check_prefs_target(path: Path) -> None:
