@@ -218,3 +218,25 @@ def test_metrics_slot_rules():
     assert em.added_values(em.parse_mr(mr), "Cotto is an Italian pub in the riverside.") == \
         ["food[Italian]", "area[riverside]"]
     assert not em.slot_realised("eatType", "pub", "Cotto is public.")  # word boundaries
+
+
+def test_metrics_refuse_mismatched_or_empty_lists():
+    # a missing generation was silently dropped (zip): all_slots 0.5 for one realised example
+    # of one, BLEU 0.0 instead of an error; empty lists failed inside sacrebleu (IndexError)
+    mrs = ["name[Cotto], food[Italian]", "name[Alimentum]"]
+    with pytest.raises(ValueError, match="2 mrs, 1 texts"):
+        em.slot_scores(mrs, ["Cotto serves Italian food."])
+    with pytest.raises(ValueError, match="2 mrs, 1 hyps, 2 refs"):
+        em.score(mrs, ["Cotto serves Italian food."], ["Cotto is Italian.", "Alimentum."])
+    with pytest.raises(ValueError, match="1 hyps, 2 refs"):
+        em.bleu(["Cotto."], ["Cotto.", "Alimentum."])
+    with pytest.raises(ValueError, match="no examples"):
+        em.score([], [], [])
+    # familyFriendly's value in either case; BLEU is sacrebleu's corpus BLEU on tiny examples
+    assert not em.slot_realised("familyFriendly", "No", "Cotto is family friendly.")
+    assert em.slot_realised("familyFriendly", "No", "Cotto is not family friendly.")
+    assert em.bleu([""], ["Cotto is a pub."]) == 0.0
+    assert em.bleu(["Cotto is a pub ."], ["Cotto is a pub."]) == pytest.approx(100.0)
+    # case-sensitive: 4/5 unigrams, 3/4 bigrams, 2/3 trigrams, 1/2 4-grams, no brevity penalty
+    assert em.bleu(["the café is a pub"], ["The café is a pub"]) == pytest.approx(
+        100 * (4 / 5 * 3 / 4 * 2 / 3 * 1 / 2) ** 0.25)

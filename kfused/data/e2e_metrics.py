@@ -45,7 +45,7 @@ def slot_realised(key: str, value: str, text: str) -> bool:
     if key == "familyFriendly":
         low = text.lower()
         neg = any(p in low for p in _NO)
-        if value == "no":
+        if value.lower() == "no":
             return neg
         return not neg and any(p in low for p in _YES)
     return _has(text, value)
@@ -64,7 +64,19 @@ def added_values(slots: Dict[str, str], text: str) -> List[str]:
     return out
 
 
+def _same_lengths(**named: Sequence[str]) -> None:
+    """One text per example: lists of different lengths (or none at all) are an error, not
+    a score over the shorter one."""
+    lengths = {k: len(v) for k, v in named.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError("one entry per example expected; got " +
+                         ", ".join(f"{len(v)} {k}" for k, v in named.items()))
+    if not any(lengths.values()):
+        raise ValueError(f"no examples to score ({', '.join(lengths)} are empty)")
+
+
 def slot_scores(mrs: Sequence[str], texts: Sequence[str]) -> Dict[str, float]:
+    _same_lengths(mrs=mrs, texts=texts)
     total = realised = complete = added = 0
     for mr, text in zip(mrs, texts):
         slots = parse_mr(mr)
@@ -82,8 +94,10 @@ def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     """Corpus BLEU (sacrebleu defaults: 13a tokenisation, one reference per example)."""
     import sacrebleu
 
+    _same_lengths(hyps=hyps, refs=refs)
     return float(sacrebleu.corpus_bleu(list(hyps), [list(refs)]).score)
 
 
 def score(mrs: Sequence[str], hyps: Sequence[str], refs: Sequence[str]) -> Dict[str, float]:
+    _same_lengths(mrs=mrs, hyps=hyps, refs=refs)
     return {"bleu": bleu(hyps, refs), **slot_scores(mrs, hyps)}
