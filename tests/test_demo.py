@@ -182,6 +182,28 @@ def test_pretrain_script_runs(tmp_path):
     assert (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--warmup", "0"], ["--seq-len", "500"],
+                                 ["--seq-len", "1"], ["--batch-size", "0"], ["--docs", "0"],
+                                 ["--threads", "0"], ["--lr", "nan"], ["--seed", "-1"]])
+def test_pretrain_arguments_are_checked_before_anything_runs(bad, tmp_path, capsys):
+    # --steps 0 saved the untrained weights, then failed (ZeroDivisionError) before writing
+    # pretrain.json: with the default --out, the shipped base no longer matched its record;
+    # --seq-len beyond the 384 positions failed inside the embedding (IndexError)
+    from kfused.data.pretrain_base import build_parser as pp
+
+    with pytest.raises(SystemExit) as exc:
+        pp().parse_args(["--out", str(tmp_path / "base")] + bad)
+    assert exc.value.code == 2 and f"argument {bad[0]}" in capsys.readouterr().err
+
+
+def test_pretrain_refuses_a_corpus_shorter_than_one_sequence(tmp_path):
+    from kfused.data.pretrain_base import build_parser as pp, pretrain
+
+    with pytest.raises(ValueError, match="--docs 1 gives .* fewer than one --seq-len 384"):
+        pretrain(pp().parse_args(["--docs", "1", "--out", str(tmp_path / "base")]))
+    assert not (tmp_path / "base").exists()
+
+
 def test_pretraining_corpus_is_disjoint_from_the_task():
     docs = documents(3000)
     text = "\n".join(a + " " + b for a, b in docs)

@@ -11,7 +11,7 @@ in float16 (the demo loads them as float32 and keeps the base frozen) with ``con
 and ``pretrain.json`` (steps, tokens, time, load, final training and held-out loss of the
 float16 weights, versions, sha256 of the weights) beside them:
 
-    python -m kfused.data.pretrain_base                 # a few minutes on 2 idle CPU cores
+    python -m kfused.data.pretrain_base --threads 1     # the shipped run: ~20 min (pretrain.json)
     python -m kfused.data.pretrain_base --steps 20 --out /tmp/base   # a quick try
 """
 
@@ -38,18 +38,22 @@ SHAPE = dict(d_model=128, n_layers=4, n_heads=4, d_ff=512, max_len=384)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kfused.cli.args import int_range, positive_float, positive_int, seed_int
+
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=12, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=SHAPE["max_len"],
-                   help="tokens per packed sequence")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
-    p.add_argument("--docs", type=int, default=24000, help="corpus documents to generate")
-    p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=12, help="sequences per step")
+    p.add_argument("--seq-len", type=int_range(2, SHAPE["max_len"]), default=SHAPE["max_len"],
+                   help=f"tokens per packed sequence (2 to the model's {SHAPE['max_len']} "
+                        "positions)")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=positive_int, default=60, help="linear warm-up steps")
+    p.add_argument("--docs", type=positive_int, default=24000,
+                   help="corpus documents to generate")
+    p.add_argument("--seed", type=seed_int, default=0, help="initialisation and batch-order seed")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads")
     p.add_argument("--out", default=BASE_DIR, help="output directory")
     return p
 
@@ -97,6 +101,9 @@ def pretrain(args) -> dict:
     T = args.seq_len
     chunks = stream[: (stream.numel() // T) * T].view(-1, T)
     held = held[: (held.numel() // T) * T].view(-1, T)
+    if chunks.shape[0] == 0:  # before anything is written
+        raise ValueError(f"--docs {args.docs} gives {stream.numel()} tokens, fewer than one "
+                         f"--seq-len {T} sequence")
     model = build_model(args.seed)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
