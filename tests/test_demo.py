@@ -76,7 +76,8 @@ def test_demo_local_checkpoint_dir(tmp_path, capsys):
     tiny_model("gpt2", d_model=32, n_layers=1, n_heads=2, vocab=200).save_pretrained(
         tmp_path / "gpt2-local")  # smaller vocab than the byte tokenizer: embeddings resized
     rc = run_demo(["--model-dir", str(tmp_path / "gpt2-local"), "--method", "lora", "--steps",
-                   "2", "--seq-len", "32", "--batch-size", "2", "--warmup", "0",
+                   "2", "--seq-len", "32", "--loss", "all",  # no sentence starts by byte 32
+                   "--batch-size", "2", "--warmup", "0",
                    "--gen-examples", "2", "--max-new-tokens", "4", "--no-progress",
                    "--device", "cpu", "--out", str(tmp_path / "out")])
     assert rc == 0
@@ -138,6 +139,42 @@ def test_demo_interrupted_write_keeps_the_earlier_files(tmp_path, monkeypatch):
     assert (tmp_path / "demo.png").read_bytes() == before["demo.png"]
     assert json.loads((tmp_path / "demo.json").read_text())["written_by"] == "kfused demo"
     assert sorted(os.listdir(tmp_path)) == ["adapter_krona", "demo.json", "demo.png"]
+
+
+def test_demo_sentences_beyond_seq_len_are_not_trained_on_nor_scored_as_zero(tmp_path, capsys):
+    import math
+
+    # --seq-len 64 with --loss target: most training sentences start after byte 64, so a
+    # batch of only those had no labelled token and its loss was nan (training on nan), and
+    # the held-out loss over no token was reported as 0.000 (a perfect score)
+    rc = run_demo(TINY + ["--steps", "3", "--methods", "lora", "--runs", "both", "--out",
+                          str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    for run in report["runs"]["lora"].values():
+        assert all(math.isfinite(x) for x in run["losses"]), run["losses"]
+    assert any("are left out (no target token)" in n for n in report["notes"])
+    assert all(r["eval_loss"] != 0.0 for r in report["rows"])
+    assert any("no held-out loss" in n for n in report["notes"])
+    assert math.isfinite(report["fused_vs_reference"]["lora"]["max_abs_loss_difference"])
+    # nothing left to train on at all: a usage error before training
+    assert run_demo(TINY + ["--seq-len", "40", "--out", str(tmp_path / "b")]) == 2
+    assert "raise --seq-len or use --loss all" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def test_demo_runs_fused_and_distributed_messages(tmp_path, capsys):
+    # --runs fused printed "fused run skipped: None"; --distributed without torchrun was a
+    # RuntimeError traceback
+    assert run_demo(TINY + ["--steps", "1", "--methods", "krona", "--runs", "fused",
+                            "--gen-examples", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: None" not in out and "reference run not requested (--runs fused)" in out
+    for env in ("RANK", "WORLD_SIZE"):
+        assert env not in os.environ
+    assert run_demo(TINY + ["--distributed", "ddp", "--out", str(tmp_path / "d")]) == 2
+    assert "needs the torchrun environment" in capsys.readouterr().err
 
 
 def test_demo_help_documents_every_option():

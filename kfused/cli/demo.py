@@ -216,7 +216,7 @@ def eval_loss(model, data: Dict[str, torch.Tensor], device, dtype, batch: int = 
             ignore_index=-100, reduction="sum")
         tot += float(nll)
         count += int((lab != -100).sum())
-    return tot / max(count, 1)
+    return tot / count if count else float("nan")  # no labelled token: no loss, not 0
 
 
 def _trim(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -531,6 +531,12 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.distributed != "none":
+        if not kd.launched_with_torchrun():  # a usage error, not a traceback
+            print(f"kfused demo: --distributed {args.distributed} needs the torchrun "
+                  f"environment (RANK, WORLD_SIZE, ...); launch with e.g. `torchrun "
+                  f"--nproc-per-node 2 -m kfused.cli.demo --distributed {args.distributed}`",
+                  file=sys.stderr)
+            return 2
         _, world, device = kd.init_distributed()
         if args.batch_size % world:
             print(f"--batch-size {args.batch_size} must divide by the world size {world}",
@@ -594,6 +600,21 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     data = encode_pairs(train, args.seq_len, tok, target_only=target_only)
     eval_data = encode_pairs(held, args.seq_len, tok, target_only=target_only)
     truncated = int((data["attention_mask"].sum(1) >= args.seq_len).sum())
+    if target_only:  # a sentence wholly beyond --seq-len leaves nothing to train on
+        keep = (data["labels"][:, 1:] != -100).any(1)
+        if not bool(keep.any()):
+            print(f"kfused demo: --seq-len {args.seq_len} leaves no sentence byte of any "
+                  f"training example with --loss target (the meaning representations take "
+                  f"up to {max(len(tok.encode(e['mr'])) for e in train) + 2} tokens); raise "
+                  "--seq-len or use --loss all", file=sys.stderr)
+            return 2
+        if not bool(keep.all()):
+            notes.append(f"{int((~keep).sum())} training examples whose sentence lies wholly "
+                         f"beyond --seq-len {args.seq_len} are left out (no target token)")
+            data = {k: v[keep] for k, v in data.items()}
+        if not bool((eval_data["labels"][:, 1:] != -100).any()):
+            notes.append(f"no held-out sentence starts within --seq-len {args.seq_len}: no "
+                         "held-out loss")
     if args.model_dir:
         built = f"from {args.model_dir}"
     elif args.base == "pretrained":
@@ -645,9 +666,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             runs[method][name] = r
         if len(runs[method]) == 2:
             a, b = runs[method]["fused"], runs[method]["reference"]
-            comparisons[method] = {
-                "max_abs_loss_difference": max(abs(x - y) for x, y in
-                                               zip(a["losses"], b["losses"])),
+            diffs = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
+            comparisons[method] = {  # a nan anywhere is the largest difference, not skipped
+                "max_abs_loss_difference": float("nan") if any(map(math.isnan, diffs))
+                else max(diffs),
                 "final_loss_difference": abs(a["losses"][-1] - b["losses"][-1]),
                 "tokens_per_s": {"fused": a["tokens_per_s"], "reference": b["tokens_per_s"]},
                 "peak_memory_bytes": {"fused": a["peak_memory_bytes"],
@@ -718,8 +740,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                       f"; tokens/s {c['tokens_per_s']['fused']:.0f} vs "
                       f"{c['tokens_per_s']['reference']:.0f}; peak memory "
                       f"{mem['fused'] / 2**20:.1f} vs {mem['reference'] / 2**20:.1f} MiB")
-        else:
+        elif fused_skip:
             print(f"fused vs reference: fused run skipped: {fused_skip}")
+        else:
+            print(f"fused vs reference: reference run not requested (--runs {args.runs})")
         first = rows[1] if len(rows) > 1 else rows[0]
         print(f"peak memory: {first.get('peak_memory_kind', '-')}; metrics: "
               "kfused.data.e2e_metrics")
