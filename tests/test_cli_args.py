@@ -284,3 +284,41 @@ def test_perf_options_are_checked(argv, option, monkeypatch, capsys):
         report.run(argv)
     assert exc.value.code == 2
     assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
+    # --update-known with --ops, an unknown op, a --json folder that does not exist or a
+    # .txt name (the table beside it overwrote the JSON) were found only after the run, if at
+    # all; the table's <name>.txt replaced any file of that name
+    from kfused.perf import report
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # else run() re-launches itself
+    monkeypatch.setattr(report, "analyse", lambda *a, **k: pytest.fail("ran with bad options"))
+    (tmp_path / "r.txt").write_text("my notes")
+    for argv, option, text in [
+            (["--update-known", "--ops", "krona"], "--update-known", "needs a full run"),
+            (["--update-known", "--arch", "80"], "--update-known", "needs a full run"),
+            (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
+            (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
+            (["--json", str(tmp_path)], "--json", "is a folder"),
+            (["--json", str(tmp_path / "p.txt")], "--json", "give a .json name"),
+            (["--json", str(tmp_path / "r.json")], "--json", "not overwriting it")]:
+        with pytest.raises(SystemExit) as exc:
+            report.run(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument {option}" in err and text in err, err
+    assert (tmp_path / "r.txt").read_text() == "my notes"
+
+
+def test_perf_update_known_writes_the_list_after_a_full_run(monkeypatch):
+    # the full run's --update-known failed with NameError ('archs') after compiling everything
+    from kfused.perf import report
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fake = {"failures": [], "elapsed_s": 1.0, "violations": [
+        {"arch": "sm_90", "kernel": "k"}, {"arch": "sm_80", "kernel": "k"}]}
+    monkeypatch.setattr(report, "analyse", lambda *a, **k: dict(fake))
+    written = []
+    monkeypatch.setattr(report, "write_known", written.append)
+    assert report.run(["--structure-only", "--update-known"]) == 0
+    assert [r["violations"] for r in written] == [[{"arch": "sm_90", "kernel": "k"}]]

@@ -451,6 +451,15 @@ def write_known(report: dict) -> None:
         f.write("\n")
 
 
+def _our_table(path: str) -> bool:
+    """True when ``path`` is a table an earlier ``kfused perf`` wrote (its first line)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith("PREDICTED (static model, no GPU): kfused.perf")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _archs(text: str) -> tuple:
     """--arch: a comma list of SM versions (e.g. 90,80), as integers."""
     try:
@@ -485,14 +494,35 @@ def run(argv=None) -> int:
                    help="skip the kernel modules' own representative launches")
     p.add_argument("--structure-only", action="store_true",
                    help="compile and check structure only (no model, no grounding)")
-    p.add_argument("--json", default=None, help="write the JSON here (default "
-                   "benchmarks/results/predicted/perf-<commit>.json unless --structure-only)")
+    p.add_argument("--json", default=None, help="write the JSON here, and the table beside it "
+                   "as <name>.txt (default benchmarks/results/predicted/perf-latest.json "
+                   "unless --structure-only)")
     p.add_argument("--update-known", action="store_true",
                    help="rewrite kfused/perf/known_violations.json from this run (sm_90)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 on compile failures or violations beyond the known list")
     a = p.parse_args(argv)
     ops = [o for o in a.ops.split(",") if o] or None
+    # every refusal before the compile run (up to half an hour cold), none after it
+    if ops:
+        known_ops = sorted({c.op for c in _cases_for(None)})
+        unknown = [o for o in ops if not any(k.startswith(o) for k in known_ops)]
+        if unknown:
+            p.error(f"argument --ops: {', '.join(unknown)} is no prefix of an op; expected "
+                    f"prefixes of {', '.join(known_ops)}")
+    if a.update_known and (ops or 90 not in a.arch or a.no_csrc):
+        p.error("argument --update-known: needs a full run (all ops, sm_90, csrc)")
+    if a.json is not None:
+        folder = os.path.dirname(os.path.abspath(a.json))
+        text_path = os.path.splitext(a.json)[0] + ".txt"
+        if os.path.isdir(a.json) or not os.path.isdir(folder):
+            p.error(f"argument --json: {a.json} is a folder or its folder does not exist")
+        if not a.structure_only and os.path.abspath(text_path) == os.path.abspath(a.json):
+            p.error(f"argument --json: {a.json} would be overwritten by the table (written "
+                    "beside the JSON as <name>.txt); give a .json name")
+        if not a.structure_only and os.path.lexists(text_path) and not _our_table(text_path):
+            p.error(f"argument --json: the table goes to {text_path}, which exists and was "
+                    "not written by kfused perf; not overwriting it")
     report = analyse(ops, a.arch, a.jobs, with_csrc=not a.no_csrc,
                      with_grounding=not a.no_grounding,
                      with_representative=not a.no_representative,
@@ -514,9 +544,6 @@ def run(argv=None) -> int:
           f"violations; {report['elapsed_s']:.0f} s" + (f"; JSON: {path}" if path else ""))
     rc = 1 if report["failures"] else 0
     if a.update_known:
-        if ops or 90 not in archs or a.no_csrc:
-            print("--update-known needs a full run (all ops, sm_90, csrc)", file=sys.stderr)
-            return 2
         report["violations"] = [v for v in report["violations"] if v["arch"] == "sm_90"]
         write_known(report)
         print(f"wrote {KNOWN}")
