@@ -139,3 +139,10 @@ def test_write_prefs_merges_and_never_overwrites_a_foreign_file(tmp_path, monkey
     with pytest.raises(SystemExit, match="not written by"):
         write_prefs(foreign, GPU, [])
     assert foreign.read_text() == '{"mine": true}'
+    # a symlink to a file kfused wrote: the rename replaced the link with a regular file
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    before = path.read_text()
+    with pytest.raises(SystemExit, match="symbolic link"):
+        write_prefs(link, "third GPU", [])
+    assert link.is_symlink() and path.read_text() == before

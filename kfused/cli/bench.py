@@ -314,6 +314,9 @@ def _check_prefs_target(path: Path) -> None:
     preferences file written by ``kfused bench --write-prefs``."""
     from kfused.backends import PREFS_WRITER
 
+    if path.is_symlink():  # the rename would replace the link itself, not what it names
+        raise SystemExit(f"kfused bench: {path} is a symbolic link; not replacing it (give "
+                         f"the file it points to, {os.path.realpath(path)})")
     if path.exists():
         try:
             mine = json.loads(path.read_text()).get("written_by") == PREFS_WRITER
