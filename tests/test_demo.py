@@ -67,6 +67,11 @@ def test_demo_deterministic(tmp_path):
 def test_demo_bad_method_is_a_usage_error(tmp_path, capsys):
     assert run_demo(TINY + ["--methods", "no_such_method", "--out", str(tmp_path)]) == 2
     assert "no_such_method" in capsys.readouterr().err
+    # a name given twice: two table rows, but one entry in the report's runs (the second
+    # overwrote the first) and one checkpoint folder saved twice
+    assert run_demo(TINY + ["--methods", "lora,krona,lora", "--out", str(tmp_path)]) == 2
+    assert "names lora more than once" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
 
 
 def test_demo_local_checkpoint_dir(tmp_path, capsys):

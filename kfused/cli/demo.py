@@ -573,6 +573,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         if device.type != "cuda":
             notes.append("the fused run on the CPU uses the reference path (the fused kernels "
                          "need a CUDA GPU)")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:  # one row, one run and one checkpoint folder per name
+        print(f"kfused demo: --methods names {', '.join(twice)} more than once", file=sys.stderr)
+        return 2
     try:  # a bad method / preset / target is a usage error, not a traceback
         for m in methods:
             _adapter_config(m, args, "reference")
