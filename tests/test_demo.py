@@ -107,6 +107,9 @@ def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
     # FileExistsError traceback after the frozen base's evaluation)
     assert run_demo(TINY + ["--out", str(tmp_path / "demo.png")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert run_demo(TINY + ["--out", str(tmp_path / "dangling")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
     (tmp_path / "link").mkdir()
     (tmp_path / "link" / "demo.json").symlink_to(tmp_path / "demo.png")
     assert run_demo(TINY + ["--out", str(tmp_path / "link")]) == 2

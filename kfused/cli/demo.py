@@ -404,7 +404,7 @@ def _ours(json_path: str) -> bool:
 def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
     """Why ``--out`` cannot take this run's files (None if it can): kfused never overwrites
     a file it did not write, nor writes through a symbolic link it finds there."""
-    if os.path.exists(out) and not os.path.isdir(out):
+    if os.path.lexists(out) and not os.path.isdir(out):  # a file, or a dangling link
         return f"--out {out} exists and is not a directory"
     report = os.path.join(out, REPORT)
     for name in (REPORT, PLOT):
