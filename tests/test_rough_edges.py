@@ -145,6 +145,26 @@ def test_bench_out_never_overwrites_a_file(tmp_path, monkeypatch, capsys):
     assert "--out" in capsys.readouterr().err and first.read_text() == "the user's notes"
 
 
+def test_bench_records_the_commit_of_the_kfused_that_runs(tmp_path, monkeypatch):
+    import subprocess
+
+    from kfused.cli import bench
+
+    here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    if not here:
+        pytest.skip("not a git checkout")
+    # run from inside another checkout: its commit was recorded as kfused's
+    other = tmp_path / "other"
+    (other / "benchmarks").mkdir(parents=True)
+    (other / "kfused").mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=other, check=True)
+    subprocess.run(["git", "-c", "user.name=x", "-c", "user.email=x@x", "commit", "-q",
+                    "--allow-empty", "-m", "other"], cwd=other, check=True)
+    monkeypatch.chdir(other)
+    assert bench._git_commit().split("-")[0] == here
+
+
 @pytest.mark.slow
 def test_inducer_bench_compile_baseline_runs_backward():
     # torch.compile's donated buffers refused the harness's replayed backward (retain_graph)

@@ -46,13 +46,17 @@ def available_ops() -> List[str]:
 
 
 def _git_commit() -> str:
-    root = repo_root()
+    """The commit of the kfused that runs: the checkout this package was imported from (not
+    the working directory's, which may be another checkout or none)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return "unknown"
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root or Path.cwd(),
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
                              capture_output=True, text=True, timeout=10)
         sha = out.stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root or Path.cwd(), capture_output=True, text=True,
+                               cwd=root, capture_output=True, text=True,
                                timeout=10).stdout.strip()
         return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
     except Exception:
