@@ -217,6 +217,18 @@ def test_bench_ratios_against_each_family_baseline():
                    ("kfused-padded", 1.0, "kfused-padded"), ("eager", None, None)]
 
 
+def test_bench_e2e_ratios_against_the_frozen_model():
+    # the e2e family's baseline (its cost floor, "frozen-floor") was not one of the ratio
+    # baselines: every e2e row had no ratio and the table's "x base" column read nan
+    from kfused.cli.bench import add_ratios
+
+    rows = [dict(shape={"t": 1}, mode="fwd", provider="frozen-floor", ms_p50=2.0),
+            dict(shape={"t": 1}, mode="fwd", provider="peft-lora", ms_p50=3.0)]
+    add_ratios(rows)
+    assert [(r["ratio_to_floor"], r["ratio_baseline"]) for r in rows] == \
+        [(1.0, "frozen-floor"), (1.5, "frozen-floor")]
+
+
 def test_old_triton_interpreter_with_new_numpy_is_refused_by_name(monkeypatch):
     # Triton < 3.7's CPU interpreter calls int() on a one-element array for every runtime
     # loop bound, an error from numpy 2.4 on (seen with triton 3.6.0 + numpy 2.4.6: every

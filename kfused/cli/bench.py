@@ -118,8 +118,9 @@ def device_ceilings(device: torch.device) -> Dict[str, float]:
 
 
 # the baseline of a case's ratios: the first of these providers it has (krona and headwise:
-# the frozen layer; inducer: SDPA; the packed-batch case: the same kernels on the padded batch)
-RATIO_BASELINES = ("floor", "sdpa", "kfused-padded")
+# the frozen layer; inducer: SDPA; the packed-batch case: the same kernels on the padded batch;
+# e2e: the frozen model's training step, its cost floor)
+RATIO_BASELINES = ("floor", "sdpa", "kfused-padded", "frozen-floor")
 
 
 def add_ratios(rows: List[dict], baselines=RATIO_BASELINES) -> None:
