@@ -185,6 +185,17 @@ def test_demo_runs_fused_and_distributed_messages(tmp_path, capsys):
     assert "needs the torchrun environment" in capsys.readouterr().err
 
 
+def test_demo_model_dir_must_be_a_local_checkpoint(tmp_path, capsys):
+    # a missing folder was taken for a model hub id (an OSError about repo ids); a folder
+    # without config.json failed inside transformers
+    for d in (tmp_path / "missing", tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            run_demo(TINY + ["--model-dir", str(d), "--out", str(tmp_path / "out")])
+        assert exc.value.code == 2
+        assert "argument --model-dir" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_demo_help_documents_every_option():
     for action in build_parser()._actions:
         assert action.help and action.help.strip(), action.option_strings

@@ -525,6 +525,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     if not args.model_dir and args.base == "random" and args.d_model % args.heads:
         parser.error(f"argument --d-model: {args.d_model} is not a multiple of --heads "
                      f"{args.heads} (each head gets d_model / heads)")
+    if args.model_dir and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        # else transformers takes it for a model hub id (unreachable) or fails on the folder
+        parser.error(f"argument --model-dir: {args.model_dir} is not a local transformers "
+                     "checkpoint folder (no config.json in it)")
     from kfused import distributed as kd
     from kfused.data import ByteTokenizer, encode_pairs, load_pairs
 
