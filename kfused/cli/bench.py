@@ -1,8 +1,9 @@
 """`kfused bench`: run the benchmark cases of each op family (``bench_cases(device, dtype,
 quick)`` in :mod:`kfused.cases`) through the shared harness. Results go to
 ``<out>/<op>_<device>_<utc>.json`` (``-2``, ``-3``, ... before ``.json`` when that name or
-its PNG is taken; an existing file is never overwritten; default ``benchmarks/results/local/`` of the source
-checkout, git-ignored; ``./kfused_bench_results/`` elsewhere) with the device, driver,
+its PNG is taken: an existing file is never overwritten; default
+``benchmarks/results/local/`` of the source checkout, git-ignored;
+``./kfused_bench_results/`` elsewhere) with the device, driver,
 versions, git commit and the two device ceilings measured in the same run (a large
 device-to-device copy and an 8192³ matmul), plus a PNG drawn from the JSON by
 :func:`plot_results`.
