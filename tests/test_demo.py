@@ -260,6 +260,23 @@ def test_pretrain_refuses_a_corpus_shorter_than_one_sequence(tmp_path):
     assert not (tmp_path / "base").exists()
 
 
+def test_pretrain_never_overwrites_a_model_it_did_not_write(tmp_path):
+    # --out naming the user's own model folder: its config.json and weights were replaced
+    from kfused.data.pretrain_base import _out_refusal, build_parser as pp, pretrain
+
+    (tmp_path / "config.json").write_text('{"model_type": "mine"}')
+    (tmp_path / "model.safetensors").write_bytes(b"my weights")
+    args = pp().parse_args(["--steps", "1", "--docs", "40", "--batch-size", "1", "--seq-len",
+                            "32", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="did not write .* not overwriting them"):
+        pretrain(args)
+    assert (tmp_path / "config.json").read_text() == '{"model_type": "mine"}'
+    assert (tmp_path / "model.safetensors").read_bytes() == b"my weights"
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    # a folder this script wrote (the shipped base's) or an empty one is taken
+    assert _out_refusal(BASE_DIR) is None and _out_refusal(str(tmp_path / "new")) is None
+
+
 def test_pretraining_corpus_is_disjoint_from_the_task():
     docs = documents(3000)
     text = "\n".join(a + " " + b for a, b in docs)

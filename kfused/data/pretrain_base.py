@@ -24,7 +24,7 @@ import math
 import os
 import platform
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -32,6 +32,9 @@ from kfused.data import ByteTokenizer
 from kfused.data.make_corpus import documents
 
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base")
+
+WHAT = ("GPT-2-shaped byte-level LM pretrained by kfused.data.pretrain_base on the generated "
+        "English of kfused.data.make_corpus (none of the demo task's data)")
 
 # The shipped base's shape (GPT-2 layout, learned positions, tied embeddings).
 SHAPE = dict(d_model=128, n_layers=4, n_heads=4, d_ff=512, max_len=384)
@@ -92,7 +95,32 @@ def mean_loss(model, chunks: torch.Tensor, batch: int = 16) -> float:
     return tot / chunks.shape[0]
 
 
+OUTPUTS = ("config.json", "generation_config.json", "model.safetensors", "pretrain.json")
+
+
+def _out_refusal(out: str) -> Optional[str]:
+    """Why ``out`` cannot take the base's files (None if it can): kfused never overwrites a
+    model it did not write (one without this script's pretrain.json beside it)."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        return f"--out {out} exists and is not a directory"
+    taken = [n for n in OUTPUTS if os.path.lexists(os.path.join(out, n))]
+    if not taken:
+        return None
+    try:
+        with open(os.path.join(out, "pretrain.json")) as f:
+            ours = str(json.load(f).get("what", "")).startswith(WHAT.split(" (")[0])
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        return (f"--out {out} holds {', '.join(taken)} that kfused.data.pretrain_base did not "
+                "write (no pretrain.json of its own); not overwriting them")
+    return None
+
+
 def pretrain(args) -> dict:
+    refusal = _out_refusal(args.out)
+    if refusal:  # before the corpus and the training: nothing is written
+        raise ValueError(refusal)
     torch.set_num_threads(args.threads)
     tok = ByteTokenizer()
     t0 = time.perf_counter()
@@ -146,8 +174,7 @@ def pretrain(args) -> dict:
     import transformers
 
     info = {
-        "what": "GPT-2-shaped byte-level LM pretrained by kfused.data.pretrain_base on the "
-                "generated English of kfused.data.make_corpus (none of the demo task's data)",
+        "what": WHAT,
         "shape": SHAPE, "vocab": tok.vocab_size,
         "params": sum(p.numel() for p in model.parameters()),
         "args": {k: v for k, v in vars(args).items() if k != "out"},
@@ -170,7 +197,12 @@ def pretrain(args) -> dict:
 
 
 def main(argv=None) -> None:  # pragma: no cover
-    pretrain(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refusal = _out_refusal(args.out)
+    if refusal:
+        parser.error(f"argument {refusal}")
+    pretrain(args)
 
 
 if __name__ == "__main__":  # pragma: no cover
