@@ -587,7 +587,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     except (ValueError, NotImplementedError) as exc:
         print(f"kfused demo: {exc}", file=sys.stderr)
         return 2
-    refusal = _out_refusal(args.out, methods) if main else None
+    refusal = _out_refusal(args.out, methods)  # every rank: none goes on alone
     if refusal:  # before any training: nothing is written
         print(f"kfused demo: {refusal}", file=sys.stderr)
         return 2
