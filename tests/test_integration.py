@@ -441,3 +441,19 @@ def test_merge_refuses_tied_weights():
     assert torch.equal(model.transformer.wte.weight, emb)
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, y)
+
+
+@pytest.mark.parametrize("cache_kw", ["cache", "past_key_values"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_prefix_position_offset_continues_after_the_cache(arch, cache_kw):
+    # options["position_offset"]: a decode step with a KV cache passed under either name
+    # (transformers 5.x calls it ``cache``) continues the positions after the cached tokens
+    model = make(arch).eval()
+    inject(model, AdapterConfig(method="prefix", r=3, backend="reference",
+                                options={"position_offset": 3}))
+    ids = batch(arch, b=1, n=6)["input_ids"]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        step = model(input_ids=ids[:, 4:], use_cache=True, **{cache_kw: cache}).logits
+    torch.testing.assert_close(step, full[:, 4:], rtol=1e-5, atol=1e-5)

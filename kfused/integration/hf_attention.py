@@ -425,7 +425,10 @@ def add_position_offset(model: nn.Module, offset: int):
             ref = kwargs.get("inputs_embeds")
         if ref is None:
             return None
-        past = kwargs.get("past_key_values")
+        # the KV cache: ``cache`` (transformers 5.x) or its deprecated name ``past_key_values``
+        past = kwargs.get("cache")
+        if past is None:
+            past = kwargs.get("past_key_values")
         start = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
         n = ref.shape[1]
         pos = torch.arange(offset + start, offset + start + n, device=ref.device)
