@@ -457,3 +457,30 @@ def test_prefix_position_offset_continues_after_the_cache(arch, cache_kw):
         cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
         step = model(input_ids=ids[:, 4:], use_cache=True, **{cache_kw: cache}).logits
     torch.testing.assert_close(step, full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_parallel_adapter_refuses_a_block_of_another_width():
+    # a linear target whose output width is not the model width (Llama's grouped-query k_proj,
+    # the FFN's first layer) was accepted and broke at forward inside a broadcast; a block
+    # returning another shape is refused, never broadcast
+    from kfused.modules.parallel_adapter import ScaledParallelAdapter
+
+    for target in ("k", "ffn_in"):
+        model = make("llama")
+        with pytest.raises(ValueError, match=r"linear layer of \(in, out\) = \(32, \d+\)"):
+            inject(model, AdapterConfig(method="parallel_adapter", targets=[target], r=2))
+        assert get_state(model, required=False) is None
+    ad = ScaledParallelAdapter(_FnBlock(lambda x: x[..., :1]), 8, r=2, init="random")
+    with pytest.raises(ValueError, match=r"block returned shape \(3, 1\) .* expected \(3, 8\)"):
+        ad(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"x has shape \(3, 6\)"):
+        ad(torch.randn(3, 6))
+
+
+class _FnBlock(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
