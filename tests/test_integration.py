@@ -484,3 +484,24 @@ class _FnBlock(nn.Module):
 
     def forward(self, x):
         return self.fn(x)
+
+
+@pytest.mark.parametrize("method,options,match", [
+    ("prefix", {"position_offset": 1.5}, r"options\['position_offset'\] must be an integer"),
+    ("prefix", {"position_offset": "3"}, r"options\['position_offset'\] must be an integer"),
+    ("inducer", {"key_bottleneck": "x"}, r"options\['key_bottleneck'\] must be an integer"),
+    ("inducer", {"value_bottleneck": 2.5}, r"options\['value_bottleneck'\] must be an integer"),
+    ("inducer", {"prefix_len": True}, r"options\['prefix_len'\] must be an integer"),
+    ("inducer", {"position_offset": 2}, r"options\['position_offset'\] shifts the positions"),
+])
+def test_inducer_and_prefix_options_checked_by_name(method, options, match):
+    # options were passed through int(): 1.5 became 1, "3" became 3, "x" gave int()'s own
+    # message, and a position_offset given to the inducer was silently ignored
+    model = make("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        inject(model, AdapterConfig(method=method, r=2, init="paper", options=options))
+    assert get_state(model, required=False) is None
+    assert model.config._attn_implementation == "eager"
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], v) for k, v in before.items())
