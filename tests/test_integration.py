@@ -505,3 +505,14 @@ def test_inducer_and_prefix_options_checked_by_name(method, options, match):
     assert model.config._attn_implementation == "eager"
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("lite", [["x"], ["o"], "q", [1]])
+def test_headwise_lite_option_names_adapted_projections(lite):
+    # options["lite"] entries that name no adapted projection were silently ignored (and a
+    # string was read letter by letter)
+    model = make("llama")
+    with pytest.raises(ValueError, match=r"options\['lite'\] must be a list of the adapted"):
+        inject(model, AdapterConfig(method="kernel_mix", r=2, targets=["q", "v"],
+                                    options={"lite": lite}))
+    assert get_state(model, required=False) is None
