@@ -2,6 +2,8 @@
 cross-attention), Llama (GQA) and T5 models built from local configs, and the one init
 vocabulary of every method (kfused.modules._init)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -96,6 +98,31 @@ def test_llama_gqa():
     # a submodule (the inner model) is found through its own config
     assert [b.name for b in attention_blocks(model.model)] == ["layers.0.self_attn",
                                                               "layers.1.self_attn"]
+
+
+def test_phi3_fused_qkv_and_gate_up():
+    # Phi-3 was registered as Llama-style, whose q_proj/k_proj/v_proj it does not have:
+    # Kernel-wise failed with an AttributeError, LoRA matched nothing, ffn_in missed gate_up_proj
+    model = t.Phi3ForCausalLM(t.Phi3Config(hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, vocab_size=40,
+                                           max_position_embeddings=16, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)).eval()
+    blocks = attention_blocks(model)
+    assert [b.name for b in blocks] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for b in blocks:
+        assert b.fused_qkv and (b.n_heads, b.n_kv_heads, b.head_dim) == (4, 2, 8)
+        assert _out_width(b.get("qkv")) == (4 + 2 * 2) * 8 and b.get("o") is b.module.o_proj
+    ids = torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    for method, targets in [("kernel_wise", ["q", "v"]), ("lora", ["q", "ffn_in"])]:
+        m = copy.deepcopy(model)
+        inject(m, AdapterConfig(method=method, targets=targets, r=2, backend="reference"))
+        kinds = {n.rsplit(".", 1)[-1] for n in get_state(m).adapter_modules}
+        assert kinds == ({"qkv_proj"} if method == "kernel_wise" else {"qkv_proj", "gate_up_proj"})
+        with torch.no_grad():
+            torch.testing.assert_close(m(input_ids=ids).logits, want, rtol=0, atol=1e-6)
 
 
 def test_t5_cross_attention_and_score_bias():
