@@ -425,3 +425,16 @@ def test_output_projection_wrapper_checks_its_input():
     gate = InducerOutputProjection(lin, InducerAttention(H, p, d_model=d, composition="gate"))
     with pytest.raises(ValueError, match=r"expected H·p = 64 .*adds no u columns"):
         gate(x)
+
+
+@pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(2))])
+def test_attention_refuses_score_changes_it_cannot_apply(name, value):
+    """Gemma-2 passes its logit soft-capping and gpt-oss its attention sinks to the attention
+    function: the kernel applies neither, so both are refused (they were silently dropped)."""
+    q = torch.randn(1, 2, 3, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = hf_attention.kfused_inducer_attention_forward(module, q, q, q, None)
+    assert out.shape == (1, 3, 2, 8)
+    with pytest.raises(NotImplementedError, match=name):
+        hf_attention.kfused_inducer_attention_forward(module, q, q, q, None, **{name: value})

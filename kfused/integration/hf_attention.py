@@ -170,6 +170,12 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
     wrapped output projection (:class:`InducerOutputProjection`) consumes them.
     """
     # grouped-query attention (fewer kv heads) runs natively in the kernel: no repeat_kv copy
+    for name, what in (("softcap", "attention-logit soft-capping (Gemma-2)"),
+                       ("s_aux", "attention sinks (gpt-oss)")):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{ATTN_IMPLEMENTATION} does not support {name} ({what}): the kernel would drop "
+                "it and give a wrong result, so it is refused")
     key_padding_mask = None
     packed = None
     if kwargs.get("cu_seq_lens_q") is not None:                # flash-attention's varlen kwargs
