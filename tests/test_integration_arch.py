@@ -204,3 +204,20 @@ def test_each_init_means_the_same_for_every_method(method, init):
         mats = [p for n, p in params.items() if n.rpartition(".")[2] not in biases]
         assert mats and all(p.abs().max() > 0 for p in mats)
         assert all(p.abs().max() <= 1 / p.shape[-1] ** 0.5 + 1e-12 for p in mats)
+
+
+@pytest.mark.parametrize("method,options", [
+    ("inducer", {"prefix_len": 2}),
+    ("mam_inducer", {"inducer": {"options": {"prefix_len": 2}}})])
+def test_inducer_with_prefix_columns_defaults_to_an_init_it_honours(method, options):
+    # init=None meant "zero" for the inducer whatever its options, which prefix columns
+    # cannot honour: the default config failed, naming an init the caller never gave
+    model = make("llama")
+    inject(model, AdapterConfig(method=method, r=2, options=options, backend="reference"))
+    inducers = [m for m in model.modules() if type(m).__name__ == "InducerAttention"]
+    assert inducers and all(m.init == "paper" and m.prefix_len == 2 for m in inducers)
+    model = make("llama")
+    with pytest.raises(ValueError, match="cannot honour init='zero'"):
+        inject(model, AdapterConfig(method="inducer", r=2, init="zero",
+                                    options={"prefix_len": 2}))
+    assert get_state(model, required=False) is None

@@ -142,6 +142,12 @@ def _prefix_finish(model: nn.Module, cfg: AdapterConfig) -> None:
         add_position_offset(model, offset)
 
 
+def _inducer_default_init(cfg: AdapterConfig) -> str:
+    """init=None for the inducer: "zero" (an exact start), "paper" with prefix columns, which
+    take softmax weight from the first step (no exact start)."""
+    return "paper" if cfg.options.get("prefix_len") not in (None, 0) else "zero"
+
+
 def _inducer_check(model: nn.Module, arch) -> None:
     # T5's relative position bias is not an input of the inducer kernel: refuse, never drop it
     check_supported(model)
@@ -181,7 +187,7 @@ for _name, _desc in [
 
 register_method("inducer", site="attention", wrap=_inducer_wrap(True), paper="001",
                 inits=InducerAttention.inits_for(True, 0), check=_inducer_check,
-                finish=_inducer_finish,
+                finish=_inducer_finish, default_init_for=_inducer_default_init,
                 description="inducer attention: a per-query virtual key/value column (docs/math.md §3)")
 register_method("prefix", site="attention", wrap=_inducer_wrap(False), paper="002",
                 inits=InducerAttention.inits_for(False, 1), default_init="paper",
