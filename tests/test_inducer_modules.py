@@ -425,3 +425,39 @@ def test_output_projection_wrapper_checks_its_input():
     gate = InducerOutputProjection(lin, InducerAttention(H, p, d_model=d, composition="gate"))
     with pytest.raises(ValueError, match=r"expected H·p = 64 .*adds no u columns"):
         gate(x)
+
+
+@pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(2))])
+def test_attention_refuses_score_changes_it_cannot_apply(name, value):
+    """Gemma-2 passes its logit soft-capping and gpt-oss its attention sinks to the attention
+    function: the kernel applies neither, so both are refused (they were silently dropped)."""
+    q = torch.randn(1, 2, 3, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = hf_attention.kfused_inducer_attention_forward(module, q, q, q, None)
+    assert out.shape == (1, 3, 2, 8)
+    with pytest.raises(NotImplementedError, match=name):
+        hf_attention.kfused_inducer_attention_forward(module, q, q, q, None, **{name: value})
+
+
+@pytest.mark.parametrize("method", ["inducer", "prefix"])
+def test_hf_generate_with_a_static_cache_matches_the_dynamic_cache(method):
+    """A static cache has more slots than filled ones; the kernel aligns causality to the last
+    key, so the attention must read the filled window only (the empty slots were attended to,
+    silently, without padding; with padding the mask's width was refused)."""
+    from kfused.integration import AdapterConfig, inject
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_tiny("llama").config).eval()
+    inject(model, AdapterConfig(method=method, r=2, init="paper", backend="reference"))
+    ids = torch.randint(3, 50, (2, 6))
+    for mask in (torch.ones(2, 6, dtype=torch.long), torch.tensor([[0, 0, 1, 1, 1, 1]] * 2)):
+        mask[1] = 1
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            want = model.generate(**kw)
+            got = model.generate(cache_implementation="static", **kw)
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

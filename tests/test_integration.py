@@ -441,3 +441,78 @@ def test_merge_refuses_tied_weights():
     assert torch.equal(model.transformer.wte.weight, emb)
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, y)
+
+
+@pytest.mark.parametrize("cache_kw", ["cache", "past_key_values"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_prefix_position_offset_continues_after_the_cache(arch, cache_kw):
+    # options["position_offset"]: a decode step with a KV cache passed under either name
+    # (transformers 5.x calls it ``cache``) continues the positions after the cached tokens
+    model = make(arch).eval()
+    inject(model, AdapterConfig(method="prefix", r=3, backend="reference",
+                                options={"position_offset": 3}))
+    ids = batch(arch, b=1, n=6)["input_ids"]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        step = model(input_ids=ids[:, 4:], use_cache=True, **{cache_kw: cache}).logits
+    torch.testing.assert_close(step, full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_parallel_adapter_refuses_a_block_of_another_width():
+    # a linear target whose output width is not the model width (Llama's grouped-query k_proj,
+    # the FFN's first layer) was accepted and broke at forward inside a broadcast; a block
+    # returning another shape is refused, never broadcast
+    from kfused.modules.parallel_adapter import ScaledParallelAdapter
+
+    for target in ("k", "ffn_in"):
+        model = make("llama")
+        with pytest.raises(ValueError, match=r"linear layer of \(in, out\) = \(32, \d+\)"):
+            inject(model, AdapterConfig(method="parallel_adapter", targets=[target], r=2))
+        assert get_state(model, required=False) is None
+    ad = ScaledParallelAdapter(_FnBlock(lambda x: x[..., :1]), 8, r=2, init="random")
+    with pytest.raises(ValueError, match=r"block returned shape \(3, 1\) .* expected \(3, 8\)"):
+        ad(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"x has shape \(3, 6\)"):
+        ad(torch.randn(3, 6))
+
+
+class _FnBlock(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("method,options,match", [
+    ("prefix", {"position_offset": 1.5}, r"options\['position_offset'\] must be an integer"),
+    ("prefix", {"position_offset": "3"}, r"options\['position_offset'\] must be an integer"),
+    ("inducer", {"key_bottleneck": "x"}, r"options\['key_bottleneck'\] must be an integer"),
+    ("inducer", {"value_bottleneck": 2.5}, r"options\['value_bottleneck'\] must be an integer"),
+    ("inducer", {"prefix_len": True}, r"options\['prefix_len'\] must be an integer"),
+    ("inducer", {"position_offset": 2}, r"options\['position_offset'\] shifts the positions"),
+])
+def test_inducer_and_prefix_options_checked_by_name(method, options, match):
+    # options were passed through int(): 1.5 became 1, "3" became 3, "x" gave int()'s own
+    # message, and a position_offset given to the inducer was silently ignored
+    model = make("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        inject(model, AdapterConfig(method=method, r=2, init="paper", options=options))
+    assert get_state(model, required=False) is None
+    assert model.config._attn_implementation == "eager"
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("lite", [["x"], ["o"], "q", [1]])
+def test_headwise_lite_option_names_adapted_projections(lite):
+    # options["lite"] entries that name no adapted projection were silently ignored (and a
+    # string was read letter by letter)
+    model = make("llama")
+    with pytest.raises(ValueError, match=r"options\['lite'\] must be a list of the adapted"):
+        inject(model, AdapterConfig(method="kernel_mix", r=2, targets=["q", "v"],
+                                    options={"lite": lite}))
+    assert get_state(model, required=False) is None

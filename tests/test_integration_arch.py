@@ -2,6 +2,8 @@
 cross-attention), Llama (GQA) and T5 models built from local configs, and the one init
 vocabulary of every method (kfused.modules._init)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -98,6 +100,31 @@ def test_llama_gqa():
                                                               "layers.1.self_attn"]
 
 
+def test_phi3_fused_qkv_and_gate_up():
+    # Phi-3 was registered as Llama-style, whose q_proj/k_proj/v_proj it does not have:
+    # Kernel-wise failed with an AttributeError, LoRA matched nothing, ffn_in missed gate_up_proj
+    model = t.Phi3ForCausalLM(t.Phi3Config(hidden_size=32, intermediate_size=48,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, vocab_size=40,
+                                           max_position_embeddings=16, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)).eval()
+    blocks = attention_blocks(model)
+    assert [b.name for b in blocks] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for b in blocks:
+        assert b.fused_qkv and (b.n_heads, b.n_kv_heads, b.head_dim) == (4, 2, 8)
+        assert _out_width(b.get("qkv")) == (4 + 2 * 2) * 8 and b.get("o") is b.module.o_proj
+    ids = torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    for method, targets in [("kernel_wise", ["q", "v"]), ("lora", ["q", "ffn_in"])]:
+        m = copy.deepcopy(model)
+        inject(m, AdapterConfig(method=method, targets=targets, r=2, backend="reference"))
+        kinds = {n.rsplit(".", 1)[-1] for n in get_state(m).adapter_modules}
+        assert kinds == ({"qkv_proj"} if method == "kernel_wise" else {"qkv_proj", "gate_up_proj"})
+        with torch.no_grad():
+            torch.testing.assert_close(m(input_ids=ids).logits, want, rtol=0, atol=1e-6)
+
+
 def test_t5_cross_attention_and_score_bias():
     model = t5()
     blocks = attention_blocks(model)
@@ -177,3 +204,20 @@ def test_each_init_means_the_same_for_every_method(method, init):
         mats = [p for n, p in params.items() if n.rpartition(".")[2] not in biases]
         assert mats and all(p.abs().max() > 0 for p in mats)
         assert all(p.abs().max() <= 1 / p.shape[-1] ** 0.5 + 1e-12 for p in mats)
+
+
+@pytest.mark.parametrize("method,options", [
+    ("inducer", {"prefix_len": 2}),
+    ("mam_inducer", {"inducer": {"options": {"prefix_len": 2}}})])
+def test_inducer_with_prefix_columns_defaults_to_an_init_it_honours(method, options):
+    # init=None meant "zero" for the inducer whatever its options, which prefix columns
+    # cannot honour: the default config failed, naming an init the caller never gave
+    model = make("llama")
+    inject(model, AdapterConfig(method=method, r=2, options=options, backend="reference"))
+    inducers = [m for m in model.modules() if type(m).__name__ == "InducerAttention"]
+    assert inducers and all(m.init == "paper" and m.prefix_len == 2 for m in inducers)
+    model = make("llama")
+    with pytest.raises(ValueError, match="cannot honour init='zero'"):
+        inject(model, AdapterConfig(method="inducer", r=2, init="zero",
+                                    options={"prefix_len": 2}))
+    assert get_state(model, required=False) is None

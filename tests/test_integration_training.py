@@ -82,11 +82,17 @@ def test_gradient_checkpointing(reentrant):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
 
 
-def test_transformers_trainer(tmp_path):
+@pytest.mark.parametrize("config", [
+    dict(method="krona", targets=["q", "v", "o"]),
+    # the "add" inducer's adapter is reachable under two names (the attention layer's
+    # kfused_inducer and its output projection's adapter): the Trainer's checkpoint save
+    # (save_pretrained, safetensors) refused the shared tensors
+    dict(method="inducer", r=2, init="paper")], ids=["krona", "inducer"])
+def test_transformers_trainer(tmp_path, config):
     from transformers import Trainer, TrainingArguments
 
     model = make("llama")
-    inject(model, AdapterConfig(method="krona", targets=["q", "v", "o"], backend="reference"))
+    inject(model, AdapterConfig(backend="reference", **config))
     rows = [{k: v[0] for k, v in batch("llama", b=1, seed=s).items()} for s in range(4)]
     from kfused.integration import adapter_state_dict, load
     from kfused.integration.hf_trainer import AdapterCheckpointCallback

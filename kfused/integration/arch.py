@@ -129,11 +129,23 @@ register_arch(ArchSpec(
 ))
 register_arch(ArchSpec(
     name="llama", title="Llama-style",
-    model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "phi3"),
+    model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo"),
     attention=AttentionLayout(block=r"(.*\.)?layers\.\d+\.self_attn", q="q_proj", k="k_proj",
                               v="v_proj", o="o_proj"),
     roles={
         "ffn_in": r"(.*\.)?layers\.\d+\.mlp\.(gate_proj|up_proj)",
+        "ffn_out": r"(.*\.)?layers\.\d+\.mlp\.down_proj",
+        "ffn": r"(.*\.)?layers\.\d+\.mlp",
+    },
+))
+register_arch(ArchSpec(
+    # Phi-3: a Llama-style block with one fused q|k|v Linear ``qkv_proj`` (outputs
+    # [q (H·p) | k (H_kv·p) | v (H_kv·p)]) and one fused gate|up Linear ``gate_up_proj``
+    name="phi3", model_types=("phi3",), title="Phi-3",
+    attention=AttentionLayout(block=r"(.*\.)?layers\.\d+\.self_attn", qkv="qkv_proj",
+                              o="o_proj"),
+    roles={
+        "ffn_in": r"(.*\.)?layers\.\d+\.mlp\.gate_up_proj",
         "ffn_out": r"(.*\.)?layers\.\d+\.mlp\.down_proj",
         "ffn": r"(.*\.)?layers\.\d+\.mlp",
     },

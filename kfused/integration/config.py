@@ -54,7 +54,8 @@ class AdapterConfig:
             frozen one), "random" (every factor kaiming-uniform: a non-zero update) or "paper"
             (every tensor ``fmod(randn, 2)·0.01``, as the papers' released code). None: the
             method's default, "zero" where the method has an exact start, "random" for
-            KronA^B_res and "paper" for prefix tuning, which have none. A method that cannot honour a value raises
+            KronA^B_res and "paper" for prefix tuning and the inducer with prefix columns
+            (``options["prefix_len"]``), which have none. A method that cannot honour a value raises
             ValueError at inject (``kfused.integration.methods()[name].inits`` lists each
             method's values; a composite's parts can differ through ``options[part]``).
         dropout: adapter input dropout (LoRA).

@@ -93,7 +93,13 @@ def headwise_config(cfg: AdapterConfig) -> HeadwiseConfig:
     if bad:
         raise ValueError(f"{method}: targets must be among q, v, o (the per-head projections), "
                          f"got {bad}")
-    lite_projs = set(cfg.options.get("lite", []))
+    lite = cfg.options.get("lite", [])
+    if (not isinstance(lite, (list, tuple)) or not all(isinstance(t, str) for t in lite)
+            or not set(lite) <= set(targets)):
+        raise ValueError(f"{method}: options['lite'] must be a list of the adapted projections "
+                         f"whose per-head part is lite (among targets {list(targets)}), got "
+                         f"{lite!r}")
+    lite_projs = set(lite)
     if method in ("kernel_wise_lite", "kernel_mix_lite"):
         lite_projs |= set(targets)
     ranks: Dict[str, ProjRanks] = {}

@@ -5,7 +5,9 @@
 function hands the attention the 2-D key padding mask (batch, kv_len) (or None when nothing is
 padded) and the layer's own ``is_causal`` supplies causality, so padding is never dropped;
 mask patterns the kernel cannot express (sliding window, chunked, custom 4-D masks) raise
-instead of being ignored.
+instead of being ignored. With a cache of more slots than filled ones (transformers' static
+cache) the mask function hands the attention the filled window's mask, narrower than the keys,
+and the attention reads those keys only (its causality is aligned to the last key).
 
 Padding-free training (packed sequences, transformers' ``DataCollatorWithFlattening``): when
 transformers detects packing from ``position_ids`` its mask function keeps each sequence to
@@ -170,6 +172,12 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
     wrapped output projection (:class:`InducerOutputProjection`) consumes them.
     """
     # grouped-query attention (fewer kv heads) runs natively in the kernel: no repeat_kv copy
+    for name, what in (("softcap", "attention-logit soft-capping (Gemma-2)"),
+                       ("s_aux", "attention sinks (gpt-oss)")):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{ATTN_IMPLEMENTATION} does not support {name} ({what}): the kernel would drop "
+                "it and give a wrong result, so it is refused")
     key_padding_mask = None
     packed = None
     if kwargs.get("cu_seq_lens_q") is not None:                # flash-attention's varlen kwargs
@@ -190,6 +198,11 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
             raise ValueError(
                 f"{ATTN_IMPLEMENTATION} takes a 2-D key padding mask (batch, kv_len), got a mask "
                 f"of shape {tuple(attention_mask.shape)}; custom 4-D masks are not supported")
+        if attention_mask.shape[1] < key.shape[2]:
+            # the mask function's window of a cache with more slots than filled ones (a
+            # static cache): keys [0, window) are the filled ones, the queries their last
+            key = key[:, :, :attention_mask.shape[1]]
+            value = value[:, :, :attention_mask.shape[1]]
         key_padding_mask = attention_mask[:, -key.shape[2]:].to(torch.bool)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -243,9 +256,27 @@ def kfused_inducer_mask(batch_size: int, q_length: int, kv_length: int, q_offset
             f"mask function {getattr(mask_function, '__name__', mask_function)!r} (sliding "
             "window, chunked, or packed sequences combined with another pattern) would be "
             "dropped, so it is refused")
+    causal = mask_function is getattr(mu, "causal_mask_function", None)
+    n_keys = int(q_offset) + q_length - int(kv_offset)     # keys up to the last query
+    if causal and q_length <= n_keys < kv_length:
+        # more cache slots than filled ones (a static cache): the slots after the last query
+        # are empty. The kernel aligns causality to the last key, so the attention reads the
+        # filled window only: a mask of n_keys < kv_length columns says so (key j is column
+        # kv_offset + j of the 2-D mask, missing columns are real keys of the new tokens)
+        mask = (torch.ones(batch_size, n_keys, dtype=torch.bool, device=kwargs.get("device"))
+                if attention_mask is None else attention_mask.to(torch.bool))
+        end = int(kv_offset) + n_keys
+        if mask.shape[1] < end:
+            mask = torch.nn.functional.pad(mask, (0, end - mask.shape[1]), value=True)
+        return mask[:, int(kv_offset):end]
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
+    attention_mask = attention_mask.to(torch.bool)
+    if attention_mask.shape[1] < kv_length:
+        # columns past the mask are padding, as transformers reads a short 2-D mask
+        attention_mask = torch.nn.functional.pad(attention_mask,
+                                                 (0, kv_length - attention_mask.shape[1]))
+    attention_mask = attention_mask[:, -kv_length:]
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
@@ -425,7 +456,10 @@ def add_position_offset(model: nn.Module, offset: int):
             ref = kwargs.get("inputs_embeds")
         if ref is None:
             return None
-        past = kwargs.get("past_key_values")
+        # the KV cache: ``cache`` (transformers 5.x) or its deprecated name ``past_key_values``
+        past = kwargs.get("cache")
+        if past is None:
+            past = kwargs.get("past_key_values")
         start = int(past.get_seq_length()) if hasattr(past, "get_seq_length") else 0
         n = ref.shape[1]
         pos = torch.arange(offset + start, offset + start + n, device=ref.device)

@@ -314,7 +314,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     adapter_dtype = _resolve_dtype(config.adapter_dtype)
     before = {id(t) for t in target_model.parameters()} | {id(t) for t in target_model.buffers()}
 
-    plan = sorted(((part, cfg.replace(init=part.resolve_init(cfg.init)))
+    plan = sorted(((part, cfg.replace(init=part.resolve_init(cfg.init, cfg)))
                    for part, cfg in _expand(spec, config)),
                   key=lambda pc: _SITE_ORDER[pc[0].site])
     for part, _ in plan:  # refuse unsupported models before any part changes the model

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from kfused.integration.arch import AttentionBlock
-from kfused.integration.config import AdapterConfig
+from kfused.integration.config import AdapterConfig, _is_int
 from kfused.integration.headwise import attach_headwise_block, headwise_config, use_module_backend
 from kfused.integration.hf_attention import (add_position_offset, attach_inducer_block,
                                              check_position_offset, check_supported,
@@ -84,12 +84,23 @@ def _headwise(block: AttentionBlock, target: Target, cfg: AdapterConfig):
     return list(placed.values())
 
 
+def _int_option(cfg: AdapterConfig, key: str, default: int, minimum: int) -> int:
+    """``cfg.options[key]`` (default ``default``): an integer >= ``minimum``, else ValueError
+    naming it (never truncated: 1.5 or "3" are refused)."""
+    value = cfg.options.get(key, default)
+    if value is None:
+        value = default
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{cfg.method}: options[{key!r}] must be an integer >= {minimum}, got "
+                         f"{value!r}")
+    return int(value)
+
+
 def _inducer_options(cfg: AdapterConfig, inducer: bool) -> dict:
-    o = cfg.options
     if inducer:
-        return dict(key_bottleneck=int(o.get("key_bottleneck", cfg.r)),
-                    value_bottleneck=int(o.get("value_bottleneck", cfg.r)),
-                    prefix_len=int(o.get("prefix_len", 0)), inducer=True)
+        return dict(key_bottleneck=_int_option(cfg, "key_bottleneck", cfg.r, 1),
+                    value_bottleneck=_int_option(cfg, "value_bottleneck", cfg.r, 1),
+                    prefix_len=_int_option(cfg, "prefix_len", 0, 0), inducer=True)
     return dict(prefix_len=int(cfg.r), inducer=False)
 
 
@@ -100,8 +111,12 @@ def _inducer_wrap(inducer: bool):
     ``options["composition"]`` ("add" default, or "gate"); self-attention blocks only."""
 
     def wrap(block: AttentionBlock, target: Target, cfg: AdapterConfig):
-        offset = int(cfg.options.get("position_offset", 0) or 0)
-        if offset and not inducer:
+        offset = _int_option(cfg, "position_offset", 0, 0)
+        if offset and inducer:
+            raise ValueError(f"{cfg.method}: options['position_offset'] shifts the positions of "
+                             "a prefix-tuning model (method 'prefix'); the inducer does not use "
+                             f"it, got {offset}")
+        if offset:
             check_position_offset(getattr(target.model_config, "model_type", None), offset)
         if block.cross:
             return []
@@ -122,9 +137,15 @@ def _prefix_finish(model: nn.Module, cfg: AdapterConfig) -> None:
     any block changes) shifts the token positions by that many, as PEFT's prefix tuning does
     (see :func:`add_position_offset`)."""
     set_implementation(model)
-    offset = int(cfg.options.get("position_offset", 0) or 0)
+    offset = _int_option(cfg, "position_offset", 0, 0)
     if offset:
         add_position_offset(model, offset)
+
+
+def _inducer_default_init(cfg: AdapterConfig) -> str:
+    """init=None for the inducer: "zero" (an exact start), "paper" with prefix columns, which
+    take softmax weight from the first step (no exact start)."""
+    return "paper" if cfg.options.get("prefix_len") not in (None, 0) else "zero"
 
 
 def _inducer_check(model: nn.Module, arch) -> None:
@@ -166,7 +187,7 @@ for _name, _desc in [
 
 register_method("inducer", site="attention", wrap=_inducer_wrap(True), paper="001",
                 inits=InducerAttention.inits_for(True, 0), check=_inducer_check,
-                finish=_inducer_finish,
+                finish=_inducer_finish, default_init_for=_inducer_default_init,
                 description="inducer attention: a per-query virtual key/value column (docs/math.md §3)")
 register_method("prefix", site="attention", wrap=_inducer_wrap(False), paper="002",
                 inits=InducerAttention.inits_for(False, 1), default_init="paper",

@@ -89,6 +89,9 @@ class MethodSpec:
     # check(model, arch) raises ValueError if the method cannot run on this model; inject calls
     # it for every part before changing the model (so a refused composite leaves no residue)
     check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None
+    # default_init_for(cfg): the init None means for this config, where it depends on the
+    # config (the inducer with prefix columns has no exact start); else default_init
+    default_init_for: Optional[Callable[[AdapterConfig], str]] = None
 
     def targets_for(self, arch: Optional[ArchSpec]) -> Optional[List[str]]:
         if arch is not None and arch.name in self.default_targets:
@@ -97,10 +100,13 @@ class MethodSpec:
             return list(self.default_targets["*"])
         return None
 
-    def resolve_init(self, init: Optional[str]) -> str:
-        """``init`` (None: the default) if this method honours it, else ValueError."""
-        return check_init(self.default_init if init is None else init, self.inits,
-                          f"method {self.name!r}")
+    def resolve_init(self, init: Optional[str], cfg: Optional[AdapterConfig] = None) -> str:
+        """``init`` (None: the default, for ``cfg`` where it depends on it) if this method
+        honours it, else ValueError."""
+        if init is None:
+            init = (self.default_init_for(cfg) if self.default_init_for is not None
+                    and cfg is not None else self.default_init)
+        return check_init(init, self.inits, f"method {self.name!r}")
 
 
 _METHODS: Dict[str, MethodSpec] = {}
@@ -114,6 +120,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
                     inits: Sequence[str] = tuple(INITS), default_init: str = "zero",
                     finish: Optional[Callable[[nn.Module, AdapterConfig], None]] = None,
                     check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None,
+                    default_init_for: Optional[Callable[[AdapterConfig], str]] = None,
                     replace: bool = True) -> MethodSpec:
     """Register (or replace) an adapter method. See the module docstring for the contract.
 
@@ -130,6 +137,8 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         finish: attention site only: ``finish(model, cfg)`` after every block is adapted.
         check: ``check(model, arch)`` raising ValueError (with the reason) when the method
             cannot run on ``model``; called by inject before any part changes the model.
+        default_init_for: ``default_init_for(cfg)``, the init ``init=None`` means for a
+            config, where that depends on the config (one of ``inits``); else default_init.
     """
     if site not in SITES:
         raise ValueError(f"site must be one of {SITES}, got {site!r}")
@@ -155,7 +164,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         mergeable=mergeable,
         parts=tuple((p, list(t) if t is not None else None) for p, t in parts),
         description=description, paper=paper, inits=tuple(inits), default_init=default_init,
-        finish=finish, check=check)
+        finish=finish, check=check, default_init_for=default_init_for)
     _METHODS[name] = spec
     return spec
 

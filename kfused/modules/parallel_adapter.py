@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
+from kfused.modules._linear import linear_dims
 
 
 class ScaledParallelAdapter(nn.Module):
@@ -34,6 +35,15 @@ class ScaledParallelAdapter(nn.Module):
         super().__init__()
         if int(r) < 1:
             raise ValueError(f"adapter bottleneck r must be >= 1, got {r}")
+        try:
+            widths = linear_dims(block)       # a linear block: its widths are known now
+        except TypeError:
+            widths = None                     # any other block: its output is checked per call
+        if widths is not None and widths != (int(d_model), int(d_model)):
+            raise ValueError(f"ScaledParallelAdapter: block is a linear layer of (in, out) = "
+                             f"{widths}, but the adapter maps d_model={d_model} to d_model "
+                             "(a parallel adapter needs a block of equal input and output width)")
+        self.d_model = int(d_model)
         self.block = block
         for p in block.parameters():
             p.requires_grad_(False)
@@ -59,7 +69,15 @@ class ScaledParallelAdapter(nn.Module):
         return self.scale * F.linear(F.relu(F.linear(x, wd, bd)), wu, bu)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"ScaledParallelAdapter: x has shape {tuple(x.shape)}, expected a "
+                             f"last dimension of d_model={self.d_model}")
         y = self.block(x, *args, **kwargs)
+        if tuple(y.shape) != tuple(x.shape):
+            # never broadcast: a mis-shaped block output would silently take the adapter's shape
+            raise ValueError(f"ScaledParallelAdapter: the block returned shape "
+                             f"{tuple(y.shape)} for x of shape {tuple(x.shape)}, expected "
+                             f"{tuple(x.shape)} (d_model={self.d_model})")
         return y + self.delta(x).to(y.dtype)
 
     def extra_repr(self) -> str:
