@@ -195,6 +195,36 @@ def test_modules_standalone_and_lora_init_is_exact():
         torch.testing.assert_close(qkv(x), y, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_modules_under_autocast_run_in_its_dtype(backend):
+    # The custom ops are opaque to autocast: the modules cast the activation, the frozen
+    # weights and the factors to the autocast dtype themselves (as KronALinear does). Before,
+    # a float16 activation (an attention output: what the output projection gets) met float32
+    # weights and was refused, and a float32 one ran the whole projection in float32.
+    d, H, p = 12, 3, 4
+    q, k, v = (nn.Linear(d, H * p).to(DEVICE) for _ in range(3))
+    o = nn.Linear(H * p, d).to(DEVICE)
+    mods = {"qkv": HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=2, shared=1),
+                               v_ranks=ProjRanks(lite=1), init="random"),
+            "proj": HeadwiseProjection(q, H, ProjRanks(wise=1, lite=2, shared=1), key=k,
+                                       init="random"),
+            "out": HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")}
+    for name, mod in mods.items():
+        for x_dtype in (torch.float32, torch.float16):
+            x = torch.randn(2, 5, d, device=DEVICE)
+            want = mod(x, backend="reference")
+            mod.zero_grad(set_to_none=True)
+            with torch.autocast(DEVICE, dtype=torch.float16):
+                y = mod(x.to(x_dtype), backend=backend)
+            assert y.dtype == torch.float16, (name, x_dtype)
+            torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+            y.float().sum().backward()
+            grads = [t for t in mod.parameters() if t.requires_grad]
+            assert grads and all(t.grad is not None and t.grad.dtype == torch.float32
+                                 and t.dtype == torch.float32 for t in grads), (name, x_dtype)
+            mod.zero_grad(set_to_none=True)
+
+
 def test_presets_counts_match_modules():
     model = tiny("gpt2")
     d, H, L = 30, 3, 2
