@@ -225,6 +225,55 @@ def test_modules_under_autocast_run_in_its_dtype(backend):
             mod.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lite_modules_compile_fullgraph_with_dynamic_tokens(dtype):
+    # A section with lite heads builds its factors in LiteSection, whose kernels were called
+    # from the autograd.Function directly: torch.compile failed on them (fullgraph: a graph
+    # break on the launcher's data_ptr; without it the CPU interpreter was traced and failed),
+    # and the float32 lite gradient looped over the token count (mark_dynamic refused).
+    torch._dynamo.reset()
+    d, H, p = 12, 2, 6
+    q, k, v = (nn.Linear(d, H * p).to(DEVICE, dtype).requires_grad_(False) for _ in range(3))
+    mods = (HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=1, shared=1),
+                        v_ranks=ProjRanks(lite=2), init="random").to(dtype),
+            HeadwiseProjection(q, H, ProjRanks(wise=1, lite=1), key=k, init="random").to(dtype))
+    for mod in mods:
+        def run(x, mod=mod):
+            return mod(x, backend="triton")
+        compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+        for n in (3, 5):
+            x = torch.randn(2, n, d, device=DEVICE, dtype=dtype)
+            torch._dynamo.mark_dynamic(x, 1)
+            y = compiled(x)
+            y.float().square().sum().backward()
+            got = {name: t.grad for name, t in mod.named_parameters() if t.requires_grad}
+            mod.zero_grad(set_to_none=True)
+            want = run(x)
+            want.float().square().sum().backward()
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+            for name, t in mod.named_parameters():
+                if t.requires_grad:
+                    torch.testing.assert_close(got[name], t.grad, rtol=1e-6, atol=1e-6)
+            mod.zero_grad(set_to_none=True)
+
+
+def test_section_ops_opcheck():
+    H, Hk, p, d, rw, rl = 4, 2, 3, 7, 2, 1
+    kw = dict(device=DEVICE)
+    wa, wb = torch.randn(H, rw, d, **kw), torch.randn(H, p, rw, **kw)
+    la, lb = torch.randn(H, rl, p, **kw), torch.randn(H, p, rl, **kw)
+    wk, bk = torch.randn(Hk * p, d, **kw), torch.randn(Hk * p, **kw)
+    for split in (None, torch.float16):
+        args = (wa, wb, la, lb, wk, bk, Hk, split)
+        torch.library.opcheck(torch.ops.kfused.headwise_section_triton_fwd.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+        down, zb, up = torch.ops.kfused.headwise_section_triton_fwd(*args)
+        bargs = (torch.randn_like(down), torch.randn_like(zb), torch.randn_like(up), wa, wb,
+                 la, lb, wk, bk, Hk, split is not None, True)
+        torch.library.opcheck(torch.ops.kfused.headwise_section_triton_bwd.default, bargs,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def test_presets_counts_match_modules():
     model = tiny("gpt2")
     d, H, L = 30, 3, 2
