@@ -274,6 +274,32 @@ def test_section_ops_opcheck():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+def test_modules_run_under_inference_mode():
+    # The operands packed by a forward for its backward were keyed on the factors' version
+    # counters: lite sections (built per call) and factors made under inference_mode are
+    # inference tensors, which have none ("Inference tensors do not track version counter").
+    d, H, p = 12, 2, 6
+    q, k, v, o = (nn.Linear(d, H * p).to(DEVICE).requires_grad_(False) for _ in range(4))
+    qkv = HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=1, shared=1),
+                      v_ranks=ProjRanks(lite=2), init="random")
+    proj = HeadwiseProjection(q, H, ProjRanks(lite=1, shared=1), key=k, init="random")
+    x = torch.randn(2, 5, d, device=DEVICE)
+    with torch.inference_mode():
+        out = HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")  # inference
+        for mod in (qkv, proj, out):
+            torch.testing.assert_close(mod(x, backend="triton"), mod(x, backend="reference"),
+                                       rtol=1e-5, atol=1e-5)
+    for mod in (qkv, proj):  # training afterwards is unaffected
+        y = mod(x, backend="triton")
+        y.square().sum().backward()
+        got = {n: t.grad for n, t in mod.named_parameters() if t.requires_grad}
+        mod.zero_grad(set_to_none=True)
+        mod(x, backend="reference").square().sum().backward()
+        for n, t in mod.named_parameters():
+            if t.requires_grad:
+                torch.testing.assert_close(got[n], t.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_presets_counts_match_modules():
     model = tiny("gpt2")
     d, H, L = 30, 3, 2
