@@ -169,7 +169,7 @@ def shard_batch(batch: Dict[str, torch.Tensor], rank_: Optional[int] = None,
     out = {}
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor) or v.dim() < 1:
-            what = (f"a 0-d tensor" if isinstance(v, torch.Tensor)
+            what = ("a 0-d tensor" if isinstance(v, torch.Tensor)
                     else f"a {type(v).__name__}")
             raise TypeError(f"global batch {k} is {what}; shard_batch slices tensors along "
                             "their first (batch) dimension")
