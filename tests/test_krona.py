@@ -606,6 +606,26 @@ def test_krona_block(residual):
         torch.testing.assert_close(m.res_scale.grad, x.sum())
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_krona_block_output_in_block_dtype_under_autocast(residual):
+    # The adapter, bias and residual terms take the block output's dtype; the residual term
+    # s_res·x stayed in x's float32 under autocast and promoted the output to float32.
+    ffn = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12))
+    m = KronABlock(ffn, d_in=12, bias=True, residual=residual, init="random",
+                   backend="reference")
+    x = torch.randn(3, 12)
+    want = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+        assert ffn(x).dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2)
+    y.float().sum().backward()
+    assert m.A.grad.dtype == torch.float32
+    if residual:
+        assert m.res_scale.grad is not None and m.res_scale.grad.dtype == torch.float32
+
+
 # ------------------------------------------------------------------------------------------
 # Probe findings (strides, state, constructors, double backward)
 
