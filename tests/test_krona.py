@@ -626,6 +626,17 @@ def test_krona_block_output_in_block_dtype_under_autocast(residual):
         assert m.res_scale.grad is not None and m.res_scale.grad.dtype == torch.float32
 
 
+def test_modules_name_a_meta_input_device():
+    # The autocast check asked torch about the input's device type first, which raised
+    # "unknown device type for autocast" for a meta tensor instead of the device check.
+    m = KronALinear(nn.Linear(6, 8), init="random")
+    with pytest.raises(ValueError, match="A is on cpu but x is on meta"):
+        m(torch.randn(2, 6, device="meta"))
+    blk = KronABlock(nn.Identity(), d_in=6, init="random")
+    with pytest.raises(ValueError, match="is on cpu but x is on meta"):
+        blk(torch.randn(2, 6, device="meta"))
+
+
 # ------------------------------------------------------------------------------------------
 # Probe findings (strides, state, constructors, double backward)
 

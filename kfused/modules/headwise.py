@@ -47,7 +47,7 @@ from torch import nn
 
 from kfused import _validate
 from kfused.modules._init import check_init, init_pair_
-from kfused.modules._linear import MergedState, autocast_input, is_conv1d
+from kfused.modules._linear import MergedState, autocast_dtype, autocast_input, is_conv1d
 from kfused.ops import HeadFactors, headwise_oproj, headwise_projection, headwise_qkv
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 
@@ -149,11 +149,10 @@ def _amp(x: torch.Tensor):
     a frozen weight, bias or factor to it (the custom ops are opaque to autocast: without this
     they ran in float32, and a half-precision activation met float32 weights); outside
     autocast, x and the identity."""
-    if not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+    dt = autocast_dtype(x)
+    if dt is None:
         return x, lambda t: t
-    xa = autocast_input(x)
-    dt = xa.dtype
-    return xa, lambda t: t if t is None or t.dtype == dt else t.to(dt)
+    return autocast_input(x), lambda t: t if t is None or t.dtype == dt else t.to(dt)
 
 
 def _add_to_weight(mod: nn.Module, dW: torch.Tensor, rows: slice = slice(None)) -> None:
