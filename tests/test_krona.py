@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -807,6 +808,32 @@ def test_constructor_arguments_are_checked():
         KronABlock(nn.Linear(24, 24), 24.0)
     with pytest.raises(ValueError, match=r"d_out must be >= 1"):
         KronABlock(nn.Linear(24, 24), 24, 0)
+
+
+def test_lora_and_parallel_adapter_constructor_arguments_are_checked():
+    # A float rank was truncated (r=2.5 -> 2), a NaN alpha/scale, a negative dropout, a
+    # string scale and an unknown backend name (ScaledParallelAdapter) were accepted.
+    from kfused.modules import LoRALinear, ScaledParallelAdapter
+
+    lin = nn.Linear(8, 6)
+    for kw, exc, msg in [(dict(r=2.5), TypeError, r"LoRA rank r must be an int, got float 2.5"),
+                         (dict(r=True), TypeError, r"LoRA rank r must be an int, got bool"),
+                         (dict(r=0), ValueError, r"LoRA rank r must be >= 1, got 0"),
+                         (dict(alpha=float("nan")), ValueError, r"alpha must be finite"),
+                         (dict(dropout=-0.5), ValueError, r"dropout must be a probability"),
+                         (dict(dropout="0.1"), TypeError, r"dropout must be a real number")]:
+        with pytest.raises(exc, match=msg):
+            LoRALinear(lin, **kw)
+    assert LoRALinear(lin, r=np.int64(2), alpha=4, dropout=0.1).scale == 2.0
+    for kw, exc, msg in [(dict(r=2.5), TypeError, r"bottleneck r must be an int, got float"),
+                         (dict(r=0), ValueError, r"bottleneck r must be >= 1, got 0"),
+                         (dict(scale=float("nan")), ValueError, r"scale must be finite"),
+                         (dict(scale="4"), TypeError, r"scale must be a real number"),
+                         (dict(backend="junk"), BackendError, r"backend='junk' is not a backend")]:
+        with pytest.raises(exc, match=msg):
+            ScaledParallelAdapter(nn.Identity(), 8, **kw)
+    with pytest.raises(TypeError, match=r"d_model must be an int, got float"):
+        ScaledParallelAdapter(nn.Identity(), 8.0)
 
 
 def test_krona_block_output_width_is_checked():

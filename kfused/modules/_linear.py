@@ -3,6 +3,7 @@ handling, freezing, autocast of the activation, and merge/unmerge of ``delta_wei
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -86,6 +87,16 @@ def check_backend_name(backend) -> Optional[str]:
         raise BackendError(f"backend={backend!r} is not a backend; expected one of auto, "
                            f"{', '.join(BACKENDS)}")
     return backend
+
+
+def check_rank(name: str, r) -> int:
+    """An adapter rank / bottleneck width: an int >= 1 (TypeError / ValueError naming it; a
+    float such as 2.5 was truncated before)."""
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(r).__name__} {r!r}")
+    if r < 1:
+        raise ValueError(f"{name} must be >= 1, got {r}")
+    return int(r)
 
 
 def is_conv1d(module: nn.Module) -> bool:

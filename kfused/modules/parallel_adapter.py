@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfused import _validate
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
+from kfused.modules._linear import check_backend_name, check_rank
 
 
 class ScaledParallelAdapter(nn.Module):
@@ -32,8 +34,10 @@ class ScaledParallelAdapter(nn.Module):
                  init: str = "zero", dtype: Optional[torch.dtype] = None, device=None,
                  backend: Optional[str] = None):
         super().__init__()
-        if int(r) < 1:
-            raise ValueError(f"adapter bottleneck r must be >= 1, got {r}")
+        r = check_rank("adapter bottleneck r", r)
+        d_model = check_rank("d_model", d_model)
+        scale = _validate.check_real("scale", scale)
+        backend = check_backend_name(backend)
         self.block = block
         for p in block.parameters():
             p.requires_grad_(False)
