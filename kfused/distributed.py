@@ -133,9 +133,12 @@ def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[tor
 
 
 def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> nn.Module:
-    """"none" (unchanged), "ddp" or "fsdp2"."""
+    """"none" (unchanged), "ddp" or "fsdp2" (these need the process group: init_distributed)."""
     if mode == "none":
         return model
+    if mode in ("ddp", "fsdp2") and not is_distributed():
+        raise RuntimeError(f"distributed mode {mode!r} needs an initialized process group; "
+                           "call kfused.distributed.init_distributed() first (under torchrun)")
     if mode == "ddp":
         return wrap_ddp(model, device, **kwargs)
     if mode == "fsdp2":
@@ -145,11 +148,31 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> n
 
 def shard_batch(batch: Dict[str, torch.Tensor], rank_: Optional[int] = None,
                 world: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    """This rank's contiguous slice of a global batch (dim 0 must divide by the world size)."""
+    """This rank's contiguous slice of a global batch (dim 0 must divide by the world size).
+
+    rank_ / world default to the process group's; given while it is initialized, world must
+    be its size. A rank outside [0, world) or a value that is not a tensor with a batch
+    dimension is an error (it would have given this rank an empty or wrong slice)."""
+    if world is not None and is_distributed() and world != world_size():
+        raise ValueError(f"shard_batch: world={world!r} but the process group has "
+                         f"{world_size()} ranks")
     rank_ = rank() if rank_ is None else rank_
     world = world_size() if world is None else world
+    for name, n in (("world", world), ("rank_", rank_)):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"shard_batch: {name} must be an int, got {type(n).__name__} {n!r}")
+    if world < 1:
+        raise ValueError(f"shard_batch: world must be >= 1, got {world}")
+    if not 0 <= rank_ < world:
+        raise ValueError(f"shard_batch: rank_ must be in [0, {world}) for world={world}, "
+                         f"got {rank_}")
     out = {}
     for k, v in batch.items():
+        if not isinstance(v, torch.Tensor) or v.dim() < 1:
+            what = ("a 0-d tensor" if isinstance(v, torch.Tensor)
+                    else f"a {type(v).__name__}")
+            raise TypeError(f"global batch {k} is {what}; shard_batch slices tensors along "
+                            "their first (batch) dimension")
         if v.shape[0] % world:
             raise ValueError(f"global batch {k} has {v.shape[0]} rows, not divisible by world "
                              f"size {world}")

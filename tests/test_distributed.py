@@ -95,6 +95,12 @@ def _worker(rank, world, port, out_dir):
             except Exception as exc:  # reported to the test, which decides
                 results[mode] = f"{type(exc).__name__}: {exc}"
             dist.barrier()
+        from kfused import distributed as kd
+        try:  # a world that is not the process group's would give each rank a wrong slice
+            kd.shard_batch(_global_batch(), rank, 2 * world)
+            results["shard_world_mismatch"] = "no error"
+        except ValueError as exc:
+            results["shard_world_mismatch"] = str(exc)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
     finally:
@@ -153,6 +159,33 @@ def test_distributed_checkpoint_loads_single_process(multi, single, mode):
     got = adapter_state_dict(fresh)
     for k, v in multi[1][mode][1].items():
         assert torch.equal(got[k], v), k
+
+
+def test_shard_batch_refuses_a_world_other_than_the_process_groups(multi):
+    assert "the process group has 2 ranks" in multi[1]["shard_world_mismatch"]
+
+
+def test_bad_inputs_without_a_process_group():
+    from torch import nn
+
+    from kfused import distributed as kd
+
+    batch = _global_batch()
+    for rank, world, match in ((2, 2, r"rank_ must be in \[0, 2\).*got 2"),
+                               (-1, 2, r"rank_ must be in \[0, 2\).*got -1"),
+                               (0, 0, "world must be >= 1, got 0"),
+                               (0, -2, "world must be >= 1, got -2")):
+        with pytest.raises(ValueError, match=match):  # was an empty or wrong slice
+            kd.shard_batch(batch, rank, world)
+    with pytest.raises(TypeError, match="global batch n is a 0-d tensor"):
+        kd.shard_batch({"n": torch.tensor(3)}, 0, 1)
+    with pytest.raises(TypeError, match="global batch ids is a list"):
+        kd.shard_batch({"ids": [1, 2]}, 0, 1)
+    with pytest.raises(TypeError, match="world must be an int"):
+        kd.shard_batch(batch, 0, 2.0)
+    for mode in ("ddp", "fsdp2"):  # fsdp2 failed on torch's env:// rendezvous (RANK not set)
+        with pytest.raises(RuntimeError, match=f"mode '{mode}' needs an initialized process"):
+            kd.wrap_model(nn.Linear(2, 2), mode, torch.device("cpu"))
 
 
 def test_demo_torchrun_ddp(tmp_path):

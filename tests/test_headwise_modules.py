@@ -195,6 +195,111 @@ def test_modules_standalone_and_lora_init_is_exact():
         torch.testing.assert_close(qkv(x), y, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_modules_under_autocast_run_in_its_dtype(backend):
+    # The custom ops are opaque to autocast: the modules cast the activation, the frozen
+    # weights and the factors to the autocast dtype themselves (as KronALinear does). Before,
+    # a float16 activation (an attention output: what the output projection gets) met float32
+    # weights and was refused, and a float32 one ran the whole projection in float32.
+    d, H, p = 12, 3, 4
+    q, k, v = (nn.Linear(d, H * p).to(DEVICE) for _ in range(3))
+    o = nn.Linear(H * p, d).to(DEVICE)
+    mods = {"qkv": HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=2, shared=1),
+                               v_ranks=ProjRanks(lite=1), init="random"),
+            "proj": HeadwiseProjection(q, H, ProjRanks(wise=1, lite=2, shared=1), key=k,
+                                       init="random"),
+            "out": HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")}
+    for name, mod in mods.items():
+        for x_dtype in (torch.float32, torch.float16):
+            x = torch.randn(2, 5, d, device=DEVICE)
+            want = mod(x, backend="reference")
+            mod.zero_grad(set_to_none=True)
+            with torch.autocast(DEVICE, dtype=torch.float16):
+                y = mod(x.to(x_dtype), backend=backend)
+            assert y.dtype == torch.float16, (name, x_dtype)
+            torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+            y.float().sum().backward()
+            grads = [t for t in mod.parameters() if t.requires_grad]
+            assert grads and all(t.grad is not None and t.grad.dtype == torch.float32
+                                 and t.dtype == torch.float32 for t in grads), (name, x_dtype)
+            mod.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lite_modules_compile_fullgraph_with_dynamic_tokens(dtype):
+    # A section with lite heads builds its factors in LiteSection, whose kernels were called
+    # from the autograd.Function directly: torch.compile failed on them (fullgraph: a graph
+    # break on the launcher's data_ptr; without it the CPU interpreter was traced and failed),
+    # and the float32 lite gradient looped over the token count (mark_dynamic refused).
+    torch._dynamo.reset()
+    d, H, p = 12, 2, 6
+    q, k, v = (nn.Linear(d, H * p).to(DEVICE, dtype).requires_grad_(False) for _ in range(3))
+    mods = (HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=1, shared=1),
+                        v_ranks=ProjRanks(lite=2), init="random").to(dtype),
+            HeadwiseProjection(q, H, ProjRanks(wise=1, lite=1), key=k, init="random").to(dtype))
+    for mod in mods:
+        def run(x, mod=mod):
+            return mod(x, backend="triton")
+        compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+        for n in (3, 5):
+            x = torch.randn(2, n, d, device=DEVICE, dtype=dtype)
+            torch._dynamo.mark_dynamic(x, 1)
+            y = compiled(x)
+            y.float().square().sum().backward()
+            got = {name: t.grad for name, t in mod.named_parameters() if t.requires_grad}
+            mod.zero_grad(set_to_none=True)
+            want = run(x)
+            want.float().square().sum().backward()
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+            for name, t in mod.named_parameters():
+                if t.requires_grad:
+                    torch.testing.assert_close(got[name], t.grad, rtol=1e-6, atol=1e-6)
+            mod.zero_grad(set_to_none=True)
+
+
+def test_section_ops_opcheck():
+    H, Hk, p, d, rw, rl = 4, 2, 3, 7, 2, 1
+    kw = dict(device=DEVICE)
+    wa, wb = torch.randn(H, rw, d, **kw), torch.randn(H, p, rw, **kw)
+    la, lb = torch.randn(H, rl, p, **kw), torch.randn(H, p, rl, **kw)
+    wk, bk = torch.randn(Hk * p, d, **kw), torch.randn(Hk * p, **kw)
+    for split in (None, torch.float16):
+        args = (wa, wb, la, lb, wk, bk, Hk, split)
+        torch.library.opcheck(torch.ops.kfused.headwise_section_triton_fwd.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+        down, zb, up = torch.ops.kfused.headwise_section_triton_fwd(*args)
+        bargs = (torch.randn_like(down), torch.randn_like(zb), torch.randn_like(up), wa, wb,
+                 la, lb, wk, bk, Hk, split is not None, True)
+        torch.library.opcheck(torch.ops.kfused.headwise_section_triton_bwd.default, bargs,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_modules_run_under_inference_mode():
+    # The operands packed by a forward for its backward were keyed on the factors' version
+    # counters: lite sections (built per call) and factors made under inference_mode are
+    # inference tensors, which have none ("Inference tensors do not track version counter").
+    d, H, p = 12, 2, 6
+    q, k, v, o = (nn.Linear(d, H * p).to(DEVICE).requires_grad_(False) for _ in range(4))
+    qkv = HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=1, shared=1),
+                      v_ranks=ProjRanks(lite=2), init="random")
+    proj = HeadwiseProjection(q, H, ProjRanks(lite=1, shared=1), key=k, init="random")
+    x = torch.randn(2, 5, d, device=DEVICE)
+    with torch.inference_mode():
+        out = HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")  # inference
+        for mod in (qkv, proj, out):
+            torch.testing.assert_close(mod(x, backend="triton"), mod(x, backend="reference"),
+                                       rtol=1e-5, atol=1e-5)
+    for mod in (qkv, proj):  # training afterwards is unaffected
+        y = mod(x, backend="triton")
+        y.square().sum().backward()
+        got = {n: t.grad for n, t in mod.named_parameters() if t.requires_grad}
+        mod.zero_grad(set_to_none=True)
+        mod(x, backend="reference").square().sum().backward()
+        for n, t in mod.named_parameters():
+            if t.requires_grad:
+                torch.testing.assert_close(got[n], t.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_presets_counts_match_modules():
     model = tiny("gpt2")
     d, H, L = 30, 3, 2

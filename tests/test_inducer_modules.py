@@ -461,3 +461,26 @@ def test_hf_generate_with_a_static_cache_matches_the_dynamic_cache(method):
         assert torch.equal(got.sequences, want.sequences)
         for a, b in zip(got.scores, want.scores):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_output_projections_run_in_the_autocast_dtype():
+    # Under autocast the fused [f | u] GEMM (wrapper) and output_projection (an op opaque to
+    # autocast) computed in float32 for a float32 input while the plain-width path and the
+    # base linear gave the autocast dtype; the output dtype depended on the input's width.
+    from torch import nn
+
+    H, p, r = 2, 4, 3
+    a = InducerAttention(H, p, value_bottleneck=r).to(DEVICE)
+    base = nn.Linear(H * p, H * p).to(DEVICE)
+    wrap = InducerOutputProjection(base, a)
+    f, u = torch.randn(2, H, 3, p, device=DEVICE), torch.randn(2, H, 3, r, device=DEVICE)
+    x = torch.cat([f, u], -1).transpose(1, 2).reshape(2, 3, H * (p + r))
+    want_x, want_f = wrap(x), a.output_projection(f, u, base.weight, base.bias)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert base(x[..., :H * p]).dtype == torch.bfloat16
+        y_x = wrap(x)
+        y_f = a.output_projection(f, u, base.weight, base.bias)
+        y_mixed = a.output_projection(f.bfloat16(), u, base.weight, base.bias)
+    for y, want in ((y_x, want_x), (y_f, want_f), (y_mixed, want_f)):
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2)

@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -606,6 +607,37 @@ def test_krona_block(residual):
         torch.testing.assert_close(m.res_scale.grad, x.sum())
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_krona_block_output_in_block_dtype_under_autocast(residual):
+    # The adapter, bias and residual terms take the block output's dtype; the residual term
+    # s_res·x stayed in x's float32 under autocast and promoted the output to float32.
+    ffn = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12))
+    m = KronABlock(ffn, d_in=12, bias=True, residual=residual, init="random",
+                   backend="reference")
+    x = torch.randn(3, 12)
+    want = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+        assert ffn(x).dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2)
+    y.float().sum().backward()
+    assert m.A.grad.dtype == torch.float32
+    if residual:
+        assert m.res_scale.grad is not None and m.res_scale.grad.dtype == torch.float32
+
+
+def test_modules_name_a_meta_input_device():
+    # The autocast check asked torch about the input's device type first, which raised
+    # "unknown device type for autocast" for a meta tensor instead of the device check.
+    m = KronALinear(nn.Linear(6, 8), init="random")
+    with pytest.raises(ValueError, match="A is on cpu but x is on meta"):
+        m(torch.randn(2, 6, device="meta"))
+    blk = KronABlock(nn.Identity(), d_in=6, init="random")
+    with pytest.raises(ValueError, match="is on cpu but x is on meta"):
+        blk(torch.randn(2, 6, device="meta"))
+
+
 # ------------------------------------------------------------------------------------------
 # Probe findings (strides, state, constructors, double backward)
 
@@ -776,6 +808,32 @@ def test_constructor_arguments_are_checked():
         KronABlock(nn.Linear(24, 24), 24.0)
     with pytest.raises(ValueError, match=r"d_out must be >= 1"):
         KronABlock(nn.Linear(24, 24), 24, 0)
+
+
+def test_lora_and_parallel_adapter_constructor_arguments_are_checked():
+    # A float rank was truncated (r=2.5 -> 2), a NaN alpha/scale, a negative dropout, a
+    # string scale and an unknown backend name (ScaledParallelAdapter) were accepted.
+    from kfused.modules import LoRALinear, ScaledParallelAdapter
+
+    lin = nn.Linear(8, 6)
+    for kw, exc, msg in [(dict(r=2.5), TypeError, r"LoRA rank r must be an int, got float 2.5"),
+                         (dict(r=True), TypeError, r"LoRA rank r must be an int, got bool"),
+                         (dict(r=0), ValueError, r"LoRA rank r must be >= 1, got 0"),
+                         (dict(alpha=float("nan")), ValueError, r"alpha must be finite"),
+                         (dict(dropout=-0.5), ValueError, r"dropout must be a probability"),
+                         (dict(dropout="0.1"), TypeError, r"dropout must be a real number")]:
+        with pytest.raises(exc, match=msg):
+            LoRALinear(lin, **kw)
+    assert LoRALinear(lin, r=np.int64(2), alpha=4, dropout=0.1).scale == 2.0
+    for kw, exc, msg in [(dict(r=2.5), TypeError, r"bottleneck r must be an int, got float"),
+                         (dict(r=0), ValueError, r"bottleneck r must be >= 1, got 0"),
+                         (dict(scale=float("nan")), ValueError, r"scale must be finite"),
+                         (dict(scale="4"), TypeError, r"scale must be a real number"),
+                         (dict(backend="junk"), BackendError, r"backend='junk' is not a backend")]:
+        with pytest.raises(exc, match=msg):
+            ScaledParallelAdapter(nn.Identity(), 8, **kw)
+    with pytest.raises(TypeError, match=r"d_model must be an int, got float"):
+        ScaledParallelAdapter(nn.Identity(), 8.0)
 
 
 def test_krona_block_output_width_is_checked():

@@ -3,6 +3,7 @@ handling, freezing, autocast of the activation, and merge/unmerge of ``delta_wei
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -88,6 +89,16 @@ def check_backend_name(backend) -> Optional[str]:
     return backend
 
 
+def check_rank(name: str, r) -> int:
+    """An adapter rank / bottleneck width: an int >= 1 (TypeError / ValueError naming it; a
+    float such as 2.5 was truncated before)."""
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(r).__name__} {r!r}")
+    if r < 1:
+        raise ValueError(f"{name} must be >= 1, got {r}")
+    return int(r)
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT-2): weight is (in, out) and y = x @ W + b."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -107,14 +118,25 @@ def linear_weight(base: nn.Module) -> torch.Tensor:
     return base.weight.t() if is_conv1d(base) else base.weight
 
 
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The autocast dtype that applies to the floating-point tensor ``x`` (None: not under
+    autocast for its device type, or a device type autocast does not know, e.g. meta)."""
+    dev = x.device.type
+    if not x.is_floating_point():
+        return None
+    try:
+        on = torch.is_autocast_enabled(dev)
+    except RuntimeError:  # "unknown device type for autocast" (meta, ...)
+        return None
+    return torch.get_autocast_dtype(dev) if on else None
+
+
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """Under autocast, cast the activation to the autocast dtype, as autocast does for a linear
     layer: the custom ops are opaque to autocast and would otherwise run in float32."""
-    dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        if x.dtype != dt:
-            return x.to(dt)
+    dt = autocast_dtype(x)
+    if dt is not None and x.dtype != dt:
+        return x.to(dt)
     return x
 
 

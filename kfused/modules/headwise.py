@@ -47,7 +47,7 @@ from torch import nn
 
 from kfused import _validate
 from kfused.modules._init import check_init, init_pair_
-from kfused.modules._linear import MergedState, is_conv1d
+from kfused.modules._linear import MergedState, autocast_dtype, autocast_input, is_conv1d
 from kfused.ops import HeadFactors, headwise_oproj, headwise_projection, headwise_qkv
 from kfused.reference.headwise import oproj_delta_weight, projection_delta_weight
 
@@ -142,6 +142,17 @@ def _head_width(width: int, n_heads: int, what: str, heads: str = "n_heads") -> 
         raise ValueError(f"{what} has {width} features, which do not split into "
                          f"{heads}={n_heads} heads")
     return width // n_heads
+
+
+def _amp(x: torch.Tensor):
+    """``(x, cast)`` for a forward: under autocast, x in the autocast dtype and ``cast`` taking
+    a frozen weight, bias or factor to it (the custom ops are opaque to autocast: without this
+    they ran in float32, and a half-precision activation met float32 weights); outside
+    autocast, x and the identity."""
+    dt = autocast_dtype(x)
+    if dt is None:
+        return x, lambda t: t
+    return autocast_input(x), lambda t: t if t is None or t.dtype == dt else t.to(dt)
 
 
 def _add_to_weight(mod: nn.Module, dW: torch.Tensor, rows: slice = slice(None)) -> None:
@@ -278,10 +289,13 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
     def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         if self.merged or not self.adapter.ranks.active:
             return self.base(x)
+        x, cast = _amp(x)
         wk, bk = self._kw()
-        return headwise_projection(x, _linear_weight(self.base), getattr(self.base, "bias", None),
-                                   n_heads=self.n_heads, factors=self.adapter.factors(),
-                                   w_k=wk, b_k=bk, n_key_heads=self.n_key_heads, backend=backend)
+        return headwise_projection(x, cast(_linear_weight(self.base)),
+                                   cast(getattr(self.base, "bias", None)),
+                                   n_heads=self.n_heads, factors=self.adapter.factors().map(cast),
+                                   w_k=cast(wk), b_k=cast(bk), n_key_heads=self.n_key_heads,
+                                   backend=backend)
 
     def delta_weight(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Dense (ΔW (out, in), Δb (out,) or None) of the update, in float64-safe torch ops."""
@@ -397,12 +411,14 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
         return self._run(x, backend, fused_output=False)
 
     def _run(self, x, backend, fused_output):
-        wq, wk, wv, bq, bk, bv = self._weights()
+        x, cast = _amp(x)
+        wq, wk, wv, bq, bk, bv = (cast(t) for t in self._weights())
         qa, va = self.q_adapter, self.v_adapter
         return headwise_qkv(x, wq, wk, wv, bq, bk, bv, n_heads=self.n_heads,
                             n_kv_heads=self.n_kv_heads,
-                            q=qa.factors() if qa.ranks.active else None,
-                            v=va.factors() if va.ranks.active else None, backend=backend,
+                            q=qa.factors().map(cast) if qa.ranks.active else None,
+                            v=va.factors().map(cast) if va.ranks.active else None,
+                            backend=backend,
                             fused_output=fused_output)
 
     def delta_weights(self):
@@ -476,10 +492,12 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
     def forward(self, o: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         if self.merged or not self.ranks.active:
             return self.base(o)
-        return headwise_oproj(o, _linear_weight(self.base), getattr(self.base, "bias", None),
-                              n_heads=self.n_heads, wise_A=self.wise_A, wise_B=self.wise_B,
-                              wise_c=self.c, shared_A=self.shared_A, shared_B=self.shared_B,
-                              scale=self.scale, backend=backend)
+        o, cast = _amp(o)
+        return headwise_oproj(o, cast(_linear_weight(self.base)),
+                              cast(getattr(self.base, "bias", None)), n_heads=self.n_heads,
+                              wise_A=cast(self.wise_A), wise_B=cast(self.wise_B),
+                              wise_c=cast(self.c), shared_A=cast(self.shared_A),
+                              shared_B=cast(self.shared_B), scale=self.scale, backend=backend)
 
     def delta_weight(self):
         return oproj_delta_weight(self.n_heads, self.wise_A, self.wise_B, self.c,

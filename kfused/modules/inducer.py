@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from kfused import _validate
 from kfused.modules._init import check_init, paper_
+from kfused.modules._linear import autocast_input
 from kfused.ops.inducer_attention import (COMPOSITIONS, inducer_attention,
                                           inducer_attention_varlen)
 from kfused.ops.inducer_output_projection import inducer_output_projection
@@ -211,6 +212,9 @@ class InducerAttention(nn.Module):
         with composition "add" (a "gate" adapter's value path acts inside the attention: its
         u is None)."""
         self._check_heads("f", f)
+        f = autocast_input(f)      # the op is opaque to autocast: its dtype, as a linear's
+        if isinstance(u, Tensor):
+            u = autocast_input(u)
         B, H, n, p = f.shape
         W_o = self._weight_in_out(weight, layout).transpose(0, 1)        # (d, H·p)
         if bias is not None:
@@ -262,6 +266,7 @@ class InducerOutputProjection(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         a = self.adapter
         _validate.check_tensor("x", x, min_ndim=1)
+        x = autocast_input(x)      # under autocast, the fused GEMM in its dtype, as the base's
         plain = a.num_heads * a.head_dim
         if x.shape[-1] == plain:
             return self.base(x)

@@ -237,7 +237,9 @@ class KronABlock(_KronFactors, nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         if self.res_scale is not None:
-            out = out + self.res_scale.to(x.dtype) * x
+            # in the block output's dtype, as the adapter term: under autocast a float32 x
+            # made the whole output float32
+            out = out + (self.res_scale.to(x.dtype) * x).to(out.dtype)
         return out
 
     def extra_repr(self) -> str:

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfused import _validate
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
-from kfused.modules._linear import WrappedLinear, check_backend_name, linear_dims
+from kfused.modules._linear import WrappedLinear, check_backend_name, check_rank, linear_dims
 
 
 class LoRALinear(WrappedLinear):
@@ -35,8 +36,12 @@ class LoRALinear(WrappedLinear):
 
     def __init__(self, base: nn.Module, r: int = 8, alpha: Optional[float] = None,
                  dropout: float = 0.0, init: str = "zero", backend: Optional[str] = None):
-        if int(r) < 1:
-            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        r = check_rank("LoRA rank r", r)
+        if alpha is not None:
+            alpha = _validate.check_real("alpha", alpha)
+        dropout = _validate.check_real("dropout", dropout)
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout}")
         check_init(init, self.INITS, "LoRALinear")
         super().__init__(base)
         d_in, d_out = linear_dims(base)

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfused import _validate
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
-from kfused.modules._linear import linear_dims
+from kfused.modules._linear import check_backend_name, check_rank, linear_dims
 
 
 class ScaledParallelAdapter(nn.Module):
@@ -33,17 +34,19 @@ class ScaledParallelAdapter(nn.Module):
                  init: str = "zero", dtype: Optional[torch.dtype] = None, device=None,
                  backend: Optional[str] = None):
         super().__init__()
-        if int(r) < 1:
-            raise ValueError(f"adapter bottleneck r must be >= 1, got {r}")
+        r = check_rank("adapter bottleneck r", r)
+        d_model = check_rank("d_model", d_model)
+        scale = _validate.check_real("scale", scale)
+        backend = check_backend_name(backend)
         try:
             widths = linear_dims(block)       # a linear block: its widths are known now
         except TypeError:
             widths = None                     # any other block: its output is checked per call
-        if widths is not None and widths != (int(d_model), int(d_model)):
+        if widths is not None and widths != (d_model, d_model):
             raise ValueError(f"ScaledParallelAdapter: block is a linear layer of (in, out) = "
                              f"{widths}, but the adapter maps d_model={d_model} to d_model "
                              "(a parallel adapter needs a block of equal input and output width)")
-        self.d_model = int(d_model)
+        self.d_model = d_model
         self.block = block
         for p in block.parameters():
             p.requires_grad_(False)

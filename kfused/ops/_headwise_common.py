@@ -8,7 +8,7 @@ into ``B_s``), so the custom ops only see plain tensors.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -149,6 +149,55 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
         chk("lite_c", (H, p), "(H, p)")
 
 
+def _section_dims(wise_A, lite_A, split: bool):
+    H, RL, P = lite_A.shape
+    RW = wise_A.shape[1] if wise_A is not None else 0
+    return H, P, RW, RL, RW + RL * (2 if split else 1)
+
+
+# The section kernels as custom ops (opaque to torch.compile, with fake implementations), so
+# that LiteSection traces with no graph break: dynamo cannot trace the interpreter's or the
+# launcher's host code.
+@torch.library.custom_op("kfused::headwise_section_triton_fwd", mutates_args=())
+def _section_fwd(wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tensor],
+                 lite_A: torch.Tensor, lite_B: torch.Tensor, w_k: torch.Tensor,
+                 b_k: Optional[torch.Tensor], Hk: int, split: Optional[torch.dtype]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from kfused.triton_kernels import headwise_section as tk
+
+    return tk.section_forward(wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk, split)
+
+
+@_section_fwd.register_fake
+def _section_fwd_fake(wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk, split):
+    H, P, _, _, R = _section_dims(wise_A, lite_A, split is not None)
+    f = dict(dtype=torch.float32)
+    return (lite_A.new_empty(H, R, w_k.shape[1], **f), lite_A.new_empty(H, R, **f),
+            lite_A.new_empty(H, P, R, **f))
+
+
+@torch.library.custom_op("kfused::headwise_section_triton_bwd", mutates_args=())
+def _section_bwd(d_down: torch.Tensor, d_zb: torch.Tensor, d_up: torch.Tensor,
+                 wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tensor],
+                 lite_A: torch.Tensor, lite_B: torch.Tensor, w_k: torch.Tensor,
+                 b_k: Optional[torch.Tensor], Hk: int, split: bool, need_lite_A: bool
+                 ) -> List[torch.Tensor]:
+    from kfused.triton_kernels import headwise_section as tk
+
+    got = tk.section_backward(d_down, d_zb, d_up, wise_A, wise_B, lite_A, lite_B, w_k, b_k,
+                              Hk, split, need_lite_A=need_lite_A)
+    return [t if t is not None else lite_A.new_empty(0) for t in got]
+
+
+@_section_bwd.register_fake
+def _section_bwd_fake(d_down, d_zb, d_up, wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk, split,
+                      need_lite_A):
+    return [torch.empty_like(wise_A) if wise_A is not None else lite_A.new_empty(0),
+            torch.empty_like(wise_B) if wise_B is not None else lite_A.new_empty(0),
+            torch.empty_like(lite_A) if need_lite_A else lite_A.new_empty(0),
+            torch.empty_like(lite_B)]
+
+
 class LiteSection(torch.autograd.Function):
     """The float32 kernel-level factors of a section with lite heads — ``down (H, R, d)``,
     ``zb (H, R)``, ``up (H, p, R)`` (layout in :mod:`kfused.triton_kernels.headwise_section`)
@@ -158,17 +207,14 @@ class LiteSection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk: int, split):
-        from kfused.triton_kernels import headwise_section as tk
-
         ctx.Hk, ctx.split = Hk, split is not None
         ctx.save_for_backward(wise_A, wise_B, lite_A, lite_B, w_k, b_k)
         ctx.set_materialize_grads(False)
-        return tk.section_forward(wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk, split)
+        return torch.ops.kfused.headwise_section_triton_fwd(wise_A, wise_B, lite_A, lite_B,
+                                                            w_k, b_k, Hk, split)
 
     @staticmethod
     def backward(ctx, d_down, d_zb, d_up):
-        from kfused.triton_kernels import headwise_section as tk
-
         wise_A, wise_B, lite_A, lite_B, w_k, b_k = ctx.saved_tensors
         need = ctx.needs_input_grad
         if d_down is None and d_zb is None and d_up is None:
@@ -179,9 +225,11 @@ class LiteSection(torch.autograd.Function):
         z = lambda t, *shape: t.contiguous() if t is not None else lite_A.new_zeros(  # noqa
             *shape, dtype=torch.float32)
         d_down, d_zb, d_up = z(d_down, H, width, d), z(d_zb, H, width), z(d_up, H, P, width)
-        dwa, dwb, dla, dlb = tk.section_backward(
+        dwa, dwb, dla, dlb = torch.ops.kfused.headwise_section_triton_bwd(
             d_down, d_zb, d_up, wise_A, wise_B, lite_A, lite_B, w_k, b_k, ctx.Hk, ctx.split,
-            need_lite_A=need[2])
+            need[2])
+        dwa, dwb = (dwa, dwb) if wise_A is not None else (None, None)
+        dla = dla if need[2] else None
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (d_down, d_zb, d_up)):
             # create_graph: the kernels' results carry no graph; a second backward through
@@ -263,6 +311,9 @@ def _section(f: Optional[HeadFactors], H: int, Hk: int, p: int, d: int,
     return (down, zb, up, sdown, sup), dc, scale, lite_grad
 
 
+_LITE_CHUNK = 8192   # tokens per float64 step of LiteKeyGrad (bounds the float64 copy of x)
+
+
 class LiteKeyGrad(torch.autograd.Function):
     """Identity on the op's output ``Y (T, N)`` that gives a float32 Kernel-wise-lite factor
     its gradient ``dA_h = dZ_hᵀ K^h`` with ``dZ_h = dΔ_h B_h`` (see :func:`_section`).
@@ -276,7 +327,6 @@ class LiteKeyGrad(torch.autograd.Function):
     only ``H·r`` wide) and rounds once. float32 only: the 16-bit speed path keeps the basis
     path, whose float32 sums are 2^-13 below the 16-bit rounding both paths share."""
 
-    _CHUNK = 8192   # tokens per float64 step (bounds the float64 copy of x)
 
     @staticmethod
     def forward(ctx, Y, lite_A, lite_B, x, w_k, b_k, c0: int, Hk: int):
@@ -293,8 +343,12 @@ class LiteKeyGrad(torch.autograd.Function):
         B = lite_B.to(f64)
         R = x.new_zeros(H, r, x.shape[1], dtype=f64)       # Σ_t dZ_t x_tᵀ
         s = x.new_zeros(H, r, dtype=f64)                    # Σ_t dZ_t
-        for t0 in range(0, x.shape[0], LiteKeyGrad._CHUNK):
-            t1 = min(t0 + LiteKeyGrad._CHUNK, x.shape[0])
+        T = x.shape[0]
+        # one step when the tokens fit: no Python loop over the token count, which
+        # torch.compile would have to specialise (mark_dynamic on the tokens refused)
+        spans = ([(0, T)] if T <= _LITE_CHUNK else
+                 [(t0, min(t0 + _LITE_CHUNK, T)) for t0 in range(0, T, _LITE_CHUNK)])
+        for t0, t1 in spans:
             g = gY[t0:t1, ctx.c0:ctx.c0 + H * p].reshape(t1 - t0, H, p).to(f64)
             dz = torch.einsum("thp,hpr->thr", g, B)
             R += torch.einsum("thr,td->hrd", dz, x[t0:t1].to(f64))

@@ -708,12 +708,23 @@ _PACKED: "collections.OrderedDict" = collections.OrderedDict()
 _PACKED_MAX = 8
 
 
+def _operand_key(t: Optional[torch.Tensor]):
+    """What identifies a packed operand's contents (see _PACKED); raises RuntimeError for an
+    inference tensor (``torch.inference_mode``), which has no version counter."""
+    return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride(),
+                                   t.dtype, str(t.device))
+
+
 def _pack_key(fs: Sequence["SectionFactors"], dtype: torch.dtype, BN: int):
+    """The key of _PACKED, or None when a factor is an inference tensor (no version counter:
+    e.g. lite factors built under torch.inference_mode; nothing is recorded then)."""
+    if any(t is not None and t.is_inference()
+           for f in fs for t in (f.down, f.up, f.sdown, f.sup)):
+        return None
     parts = []
     for f in fs:
         for t in (f.down, f.up, f.sdown, f.sup):  # not zb: the backward uses only D and U
-            parts.append(None if t is None else (t.data_ptr(), t._version, tuple(t.shape),
-                                                 t.stride(), t.dtype, str(t.device)))
+            parts.append(_operand_key(t))
         parts.append(f.scale)
     return (tuple(parts), dtype, BN)
 
@@ -731,7 +742,8 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
     dev = Z.device
     BN = _tile_n(dev)
     key = _pack_key(fs, dtype, BN)
-    if not keep:
+    keep = keep and key is not None
+    if not keep and key is not None:
         rec = _PACKED.pop(key, None)
         if rec is not None and rec[0]() is Z:
             return rec[1]

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from kfused import _alloc
 from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu
-from kfused.triton_kernels._headwise_common import (_PACKED_MAX, colsum_rows, gemm,
-                                                    reduce_tokens)
+from kfused.triton_kernels._headwise_common import (_PACKED_MAX, _operand_key, colsum_rows,
+                                                    gemm, reduce_tokens)
 
 
 # ------------------------------------------------------------------------------------------
@@ -252,10 +252,12 @@ _OPACKED: "collections.OrderedDict" = collections.OrderedDict()
 
 def _oproj_operands(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype,
                     Z: torch.Tensor, keep: bool):
-    key = (tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride(),
-                                         t.dtype, str(t.device)) for t in (A, Bw, As, Bs)),
-           float(scale), dtype, H)
-    if not keep:
+    key = None
+    if not any(t is not None and t.is_inference() for t in (A, Bw, As, Bs)):
+        # (inference tensors have no version counter: nothing is recorded for them)
+        key = (tuple(_operand_key(t) for t in (A, Bw, As, Bs)), float(scale), dtype, H)
+    keep = keep and key is not None
+    if not keep and key is not None:
         rec = _OPACKED.pop(key, None)
         if rec is not None and rec[0]() is Z:
             return rec[1]
