@@ -484,3 +484,32 @@ def test_output_projections_run_in_the_autocast_dtype():
     for y, want in ((y_x, want_x), (y_f, want_f), (y_mixed, want_f)):
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2)
+
+
+def test_transformers_4_mask_interface_is_refused_by_name(monkeypatch):
+    """transformers 4.x hands the mask interface cache_position instead of q_length, so the
+    kfused_inducer mask function failed inside transformers with a bare TypeError (and, with
+    the signature patched, GPT-2 gave wrong outputs): inducer and prefix attention are refused
+    at inject with the reason, and the model is left as it was."""
+    from transformers import masking_utils as mu
+
+    from kfused.integration import AdapterConfig, inject
+
+    def sdpa_mask_4x(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None,
+                     attention_mask=None, **kwargs):
+        raise AssertionError("not called")
+
+    model = _tiny("gpt2").eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(mu, "sdpa_mask", sdpa_mask_4x)
+    with pytest.raises(ValueError, match=r"attention-mask interface \(no q_length\).*>= 5"):
+        hf_attention.add_inducers(model, key_bottleneck=2, value_bottleneck=2, init="zero")
+    for method in ("inducer", "prefix"):
+        with pytest.raises(ValueError, match="no q_length"):
+            inject(model, AdapterConfig(method=method, r=2, backend="reference"))
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert not any(isinstance(m, InducerOutputProjection) for m in model.modules())
+    monkeypatch.undo()
+    assert hf_attention.unsupported_reason(model) is None

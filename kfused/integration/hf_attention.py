@@ -29,6 +29,7 @@ Prefix tuning keeps its prefix in place of the first positions when converted fr
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Callable, List, Optional, Tuple
 
@@ -324,6 +325,25 @@ def attach_inducer(attention: nn.Module, adapter: InducerAttention, proj_parent:
         setattr(proj_parent, proj_attr, InducerOutputProjection(base, adapter))
 
 
+def _old_mask_interface() -> Optional[str]:
+    """Why this transformers cannot run the kfused_inducer attention, or None: its mask
+    interface must hand the queries as ``q_length`` / ``q_offset`` (transformers 5;
+    transformers 4.x hands ``cache_position``, and its attention paths were never validated
+    here, so it is refused rather than run)."""
+    import transformers
+
+    try:
+        from transformers import masking_utils as mu
+        takes = "q_length" in inspect.signature(mu.sdpa_mask).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        takes = False
+    if takes:
+        return None
+    return (f"transformers {transformers.__version__} has the transformers 4.x attention-mask "
+            "interface (no q_length); inducer attention and prefix tuning need transformers "
+            ">= 5 (tested with 5.24). LoRA, KronA and the per-head methods run on 4.x")
+
+
 def unsupported_reason(model: nn.Module) -> Optional[str]:
     """Why inducer attention / prefix tuning cannot run on ``model``, or None if it can.
 
@@ -333,6 +353,9 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     The architecture says so (``ArchSpec.score_bias``); a module with a
     ``relative_attention_bias`` marks a T5-family model of a type kfused has no layout for.
     """
+    old = _old_mask_interface()
+    if old is not None:
+        return old
     arch = detect_arch(model)
     mt = model_type_of(model)
     score_bias = (arch.score_bias if arch is not None else False) or any(
