@@ -113,6 +113,18 @@ def linear_dims(base: nn.Module) -> Tuple[int, int]:
     raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(base).__name__}")
 
 
+def check_block_widths(block: nn.Module, d_in: int, d_out: int, given: str) -> None:
+    """A block-parallel adapter's block, when it is a linear layer, must map d_in to d_out
+    (its widths are known at construction); any other block's output is checked per call.
+    ValueError naming both, ``given`` saying what the adapter was given."""
+    try:
+        widths = linear_dims(block)
+    except TypeError:
+        return
+    if widths != (d_in, d_out):
+        raise ValueError(f"block is a linear layer of (in, out) = {widths}, but {given}")
+
+
 def linear_weight(base: nn.Module) -> torch.Tensor:
     """The base weight in nn.Linear (out, in) layout (a view for Conv1D, no copy)."""
     return base.weight.t() if is_conv1d(base) else base.weight

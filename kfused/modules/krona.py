@@ -14,7 +14,7 @@ from torch import nn
 
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
 from kfused.modules._linear import (WrappedLinear, autocast_input, check_backend_name,
-                                    linear_dims, linear_weight)
+                                    check_block_widths, linear_dims, linear_weight)
 from kfused.ops import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
@@ -194,13 +194,8 @@ class KronABlock(_KronFactors, nn.Module):
             raise ValueError(f"residual (KronA^B_res) needs d_in == d_out, got {d_in} and {d_out}")
         if not isinstance(block, nn.Module):
             raise TypeError(f"block must be an nn.Module, got {type(block).__name__}")
-        try:
-            widths = linear_dims(block)       # a linear block: its widths are known now
-        except TypeError:
-            widths = None                     # any other block: its output is checked per call
-        if widths is not None and widths != (d_in, d_out):
-            raise ValueError(f"block is a linear layer of (in, out) = {widths}, but the adapter "
-                             f"was given (d_in, d_out) = ({d_in}, {d_out})")
+        check_block_widths(block, d_in, d_out,
+                           f"the adapter was given (d_in, d_out) = ({d_in}, {d_out})")
         a_shape, b_shape = _resolve_shapes(d_in, d_out, a_shape, b_shape)
         self.d_in, self.d_out = d_in, d_out
         self.block = block

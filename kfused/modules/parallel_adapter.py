@@ -14,7 +14,7 @@ from torch import nn
 
 from kfused import _validate
 from kfused.modules._init import PAIR_INITS, check_init, init_pair_
-from kfused.modules._linear import check_backend_name, check_rank, linear_dims
+from kfused.modules._linear import check_backend_name, check_block_widths, check_rank
 
 
 class ScaledParallelAdapter(nn.Module):
@@ -38,14 +38,9 @@ class ScaledParallelAdapter(nn.Module):
         d_model = check_rank("d_model", d_model)
         scale = _validate.check_real("scale", scale)
         backend = check_backend_name(backend)
-        try:
-            widths = linear_dims(block)       # a linear block: its widths are known now
-        except TypeError:
-            widths = None                     # any other block: its output is checked per call
-        if widths is not None and widths != (d_model, d_model):
-            raise ValueError(f"ScaledParallelAdapter: block is a linear layer of (in, out) = "
-                             f"{widths}, but the adapter maps d_model={d_model} to d_model "
-                             "(a parallel adapter needs a block of equal input and output width)")
+        check_block_widths(block, d_model, d_model,
+                           f"the ScaledParallelAdapter maps d_model={d_model} to d_model (a "
+                           "parallel adapter needs a block of equal input and output width)")
         self.d_model = d_model
         self.block = block
         for p in block.parameters():
