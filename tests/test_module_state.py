@@ -66,12 +66,17 @@ def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def _source(kind, seed):
+    """A module of ``kind``, its input and its (unmerged) output."""
+    src = build(kind, seed)
+    x = _x(kind)
+    return src, x, run(src, x)
+
+
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_merged_state_dict_into_a_fresh_module(kind, strict):
-    src = build(kind, 1)
-    x = _x(kind)
-    y = run(src, x)
+    src, x, y = _source(kind, 1)
     plain_keys = list(src.state_dict().keys())
     assert MERGED_KEY not in "".join(plain_keys)
     src.merge()
@@ -96,9 +101,7 @@ def test_merged_state_dict_into_a_fresh_module(kind, strict):
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_unmerged_state_dict_into_a_merged_module(kind, strict):
-    src = build(kind, 3)
-    x = _x(kind)
-    y = run(src, x)
+    src, x, y = _source(kind, 3)
     sd = copy.deepcopy(src.state_dict())
     assert not any(k.endswith(MERGED_KEY) for k in sd)         # today's keys, exactly
     dst = build(kind, 4)
