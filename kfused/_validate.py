@@ -9,6 +9,11 @@ from typing import Optional, Sequence
 import torch
 
 
+def is_int(v) -> bool:
+    """An integer value (Python or numpy integral), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def check_tensor(name: str, t, *, ndim: Optional[int] = None, min_ndim: Optional[int] = None,
                  floating: bool = True) -> torch.Tensor:
     """Require a tensor (floating point by default), optionally of an exact or minimum rank."""

@@ -12,6 +12,7 @@ import numbers
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from kfused import _validate
 from kfused.modules._init import INITS
 
 Rank = Union[int, Sequence[int]]
@@ -20,8 +21,7 @@ Rank = Union[int, Sequence[int]]
 _RANK_KEYS_USED: List[set] = []   # one set per inject() in progress: the ranks keys looked up
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+_is_int = _validate.is_int
 
 
 def _is_real(v) -> bool:

@@ -3,12 +3,12 @@ handling, freezing, autocast of the activation, and merge/unmerge of ``delta_wei
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
+from kfused import _validate
 from kfused.backends import BACKENDS, BackendError
 
 # The state_dict key (under the module's prefix) that marks a merged adapter: a 0-d bool
@@ -92,7 +92,7 @@ def check_backend_name(backend) -> Optional[str]:
 def check_rank(name: str, r) -> int:
     """An adapter rank / bottleneck width: an int >= 1 (TypeError / ValueError naming it; a
     float such as 2.5 was truncated before)."""
-    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+    if not _validate.is_int(r):
         raise TypeError(f"{name} must be an int, got {type(r).__name__} {r!r}")
     if r < 1:
         raise ValueError(f"{name} must be >= 1, got {r}")
