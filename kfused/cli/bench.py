@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from kfused._files import replace_atomically
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -339,9 +341,6 @@ def write_prefs(path: Path, device_name: str, rows: List[dict],
     """Merge this run's measured backend order (:func:`kfused.bench.backend_prefs`) for
     ``device_name`` into the preferences file at ``path`` (created if absent; replaced
     atomically, so it always holds one complete version). Returns this device's entry."""
-    import os
-    import tempfile
-
     from kfused.backends import PREFS_WRITER, load_prefs
     from kfused.bench import backend_prefs
     from kfused.cases import regime_of
@@ -354,8 +353,9 @@ def write_prefs(path: Path, device_name: str, rows: List[dict],
         entry.setdefault(op, {}).update(regimes)
     data.setdefault("commits", {})[device_name] = commit
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+
+    replace_atomically(str(path), dump)
     return entry

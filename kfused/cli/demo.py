@@ -39,11 +39,12 @@ import platform
 import random
 import resource
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from kfused._files import replace_atomically
 
 # The demo's rows: name -> (label, AdapterConfig keyword arguments). Anything else passed to
 # --methods is a preset name (kfused.integration.PRESETS) or a registered method.
@@ -427,25 +428,6 @@ class _NoPlot(Exception):
     """matplotlib is unavailable: the plot is left as it was."""
 
 
-def _replace_atomically(path: str, write) -> None:
-    """``write(tmp)`` into a new file beside ``path``, then rename it over ``path``: an
-    interrupted run leaves the earlier file whole, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
-                               prefix="." + os.path.basename(path) + ".",
-                               suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # the mode a plain open() gives, not mkstemp's 0600
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
 # ------------------------------------------------------------------------------------------
 # report
 
@@ -726,7 +708,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             with open(tmp, "w") as f:
                 json.dump(report, f, indent=2, default=str)
 
-        _replace_atomically(os.path.join(args.out, REPORT), dump)
+        replace_atomically(os.path.join(args.out, REPORT), dump)
         err = None
 
         def draw(tmp: str) -> None:
@@ -736,7 +718,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                 raise _NoPlot
 
         with contextlib.suppress(_NoPlot):
-            _replace_atomically(os.path.join(args.out, PLOT), draw)
+            replace_atomically(os.path.join(args.out, PLOT), draw)
         _print_table(report)
         print()
         if comparisons:
