@@ -486,6 +486,39 @@ class _FnBlock(nn.Module):
         return self.fn(x)
 
 
+@pytest.mark.parametrize("method,options,exc,match", [
+    ("lora", {"lite": ["v"]}, ValueError, r"'lora': unknown key\(s\) \['lite'\].*reads no options"),
+    ("inducer", {"key_botleneck": 3}, ValueError, r"unknown key\(s\) \['key_botleneck'\]"),
+    ("prefix", {"prefix_len": 3}, ValueError, r"'prefix': unknown key\(s\) \['prefix_len'\]"),
+    ("kernel_mix", {"lite": ["v"], "rank": 3}, ValueError, r"unknown key\(s\) \['rank'\]"),
+    ("mam_inducer", {"inducer": {"options": {"prefx_len": 1}}}, ValueError,
+     r"'inducer': unknown key\(s\) \['prefx_len'\]"),
+    ("mam_inducer", {"lora": {"r": 2}}, ValueError, r"'mam_inducer': unknown key\(s\) \['lora'\]"),
+    ("mam_inducer", {"parallel_adapter": 16}, TypeError,
+     r"options\['parallel_adapter'\] holds part 'parallel_adapter'.*got int 16"),
+])
+def test_unknown_option_keys_are_refused_by_name(method, options, exc, match):
+    # every key a method does not read was silently dropped: a misspelt option trained
+    # something else than the user asked for, with no word
+    model = make("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        inject(model, AdapterConfig(method=method, r=2, options=options))
+    assert get_state(model, required=False) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_composite_shared_options_reach_the_parts_that_read_them():
+    # a shared key goes to every part that reads it, and no other part refuses it
+    model = make("llama")
+    inject(model, AdapterConfig(method="mam_inducer", r=2, backend="reference",
+                                options={"key_bottleneck": 3, "composition": "gate",
+                                         "parallel_adapter": {"r": 4}}))
+    inducers = [m for m in model.modules() if type(m).__name__ == "InducerAttention"]
+    assert inducers and all(m.key_bottleneck == 3 and m.composition == "gate"
+                            for m in inducers)
+
+
 @pytest.mark.parametrize("method,options,match", [
     ("prefix", {"position_offset": 1.5}, r"options\['position_offset'\] must be an integer"),
     ("prefix", {"position_offset": "3"}, r"options\['position_offset'\] must be an integer"),

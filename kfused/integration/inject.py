@@ -148,7 +148,20 @@ def _match_targets(model: nn.Module, targets: List[str], arch: Optional[ArchSpec
     return [(n, m, r) for n, (m, r) in found.items()]
 
 
+def _check_option_keys(spec: MethodSpec, cfg: AdapterConfig) -> None:
+    """Refuse ``cfg.options`` keys that ``spec`` does not read (a misspelt key would be dropped)."""
+    if spec.options is None:
+        return
+    allowed = set(spec.options) | {p for p, _ in spec.parts}
+    unknown = sorted(str(k) for k in cfg.options if k not in allowed)
+    if unknown:
+        reads = (f"it reads {sorted(allowed)}" if allowed else "it reads no options")
+        raise ValueError(f"method {spec.name!r}: unknown key(s) {unknown} in "
+                         f"AdapterConfig.options; {reads}")
+
+
 def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, AdapterConfig]]:
+    _check_option_keys(spec, cfg)
     if spec.site != "composite":
         return [(spec, cfg)]
     if cfg.targets is not None:
@@ -160,9 +173,16 @@ def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, Adap
     shared_opts = {k: v for k, v in cfg.options.items() if k not in methods()}
     plan = []
     for part, part_targets in spec.parts:
-        over = dict(cfg.options.get(part, {}))
+        over = cfg.options.get(part, {})
+        if not isinstance(over, dict):
+            raise TypeError(f"method {spec.name!r}: options[{part!r}] holds part {part!r}'s "
+                            f"overrides and must be a dict, got {type(over).__name__} {over!r}")
+        over = dict(over)
+        reads = get_method(part).options
+        # each part gets the shared keys it reads (all of them if it does not declare)
+        shared = {k: v for k, v in shared_opts.items() if reads is None or k in reads}
         sub = cfg.replace(method=part, targets=over.pop("targets", part_targets),
-                          options={**shared_opts, **over.pop("options", {})})
+                          options={**shared, **over.pop("options", {})})
         if over:
             sub = sub.replace(**over)
         plan.extend(_expand(get_method(part), sub))

@@ -35,6 +35,10 @@ Sites:
     Composite methods list ``parts``: ``(method, default_targets or None)`` applied in order
     (linear parts first is best: later attention/block wrappers then contain the adapted
     linears). Per-part overrides come from ``cfg.options[part]``.
+
+A method names the ``cfg.options`` keys it reads (``options=``); inject refuses any other key
+by name before it changes the model. A composite passes each part the shared keys that part
+reads.
 """
 
 from __future__ import annotations
@@ -92,6 +96,11 @@ class MethodSpec:
     # default_init_for(cfg): the init None means for this config, where it depends on the
     # config (the inducer with prefix columns has no exact start); else default_init
     default_init_for: Optional[Callable[[AdapterConfig], str]] = None
+    # the ``cfg.options`` keys the method reads; inject refuses any other key. None: not
+    # declared (a plugin registered without ``options=``), every key is passed on unchecked.
+    # A composite reads its parts' keys (each part gets the shared keys it reads) and the
+    # per-part override dicts named by its parts.
+    options: Optional[Tuple[str, ...]] = None
 
     def targets_for(self, arch: Optional[ArchSpec]) -> Optional[List[str]]:
         if arch is not None and arch.name in self.default_targets:
@@ -121,6 +130,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
                     finish: Optional[Callable[[nn.Module, AdapterConfig], None]] = None,
                     check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None,
                     default_init_for: Optional[Callable[[AdapterConfig], str]] = None,
+                    options: Optional[Sequence[str]] = None,
                     replace: bool = True) -> MethodSpec:
     """Register (or replace) an adapter method. See the module docstring for the contract.
 
@@ -150,6 +160,9 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         inits = tuple(i for i in INITS
                       if all(p not in _METHODS or i in _METHODS[p].inits for p, _ in parts))
         default_init = None
+        part_opts = [_METHODS[p].options if p in _METHODS else None for p, _ in parts]
+        options = (None if any(o is None for o in part_opts)
+                   else tuple(sorted({k for o in part_opts for k in o})))
     else:
         for value in (*inits, default_init):
             check_init(value, tuple(INITS), f"method {name!r}")
@@ -164,7 +177,8 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         mergeable=mergeable,
         parts=tuple((p, list(t) if t is not None else None) for p, t in parts),
         description=description, paper=paper, inits=tuple(inits), default_init=default_init,
-        finish=finish, check=check, default_init_for=default_init_for)
+        finish=finish, check=check, default_init_for=default_init_for,
+        options=tuple(options) if options is not None else None)
     _METHODS[name] = spec
     return spec
 
