@@ -133,8 +133,13 @@ def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[tor
 
 
 def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> nn.Module:
-    """"none" (unchanged), "ddp" or "fsdp2" (these need the process group: init_distributed)."""
+    """"none" (unchanged), "ddp" or "fsdp2" (these need the process group: init_distributed).
+    ``kwargs`` go to :func:`wrap_ddp` / :func:`wrap_fsdp2`; "none" takes none (they would be
+    dropped: e.g. an ``mp_dtype`` that never reaches a wrapper)."""
     if mode == "none":
+        if kwargs:
+            raise TypeError(f"wrap_model: mode 'none' leaves the model unchanged and takes no "
+                            f"wrapper options, got {sorted(kwargs)}")
         return model
     if mode in ("ddp", "fsdp2") and not is_distributed():
         raise RuntimeError(f"distributed mode {mode!r} needs an initialized process group; "

@@ -183,6 +183,8 @@ def test_bad_inputs_without_a_process_group():
         kd.shard_batch({"ids": [1, 2]}, 0, 1)
     with pytest.raises(TypeError, match="world must be an int"):
         kd.shard_batch(batch, 0, 2.0)
+    with pytest.raises(TypeError, match=r"mode 'none' .* got \['mp_dtype'\]"):  # was dropped
+        kd.wrap_model(nn.Linear(2, 2), "none", torch.device("cpu"), mp_dtype=torch.bfloat16)
     for mode in ("ddp", "fsdp2"):  # fsdp2 failed on torch's env:// rendezvous (RANK not set)
         with pytest.raises(RuntimeError, match=f"mode '{mode}' needs an initialized process"):
             kd.wrap_model(nn.Linear(2, 2), mode, torch.device("cpu"))
