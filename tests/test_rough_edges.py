@@ -93,6 +93,28 @@ def test_bench_quick_cpu_cases_are_tiny_float32_and_every_provider_runs(monkeypa
     del sys.modules["kfused.cases.e2e"]
 
 
+def test_bench_on_the_cpu_runs_the_dtype_asked_or_says_which(tmp_path, monkeypatch, capsys):
+    # --dtype bf16 on the CPU ran krona and headwise in float32 without a word
+    import kfused.cases
+    from kfused.cli import bench
+
+    for op in ("krona", "headwise", "inducer"):
+        cases = kfused.cases.bench_cases(op, "cpu", torch.bfloat16, quick=True)
+        assert cases and all(c.dtype == torch.bfloat16 for c in cases), op
+    # e2e's CPU cases are float32 by design (bf16 autocast on a CPU is slow): a note says so
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: [_Case(torch.float32)])
+    assert bench.run(["e2e", "--device", "cpu", "--dtype", "bf16", "--no-plot",
+                      "--out", str(tmp_path)]) == 0
+    assert "e2e runs its cpu cases in float32, not --dtype bf16" in capsys.readouterr().err
+
+
+class _Case:
+    op, shape, providers = "e2e", {}, []
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
 def test_bench_defaults_to_git_ignored_local_folder():
     import subprocess
 

@@ -181,8 +181,6 @@ def bench_cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List
     """Benchmark cases; ``quick`` shrinks the token count (CPU smoke runs, CI)."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        if dtype == torch.bfloat16:
-            dtype = torch.float32
         return ([_case(w, p, device, dtype, CPU_WIDTHS[w]["tokens"]) for w in CPU_WIDTHS
                  for p in BENCH_PRESETS]
                 + [_lowrank_case("cpu-sized kernel-wise-lite", 64, 2, 16, 16, 4, True, dev,

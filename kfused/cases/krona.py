@@ -84,8 +84,6 @@ def bench_cases(device, dtype=torch.bfloat16, quick=False):
     widths = (QUICK_WIDTHS if quick else WIDTHS) if on_gpu else CPU_WIDTHS
     tokens = (QUICK_TOKENS if quick else TOKENS) if on_gpu else CPU_TOKENS
     factor_sets = QUICK_FACTORS if (quick or not on_gpu) else list(FACTORS)
-    if not on_gpu and dtype == torch.bfloat16:
-        dtype = torch.float32
     backends = available_backends("krona_linear", device=str(device), dtype=dtype)
     scale = 0.5
     out = []

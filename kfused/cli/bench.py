@@ -281,6 +281,11 @@ def run(argv: Optional[List[str]] = None) -> int:
     for op in ops:
         rows: List[dict] = []
         case_list = bench_cases(op, device, DTYPES[args.dtype], quick=args.quick)
+        other = sorted({str(c.dtype).replace("torch.", "") for c in case_list
+                        if c.dtype != DTYPES[args.dtype]})
+        if other:  # a family that runs another dtype here says so (the rows name it too)
+            print(f"kfused bench: {op} runs its {device.type} cases in {', '.join(other)}, not "
+                  f"--dtype {args.dtype}", file=sys.stderr)
         for case in tqdm(case_list, desc=f"bench {op}", file=sys.stderr):
             rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
         add_ratios(rows)
