@@ -315,6 +315,17 @@ def test_metrics_slot_rules():
     assert not em.slot_realised("eatType", "pub", "Cotto is public.")  # word boundaries
 
 
+def test_metrics_refuse_a_malformed_meaning_representation():
+    # a key given twice kept its last value; text outside the slots was dropped
+    with pytest.raises(ValueError, match="gives slot 'food' twice"):
+        em.parse_mr("name[Cotto], food[Italian], food[French]")
+    with pytest.raises(ValueError, match="found 'near Burger King' outside them"):
+        em.parse_mr("name[Cotto], near Burger King")
+    with pytest.raises(ValueError, match="gives slot 'name' twice"):
+        em.slot_scores(["name[Cotto], name[Alimentum]"], ["Cotto."])
+    assert em.parse_mr(" name[Cotto] ,food[fast food]") == {"name": "Cotto", "food": "fast food"}
+
+
 def test_metrics_refuse_mismatched_or_empty_lists():
     # a missing generation was silently dropped (zip): all_slots 0.5 for one realised example
     # of one, BLEU 0.0 instead of an error; empty lists failed inside sacrebleu (IndexError)

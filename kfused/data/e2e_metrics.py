@@ -32,8 +32,20 @@ _POOLS = {"name": NAMES, "food": FOOD, "area": AREA, "eatType": EAT, "near": NEA
 
 
 def parse_mr(mr: str) -> Dict[str, str]:
-    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``."""
-    return {k.strip(): v.strip() for k, v in _MR.findall(mr)}
+    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``. A key given twice, or text
+    that is not ``key[value]`` slots separated by commas, is a ValueError (the last value
+    was kept and the rest dropped: the slot scores counted something else than the MR)."""
+    slots: Dict[str, str] = {}
+    rest = _MR.sub(",", mr)
+    if rest.replace(",", "").strip():
+        raise ValueError(f"meaning representation {mr!r}: expected comma-separated key[value] "
+                         f"slots, found {rest.replace(',', ' ').strip()!r} outside them")
+    for k, v in _MR.findall(mr):
+        k = k.strip()
+        if k in slots:
+            raise ValueError(f"meaning representation {mr!r} gives slot {k!r} twice")
+        slots[k] = v.strip()
+    return slots
 
 
 def _has(text: str, value: str, case: bool = False) -> bool:
