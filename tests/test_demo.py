@@ -277,6 +277,35 @@ def test_pretrain_never_overwrites_a_model_it_did_not_write(tmp_path):
     assert _out_refusal(BASE_DIR) is None and _out_refusal(str(tmp_path / "new")) is None
 
 
+def test_pretrain_failing_while_writing_leaves_the_earlier_version_whole(tmp_path, monkeypatch):
+    # the weights were written over the earlier ones, then the record: a failure (or a kill)
+    # between the two left new weights beside the old record (its sha256 no longer matched)
+    import hashlib
+
+    import kfused.data.pretrain_base as pb
+
+    import shutil
+
+    for n in pb.OUTPUTS:  # the earlier version: a copy of the shipped base (this script's)
+        shutil.copy(os.path.join(BASE_DIR, n), tmp_path / n)
+    before = {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS}
+    argv = ["--steps", "1", "--docs", "40", "--batch-size", "1", "--seq-len", "32",
+            "--out", str(tmp_path)]
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pb, "mean_loss", lambda model, held: 0.0)  # not what is tested: fast
+    monkeypatch.setattr(pb.hashlib, "sha256", fail)
+    with pytest.raises(OSError, match="disk full"):
+        pb.pretrain(pb.build_parser().parse_args(argv))
+    monkeypatch.undo()
+    assert {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS} == before
+    assert sorted(os.listdir(tmp_path)) == sorted(pb.OUTPUTS)  # no staging folder left
+    record = json.loads(before["pretrain.json"])
+    assert record["weights_sha256"] == hashlib.sha256(before["model.safetensors"]).hexdigest()
+
+
 def test_pretraining_corpus_is_disjoint_from_the_task():
     docs = documents(3000)
     text = "\n".join(a + " " + b for a, b in docs)

@@ -23,6 +23,8 @@ import json
 import math
 import os
 import platform
+import shutil
+import tempfile
 import time
 from typing import List, Optional
 
@@ -163,8 +165,26 @@ def pretrain(args) -> dict:
     model.half().float()  # evaluate exactly what is stored (float16)
     held_loss = mean_loss(model, held)
     os.makedirs(args.out, exist_ok=True)
-    model.half().save_pretrained(args.out, safe_serialization=True)
-    path = os.path.join(args.out, "model.safetensors")
+    # every file is written into a staging folder inside --out first, then moved into place
+    # with the record last: a failure or kill while writing leaves the earlier version whole
+    stage = tempfile.mkdtemp(dir=args.out, prefix=".pretrain-staging-")
+    try:
+        _write_version(model, stage, losses, held_loss, stream, train_s, t0, tok, args)
+        for name in OUTPUTS:  # pretrain.json last: the record names the weights beside it
+            os.replace(os.path.join(stage, name), os.path.join(args.out, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    with open(os.path.join(args.out, "pretrain.json")) as f:
+        info = json.load(f)
+    print(f"held-out loss {held_loss:.4f} nats/byte; trained {train_s:.0f} s; wrote {args.out}")
+    return info
+
+
+def _write_version(model, out, losses, held_loss, stream, train_s, t0, tok, args) -> None:
+    """The base's four files (OUTPUTS) into ``out``."""
+    T = args.seq_len
+    model.half().save_pretrained(out, safe_serialization=True)
+    path = os.path.join(out, "model.safetensors")
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     try:
@@ -190,10 +210,11 @@ def pretrain(args) -> dict:
         "transformers": transformers.__version__, "weights_dtype": "float16",
         "weights_sha256": sha,
     }
-    with open(os.path.join(args.out, "pretrain.json"), "w") as f:
+    missing = [n for n in OUTPUTS[:-1] if not os.path.exists(os.path.join(out, n))]
+    if missing:  # transformers changed what save_pretrained writes
+        raise RuntimeError(f"save_pretrained did not write {missing} (kfused moves {OUTPUTS})")
+    with open(os.path.join(out, "pretrain.json"), "w") as f:
         json.dump(info, f, indent=2)
-    print(f"held-out loss {held_loss:.4f} nats/byte; trained {train_s:.0f} s; wrote {args.out}")
-    return info
 
 
 def main(argv=None) -> None:  # pragma: no cover
