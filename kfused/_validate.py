@@ -14,6 +14,12 @@ def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def is_real(v) -> bool:
+    """A finite real number (Python or NumPy), not a bool (what :func:`check_real` accepts)."""
+    return (isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
+
+
 def check_tensor(name: str, t, *, ndim: Optional[int] = None, min_ndim: Optional[int] = None,
                  floating: bool = True) -> torch.Tensor:
     """Require a tensor (floating point by default), optionally of an exact or minimum rank."""

@@ -7,8 +7,6 @@ config travels inside every adapter checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -21,12 +19,7 @@ Rank = Union[int, Sequence[int]]
 _RANK_KEYS_USED: List[set] = []   # one set per inject() in progress: the ranks keys looked up
 
 
-_is_int = _validate.is_int
-
-
-def _is_real(v) -> bool:
-    return (isinstance(v, numbers.Real) and not isinstance(v, bool)
-            and math.isfinite(float(v)))
+_is_int, _is_real = _validate.is_int, _validate.is_real
 
 
 @dataclasses.dataclass

@@ -12,14 +12,14 @@ from __future__ import annotations
 from torch import nn
 
 from kfused.integration.arch import AttentionBlock
-from kfused.integration.config import AdapterConfig, _is_int
+from kfused._validate import is_int
+from kfused.integration.config import AdapterConfig
 from kfused.integration.headwise import attach_headwise_block, headwise_config, use_module_backend
 from kfused.integration.hf_attention import (add_position_offset, attach_inducer_block,
                                              check_position_offset, check_supported,
                                              register as register_attention,
                                              set_implementation)
 from kfused.integration.registry import Target, register_method
-from kfused.modules._init import PAIR_INITS
 from kfused.modules.headwise import INITS as HEADWISE_INITS
 from kfused.modules.inducer import InducerAttention
 from kfused.modules.krona import KronABlock, KronALinear
@@ -90,7 +90,7 @@ def _int_option(cfg: AdapterConfig, key: str, default: int, minimum: int) -> int
     value = cfg.options.get(key, default)
     if value is None:
         value = default
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{cfg.method}: options[{key!r}] must be an integer >= {minimum}, got "
                          f"{value!r}")
     return int(value)
