@@ -190,6 +190,14 @@ def ordered(impls: Sequence[str], order: Optional[Sequence[str]]) -> Tuple[str, 
     return tuple(first) + tuple(n for n in impls if n not in first)
 
 
+# torch.library.register_autograd builds its autograd.Function without setup_context, which
+# torch.func refuses (pytorch/pytorch#170834): under a transform the fused ops would fail
+# inside torch with its generic message, so they are unfit there and "auto" takes reference
+FUNCTORCH_UNFIT = ("a torch.func transform (grad, vjp, jacrev, vmap, ...) is active, and the "
+                   "fused kernels' custom ops do not run under torch.func in this torch "
+                   "(pytorch/pytorch#170834); backend='reference' (or 'auto') does")
+
+
 def select_backend(
     op: str,
     requested: Optional[str],
@@ -219,6 +227,8 @@ def select_backend(
             return None
         if name not in impls:
             return f"{op} has no {name} implementation"
+        if torch._C._are_functorch_transforms_active():
+            return FUNCTORCH_UNFIT
         reason = (triton_unfit(device, dtype) if name == "triton"
                   else cuda_unfit(device, dtype, op))
         if reason is None and extra_unfit is not None:

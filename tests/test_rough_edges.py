@@ -115,6 +115,37 @@ class _Case:
         self.dtype = dtype
 
 
+@pytest.mark.parametrize("op", ["krona_linear", "inducer_attention"])
+def test_torch_func_grad_runs_reference_and_names_why_not_fused(op):
+    # under torch.func.grad the fused custom ops failed inside torch ("must override the
+    # setup_context staticmethod", pytorch/pytorch#170834), a message naming neither the op
+    # nor a way out; now a fused backend asked for is refused by name and auto runs reference
+    from kfused.backends import BackendError, triton_unfit
+
+    g = torch.Generator().manual_seed(11)
+    if op == "krona_linear":
+        x, w = torch.randn(5, 12, generator=g), torch.randn(6, 12, generator=g)
+        a0, b = torch.randn(2, 3, generator=g), torch.randn(3, 4, generator=g)
+
+        def f(a, backend):
+            return (kfused.krona_linear(x, w, None, a, b, 0.5, backend=backend) ** 2).sum()
+    else:
+        q, k, v = (torch.randn(1, 2, 6, 32, generator=g) for _ in range(3))
+        a0 = q.clone()
+
+        def f(q, backend):
+            return (kfused.inducer_attention(q, k, v, causal=True, backend=backend)[0] ** 2).sum()
+
+    leaf = a0.clone().requires_grad_()
+    f(leaf, "reference").backward()
+    for backend in ("auto", "reference"):
+        torch.testing.assert_close(torch.func.grad(f)(a0, backend), leaf.grad, rtol=0, atol=0)
+    if triton_unfit(torch.device("cpu"), torch.float32) is None:
+        with pytest.raises(BackendError, match=rf"{op}: backend 'triton' .* torch.func transform"):
+            torch.func.grad(f)(a0, "triton")
+        f(a0.clone().requires_grad_(), "triton").backward()  # outside a transform: unchanged
+
+
 def test_bench_defaults_to_git_ignored_local_folder():
     import subprocess
 
