@@ -513,3 +513,49 @@ def test_transformers_4_mask_interface_is_refused_by_name(monkeypatch):
     assert not any(isinstance(m, InducerOutputProjection) for m in model.modules())
     monkeypatch.undo()
     assert hf_attention.unsupported_reason(model) is None
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "roberta", "llama"])
+def test_functional_call_leaves_the_adapters_parameters_in_place(kind):
+    # the "add" adapter was a submodule under two names (the attention layer's kfused_inducer
+    # and the output projection's adapter): torch.func.functional_call (and so torch.func.grad
+    # over a model) then left its own tensors in place of the parameters (pytorch#164759):
+    # the optimizer's parameters were no longer the model's, the adapters stopped training
+    torch.manual_seed(0)
+    model = _tiny(kind)
+    adapters = hf_attention.add_inducers(model, key_bottleneck=2, value_bottleneck=3)
+    ids, mask = _inputs(kind)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def loss(p):
+        out = torch.func.functional_call(model, p, (ids,), {"attention_mask": mask})
+        return out.last_hidden_state[mask.bool()].pow(2).mean()
+
+    grads = torch.func.grad(loss)({n: p.detach() for n, p in params.items()})
+    assert all(model.get_parameter(n) is p for n, p in params.items())
+    loss(params).backward()
+    for n, p in params.items():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
+    assert all(a.W2.grad is not None and a.W2.grad.abs().sum() > 0 for a in adapters)
+    names = {n for n, _ in model.named_modules(remove_duplicate=False)
+             if any(n.endswith(s) for s in (".adapter", ".kfused_inducer"))}
+    assert len(names) == len(adapters)            # one name per adapter
+
+
+def test_state_dict_of_the_two_name_layout_still_loads():
+    # a Trainer checkpoint written before held the "add" adapter as <attn>.kfused_inducer.*
+    torch.manual_seed(0)
+    src = _tiny("llama")
+    hf_attention.add_inducers(src, key_bottleneck=2, value_bottleneck=3)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p))
+    sd = src.state_dict()
+    assert not any(".kfused_inducer." in k for k in sd)
+    old = {k.replace("self_attn.o_proj.adapter.", "self_attn.kfused_inducer."): v
+           for k, v in sd.items()}
+    assert old.keys() != sd.keys()
+    dst = _tiny("llama")
+    hf_attention.add_inducers(dst, key_bottleneck=2, value_bottleneck=3)
+    dst.load_state_dict(old)                          # strict: every key placed
+    assert all(torch.equal(dst.state_dict()[k], v) for k, v in sd.items())

@@ -316,13 +316,23 @@ def attention_layers(model: nn.Module) -> List[Tuple[nn.Module, nn.Module, str, 
 
 def attach_inducer(attention: nn.Module, adapter: InducerAttention, proj_parent: nn.Module,
                    proj_attr: str) -> None:
-    """Put ``adapter`` on one attention layer; for "add" wrap its output projection."""
-    setattr(attention, ADAPTER_ATTR, adapter)
+    """Put ``adapter`` on one attention layer; for "add" wrap its output projection.
+
+    The adapter is a submodule under one name only: the attention layer's ``kfused_inducer``,
+    or for "add" its output projection's ``adapter`` (the layer then reaches it through a
+    plain attribute). A module reachable under two names breaks torch.func.functional_call:
+    it leaves the call's tensors in place of the parameters (pytorch/pytorch#164759), so the
+    model silently stopped training its adapters after one call."""
+    attention._modules.pop(ADAPTER_ATTR, None)
+    attention.__dict__.pop(ADAPTER_ATTR, None)
     if adapter.inducer and adapter.composition == "add":
         base = getattr(proj_parent, proj_attr)
         if isinstance(base, InducerOutputProjection):
             base = base.base
         setattr(proj_parent, proj_attr, InducerOutputProjection(base, adapter))
+        attention.__dict__[ADAPTER_ATTR] = adapter  # not registered: see above
+    else:
+        setattr(attention, ADAPTER_ATTR, adapter)
 
 
 def _old_mask_interface() -> Optional[str]:
@@ -395,8 +405,24 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
     parent, _, attr = block.layout.o.rpartition(".")
     attach_inducer(attn, ad, block.module.get_submodule(parent) if parent else block.module,
                    attr)
+    if ad.inducer and composition == "add":
+        _read_old_adapter_keys(block.module, block.layout.path("attn"), block.layout.o)
     attn.kfused_backend = backend
     return ad
+
+
+def _read_old_adapter_keys(module: nn.Module, attn_path: str, o_path: str) -> None:
+    """A state_dict saved before the "add" adapter was registered under one name (a Trainer
+    checkpoint holds it as ``<attention>.kfused_inducer.*``) loads into ``<o>.adapter.*``."""
+    old = ".".join(p for p in (attn_path, ADAPTER_ATTR) if p) + "."
+    new = o_path + ".adapter."
+
+    def hook(state_dict, prefix, *args):
+        for k in [k for k in state_dict if k.startswith(prefix + old)]:
+            v = state_dict.pop(k)
+            state_dict.setdefault(prefix + new + k[len(prefix + old):], v)
+
+    module._register_load_state_dict_pre_hook(hook)
 
 
 def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck: int = 4,

@@ -250,13 +250,6 @@ class InducerOutputProjection(nn.Module):
     attention implementation returns for composition "add") and maps both in one GEMM.
     Inputs of the original width pass straight to the base layer."""
 
-    # ``adapter`` is the attention layer's own adapter module (``kfused_inducer``), so its
-    # tensors are in a model's state_dict under both names. transformers' save_pretrained (and
-    # so every Trainer checkpoint) refuses tensors shared under two names unless one is
-    # declared a known duplicate (it reads this attribute of every submodule, as patterns):
-    # the copy under ``adapter`` is left out of the file, the layer's own is saved.
-    _tied_weights_keys = {"adapter": "adapter"}
-
     def __init__(self, base: nn.Module, adapter: InducerAttention):
         super().__init__()
         self.base = base
