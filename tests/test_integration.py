@@ -494,6 +494,9 @@ class _FnBlock(nn.Module):
     ("mam_inducer", {"inducer": {"options": {"prefx_len": 1}}}, ValueError,
      r"'inducer': unknown key\(s\) \['prefx_len'\]"),
     ("mam_inducer", {"lora": {"r": 2}}, ValueError, r"'mam_inducer': unknown key\(s\) \['lora'\]"),
+    ("mam", {"parallel_adapter": {"rr": 4}}, ValueError,
+     r"options\['parallel_adapter'\] overrides .* \['rr'\] are not among them"),
+    ("mam", {"prefix": {"method": "lora"}}, ValueError, r"\['method'\] are not among them"),
     ("mam_inducer", {"parallel_adapter": 16}, TypeError,
      r"options\['parallel_adapter'\] holds part 'parallel_adapter'.*got int 16"),
 ])

@@ -178,6 +178,12 @@ def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, Adap
             raise TypeError(f"method {spec.name!r}: options[{part!r}] holds part {part!r}'s "
                             f"overrides and must be a dict, got {type(over).__name__} {over!r}")
         over = dict(over)
+        fields = {f.name for f in dataclasses.fields(AdapterConfig)} - {"method"}
+        bad = sorted(str(k) for k in over if k not in fields)
+        if bad:
+            raise ValueError(f"method {spec.name!r}: options[{part!r}] overrides part {part!r}'s "
+                             f"AdapterConfig fields; {bad} are not among them "
+                             f"({', '.join(sorted(fields))})")
         reads = get_method(part).options
         # each part gets the shared keys it reads (all of them if it does not declare)
         shared = {k: v for k, v in shared_opts.items() if reads is None or k in reads}
