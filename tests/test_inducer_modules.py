@@ -559,3 +559,40 @@ def test_state_dict_of_the_two_name_layout_still_loads():
     hf_attention.add_inducers(dst, key_bottleneck=2, value_bottleneck=3)
     dst.load_state_dict(old)                          # strict: every key placed
     assert all(torch.equal(dst.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_sliding_window_layers_run_while_the_window_hides_no_key():
+    # Mistral-style sliding-window layers were always refused: the window mask function was
+    # not recognised, although with at most `window` keys up to the last query (a short
+    # sequence, or a sliding cache that keeps window - 1 keys) the window hides none of them
+    import copy
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(hidden_size=64, num_attention_heads=2,
+                                     num_key_value_heads=1, num_hidden_layers=2,
+                                     intermediate_size=96, vocab_size=50,
+                                     max_position_embeddings=64, sliding_window=8)
+    base = transformers.MistralForCausalLM(cfg).eval()
+    base.set_attn_implementation("sdpa")
+    model = copy.deepcopy(base)
+    from kfused.integration import AdapterConfig, inject
+
+    inject(model, AdapterConfig(method="inducer", r=2, init="zero", backend="reference"))
+    for n in (5, 8):                                  # left padding, window not reached
+        ids, mask = torch.randint(3, 50, (2, n)), torch.ones(2, n, dtype=torch.long)
+        mask[1, :2] = 0
+        keep = mask.bool()
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits[keep],
+                                   base(input_ids=ids, attention_mask=mask).logits[keep],
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="sliding window of 8 keys would hide some "
+                                                  "of the 9 keys"):
+        model(input_ids=torch.randint(3, 50, (1, 9)))
+    # generation past the window: the sliding cache keeps the window's keys only
+    ids = torch.randint(3, 50, (1, 5))
+    kw = dict(max_new_tokens=10, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    got, want = model.generate(ids, **kw), base.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -147,6 +147,25 @@ def packed_segments(mask_function) -> Optional[Tuple[torch.Tensor, object]]:
     return segments, base
 
 
+def sliding_window(mask_function) -> Optional[int]:
+    """``W`` when ``mask_function`` is transformers' sliding-window causal mask (``and_masks``
+    of ``sliding_window_overlay(W)`` and ``causal_mask_function``), else None."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    from transformers import masking_utils as mu
+
+    causal = getattr(mu, "causal_mask_function", None)
+    overlay = [f for f in parts if f is not causal]
+    if causal not in parts or len(overlay) != 1 or getattr(
+            overlay[0], "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    window = _closure(overlay[0]).get("sliding_window")
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
+
+
 def _packed_call(fn, query, key, value, cu, max_len, **kw):
     """Run ``fn`` (inducer_attention_varlen or an adapter) over (B, H, T, p) tensors holding
     packed sequences; returns (out, u) as (B, T, H, ·)."""
@@ -251,6 +270,18 @@ def kfused_inducer_mask(batch_size: int, q_length: int, kv_length: int, q_offset
     if packed is not None and packed[1] in allowed and attention_mask is None:
         # padding-free training: packed sequences, each attending only to itself
         return PackedSequences(packed[0], packed[1] is getattr(mu, "causal_mask_function", None))
+    window = sliding_window(mask_function)
+    if window is not None:
+        # a sliding-window layer (Mistral, Gemma-2/3, ...): key kv_idx is seen by query q_idx
+        # when q_idx - window < kv_idx <= q_idx. With at most `window` keys up to the last
+        # query the window hides none of them: plain causal attention, which the kernel runs
+        n_keys = int(q_offset) + q_length - int(kv_offset)
+        if n_keys > window:
+            raise NotImplementedError(
+                f"{ATTN_IMPLEMENTATION}: this layer's sliding window of {window} keys would hide "
+                f"some of the {n_keys} keys up to the last query; the kernel has no window, so "
+                f"it is refused (sequences of at most {window} tokens run)")
+        mask_function = mu.causal_mask_function
     if mask_function not in allowed:
         raise NotImplementedError(
             f"{ATTN_IMPLEMENTATION} supports causal or bidirectional attention with key padding; "
