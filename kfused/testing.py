@@ -121,6 +121,12 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tens
     ok = kernel_err <= bound
     if dtype == torch.float32 and not rel < 1e-4:
         ok = False
+    if torch_err == float("inf"):
+        # torch_t overflowed where ref64 is finite: the bound is infinite and would pass any
+        # kernel (an infinite one too); the rule has nothing to compare against
+        return Comparison(name, dtype, kernel_err, torch_err, bound, rel, False,
+                          f"{name}: torch_{str(dtype).replace('torch.', '')} is not finite "
+                          "where ref64 is (it overflowed): no bound to compare the kernel with")
     detail = ""
     if not ok:
         bad = int((diff > bound).sum().item())
@@ -212,7 +218,14 @@ def check_against_reference(
                                              [g.to(device, dtype) for g in gouts], grad_names)
     if out_names is None:
         out_names = ["out"] if len(outs64) == 1 else [f"out{i}" for i in range(len(outs64))]
+    if len(out_names) != len(outs64):
+        raise ValueError(f"out_names: {len(out_names)} names {list(out_names)} for the "
+                         f"reference's {len(outs64)} outputs")
     results = []
+    if len(outs_k) != len(outs64):
+        results.append(Comparison("outputs", dtype, float("inf"), 0.0, 0.0, float("inf"), False,
+                                  f"the kernel returned {len(outs_k)} outputs, the reference "
+                                  f"{len(outs64)}"))
     for n, a, b, c in zip(out_names, outs_k, outs64, outs_t):
         results.append(compare(n, a, b, c, dtype))
     for k in grads64:

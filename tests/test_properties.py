@@ -751,3 +751,33 @@ def test_spec4_bound(dtype, c):
     assert ok.bound == pytest.approx(bound, rel=1e-9) and ok.ok and not bad.ok
     nan = compare("t", ref + torch.tensor([float("nan"), 0, 0], dtype=F64), ref, tor, dtype)
     assert not nan.ok
+
+
+def test_spec4_infinite_torch_error_fails():
+    """torch_t overflowing (inf where ref64 is finite) made the bound infinite: any kernel,
+    an infinite one too, passed."""
+    from kfused.testing import compare
+
+    ref = torch.tensor([4.0, -2.0, 1.0], dtype=F64)
+    tor = torch.tensor([float("inf"), -2.0, 1.0], dtype=F64)
+    for dtype in (torch.float16, torch.float32):
+        for got in (ref + 1000.0, torch.full_like(ref, float("inf"))):
+            r = compare("t", got, ref, tor, dtype)
+            assert not r.ok and "not finite" in r.detail, r
+
+
+def test_check_against_reference_compares_every_output():
+    """A kernel returning fewer (or more) outputs than the reference, or out_names naming fewer,
+    was compared on the common prefix only (zip) and passed."""
+    from kfused.testing import check_against_reference
+
+    x = torch.randn(5, 3, dtype=F64)
+    ref = lambda x: (x * 2, x.sum(-1))  # noqa: E731
+    for kernel in (lambda x: x * 2, lambda x: (x * 2, x.sum(-1), x)):
+        res = check_against_reference(kernel, ref, {"x": x}, torch.float32, grad_names=[])
+        assert not all(r.ok for r in res), res
+    right = check_against_reference(ref, ref, {"x": x}, torch.float32, grad_names=[])
+    assert [r.name for r in right] == ["out0", "out1"] and all(r.ok for r in right)
+    with pytest.raises(ValueError, match="out_names"):
+        check_against_reference(lambda x: (x * 2, x.sum(-1) + 1), ref, {"x": x}, torch.float32,
+                                grad_names=[], out_names=["y"])
