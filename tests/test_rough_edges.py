@@ -196,6 +196,20 @@ def test_check_dtypes_named_either_way_and_unknown_refused(capsys):
     assert e.value.code == 2 and "unknown dtype(s) float64" in capsys.readouterr().err
 
 
+def test_check_with_every_case_skipped_fails(monkeypatch, capsys):
+    """`kfused check` where no backend can run a case (Triton unusable, extension not built)
+    printed "0 passed, 0 failed" and exited 0: a gate (benchmarks/gpu_suite.sh) passed having
+    compared nothing."""
+    from kfused import backends
+    from kfused.cli import check
+
+    monkeypatch.setattr(backends, "triton_unfit", lambda device, dtype: "no triton here")
+    monkeypatch.setattr(backends, "cuda_unfit", lambda device, dtype, op: "no extension here")
+    assert check.run(["krona", "--device", "cpu", "--dtypes", "fp32"]) == 1
+    out = capsys.readouterr().out
+    assert "skipped: no triton here" in out and "nothing was checked" in out
+
+
 def test_bench_ratios_against_each_family_baseline():
     """Ratios go against the case's own baseline: the frozen layer ("floor"), SDPA for
     inducer attention, the padded batch for the packed case; a case with none gets none."""
