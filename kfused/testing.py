@@ -101,10 +101,15 @@ def min_extent(dtype: torch.dtype, *others: int) -> int:
 
 def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tensor,
             dtype: torch.dtype) -> Comparison:
-    """Apply the docs/math.md §4 rule to one tensor."""
+    """Apply the docs/math.md §4 rule to one tensor (``out`` in ``ref_t``'s dtype: a kernel
+    that answers a ``dtype`` call in another dtype fails)."""
     if tuple(out.shape) != tuple(ref64.shape):
         return Comparison(name, dtype, float("inf"), 0.0, 0.0, float("inf"), False,
                           f"shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
+    if out.dtype != ref_t.dtype:
+        # e.g. float32 or float64 out of a float16 call: held to the float16 bound it passed
+        return Comparison(name, dtype, float("inf"), 0.0, 0.0, float("inf"), False,
+                          f"{name}: dtype {out.dtype} != torch_t's {ref_t.dtype}")
     ref = ref64.detach().double().cpu()
     got = out.detach().double().cpu()
     tor = ref_t.detach().double().cpu()
@@ -193,6 +198,11 @@ def check_against_reference(
     if grad_names is None:
         grad_names = [k for k, v in inputs.items()
                       if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    unknown = [k for k in grad_names
+               if not (isinstance(inputs.get(k), torch.Tensor) and inputs[k].is_floating_point())]
+    if unknown:     # a misspelt name compared no gradient at all
+        raise ValueError(f"grad_names: {unknown} name no floating tensor input; inputs: "
+                         f"{list(inputs)}")
 
     def cast(dt, dev):
         out = {}

@@ -781,3 +781,33 @@ def test_check_against_reference_compares_every_output():
     with pytest.raises(ValueError, match="out_names"):
         check_against_reference(lambda x: (x * 2, x.sum(-1) + 1), ref, {"x": x}, torch.float32,
                                 grad_names=[], out_names=["y"])
+
+
+def test_spec4_output_in_another_dtype_fails():
+    """A kernel answering a float16 call in float64 or float32 (exact here) was held to the
+    float16 bound and passed; so did an empty output of the wrong dtype."""
+    from kfused.testing import check_against_reference, compare
+
+    x = torch.randn(4, 8, dtype=F64)
+    for wrong in (torch.float64, torch.float32):
+        res = check_against_reference(lambda x: (x * 2).to(wrong), lambda x: x * 2, {"x": x},
+                                      torch.float16, grad_names=[])
+        assert not res[0].ok and "dtype" in res[0].detail, res
+    empty = torch.empty(0, 3, dtype=F64)
+    assert not compare("e", empty.float(), empty, empty.half(), torch.float16).ok
+    assert compare("e", empty.half(), empty, empty.half(), torch.float16).ok
+
+
+def test_check_against_reference_refuses_grad_names_of_no_input():
+    """A misspelt grad name ("X" for "x") compared no gradient and the check passed, although
+    the kernel's gradient was wrong."""
+    from kfused.testing import check_against_reference
+
+    x = torch.randn(5, 3, dtype=F64)
+    wrong_grad = lambda x, n=0: x.detach() * 2 + (x - x.detach()) * 3  # noqa: E731
+    assert not all(r.ok for r in check_against_reference(wrong_grad, lambda x: x * 2, {"x": x},
+                                                         torch.float32, grad_names=["x"]))
+    for names in (["X"], ["x", "n"]):
+        with pytest.raises(ValueError, match="grad_names"):
+            check_against_reference(wrong_grad, lambda x, n=0: x * 2, {"x": x, "n": 3},
+                                    torch.float32, grad_names=names)
