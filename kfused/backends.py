@@ -243,7 +243,13 @@ def select_backend(
 def available_backends(op: str = "", device: str = "cuda",
                        dtype: torch.dtype = torch.float16) -> dict:
     """Map each backend to None (usable) or the reason it is not, for a device/dtype."""
-    dev = torch.device(device)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float16), got "
+                        f"{type(dtype).__name__} {dtype!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N): {exc}") from None
     return {
         "triton": triton_unfit(dev, dtype),
         "cuda": cuda_unfit(dev, dtype, op) if op else cuda_unfit(dev, dtype, "kron_matvec"),
