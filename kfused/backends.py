@@ -34,8 +34,18 @@ class BackendError(ValueError):
 
 
 def triton_interpret() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``), read as
+    Triton reads it: "false", "off" or "2" leave the interpreter off, and then kernels on CPU
+    tensors cannot run."""
+    value = os.environ.get("TRITON_INTERPRET", "0")
+    if value in ("", "0", "1"):
+        return value == "1"
+    try:  # Triton >= 3.4 takes 1/true/yes/on/y in any case; before, "1" only
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:
+        return False
 
 
 _TRITON_IMPORT: list = []
