@@ -34,8 +34,18 @@ class BackendError(ValueError):
 
 
 def triton_interpret() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``), read as
+    Triton reads it: "false", "off" or "2" leave the interpreter off, and then kernels on CPU
+    tensors cannot run."""
+    value = os.environ.get("TRITON_INTERPRET", "0")
+    if value in ("", "0", "1"):
+        return value == "1"
+    try:  # Triton >= 3.4 takes 1/true/yes/on/y in any case; before, "1" only
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:
+        return False
 
 
 _TRITON_IMPORT: list = []
@@ -253,7 +263,13 @@ def select_backend(
 def available_backends(op: str = "", device: str = "cuda",
                        dtype: torch.dtype = torch.float16) -> dict:
     """Map each backend to None (usable) or the reason it is not, for a device/dtype."""
-    dev = torch.device(device)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float16), got "
+                        f"{type(dtype).__name__} {dtype!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N): {exc}") from None
     return {
         "triton": triton_unfit(dev, dtype),
         "cuda": cuda_unfit(dev, dtype, op) if op else cuda_unfit(dev, dtype, "kron_matvec"),

@@ -101,10 +101,15 @@ def min_extent(dtype: torch.dtype, *others: int) -> int:
 
 def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tensor,
             dtype: torch.dtype) -> Comparison:
-    """Apply the docs/math.md §4 rule to one tensor."""
+    """Apply the docs/math.md §4 rule to one tensor (``out`` in ``ref_t``'s dtype: a kernel
+    that answers a ``dtype`` call in another dtype fails)."""
     if tuple(out.shape) != tuple(ref64.shape):
         return Comparison(name, dtype, float("inf"), 0.0, 0.0, float("inf"), False,
                           f"shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
+    if out.dtype != ref_t.dtype:
+        # e.g. float32 or float64 out of a float16 call: held to the float16 bound it passed
+        return Comparison(name, dtype, float("inf"), 0.0, 0.0, float("inf"), False,
+                          f"{name}: dtype {out.dtype} != torch_t's {ref_t.dtype}")
     ref = ref64.detach().double().cpu()
     got = out.detach().double().cpu()
     tor = ref_t.detach().double().cpu()
@@ -121,6 +126,12 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tens
     ok = kernel_err <= bound
     if dtype == torch.float32 and not rel < 1e-4:
         ok = False
+    if torch_err == float("inf"):
+        # torch_t overflowed where ref64 is finite: the bound is infinite and would pass any
+        # kernel (an infinite one too); the rule has nothing to compare against
+        return Comparison(name, dtype, kernel_err, torch_err, bound, rel, False,
+                          f"{name}: torch_{str(dtype).replace('torch.', '')} is not finite "
+                          "where ref64 is (it overflowed): no bound to compare the kernel with")
     detail = ""
     if not ok:
         bad = int((diff > bound).sum().item())
@@ -187,6 +198,11 @@ def check_against_reference(
     if grad_names is None:
         grad_names = [k for k, v in inputs.items()
                       if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    unknown = [k for k in grad_names
+               if not (isinstance(inputs.get(k), torch.Tensor) and inputs[k].is_floating_point())]
+    if unknown:     # a misspelt name compared no gradient at all
+        raise ValueError(f"grad_names: {unknown} name no floating tensor input; inputs: "
+                         f"{list(inputs)}")
 
     def cast(dt, dev):
         out = {}
@@ -212,7 +228,14 @@ def check_against_reference(
                                              [g.to(device, dtype) for g in gouts], grad_names)
     if out_names is None:
         out_names = ["out"] if len(outs64) == 1 else [f"out{i}" for i in range(len(outs64))]
+    if len(out_names) != len(outs64):
+        raise ValueError(f"out_names: {len(out_names)} names {list(out_names)} for the "
+                         f"reference's {len(outs64)} outputs")
     results = []
+    if len(outs_k) != len(outs64):
+        results.append(Comparison("outputs", dtype, float("inf"), 0.0, 0.0, float("inf"), False,
+                                  f"the kernel returned {len(outs_k)} outputs, the reference "
+                                  f"{len(outs64)}"))
     for n, a, b, c in zip(out_names, outs_k, outs64, outs_t):
         results.append(compare(n, a, b, c, dtype))
     for k in grads64:

@@ -146,3 +146,13 @@ def test_write_prefs_merges_and_never_overwrites_a_foreign_file(tmp_path, monkey
     with pytest.raises(SystemExit, match="symbolic link"):
         write_prefs(link, "third GPU", [])
     assert link.is_symlink() and path.read_text() == before
+
+
+def test_available_backends_checks_its_arguments():
+    """A dtype given by name ("float16") was answered "dtype float16 is not one of float32,
+    float16, bfloat16" for every fused backend; a bad device raised torch's RuntimeError."""
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype.*'float16'"):
+        backends.available_backends("kron_matvec", "cpu", "float16")
+    with pytest.raises(ValueError, match="device='gpu'"):
+        backends.available_backends("kron_matvec", "gpu")
+    assert backends.available_backends("kron_matvec", "cpu", torch.float16)["reference"] is None

@@ -26,6 +26,8 @@ def _standin(q, k, v, s0, pk, pv, lens, causal, Ak=None, ak=None, Bk=None, ck=No
     σ(s0 − LSE) and, given the MLP weights instead of s0 (16-bit only), s0 and u = λ tanh(q W1
     + b1) computed as the kernel does — from the float64 reference (float32 stats)."""
     mlp = W1 is not None
+    # like the C++ (inducer_attention_fwd.cu): key_lengths int32 or int64
+    assert lens is None or lens.dtype in (torch.int32, torch.int64), lens.dtype
     assert (s0 is None) == mlp, "the kernel takes s0 or the MLP weights, not both / neither"
     assert not mlp or q.dtype != torch.float32, "the in-kernel MLP is the 16-bit path"
     f, _, lse, _ = inducer_attention_ref(_d(q), _d(k), _d(v), causal=causal, seq_lens=lens,
@@ -95,3 +97,25 @@ def test_cuda_host_glue_without_inducer():
     want, _ = inducer_attention_ref(q.double(), k.double(), v.double(), causal=True)
     assert u is None
     torch.testing.assert_close(f.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("lens_dtype", [torch.int16, torch.uint8, torch.int8], ids=str)
+def test_cuda_host_glue_takes_any_integer_seq_lens(lens_dtype, dtype):
+    """inducer_attention accepts seq_lens of any integer dtype (the Triton path and the
+    reference do); the extension takes int32 / int64 only, and an int16 seq_lens reached it:
+    a RuntimeError from inside the kernel call instead of the answer."""
+    g = torch.Generator().manual_seed(11)
+    B, H, n_q, n_k, p, L, r = 2, 2, 3, 6, 8, 2, 3
+
+    def t(*s):
+        return (torch.randn(*s, generator=g, dtype=F64) * 0.5).to(dtype)
+
+    q, k, v = t(B, H, n_q, p), t(B, H, n_k, p), t(B, H, n_k, p)
+    prm = [t(H, p, L), t(H, L), t(H, L, p), t(H, p), t(H, p, r), t(H, r), None, None]
+    want = _cuda_inference(q, k, v, *prm, "add", False, torch.tensor([n_k, 2]), None, None,
+                           p ** -0.5, True, kernel=_standin)
+    got = _cuda_inference(q, k, v, *prm, "add", False, torch.tensor([n_k, 2], dtype=lens_dtype),
+                          None, None, p ** -0.5, True, kernel=_standin)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -88,3 +88,32 @@ def test_krona_linear_offers_cuda_and_auto_keeps_triton():
         kl.krona_linear(x, W, None, A, B, backend="cuda")
     y = kl.krona_linear(x, W, None, A, B, 0.5, backend="auto")      # CPU: the reference
     torch.testing.assert_close(y, krona_linear_ref(x, W, None, A, B, 0.5))
+
+
+def test_partial_extension_is_refused_before_a_missing_kernel_is_called(monkeypatch):
+    """An extension built from other sources (here: kron_matvec_fwd without kron_matvec_bwd)
+    passed unavailable_reason, which looked for ``<op>_fwd`` only: the cuda backend was offered
+    (``kfused info``: yes) and training failed in the backward with an AttributeError.
+    Forward-only kernels (krona_fold, inducer_attention) need no ``_bwd``."""
+    import types
+
+    from kfused import available_backends, cuda as kcuda
+
+    fn = lambda *a, **k: None  # noqa: E731
+    partial = types.SimpleNamespace(kron_matvec_fwd=fn, krona_fold_fwd=fn,
+                                    inducer_attention_fwd=fn)
+    monkeypatch.setattr(kcuda, "_LOADED", [(partial, None)])
+    for op in ("kron_matvec", "krona_linear"):
+        assert "kron_matvec_bwd" in kcuda.unavailable_reason(op)
+        with pytest.raises(RuntimeError, match="kron_matvec_bwd"):
+            kcuda.require(op)
+        assert "kron_matvec_bwd" in available_backends(op, "cuda", torch.float16)["cuda"]
+    assert "headwise_lowrank_fwd" in kcuda.unavailable_reason("headwise_lowrank")
+    assert kcuda.unavailable_reason("inducer_attention") is None
+    assert kcuda.require("inducer_attention") is partial
+    full = types.SimpleNamespace(kron_matvec_bwd=fn, headwise_lowrank_fwd=fn,
+                                 headwise_lowrank_bwd=fn, **vars(partial))
+    monkeypatch.setattr(kcuda, "_LOADED", [(full, None)])
+    for op in ("kron_matvec", "krona_linear", "headwise_lowrank", "inducer_attention", ""):
+        assert kcuda.unavailable_reason(op) is None
+    assert available_backends("krona_linear", "cuda", torch.float16)["cuda"] is None

@@ -751,3 +751,63 @@ def test_spec4_bound(dtype, c):
     assert ok.bound == pytest.approx(bound, rel=1e-9) and ok.ok and not bad.ok
     nan = compare("t", ref + torch.tensor([float("nan"), 0, 0], dtype=F64), ref, tor, dtype)
     assert not nan.ok
+
+
+def test_spec4_infinite_torch_error_fails():
+    """torch_t overflowing (inf where ref64 is finite) made the bound infinite: any kernel,
+    an infinite one too, passed."""
+    from kfused.testing import compare
+
+    ref = torch.tensor([4.0, -2.0, 1.0], dtype=F64)
+    tor = torch.tensor([float("inf"), -2.0, 1.0], dtype=F64)
+    for dtype in (torch.float16, torch.float32):
+        for got in (ref + 1000.0, torch.full_like(ref, float("inf"))):
+            r = compare("t", got, ref, tor, dtype)
+            assert not r.ok and "not finite" in r.detail, r
+
+
+def test_check_against_reference_compares_every_output():
+    """A kernel returning fewer (or more) outputs than the reference, or out_names naming fewer,
+    was compared on the common prefix only (zip) and passed."""
+    from kfused.testing import check_against_reference
+
+    x = torch.randn(5, 3, dtype=F64)
+    ref = lambda x: (x * 2, x.sum(-1))  # noqa: E731
+    for kernel in (lambda x: x * 2, lambda x: (x * 2, x.sum(-1), x)):
+        res = check_against_reference(kernel, ref, {"x": x}, torch.float32, grad_names=[])
+        assert not all(r.ok for r in res), res
+    right = check_against_reference(ref, ref, {"x": x}, torch.float32, grad_names=[])
+    assert [r.name for r in right] == ["out0", "out1"] and all(r.ok for r in right)
+    with pytest.raises(ValueError, match="out_names"):
+        check_against_reference(lambda x: (x * 2, x.sum(-1) + 1), ref, {"x": x}, torch.float32,
+                                grad_names=[], out_names=["y"])
+
+
+def test_spec4_output_in_another_dtype_fails():
+    """A kernel answering a float16 call in float64 or float32 (exact here) was held to the
+    float16 bound and passed; so did an empty output of the wrong dtype."""
+    from kfused.testing import check_against_reference, compare
+
+    x = torch.randn(4, 8, dtype=F64)
+    for wrong in (torch.float64, torch.float32):
+        res = check_against_reference(lambda x: (x * 2).to(wrong), lambda x: x * 2, {"x": x},
+                                      torch.float16, grad_names=[])
+        assert not res[0].ok and "dtype" in res[0].detail, res
+    empty = torch.empty(0, 3, dtype=F64)
+    assert not compare("e", empty.float(), empty, empty.half(), torch.float16).ok
+    assert compare("e", empty.half(), empty, empty.half(), torch.float16).ok
+
+
+def test_check_against_reference_refuses_grad_names_of_no_input():
+    """A misspelt grad name ("X" for "x") compared no gradient and the check passed, although
+    the kernel's gradient was wrong."""
+    from kfused.testing import check_against_reference
+
+    x = torch.randn(5, 3, dtype=F64)
+    wrong_grad = lambda x, n=0: x.detach() * 2 + (x - x.detach()) * 3  # noqa: E731
+    assert not all(r.ok for r in check_against_reference(wrong_grad, lambda x: x * 2, {"x": x},
+                                                         torch.float32, grad_names=["x"]))
+    for names in (["X"], ["x", "n"]):
+        with pytest.raises(ValueError, match="grad_names"):
+            check_against_reference(wrong_grad, lambda x, n=0: x * 2, {"x": x, "n": 3},
+                                    torch.float32, grad_names=names)

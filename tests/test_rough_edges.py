@@ -249,6 +249,20 @@ def test_check_dtypes_named_either_way_and_unknown_refused(capsys):
     assert e.value.code == 2 and "unknown dtype(s) float64" in capsys.readouterr().err
 
 
+def test_check_with_every_case_skipped_fails(monkeypatch, capsys):
+    """`kfused check` where no backend can run a case (Triton unusable, extension not built)
+    printed "0 passed, 0 failed" and exited 0: a gate (benchmarks/gpu_suite.sh) passed having
+    compared nothing."""
+    from kfused import backends
+    from kfused.cli import check
+
+    monkeypatch.setattr(backends, "triton_unfit", lambda device, dtype: "no triton here")
+    monkeypatch.setattr(backends, "cuda_unfit", lambda device, dtype, op: "no extension here")
+    assert check.run(["krona", "--device", "cpu", "--dtypes", "fp32"]) == 1
+    out = capsys.readouterr().out
+    assert "skipped: no triton here" in out and "nothing was checked" in out
+
+
 def test_bench_ratios_against_each_family_baseline():
     """Ratios go against the case's own baseline: the frozen layer ("floor"), SDPA for
     inducer attention, the padded batch for the packed case; a case with none gets none."""
@@ -310,3 +324,30 @@ def test_old_triton_interpreter_with_new_numpy_is_refused_by_name(monkeypatch):
         kfused.kron_matvec(x, A, B, backend="triton")
     # the reference backend is not affected
     kfused.kron_matvec(x, A, B, backend="reference")
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "2", "0", ""])
+def test_triton_interpret_off_as_triton_reads_it(monkeypatch, value):
+    """TRITON_INTERPRET=false leaves Triton's interpreter off, but kfused read every value
+    other than "" and "0" as on: backend="triton" took CPU tensors and failed inside Triton
+    ("0 active drivers"), not with a BackendError saying why."""
+    from kfused import backends
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert backends.triton_interpret() is False
+    x, A, B = torch.randn(4, 6), torch.randn(2, 3), torch.randn(2, 2)
+    with pytest.raises(kfused.BackendError, match="TRITON_INTERPRET=1"):
+        kfused.kron_matvec(x, A, B, backend="triton")
+
+
+def test_triton_interpret_on_as_triton_reads_it(monkeypatch):
+    import triton
+
+    from kfused import backends
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backends.triton_interpret() is True
+    if hasattr(triton, "knobs"):    # Triton >= 3.4 also takes true / yes / on
+        for value in ("true", "ON", "yes"):
+            monkeypatch.setenv("TRITON_INTERPRET", value)
+            assert backends.triton_interpret() is bool(triton.knobs.runtime.interpret) is True

@@ -1,6 +1,7 @@
 """`kfused check`: run every available kernel on this device against the float64 reference
 on random inputs (docs/math.md §4) and print a table: op, backend, dtype, tensor, kernel error,
-same-precision torch error, bound, verdict. Exit status 1 if any check fails."""
+same-precision torch error, bound, verdict. Exit status 1 if any check fails or none could
+run (every case skipped: nothing was compared)."""
 
 from __future__ import annotations
 
@@ -102,4 +103,7 @@ def run(argv: Optional[List[str]] = None) -> int:
                       f"{str(dt).replace('torch.', ''):<9} {r.kernel_err:10.3e} "
                       f"{r.torch_err:10.3e} {r.bound:10.3e}  {'ok' if r.ok else 'FAIL'}")
     print(f"{ran - failures} passed, {failures} failed")
+    if not ran and not failures:
+        print("nothing was checked: no backend here can run these cases (the reasons above)")
+        return 1
     return 1 if failures else 0

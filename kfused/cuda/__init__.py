@@ -31,23 +31,29 @@ def extension():
 
 # ops the extension runs with the kernels of others (name -> the kernels' op names)
 _COMPOSED = {"krona_linear": ("krona_fold", "kron_matvec")}
+# kernels the extension defines without a backward (`<op>_fwd` only; every other needs both)
+_FORWARD_ONLY = ("krona_fold", "inducer_attention")
 
 
 def unavailable_reason(op: str = "") -> Optional[str]:
-    """None when the extension is loaded and implements ``op``; else the reason."""
+    """None when the extension is loaded and implements ``op`` (its ``<op>_fwd`` and, unless
+    the kernel is forward-only, ``<op>_bwd``); else the reason."""
     mod, err = _load()
     if mod is None:
         return err
     for part in _COMPOSED.get(op, (op,) if op else ()):
-        if not hasattr(mod, f"{part}_fwd"):
-            return f"the CUDA extension has no kernel for {part}"
+        for fn in (f"{part}_fwd",) + (() if part in _FORWARD_ONLY else (f"{part}_bwd",)):
+            if not hasattr(mod, fn):
+                return (f"the CUDA extension has no {fn} (kernel for {part}); it was built "
+                        "from other sources than this kfused: rebuild it")
     return None
 
 
 def require(op: str):
     """The compiled module for a custom op that runs ``op``; RuntimeError with the reason when
-    it is not built (the ops only call it after backend selection found the extension)."""
-    mod = extension()
-    if mod is None:
-        raise RuntimeError(unavailable_reason(op))
-    return mod
+    it is not built or lacks ``op``'s kernels (the ops only call it after backend selection
+    found the extension)."""
+    reason = unavailable_reason(op)
+    if reason:
+        raise RuntimeError(reason)
+    return extension()

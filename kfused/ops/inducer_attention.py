@@ -525,6 +525,8 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
     tanh(q W1 + b1) from :func:`_inducer_mlp_f32` here, λ from the kernel."""
     kernel = kernel or torch.ops.kfused.inducer_attention_cuda_fwd
     up = torch.float32
+    if seq_lens is not None and seq_lens.dtype not in (torch.int32, torch.int64):
+        seq_lens = seq_lens.to(torch.int32)     # the extension takes int32 / int64 lengths
     pk = prefix_k.contiguous() if prefix_k is not None else None
     pv = prefix_v.contiguous() if prefix_v is not None else None
     gate = composition == "gate"
