@@ -55,6 +55,24 @@ def test_add_inducers_freezes_the_base_by_default():
     assert count_parameters(model)[0] == count_parameters(model)[1]
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(key_bottleneck=0), ValueError), (dict(composition="mul"), ValueError),
+    (dict(prefix_len=-1), ValueError), (dict(value_bottleneck=2.5), TypeError)])
+def test_add_inducers_refusal_leaves_the_model_as_it_was(kwargs, error):
+    # add_inducers documents that it raises before changing the model: it had frozen the base
+    # before the adapter refused the argument (and a float bottleneck failed in torch.empty)
+    from kfused.integration.hf_attention import add_inducers
+
+    model = _gpt2()
+    flags = [p.requires_grad for p in model.parameters()]
+    names = [n for n, _ in model.named_modules()]
+    with pytest.raises(error, match=next(iter(kwargs)) if error is TypeError else None):
+        add_inducers(model, **kwargs)
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert [n for n, _ in model.named_modules()] == names
+    assert model.config._attn_implementation == "eager"
+
+
 def test_merge_error_lists_every_mergeable_method():
     model = _gpt2()
     inject(model, AdapterConfig(method="inducer", r=2))
