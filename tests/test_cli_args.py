@@ -346,6 +346,31 @@ def test_perf_json_is_never_a_file_it_did_not_write_and_is_replaced_whole(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "ours.json"]
 
 
+def test_perf_update_known_replaces_the_list_whole(tmp_path, monkeypatch):
+    # write_known opened the committed known_violations.json for writing: a dump that failed
+    # part way left it truncated
+    from kfused.perf import report
+
+    known = tmp_path / "known_violations.json"
+    known.write_text('{"violations": []}\n')
+    monkeypatch.setattr(report, "KNOWN", str(known))
+    violation = {"arch": "sm_90", "where": "csrc/x.cu", "kernel": "k", "what": "spill", "value": 8}
+
+    def fail_part_way(obj, f, **kw):
+        f.write('{"about": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report.json, "dump", fail_part_way)
+    with pytest.raises(OSError, match="disk full"):
+        report.write_known({"versions": {}, "violations": [violation]})
+    assert known.read_text() == '{"violations": []}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["known_violations.json"]
+    monkeypatch.undo()
+    monkeypatch.setattr(report, "KNOWN", str(known))
+    report.write_known({"versions": {}, "violations": [violation]})
+    assert report.load_known() == [violation]
+
+
 def test_perf_update_known_writes_the_list_after_a_full_run(monkeypatch):
     # the full run's --update-known failed with NameError ('archs') after compiling everything
     from kfused.perf import report

@@ -444,14 +444,19 @@ def table(report: dict) -> str:
 
 def write_known(report: dict) -> None:
     v = sorted(report["violations"], key=_vkey)
-    with open(KNOWN, "w") as f:
-        json.dump(dict(
-            about="Structural violations known today (ratchet). tests/test_perf_structure.py "
-                  "fails on a violation not listed here, on one worse than listed, and on a "
-                  "listed one that has disappeared or improved: then regenerate with "
-                  "`python -m kfused.cli.main perf --update-known` and commit the smaller file.",
-            versions=report["versions"], violations=v), f, indent=1, ensure_ascii=False)
-        f.write("\n")
+
+    def dump(tmp: str) -> None:  # the committed list is replaced whole or not at all
+        with open(tmp, "w") as f:
+            json.dump(dict(
+                about="Structural violations known today (ratchet). tests/test_perf_structure.py "
+                      "fails on a violation not listed here, on one worse than listed, and on a "
+                      "listed one that has disappeared or improved: then regenerate with "
+                      "`python -m kfused.cli.main perf --update-known` and commit the smaller "
+                      "file.",
+                versions=report["versions"], violations=v), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+
+    replace_atomically(KNOWN, dump)
 
 
 def _our_table(path: str) -> bool:
