@@ -73,6 +73,22 @@ def test_add_inducers_refusal_leaves_the_model_as_it_was(kwargs, error):
     assert model.config._attn_implementation == "eager"
 
 
+def test_a_second_inducer_adapter_is_refused_and_the_first_kept():
+    # add_inducers (or inject of inducer/prefix) on a model that already had inducer adapters
+    # replaced them silently: the trained adapters were gone
+    from kfused.integration.hf_attention import ADAPTER_ATTR, add_inducers
+
+    model = _gpt2()
+    first = add_inducers(model, key_bottleneck=2, value_bottleneck=3)
+    flags = [p.requires_grad for p in model.parameters()]
+    for again in (lambda: add_inducers(model, key_bottleneck=2, value_bottleneck=3),
+                  lambda: inject(model, AdapterConfig(method="prefix", r=2))):
+        with pytest.raises(ValueError, match="already has an inducer/prefix adapter"):
+            again()
+        assert getattr(model.transformer.h[0].attn, ADAPTER_ATTR) is first[0]
+        assert [p.requires_grad for p in model.parameters()] == flags
+
+
 def test_merge_error_lists_every_mergeable_method():
     model = _gpt2()
     inject(model, AdapterConfig(method="inducer", r=2))

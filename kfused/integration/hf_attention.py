@@ -384,6 +384,10 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
     if block.cross:
         raise ValueError(f"{block.name}: inducer/prefix attention adapts self-attention only")
     attn = block.get("attn")
+    if getattr(attn, ADAPTER_ATTR, None) is not None:  # replacing it dropped trained adapters
+        raise ValueError(f"{block.name}: already has an inducer/prefix adapter "
+                         f"({getattr(attn, ADAPTER_ATTR).extra_repr()}); a second one would "
+                         "replace it. Add inducers once per model")
     o = block.get("o")
     if isinstance(o, InducerOutputProjection):
         o = o.base
