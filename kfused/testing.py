@@ -174,7 +174,8 @@ def check_against_reference(
     arguments (passed unchanged;
     bool/int tensors are moved to the device). grad_names: inputs whose gradients are
     compared (default: every floating tensor input). Returns one Comparison per output and
-    per gradient.
+    per gradient, and a failed one when the kernel returns another number of outputs than
+    the reference (``out_names`` must name every reference output).
     """
     device = torch.device(device)
     # Inputs (and upstream gradients) are rounded to dtype first, as flash-attention's tests
@@ -212,7 +213,14 @@ def check_against_reference(
                                              [g.to(device, dtype) for g in gouts], grad_names)
     if out_names is None:
         out_names = ["out"] if len(outs64) == 1 else [f"out{i}" for i in range(len(outs64))]
+    if len(out_names) != len(outs64):
+        raise ValueError(f"check_against_reference: out_names {list(out_names)} names "
+                         f"{len(out_names)} outputs, the reference returns {len(outs64)}")
     results = []
+    if len(outs_k) != len(outs64):  # zip would compare the common ones and drop the rest
+        results.append(Comparison(
+            "outputs", dtype, float("inf"), 0.0, 0.0, float("inf"), False,
+            f"the kernel returned {len(outs_k)} outputs, the reference {len(outs64)}"))
     for n, a, b, c in zip(out_names, outs_k, outs64, outs_t):
         results.append(compare(n, a, b, c, dtype))
     for k in grads64:

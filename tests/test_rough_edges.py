@@ -89,6 +89,21 @@ def test_a_second_inducer_adapter_is_refused_and_the_first_kept():
         assert [p.requires_grad for p in model.parameters()] == flags
 
 
+def test_the_numerics_rule_compares_every_output():
+    # check_against_reference zipped the kernel's outputs with the reference's: a kernel that
+    # returned fewer (e.g. dropped u) passed on the ones it had; out_names dropped the rest too
+    from kfused.testing import assert_against_reference, check_against_reference
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    both = lambda x: (x * 2, x + 1)  # noqa: E731
+    assert len(assert_against_reference(both, both, {"x": x}, torch.float32)) == 3
+    for fewer in (lambda x: (x * 2,), lambda x: x * 2):  # outputs only: no gradient differs
+        with pytest.raises(AssertionError, match="the kernel returned 1 outputs, the reference 2"):
+            assert_against_reference(fewer, both, {"x": x}, torch.float32, grad_names=[])
+    with pytest.raises(ValueError, match="out_names"):
+        check_against_reference(both, both, {"x": x}, torch.float32, out_names=["y"])
+
+
 def test_merge_error_lists_every_mergeable_method():
     model = _gpt2()
     inject(model, AdapterConfig(method="inducer", r=2))
