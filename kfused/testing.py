@@ -185,7 +185,8 @@ def check_against_reference(
     arguments (passed unchanged;
     bool/int tensors are moved to the device). grad_names: inputs whose gradients are
     compared (default: every floating tensor input). Returns one Comparison per output and
-    per gradient.
+    per gradient, and a failed one when the kernel returns another number of outputs than
+    the reference (``out_names`` must name every reference output).
     """
     device = torch.device(device)
     # Inputs (and upstream gradients) are rounded to dtype first, as flash-attention's tests

@@ -310,6 +310,67 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "r.txt").read_text() == "my notes"
 
 
+def test_perf_json_is_never_a_file_it_did_not_write_and_is_replaced_whole(tmp_path, monkeypatch,
+                                                                          capsys):
+    # --json replaced any file of that name (only the table beside it was protected), and a
+    # write that failed part way left a truncated report in place of the earlier one
+    import json
+
+    from kfused.perf import report
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # else run() re-launches itself
+    label = "PREDICTED (static model, no GPU): kfused.perf"
+    monkeypatch.setattr(report, "analyse", lambda *a, **k: dict(
+        label=label, failures=[], violations=[], elapsed_s=1.0))
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"my": "data"}')
+    with pytest.raises(SystemExit) as exc:
+        report.run(["--structure-only", "--json", str(mine)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --json" in err and "not overwriting it" in err, err
+    assert mine.read_text() == '{"my": "data"}'
+    ours = tmp_path / "ours.json"
+    assert report.run(["--structure-only", "--json", str(ours)]) == 0
+    assert report.run(["--structure-only", "--json", str(ours)]) == 0  # its own: replaced
+    before = ours.read_text()
+    assert json.loads(before)["label"] == label
+
+    def fail_part_way(obj, f, **kw):
+        f.write('{"label": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report.json, "dump", fail_part_way)
+    with pytest.raises(OSError, match="disk full"):
+        report.run(["--structure-only", "--json", str(ours)])
+    assert ours.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "ours.json"]
+
+
+def test_perf_update_known_replaces_the_list_whole(tmp_path, monkeypatch):
+    # write_known opened the committed known_violations.json for writing: a dump that failed
+    # part way left it truncated
+    from kfused.perf import report
+
+    known = tmp_path / "known_violations.json"
+    known.write_text('{"violations": []}\n')
+    monkeypatch.setattr(report, "KNOWN", str(known))
+    violation = {"arch": "sm_90", "where": "csrc/x.cu", "kernel": "k", "what": "spill", "value": 8}
+
+    def fail_part_way(obj, f, **kw):
+        f.write('{"about": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report.json, "dump", fail_part_way)
+    with pytest.raises(OSError, match="disk full"):
+        report.write_known({"versions": {}, "violations": [violation]})
+    assert known.read_text() == '{"violations": []}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["known_violations.json"]
+    monkeypatch.undo()
+    monkeypatch.setattr(report, "KNOWN", str(known))
+    report.write_known({"versions": {}, "violations": [violation]})
+    assert report.load_known() == [violation]
+
+
 def test_perf_update_known_writes_the_list_after_a_full_run(monkeypatch):
     # the full run's --update-known failed with NameError ('archs') after compiling everything
     from kfused.perf import report

@@ -196,6 +196,20 @@ def test_demo_model_dir_must_be_a_local_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_demo_rank_is_every_rows_rank_presets_included():
+    # --rank ("rank r for every row") was ignored by a preset with per-projection ranks:
+    # kernel-mix-qvo-intermediate kept its (3, 12) / (8, 8) pairs
+    from kfused.cli.demo import _adapter_config
+    from kfused.integration.headwise import headwise_config
+
+    name = "kernel-mix-qvo-intermediate"
+    cfg = _adapter_config(name, build_parser().parse_args(["--rank", "2"]), "reference")
+    hw = headwise_config(cfg)
+    assert (hw.q.wise, hw.q.shared, hw.o.wise, hw.o.shared, hw.v.lite) == (2, 2, 2, 2, 2)
+    kept = _adapter_config(name, build_parser().parse_args([]), "reference")
+    assert kept.ranks == {"q": (3, 12), "v": (8, 8), "o": (8, 8)}
+
+
 def test_demo_help_documents_every_option():
     for action in build_parser()._actions:
         assert action.help and action.help.strip(), action.option_strings

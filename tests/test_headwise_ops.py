@@ -70,6 +70,22 @@ def test_reference_matches_dense_weight_update():
     torch.testing.assert_close(Q[:, h * p:(h + 1) * p], want, rtol=1e-12, atol=1e-12)
 
 
+def test_projection_delta_weight_reads_the_key_heads_from_w_k():
+    # n_kv_heads defaulted to H: a grouped-query w_k gave a wrongly shaped ΔW (a reshape error
+    # with b_k); it now defaults to w_k's rows / p, like HeadwiseProjection's n_key_heads
+    H, Hkv, p, d = 4, 2, 3, 12
+    wk, bk = rnd(Hkv * p, d), rnd(Hkv * p)
+    q = make_factors(H, p, d, shared=1, wise=2, lite=2)
+    want = projection_delta_weight(q, H, wk, bk, Hkv)
+    for b in (bk, None):
+        dW, db = projection_delta_weight(q, H, wk, b)
+        assert dW.shape == (H * p, d)
+        torch.testing.assert_close(dW, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(db, projection_delta_weight(q, H, wk, None, Hkv)[1])
+    with pytest.raises(ValueError, match="w_k has shape"):
+        projection_delta_weight(q, H, wk, bk, 3)
+
+
 def test_reference_oproj_matches_row_blocks():
     T, H, p, dout, r, rs = 6, 3, 4, 7, 2, 3
     o, wo, bo = rnd(T, H * p), rnd(dout, H * p), rnd(dout)

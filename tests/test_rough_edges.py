@@ -55,6 +55,55 @@ def test_add_inducers_freezes_the_base_by_default():
     assert count_parameters(model)[0] == count_parameters(model)[1]
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(key_bottleneck=0), ValueError), (dict(composition="mul"), ValueError),
+    (dict(prefix_len=-1), ValueError), (dict(value_bottleneck=2.5), TypeError)])
+def test_add_inducers_refusal_leaves_the_model_as_it_was(kwargs, error):
+    # add_inducers documents that it raises before changing the model: it had frozen the base
+    # before the adapter refused the argument (and a float bottleneck failed in torch.empty)
+    from kfused.integration.hf_attention import add_inducers
+
+    model = _gpt2()
+    flags = [p.requires_grad for p in model.parameters()]
+    names = [n for n, _ in model.named_modules()]
+    with pytest.raises(error, match=next(iter(kwargs)) if error is TypeError else None):
+        add_inducers(model, **kwargs)
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert [n for n, _ in model.named_modules()] == names
+    assert model.config._attn_implementation == "eager"
+
+
+def test_a_second_inducer_adapter_is_refused_and_the_first_kept():
+    # add_inducers (or inject of inducer/prefix) on a model that already had inducer adapters
+    # replaced them silently: the trained adapters were gone
+    from kfused.integration.hf_attention import ADAPTER_ATTR, add_inducers
+
+    model = _gpt2()
+    first = add_inducers(model, key_bottleneck=2, value_bottleneck=3)
+    flags = [p.requires_grad for p in model.parameters()]
+    for again in (lambda: add_inducers(model, key_bottleneck=2, value_bottleneck=3),
+                  lambda: inject(model, AdapterConfig(method="prefix", r=2))):
+        with pytest.raises(ValueError, match="already has an inducer/prefix adapter"):
+            again()
+        assert getattr(model.transformer.h[0].attn, ADAPTER_ATTR) is first[0]
+        assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_the_numerics_rule_compares_every_output():
+    # check_against_reference zipped the kernel's outputs with the reference's: a kernel that
+    # returned fewer (e.g. dropped u) passed on the ones it had; out_names dropped the rest too
+    from kfused.testing import assert_against_reference, check_against_reference
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    both = lambda x: (x * 2, x + 1)  # noqa: E731
+    assert len(assert_against_reference(both, both, {"x": x}, torch.float32)) == 3
+    for fewer in (lambda x: (x * 2,), lambda x: x * 2):  # outputs only: no gradient differs
+        with pytest.raises(AssertionError, match="the kernel returned 1 outputs, the reference 2"):
+            assert_against_reference(fewer, both, {"x": x}, torch.float32, grad_names=[])
+    with pytest.raises(ValueError, match="out_names"):
+        check_against_reference(both, both, {"x": x}, torch.float32, out_names=["y"])
+
+
 def test_merge_error_lists_every_mergeable_method():
     model = _gpt2()
     inject(model, AdapterConfig(method="inducer", r=2))

@@ -166,6 +166,8 @@ def _adapter_config(name: str, args, backend: str):
     targets = args.targets.split(",") if args.targets else None
     over = {k: v for k, v in (("r", args.rank), ("scale", args.scale), ("targets", targets))
             if v is not None}
+    if args.rank is not None:  # --rank is every row's rank: a preset's per-projection ranks
+        over["ranks"] = {}     # (e.g. kernel-mix-qvo-intermediate's) had kept theirs
     if name in PRESETS:
         return preset(name, backend=backend, **over)
     kw = dict(METHODS[name][1]) if name in METHODS else {"method": name, "r": 8}

@@ -425,6 +425,10 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
     if block.cross:
         raise ValueError(f"{block.name}: inducer/prefix attention adapts self-attention only")
     attn = block.get("attn")
+    if getattr(attn, ADAPTER_ATTR, None) is not None:  # replacing it dropped trained adapters
+        raise ValueError(f"{block.name}: already has an inducer/prefix adapter "
+                         f"({getattr(attn, ADAPTER_ATTR).extra_repr()}); a second one would "
+                         "replace it. Add inducers once per model")
     o = block.get("o")
     if isinstance(o, InducerOutputProjection):
         o = o.base
@@ -479,13 +483,21 @@ def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck:
                          f"layer in {type(model).__name__}")
     check_init(init, InducerAttention.inits_for(inducer, prefix_len), "add_inducers")
     register()
-    if freeze_base:
-        for p in model.parameters():
-            p.requires_grad_(False)
-    adapters = [attach_inducer_block(b, key_bottleneck=key_bottleneck,
-                                     value_bottleneck=value_bottleneck, composition=composition,
-                                     prefix_len=prefix_len, inducer=inducer, init=init)
-                for b in blocks]
+    from kfused.integration.inject import restore, snapshot  # inject imports this module
+
+    snap = snapshot(model)
+    try:  # an argument the adapter refuses (e.g. key_bottleneck=0) leaves the model as it was
+        if freeze_base:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        adapters = [attach_inducer_block(b, key_bottleneck=key_bottleneck,
+                                         value_bottleneck=value_bottleneck,
+                                         composition=composition, prefix_len=prefix_len,
+                                         inducer=inducer, init=init)
+                    for b in blocks]
+    except BaseException:
+        restore(snap)
+        raise
     set_implementation(model)
     return adapters
 

@@ -48,8 +48,17 @@ class InducerAttention(nn.Module):
             raise ValueError(f"composition must be one of {COMPOSITIONS}, got {composition!r}")
         check_init(init, self.inits_for(inducer, prefix_len),
                    f"InducerAttention(inducer={bool(inducer)}, prefix_len={prefix_len})")
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
+                            ("key_bottleneck", key_bottleneck),
+                            ("value_bottleneck", value_bottleneck), ("prefix_len", prefix_len),
+                            ("d_model", 1 if d_model is None else d_model)):
+            if not _validate.is_int(value):  # a float such as 2.5 failed inside torch.empty
+                raise TypeError(f"InducerAttention: {name} must be an int, got "
+                                f"{type(value).__name__} {value!r}")
         if num_heads < 1 or head_dim < 1:
             raise ValueError(f"num_heads and head_dim must be >= 1, got {num_heads}, {head_dim}")
+        if d_model is not None and d_model < 1:
+            raise ValueError(f"d_model must be >= 1, got {d_model}")
         if prefix_len < 0:
             raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
         if inducer and (key_bottleneck < 1 or value_bottleneck < 1):

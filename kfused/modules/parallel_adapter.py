@@ -1,6 +1,7 @@
 """Scaled parallel adapter (He et al., paper 002, §3.3 / table 1) around a frozen block.
 
-``y = block(x) + s · ReLU(x W_downᵀ + b_down) W_upᵀ + b_up`` — the FFN half of the MAM adapter.
+``y = block(x) + s · (ReLU(x W_downᵀ + b_down) W_upᵀ + b_up)`` (``s`` scales the up
+projection's bias too) — the FFN half of the MAM adapter.
 Plain torch ops: two GEMMs with a ReLU between them gain nothing from fusion on their own.
 """
 

@@ -20,10 +20,13 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from kfused._files import replace_atomically
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 KNOWN = os.path.join(HERE, "known_violations.json")
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT_DIR = os.path.join(ROOT, "benchmarks", "results", "predicted")
+LABEL = "PREDICTED (static model, no GPU): kfused.perf"   # the first field of every report
 
 # CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA): every 16-bit (Half /
 # BFloat16 template) instantiation in csrc/ except those whose name contains one of these
@@ -219,7 +222,7 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
         spec = jit_spec(L.fn, L.args, L.kwargs, arch)
         return spec, by_key[(L.name, spec_key(L.fn, spec, arch), arch)][1]
 
-    report = dict(label="PREDICTED (static model, no GPU): kfused.perf", versions=_versions(),
+    report = dict(label=LABEL, versions=_versions(),
                   date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
                   constants=R.CONSTANTS, archs=list(archs), cases=[], launches=[],
                   failures=[], violations=[])
@@ -441,23 +444,40 @@ def table(report: dict) -> str:
 
 def write_known(report: dict) -> None:
     v = sorted(report["violations"], key=_vkey)
-    with open(KNOWN, "w") as f:
-        json.dump(dict(
-            about="Structural violations known today (ratchet). tests/test_perf_structure.py "
-                  "fails on a violation not listed here, on one worse than listed, and on a "
-                  "listed one that has disappeared or improved: then regenerate with "
-                  "`python -m kfused.cli.main perf --update-known` and commit the smaller file.",
-            versions=report["versions"], violations=v), f, indent=1, ensure_ascii=False)
-        f.write("\n")
+
+    def dump(tmp: str) -> None:  # the committed list is replaced whole or not at all
+        with open(tmp, "w") as f:
+            json.dump(dict(
+                about="Structural violations known today (ratchet). tests/test_perf_structure.py "
+                      "fails on a violation not listed here, on one worse than listed, and on a "
+                      "listed one that has disappeared or improved: then regenerate with "
+                      "`python -m kfused.cli.main perf --update-known` and commit the smaller "
+                      "file.",
+                versions=report["versions"], violations=v), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+
+    replace_atomically(KNOWN, dump)
 
 
 def _our_table(path: str) -> bool:
     """True when ``path`` is a table an earlier ``kfused perf`` wrote (its first line)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.readline().startswith("PREDICTED (static model, no GPU): kfused.perf")
+            return f.readline().startswith(LABEL)
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def _our_report(path: str) -> bool:
+    """True when ``path`` is empty or a JSON report an earlier ``kfused perf`` wrote."""
+    try:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            return True
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("label") == LABEL
 
 
 def _archs(text: str) -> tuple:
@@ -517,6 +537,9 @@ def run(argv=None) -> int:
         text_path = os.path.splitext(a.json)[0] + ".txt"
         if os.path.isdir(a.json) or not os.path.isdir(folder):
             p.error(f"argument --json: {a.json} is a folder or its folder does not exist")
+        if os.path.lexists(a.json) and not _our_report(a.json):
+            p.error(f"argument --json: {a.json} exists and was not written by kfused perf; "
+                    "not overwriting it")
         if not a.structure_only and os.path.abspath(text_path) == os.path.abspath(a.json):
             p.error(f"argument --json: {a.json} would be overwritten by the table (written "
                     "beside the JSON as <name>.txt); give a .json name")
@@ -531,15 +554,21 @@ def run(argv=None) -> int:
     if path is None and not a.structure_only:
         os.makedirs(OUT_DIR, exist_ok=True)
         path = os.path.join(OUT_DIR, "perf-latest.json")
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    if path:  # replaced whole or not at all (kfused._files), like the other commands' reports
+        def dump(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
+        replace_atomically(path, dump)
     if not a.structure_only:
         text = table(report)
         print(text)
         if path:
-            with open(os.path.splitext(path)[0] + ".txt", "w") as f:
-                f.write(f"{report['label']}\n{json.dumps(report['versions'])}\n\n{text}\n")
+            def write_table(tmp: str) -> None:
+                with open(tmp, "w") as f:
+                    f.write(f"{report['label']}\n{json.dumps(report['versions'])}\n\n{text}\n")
+
+            replace_atomically(os.path.splitext(path)[0] + ".txt", write_table)
     print(f"\n{len(report['failures'])} compile failures, {len(report['violations'])} "
           f"violations; {report['elapsed_s']:.0f} s" + (f"; JSON: {path}" if path else ""))
     rc = 1 if report["failures"] else 0

@@ -186,8 +186,8 @@ def projection_delta_weight(f: HeadFactors, H: int, w_k: Optional[torch.Tensor] 
     """Dense ``(ΔW (H·p, d), Δb (H·p,) or None)`` of a q/v update in nn.Linear layout.
 
     w_k (H_kv·p, d), b_k: the frozen key projection (needed for lite). ``n_kv_heads`` is the
-    number of key heads (defaults to ``H``); lite on a projection with ``H`` heads uses key
-    head ``h // (H / H_kv)``.
+    number of key heads (defaults to ``w_k``'s rows / p, as :class:`HeadwiseProjection`'s
+    ``n_key_heads``); lite on a projection with ``H`` heads uses key head ``h // (H / H_kv)``.
     """
     dW = None
     db = None
@@ -202,9 +202,18 @@ def projection_delta_weight(f: HeadFactors, H: int, w_k: Optional[torch.Tensor] 
         if f.wise_c is not None:
             db = add(db, f.wise_c.flatten())
     if f.has_lite:
-        Hkv = n_kv_heads or H
-        g = kv_group_index(H, Hkv, f.lite_A.device)
         p = f.lite_B.shape[1]
+        if w_k is None:
+            raise ValueError("projection_delta_weight: w_k (the frozen key projection) is "
+                             "required for a lite update")
+        # the default was H: a grouped-query w_k then gave a wrongly shaped ΔW (or a reshape
+        # error with b_k)
+        Hkv = n_kv_heads or w_k.shape[0] // p
+        if w_k.shape[0] != Hkv * p or H % Hkv:
+            raise ValueError(f"projection_delta_weight: w_k has shape {tuple(w_k.shape)}, "
+                             f"expected (H_kv·p, d) with p = {p} and H_kv dividing H = {H}"
+                             + (f" (n_kv_heads={n_kv_heads})" if n_kv_heads else ""))
+        g = kv_group_index(H, Hkv, f.lite_A.device)
         wk = w_k.reshape(Hkv, p, -1).index_select(0, g)           # (H, p, d)
         BA = torch.einsum("hpr,hrk->hpk", f.lite_B, f.lite_A)     # (H, p, p)
         dW = add(dW, torch.einsum("hpk,hkd->hpd", BA, wk).flatten(0, 1))
