@@ -552,3 +552,20 @@ def test_headwise_lite_option_names_adapted_projections(lite):
         inject(model, AdapterConfig(method="kernel_mix", r=2, targets=["q", "v"],
                                     options={"lite": lite}))
     assert get_state(model, required=False) is None
+
+
+def test_backend_names_are_read_in_any_case_and_checked_where_given(monkeypatch):
+    # AdapterConfig(backend="Triton") was refused while every op and module takes any case;
+    # use_backend("tritn") was accepted and the first op then blamed $KFUSED_BACKEND
+    from kfused.backends import BackendError
+    from kfused.integration import use_backend
+
+    assert AdapterConfig(backend="Triton").backend == "triton"
+    assert AdapterConfig(backend="AUTO").backend == "auto"
+    monkeypatch.delenv("KFUSED_BACKEND", raising=False)
+    with pytest.raises(BackendError, match="backend='tritn' is not a backend"):
+        with use_backend("tritn"):
+            pass
+    assert "KFUSED_BACKEND" not in os.environ
+    with use_backend("Reference"):
+        assert os.environ["KFUSED_BACKEND"] == "Reference"

@@ -133,6 +133,8 @@ class AdapterConfig:
         if self.backend is not None:
             from kfused.backends import BACKENDS
 
+            if isinstance(self.backend, str):  # any case, as the ops and modules read it
+                self.backend = self.backend.lower()
             if self.backend not in ("auto",) + BACKENDS:
                 raise ValueError(f"AdapterConfig.backend={self.backend!r} is not a backend; "
                                  f"expected None, 'auto' or one of {', '.join(BACKENDS)}")

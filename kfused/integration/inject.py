@@ -426,10 +426,14 @@ def set_backend(model: nn.Module, backend: Optional[str]) -> None:
 def use_backend(backend: Optional[str]):
     """Within the block, every kfused op defaults to ``backend`` ($KFUSED_BACKEND), including
     those of adapter modules that take the backend per call rather than as an attribute.
-    None leaves the environment unchanged."""
+    None leaves the environment unchanged; a name that is not a backend is refused here, not
+    at the first op (which would name $KFUSED_BACKEND, a variable the caller never set)."""
     if backend is None:
         yield
         return
+    from kfused.modules._linear import check_backend_name
+
+    check_backend_name(backend)
     old = os.environ.get("KFUSED_BACKEND")
     os.environ["KFUSED_BACKEND"] = backend
     try:
