@@ -358,6 +358,20 @@ def test_metrics_slot_rules():
     assert not em.slot_realised("eatType", "pub", "Cotto is public.")  # word boundaries
 
 
+@pytest.mark.parametrize("module", ["make_e2e", "make_corpus"])
+def test_data_scripts_answer_help_without_writing(module, capsys, monkeypatch):
+    # `python -m kfused.data.make_e2e --help` rewrote the shipped e2e_tiny.jsonl
+    import importlib
+
+    mod = importlib.import_module(f"kfused.data.{module}")
+    monkeypatch.setattr("builtins.open", None)           # nothing may be opened
+    for argv, code in ((["--help"], 0), (["--bogus"], 2)):
+        with pytest.raises(SystemExit) as exc:
+            mod.main(argv)
+        assert exc.value.code == code
+    assert f"kfused.data.{module}" in capsys.readouterr().out
+
+
 def test_metrics_refuse_a_malformed_meaning_representation():
     # a key given twice kept its last value; text outside the slots was dropped
     with pytest.raises(ValueError, match="gives slot 'food' twice"):

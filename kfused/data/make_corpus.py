@@ -255,7 +255,12 @@ def documents(n: int, seed: int = 1234, note_fraction: float = 0.3) -> List[Tupl
     return [note(rng) if rng.random() < note_fraction else ("", prose(rng)) for _ in range(n)]
 
 
-def main() -> None:  # pragma: no cover
+def main(argv=None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m kfused.data.make_corpus",
+                            description="Print a summary and the first documents of the "
+                            "pretraining corpus (20000 documents).").parse_args(argv)
     docs = documents(20000)
     chars = sum(len(a) + len(b) for a, b in docs)
     print(f"{len(docs)} documents, {chars} characters, {sum(bool(a) for a, _ in docs)} notes")

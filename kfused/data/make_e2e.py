@@ -94,7 +94,12 @@ def generate(n: int = 600, seed: int = 0) -> list:
     return [make_example(rng) for _ in range(n)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(  # takes no options: --help (or a typo) never rewrites the file
+        prog="python -m kfused.data.make_e2e",
+        description="Rewrite kfused/data/e2e_tiny.jsonl (600 examples, seed 0).").parse_args(argv)
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_tiny.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         for ex in generate():
