@@ -511,6 +511,18 @@ def test_unknown_option_keys_are_refused_by_name(method, options, exc, match):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_dropout_no_part_applies_is_refused():
+    # dropout=0.5 with KronA (or any method but LoRA) was accepted and trained without dropout
+    for method in ("krona", "kernel_mix", "inducer", "mam"):
+        model = make("llama")
+        with pytest.raises(ValueError, match=rf"method '{method}' has no adapter dropout"):
+            inject(model, AdapterConfig(method=method, r=2, dropout=0.5))
+        assert get_state(model, required=False) is None
+    model = make("llama")  # a composite with a LoRA part applies it there
+    inject(model, AdapterConfig(method="inducer_lora", r=2, dropout=0.5, backend="reference"))
+    assert model.model.layers[0].self_attn.q_proj.dropout.p == 0.5
+
+
 def test_composite_shared_options_reach_the_parts_that_read_them():
     # a shared key goes to every part that reads it, and no other part refuses it
     model = make("llama")

@@ -51,7 +51,8 @@ class AdapterConfig:
             (``options["prefix_len"]``), which have none. A method that cannot honour a value raises
             ValueError at inject (``kfused.integration.methods()[name].inits`` lists each
             method's values; a composite's parts can differ through ``options[part]``).
-        dropout: adapter input dropout (LoRA).
+        dropout: adapter input dropout (LoRA; inject refuses a non-zero value for a method
+            with no LoRA part).
         bias: block-parallel adapters get a learnable output bias (KronA^B).
         backend: kernel backend for the fused modules ("auto", "triton", "cuda", "reference";
             None: $KFUSED_BACKEND or auto).

@@ -343,6 +343,9 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     plan = sorted(((part, cfg.replace(init=part.resolve_init(cfg.init, cfg)))
                    for part, cfg in _expand(spec, config)),
                   key=lambda pc: _SITE_ORDER[pc[0].site])
+    if config.dropout and all(part.dropout is False for part, _ in plan):
+        raise ValueError(f"method {config.method!r} has no adapter dropout (dropout={config.dropout}"
+                         " would be ignored); it applies to LoRA's input (lora, inducer_lora)")
     for part, _ in plan:  # refuse unsupported models before any part changes the model
         if part.check is not None:
             part.check(target_model, arch)

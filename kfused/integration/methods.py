@@ -157,21 +157,22 @@ QV = {"gpt2": ["qkv"], "*": ["q", "v"]}
 FFN = {"*": ["ffn"]}
 
 register_method("lora", site="linear", wrap=_lora, default_targets=QV, mergeable=True,
-                inits=LoRALinear.INITS, options=(),
+                inits=LoRALinear.INITS, options=(), dropout=True,
                 description="LoRA: x Wᵀ + b + (alpha/r)·(x Aᵀ) Bᵀ", paper="004")
 register_method("krona", site="linear", wrap=_krona, default_targets=QV, mergeable=True,
-                inits=KronALinear.INITS, options=("krona_shapes",),
+                inits=KronALinear.INITS, options=("krona_shapes",), dropout=False,
                 description="KronA: x Wᵀ + b + s·(A ⊗ B) x (fused with the frozen GEMM)",
                 paper="003")
 register_method("krona_b", site="block", wrap=_krona_b, default_targets=FFN,
-                inits=KronABlock.inits_for(residual=False), options=(),
+                inits=KronABlock.inits_for(residual=False), options=(), dropout=False,
                 description="KronA^B: FFN(x) + s·(A ⊗ B) x parallel to the FFN block",
                 paper="003")
 register_method("krona_b_res", site="block", wrap=_krona_b_res, default_targets=FFN,
                 inits=KronABlock.inits_for(residual=True), default_init="random", options=(),
+                dropout=False,
                 description="KronA^B_res: KronA^B + learnable s_res·x", paper="003")
 register_method("parallel_adapter", site="block", wrap=_parallel_adapter, default_targets=FFN,
-                inits=ScaledParallelAdapter.INITS, options=(),
+                inits=ScaledParallelAdapter.INITS, options=(), dropout=False,
                 description="scaled parallel adapter: FFN(x) + s·ReLU(x W_down) W_up",
                 paper="002")
 
@@ -183,17 +184,18 @@ for _name, _desc in [
         ("kernel_mix", "Kernel-mix: shared LoRA + Kernel-wise (docs/math.md §2)"),
         ("kernel_mix_lite", "Kernel-mix-lite: shared LoRA + Kernel-wise-lite (docs/math.md §2)")]:
     register_method(_name, site="attention", wrap=_headwise, mergeable=True,
-                    inits=HEADWISE_INITS, description=_desc, paper="000", options=("lite",))
+                    inits=HEADWISE_INITS, description=_desc, paper="000", options=("lite",),
+                    dropout=False)
 
 register_method("inducer", site="attention", wrap=_inducer_wrap(True), paper="001",
                 inits=InducerAttention.inits_for(True, 0), check=_inducer_check,
                 options=("key_bottleneck", "value_bottleneck", "prefix_len", "composition",
-                         "position_offset"),
+                         "position_offset"), dropout=False,
                 finish=_inducer_finish, default_init_for=_inducer_default_init,
                 description="inducer attention: a per-query virtual key/value column (docs/math.md §3)")
 register_method("prefix", site="attention", wrap=_inducer_wrap(False), paper="002",
                 inits=InducerAttention.inits_for(False, 1), default_init="paper",
-                options=("composition", "position_offset"),
+                options=("composition", "position_offset"), dropout=False,
                 check=_inducer_check, finish=_prefix_finish,
                 description="prefix tuning: l learned key/value columns per head (docs/math.md §3)")
 

@@ -101,6 +101,9 @@ class MethodSpec:
     # A composite reads its parts' keys (each part gets the shared keys it reads) and the
     # per-part override dicts named by its parts.
     options: Optional[Tuple[str, ...]] = None
+    # whether the method applies cfg.dropout; None: not declared (unchecked). inject refuses a
+    # dropout that no part of the method applies
+    dropout: Optional[bool] = None
 
     def targets_for(self, arch: Optional[ArchSpec]) -> Optional[List[str]]:
         if arch is not None and arch.name in self.default_targets:
@@ -131,6 +134,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
                     check: Optional[Callable[[nn.Module, Optional[ArchSpec]], None]] = None,
                     default_init_for: Optional[Callable[[AdapterConfig], str]] = None,
                     options: Optional[Sequence[str]] = None,
+                    dropout: Optional[bool] = None,
                     replace: bool = True) -> MethodSpec:
     """Register (or replace) an adapter method. See the module docstring for the contract.
 
@@ -149,6 +153,11 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
             cannot run on ``model``; called by inject before any part changes the model.
         default_init_for: ``default_init_for(cfg)``, the init ``init=None`` means for a
             config, where that depends on the config (one of ``inits``); else default_init.
+        options: the ``AdapterConfig.options`` keys the method reads; inject refuses a config
+            with any other key (a misspelt option is an error, never silently dropped). None
+            (the default): unchecked. Composites: derived from their parts.
+        dropout: whether the method applies ``AdapterConfig.dropout``; inject refuses a
+            non-zero dropout that no part applies. None (the default): unchecked.
     """
     if site not in SITES:
         raise ValueError(f"site must be one of {SITES}, got {site!r}")
@@ -178,7 +187,7 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         parts=tuple((p, list(t) if t is not None else None) for p, t in parts),
         description=description, paper=paper, inits=tuple(inits), default_init=default_init,
         finish=finish, check=check, default_init_for=default_init_for,
-        options=tuple(options) if options is not None else None)
+        options=tuple(options) if options is not None else None, dropout=dropout)
     _METHODS[name] = spec
     return spec
 
