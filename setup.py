@@ -14,7 +14,7 @@ from setuptools import setup
 
 
 def _cuda_build():
-    if os.environ.get("KFUSED_NO_CUDA", "0") not in ("", "0"):
+    if os.environ.get("KFUSED_NO_CUDA", "").strip().lower() in ("1", "true", "yes", "on"):
         return [], {}
     try:
         import torch

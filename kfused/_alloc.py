@@ -11,7 +11,8 @@ import os
 
 import torch
 
-_POISON = [os.environ.get("KFUSED_POISON", "0") not in ("", "0")]
+# on for 1/true/yes/on (any case), as Triton reads its TRITON_* flags; "false" is off
+_POISON = [os.environ.get("KFUSED_POISON", "").strip().lower() in ("1", "true", "yes", "on")]
 
 
 def poisoning() -> bool:

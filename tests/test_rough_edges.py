@@ -400,3 +400,16 @@ def test_triton_interpret_on_as_triton_reads_it(monkeypatch):
         for value in ("true", "ON", "yes"):
             monkeypatch.setenv("TRITON_INTERPRET", value)
             assert backends.triton_interpret() is bool(triton.knobs.runtime.interpret) is True
+
+
+def test_kfused_poison_reads_its_flag_as_triton_reads_its_own():
+    # KFUSED_POISON=false turned poisoning on (every value but "" and "0" did)
+    import subprocess
+
+    code = ("import importlib, os, kfused._alloc as a\n"
+            "for v in ['1', 'true', 'ON', '0', 'false', 'off', '']:\n"
+            "    os.environ['KFUSED_POISON'] = v\n"
+            "    print(importlib.reload(a).poisoning())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True"] * 3 + ["False"] * 4
