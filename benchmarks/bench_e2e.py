@@ -3,7 +3,8 @@
 
     python benchmarks/bench_e2e.py [--quick] [--out benchmarks/results/local]
 
-writes ``e2e_<device>.json``, prints one table and draws ``e2e_<device>.png``.
+writes ``e2e_<device>.json`` (``e2e_<device>-2.json``, ... when that name is taken: never over a
+file), prints one table and draws the ``.png`` beside it.
 """
 
 import argparse

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 
@@ -28,3 +29,22 @@ def replace_atomically(path: str, write: Callable[[str], None]) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def new_results_file(out_dir, stem: str, text: str) -> Path:
+    """Write ``text`` to a new ``<stem>.json`` in ``out_dir`` (``<stem>-2.json``, ... when a
+    file of that name or its ``.png`` is there: another run in the same second, or a file
+    kfused did not write; kfused never overwrites either). Returns its path; the plot goes
+    beside it as ``path.with_suffix(".png")``."""
+    out_dir = Path(out_dir)
+    for i in range(1, 1000):
+        path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
+        if os.path.lexists(path.with_suffix(".png")):
+            continue
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"kfused: {out_dir} holds {stem}.json to {stem}-999.json")

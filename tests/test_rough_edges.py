@@ -247,6 +247,19 @@ def test_bench_out_never_overwrites_a_file(tmp_path, monkeypatch, capsys):
     assert "--out" in capsys.readouterr().err and first.read_text() == "the user's notes"
 
 
+def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
+    # benchmarks/bench_e2e.py wrote e2e_<device>.json over whatever was in --out
+    import kfused.cases.e2e as be
+
+    monkeypatch.setattr(be, "bench_cases", lambda *a, **k: [])
+    (tmp_path / "e2e_cpu.json").write_text("the user's notes")
+    be.run("cpu", torch.float32, True, str(tmp_path), 1.0)
+    be.run("cpu", torch.float32, True, str(tmp_path), 1.0)
+    assert (tmp_path / "e2e_cpu.json").read_text() == "the user's notes"
+    assert {p.name for p in tmp_path.glob("*.json")} == {"e2e_cpu.json", "e2e_cpu-2.json",
+                                                         "e2e_cpu-3.json"}
+
+
 def test_bench_records_the_commit_of_the_kfused_that_runs(tmp_path, monkeypatch):
     import subprocess
 

@@ -13,7 +13,8 @@ float32 adapters, for
 the shared harness; each provider's ``fn()`` runs a whole training step and returns the detached
 loss, so the harness's "fwd" mode times the full step. ``shape["tokens"]`` gives tokens/s.
 Standalone: ``python benchmarks/bench_e2e.py [--quick] [--out benchmarks/results/local]`` writes
-``e2e_<device>.json``, prints one table and draws ``e2e_<device>.png``.
+``e2e_<device>.json`` (``e2e_<device>-2.json``, ... when that name is taken: never over a
+file), prints one table and draws the ``.png`` beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from kfused._files import new_results_file
 from kfused.bench import BenchCase, Provider, measure
 
 # (label, AdapterConfig kwargs) of the kfused providers; each runs fused and unfused.
@@ -245,8 +247,10 @@ def run(device: str, dtype: torch.dtype, quick: bool, out_dir: str, rep_ms: floa
     tag = torch.device(device).type
     meta = {"device": torch.cuda.get_device_name() if tag == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "quick": quick}
-    with open(os.path.join(out_dir, f"e2e_{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    # a new file per run (e2e_<device>-2.json, ...): never over a file kfused did not write
+    path = new_results_file(out_dir, f"e2e_{tag}", json.dumps({"meta": meta, "rows": rows},
+                                                               indent=2))
+    print(f"wrote {path}")
     print(f"{'model':<15} {'provider':<30} {'tokens/s':>10} {'step ms':>9} {'peak MiB':>9}")
     for r in rows:
         m = r["shape"]["model"]
@@ -257,7 +261,7 @@ def run(device: str, dtype: torch.dtype, quick: bool, out_dir: str, rep_ms: floa
         else:
             print(f"{m:<15} {r['provider']:<30} {'-':>10} {'':>9} {'':>9}  "
                   f"{r.get('skipped') or r.get('error', '')[:80]}")
-    _plot(rows, os.path.join(out_dir, f"e2e_{tag}.png"))
+    _plot(rows, str(path.with_suffix(".png")))
     return rows
 
 

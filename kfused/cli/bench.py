@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kfused._files import replace_atomically
+from kfused._files import new_results_file, replace_atomically
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -290,7 +290,7 @@ def run(argv: Optional[List[str]] = None) -> int:
             rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
         add_ratios(rows)
         all_rows.extend(rows)
-        path = _new_results_file(out_dir, f"{op}_{slug}_{stamp}",
+        path = new_results_file(out_dir, f"{op}_{slug}_{stamp}",
                                  json.dumps({"meta": {**meta, "quick": args.quick},
                                              "rows": rows}, indent=1, default=str))
         _print_table(rows)
@@ -304,23 +304,6 @@ def run(argv: Optional[List[str]] = None) -> int:
                             meta.get("git_commit"))
         print(f"wrote {args.write_prefs}: {json.dumps(prefs)}")
     return 0
-
-
-def _new_results_file(out_dir: Path, stem: str, text: str) -> Path:
-    """Write ``text`` to a new ``<stem>.json`` in ``out_dir`` (``<stem>-2.json``, ... when a
-    file of that name or its ``.png`` is there: another run in the same second, or a file
-    kfused did not write; kfused never overwrites either)."""
-    for i in range(1, 1000):
-        path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
-        if os.path.lexists(path.with_suffix(".png")):
-            continue
-        try:
-            with open(path, "x") as f:
-                f.write(text)
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(f"kfused bench: {out_dir} holds {stem}.json to {stem}-999.json")
 
 
 def _check_prefs_target(path: Path) -> None:
