@@ -383,3 +383,15 @@ def test_perf_update_known_writes_the_list_after_a_full_run(monkeypatch):
     monkeypatch.setattr(report, "write_known", written.append)
     assert report.run(["--structure-only", "--update-known"]) == 0
     assert [r["violations"] for r in written] == [[{"arch": "sm_90", "kernel": "k"}]]
+
+
+def test_help_says_each_default_once():
+    # "(default: each method's) (default: None)": argparse's defaults formatter appended its
+    # own default after help text that already gave one, and "(default: None)" elsewhere
+    from kfused.cli import demo
+    from kfused.data import pretrain_base
+
+    for parser in (demo.build_parser(), pretrain_base.build_parser()):
+        text = " ".join(parser.format_help().split())
+        assert "(default: None)" not in text and ") (default:" not in text
+        assert "(default: 0)" in text                    # --seed's default is still shown

@@ -14,6 +14,18 @@ import math
 from typing import Callable, Optional
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, except where the help already says its default (or the
+    default is None, whose meaning the help gives): no "(default: None)" after "(default:
+    each method's)"."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

@@ -58,8 +58,8 @@ DEFAULT_METHODS = ",".join(METHODS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kfused.cli.args import (device_or_auto, finite_float, nonnegative_int, positive_float,
-                                 positive_int, seed_int)
+    from kfused.cli.args import (DefaultsHelpFormatter, device_or_auto, finite_float,
+                                 nonnegative_int, positive_float, positive_int, seed_int)
 
     p = argparse.ArgumentParser(
         prog="kfused demo",
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "data-to-text task with LoRA and each kfused method; generate for held-out "
                     "meaning representations and score BLEU and slot accuracy; fused kernels "
                     "vs the unfused reference on a GPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated rows: " + ", ".join(METHODS) + ", a preset name "
                         "(kfused.integration.PRESETS) or any registered method")

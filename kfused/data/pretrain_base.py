@@ -43,11 +43,12 @@ SHAPE = dict(d_model=128, n_layers=4, n_heads=4, d_ff=512, max_len=384)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kfused.cli.args import int_range, positive_float, positive_int, seed_int
+    from kfused.cli.args import (DefaultsHelpFormatter, int_range, positive_float, positive_int,
+                                 seed_int)
 
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps")
     p.add_argument("--batch-size", type=positive_int, default=12, help="sequences per step")
     p.add_argument("--seq-len", type=int_range(2, SHAPE["max_len"]), default=SHAPE["max_len"],
