@@ -381,6 +381,8 @@ def test_training_step_matches_peft(arch, kind, tmp_path):
 
 @pytest.mark.parametrize("arch,cfg", [
     ("gpt2", AdapterConfig(method="lora", r=4, alpha=16, init="random")),
+    # Conv1D and nn.Linear layers in one adapter: PEFT sets fan_in_fan_out per layer
+    ("gpt2", AdapterConfig(method="lora", targets=["c_attn", "lm_head"], r=4, init="random")),
     ("llama", AdapterConfig(method="lora", targets=["q", "v", "o"], r=4, ranks={"o": 2},
                             init="random")),
     ("llama", AdapterConfig(method="krona", targets=["q", "k", "v"], scale=3.0, init="random")),

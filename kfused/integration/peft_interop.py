@@ -768,14 +768,12 @@ def _peft_config(model: nn.Module, task_type: Optional[str]):
         a0 = collections.Counter(alpha.values()).most_common(1)[0][0]
         if len(set(drops.values())) > 1:
             raise PeftConversionError(f"to_peft: LoRA dropout differs between layers ({drops})")
+        # PEFT sets fan_in_fan_out per layer as it builds it (True on a Conv1D, False on an
+        # nn.Linear), so adapters on both kinds (GPT-2's c_attn and lm_head) load as they are
         conv = [is_conv1d(mod.base) for mod in mods.values()]
-        if any(conv) and not all(conv):
-            raise PeftConversionError(
-                "to_peft: the LoRA adapters sit on both nn.Linear and transformers Conv1D layers; "
-                "PEFT's fan_in_fan_out is one setting per adapter")
         cfg = peft.LoraConfig(
             r=r0, lora_alpha=a0, target_modules=list(mods), lora_dropout=next(iter(drops.values())),
-            fan_in_fan_out=all(conv), bias="none", task_type=task_type,
+            fan_in_fan_out=any(conv), bias="none", task_type=task_type,
             rank_pattern={re.escape(n): v for n, v in r.items() if v != r0},
             alpha_pattern={re.escape(n): v for n, v in alpha.items() if v != a0},
             base_model_name_or_path=base_class)
