@@ -603,6 +603,28 @@ def test_to_peft_replaces_previous_export_without_atomic_exchange(tmp_path, monk
     assert sorted(os.listdir(tmp_path)) == ["fresh", "p"]
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_to_peft_into_the_current_directory(atomic, tmp_path, monkeypatch):
+    """to_peft(model, ".") from inside an empty folder or an earlier export: the export is
+    written there and the process's working directory is the new folder, not a removed one."""
+    import kfused.integration.peft_interop as pi
+
+    if not atomic:
+        monkeypatch.setattr(pi, "_exchange", lambda a, b: False, raising=False)
+    kf = kfused.inject(make("llama"), AdapterConfig(method="lora", init="random",
+                                                    backend="reference"))
+    (tmp_path / "p").mkdir()
+    monkeypatch.chdir(tmp_path / "p")
+    for _ in range(2):  # an empty folder, then the export written the first time
+        out = kfused.to_peft(kf, ".")
+        assert out == os.getcwd() == str(tmp_path / "p")
+        assert sorted(os.listdir(".")) == ["adapter_config.json", "adapter_model.safetensors",
+                                           "kfused_export.json"]
+        with torch.no_grad():
+            next(p for p in kf.parameters() if p.requires_grad).add_(1.0)
+    assert os.listdir(tmp_path) == ["p"]
+
+
 def test_to_peft_refuses_symlinked_target(tmp_path):
     """A symlink at the path is refused (ValueError naming it) before anything is written; the
     export it points to and the link stay as they were."""

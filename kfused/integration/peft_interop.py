@@ -848,6 +848,8 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
             or holds exactly what an earlier to_peft wrote, unchanged; the replacement is
             atomic where the platform can swap two folders (Linux), else the old folder is
             moved aside and put back if the new one cannot be renamed in. Never a symlink.
+            It may be the current directory (``to_peft(model, ".")``): the process is then
+            moved into the new folder, not left in the removed one.
         task_type: PEFT task type recorded in the config (e.g. "CAUSAL_LM"; None: plain
             PeftModel for LoRA / LoKr, "CAUSAL_LM" for prefix tuning).
     Returns: the folder's absolute path.
@@ -878,10 +880,16 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
             json.dump({"writer": "kfused.to_peft",
                        "files": {n: _sha256(os.path.join(tmp, n)) for n in written}}, f, indent=2)
         _check_target_folder(path)  # again, just before replacing
+        try:  # the process works inside the folder being replaced ("." from the export)
+            inside = os.path.samefile(path, os.getcwd())
+        except OSError:
+            inside = False
         old = _install(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the new export, not yet in place
         raise
+    if inside and old is not None:
+        os.chdir(path)  # into the new folder: the old one, the cwd until now, is removed next
     if old is not None:
         _remove_old_export(old)
     return path
