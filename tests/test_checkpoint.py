@@ -122,6 +122,23 @@ def test_round_trip_and_layout(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+def test_adapter_dtype_given_as_torch_dtype_saves_and_loads(tmp_path):
+    """AdapterConfig(adapter_dtype=torch.float64) (as kfused.from_peft(..., adapter_dtype=...)
+    passes it on) is recorded by name: save wrote no checkpoint (the config is JSON), and the
+    loaded adapters have that dtype."""
+    torch.manual_seed(0)
+    m = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], init="random",
+                                     backend="reference", adapter_dtype=torch.float64))
+    save(m, str(tmp_path / "c"))
+    assert get_state(m).config.adapter_dtype == "float64"
+    assert read_checkpoint_config(str(tmp_path / "c"))["config"]["adapter_dtype"] == "float64"
+    got = loaded(tmp_path / "c")
+    assert states_equal(got, adapter_state_dict(m))
+    assert {t.dtype for t in got.values()} == {torch.float64}
+    with pytest.raises(TypeError, match="adapter_dtype"):
+        AdapterConfig(adapter_dtype=16)
+
+
 # ------------------------------------------------------------------------------------------
 # item 3: save never deletes or replaces what it did not write
 
