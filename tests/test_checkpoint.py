@@ -606,6 +606,13 @@ def test_load_with_another_config_is_refused(tmp_path):
     load(other, str(d))
     other.eval()
     torch.testing.assert_close(other(x), src(x), rtol=0, atol=0)
+    # nor the same number written another way (alpha 32.0: from_peft records scaling·r)
+    torch.manual_seed(0)
+    same = Tiny()
+    inject(same, AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4, alpha=32.0,
+                               backend="reference"))
+    load(same, str(d))
+    torch.testing.assert_close(same(x), src(x), rtol=0, atol=0)
 
 
 def test_refused_load_leaves_an_uninjected_model_uninjected(tmp_path):
