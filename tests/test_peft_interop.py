@@ -185,6 +185,26 @@ def test_from_peft_lokr_decomposed_factors_are_folded():
         torch.testing.assert_close(w2b.grad, w2a.T @ m.B.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["lora", "lokr"])
+def test_from_peft_on_t5_feed_forward(kind):
+    """PEFT adapters on T5's feed-forward output ``wo``: T5's forward reads
+    ``self.wo.weight.dtype``, so the kfused layer exposes its base weight as PEFT's layers do
+    (the converted model's forward raised AttributeError)."""
+    targets = ["q", "v", "wo"]
+    cfg = (LoraConfig(target_modules=targets, r=4, lora_alpha=8, init_lora_weights=False)
+           if kind == "lora" else LoKrConfig(target_modules=targets, r=8, alpha=12,
+                                             init_weights=False))
+    pm = _peft_model("t5", cfg)
+    inputs = batch("t5")
+    with torch.no_grad():
+        want = pm(**inputs).logits
+    kf = kfused.from_peft(pm, backend="reference").eval()
+    wo = kf.encoder.block[0].layer[1].DenseReluDense.wo
+    assert isinstance(wo, (LoRALinear, KronALinear)) and wo.weight is wo.base.weight
+    with torch.no_grad():
+        torch.testing.assert_close(kf(**inputs).logits, want, rtol=1e-5, atol=1e-6)
+
+
 def test_from_peft_triton_kernels_interpreter():
     """The fused KronA kernel (backend='triton', CPU interpreter under TRITON_INTERPRET=1)
     on a converted PEFT LoKr adapter, under docs/math.md §4."""
