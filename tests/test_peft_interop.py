@@ -551,6 +551,19 @@ def test_to_peft_never_clobbers_foreign_files(tmp_path):
     with pytest.raises(FileExistsError, match="changed since"):
         kfused.to_peft(kf, out)
     assert (tmp_path / "ours" / "adapter_config.json").read_text().endswith(" ")
+    # a damaged marker, or one of its names now a folder: refused by name, nothing replaced
+    other = kfused.to_peft(kf, tmp_path / "other")
+    (tmp_path / "other" / "kfused_export.json").write_text('{"files": []}')
+    with pytest.raises(FileExistsError, match="unreadable"):
+        kfused.to_peft(kf, other)
+    os.remove(tmp_path / "other" / "adapter_config.json")
+    (tmp_path / "other" / "adapter_config.json").mkdir()
+    kfused.to_peft(kf, tmp_path / "third")
+    os.replace(tmp_path / "third" / "kfused_export.json",
+               tmp_path / "other" / "kfused_export.json")
+    with pytest.raises(FileExistsError, match="changed since"):
+        kfused.to_peft(kf, other)
+    assert (tmp_path / "other" / "adapter_config.json").is_dir()
 
 
 def _folder_bytes(d):

@@ -634,11 +634,15 @@ def _check_target_folder(path: str) -> None:
     try:
         with open(marker) as f:
             hashes = json.load(f)["files"]
+        if not isinstance(hashes, dict):
+            raise TypeError(f"'files' is a {type(hashes).__name__}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FileExistsError(f"to_peft: {marker} is unreadable; refusing to overwrite "
                               f"{path!r}") from exc
     for fname in entries - {EXPORT_MARKER}:
-        if hashes.get(fname) != _sha256(os.path.join(path, fname)):
+        p = os.path.join(path, fname)
+        if (os.path.islink(p) or not os.path.isfile(p)
+                or hashes.get(fname) != _sha256(p)):
             raise FileExistsError(f"to_peft: {path!r}/{fname} changed since to_peft wrote it; "
                                   "refusing to overwrite it")
 
