@@ -615,6 +615,29 @@ def test_load_with_another_config_is_refused(tmp_path):
     torch.testing.assert_close(same(x), src(x), rtol=0, atol=0)
 
 
+def test_load_with_the_same_krona_shapes_spelled_out(tmp_path):
+    """KronA factor shapes left to their default (from_peft records a_shape=None when they fit)
+    and the same shapes given explicitly are one adapter: load takes the checkpoint; other
+    shapes are refused by the tensor shapes."""
+    d = tmp_path / "c"
+    torch.manual_seed(0)
+    src = inject(Tiny(), AdapterConfig(method="krona", targets=["fc1"], scale=2.0,
+                                       init="random", backend="reference"))
+    save(src, str(d))
+    a_shape = tuple(src.fc1.A.shape)
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    dst = inject(Tiny(), AdapterConfig(method="krona", targets=["fc1"], scale=2.0,
+                                       a_shape=a_shape, backend="reference"))
+    load(dst, str(d))
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+    other = inject(Tiny(), AdapterConfig(method="krona", targets=["fc1"], scale=2.0,
+                                         a_shape=(a_shape[0] * 2, a_shape[1]),
+                                         backend="reference"))
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        load(other, str(d))
+
+
 def test_refused_load_leaves_an_uninjected_model_uninjected(tmp_path):
     d = tmp_path / "c"
     save(tiny(fill=1.0), str(d))

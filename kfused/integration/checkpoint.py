@@ -641,8 +641,9 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
 # Config fields that change what the saved tensors mean (the scale they are applied with, the
 # parts of a composite); the kernel backend, dropout, the initialisation (the tensors replace
 # it) and the adapter dtype (tensors are cast on load) do not, and names and shapes are
-# compared tensor by tensor.
-_MEANING_FIELDS = ("r", "ranks", "alpha", "scale", "a_shape", "b_shape", "bias", "options")
+# compared tensor by tensor (so are KronA's factor shapes: a_shape=None and the (4, 4) it
+# resolves to are one adapter).
+_MEANING_FIELDS = ("r", "ranks", "alpha", "scale", "bias", "options")
 
 
 def _by_value(v):
