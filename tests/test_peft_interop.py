@@ -693,6 +693,22 @@ def test_from_peft_bad_arguments(tmp_path):
         kfused.from_peft(make("llama"), str(tmp_path / "missing"))
 
 
+def test_from_peft_refuses_transformers_loaded_adapters(tmp_path):
+    """A transformers model carrying a PEFT adapter through transformers' own integration
+    (model.load_adapter) is not a PeftModel: both forms say so and what to call instead (the
+    one-argument form said 'cannot find the base model inside LlamaModel'), model unchanged."""
+    _peft_model("llama", _lora_cfg("llama")).save_pretrained(tmp_path / "a")
+    model = make("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.load_adapter(str(tmp_path / "a"))
+    before = _state(model)
+    for args in ((), (str(tmp_path / "a"),)):
+        with pytest.raises(TypeError, match=r"load_adapter.*from_peft\(fresh_model"):
+            kfused.from_peft(model, *args)
+        _assert_unchanged(model, before)
+
+
 def test_prefix_position_offset_refused_where_positions_differ():
     """The position shift is only offered where positions are arange(past, past + n)."""
     model = make("roberta")

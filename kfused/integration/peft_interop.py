@@ -340,7 +340,23 @@ def _only_adapter(peft_configs: Dict[str, Any]) -> str:
     return next(iter(peft_configs))
 
 
+_HF_NATIVE = ("it holds PEFT adapters loaded through transformers (model.load_adapter / "
+              "add_adapter), not a peft.PeftModel; from_peft converts a PeftModel or a model "
+              "without adapters plus an adapter folder: call kfused.from_peft(fresh_model, "
+              "adapter_folder)")
+
+
+def _hf_native(model: nn.Module) -> bool:
+    """A transformers model carrying PEFT adapters through transformers' own integration."""
+    from peft import PeftModel
+
+    return (bool(getattr(model, "_hf_peft_config_loaded", False))
+            and not isinstance(model, PeftModel))
+
+
 def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
+    if _hf_native(peft_model):
+        raise TypeError(f"from_peft({type(peft_model).__name__}): {_HF_NATIVE}")
     configs = getattr(peft_model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         raise TypeError(f"from_peft(model) expects a peft.PeftModel, got "
@@ -552,8 +568,9 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
         raise TypeError(f"adapter must be a PEFT adapter folder path, got {type(adapter).__name__}")
     folder = os.fspath(adapter)
     if getattr(model, "peft_config", None):
-        raise TypeError("from_peft(model, folder) takes a plain transformers model; this one is "
-                        "already a PeftModel — call from_peft(peft_model)")
+        raise TypeError("from_peft(model, folder) takes a plain transformers model; this one "
+                        + (_HF_NATIVE.replace("it holds", "holds") if _hf_native(model) else
+                           "is already a PeftModel — call from_peft(peft_model)"))
     target = unwrap(model)
     if get_state(target, required=False) is not None:
         raise PeftConversionError("the model already has kfused adapters")
