@@ -693,6 +693,26 @@ def test_from_peft_bad_arguments(tmp_path):
         kfused.from_peft(make("llama"), str(tmp_path / "missing"))
 
 
+def test_from_peft_result_holds_no_peft_record(tmp_path):
+    """The converted model no longer carries PEFT's ``model.peft_config`` (PEFT drops it when it
+    unloads its layers): after merge_and_unload it is a plain model again, which from_peft
+    with an adapter folder takes (it was refused as 'already a PeftModel')."""
+    pm = _peft_model("llama", _lora_cfg("llama"))
+    pm.save_pretrained(tmp_path / "a")
+    ids = batch("llama")["input_ids"]
+    kf = kfused.from_peft(pm, backend="reference")
+    assert not hasattr(kf, "peft_config")
+    plain = kfused.merge_and_unload(kf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = PeftModel.from_pretrained(copy.deepcopy(plain), tmp_path / "a").eval()
+    again = kfused.from_peft(plain, str(tmp_path / "a"), backend="reference").eval()
+    assert isinstance(again.model.layers[0].self_attn.q_proj, LoRALinear)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_from_peft_refuses_transformers_loaded_adapters(tmp_path):
     """A transformers model carrying a PEFT adapter through transformers' own integration
     (model.load_adapter) is not a PeftModel: both forms say so and what to call instead (the

@@ -391,6 +391,9 @@ def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
         if hasattr(base, "kfused_state"):
             del base.kfused_state
         raise
+    # PEFT's tuner records its configs on the model (model.peft_config) and removes them when
+    # it unloads its layers, as here: the converted model holds no PEFT adapter
+    vars(base).pop("peft_config", None)
     return base
 
 
