@@ -691,6 +691,15 @@ def test_from_peft_bad_arguments(tmp_path):
         kfused.from_peft(make("llama"))
     with pytest.raises(FileNotFoundError):
         kfused.from_peft(make("llama"), str(tmp_path / "missing"))
+    # a kfused checkpoint (or its version folder) is not a PEFT folder: say what reads it
+    kfused.save(kfused.inject(make("llama"), AdapterConfig(method="lora")), tmp_path / "ck")
+    version = next(n for n in os.listdir(tmp_path / "ck") if n.startswith("kfused_checkpoint-"))
+    for folder in (tmp_path / "ck", tmp_path / "ck" / version):
+        model = make("llama")
+        before = _state(model)
+        with pytest.raises(PeftConversionError, match=r"kfused checkpoint.*kfused\.load"):
+            kfused.from_peft(model, str(folder))
+        _assert_unchanged(model, before)
 
 
 def test_from_peft_result_holds_no_peft_record(tmp_path):

@@ -450,11 +450,32 @@ def _convert_prefix(peft_model, cfg, adapter, backend, adapter_dtype) -> nn.Modu
     return base
 
 
+def _refuse_kfused_checkpoint(folder: str) -> None:
+    """A kfused.save checkpoint (or one of its version folders) is not a PEFT adapter folder:
+    say which loader reads it (PEFT said "Can't find 'adapter_config.json'" or "missing
+    required keys: {'peft_type'}")."""
+    from kfused.integration import checkpoint as ck
+
+    kfused_meta = False
+    try:
+        with open(os.path.join(folder, PEFT_CONFIG), "rb") as f:
+            kfused_meta = json.load(f).get("format") == ck.FORMAT
+    except (OSError, ValueError, AttributeError):
+        pass
+    if kfused_meta or (os.path.lexists(os.path.join(folder, ck.POINTER))
+                       and not os.path.lexists(os.path.join(folder, PEFT_CONFIG))):
+        raise PeftConversionError(
+            f"{folder!r} is a kfused checkpoint (written by kfused.save), not a PEFT adapter "
+            "folder: load it with kfused.load(model, checkpoint_dir) (the directory holding "
+            f"{ck.POINTER})")
+
+
 def _prevalidate_folder(model: nn.Module, folder: str) -> None:
     """Checks on an adapter folder before PeftModel.from_pretrained changes the model."""
     peft = _peft()
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"PEFT adapter folder {folder!r} does not exist")
+    _refuse_kfused_checkpoint(folder)
     cfg = peft.PeftConfig.from_pretrained(folder)
     method = _check_config(cfg, f"PEFT adapter folder {folder!r}")
     if method == "prefix":
