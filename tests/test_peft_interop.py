@@ -691,6 +691,17 @@ def test_from_peft_bad_arguments(tmp_path):
         kfused.from_peft(make("llama"))
     with pytest.raises(FileNotFoundError):
         kfused.from_peft(make("llama"), str(tmp_path / "missing"))
+    # PEFT saves an adapter named other than "default" in a subfolder of that name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(make("llama"), _lora_cfg("llama"), adapter_name="mine").save_pretrained(
+            tmp_path / "named")
+    assert os.path.isfile(tmp_path / "named" / "mine" / "adapter_config.json")
+    with pytest.raises(PeftConversionError, match=r"no adapter_config\.json.*\['mine'\]"):
+        kfused.from_peft(make("llama"), str(tmp_path / "named"))
+    assert isinstance(kfused.from_peft(make("llama"), str(tmp_path / "named" / "mine"),
+                                       backend="reference").model.layers[0].self_attn.q_proj,
+                      LoRALinear)
     # a kfused checkpoint (or its version folder) is not a PEFT folder: say what reads it
     kfused.save(kfused.inject(make("llama"), AdapterConfig(method="lora")), tmp_path / "ck")
     version = next(n for n in os.listdir(tmp_path / "ck") if n.startswith("kfused_checkpoint-"))

@@ -476,6 +476,14 @@ def _prevalidate_folder(model: nn.Module, folder: str) -> None:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"PEFT adapter folder {folder!r} does not exist")
     _refuse_kfused_checkpoint(folder)
+    if not os.path.isfile(os.path.join(folder, PEFT_CONFIG)):
+        named = sorted(n for n in os.listdir(folder)
+                       if os.path.isfile(os.path.join(folder, n, PEFT_CONFIG)))
+        raise PeftConversionError(
+            f"{folder!r} has no {PEFT_CONFIG}, so it is not a PEFT adapter folder"
+            + (f"; PEFT saves an adapter named other than 'default' in a subfolder of that "
+               f"name, and {named} here hold one: pass os.path.join(folder, name)"
+               if named else ""))
     cfg = peft.PeftConfig.from_pretrained(folder)
     method = _check_config(cfg, f"PEFT adapter folder {folder!r}")
     if method == "prefix":
