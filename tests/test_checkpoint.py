@@ -638,6 +638,23 @@ def test_load_with_the_same_krona_shapes_spelled_out(tmp_path):
         load(other, str(d))
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_load_keeps_the_model_mode(training, tmp_path):
+    """load injects into a model without adapters: the adapters take the model's mode (they
+    started in training mode, so an eval-mode model ran its LoRA dropout at inference)."""
+    torch.manual_seed(0)
+    src = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], dropout=0.5,
+                                       init="random", backend="reference")).eval()
+    save(src, str(tmp_path / "c"))
+    torch.manual_seed(0)
+    dst = Tiny().train(training)
+    load(dst, str(tmp_path / "c"))
+    assert {m.training for m in dst.modules()} == {training}
+    if not training:
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+
+
 def test_refused_load_leaves_an_uninjected_model_uninjected(tmp_path):
     d = tmp_path / "c"
     save(tiny(fill=1.0), str(d))

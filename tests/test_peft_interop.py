@@ -205,6 +205,23 @@ def test_from_peft_on_t5_feed_forward(kind):
         torch.testing.assert_close(kf(**inputs).logits, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_from_peft_keeps_the_model_mode(training):
+    """The converted layers take the model's mode: converting an eval-mode PeftModel whose
+    LoRA has dropout gave inference with that dropout on (new modules start in training
+    mode), so logits differed from PEFT's at random."""
+    pm = _peft_model("llama", _lora_cfg("llama", lora_dropout=0.5)).train(training)
+    ids = batch("llama")["input_ids"]
+    with torch.no_grad():
+        want = pm.eval()(input_ids=ids).logits
+    pm.train(training)
+    kf = kfused.from_peft(pm, backend="reference")
+    assert {m.training for m in kf.modules()} == {training}
+    if not training:
+        with torch.no_grad():
+            torch.testing.assert_close(kf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+
+
 def test_from_peft_triton_kernels_interpreter():
     """The fused KronA kernel (backend='triton', CPU interpreter under TRITON_INTERPRET=1)
     on a converted PEFT LoKr adapter, under docs/math.md §4."""
