@@ -122,6 +122,23 @@ def test_round_trip_and_layout(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+def test_adapter_dtype_given_as_torch_dtype_saves_and_loads(tmp_path):
+    """AdapterConfig(adapter_dtype=torch.float64) (as kfused.from_peft(..., adapter_dtype=...)
+    passes it on) is recorded by name: save wrote no checkpoint (the config is JSON), and the
+    loaded adapters have that dtype."""
+    torch.manual_seed(0)
+    m = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], init="random",
+                                     backend="reference", adapter_dtype=torch.float64))
+    save(m, str(tmp_path / "c"))
+    assert get_state(m).config.adapter_dtype == "float64"
+    assert read_checkpoint_config(str(tmp_path / "c"))["config"]["adapter_dtype"] == "float64"
+    got = loaded(tmp_path / "c")
+    assert states_equal(got, adapter_state_dict(m))
+    assert {t.dtype for t in got.values()} == {torch.float64}
+    with pytest.raises(TypeError, match="adapter_dtype"):
+        AdapterConfig(adapter_dtype=16)
+
+
 # ------------------------------------------------------------------------------------------
 # item 3: save never deletes or replaces what it did not write
 
@@ -589,6 +606,53 @@ def test_load_with_another_config_is_refused(tmp_path):
     load(other, str(d))
     other.eval()
     torch.testing.assert_close(other(x), src(x), rtol=0, atol=0)
+    # nor the same number written another way (alpha 32.0: from_peft records scaling·r)
+    torch.manual_seed(0)
+    same = Tiny()
+    inject(same, AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4, alpha=32.0,
+                               backend="reference"))
+    load(same, str(d))
+    torch.testing.assert_close(same(x), src(x), rtol=0, atol=0)
+
+
+def test_load_with_the_same_krona_shapes_spelled_out(tmp_path):
+    """KronA factor shapes left to their default (from_peft records a_shape=None when they fit)
+    and the same shapes given explicitly are one adapter: load takes the checkpoint; other
+    shapes are refused by the tensor shapes."""
+    d = tmp_path / "c"
+    torch.manual_seed(0)
+    src = inject(Tiny(), AdapterConfig(method="krona", targets=["fc1"], scale=2.0,
+                                       init="random", backend="reference"))
+    save(src, str(d))
+    a_shape = tuple(src.fc1.A.shape)
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    dst = inject(Tiny(), AdapterConfig(method="krona", targets=["fc1"], scale=2.0,
+                                       a_shape=a_shape, backend="reference"))
+    load(dst, str(d))
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+    other = inject(Tiny(), AdapterConfig(method="krona", targets=["fc1"], scale=2.0,
+                                         a_shape=(a_shape[0] * 2, a_shape[1]),
+                                         backend="reference"))
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        load(other, str(d))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_load_keeps_the_model_mode(training, tmp_path):
+    """load injects into a model without adapters: the adapters take the model's mode (they
+    started in training mode, so an eval-mode model ran its LoRA dropout at inference)."""
+    torch.manual_seed(0)
+    src = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], dropout=0.5,
+                                       init="random", backend="reference")).eval()
+    save(src, str(tmp_path / "c"))
+    torch.manual_seed(0)
+    dst = Tiny().train(training)
+    load(dst, str(tmp_path / "c"))
+    assert {m.training for m in dst.modules()} == {training}
+    if not training:
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
 
 
 def test_refused_load_leaves_an_uninjected_model_uninjected(tmp_path):

@@ -185,6 +185,43 @@ def test_from_peft_lokr_decomposed_factors_are_folded():
         torch.testing.assert_close(w2b.grad, w2a.T @ m.B.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["lora", "lokr"])
+def test_from_peft_on_t5_feed_forward(kind):
+    """PEFT adapters on T5's feed-forward output ``wo``: T5's forward reads
+    ``self.wo.weight.dtype``, so the kfused layer exposes its base weight as PEFT's layers do
+    (the converted model's forward raised AttributeError)."""
+    targets = ["q", "v", "wo"]
+    cfg = (LoraConfig(target_modules=targets, r=4, lora_alpha=8, init_lora_weights=False)
+           if kind == "lora" else LoKrConfig(target_modules=targets, r=8, alpha=12,
+                                             init_weights=False))
+    pm = _peft_model("t5", cfg)
+    inputs = batch("t5")
+    with torch.no_grad():
+        want = pm(**inputs).logits
+    kf = kfused.from_peft(pm, backend="reference").eval()
+    wo = kf.encoder.block[0].layer[1].DenseReluDense.wo
+    assert isinstance(wo, (LoRALinear, KronALinear)) and wo.weight is wo.base.weight
+    with torch.no_grad():
+        torch.testing.assert_close(kf(**inputs).logits, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_from_peft_keeps_the_model_mode(training):
+    """The converted layers take the model's mode: converting an eval-mode PeftModel whose
+    LoRA has dropout gave inference with that dropout on (new modules start in training
+    mode), so logits differed from PEFT's at random."""
+    pm = _peft_model("llama", _lora_cfg("llama", lora_dropout=0.5)).train(training)
+    ids = batch("llama")["input_ids"]
+    with torch.no_grad():
+        want = pm.eval()(input_ids=ids).logits
+    pm.train(training)
+    kf = kfused.from_peft(pm, backend="reference")
+    assert {m.training for m in kf.modules()} == {training}
+    if not training:
+        with torch.no_grad():
+            torch.testing.assert_close(kf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+
+
 def test_from_peft_triton_kernels_interpreter():
     """The fused KronA kernel (backend='triton', CPU interpreter under TRITON_INTERPRET=1)
     on a converted PEFT LoKr adapter, under docs/math.md §4."""
@@ -381,6 +418,8 @@ def test_training_step_matches_peft(arch, kind, tmp_path):
 
 @pytest.mark.parametrize("arch,cfg", [
     ("gpt2", AdapterConfig(method="lora", r=4, alpha=16, init="random")),
+    # Conv1D and nn.Linear layers in one adapter: PEFT sets fan_in_fan_out per layer
+    ("gpt2", AdapterConfig(method="lora", targets=["c_attn", "lm_head"], r=4, init="random")),
     ("llama", AdapterConfig(method="lora", targets=["q", "v", "o"], r=4, ranks={"o": 2},
                             init="random")),
     ("llama", AdapterConfig(method="krona", targets=["q", "k", "v"], scale=3.0, init="random")),
@@ -529,6 +568,19 @@ def test_to_peft_never_clobbers_foreign_files(tmp_path):
     with pytest.raises(FileExistsError, match="changed since"):
         kfused.to_peft(kf, out)
     assert (tmp_path / "ours" / "adapter_config.json").read_text().endswith(" ")
+    # a damaged marker, or one of its names now a folder: refused by name, nothing replaced
+    other = kfused.to_peft(kf, tmp_path / "other")
+    (tmp_path / "other" / "kfused_export.json").write_text('{"files": []}')
+    with pytest.raises(FileExistsError, match="unreadable"):
+        kfused.to_peft(kf, other)
+    os.remove(tmp_path / "other" / "adapter_config.json")
+    (tmp_path / "other" / "adapter_config.json").mkdir()
+    kfused.to_peft(kf, tmp_path / "third")
+    os.replace(tmp_path / "third" / "kfused_export.json",
+               tmp_path / "other" / "kfused_export.json")
+    with pytest.raises(FileExistsError, match="changed since"):
+        kfused.to_peft(kf, other)
+    assert (tmp_path / "other" / "adapter_config.json").is_dir()
 
 
 def _folder_bytes(d):
@@ -601,6 +653,28 @@ def test_to_peft_replaces_previous_export_without_atomic_exchange(tmp_path, monk
     assert sorted(os.listdir(tmp_path)) == ["fresh", "p"]
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_to_peft_into_the_current_directory(atomic, tmp_path, monkeypatch):
+    """to_peft(model, ".") from inside an empty folder or an earlier export: the export is
+    written there and the process's working directory is the new folder, not a removed one."""
+    import kfused.integration.peft_interop as pi
+
+    if not atomic:
+        monkeypatch.setattr(pi, "_exchange", lambda a, b: False, raising=False)
+    kf = kfused.inject(make("llama"), AdapterConfig(method="lora", init="random",
+                                                    backend="reference"))
+    (tmp_path / "p").mkdir()
+    monkeypatch.chdir(tmp_path / "p")
+    for _ in range(2):  # an empty folder, then the export written the first time
+        out = kfused.to_peft(kf, ".")
+        assert out == os.getcwd() == str(tmp_path / "p")
+        assert sorted(os.listdir(".")) == ["adapter_config.json", "adapter_model.safetensors",
+                                           "kfused_export.json"]
+        with torch.no_grad():
+            next(p for p in kf.parameters() if p.requires_grad).add_(1.0)
+    assert os.listdir(tmp_path) == ["p"]
+
+
 def test_to_peft_refuses_symlinked_target(tmp_path):
     """A symlink at the path is refused (ValueError naming it) before anything is written; the
     export it points to and the link stay as they were."""
@@ -634,6 +708,62 @@ def test_from_peft_bad_arguments(tmp_path):
         kfused.from_peft(make("llama"))
     with pytest.raises(FileNotFoundError):
         kfused.from_peft(make("llama"), str(tmp_path / "missing"))
+    # PEFT saves an adapter named other than "default" in a subfolder of that name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_peft_model(make("llama"), _lora_cfg("llama"), adapter_name="mine").save_pretrained(
+            tmp_path / "named")
+    assert os.path.isfile(tmp_path / "named" / "mine" / "adapter_config.json")
+    with pytest.raises(PeftConversionError, match=r"no adapter_config\.json.*\['mine'\]"):
+        kfused.from_peft(make("llama"), str(tmp_path / "named"))
+    assert isinstance(kfused.from_peft(make("llama"), str(tmp_path / "named" / "mine"),
+                                       backend="reference").model.layers[0].self_attn.q_proj,
+                      LoRALinear)
+    # a kfused checkpoint (or its version folder) is not a PEFT folder: say what reads it
+    kfused.save(kfused.inject(make("llama"), AdapterConfig(method="lora")), tmp_path / "ck")
+    version = next(n for n in os.listdir(tmp_path / "ck") if n.startswith("kfused_checkpoint-"))
+    for folder in (tmp_path / "ck", tmp_path / "ck" / version):
+        model = make("llama")
+        before = _state(model)
+        with pytest.raises(PeftConversionError, match=r"kfused checkpoint.*kfused\.load"):
+            kfused.from_peft(model, str(folder))
+        _assert_unchanged(model, before)
+
+
+def test_from_peft_result_holds_no_peft_record(tmp_path):
+    """The converted model no longer carries PEFT's ``model.peft_config`` (PEFT drops it when it
+    unloads its layers): after merge_and_unload it is a plain model again, which from_peft
+    with an adapter folder takes (it was refused as 'already a PeftModel')."""
+    pm = _peft_model("llama", _lora_cfg("llama"))
+    pm.save_pretrained(tmp_path / "a")
+    ids = batch("llama")["input_ids"]
+    kf = kfused.from_peft(pm, backend="reference")
+    assert not hasattr(kf, "peft_config")
+    plain = kfused.merge_and_unload(kf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = PeftModel.from_pretrained(copy.deepcopy(plain), tmp_path / "a").eval()
+    again = kfused.from_peft(plain, str(tmp_path / "a"), backend="reference").eval()
+    assert isinstance(again.model.layers[0].self_attn.q_proj, LoRALinear)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_from_peft_refuses_transformers_loaded_adapters(tmp_path):
+    """A transformers model carrying a PEFT adapter through transformers' own integration
+    (model.load_adapter) is not a PeftModel: both forms say so and what to call instead (the
+    one-argument form said 'cannot find the base model inside LlamaModel'), model unchanged."""
+    _peft_model("llama", _lora_cfg("llama")).save_pretrained(tmp_path / "a")
+    model = make("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.load_adapter(str(tmp_path / "a"))
+    before = _state(model)
+    for args in ((), (str(tmp_path / "a"),)):
+        with pytest.raises(TypeError, match=r"load_adapter.*from_peft\(fresh_model"):
+            kfused.from_peft(model, *args)
+        _assert_unchanged(model, before)
 
 
 def test_prefix_position_offset_refused_where_positions_differ():

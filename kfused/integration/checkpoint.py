@@ -641,15 +641,27 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
 # Config fields that change what the saved tensors mean (the scale they are applied with, the
 # parts of a composite); the kernel backend, dropout, the initialisation (the tensors replace
 # it) and the adapter dtype (tensors are cast on load) do not, and names and shapes are
-# compared tensor by tensor.
-_MEANING_FIELDS = ("r", "ranks", "alpha", "scale", "a_shape", "b_shape", "bias", "options")
+# compared tensor by tensor (so are KronA's factor shapes: a_shape=None and the (4, 4) it
+# resolves to are one adapter).
+_MEANING_FIELDS = ("r", "ranks", "alpha", "scale", "bias", "options")
+
+
+def _by_value(v):
+    """A config value as compared: numbers by value (alpha 8 and 8.0 are one scale)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, dict):
+        return {str(k): _by_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_by_value(x) for x in v]
+    return v
 
 
 def _check_same_config(have: AdapterConfig, saved: AdapterConfig, directory: str) -> None:
     a, b = have.to_dict(), saved.to_dict()
     diff = [f"{f}: checkpoint {b[f]!r}, model {a[f]!r}" for f in _MEANING_FIELDS
-            if json.dumps(a[f], sort_keys=True, default=str)
-            != json.dumps(b[f], sort_keys=True, default=str)]
+            if json.dumps(_by_value(a[f]), sort_keys=True, default=str)
+            != json.dumps(_by_value(b[f]), sort_keys=True, default=str)]
     if diff:
         raise CheckpointError(
             f"checkpoint {directory} was saved with another {have.method!r} config than this "

@@ -57,7 +57,7 @@ class AdapterConfig:
         backend: kernel backend for the fused modules ("auto", "triton", "cuda", "reference";
             None: $KFUSED_BACKEND or auto).
         adapter_dtype: dtype of the adapter parameters ("float32" keeps them in float32 on a
-            half-precision base; None: the base weights' dtype).
+            half-precision base; None: the base weights' dtype); a torch.dtype is kept by name.
         arch: architecture name (None: detected from ``model.config.model_type``).
         options: method-specific extras; for composite methods, ``options[part]`` holds field
             overrides for one part, e.g. ``{"lora": {"r": 8, "targets": ["q", "v"]}}``.
@@ -139,6 +139,15 @@ class AdapterConfig:
             if self.backend not in ("auto",) + BACKENDS:
                 raise ValueError(f"AdapterConfig.backend={self.backend!r} is not a backend; "
                                  f"expected None, 'auto' or one of {', '.join(BACKENDS)}")
+        if self.adapter_dtype is not None and not isinstance(self.adapter_dtype, str):
+            import torch
+
+            if not isinstance(self.adapter_dtype, torch.dtype):
+                raise TypeError(f"AdapterConfig.adapter_dtype must be a dtype name (e.g. "
+                                f"'float32'), a torch.dtype or None, got "
+                                f"{type(self.adapter_dtype).__name__} {self.adapter_dtype!r}")
+            # by name: the config is recorded as JSON (kfused.save)
+            self.adapter_dtype = str(self.adapter_dtype).replace("torch.", "")
         if not isinstance(self.options, dict):
             raise TypeError(f"AdapterConfig.options must be a dict, got "
                             f"{type(self.options).__name__} {self.options!r}")

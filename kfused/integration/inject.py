@@ -291,6 +291,18 @@ def restore(snap) -> None:
         p.requires_grad_(flag)
 
 
+def _follow_mode(model: nn.Module, adapted: List[str], old_modules: set) -> None:
+    """New modules start in training mode (nn.Module's default): the modules of each placed
+    adapter take the mode of the module it sits in, so an eval-mode model stays in eval mode
+    (its adapters' dropout off) and a training one trains."""
+    for name in adapted:
+        parent = name.rpartition(".")[0]
+        mode = (model.get_submodule(parent) if parent else model).training
+        for sub in model.get_submodule(name).modules():
+            if id(sub) not in old_modules:
+                sub.training = mode
+
+
 def _check_ranks_used(config: AdapterConfig, used: set, adapted: List[str]) -> None:
     unused = sorted(set(config.ranks) - used)
     if unused:
@@ -310,6 +322,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
 
     Every parameter that existed before is frozen (``requires_grad=False``); only the new adapter
     parameters train (kept in ``config.adapter_dtype``, float32 by default, on the base's device).
+    The adapters take the mode (train / eval) of the module they are placed in.
 
     Args:
         model: a transformers model (GPT-2, BERT/RoBERTa, Llama-style, T5 have per-architecture
@@ -339,6 +352,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     dims = model_dims(target_model)
     adapter_dtype = _resolve_dtype(config.adapter_dtype)
     before = {id(t) for t in target_model.parameters()} | {id(t) for t in target_model.buffers()}
+    old_modules = {id(m) for m in target_model.modules()}
 
     plan = sorted(((part, cfg.replace(init=part.resolve_init(cfg.init, cfg)))
                    for part, cfg in _expand(spec, config)),
@@ -355,6 +369,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     try:
         adapted = _place(target_model, plan, arch, dims, before, adapter_dtype)
         _check_ranks_used(config, used, adapted)
+        _follow_mode(target_model, adapted, old_modules)
     except BaseException:
         restore(snap)  # a failed inject leaves the model as it was
         raise

@@ -340,7 +340,23 @@ def _only_adapter(peft_configs: Dict[str, Any]) -> str:
     return next(iter(peft_configs))
 
 
+_HF_NATIVE = ("it holds PEFT adapters loaded through transformers (model.load_adapter / "
+              "add_adapter), not a peft.PeftModel; from_peft converts a PeftModel or a model "
+              "without adapters plus an adapter folder: call kfused.from_peft(fresh_model, "
+              "adapter_folder)")
+
+
+def _hf_native(model: nn.Module) -> bool:
+    """A transformers model carrying PEFT adapters through transformers' own integration."""
+    from peft import PeftModel
+
+    return (bool(getattr(model, "_hf_peft_config_loaded", False))
+            and not isinstance(model, PeftModel))
+
+
 def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
+    if _hf_native(peft_model):
+        raise TypeError(f"from_peft({type(peft_model).__name__}): {_HF_NATIVE}")
     configs = getattr(peft_model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         raise TypeError(f"from_peft(model) expects a peft.PeftModel, got "
@@ -375,6 +391,9 @@ def _convert(peft_model: nn.Module, backend, adapter_dtype) -> nn.Module:
         if hasattr(base, "kfused_state"):
             del base.kfused_state
         raise
+    # PEFT's tuner records its configs on the model (model.peft_config) and removes them when
+    # it unloads its layers, as here: the converted model holds no PEFT adapter
+    vars(base).pop("peft_config", None)
     return base
 
 
@@ -431,11 +450,40 @@ def _convert_prefix(peft_model, cfg, adapter, backend, adapter_dtype) -> nn.Modu
     return base
 
 
+def _refuse_kfused_checkpoint(folder: str) -> None:
+    """A kfused.save checkpoint (or one of its version folders) is not a PEFT adapter folder:
+    say which loader reads it (PEFT said "Can't find 'adapter_config.json'" or "missing
+    required keys: {'peft_type'}")."""
+    from kfused.integration import checkpoint as ck
+
+    kfused_meta = False
+    try:
+        with open(os.path.join(folder, PEFT_CONFIG), "rb") as f:
+            kfused_meta = json.load(f).get("format") == ck.FORMAT
+    except (OSError, ValueError, AttributeError):
+        pass
+    if kfused_meta or (os.path.lexists(os.path.join(folder, ck.POINTER))
+                       and not os.path.lexists(os.path.join(folder, PEFT_CONFIG))):
+        raise PeftConversionError(
+            f"{folder!r} is a kfused checkpoint (written by kfused.save), not a PEFT adapter "
+            "folder: load it with kfused.load(model, checkpoint_dir) (the directory holding "
+            f"{ck.POINTER})")
+
+
 def _prevalidate_folder(model: nn.Module, folder: str) -> None:
     """Checks on an adapter folder before PeftModel.from_pretrained changes the model."""
     peft = _peft()
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"PEFT adapter folder {folder!r} does not exist")
+    _refuse_kfused_checkpoint(folder)
+    if not os.path.isfile(os.path.join(folder, PEFT_CONFIG)):
+        named = sorted(n for n in os.listdir(folder)
+                       if os.path.isfile(os.path.join(folder, n, PEFT_CONFIG)))
+        raise PeftConversionError(
+            f"{folder!r} has no {PEFT_CONFIG}, so it is not a PEFT adapter folder"
+            + (f"; PEFT saves an adapter named other than 'default' in a subfolder of that "
+               f"name, and {named} here hold one: pass os.path.join(folder, name)"
+               if named else ""))
     cfg = peft.PeftConfig.from_pretrained(folder)
     method = _check_config(cfg, f"PEFT adapter folder {folder!r}")
     if method == "prefix":
@@ -552,8 +600,9 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
         raise TypeError(f"adapter must be a PEFT adapter folder path, got {type(adapter).__name__}")
     folder = os.fspath(adapter)
     if getattr(model, "peft_config", None):
-        raise TypeError("from_peft(model, folder) takes a plain transformers model; this one is "
-                        "already a PeftModel — call from_peft(peft_model)")
+        raise TypeError("from_peft(model, folder) takes a plain transformers model; this one "
+                        + (_HF_NATIVE.replace("it holds", "holds") if _hf_native(model) else
+                           "is already a PeftModel — call from_peft(peft_model)"))
     target = unwrap(model)
     if get_state(target, required=False) is not None:
         raise PeftConversionError("the model already has kfused adapters")
@@ -634,11 +683,15 @@ def _check_target_folder(path: str) -> None:
     try:
         with open(marker) as f:
             hashes = json.load(f)["files"]
+        if not isinstance(hashes, dict):
+            raise TypeError(f"'files' is a {type(hashes).__name__}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FileExistsError(f"to_peft: {marker} is unreadable; refusing to overwrite "
                               f"{path!r}") from exc
     for fname in entries - {EXPORT_MARKER}:
-        if hashes.get(fname) != _sha256(os.path.join(path, fname)):
+        p = os.path.join(path, fname)
+        if (os.path.islink(p) or not os.path.isfile(p)
+                or hashes.get(fname) != _sha256(p)):
             raise FileExistsError(f"to_peft: {path!r}/{fname} changed since to_peft wrote it; "
                                   "refusing to overwrite it")
 
@@ -768,14 +821,12 @@ def _peft_config(model: nn.Module, task_type: Optional[str]):
         a0 = collections.Counter(alpha.values()).most_common(1)[0][0]
         if len(set(drops.values())) > 1:
             raise PeftConversionError(f"to_peft: LoRA dropout differs between layers ({drops})")
+        # PEFT sets fan_in_fan_out per layer as it builds it (True on a Conv1D, False on an
+        # nn.Linear), so adapters on both kinds (GPT-2's c_attn and lm_head) load as they are
         conv = [is_conv1d(mod.base) for mod in mods.values()]
-        if any(conv) and not all(conv):
-            raise PeftConversionError(
-                "to_peft: the LoRA adapters sit on both nn.Linear and transformers Conv1D layers; "
-                "PEFT's fan_in_fan_out is one setting per adapter")
         cfg = peft.LoraConfig(
             r=r0, lora_alpha=a0, target_modules=list(mods), lora_dropout=next(iter(drops.values())),
-            fan_in_fan_out=all(conv), bias="none", task_type=task_type,
+            fan_in_fan_out=any(conv), bias="none", task_type=task_type,
             rank_pattern={re.escape(n): v for n, v in r.items() if v != r0},
             alpha_pattern={re.escape(n): v for n, v in alpha.items() if v != a0},
             base_model_name_or_path=base_class)
@@ -850,6 +901,8 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
             or holds exactly what an earlier to_peft wrote, unchanged; the replacement is
             atomic where the platform can swap two folders (Linux), else the old folder is
             moved aside and put back if the new one cannot be renamed in. Never a symlink.
+            It may be the current directory (``to_peft(model, ".")``): the process is then
+            moved into the new folder, not left in the removed one.
         task_type: PEFT task type recorded in the config (e.g. "CAUSAL_LM"; None: plain
             PeftModel for LoRA / LoKr, "CAUSAL_LM" for prefix tuning).
     Returns: the folder's absolute path.
@@ -880,10 +933,16 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
             json.dump({"writer": "kfused.to_peft",
                        "files": {n: _sha256(os.path.join(tmp, n)) for n in written}}, f, indent=2)
         _check_target_folder(path)  # again, just before replacing
+        try:  # the process works inside the folder being replaced ("." from the export)
+            inside = os.path.samefile(path, os.getcwd())
+        except OSError:
+            inside = False
         old = _install(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the new export, not yet in place
         raise
+    if inside and old is not None:
+        os.chdir(path)  # into the new folder: the old one, the cwd until now, is removed next
     if old is not None:
         _remove_old_export(old)
     return path

@@ -176,6 +176,16 @@ class WrappedLinear(MergedState, nn.Module):
     def out_features(self) -> int:
         return linear_dims(self.base)[1]
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The frozen base weight (as PEFT's layers expose it): models read it from the layer
+        they call, e.g. T5's feed-forward casts to ``self.wo.weight.dtype``."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.base.bias
+
     def delta_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
