@@ -159,3 +159,21 @@ def test_adapter_only_load_into_a_merged_module():
     m.merge()
     m.load_state_dict({}, strict=False)
     assert m.merged
+
+
+def test_wrapped_linear_weight_is_the_base_layers_and_ties_through():
+    # transformers' tie_weights assigns lm_head.weight = wte.weight: on a wrapped lm_head that
+    # registered a second, unused weight beside the base's (or, with the read-only weight
+    # property, failed with KeyError "attribute 'weight' already exists")
+    from kfused.integration import AdapterConfig, inject
+    from kfused.integration.models import tiny_model
+
+    model = tiny_model("gpt2")
+    inject(model, AdapterConfig(method="lora", r=2, targets=["lm_head", "c_attn"]))
+    head = model.lm_head
+    assert head.weight is head.base.weight and "weight" not in head._parameters
+    other = torch.nn.Parameter(head.base.weight.detach().clone(), requires_grad=False)
+    head.weight = other
+    assert head.base.weight is other and head.weight is other
+    model.tie_weights()
+    assert head.base.weight is model.transformer.wte.weight and "weight" not in head._parameters

@@ -186,6 +186,16 @@ class WrappedLinear(MergedState, nn.Module):
     def bias(self) -> Optional[torch.Tensor]:
         return self.base.bias
 
+    def __setattr__(self, name: str, value) -> None:
+        # assigning weight / bias sets the base layer's (transformers' tie_weights does
+        # ``lm_head.weight = wte.weight``): nn.Module would register a parameter of the same
+        # name beside the read-only property above and fail ("attribute 'weight' already
+        # exists"), or before the property, shadow the base's weight with an unused one
+        if name in ("weight", "bias") and "base" in self.__dict__.get("_modules", {}):
+            setattr(self.base, name, value)
+            return
+        super().__setattr__(name, value)
+
     def delta_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
