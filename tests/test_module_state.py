@@ -177,3 +177,44 @@ def test_wrapped_linear_weight_is_the_base_layers_and_ties_through():
     assert head.base.weight is other and head.weight is other
     model.tie_weights()
     assert head.base.weight is model.transformer.wte.weight and "weight" not in head._parameters
+
+
+@pytest.mark.parametrize("method,options", [("inducer", {}),
+                                            ("prefix", {"position_offset": 3})])
+def test_whole_injected_model_pickles_and_loads_back(method, options):
+    # torch.save(model) / copy by pickling: the hooks inject leaves on the model (the inducer's
+    # reader of old state_dict keys, prefix tuning's position offset) were local closures, and
+    # pickling failed with "Can't pickle local object"
+    import io
+
+    from kfused.integration import AdapterConfig, inject
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", vocab=64, d_model=16, n_heads=2, n_layers=1, max_len=32)
+    inject(model, AdapterConfig(method=method, r=2, backend="reference", options=options))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    model.eval()
+    ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, want, rtol=0, atol=0)
+    if method == "inducer":      # the loaded model still reads the two-name layout's keys
+        sd = model.state_dict()
+        old = {k.replace("self_attn.o_proj.adapter.", "self_attn.kfused_inducer."): v
+               for k, v in sd.items()}
+        assert old.keys() != sd.keys()
+        with torch.no_grad():
+            for p in back.parameters():
+                p.zero_()
+        back.load_state_dict(old)
+        with torch.no_grad():
+            torch.testing.assert_close(back(input_ids=ids).logits, want, rtol=0, atol=0)

@@ -446,18 +446,26 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
     return ad
 
 
+class _OldAdapterKeys:
+    """Load-state-dict pre-hook: keys under ``old`` are read as keys under ``new``. A class,
+    not a closure, so that a model holding it still pickles (torch.save of the whole model,
+    copy by pickling)."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def __call__(self, state_dict, prefix, *args) -> None:
+        old, new = prefix + self.old, prefix + self.new
+        for k in [k for k in state_dict if k.startswith(old)]:
+            v = state_dict.pop(k)
+            state_dict.setdefault(new + k[len(old):], v)
+
+
 def _read_old_adapter_keys(module: nn.Module, attn_path: str, o_path: str) -> None:
     """A state_dict saved before the "add" adapter was registered under one name (a Trainer
     checkpoint holds it as ``<attention>.kfused_inducer.*``) loads into ``<o>.adapter.*``."""
     old = ".".join(p for p in (attn_path, ADAPTER_ATTR) if p) + "."
-    new = o_path + ".adapter."
-
-    def hook(state_dict, prefix, *args):
-        for k in [k for k in state_dict if k.startswith(prefix + old)]:
-            v = state_dict.pop(k)
-            state_dict.setdefault(prefix + new + k[len(prefix + old):], v)
-
-    module._register_load_state_dict_pre_hook(hook)
+    module._register_load_state_dict_pre_hook(_OldAdapterKeys(old, o_path + ".adapter."))
 
 
 def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck: int = 4,
@@ -533,12 +541,15 @@ def check_position_offset(mt: Optional[str], offset: int) -> None:
                          f"this model is {mt!r}")
 
 
-def add_position_offset(model: nn.Module, offset: int):
-    """Shift the model's token positions by ``offset``: a forward pre-hook that passes
-    ``position_ids = arange(offset + past, offset + past + n)`` when none are given and adds
-    ``offset`` to explicit ones (as PEFT's prefix tuning does). Returns the hook handle."""
+class _PositionOffset:
+    """The forward pre-hook of :func:`add_position_offset` (a class, not a closure, so that a
+    model holding it still pickles: torch.save of the whole model)."""
 
-    def hook(module, args, kwargs):
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def __call__(self, module, args, kwargs):
+        offset = self.offset
         pos = kwargs.get("position_ids")
         if pos is not None:
             kwargs["position_ids"] = pos + offset
@@ -558,7 +569,12 @@ def add_position_offset(model: nn.Module, offset: int):
         kwargs["position_ids"] = pos.unsqueeze(0).expand(ref.shape[0], -1)
         return args, kwargs
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+def add_position_offset(model: nn.Module, offset: int):
+    """Shift the model's token positions by ``offset``: a forward pre-hook that passes
+    ``position_ids = arange(offset + past, offset + past + n)`` when none are given and adds
+    ``offset`` to explicit ones (as PEFT's prefix tuning does). Returns the hook handle."""
+    return model.register_forward_pre_hook(_PositionOffset(offset), with_kwargs=True)
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "add_inducers", "attach_inducer",
