@@ -218,3 +218,24 @@ def test_whole_injected_model_pickles_and_loads_back(method, options):
         back.load_state_dict(old)
         with torch.no_grad():
             torch.testing.assert_close(back(input_ids=ids).logits, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["qkv_fused", "qkv_split"])
+def test_jit_trace_of_a_headwise_module_matches_eager(kind):
+    # under torch.jit.trace a size is a tensor: the input-width check looked it up in a set of
+    # ints and refused every input ("its last dimension 12 must equal the input width 12")
+    m = build(kind, 8).eval()
+    x = _x(kind)
+    want = run(m, x)
+    class Call(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, t):
+            return self.m(t, backend="reference")
+
+    traced = torch.jit.trace(Call(), (x,), check_trace=False)
+    _close(traced(x), want)
+    with pytest.raises(ValueError, match="must equal the input width"):
+        m(torch.zeros(5, D + 1, dtype=F64), backend="reference")

@@ -364,7 +364,7 @@ def _check_input_width(x_name: str, x: torch.Tensor, weights: dict) -> None:
     """When every weight (nn.Linear layout (out, in)) agrees on the input width and ``x``'s
     last dimension differs, the error names ``x`` (the weights' own shape checks follow)."""
     ins = {int(w.shape[1]) for w in weights.values()}
-    if len(ins) == 1 and x.shape[-1] not in ins:
+    if len(ins) == 1 and int(x.shape[-1]) not in ins:   # int: a traced size is a tensor
         (d_w,) = ins
         shapes = ", ".join(f"{n} {tuple(w.shape)}" for n, w in weights.items())
         raise ValueError(f"{x_name} has shape {tuple(x.shape)}: its last dimension "
