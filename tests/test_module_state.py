@@ -239,3 +239,24 @@ def test_jit_trace_of_a_headwise_module_matches_eager(kind):
     _close(traced(x), want)
     with pytest.raises(ValueError, match="must equal the input width"):
         m(torch.zeros(5, D + 1, dtype=F64), backend="reference")
+
+
+def test_reset_parameters_repeats_the_modules_init():
+    # the meta-device recipe (build on meta, to_empty, reset_parameters() on every module)
+    # re-initialised the per-head modules with "zero" whatever init they were built with:
+    # an init="random" / "paper" adapter silently started at the frozen model
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        mods = [HeadwiseOutput(nn.Linear(D, 10), H, ProjRanks(wise=2, shared=1), init="random"),
+                HeadwiseQKV(fused=nn.Linear(D, 3 * D), n_heads=H, init="paper",
+                            q_ranks=ProjRanks(wise=1, shared=2), v_ranks=ProjRanks(wise=1))]
+    for m in mods:
+        m.to_empty(device="cpu")
+        m.apply(lambda s: s.reset_parameters() if hasattr(s, "reset_parameters") else None)
+    out, qkv = mods
+    for t in (out.wise_B, out.shared_B, qkv.q_adapter.wise_B, qkv.q_adapter.shared_B,
+              qkv.q_adapter.c, qkv.v_adapter.c):
+        assert t.abs().max() > 0
+    assert qkv.q_adapter.c.abs().max() < 0.03          # "paper": fmod(randn, 2)·0.01
+    out.reset_parameters("zero")                       # an explicit init still applies
+    assert not out.wise_B.any() and not out.shared_B.any()

@@ -184,8 +184,12 @@ class _QVFactors(nn.Module):
         self.c = P(H, p) if (head_bias and has_head) else None
         self.reset_parameters(init)
 
-    def reset_parameters(self, init: str = "zero") -> None:
+    def reset_parameters(self, init: Optional[str] = None) -> None:
+        """Initialise the factors by ``init`` (None: the module's own, as constructed; the
+        meta-device recipe ``to_empty`` + ``reset_parameters()`` gave "zero" whatever it was)."""
+        init = getattr(self, "init", "zero") if init is None else init
         check_init(init, INITS, "headwise q/v adapter")
+        self.init = init
         init_pair_(self.shared_A, self.shared_B, init)
         init_pair_(self.wise_A, self.wise_B, init)
         init_pair_(self.lite_A, self.lite_B, init)
@@ -484,8 +488,11 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
         self.reset_parameters(init)
         self.merged = False
 
-    def reset_parameters(self, init: str = "zero") -> None:
+    def reset_parameters(self, init: Optional[str] = None) -> None:
+        """As :meth:`_QVFactors.reset_parameters` (None: the module's own init)."""
+        init = getattr(self, "init", "zero") if init is None else init
         check_init(init, INITS, "HeadwiseOutput")
+        self.init = init
         init_pair_(self.wise_A, self.wise_B, init, bias=self.c)
         init_pair_(self.shared_A, self.shared_B, init)
 
