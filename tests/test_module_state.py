@@ -260,3 +260,31 @@ def test_reset_parameters_repeats_the_modules_init():
     assert qkv.q_adapter.c.abs().max() < 0.03          # "paper": fmod(randn, 2)·0.01
     out.reset_parameters("zero")                       # an explicit init still applies
     assert not out.wise_B.any() and not out.shared_B.any()
+
+
+def test_export_of_an_inducer_model_with_an_attention_mask():
+    # torch.export of an injected inducer model given an attention mask failed inside kfused's
+    # mask function (bool() of "every key unpadded" is data-dependent: GuardOnDataDependent-
+    # SymNode); the mask is kept there instead, and the exported model equals the eager one
+    from kfused.integration import AdapterConfig, inject
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", vocab=64, d_model=16, n_heads=2, n_layers=1, max_len=32)
+    inject(model, AdapterConfig(method="inducer", r=2, backend="reference"))
+    model.eval()
+
+    class Call(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    exported = torch.export.export(Call(), (ids, torch.ones_like(ids))).module()
+    for mask in (torch.ones_like(ids), torch.tensor([[1] * 7, [0, 0] + [1] * 5])):
+        with torch.no_grad():
+            torch.testing.assert_close(exported(ids, mask), Call()(ids, mask),
+                                       rtol=1e-6, atol=1e-6)

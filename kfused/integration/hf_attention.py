@@ -36,6 +36,11 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+try:   # torch >= 2.7: a data-dependent bool that export cannot decide reads as False
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+except ImportError:  # pragma: no cover
+    guard_or_false = bool
+
 from kfused._memo import LastResult
 from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_archs,
                                      detect_arch, model_type_of)
@@ -309,7 +314,9 @@ def kfused_inducer_mask(batch_size: int, q_length: int, kv_length: int, q_offset
         attention_mask = torch.nn.functional.pad(attention_mask,
                                                  (0, kv_length - attention_mask.shape[1]))
     attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+    # no key padded: no mask. Where the answer is data-dependent (torch.export) the mask is
+    # kept, which gives the same attention; bool() refused to export
+    if attention_mask.shape[1] == kv_length and guard_or_false(attention_mask.all().item()):
         return None
     return attention_mask
 
