@@ -397,3 +397,36 @@ def test_constructor_arguments_are_checked():
     import numpy as np
     assert HeadwiseConfig(scale=np.float32(2.0)).scale == 2.0
     assert HeadwiseQKV(fused=fused, n_heads=3, n_kv_heads=None).n_kv_heads == 3
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_modules_float32_factors_on_half_base_outside_autocast(backend):
+    # inject keeps adapter parameters in float32 (AdapterConfig.adapter_dtype's default) on a
+    # float16 base; outside autocast the modules refused the float16 activation ("q.shared_A
+    # has dtype torch.float32 but x has dtype torch.float16"), while KronALinear and
+    # LoRALinear cast their factors to the activation's dtype.
+    d, H, p = 12, 3, 4
+    q, k, v = (nn.Linear(d, H * p).to(DEVICE) for _ in range(3))
+    o = nn.Linear(H * p, d).to(DEVICE).requires_grad_(False)
+    q, k, v = (t.requires_grad_(False) for t in (q, k, v))
+    mods = {"qkv": HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=2, shared=1),
+                               v_ranks=ProjRanks(lite=1), init="random"),
+            "proj": HeadwiseProjection(q, H, ProjRanks(wise=1, lite=2, shared=1), key=k,
+                                       init="random"),
+            "out": HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")}
+    for name, mod in mods.items():
+        x = torch.randn(2, 5, d, device=DEVICE)
+        want = mod(x, backend="reference")
+        for base in (q, k, v, o):
+            base.half()
+        try:
+            y = mod(x.half(), backend=backend)
+            assert y.dtype == torch.float16, name
+            torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+            y.float().sum().backward()
+            grads = [t for t in mod.parameters() if t.requires_grad]
+            assert grads and all(t.grad is not None and t.grad.dtype == torch.float32
+                                 and t.dtype == torch.float32 for t in grads), name
+        finally:
+            for base in (q, k, v, o):
+                base.float()

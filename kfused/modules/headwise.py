@@ -148,11 +148,14 @@ def _amp(x: torch.Tensor):
     """``(x, cast)`` for a forward: under autocast, x in the autocast dtype and ``cast`` taking
     a frozen weight, bias or factor to it (the custom ops are opaque to autocast: without this
     they ran in float32, and a half-precision activation met float32 weights); outside
-    autocast, x and the identity."""
+    autocast, x and ``cast`` to x's dtype (float32 factors on a half-precision base, the
+    default ``adapter_dtype``, were refused as mixed dtypes; KronALinear and LoRALinear cast)."""
     dt = autocast_dtype(x)
     if dt is None:
-        return x, lambda t: t
-    return autocast_input(x), lambda t: t if t is None or t.dtype == dt else t.to(dt)
+        dt = x.dtype
+    else:
+        x = autocast_input(x)
+    return x, lambda t: t if t is None or t.dtype == dt else t.to(dt)
 
 
 def _add_to_weight(mod: nn.Module, dW: torch.Tensor, rows: slice = slice(None)) -> None:
