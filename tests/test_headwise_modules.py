@@ -195,13 +195,9 @@ def test_modules_standalone_and_lora_init_is_exact():
         torch.testing.assert_close(qkv(x), y, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_modules_under_autocast_run_in_its_dtype(backend):
-    # The custom ops are opaque to autocast: the modules cast the activation, the frozen
-    # weights and the factors to the autocast dtype themselves (as KronALinear does). Before,
-    # a float16 activation (an attention output: what the output projection gets) met float32
-    # weights and was refused, and a float32 one ran the whole projection in float32.
-    d, H, p = 12, 3, 4
+def _three_modules(d: int, H: int, p: int = 4):
+    """Frozen q, k, v, o linears and a HeadwiseQKV, HeadwiseProjection and HeadwiseOutput on
+    them, each with random factors of every kind it takes."""
     q, k, v = (nn.Linear(d, H * p).to(DEVICE) for _ in range(3))
     o = nn.Linear(H * p, d).to(DEVICE)
     mods = {"qkv": HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=2, shared=1),
@@ -209,6 +205,17 @@ def test_modules_under_autocast_run_in_its_dtype(backend):
             "proj": HeadwiseProjection(q, H, ProjRanks(wise=1, lite=2, shared=1), key=k,
                                        init="random"),
             "out": HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")}
+    return q, k, v, o, mods
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_modules_under_autocast_run_in_its_dtype(backend):
+    # The custom ops are opaque to autocast: the modules cast the activation, the frozen
+    # weights and the factors to the autocast dtype themselves (as KronALinear does). Before,
+    # a float16 activation (an attention output: what the output projection gets) met float32
+    # weights and was refused, and a float32 one ran the whole projection in float32.
+    d, H = 12, 3
+    q, k, v, o, mods = _three_modules(d, H)
     for name, mod in mods.items():
         for x_dtype in (torch.float32, torch.float16):
             x = torch.randn(2, 5, d, device=DEVICE)
@@ -405,15 +412,10 @@ def test_modules_float32_factors_on_half_base_outside_autocast(backend):
     # float16 base; outside autocast the modules refused the float16 activation ("q.shared_A
     # has dtype torch.float32 but x has dtype torch.float16"), while KronALinear and
     # LoRALinear cast their factors to the activation's dtype.
-    d, H, p = 12, 3, 4
-    q, k, v = (nn.Linear(d, H * p).to(DEVICE) for _ in range(3))
-    o = nn.Linear(H * p, d).to(DEVICE).requires_grad_(False)
-    q, k, v = (t.requires_grad_(False) for t in (q, k, v))
-    mods = {"qkv": HeadwiseQKV(q=q, k=k, v=v, n_heads=H, q_ranks=ProjRanks(wise=2, shared=1),
-                               v_ranks=ProjRanks(lite=1), init="random"),
-            "proj": HeadwiseProjection(q, H, ProjRanks(wise=1, lite=2, shared=1), key=k,
-                                       init="random"),
-            "out": HeadwiseOutput(o, H, ProjRanks(wise=2, shared=1), init="random")}
+    d, H = 12, 3
+    q, k, v, o, mods = _three_modules(d, H)
+    for t in (q, k, v, o):
+        t.requires_grad_(False)
     for name, mod in mods.items():
         x = torch.randn(2, 5, d, device=DEVICE)
         want = mod(x, backend="reference")
