@@ -288,3 +288,30 @@ def test_export_of_an_inducer_model_with_an_attention_mask():
         with torch.no_grad():
             torch.testing.assert_close(exported(ids, mask), Call()(ids, mask),
                                        rtol=1e-6, atol=1e-6)
+
+
+def test_export_of_an_inducer_model_without_an_attention_mask_says_what_to_pass():
+    # without a mask transformers marks a traced batch as packed sequences (it cannot read the
+    # position ids under tracing): the export failed deep inside with an obscure
+    # GuardOnDataDependentSymNode. It now says so and what to pass instead
+    from kfused.integration import AdapterConfig, inject
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", vocab=64, d_model=16, n_heads=2, n_layers=1, max_len=32)
+    inject(model, AdapterConfig(method="inducer", r=2, backend="reference"))
+    model.eval()
+
+    class Call(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NotImplementedError, match="attention_mask=torch.ones_like"):
+        torch.export.export(Call(), (ids,))
+    with torch.no_grad():                                # eager runs as before
+        assert torch.isfinite(Call()(ids)).all()

@@ -68,6 +68,15 @@ class PackedSequences:
     def cu_seqlens(self) -> Tuple[torch.Tensor, int]:
         """(int32 cumulative lengths over the flattened (B·T) tokens, longest length)."""
         if self._cu is None:
+            if torch.compiler.is_exporting():
+                # transformers marks every traced batch as packed (it cannot look at the
+                # position ids there), and the number of sequences is data-dependent
+                raise NotImplementedError(
+                    f"{ATTN_IMPLEMENTATION}: torch.export of a model without an attention mask "
+                    "(or with packed position ids) is not supported: under export transformers "
+                    "treats the batch as packed sequences, whose count depends on the data. "
+                    "Export with an attention mask instead, e.g. attention_mask="
+                    "torch.ones_like(input_ids): the exported model then takes any padding mask")
             B, T = self.segments.shape
             flat = self.segments.reshape(-1)
             start = torch.ones_like(flat, dtype=torch.bool)
