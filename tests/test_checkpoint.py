@@ -615,6 +615,29 @@ def test_load_with_another_config_is_refused(tmp_path):
     torch.testing.assert_close(same(x), src(x), rtol=0, atol=0)
 
 
+def test_load_takes_alpha_none_and_alpha_r_as_one_scale(tmp_path):
+    """alpha=None means alpha = r (scale 1): a checkpoint saved either way loads into a model
+    injected the other way; another alpha is refused (None is compared as r)."""
+    x = torch.randn(3, 16)
+    for saved_alpha, model_alpha in ((None, 4), (4, None), (4.0, None)):
+        d = tmp_path / f"c{saved_alpha}_{model_alpha}"
+        torch.manual_seed(0)
+        src = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4,
+                                           alpha=saved_alpha, init="random",
+                                           backend="reference"))
+        save(src, str(d))
+        torch.manual_seed(0)
+        dst = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4,
+                                           alpha=model_alpha, backend="reference"))
+        load(dst, str(d))
+        torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+    torch.manual_seed(0)
+    other = inject(Tiny(), AdapterConfig(method="lora", targets=["fc1", "fc2"], r=4, alpha=8,
+                                         backend="reference"))
+    with pytest.raises(CheckpointError, match="alpha: checkpoint 4, model 8"):
+        load(other, str(tmp_path / "cNone_4"))
+
+
 def test_load_with_the_same_krona_shapes_spelled_out(tmp_path):
     """KronA factor shapes left to their default (from_peft records a_shape=None when they fit)
     and the same shapes given explicitly are one adapter: load takes the checkpoint; other

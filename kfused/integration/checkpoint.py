@@ -659,6 +659,9 @@ def _by_value(v):
 
 def _check_same_config(have: AdapterConfig, saved: AdapterConfig, directory: str) -> None:
     a, b = have.to_dict(), saved.to_dict()
+    for d in (a, b):
+        if d["alpha"] is None and not d["ranks"]:
+            d["alpha"] = d["r"]          # alpha=None means alpha = r: one rank, one scale
     diff = [f"{f}: checkpoint {b[f]!r}, model {a[f]!r}" for f in _MEANING_FIELDS
             if json.dumps(_by_value(a[f]), sort_keys=True, default=str)
             != json.dumps(_by_value(b[f]), sort_keys=True, default=str)]
