@@ -137,6 +137,14 @@ def _closure(fn) -> dict:
         return {}
 
 
+def _two_and_masks(mask_function) -> Optional[tuple]:
+    """The two mask functions transformers' ``and_masks(f, g)`` combined, else None."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    return parts if isinstance(parts, tuple) and len(parts) == 2 else None
+
+
 def packed_segments(mask_function) -> Optional[Tuple[torch.Tensor, object]]:
     """``(segments, base)`` when ``mask_function`` is transformers' packed-sequence mask
     (``and_masks`` of ``packed_sequence_mask_function(segments)`` and
@@ -144,10 +152,8 @@ def packed_segments(mask_function) -> Optional[Tuple[torch.Tensor, object]]:
     5.x builds the remap first), else None. Anything else (an extra sliding window, offsets, a
     block overlay, a changed construction in a later transformers) is not recognised, and so
     refused."""
-    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
-        return None
-    parts = _closure(mask_function).get("mask_functions")
-    if not isinstance(parts, tuple) or len(parts) != 2:
+    parts = _two_and_masks(mask_function)
+    if parts is None:
         return None
     by_name = {getattr(f, "__qualname__", ""): f for f in parts}
     seg_fn = by_name.get("packed_sequence_mask_function.<locals>.inner_mask")
@@ -164,10 +170,8 @@ def packed_segments(mask_function) -> Optional[Tuple[torch.Tensor, object]]:
 def sliding_window(mask_function) -> Optional[int]:
     """``W`` when ``mask_function`` is transformers' sliding-window causal mask (``and_masks``
     of ``sliding_window_overlay(W)`` and ``causal_mask_function``), else None."""
-    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
-        return None
-    parts = _closure(mask_function).get("mask_functions")
-    if not isinstance(parts, tuple) or len(parts) != 2:
+    parts = _two_and_masks(mask_function)
+    if parts is None:
         return None
     from transformers import masking_utils as mu
 
