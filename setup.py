@@ -9,6 +9,7 @@ unavailable. ``KFUSED_NO_CUDA=1`` skips the extension explicitly.
 
 import glob
 import os
+import re
 
 from setuptools import setup
 
@@ -28,13 +29,21 @@ def _cuda_build():
                      + glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     if not sources:
         return [], {}
-    archs = os.environ.get("KFUSED_CUDA_ARCHS", "80;90").split(";")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    archs = [a.strip() for a in os.environ.get("KFUSED_CUDA_ARCHS", "80;90").split(";")
+             if a.strip()]
+    bad = [a for a in archs if not re.fullmatch(r"\d+a?", a)]
+    if bad or not archs:
+        raise SystemExit(f"KFUSED_CUDA_ARCHS={os.environ.get('KFUSED_CUDA_ARCHS')!r}: expected "
+                         "';'-separated compute capabilities without dots, e.g. 80;90 (or 90a)")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    # the bindings expose the list (kfused._C.CUDA_ARCHS): a GPU none of them runs on is
+    # refused by kfused.backends instead of failing at the first launch
+    arch_list = "-DKFUSED_CUDA_ARCH_LIST=" + ",".join(a.rstrip("a") for a in archs)
     ext = CUDAExtension(
         name="kfused._C",
         sources=sources,
         include_dirs=[os.path.join(here, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", arch_list],
                             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"] + gencode},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -25,6 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("USES_TORCH_CURRENT_STREAM") = false;
 #endif
+  // The sm_XY targets setup.py compiled the kernels for (-DKFUSED_CUDA_ARCH_LIST=80,90), as
+  // ints; kfused.backends refuses a GPU none of them runs on. Empty when the build did not say.
+#ifdef KFUSED_CUDA_ARCH_LIST
+  m.attr("CUDA_ARCHS") = py::make_tuple(KFUSED_CUDA_ARCH_LIST);
+#else
+  m.attr("CUDA_ARCHS") = py::make_tuple();
+#endif
 
   m.def("kron_matvec_fwd", &kfused::kron_matvec_fwd,
         "y (T, a_out*b_out) = vec(A X[t] B^T) for x (T, a_in*b_in)", py::arg("x"), py::arg("A"),

@@ -125,7 +125,29 @@ def cuda_unfit(device: torch.device, dtype: torch.dtype, op: str) -> Optional[st
         return f"tensors are on {device}; the CUDA extension needs CUDA tensors"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} is not one of float32, float16, bfloat16"
-    return None
+    return _cuda_arch_unfit(device)
+
+
+_ARCH_UNFIT: dict = {}       # device index -> reason or None, asked once per device
+
+
+def _cuda_arch_unfit(device: torch.device) -> Optional[str]:
+    """Why the extension's kernels have no image for this GPU (None if one runs): the build's
+    sm_XY cubins run on compute capability X.Y' with Y' >= Y (no PTX is embedded)."""
+    from kfused import cuda as _cuda
+
+    archs = tuple(getattr(_cuda.extension(), "CUDA_ARCHS", ()) or ())
+    if not archs:                                    # a build that does not say: not checked
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ARCH_UNFIT:
+        major, minor = torch.cuda.get_device_capability(index)
+        runs = any(int(a) // 10 == major and int(a) % 10 <= minor for a in archs)
+        _ARCH_UNFIT[index] = None if runs else (
+            f"the CUDA extension was built for {', '.join(f'sm_{int(a)}' for a in archs)}, "
+            f"which cannot run on this GPU (cuda:{index}, compute capability {major}.{minor}): "
+            f"rebuild it with KFUSED_CUDA_ARCHS={major}{minor} (see setup.py)")
+    return _ARCH_UNFIT[index]
 
 
 def default_backend() -> str:

@@ -156,3 +156,32 @@ def test_available_backends_checks_its_arguments():
     with pytest.raises(ValueError, match="device='gpu'"):
         backends.available_backends("kron_matvec", "gpu")
     assert backends.available_backends("kron_matvec", "cpu", torch.float16)["reference"] is None
+
+
+@pytest.mark.parametrize("capability,runs", [((9, 0), True), ((8, 0), True), ((8, 9), True),
+                                             ((7, 5), False), ((10, 0), False),
+                                             ((12, 0), False)])
+def test_cuda_is_unfit_for_a_gpu_the_extension_was_not_built_for(monkeypatch, capability, runs):
+    """The extension embeds sm_80 and sm_90 cubins only (no PTX): on a GPU none of them runs on
+    (a T4, a Blackwell) "auto" picked cuda and the first launch failed with "no kernel image is
+    available". The build's arch list (kfused._C.CUDA_ARCHS) is compared with the GPU's compute
+    capability, and the reason names both and how to rebuild."""
+    from kfused import cuda as kcuda
+
+    ext = types.SimpleNamespace(CUDA_ARCHS=(80, 90), kron_matvec_fwd=None,
+                                kron_matvec_bwd=None)
+    monkeypatch.setattr(kcuda, "_LOADED", [(ext, None)])
+    monkeypatch.setattr(backends, "_ARCH_UNFIT", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    reason = backends.cuda_unfit(CUDA, torch.float16, "kron_matvec")
+    if runs:
+        assert reason is None
+    else:
+        major, minor = capability
+        assert f"compute capability {major}.{minor}" in reason and "sm_80, sm_90" in reason
+        assert f"KFUSED_CUDA_ARCHS={major}{minor}" in reason
+    # a build that does not record its archs (older bindings) is not refused for this
+    monkeypatch.setattr(kcuda, "_LOADED", [(types.SimpleNamespace(
+        kron_matvec_fwd=None, kron_matvec_bwd=None), None)])
+    monkeypatch.setattr(backends, "_ARCH_UNFIT", {})
+    assert backends.cuda_unfit(CUDA, torch.float16, "kron_matvec") is None

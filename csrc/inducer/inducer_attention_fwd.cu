@@ -379,7 +379,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
                 ") must be int32 or int64");
     TORCH_CHECK(kl.dim() == 1 && kl.size(0) == Bn, "kfused: inducer_attention_fwd: key_lengths (",
                 describe(kl), ") must have shape (", Bn, ")");
-    lens = kl.to(at::kInt).contiguous();
+    // clamp before narrowing: an int64 count >= 2^31 would wrap (2^32 + 5 -> 5 keys); the
+    // kernel reads [0, n_k] either way
+    lens = kl.clamp(0, n_k).to(at::kInt).contiguous();
   }
 
   at::Tensor f = at::empty({Bn, H, n_q, p}, q.options());
