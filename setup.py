@@ -29,8 +29,8 @@ def _cuda_build():
                      + glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     if not sources:
         return [], {}
-    archs = [a.strip() for a in os.environ.get("KFUSED_CUDA_ARCHS", "80;90").split(";")
-             if a.strip()]
+    spec = os.environ.get("KFUSED_CUDA_ARCHS", "").strip() or "80;90"
+    archs = [a.strip() for a in spec.split(";") if a.strip()]
     bad = [a for a in archs if not re.fullmatch(r"\d+a?", a)]
     if bad or not archs:
         raise SystemExit(f"KFUSED_CUDA_ARCHS={os.environ.get('KFUSED_CUDA_ARCHS')!r}: expected "
