@@ -214,3 +214,27 @@ def test_min_ratio_targets():
     assert _within(1.2, 1.25) and not _within(1.3, 1.25)
     assert _limit(dict(max_ratio=None, min_ratio=1.0)) == ">=1.00"
     assert _limit(dict(max_ratio=1.25, min_ratio=None)) == "1.25"
+
+
+def test_compiled_kernel_that_cannot_launch_is_a_failure(monkeypatch, tmp_path):
+    """Triton compiles a kernel whatever shared memory it asks for and refuses it only when
+    loading it on the GPU (OutOfResources): compile_many reports such a kernel (no CTA fits
+    an SM) as a failure, so `kfused perf --check` cannot pass a kernel that never runs."""
+    import types
+
+    from kfused.perf import compile as CP
+
+    monkeypatch.setenv("KFUSED_CACHE", str(tmp_path))
+    fn = types.SimpleNamespace(__name__="k_nolaunch", cache_key="k_nolaunch-src")
+    spec = ({"x": "*bf16"}, {}, {}, dict(num_warps=4, num_stages=3))
+    big = CP.SM_LIMITS[90]["smem_per_block"] + 1024
+    stats = dict(regs=64, shared_bytes=big, num_warps=4,
+                 ctas_per_sm=CP.occupancy(64, big, 4, 90), sass={}, dots={})
+    assert stats["ctas_per_sm"] == 0
+    monkeypatch.setattr(CP, "compile_launch", lambda f, s, a, use_cache=True: dict(stats))
+    (st, err), = CP.compile_many([(fn, spec, 90)], jobs=1)
+    assert st is None and "shared memory" in err and str(big) in err
+    ok = dict(stats, shared_bytes=1024, ctas_per_sm=CP.occupancy(64, 1024, 4, 90))
+    monkeypatch.setattr(CP, "compile_launch", lambda f, s, a, use_cache=True: dict(ok))
+    (st, err), = CP.compile_many([(fn, spec, 90)], jobs=1)
+    assert err is None and st["ctas_per_sm"] > 0
