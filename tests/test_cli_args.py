@@ -274,7 +274,9 @@ def test_defaults_parse_for_every_command(no_run):
 
 @pytest.mark.parametrize("argv,option", [(["--jobs", "0"], "--jobs"), (["--jobs", "-1"], "--jobs"),
                                          (["--arch", "abc"], "--arch"),
-                                         (["--arch", "90,x"], "--arch"), (["--arch", ","], "--arch")])
+                                         (["--arch", "90,x"], "--arch"), (["--arch", ","], "--arch"),
+                                         (["--arch", "86"], "--arch"),
+                                         (["--arch", "90,75"], "--arch")])
 def test_perf_options_are_checked(argv, option, monkeypatch, capsys):
     from kfused.perf import report
 

@@ -481,13 +481,18 @@ def _our_report(path: str) -> bool:
 
 
 def _archs(text: str) -> tuple:
-    """--arch: a comma list of SM versions (e.g. 90,80), as integers."""
+    """--arch: a comma list of SM versions (e.g. 90,80), as integers; only those whose limits
+    the model knows (kfused.perf.compile.SM_LIMITS: every launch of another arch failed with
+    KeyError after the compile run)."""
+    from kfused.perf.compile import SM_LIMITS
+
     try:
         archs = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         archs = ()
-    if not archs or any(a < 50 for a in archs):
-        raise argparse.ArgumentTypeError(f"expected a comma list of SM versions such as 90,80, "
+    known = ",".join(str(a) for a in sorted(SM_LIMITS, reverse=True))
+    if not archs or any(a not in SM_LIMITS for a in archs):
+        raise argparse.ArgumentTypeError(f"expected a comma list of the SM versions {known}, "
                                          f"got {text!r}")
     return archs
 
