@@ -238,3 +238,22 @@ def test_compiled_kernel_that_cannot_launch_is_a_failure(monkeypatch, tmp_path):
     monkeypatch.setattr(CP, "compile_launch", lambda f, s, a, use_cache=True: dict(ok))
     (st, err), = CP.compile_many([(fn, spec, 90)], jobs=1)
     assert err is None and st["ctas_per_sm"] > 0
+
+
+def test_fa2_baseline_counts_the_causal_diagonal_tiles():
+    """The FlashAttention-2 baseline issues whole 128 × 128 tiles like kfused's kernels (whose
+    causal diagonal tiles are counted in full): a causal head of m = 128·k tokens computes
+    k(k + 1)/2 tiles, m(m + 128)/2 scores, not m²/2 (for m = 512: 10 tiles, not 8)."""
+    from kfused.perf import cases as C
+
+    H, m, p = 2, 512, 64
+    causal = H * (m * (m + 128) // 2)                        # 163 840 scores per head · H
+    fwd = C._fa2("f", 1, H, m, p, True, False)
+    assert fwd[0]["flops"] == causal * 2 * 2.0 * p           # S = QKᵀ, PV
+    bwd = C._fa2("b", 1, H, m, p, True, True)
+    assert bwd[0]["flops"] == causal * 5 * 2.0 * p
+    full = C._fa2("f", 1, H, m, p, False, False)
+    assert full[0]["flops"] == H * m * m * 2 * 2.0 * p       # no padding at m = 128·k
+    var = C._fa2_varlen("v", [128, 384], H, p, True, False)  # 1 and 6 tiles of 128 × 128
+    assert var[0]["flops"] == H * (1 + 6) * 128 * 128 * 2 * 2.0 * p
+

@@ -610,10 +610,15 @@ def _fa2(name, B, H, n, p, causal, bwd, el=2, Hkv=None):
 
 def _fa2_varlen(name, lens, H, p, causal, bwd, el=2, Hkv=None):
     """FlashAttention-2 over sequences of the given lengths in one launch (a batch: equal
-    lengths; the varlen kernel: packed ones). Programs: every sequence's 128-row tiles."""
+    lengths; the varlen kernel: packed ones). Programs: every sequence's 128-row tiles.
+
+    Work is what its tiles issue, as for kfused's kernels (_attn_tiles): 128-row query tiles
+    (forward; the backward's key tiles are 128 wide) against whole key tiles, so a causal
+    tile on the diagonal is computed in full and masked — m(m + 128)/2 scores per head of a
+    sequence of m = 128·k, not m²/2 (FA2 sm_90 tiles for p <= 128: forward 128 × 128 (p 64)
+    or 128 × 64 (p 128), backward 128 × 128 or 64 × 128 query × key rows, all the same count)."""
     Hkv = Hkv or H
-    frac = 0.5 if causal else 1.0
-    scores = sum(H * m * m * frac for m in lens)
+    scores = sum(H * _attn_tiles(m, m, 128, 128, causal, 0) * 128 * 128 for m in lens)
     T = sum(lens)
     prods = 5 if bwd else 2
     work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
