@@ -257,3 +257,31 @@ def test_fa2_baseline_counts_the_causal_diagonal_tiles():
     var = C._fa2_varlen("v", [128, 384], H, p, True, False)  # 1 and 6 tiles of 128 × 128
     assert var[0]["flops"] == H * (1 + 6) * 128 * 128 * 2 * 2.0 * p
 
+
+def test_headwise_lora_baseline_has_the_same_parameter_budget():
+    """The peft-LoRA baseline of a headwise_qkv case has the rank whose q (d -> H·p) and v
+    (d -> Hkv·p) LoRA pair holds the preset's trainable q/v parameters (per-head biases
+    included, as headwise_parameter_count counts them): with grouped-query attention v is
+    Hkv·p wide, not d (llama-7b-gqa: rank 43, not 34)."""
+    import dataclasses
+
+    from kfused.modules.headwise import ProjRanks
+    from kfused.integration.headwise import HEADWISE_PRESETS, headwise_parameter_count
+    from kfused.perf import cases as C
+
+    seen = 0
+    for case in C.all_cases():
+        if case.op != "headwise_qkv":
+            continue
+        s = case.shape
+        d, H, Hkv, p = s["d"], s["H"], s["H_kv"], s["p"]
+        cfg = dataclasses.replace(HEADWISE_PRESETS[s["preset"]], o=ProjRanks(0, 0, 0))
+        budget = headwise_parameter_count(cfg, d, H, n_kv_heads=Hkv)
+        per_rank = (d + H * p) + (d + Hkv * p)
+        r = s["lora_rank"]
+        assert abs(r * per_rank - budget) <= per_rank / 2, (case.label, r, budget / per_rank)
+        seen += 1
+    assert seen == 6
+    llama = {c.shape["preset"]: c.shape["lora_rank"] for c in C.all_cases()
+             if c.op == "headwise_qkv" and c.shape["width"] == "llama-7b-gqa"}
+    assert llama == {"kernel-mix-qvo-intermediate": 43, "kernel-mix-lite-qv-small": 4}

@@ -1044,10 +1044,13 @@ def _headwise_case(width, d, H, Hkv, preset, T):
     N = (H + 2 * Hkv) * p
     el = 2
     rq, rv = cfg.q, cfg.v
-    # LoRA with the same parameter budget on q and v (what peft runs): rank r each
+    # LoRA with the same parameter budget on q and v (what peft runs): rank r each, on
+    # q (d -> H·p) and v (d -> Hkv·p: narrower than d with grouped-query attention); the
+    # budget counts the per-head biases c (as for o below, and headwise_parameter_count)
     budget = (rq.shared * (d + H * p) + H * (rq.wise * (d + p) + rq.lite * 2 * p)
-              + rv.shared * (d + Hkv * p) + Hkv * (rv.wise * (d + p) + rv.lite * 2 * p))
-    r = max(1, round(budget / (2 * (d + d))))
+              + rv.shared * (d + Hkv * p) + Hkv * (rv.wise * (d + p) + rv.lite * 2 * p)
+              + (H * p if rq.wise or rq.lite else 0) + (Hkv * p if rv.wise or rv.lite else 0))
+    r = max(1, round(budget / ((d + H * p) + (d + Hkv * p))))
 
     def floor():
         return [_gemm("fwd GEMM [Wq;Wk;Wv]", T, N, d), _gemm("dx GEMM", T, d, N)]
