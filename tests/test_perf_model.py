@@ -285,3 +285,31 @@ def test_headwise_lora_baseline_has_the_same_parameter_budget():
     llama = {c.shape["preset"]: c.shape["lora_rank"] for c in C.all_cases()
              if c.op == "headwise_qkv" and c.shape["width"] == "llama-7b-gqa"}
     assert llama == {"kernel-mix-qvo-intermediate": 43, "kernel-mix-lite-qv-small": 4}
+
+
+def test_headwise_useful_flops_by_hand():
+    """useful_flops of the headwise cases (what the math needs, docs/math.md §2): the frozen
+    GEMM forward and dx, plus three times the adapter's forward products — a shared LoRA
+    up-projects to the projection's whole width (H·p, not p), a lite head down-projects
+    K^h (p wide, not d), o's shared LoRA down-projects the whole H·p."""
+    from kfused.perf import cases as C
+
+    T = 16384
+    want = {
+        # q: 12 heads x wise 3 (768 -> 3 -> 64), shared 12 (768 -> 12 -> 768);
+        # v: 12 heads x lite 8 (64 -> 8 -> 64), shared 8 (768 -> 8 -> 768)
+        "headwise_qkv gpt2-small T=16384 kernel-mix-qvo-intermediate":
+            4.0 * T * 768 * 2304 + 6.0 * T * (12 * 3 * 832 + 12 * 1536 + 12 * 8 * 128
+                                              + 8 * 1536),
+        # q: 32 heads x lite 2 (128 -> 2 -> 128), shared 2 (4096 -> 2 -> 4096);
+        # v: 8 kv heads x lite 1, shared 2 (4096 -> 2 -> 1024)
+        "headwise_qkv llama-7b-gqa T=16384 kernel-mix-lite-qv-small":
+            4.0 * T * 4096 * 6144 + 6.0 * T * (32 * 2 * 256 + 2 * 8192 + 8 * 1 * 256
+                                               + 2 * 5120),
+        # o: 12 heads x wise 8 (64 -> 8 -> 768), shared 8 (768 -> 8 -> 768)
+        "headwise_oproj gpt2-small T=16384 kernel-mix-qvo-intermediate[o] (folded)":
+            4.0 * T * 768 * 768 + 6.0 * T * (12 * 8 * (64 + 768) + 8 * (768 + 768)),
+    }
+    got = {f"{c.op} {c.label}": c.useful_flops for c in C.all_cases()}
+    for label, flops in want.items():
+        assert got[label] == flops, label

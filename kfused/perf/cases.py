@@ -1066,8 +1066,13 @@ def _headwise_case(width, d, H, Hkv, preset, T):
         out.append(_stream("split/cat q|k|v", 2 * T * N * el))
         return out
 
-    rank_cols = H * (rq.wise + rq.lite) + Hkv * (rv.wise + rv.lite) + rq.shared + rv.shared
-    useful = 2.0 * T * d * N * 2 + 3 * 2.0 * T * (d * rank_cols + rank_cols * p)
+    # the adapter's products per token (docs/math.md §2), forward: Kernel-wise d -> r -> p per
+    # head; lite p -> r -> p per head (Z = K^h A_hᵀ: K^h is the frozen GEMM's); shared LoRA
+    # d -> r_s -> the projection's whole width. Backward twice that (dZ, dB; dA, dX).
+    macs = (H * rq.wise * (d + p) + Hkv * rv.wise * (d + p)
+            + H * rq.lite * 2 * p + Hkv * rv.lite * 2 * p
+            + rq.shared * (d + H * p) + rv.shared * (d + Hkv * p))
+    useful = 2.0 * T * d * N * 2 + 3 * 2.0 * T * macs
     return Case(
         op="headwise_qkv", label=f"{width} T={T} {preset}",
         shape=dict(width=width, d=d, H=H, H_kv=Hkv, p=p, T=T, preset=preset, lora_rank=r),
@@ -1124,8 +1129,9 @@ def _oproj_case(width, d, H, preset, T):
                           _gemm("do += dz·A", T, HP, r), _stream("do add", 3 * T * HP * el),
                           _gemm("dA", r, HP, T), _gemm("dB", d, r, T)]
 
-    cols = H * ro.wise + ro.shared
-    useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * cols * (p + d)
+    # per token: Kernel-wise p -> r -> d per head (B: d × H·r), shared LoRA H·p -> r_s -> d
+    macs = H * ro.wise * (p + d) + ro.shared * (HP + d)
+    useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * macs
     return Case(
         op="headwise_oproj", label=f"{width} T={T} {preset}[o] ({tag})",
         shape=dict(width=width, d=d, H=H, p=p, T=T, preset=preset, lora_rank=r, path=tag),
