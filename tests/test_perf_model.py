@@ -313,3 +313,34 @@ def test_headwise_useful_flops_by_hand():
     got = {f"{c.op} {c.label}": c.useful_flops for c in C.all_cases()}
     for label, flops in want.items():
         assert got[label] == flops, label
+
+
+def test_headwise_peft_lora_baseline_by_hand():
+    """The peft-LoRA baseline of headwise_qkv (GPT-2 small, kernel-mix-qvo-intermediate:
+    rank 24 on q and v) is what peft runs: the fused frozen GEMM and its dx GEMM, per
+    adapted projection the two LoRA GEMMs each way, the factor gradients, the scaling
+    multiply (a kernel forward and one backward, even at scaling 1), the add to the frozen
+    output and to dx; plus splitting / joining q|k|v. Each GEMM at the cuBLAS ceiling or its
+    bytes at HBM_BW, each element-wise kernel at HBM_BW, each with the launch cost."""
+    from kfused.perf import cases as C
+    from kfused.perf import roofline as R
+
+    def gemm(M, N, K):
+        return max(2.0 * M * N * K / R.WGMMA_RATE,
+                   2.0 * (M * K + K * N + M * N) / R.HBM_BW) + R.KERNEL_OVERHEAD_S
+
+    def stream(nbytes):
+        return nbytes / R.HBM_BW + R.KERNEL_OVERHEAD_S
+
+    T, d, N, r = 16384, 768, 3 * 768, 24
+    want = gemm(T, N, d) + gemm(T, d, N) + stream(2 * T * N * 2)
+    for n in (768, 768):                                  # q and v, 12 heads of 64
+        want += (gemm(T, r, d) + gemm(T, n, r) + stream(2 * T * n * 2)   # x·Aᵀ, z·Bᵀ, ·s
+                 + stream(3 * T * n * 2)                                  # + frozen output
+                 + stream(2 * T * n * 2) + gemm(T, r, n) + gemm(T, d, r)  # g·s, dz, dz·A
+                 + stream(3 * T * d * 2) + gemm(r, d, T) + gemm(n, r, T))  # dx +=, dA, dB
+    case = next(c for c in C.all_cases() if c.op == "headwise_qkv"
+                and c.label == "gpt2-small T=16384 kernel-mix-qvo-intermediate")
+    assert case.shape["lora_rank"] == r
+    got = sum(part["t"] for part in case.baselines["peft-lora"]())
+    assert math.isclose(got, want, rel_tol=1e-12), (got, want)

@@ -1056,10 +1056,14 @@ def _headwise_case(width, d, H, Hkv, preset, T):
         return [_gemm("fwd GEMM [Wq;Wk;Wv]", T, N, d), _gemm("dx GEMM", T, d, N)]
 
     def lora():
+        # peft's Linear: result + lora_B(lora_A(x)) * scaling — the scaling is its own kernel
+        # forward (and its gradient backward) even at scaling 1 (the benchmark's alpha = r)
         out = floor()
         for name, n_out in (("q", H * p), ("v", Hkv * p)):
             out += [_gemm(f"{name} down x·Aᵀ", T, r, d), _gemm(f"{name} up z·Bᵀ", T, n_out, r),
+                    _stream(f"{name} ·scaling", 2 * T * n_out * el),
                     _stream(f"{name} add", 3 * T * n_out * el),
+                    _stream(f"{name} g·scaling", 2 * T * n_out * el),
                     _gemm(f"{name} dz = g·B", T, r, n_out), _gemm(f"{name} dx += dz·A", T, d, r),
                     _stream(f"{name} dx add", 3 * T * d * el),
                     _gemm(f"{name} dA", r, d, T), _gemm(f"{name} dB", n_out, r, T)]
@@ -1123,9 +1127,10 @@ def _oproj_case(width, d, H, preset, T):
     def floor():
         return [_gemm("fwd GEMM W_o", T, d, HP), _gemm("dx GEMM", T, HP, d)]
 
-    def lora():
+    def lora():   # as peft runs it (the scaling a kernel each way, as for q|k|v above)
         return floor() + [_gemm("down o·Aᵀ", T, r, HP), _gemm("up z·Bᵀ", T, d, r),
-                          _stream("add", 3 * T * d * el), _gemm("dz = g·B", T, r, d),
+                          _stream("·scaling", 2 * T * d * el), _stream("add", 3 * T * d * el),
+                          _stream("g·scaling", 2 * T * d * el), _gemm("dz = g·B", T, r, d),
                           _gemm("do += dz·A", T, HP, r), _stream("do add", 3 * T * HP * el),
                           _gemm("dA", r, HP, T), _gemm("dB", d, r, T)]
 
