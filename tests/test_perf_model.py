@@ -344,3 +344,32 @@ def test_headwise_peft_lora_baseline_by_hand():
     assert case.shape["lora_rank"] == r
     got = sum(part["t"] for part in case.baselines["peft-lora"]())
     assert math.isclose(got, want, rel_tol=1e-12), (got, want)
+
+
+def test_krona_kron_dense_baseline_counts_every_eager_kernel():
+    """The kron-dense baseline is the benchmark's provider, F.linear(x, W, b) +
+    F.linear(x, s·torch.kron(A, B)), in eager PyTorch fwd + bwd (x, A, B): 14 kernels, each
+    at the GEMM ceiling or its bytes at HBM_BW plus a launch — torch.kron is a broadcast
+    multiply (and its backward two multiplies and two sums), the scale a multiply each way."""
+    from kfused.perf import cases as C
+    from kfused.perf import roofline as R
+
+    def op(nbytes, flops=0.0):
+        return max(flops / R.WGMMA_RATE, nbytes / R.HBM_BW) + R.KERNEL_OVERHEAD_S
+
+    T, d, (ao, ai), (bo, bi) = 16384, 768, (24, 24), (32, 32)
+    dW, ab, act, gemm = d * d * 2, (ao * ai + bo * bi) * 2, T * d * 2, 2.0 * T * d * d
+    want = (op(act + dW + 2 * d + act, gemm)           # x Wᵀ + b
+            + op(ab + dW) + op(2 * dW)                 # kron(A, B), ·s
+            + op(act + dW + act, gemm) + op(3 * act)   # x ΔWᵀ, +
+            + op(act + act + dW, gemm)                 # dΔW = gᵀ x
+            + op(act + dW + act, gemm)                 # g ΔW
+            + op(2 * dW)                               # dΔW·s
+            + op(2 * dW + ao * ai * 2) + op(2 * dW + bo * bi * 2)   # · B, · A (broadcast)
+            + op(dW + ao * ai * 2) + op(dW + bo * bi * 2)           # Σ -> dA, dB
+            + op(act + dW + act, gemm) + op(3 * act))  # g W, dx1 + dx2
+    case = next(c for c in C.all_cases() if c.op == "krona_linear"
+                and c.label.startswith("T=16384 768->768 A24x24 B32x32") and "exact" in c.label)
+    parts = case.baselines["kron-dense"]()
+    assert len(parts) == 14
+    assert math.isclose(sum(p_["t"] for p_ in parts), want, rel_tol=1e-3)
