@@ -373,3 +373,21 @@ def test_krona_kron_dense_baseline_counts_every_eager_kernel():
     parts = case.baselines["kron-dense"]()
     assert len(parts) == 14
     assert math.isclose(sum(p_["t"] for p_ in parts), want, rel_tol=1e-3)
+
+
+def test_glue_bytes_of_a_copy():
+    """A traced dst.copy_(src) reads src and writes dst (dst is not read): 2 × its bytes, like
+    an out-of-place cast; an in-place add reads both operands and writes one (3 ×)."""
+    import torch
+
+    from kfused.perf.trace import trace
+
+    def run():
+        dst, src = torch.empty(1000, 64, dtype=torch.bfloat16), torch.empty(1000, 64,
+                                                                            dtype=torch.bfloat16)
+        dst.copy_(src)
+        dst.add_(src)
+
+    _, ops = trace(run, warm=False)
+    n = 1000 * 64 * 2
+    assert [(g.name, g.bytes) for g in ops] == [("copy_", 2 * n), ("add_", 3 * n)]
