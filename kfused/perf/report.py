@@ -480,6 +480,16 @@ def _our_report(path: str) -> bool:
     return isinstance(data, dict) and data.get("label") == LABEL
 
 
+def default_json() -> str:
+    """Where a run without --json writes its report: benchmarks/results/predicted/ of the
+    source checkout kfused runs from; ./kfused_perf_results/ for an installed package (never
+    into site-packages, like kfused bench's default folder)."""
+    if os.path.isdir(os.path.join(ROOT, "benchmarks")) and os.path.isdir(os.path.join(ROOT,
+                                                                                   "kfused")):
+        return os.path.join(OUT_DIR, "perf-latest.json")
+    return os.path.join(os.getcwd(), "kfused_perf_results", "perf-latest.json")
+
+
 def _archs(text: str) -> tuple:
     """--arch: a comma list of SM versions (e.g. 90,80), as integers; only those whose limits
     the model knows (kfused.perf.compile.SM_LIMITS: every launch of another arch failed with
@@ -521,7 +531,8 @@ def run(argv=None) -> int:
                    help="compile and check structure only (no model, no grounding)")
     p.add_argument("--json", default=None, help="write the JSON here, and the table beside it "
                    "as <name>.txt (default benchmarks/results/predicted/perf-latest.json "
-                   "unless --structure-only)")
+                   "of the checkout, ./kfused_perf_results/perf-latest.json for an installed "
+                   "package; none with --structure-only)")
     p.add_argument("--update-known", action="store_true",
                    help="rewrite kfused/perf/known_violations.json from this run (sm_90)")
     p.add_argument("--check", action="store_true",
@@ -555,14 +566,18 @@ def run(argv=None) -> int:
         if not a.structure_only and os.path.lexists(text_path) and not _our_table(text_path):
             p.error(f"argument --json: the table goes to {text_path}, which exists and was "
                     "not written by kfused perf; not overwriting it")
+    path = a.json
+    if path is None and not a.structure_only:
+        path = default_json()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as exc:
+            p.error(f"argument --json: the default report folder {os.path.dirname(path)} "
+                    f"cannot be made ({exc}); give --json")
     report = analyse(ops, a.arch, a.jobs, with_csrc=not a.no_csrc,
                      with_grounding=not a.no_grounding,
                      with_representative=not a.no_representative,
                      structure_only=a.structure_only)
-    path = a.json
-    if path is None and not a.structure_only:
-        os.makedirs(OUT_DIR, exist_ok=True)
-        path = os.path.join(OUT_DIR, "perf-latest.json")
     if path:  # replaced whole or not at all (kfused._files), like the other commands' reports
         def dump(tmp: str) -> None:
             with open(tmp, "w") as f:
