@@ -391,3 +391,17 @@ def test_glue_bytes_of_a_copy():
     _, ops = trace(run, warm=False)
     n = 1000 * 64 * 2
     assert [(g.name, g.bytes) for g in ops] == [("copy_", 2 * n), ("add_", 3 * n)]
+
+
+def test_grounding_without_a_compiled_kernel_is_not_within_25pct(monkeypatch):
+    """A grounding kernel that fails to compile has no prediction (NaN): the report must not
+    say the model is within 25 % of its references (it skipped such rows)."""
+    from kfused.perf import compile as CP
+    from kfused.perf import grounding
+
+    monkeypatch.setattr(CP, "jit_spec", lambda *a, **k: None)   # nothing is compiled here
+    monkeypatch.setattr(CP, "compile_many",
+                        lambda items, jobs=2: [(None, "CompileError: boom")] * len(items))
+    res = grounding.run(jobs=1)
+    assert any("error" in r for r in res["rows"])
+    assert res["within_25pct"] is False
