@@ -301,6 +301,7 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
             (["--update-known", "--ops", "krona"], "--update-known", "needs a full run"),
             (["--update-known", "--arch", "80"], "--update-known", "needs a full run"),
             (["--check", "--arch", "80"], "--check", "--arch must include 90"),
+            (["--arch", "80"], "--arch", "include 90, or pass --structure-only"),
             (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
             (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
             (["--json", str(tmp_path)], "--json", "is a folder"),
