@@ -405,3 +405,16 @@ def test_grounding_without_a_compiled_kernel_is_not_within_25pct(monkeypatch):
     res = grounding.run(jobs=1)
     assert any("error" in r for r in res["rows"])
     assert res["within_25pct"] is False
+
+
+def test_sdpa_decode_split_count_uses_fa2_key_blocks():
+    """SDPA's decode baseline splits the keys with FlashAttention-2's heuristic over its key
+    blocks: 256 keys for p <= 64 (set_params_splitkv), 128 for p = 128. B = 1, 8 heads, 2048
+    keys, p = 64: 8 key blocks, 8 blocks of rows -> 8 splits (with 128-key blocks: 16)."""
+    from kfused.perf import cases as C
+
+    assert C._fa2_num_splits(8, 8) == 8 and C._fa2_num_splits(8, 16) == 16
+    parts = C._inducer_decode_case(1, 8, 8, 2048, 64).baselines["sdpa"]()
+    assert "(8 splits;" in parts[0]["name"], parts[0]["name"]
+    parts = C._inducer_decode_case(1, 8, 8, 2048, 128).baselines["sdpa"]()
+    assert "(16 splits;" in parts[0]["name"], parts[0]["name"]

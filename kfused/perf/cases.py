@@ -1321,8 +1321,9 @@ def _inducer_decode_case(B, H, Hkv, n_k, p, L_KEY=4, R_VALUE=8):
         # read once per kv head), and set_params_splitkv picks the split count with FA2's
         # heuristic; more than one split adds the combine launch over the float32 partials.
         # Each launch is taken at the streaming rate (its best case).
-        splits = _fa2_num_splits(B * Hkv * cdiv(H // Hkv, 64), cdiv(n_k, 128 if p <= 128
-                                                                       else 64))
+        # key blocks of FA2's set_params_splitkv: 256 keys for p <= 64, 128 to p 128, else 64
+        block_n = 256 if p <= 64 else 128 if p <= 128 else 64
+        splits = _fa2_num_splits(B * Hkv * cdiv(H // Hkv, 64), cdiv(n_k, block_n))
         partials = splits * B * H * p * 4 if splits > 1 else 0
         out = [_stream(f"sdpa decode ({splits} split{'s' if splits > 1 else ''}; K, V read "
                        "once)", kv_bytes + el * B * H * p * 2 + partials)]
