@@ -405,6 +405,13 @@ def test_grounding_without_a_compiled_kernel_is_not_within_25pct(monkeypatch):
     res = grounding.run(jobs=1)
     assert any("error" in r for r in res["rows"])
     assert res["within_25pct"] is False
+    # ... and the run reports them as compile failures (kfused perf --check exits 1)
+    from kfused.perf import report
+
+    rep = report.analyse(ops=["no-such-op"], archs=(90,), jobs=1, with_csrc=False,
+                         with_representative=False)
+    assert rep["cases"] == []
+    assert [f["where"] for f in rep["failures"]] == ["grounding", "grounding"]
 
 
 def test_sdpa_decode_split_count_uses_fa2_key_blocks():

@@ -321,6 +321,10 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
         from kfused.perf import grounding
 
         report["grounding"] = grounding.run(jobs=jobs)
+        for row in report["grounding"]["rows"]:     # a grounding kernel is compiled too
+            if "error" in row:
+                report["failures"].append(dict(kernel=row["name"], where="grounding", arch=90,
+                                               error=row["error"]))
     report["elapsed_s"] = time.time() - t0
     return report
 
