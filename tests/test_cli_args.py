@@ -274,7 +274,9 @@ def test_defaults_parse_for_every_command(no_run):
 
 @pytest.mark.parametrize("argv,option", [(["--jobs", "0"], "--jobs"), (["--jobs", "-1"], "--jobs"),
                                          (["--arch", "abc"], "--arch"),
-                                         (["--arch", "90,x"], "--arch"), (["--arch", ","], "--arch")])
+                                         (["--arch", "90,x"], "--arch"), (["--arch", ","], "--arch"),
+                                         (["--arch", "86"], "--arch"),
+                                         (["--arch", "90,75"], "--arch")])
 def test_perf_options_are_checked(argv, option, monkeypatch, capsys):
     from kfused.perf import report
 
@@ -298,6 +300,8 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
     for argv, option, text in [
             (["--update-known", "--ops", "krona"], "--update-known", "needs a full run"),
             (["--update-known", "--arch", "80"], "--update-known", "needs a full run"),
+            (["--check", "--arch", "80"], "--check", "--arch must include 90"),
+            (["--arch", "80"], "--arch", "include 90, or pass --structure-only"),
             (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
             (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
             (["--json", str(tmp_path)], "--json", "is a folder"),
@@ -398,3 +402,30 @@ def test_help_says_each_default_once():
     demo_help = " ".join(demo.build_parser().format_help().split())
     assert "(default: each method's) --rank" in demo_help
     assert "(default: each row's, 8 for LoRA) --scale" in demo_help
+
+
+def test_perf_default_report_of_an_installed_package_goes_to_the_working_folder(tmp_path,
+                                                                                monkeypatch):
+    # an installed kfused (no checkout around it) wrote benchmarks/results/predicted/ into
+    # site-packages, or failed there with PermissionError after the whole compile run
+    from kfused.perf import report
+
+    site = tmp_path / "site-packages"
+    (site / "kfused").mkdir(parents=True)
+    monkeypatch.setattr(report, "ROOT", str(site))
+    monkeypatch.setattr(report, "OUT_DIR", str(site / "benchmarks" / "results" / "predicted"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # else run() re-launches itself
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    monkeypatch.setattr(report, "analyse", lambda *a, **k: dict(
+        label=report.LABEL, versions={}, cases=[], failures=[], violations=[], elapsed_s=1.0))
+    assert report.run([]) == 0
+    assert sorted(p.name for p in site.iterdir()) == ["kfused"]
+    out = work / "kfused_perf_results"
+    assert sorted(p.name for p in out.iterdir()) == ["perf-latest.json", "perf-latest.txt"]
+    # a checkout (benchmarks/ beside kfused/) keeps its committed folder
+    (site / "benchmarks").mkdir()
+    assert report.default_json() == str(site / "benchmarks" / "results" / "predicted"
+                                         / "perf-latest.json")

@@ -214,3 +214,214 @@ def test_min_ratio_targets():
     assert _within(1.2, 1.25) and not _within(1.3, 1.25)
     assert _limit(dict(max_ratio=None, min_ratio=1.0)) == ">=1.00"
     assert _limit(dict(max_ratio=1.25, min_ratio=None)) == "1.25"
+
+
+def test_compiled_kernel_that_cannot_launch_is_a_failure(monkeypatch, tmp_path):
+    """Triton compiles a kernel whatever shared memory it asks for and refuses it only when
+    loading it on the GPU (OutOfResources): compile_many reports such a kernel (no CTA fits
+    an SM) as a failure, so `kfused perf --check` cannot pass a kernel that never runs."""
+    import types
+
+    from kfused.perf import compile as CP
+
+    monkeypatch.setenv("KFUSED_CACHE", str(tmp_path))
+    fn = types.SimpleNamespace(__name__="k_nolaunch", cache_key="k_nolaunch-src")
+    spec = ({"x": "*bf16"}, {}, {}, dict(num_warps=4, num_stages=3))
+    big = CP.SM_LIMITS[90]["smem_per_block"] + 1024
+    stats = dict(regs=64, shared_bytes=big, num_warps=4,
+                 ctas_per_sm=CP.occupancy(64, big, 4, 90), sass={}, dots={})
+    assert stats["ctas_per_sm"] == 0
+    monkeypatch.setattr(CP, "compile_launch", lambda f, s, a, use_cache=True: dict(stats))
+    (st, err), = CP.compile_many([(fn, spec, 90)], jobs=1)
+    assert st is None and "shared memory" in err and str(big) in err
+    ok = dict(stats, shared_bytes=1024, ctas_per_sm=CP.occupancy(64, 1024, 4, 90))
+    monkeypatch.setattr(CP, "compile_launch", lambda f, s, a, use_cache=True: dict(ok))
+    (st, err), = CP.compile_many([(fn, spec, 90)], jobs=1)
+    assert err is None and st["ctas_per_sm"] > 0
+
+
+def test_fa2_baseline_counts_the_causal_diagonal_tiles():
+    """The FlashAttention-2 baseline issues whole 128 × 128 tiles like kfused's kernels (whose
+    causal diagonal tiles are counted in full): a causal head of m = 128·k tokens computes
+    k(k + 1)/2 tiles, m(m + 128)/2 scores, not m²/2 (for m = 512: 10 tiles, not 8)."""
+    from kfused.perf import cases as C
+
+    H, m, p = 2, 512, 64
+    causal = H * (m * (m + 128) // 2)                        # 163 840 scores per head · H
+    fwd = C._fa2("f", 1, H, m, p, True, False)
+    assert fwd[0]["flops"] == causal * 2 * 2.0 * p           # S = QKᵀ, PV
+    bwd = C._fa2("b", 1, H, m, p, True, True)
+    assert bwd[0]["flops"] == causal * 5 * 2.0 * p
+    full = C._fa2("f", 1, H, m, p, False, False)
+    assert full[0]["flops"] == H * m * m * 2 * 2.0 * p       # no padding at m = 128·k
+    var = C._fa2_varlen("v", [128, 384], H, p, True, False)  # 1 and 6 tiles of 128 × 128
+    assert var[0]["flops"] == H * (1 + 6) * 128 * 128 * 2 * 2.0 * p
+
+
+def test_headwise_lora_baseline_has_the_same_parameter_budget():
+    """The peft-LoRA baseline of a headwise_qkv case has the rank whose q (d -> H·p) and v
+    (d -> Hkv·p) LoRA pair holds the preset's trainable q/v parameters (per-head biases
+    included, as headwise_parameter_count counts them): with grouped-query attention v is
+    Hkv·p wide, not d (llama-7b-gqa: rank 43, not 34)."""
+    import dataclasses
+
+    from kfused.modules.headwise import ProjRanks
+    from kfused.integration.headwise import HEADWISE_PRESETS, headwise_parameter_count
+    from kfused.perf import cases as C
+
+    seen = 0
+    for case in C.all_cases():
+        if case.op != "headwise_qkv":
+            continue
+        s = case.shape
+        d, H, Hkv, p = s["d"], s["H"], s["H_kv"], s["p"]
+        cfg = dataclasses.replace(HEADWISE_PRESETS[s["preset"]], o=ProjRanks(0, 0, 0))
+        budget = headwise_parameter_count(cfg, d, H, n_kv_heads=Hkv)
+        per_rank = (d + H * p) + (d + Hkv * p)
+        r = s["lora_rank"]
+        assert abs(r * per_rank - budget) <= per_rank / 2, (case.label, r, budget / per_rank)
+        seen += 1
+    assert seen == 6
+    llama = {c.shape["preset"]: c.shape["lora_rank"] for c in C.all_cases()
+             if c.op == "headwise_qkv" and c.shape["width"] == "llama-7b-gqa"}
+    assert llama == {"kernel-mix-qvo-intermediate": 43, "kernel-mix-lite-qv-small": 4}
+
+
+def test_headwise_useful_flops_by_hand():
+    """useful_flops of the headwise cases (what the math needs, docs/math.md §2): the frozen
+    GEMM forward and dx, plus three times the adapter's forward products — a shared LoRA
+    up-projects to the projection's whole width (H·p, not p), a lite head down-projects
+    K^h (p wide, not d), o's shared LoRA down-projects the whole H·p."""
+    from kfused.perf import cases as C
+
+    T = 16384
+    want = {
+        # q: 12 heads x wise 3 (768 -> 3 -> 64), shared 12 (768 -> 12 -> 768);
+        # v: 12 heads x lite 8 (64 -> 8 -> 64), shared 8 (768 -> 8 -> 768)
+        "headwise_qkv gpt2-small T=16384 kernel-mix-qvo-intermediate":
+            4.0 * T * 768 * 2304 + 6.0 * T * (12 * 3 * 832 + 12 * 1536 + 12 * 8 * 128
+                                              + 8 * 1536),
+        # q: 32 heads x lite 2 (128 -> 2 -> 128), shared 2 (4096 -> 2 -> 4096);
+        # v: 8 kv heads x lite 1, shared 2 (4096 -> 2 -> 1024)
+        "headwise_qkv llama-7b-gqa T=16384 kernel-mix-lite-qv-small":
+            4.0 * T * 4096 * 6144 + 6.0 * T * (32 * 2 * 256 + 2 * 8192 + 8 * 1 * 256
+                                               + 2 * 5120),
+        # o: 12 heads x wise 8 (64 -> 8 -> 768), shared 8 (768 -> 8 -> 768)
+        "headwise_oproj gpt2-small T=16384 kernel-mix-qvo-intermediate[o] (folded)":
+            4.0 * T * 768 * 768 + 6.0 * T * (12 * 8 * (64 + 768) + 8 * (768 + 768)),
+    }
+    got = {f"{c.op} {c.label}": c.useful_flops for c in C.all_cases()}
+    for label, flops in want.items():
+        assert got[label] == flops, label
+
+
+def test_headwise_peft_lora_baseline_by_hand():
+    """The peft-LoRA baseline of headwise_qkv (GPT-2 small, kernel-mix-qvo-intermediate:
+    rank 24 on q and v) is what peft runs: the fused frozen GEMM and its dx GEMM, per
+    adapted projection the two LoRA GEMMs each way, the factor gradients, the scaling
+    multiply (a kernel forward and one backward, even at scaling 1), the add to the frozen
+    output and to dx; plus splitting / joining q|k|v. Each GEMM at the cuBLAS ceiling or its
+    bytes at HBM_BW, each element-wise kernel at HBM_BW, each with the launch cost."""
+    from kfused.perf import cases as C
+    from kfused.perf import roofline as R
+
+    def gemm(M, N, K):
+        return max(2.0 * M * N * K / R.WGMMA_RATE,
+                   2.0 * (M * K + K * N + M * N) / R.HBM_BW) + R.KERNEL_OVERHEAD_S
+
+    def stream(nbytes):
+        return nbytes / R.HBM_BW + R.KERNEL_OVERHEAD_S
+
+    T, d, N, r = 16384, 768, 3 * 768, 24
+    want = gemm(T, N, d) + gemm(T, d, N) + stream(2 * T * N * 2)
+    for n in (768, 768):                                  # q and v, 12 heads of 64
+        want += (gemm(T, r, d) + gemm(T, n, r) + stream(2 * T * n * 2)   # x·Aᵀ, z·Bᵀ, ·s
+                 + stream(3 * T * n * 2)                                  # + frozen output
+                 + stream(2 * T * n * 2) + gemm(T, r, n) + gemm(T, d, r)  # g·s, dz, dz·A
+                 + stream(3 * T * d * 2) + gemm(r, d, T) + gemm(n, r, T))  # dx +=, dA, dB
+    case = next(c for c in C.all_cases() if c.op == "headwise_qkv"
+                and c.label == "gpt2-small T=16384 kernel-mix-qvo-intermediate")
+    assert case.shape["lora_rank"] == r
+    got = sum(part["t"] for part in case.baselines["peft-lora"]())
+    assert math.isclose(got, want, rel_tol=1e-12), (got, want)
+
+
+def test_krona_kron_dense_baseline_counts_every_eager_kernel():
+    """The kron-dense baseline is the benchmark's provider, F.linear(x, W, b) +
+    F.linear(x, s·torch.kron(A, B)), in eager PyTorch fwd + bwd (x, A, B): 14 kernels, each
+    at the GEMM ceiling or its bytes at HBM_BW plus a launch — torch.kron is a broadcast
+    multiply (and its backward two multiplies and two sums), the scale a multiply each way."""
+    from kfused.perf import cases as C
+    from kfused.perf import roofline as R
+
+    def op(nbytes, flops=0.0):
+        return max(flops / R.WGMMA_RATE, nbytes / R.HBM_BW) + R.KERNEL_OVERHEAD_S
+
+    T, d, (ao, ai), (bo, bi) = 16384, 768, (24, 24), (32, 32)
+    dW, ab, act, gemm = d * d * 2, (ao * ai + bo * bi) * 2, T * d * 2, 2.0 * T * d * d
+    want = (op(act + dW + 2 * d + act, gemm)           # x Wᵀ + b
+            + op(ab + dW) + op(2 * dW)                 # kron(A, B), ·s
+            + op(act + dW + act, gemm) + op(3 * act)   # x ΔWᵀ, +
+            + op(act + act + dW, gemm)                 # dΔW = gᵀ x
+            + op(act + dW + act, gemm)                 # g ΔW
+            + op(2 * dW)                               # dΔW·s
+            + op(2 * dW + ao * ai * 2) + op(2 * dW + bo * bi * 2)   # · B, · A (broadcast)
+            + op(dW + ao * ai * 2) + op(dW + bo * bi * 2)           # Σ -> dA, dB
+            + op(act + dW + act, gemm) + op(3 * act))  # g W, dx1 + dx2
+    case = next(c for c in C.all_cases() if c.op == "krona_linear"
+                and c.label.startswith("T=16384 768->768 A24x24 B32x32") and "exact" in c.label)
+    parts = case.baselines["kron-dense"]()
+    assert len(parts) == 14
+    assert math.isclose(sum(p_["t"] for p_ in parts), want, rel_tol=1e-3)
+
+
+def test_glue_bytes_of_a_copy():
+    """A traced dst.copy_(src) reads src and writes dst (dst is not read): 2 × its bytes, like
+    an out-of-place cast; an in-place add reads both operands and writes one (3 ×)."""
+    import torch
+
+    from kfused.perf.trace import trace
+
+    def run():
+        dst, src = torch.empty(1000, 64, dtype=torch.bfloat16), torch.empty(1000, 64,
+                                                                            dtype=torch.bfloat16)
+        dst.copy_(src)
+        dst.add_(src)
+
+    _, ops = trace(run, warm=False)
+    n = 1000 * 64 * 2
+    assert [(g.name, g.bytes) for g in ops] == [("copy_", 2 * n), ("add_", 3 * n)]
+
+
+def test_grounding_without_a_compiled_kernel_is_not_within_25pct(monkeypatch):
+    """A grounding kernel that fails to compile has no prediction (NaN): the report must not
+    say the model is within 25 % of its references (it skipped such rows)."""
+    from kfused.perf import compile as CP
+    from kfused.perf import grounding
+
+    monkeypatch.setattr(CP, "jit_spec", lambda *a, **k: None)   # nothing is compiled here
+    monkeypatch.setattr(CP, "compile_many",
+                        lambda items, jobs=2: [(None, "CompileError: boom")] * len(items))
+    res = grounding.run(jobs=1)
+    assert any("error" in r for r in res["rows"])
+    assert res["within_25pct"] is False
+    # ... and the run reports them as compile failures (kfused perf --check exits 1)
+    from kfused.perf import report
+
+    rep = report.analyse(ops=["no-such-op"], archs=(90,), jobs=1, with_csrc=False,
+                         with_representative=False)
+    assert rep["cases"] == []
+    assert [f["where"] for f in rep["failures"]] == ["grounding", "grounding"]
+
+
+def test_sdpa_decode_split_count_uses_fa2_key_blocks():
+    """SDPA's decode baseline splits the keys with FlashAttention-2's heuristic over its key
+    blocks: 256 keys for p <= 64 (set_params_splitkv), 128 for p = 128. B = 1, 8 heads, 2048
+    keys, p = 64: 8 key blocks, 8 blocks of rows -> 8 splits (with 128-key blocks: 16)."""
+    from kfused.perf import cases as C
+
+    assert C._fa2_num_splits(8, 8) == 8 and C._fa2_num_splits(8, 16) == 16
+    parts = C._inducer_decode_case(1, 8, 8, 2048, 64).baselines["sdpa"]()
+    assert "(8 splits;" in parts[0]["name"], parts[0]["name"]
+    parts = C._inducer_decode_case(1, 8, 8, 2048, 128).baselines["sdpa"]()
+    assert "(16 splits;" in parts[0]["name"], parts[0]["name"]

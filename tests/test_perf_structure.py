@@ -76,3 +76,23 @@ def test_violation_rules():
     # float32 launches are not required to use tensor cores (IEEE dots by docs/math.md §4)
     st = dict(spill_bytes=0, dots=dict(dot_f32_ieee=2), sass={})
     assert R.launch_violations(st, ["fp32"]) == []
+
+
+def test_update_known_refused_after_compile_failures(tmp_path, monkeypatch):
+    """`kfused perf --update-known` after a run with compile failures (or without the CUDA C++
+    objects) leaves known_violations.json as it is and exits 1: a kernel that did not compile
+    shows no violation, so writing the list would drop its entries from the ratchet."""
+    known = tmp_path / "known.json"
+    entry = dict(arch="sm_90", where="csrc/x.cu", kernel="k", what="spill_bytes", value=8)
+    known.write_text('{"violations": [' + __import__("json").dumps(entry) + "]}\n")
+    before = known.read_text()
+    monkeypatch.setattr(R, "KNOWN", str(known))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    for extra in (dict(failures=[dict(kernel="k", where="csrc", arch=90, error="boom")]),
+                  dict(csrc={"skipped": "nvcc not found"})):
+        report = dict(label=R.LABEL, versions={}, violations=[], failures=[], elapsed_s=0.0)
+        report.update(extra)
+        monkeypatch.setattr(R, "analyse", lambda *a, **k: report)
+        rc = R.run(["--update-known", "--structure-only", "--json", str(tmp_path / "r.json")])
+        assert rc == 1 and known.read_text() == before

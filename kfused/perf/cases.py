@@ -610,10 +610,15 @@ def _fa2(name, B, H, n, p, causal, bwd, el=2, Hkv=None):
 
 def _fa2_varlen(name, lens, H, p, causal, bwd, el=2, Hkv=None):
     """FlashAttention-2 over sequences of the given lengths in one launch (a batch: equal
-    lengths; the varlen kernel: packed ones). Programs: every sequence's 128-row tiles."""
+    lengths; the varlen kernel: packed ones). Programs: every sequence's 128-row tiles.
+
+    Work is what its tiles issue, as for kfused's kernels (_attn_tiles): 128-row query tiles
+    (forward; the backward's key tiles are 128 wide) against whole key tiles, so a causal
+    tile on the diagonal is computed in full and masked — m(m + 128)/2 scores per head of a
+    sequence of m = 128·k, not m²/2 (FA2 sm_90 tiles for p <= 128: forward 128 × 128 (p 64)
+    or 128 × 64 (p 128), backward 128 × 128 or 64 × 128 query × key rows, all the same count)."""
     Hkv = Hkv or H
-    frac = 0.5 if causal else 1.0
-    scores = sum(H * m * m * frac for m in lens)
+    scores = sum(H * _attn_tiles(m, m, 128, 128, causal, 0) * 128 * 128 for m in lens)
     T = sum(lens)
     prods = 5 if bwd else 2
     work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
@@ -949,12 +954,20 @@ def _krona_case(T, d_in, d_out, A_shape, B_shape, fac, path="gpu-default"):
         return [_gemm("fwd GEMM", T, d_out, d_in), _gemm("dx GEMM", T, d_in, d_out)]
 
     def kron_dense():
-        dW = d_out * d_in * el
-        return [_stream("kron(A,B)·s", dW * 2), _gemm("fwd GEMM W", T, d_out, d_in),
-                _gemm("fwd GEMM ΔW", T, d_out, d_in), _stream("add", 3 * T * d_out * el),
-                _gemm("dx GEMM W", T, d_in, d_out), _gemm("dx GEMM ΔW", T, d_in, d_out),
-                _stream("add dx", 3 * T * d_in * el), _gemm("dΔW GEMM", d_out, d_in, T),
-                _stream("kron backward (dA, dB from dΔW)", dW * 2)]
+        # the benchmark's kron-dense provider (kfused.cases.krona) in eager PyTorch, traced
+        # and costed op by op like our glue: torch.kron is a broadcast multiply, its backward
+        # two multiplies and two sums, the scale a multiply each way (as one stream each way,
+        # five launches and their bytes were missing)
+        def run():
+            import torch.nn.functional as F
+
+            x = _e(T, d_in, grad=True)
+            W, b = _e(d_out, d_in), _e(d_out)
+            A, B = _e(a_out, a_in, grad=True), _e(b_out, b_in, grad=True)
+            y = F.linear(x, W, b) + F.linear(x, 0.5 * torch.kron(A, B))
+            _grad(y, [x, A, B])
+
+        return _traced_torch("kron-dense", run)
 
     def compiled():
         # torch.compile of the reference: cuBLAS for the frozen GEMMs and the two factor
@@ -1039,27 +1052,39 @@ def _headwise_case(width, d, H, Hkv, preset, T):
     N = (H + 2 * Hkv) * p
     el = 2
     rq, rv = cfg.q, cfg.v
-    # LoRA with the same parameter budget on q and v (what peft runs): rank r each
+    # LoRA with the same parameter budget on q and v (what peft runs): rank r each, on
+    # q (d -> H·p) and v (d -> Hkv·p: narrower than d with grouped-query attention); the
+    # budget counts the per-head biases c (as for o below, and headwise_parameter_count)
     budget = (rq.shared * (d + H * p) + H * (rq.wise * (d + p) + rq.lite * 2 * p)
-              + rv.shared * (d + Hkv * p) + Hkv * (rv.wise * (d + p) + rv.lite * 2 * p))
-    r = max(1, round(budget / (2 * (d + d))))
+              + rv.shared * (d + Hkv * p) + Hkv * (rv.wise * (d + p) + rv.lite * 2 * p)
+              + (H * p if rq.wise or rq.lite else 0) + (Hkv * p if rv.wise or rv.lite else 0))
+    r = max(1, round(budget / ((d + H * p) + (d + Hkv * p))))
 
     def floor():
         return [_gemm("fwd GEMM [Wq;Wk;Wv]", T, N, d), _gemm("dx GEMM", T, d, N)]
 
     def lora():
+        # peft's Linear: result + lora_B(lora_A(x)) * scaling — the scaling is its own kernel
+        # forward (and its gradient backward) even at scaling 1 (the benchmark's alpha = r)
         out = floor()
         for name, n_out in (("q", H * p), ("v", Hkv * p)):
             out += [_gemm(f"{name} down x·Aᵀ", T, r, d), _gemm(f"{name} up z·Bᵀ", T, n_out, r),
+                    _stream(f"{name} ·scaling", 2 * T * n_out * el),
                     _stream(f"{name} add", 3 * T * n_out * el),
+                    _stream(f"{name} g·scaling", 2 * T * n_out * el),
                     _gemm(f"{name} dz = g·B", T, r, n_out), _gemm(f"{name} dx += dz·A", T, d, r),
                     _stream(f"{name} dx add", 3 * T * d * el),
                     _gemm(f"{name} dA", r, d, T), _gemm(f"{name} dB", n_out, r, T)]
         out.append(_stream("split/cat q|k|v", 2 * T * N * el))
         return out
 
-    rank_cols = H * (rq.wise + rq.lite) + Hkv * (rv.wise + rv.lite) + rq.shared + rv.shared
-    useful = 2.0 * T * d * N * 2 + 3 * 2.0 * T * (d * rank_cols + rank_cols * p)
+    # the adapter's products per token (docs/math.md §2), forward: Kernel-wise d -> r -> p per
+    # head; lite p -> r -> p per head (Z = K^h A_hᵀ: K^h is the frozen GEMM's); shared LoRA
+    # d -> r_s -> the projection's whole width. Backward twice that (dZ, dB; dA, dX).
+    macs = (H * rq.wise * (d + p) + Hkv * rv.wise * (d + p)
+            + H * rq.lite * 2 * p + Hkv * rv.lite * 2 * p
+            + rq.shared * (d + H * p) + rv.shared * (d + Hkv * p))
+    useful = 2.0 * T * d * N * 2 + 3 * 2.0 * T * macs
     return Case(
         op="headwise_qkv", label=f"{width} T={T} {preset}",
         shape=dict(width=width, d=d, H=H, H_kv=Hkv, p=p, T=T, preset=preset, lora_rank=r),
@@ -1110,14 +1135,16 @@ def _oproj_case(width, d, H, preset, T):
     def floor():
         return [_gemm("fwd GEMM W_o", T, d, HP), _gemm("dx GEMM", T, HP, d)]
 
-    def lora():
+    def lora():   # as peft runs it (the scaling a kernel each way, as for q|k|v above)
         return floor() + [_gemm("down o·Aᵀ", T, r, HP), _gemm("up z·Bᵀ", T, d, r),
-                          _stream("add", 3 * T * d * el), _gemm("dz = g·B", T, r, d),
+                          _stream("·scaling", 2 * T * d * el), _stream("add", 3 * T * d * el),
+                          _stream("g·scaling", 2 * T * d * el), _gemm("dz = g·B", T, r, d),
                           _gemm("do += dz·A", T, HP, r), _stream("do add", 3 * T * HP * el),
                           _gemm("dA", r, HP, T), _gemm("dB", d, r, T)]
 
-    cols = H * ro.wise + ro.shared
-    useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * cols * (p + d)
+    # per token: Kernel-wise p -> r -> d per head (B: d × H·r), shared LoRA H·p -> r_s -> d
+    macs = H * ro.wise * (p + d) + ro.shared * (HP + d)
+    useful = 2.0 * T * d * HP * 2 + 3 * 2.0 * T * macs
     return Case(
         op="headwise_oproj", label=f"{width} T={T} {preset}[o] ({tag})",
         shape=dict(width=width, d=d, H=H, p=p, T=T, preset=preset, lora_rank=r, path=tag),
@@ -1294,8 +1321,9 @@ def _inducer_decode_case(B, H, Hkv, n_k, p, L_KEY=4, R_VALUE=8):
         # read once per kv head), and set_params_splitkv picks the split count with FA2's
         # heuristic; more than one split adds the combine launch over the float32 partials.
         # Each launch is taken at the streaming rate (its best case).
-        splits = _fa2_num_splits(B * Hkv * cdiv(H // Hkv, 64), cdiv(n_k, 128 if p <= 128
-                                                                       else 64))
+        # key blocks of FA2's set_params_splitkv: 256 keys for p <= 64, 128 to p 128, else 64
+        block_n = 256 if p <= 64 else 128 if p <= 128 else 64
+        splits = _fa2_num_splits(B * Hkv * cdiv(H // Hkv, 64), cdiv(n_k, block_n))
         partials = splits * B * H * p * 4 if splits > 1 else 0
         out = [_stream(f"sdpa decode ({splits} split{'s' if splits > 1 else ''}; K, V read "
                        "once)", kv_bytes + el * B * H * p * 2 + partials)]

@@ -429,9 +429,37 @@ def _work_one(i: int):
         return None, f"{type(exc).__name__}: {str(exc)[:1500]}"
 
 
+def launch_error(stats: dict, arch: int) -> Optional[str]:
+    """Why a compiled kernel cannot launch on sm_<arch> (None when it can): Triton compiles
+    a kernel whatever shared memory it needs and raises OutOfResources only when it loads
+    it on the GPU, so a compile that succeeds here may still never run there."""
+    if stats.get("ctas_per_sm", 1) > 0:
+        return None
+    lim = SM_LIMITS[arch]
+    shared = int(stats.get("shared_bytes", 0))
+    if shared > lim["smem_per_block"]:
+        return (f"OutOfResources: needs {shared} B of shared memory, sm_{arch} allows "
+                f"{lim['smem_per_block']} B per block (it compiles but cannot launch)")
+    return (f"OutOfResources: {stats.get('regs')} registers x {stats.get('num_warps')} warps "
+            f"and {shared} B of shared memory fit no CTA on an sm_{arch} SM (it compiles but "
+            "cannot launch)")
+
+
 def compile_many(items: Sequence[tuple], jobs: int = 2) -> List[Tuple[Optional[dict],
                                                                        Optional[str]]]:
-    """items: (fn, spec, arch). Compiles the uncached ones in ``jobs`` forked processes."""
+    """items: (fn, spec, arch). Compiles the uncached ones in ``jobs`` forked processes.
+    A kernel that compiles but cannot launch on the arch (:func:`launch_error`) is a failure
+    like one that does not compile."""
+    results = _compile_many(items, jobs)
+    for i, ((_, _, arch), (st, err)) in enumerate(zip(items, results)):
+        why = None if err or st is None else launch_error(st, arch)
+        if why:
+            results[i] = (None, why)
+    return results
+
+
+def _compile_many(items: Sequence[tuple], jobs: int) -> List[Tuple[Optional[dict],
+                                                                  Optional[str]]]:
     results: List[Tuple[Optional[dict], Optional[str]]] = [(None, None)] * len(items)
     todo = []
     for i, (fn, spec, arch) in enumerate(items):

@@ -173,6 +173,7 @@ def run(jobs: int = 2) -> Dict[str, object]:
                      predicted_t_s=t, predicted_tflops=tf, reference_tflops=798.0,
                      source="measured on this project's H100 (issue 10); by construction",
                      error_pct=100 * (tf - 798.0) / 798.0))
-    ok = all(abs(r["error_pct"]) <= 25 for r in rows if r["error_pct"] == r["error_pct"])
+    # a row without a prediction (its kernel did not compile) grounds nothing: not within
+    ok = all(abs(r["error_pct"]) <= 25 for r in rows)
     return dict(rows=rows, within_25pct=ok,
                 note="predicted vs reference; a model outside 25 % is not a yardstick")

@@ -321,6 +321,10 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
         from kfused.perf import grounding
 
         report["grounding"] = grounding.run(jobs=jobs)
+        for row in report["grounding"]["rows"]:     # a grounding kernel is compiled too
+            if "error" in row:
+                report["failures"].append(dict(kernel=row["name"], where="grounding", arch=90,
+                                               error=row["error"]))
     report["elapsed_s"] = time.time() - t0
     return report
 
@@ -480,14 +484,29 @@ def _our_report(path: str) -> bool:
     return isinstance(data, dict) and data.get("label") == LABEL
 
 
+def default_json() -> str:
+    """Where a run without --json writes its report: benchmarks/results/predicted/ of the
+    source checkout kfused runs from; ./kfused_perf_results/ for an installed package (never
+    into site-packages, like kfused bench's default folder)."""
+    if os.path.isdir(os.path.join(ROOT, "benchmarks")) and os.path.isdir(os.path.join(ROOT,
+                                                                                   "kfused")):
+        return os.path.join(OUT_DIR, "perf-latest.json")
+    return os.path.join(os.getcwd(), "kfused_perf_results", "perf-latest.json")
+
+
 def _archs(text: str) -> tuple:
-    """--arch: a comma list of SM versions (e.g. 90,80), as integers."""
+    """--arch: a comma list of SM versions (e.g. 90,80), as integers; only those whose limits
+    the model knows (kfused.perf.compile.SM_LIMITS: every launch of another arch failed with
+    KeyError after the compile run)."""
+    from kfused.perf.compile import SM_LIMITS
+
     try:
         archs = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         archs = ()
-    if not archs or any(a < 50 for a in archs):
-        raise argparse.ArgumentTypeError(f"expected a comma list of SM versions such as 90,80, "
+    known = ",".join(str(a) for a in sorted(SM_LIMITS, reverse=True))
+    if not archs or any(a not in SM_LIMITS for a in archs):
+        raise argparse.ArgumentTypeError(f"expected a comma list of the SM versions {known}, "
                                          f"got {text!r}")
     return archs
 
@@ -516,7 +535,8 @@ def run(argv=None) -> int:
                    help="compile and check structure only (no model, no grounding)")
     p.add_argument("--json", default=None, help="write the JSON here, and the table beside it "
                    "as <name>.txt (default benchmarks/results/predicted/perf-latest.json "
-                   "unless --structure-only)")
+                   "of the checkout, ./kfused_perf_results/perf-latest.json for an installed "
+                   "package; none with --structure-only)")
     p.add_argument("--update-known", action="store_true",
                    help="rewrite kfused/perf/known_violations.json from this run (sm_90)")
     p.add_argument("--check", action="store_true",
@@ -532,6 +552,15 @@ def run(argv=None) -> int:
                     f"prefixes of {', '.join(known_ops)}")
     if a.update_known and (ops or 90 not in a.arch or a.no_csrc):
         p.error("argument --update-known: needs a full run (all ops, sm_90, csrc)")
+    if a.check and 90 not in a.arch:
+        # the known list is sm_90's: without it every entry would be reported fixed
+        p.error("argument --check: compares the sm_90 violations with the known list; "
+                "--arch must include 90")
+    if not a.structure_only and 90 not in a.arch:
+        # without sm_90 statistics every launch was predicted with no tensor-core instruction
+        # and one CTA per SM (--arch 80: the Triton headwise_lowrank case 240 us -> 589 us)
+        p.error("argument --arch: the model predicts H100 times from the sm_90 compile; "
+                "include 90, or pass --structure-only")
     if a.json is not None:
         folder = os.path.dirname(os.path.abspath(a.json))
         text_path = os.path.splitext(a.json)[0] + ".txt"
@@ -546,14 +575,18 @@ def run(argv=None) -> int:
         if not a.structure_only and os.path.lexists(text_path) and not _our_table(text_path):
             p.error(f"argument --json: the table goes to {text_path}, which exists and was "
                     "not written by kfused perf; not overwriting it")
+    path = a.json
+    if path is None and not a.structure_only:
+        path = default_json()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as exc:
+            p.error(f"argument --json: the default report folder {os.path.dirname(path)} "
+                    f"cannot be made ({exc}); give --json")
     report = analyse(ops, a.arch, a.jobs, with_csrc=not a.no_csrc,
                      with_grounding=not a.no_grounding,
                      with_representative=not a.no_representative,
                      structure_only=a.structure_only)
-    path = a.json
-    if path is None and not a.structure_only:
-        os.makedirs(OUT_DIR, exist_ok=True)
-        path = os.path.join(OUT_DIR, "perf-latest.json")
     if path:  # replaced whole or not at all (kfused._files), like the other commands' reports
         def dump(tmp: str) -> None:
             with open(tmp, "w") as f:
@@ -572,7 +605,15 @@ def run(argv=None) -> int:
     print(f"\n{len(report['failures'])} compile failures, {len(report['violations'])} "
           f"violations; {report['elapsed_s']:.0f} s" + (f"; JSON: {path}" if path else ""))
     rc = 1 if report["failures"] else 0
-    if a.update_known:
+    skipped = (report.get("csrc") or {}).get("skipped")
+    if a.update_known and (report["failures"] or skipped):
+        # a kernel that did not compile (or CUDA C++ objects not built) shows no violation:
+        # writing the list now would silently drop its entries from the ratchet
+        why = (f"{len(report['failures'])} compile failures" if report["failures"]
+               else f"the CUDA C++ objects were not compiled ({skipped})")
+        print(f"not updating {KNOWN}: {why}; the list is unchanged")
+        rc = 1
+    elif a.update_known:
         report["violations"] = [v for v in report["violations"] if v["arch"] == "sm_90"]
         write_known(report)
         print(f"wrote {KNOWN}")

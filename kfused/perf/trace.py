@@ -68,6 +68,8 @@ class _Glue(TorchDispatchMode):
             if short in ("zero_", "fill_", "zeros", "ones", "full", "zeros_like", "ones_like",
                          "full_like", "new_zeros", "new_ones", "new_full"):
                 nb = sum(_nbytes(t) for t in outs)          # write only
+            elif short == "copy_" and ins:
+                nb = sum(_nbytes(t) for t in ins)           # src read, dst written (not read)
             flops = 0.0
             if short in _MATMUL and outs:
                 k = ins[-1].shape[-2] if short in ("mm", "bmm", "addmm", "baddbmm") else \
