@@ -103,8 +103,33 @@ def _worker(rank, world, port, out_dir):
             results["shard_world_mismatch"] = str(exc)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
+        _save_fails_on_rank_0(rank, out_dir)  # last: before the fix it left the ranks out of step
     finally:
         dist.destroy_process_group()
+
+
+def _save_fails_on_rank_0(rank, out_dir):
+    """save() into a path that is a regular file: rank 0 refuses it; every rank must raise
+    (rank 1 returned as if saved, or waited in a barrier rank 0 never reached)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused.integration import AdapterConfig, inject, save
+
+    model = make("gpt2")
+    inject(model, AdapterConfig(method="lora", targets=["qkv"], backend="reference"))
+    target = os.path.join(out_dir, "a_file")
+    if rank == 0:
+        with open(target, "w") as f:
+            f.write("not a checkpoint")
+    dist.barrier()
+    try:
+        save(model, target)
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"save_into_file-{rank}.txt"), "w") as f:
+        f.write(outcome)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +188,20 @@ def test_distributed_checkpoint_loads_single_process(multi, single, mode):
 
 def test_shard_batch_refuses_a_world_other_than_the_process_groups(multi):
     assert "the process group has 2 ranks" in multi[1]["shard_world_mismatch"]
+
+
+def test_save_failing_on_rank_0_raises_on_every_rank(multi):
+    outcomes = []
+    for r in range(WORLD):
+        with open(os.path.join(multi[0], f"save_into_file-{r}.txt")) as f:
+            outcomes.append(f.read())
+    assert outcomes[0].startswith("CheckpointError: cannot save to"), outcomes[0]
+    for r in range(1, WORLD):
+        assert outcomes[r].startswith("CheckpointError: save to"), outcomes[r]
+        assert "failed on rank 0" in outcomes[r] and "it exists and is a regular file" \
+            in outcomes[r], outcomes[r]
+    with open(os.path.join(multi[0], "a_file")) as f:
+        assert f.read() == "not a checkpoint"
 
 
 def test_bad_inputs_without_a_process_group():
