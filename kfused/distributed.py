@@ -53,19 +53,43 @@ def launched_with_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _env_int(name: str, default: Optional[int] = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None and default is not None:
+        return default
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer "
+                         "(torchrun sets it)") from None
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: int = 600
                      ) -> Tuple[int, int, torch.device]:
     """Join the process group described by the torchrun environment variables.
 
     backend: "nccl" on CUDA, "gloo" on the CPU by default. Returns (rank, world, device); the
-    device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
+    device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. A RANK, WORLD_SIZE or
+    LOCAL_RANK that is not an integer, or out of range, is a ValueError naming it.
     """
     if not launched_with_torchrun():
         raise RuntimeError("distributed training needs the torchrun environment (RANK, WORLD_SIZE, "
                            "MASTER_ADDR, MASTER_PORT); launch with e.g. "
                            "`torchrun --nproc-per-node 2 -m kfused.cli.demo --distributed ddp`")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = _env_int("LOCAL_RANK", 0)
+    if local < 0:
+        raise ValueError(f"environment variable LOCAL_RANK={local} must be >= 0")
+    if not is_distributed():
+        world, rank_ = _env_int("WORLD_SIZE"), _env_int("RANK")
+        if world < 1:
+            raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
+        if not 0 <= rank_ < world:  # torch would wait for a rendezvous, then time out
+            raise ValueError(f"environment variable RANK={rank_} must be in [0, WORLD_SIZE="
+                             f"{world}) (ranks count from 0)")
     if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"environment variable LOCAL_RANK={local} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA devices")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:

@@ -229,6 +229,29 @@ def test_bad_inputs_without_a_process_group():
             kd.wrap_model(nn.Linear(2, 2), mode, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("env, match", [
+    (dict(RANK="abc", WORLD_SIZE="2"), r"RANK='abc' must be an integer"),
+    (dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="x"), r"LOCAL_RANK='x' must be an integer"),
+    (dict(RANK="2", WORLD_SIZE="2"), r"RANK=2 must be in \[0, WORLD_SIZE=2\)"),  # was a timeout
+    (dict(RANK="-1", WORLD_SIZE="2"), r"RANK=-1 must be in \[0, WORLD_SIZE=2\)"),
+    (dict(RANK="0", WORLD_SIZE="0"), r"WORLD_SIZE=0 must be >= 1"),
+])
+def test_init_distributed_refuses_a_bad_environment(monkeypatch, env, match):
+    from kfused import distributed as kd
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(ValueError, match=match):
+            kd.init_distributed(timeout_s=2)
+    finally:
+        if dist.is_initialized():  # never leave a process group behind
+            dist.destroy_process_group()
+
+
 def test_demo_torchrun_ddp(tmp_path):
     """`torchrun --nproc-per-node 2 -m kfused.cli.demo --distributed ddp` on the CPU (gloo)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
