@@ -101,11 +101,39 @@ def _worker(rank, world, port, out_dir):
             results["shard_world_mismatch"] = "no error"
         except ValueError as exc:
             results["shard_world_mismatch"] = str(exc)
+        for mode in ("ddp", "fsdp2"):
+            results[f"inject_after_{mode}"] = _adapt_a_wrapped_model(mode, out_dir)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
         _save_fails_on_rank_0(rank, out_dir)  # last: before the fix it left the ranks out of step
     finally:
         dist.destroy_process_group()
+
+
+def _adapt_a_wrapped_model(mode, out_dir):
+    """inject / load (which injects) into a model already wrapped by DDP / FSDP2: refused (the
+    wrapper never synchronised the new adapters' gradients: each rank trained its own)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, get_state, inject, load
+
+    out = []
+    for how in ("inject", "load"):
+        model = kd.wrap_model(make("gpt2"), mode, torch.device("cpu"))
+        try:
+            if how == "inject":
+                inject(model, AdapterConfig(method="lora", targets=["qkv"], backend="reference"))
+            else:
+                load(model, os.path.join(out_dir, "ddp"))
+            got = "no error"
+        except ValueError as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        if get_state(model, required=False) is not None:  # a refused call changes nothing
+            got += " [model changed]"
+        out.append(got)
+    return out
 
 
 def _save_fails_on_rank_0(rank, out_dir):
@@ -188,6 +216,16 @@ def test_distributed_checkpoint_loads_single_process(multi, single, mode):
 
 def test_shard_batch_refuses_a_world_other_than_the_process_groups(multi):
     assert "the process group has 2 ranks" in multi[1]["shard_world_mismatch"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_inject_or_load_into_a_wrapped_model_is_refused(multi, mode):
+    inj, ld = multi[1][f"inject_after_{mode}"]
+    wrapper = "DistributedDataParallel" if mode == "ddp" else "FSDP2"
+    for got in (inj, ld):
+        assert "already wrapped for multi-process training" in got and wrapper in got, got
+        assert "[model changed]" not in got, got
+    assert ld.startswith("CheckpointError: cannot inject"), ld
 
 
 def test_save_failing_on_rank_0_raises_on_every_rank(multi):

@@ -54,8 +54,8 @@ import torch
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import (get_state, inject, merged_modules, restore,
-                                       snapshot, unwrap)
+from kfused.integration.inject import (get_state, inject, merged_modules, refuse_wrapped,
+                                       restore, snapshot, unwrap)
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -649,6 +649,7 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
     if state is None:
         snap = snapshot(m)
         try:
+            refuse_wrapped(model)
             inject(m, cfg)
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"cannot inject the checkpoint's adapters "

@@ -60,6 +60,47 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _parallel_wrapper(model: nn.Module) -> Optional[str]:
+    """How ``model`` is wrapped for multi-process training (DistributedDataParallel, FSDP2's
+    fully_shard, DTensor parameters), or None."""
+    seen, m = 0, model
+    while seen < 8:
+        seen += 1
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            return "DistributedDataParallel"
+        if hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):
+            m = m._orig_mod
+        else:
+            break
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = ()
+    for name, sub in m.named_modules():
+        if FSDPModule and isinstance(sub, FSDPModule):
+            return f"FSDP2 (fully_shard on {name or 'the model'})"
+    for name, p in m.named_parameters():
+        if hasattr(p, "device_mesh"):
+            return f"sharded parameters (DTensor {name})"
+    return None
+
+
+def refuse_wrapped(model: nn.Module) -> None:
+    """ValueError when ``model`` is already wrapped for multi-process training: the wrapper's
+    gradient sync covers only the parameters it was given, so adapters added now would train
+    on each rank alone."""
+    wrapper = _parallel_wrapper(model)
+    if wrapper is not None:
+        raise ValueError(f"inject: this model is already wrapped for multi-process training "
+                         f"({wrapper}), which synchronises only the parameters it had then: "
+                         "adapters added now would train on each rank alone. Inject (or load, "
+                         "which injects into a model without adapters) before "
+                         "kfused.distributed.wrap_model.")
+
+
 def get_state(model: nn.Module, required: bool = True) -> Optional[InjectState]:
     state = getattr(unwrap(model), "kfused_state", None)
     if state is None and required:
@@ -330,7 +371,8 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
         config: an :class:`AdapterConfig`, a preset name (see ``kfused.integration.PRESETS``),
             or None to build one from ``fields`` (e.g. ``inject(model, method="lora", r=4)``).
     Raises:
-        ValueError: unknown method, no matching module, wrong module type, already injected.
+        ValueError: unknown method, no matching module, wrong module type, already injected,
+            a model already wrapped by DDP / FSDP2 (inject before wrapping).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"inject: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -347,6 +389,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     if get_state(target_model, required=False) is not None:
         raise ValueError("model already has kfused adapters; inject once per model "
                          "(use a composite method to combine adapters)")
+    refuse_wrapped(model)
     spec = get_method(config.method)
     arch = detect_arch(target_model, config.arch)
     dims = model_dims(target_model)
