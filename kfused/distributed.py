@@ -116,6 +116,31 @@ def transformer_blocks(model: nn.Module) -> Dict[str, nn.Module]:
     return found
 
 
+def parallel_wrapper(model: nn.Module) -> Optional[str]:
+    """How ``model`` is already wrapped for multi-process training (DistributedDataParallel,
+    FSDP2's fully_shard, DTensor parameters), or None."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = model
+    for _ in range(8):  # through torch.compile wrappers, as kfused.integration.unwrap
+        if isinstance(m, DDP):
+            return "DistributedDataParallel"
+        if not isinstance(getattr(m, "_orig_mod", None), nn.Module):
+            break
+        m = m._orig_mod
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch
+        from torch.distributed._composable.fsdp import FSDPModule
+    for name, sub in m.named_modules():
+        if isinstance(sub, FSDPModule):
+            return f"FSDP2: fully_shard on {name or 'the model'}"
+    for name, p in m.named_parameters():
+        if hasattr(p, "device_mesh"):
+            return f"DTensor parameter {name}"
+    return None
+
+
 def wrap_ddp(model: nn.Module, device: torch.device, **kwargs) -> nn.Module:
     """DistributedDataParallel over the model's trainable (adapter) parameters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -159,7 +184,8 @@ def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[tor
 def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> nn.Module:
     """"none" (unchanged), "ddp" or "fsdp2" (these need the process group: init_distributed).
     ``kwargs`` go to :func:`wrap_ddp` / :func:`wrap_fsdp2`; "none" takes none (they would be
-    dropped: e.g. an ``mp_dtype`` that never reaches a wrapper)."""
+    dropped: e.g. an ``mp_dtype`` that never reaches a wrapper). A model already wrapped by
+    DDP or FSDP2 is a ValueError (wrap once)."""
     if mode == "none":
         if kwargs:
             raise TypeError(f"wrap_model: mode 'none' leaves the model unchanged and takes no "
@@ -168,6 +194,10 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> n
     if mode in ("ddp", "fsdp2") and not is_distributed():
         raise RuntimeError(f"distributed mode {mode!r} needs an initialized process group; "
                            "call kfused.distributed.init_distributed() first (under torchrun)")
+    wrapper = parallel_wrapper(model) if mode in ("ddp", "fsdp2") else None
+    if wrapper is not None:  # twice: FSDP2 asserted, DDP over FSDP2 failed in a collective
+        raise ValueError(f"wrap_model: the model is already wrapped for multi-process training "
+                         f"({wrapper}); wrap it once")
     if mode == "ddp":
         return wrap_ddp(model, device, **kwargs)
     if mode == "fsdp2":

@@ -103,6 +103,7 @@ def _worker(rank, world, port, out_dir):
             results["shard_world_mismatch"] = str(exc)
         for mode in ("ddp", "fsdp2"):
             results[f"inject_after_{mode}"] = _adapt_a_wrapped_model(mode, out_dir)
+        results["wrap_twice"] = _wrap_twice()
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
         _save_fails_on_rank_0(rank, out_dir)  # last: before the fix it left the ranks out of step
@@ -133,6 +134,26 @@ def _adapt_a_wrapped_model(mode, out_dir):
         if get_state(model, required=False) is not None:  # a refused call changes nothing
             got += " [model changed]"
         out.append(got)
+    return out
+
+
+def _wrap_twice():
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, inject
+
+    out = {}
+    for first, second in (("ddp", "ddp"), ("fsdp2", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "ddp")):
+        model = inject(make("gpt2"), AdapterConfig(method="lora", targets=["qkv"],
+                                                   backend="reference"))
+        model = kd.wrap_model(model, first, torch.device("cpu"))
+        try:
+            kd.wrap_model(model, second, torch.device("cpu"))
+            out[first, second] = "no error"
+        except Exception as exc:
+            out[first, second] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -226,6 +247,15 @@ def test_inject_or_load_into_a_wrapped_model_is_refused(multi, mode):
         assert "already wrapped for multi-process training" in got and wrapper in got, got
         assert "[model changed]" not in got, got
     assert ld.startswith("CheckpointError: cannot inject"), ld
+
+
+def test_wrap_model_refuses_a_wrapped_model(multi):
+    """DDP over DDP all-reduced twice, FSDP2 twice tripped an assertion inside torch, DDP over
+    FSDP2 failed in a collective without a sharding strategy."""
+    for (first, second), got in multi[1]["wrap_twice"].items():
+        wrapper = "DistributedDataParallel" if first == "ddp" else "FSDP2: fully_shard"
+        assert got.startswith("ValueError: wrap_model: the model is already wrapped") \
+            and wrapper in got, (first, second, got)
 
 
 def test_save_failing_on_rank_0_raises_on_every_rank(multi):

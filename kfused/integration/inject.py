@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from kfused.distributed import parallel_wrapper
 from kfused.integration import methods as _builtin_methods  # noqa: F401  (registers builtins)
 from kfused.integration.arch import (ArchSpec, attention_blocks, describe_archs, detect_arch,
                                      model_dims, model_type_of)
@@ -60,39 +61,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _parallel_wrapper(model: nn.Module) -> Optional[str]:
-    """How ``model`` is wrapped for multi-process training (DistributedDataParallel, FSDP2's
-    fully_shard, DTensor parameters), or None."""
-    seen, m = 0, model
-    while seen < 8:
-        seen += 1
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
-            return "DistributedDataParallel"
-        if hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):
-            m = m._orig_mod
-        else:
-            break
-    try:
-        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
-    except ImportError:  # pragma: no cover - older torch
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:
-            FSDPModule = ()
-    for name, sub in m.named_modules():
-        if FSDPModule and isinstance(sub, FSDPModule):
-            return f"FSDP2 (fully_shard on {name or 'the model'})"
-    for name, p in m.named_parameters():
-        if hasattr(p, "device_mesh"):
-            return f"sharded parameters (DTensor {name})"
-    return None
-
-
 def refuse_wrapped(model: nn.Module) -> None:
     """ValueError when ``model`` is already wrapped for multi-process training: the wrapper's
     gradient sync covers only the parameters it was given, so adapters added now would train
     on each rank alone."""
-    wrapper = _parallel_wrapper(model)
+    wrapper = parallel_wrapper(model)
     if wrapper is not None:
         raise ValueError(f"inject: this model is already wrapped for multi-process training "
                          f"({wrapper}), which synchronises only the parameters it had then: "
