@@ -104,6 +104,8 @@ def _worker(rank, world, port, out_dir):
         for mode in ("ddp", "fsdp2"):
             results[f"inject_after_{mode}"] = _adapt_a_wrapped_model(mode, out_dir)
         results["wrap_twice"] = _wrap_twice()
+        for mode in ("ddp", "fsdp2"):
+            results[f"to_peft_{mode}"] = _to_peft(mode, out_dir)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
         _save_fails_on_rank_0(rank, out_dir)  # last: before the fix it left the ranks out of step
@@ -155,6 +157,27 @@ def _wrap_twice():
         except Exception as exc:
             out[first, second] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _to_peft(mode, out_dir):
+    """to_peft from every rank of a wrapped model: (the adapters, the error or None)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, adapter_state_dict, inject
+
+    model = inject(make("gpt2"), AdapterConfig(method="lora", targets=["qkv"], init="random",
+                                               backend="reference"))
+    weights = adapter_state_dict(model)
+    model = kd.wrap_model(model, mode, torch.device("cpu"))
+    try:
+        from kfused.integration.peft_interop import to_peft
+
+        to_peft(model, os.path.join(out_dir, f"peft_{mode}"))
+        return weights, None
+    except Exception as exc:
+        return weights, f"{type(exc).__name__}: {exc}"
 
 
 def _save_fails_on_rank_0(rank, out_dir):
@@ -256,6 +279,21 @@ def test_wrap_model_refuses_a_wrapped_model(multi):
         wrapper = "DistributedDataParallel" if first == "ddp" else "FSDP2: fully_shard"
         assert got.startswith("ValueError: wrap_model: the model is already wrapped") \
             and wrapper in got, (first, second, got)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_to_peft_of_a_wrapped_model(multi, mode):
+    """FSDP2's sharded adapters are gathered (to_peft failed inside safetensors on a DTensor:
+    'invalid python storage'); the export holds the full tensors."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    weights, err = multi[1][f"to_peft_{mode}"]
+    assert err is None, err
+    got = load_file(os.path.join(multi[0], f"peft_{mode}", "adapter_model.safetensors"))
+    for name, letter in ((n, n.rsplit(".", 1)[1]) for n in weights):
+        key = f"base_model.model.{name.rsplit('.', 1)[0]}.lora_{letter}.weight"
+        assert torch.equal(got[key], weights[name]), key
 
 
 def test_save_failing_on_rank_0_raises_on_every_rank(multi):

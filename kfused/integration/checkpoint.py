@@ -465,20 +465,20 @@ def save(model: nn.Module, directory: str) -> str:
             _write_version(model, directory, state, tensors)
         except BaseException as exc:
             failure = exc
-    _share_outcome(failure, directory)
+    _share_outcome(failure, f"save to {directory}", "the checkpoint")
     return directory
 
 
-def _share_outcome(failure: Optional[BaseException], directory: str) -> None:
+def _share_outcome(failure: Optional[BaseException], what: str, written: str,
+                   error: type = CheckpointError) -> None:
     """Raise ``failure`` (rank 0's, or None); under torch.distributed every rank first learns
-    whether rank 0's write succeeded, so no rank returns as if a failed save had written (nor
-    waits for a rank 0 that left :func:`save` with an exception)."""
+    whether rank 0's write succeeded, so no rank returns as if a failed write had happened
+    (nor waits for a rank 0 that left with an exception): the others raise ``error``."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
         torch.distributed.broadcast_object_list(outcome, src=0)
         if failure is None and outcome[0] is not None:
-            raise CheckpointError(f"save to {directory} failed on rank 0, which writes the "
-                                  f"checkpoint: {outcome[0]}")
+            raise error(f"{what} failed on rank 0, which writes {written}: {outcome[0]}")
     if failure is not None:
         raise failure
 

@@ -71,6 +71,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from kfused.integration.checkpoint import _dist_rank, _full, _share_outcome
 from kfused.integration.config import AdapterConfig
 from kfused.integration.inject import (adapter_modules, get_state, inject, restore, snapshot,
                                        unwrap)
@@ -911,13 +912,26 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
         FileExistsError: ``path`` is a file, or a folder with files to_peft did not write.
         ValueError: ``path`` is a symbolic link (nothing is written).
         OSError: writing or renaming failed; the previous export, if any, is kept complete.
+    Under torch.distributed every rank calls it (FSDP2's sharded adapters are gathered) and
+    rank 0 writes; when rank 0 fails the other ranks raise a RuntimeError quoting its error.
     """
-    from safetensors.torch import save_file
-
     cfg, tensors = _peft_config(model, task_type)
     path = os.path.abspath(os.fspath(path))
+    tensors = {k: _full(v) for k, v in tensors.items()}  # FSDP2: a collective, every rank
+    failure = None
+    if _dist_rank() == 0:  # under torch.distributed rank 0 writes, every rank learns how it went
+        try:
+            _write_export(cfg, tensors, path)
+        except BaseException as exc:
+            failure = exc
+    _share_outcome(failure, f"to_peft to {path}", "the export", error=RuntimeError)
+    return path
+
+
+def _write_export(cfg, tensors: Dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
     _check_target_folder(path)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent,
@@ -945,4 +959,3 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
         os.chdir(path)  # into the new folder: the old one, the cwd until now, is removed next
     if old is not None:
         _remove_old_export(old)
-    return path
