@@ -1,6 +1,7 @@
 """Issue 5, item 4: the adapted model under DDP and FSDP2 (gloo, 2 CPU processes) matches a
 single-process run on the same global batch: gradients, trained adapter weights, checkpoints."""
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -101,11 +102,11 @@ def _worker(rank, world, port, out_dir):
             results["shard_world_mismatch"] = "no error"
         except ValueError as exc:
             results["shard_world_mismatch"] = str(exc)
-        for mode in ("ddp", "fsdp2"):
-            results[f"inject_after_{mode}"] = _adapt_a_wrapped_model(mode, out_dir)
         results["wrap_twice"] = _wrap_twice()
         for mode in ("ddp", "fsdp2"):
             results[f"to_peft_{mode}"] = _to_peft(mode, out_dir)
+        for mode in ("ddp", "fsdp2"):
+            results[f"inject_after_{mode}"] = _adapt_a_wrapped_model(mode, out_dir)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
         _save_fails_on_rank_0(rank, out_dir)  # last: before the fix it left the ranks out of step
@@ -114,8 +115,9 @@ def _worker(rank, world, port, out_dir):
 
 
 def _adapt_a_wrapped_model(mode, out_dir):
-    """inject / load (which injects) into a model already wrapped by DDP / FSDP2: refused (the
-    wrapper never synchronised the new adapters' gradients: each rank trained its own)."""
+    """inject / load (which injects) / from_peft into a model already wrapped by DDP / FSDP2:
+    refused (the wrapper never synchronised the new adapters' gradients: each rank trained
+    its own)."""
     _setup_paths()
     from _hf_helpers import make
 
@@ -123,15 +125,19 @@ def _adapt_a_wrapped_model(mode, out_dir):
     from kfused.integration import AdapterConfig, get_state, inject, load
 
     out = []
-    for how in ("inject", "load"):
+    for how in ("inject", "load", "from_peft"):
         model = kd.wrap_model(make("gpt2"), mode, torch.device("cpu"))
         try:
             if how == "inject":
                 inject(model, AdapterConfig(method="lora", targets=["qkv"], backend="reference"))
-            else:
+            elif how == "load":
                 load(model, os.path.join(out_dir, "ddp"))
+            else:
+                from kfused.integration.peft_interop import from_peft
+
+                from_peft(model, os.path.join(out_dir, "peft_ddp"))  # the folder _to_peft wrote
             got = "no error"
-        except ValueError as exc:
+        except Exception as exc:
             got = f"{type(exc).__name__}: {exc}"
         if get_state(model, required=False) is not None:  # a refused call changes nothing
             got += " [model changed]"
@@ -264,9 +270,9 @@ def test_shard_batch_refuses_a_world_other_than_the_process_groups(multi):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_inject_or_load_into_a_wrapped_model_is_refused(multi, mode):
-    inj, ld = multi[1][f"inject_after_{mode}"]
+    inj, ld, peft = multi[1][f"inject_after_{mode}"]
     wrapper = "DistributedDataParallel" if mode == "ddp" else "FSDP2"
-    for got in (inj, ld):
+    for got in (inj, ld) + ((peft,) if importlib.util.find_spec("peft") else ()):
         assert "already wrapped for multi-process training" in got and wrapper in got, got
         assert "[model changed]" not in got, got
     assert ld.startswith("CheckpointError: cannot inject"), ld

@@ -61,16 +61,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def refuse_wrapped(model: nn.Module) -> None:
+def refuse_wrapped(model: nn.Module, fn: str = "inject") -> None:
     """ValueError when ``model`` is already wrapped for multi-process training: the wrapper's
     gradient sync covers only the parameters it was given, so adapters added now would train
     on each rank alone."""
     wrapper = parallel_wrapper(model)
     if wrapper is not None:
-        raise ValueError(f"inject: this model is already wrapped for multi-process training "
+        raise ValueError(f"{fn}: this model is already wrapped for multi-process training "
                          f"({wrapper}), which synchronises only the parameters it had then: "
-                         "adapters added now would train on each rank alone. Inject (or load, "
-                         "which injects into a model without adapters) before "
+                         "adapters added now would train on each rank alone. Add the adapters "
+                         "(inject, load into a model without adapters, from_peft) before "
                          "kfused.distributed.wrap_model.")
 
 

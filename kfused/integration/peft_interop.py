@@ -73,8 +73,8 @@ from torch import nn
 
 from kfused.integration.checkpoint import _dist_rank, _full, _share_outcome
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import (adapter_modules, get_state, inject, restore, snapshot,
-                                       unwrap)
+from kfused.integration.inject import (adapter_modules, get_state, inject, refuse_wrapped,
+                                       restore, snapshot, unwrap)
 from kfused.modules._linear import is_conv1d, linear_dims
 from kfused.modules.krona import KronALinear, _resolve_shapes
 from kfused.modules.lora import LoRALinear
@@ -593,6 +593,7 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
             model's layers); raised before the model is changed. Should PEFT still fail to load
             a folder, the model is restored as it was and the error says so.
         TypeError: wrong argument types.
+        ValueError: ``model`` is already wrapped by DDP / FSDP2 (convert before wrapping).
     """
     _peft()
     if adapter is None:
@@ -607,6 +608,7 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
     target = unwrap(model)
     if get_state(target, required=False) is not None:
         raise PeftConversionError("the model already has kfused adapters")
+    refuse_wrapped(model, "from_peft")
     _prevalidate_folder(target, folder)
     from peft import PeftModel
 
