@@ -2,12 +2,16 @@
 with kfused adapters, launched with ``torchrun`` (or ``torch.multiprocessing`` in tests).
 
     rank, world, device = init_distributed()          # reads RANK / WORLD_SIZE / LOCAL_RANK
+    kfused.inject(model, config)                       # adapters first, then the wrapper
     model = wrap_model(model, "ddp" | "fsdp2", device)
     ... train on this rank's shard of the global batch (shard_batch) ...
     kfused.integration.save(model, dir)                # every rank calls; rank 0 writes
 
-Adapters change nothing here: frozen base parameters have ``requires_grad=False``, so DDP
-all-reduces only the adapter gradients, and FSDP2 shards frozen and trainable parameters alike
+Add the adapters (inject, or load / from_peft into a model without them) before wrapping:
+a wrapper synchronises only the parameters it was given, so inject, load and from_peft refuse
+a wrapped model, and wrap_model refuses one already wrapped. Adapters change nothing else:
+frozen base parameters have ``requires_grad=False``, so DDP all-reduces only the adapter
+gradients, and FSDP2 shards frozen and trainable parameters alike
 (it allows both in one parameter group).
 """
 
@@ -130,8 +134,11 @@ def parallel_wrapper(model: nn.Module) -> Optional[str]:
         m = m._orig_mod
     try:
         from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
-    except ImportError:  # pragma: no cover - older torch
-        from torch.distributed._composable.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch, or one built without distributed
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = ()  # nothing is an instance of no class
     for name, sub in m.named_modules():
         if isinstance(sub, FSDPModule):
             return f"FSDP2: fully_shard on {name or 'the model'}"
