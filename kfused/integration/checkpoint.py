@@ -465,18 +465,22 @@ def save(model: nn.Module, directory: str) -> str:
             _write_version(model, directory, state, tensors)
         except BaseException as exc:
             failure = exc
-    _share_outcome(failure, f"save to {directory}", "the checkpoint")
+    _share_outcome(model, failure, f"save to {directory}", "the checkpoint")
     return directory
 
 
-def _share_outcome(failure: Optional[BaseException], what: str, written: str,
+def _share_outcome(model: nn.Module, failure: Optional[BaseException], what: str, written: str,
                    error: type = CheckpointError) -> None:
     """Raise ``failure`` (rank 0's, or None); under torch.distributed every rank first learns
     whether rank 0's write succeeded, so no rank returns as if a failed write had happened
     (nor waits for a rank 0 that left with an exception): the others raise ``error``."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        torch.distributed.broadcast_object_list(outcome, src=0)
+        device = None  # NCCL stages the bytes on this rank's GPU: the model's, not cuda:0
+        if torch.distributed.get_backend() == "nccl":
+            device = next((p.device for p in unwrap(model).parameters()
+                           if p.device.type == "cuda"), None)
+        torch.distributed.broadcast_object_list(outcome, src=0, device=device)
         if failure is None and outcome[0] is not None:
             raise error(f"{what} failed on rank 0, which writes {written}: {outcome[0]}")
     if failure is not None:

@@ -926,7 +926,7 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
             _write_export(cfg, tensors, path)
         except BaseException as exc:
             failure = exc
-    _share_outcome(failure, f"to_peft to {path}", "the export", error=RuntimeError)
+    _share_outcome(model, failure, f"to_peft to {path}", "the export", error=RuntimeError)
     return path
 
 
