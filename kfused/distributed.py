@@ -2,12 +2,16 @@
 with kfused adapters, launched with ``torchrun`` (or ``torch.multiprocessing`` in tests).
 
     rank, world, device = init_distributed()          # reads RANK / WORLD_SIZE / LOCAL_RANK
+    kfused.inject(model, config)                       # adapters first, then the wrapper
     model = wrap_model(model, "ddp" | "fsdp2", device)
     ... train on this rank's shard of the global batch (shard_batch) ...
     kfused.integration.save(model, dir)                # every rank calls; rank 0 writes
 
-Adapters change nothing here: frozen base parameters have ``requires_grad=False``, so DDP
-all-reduces only the adapter gradients, and FSDP2 shards frozen and trainable parameters alike
+Add the adapters (inject, or load / from_peft into a model without them) before wrapping:
+a wrapper synchronises only the parameters it was given, so inject, load and from_peft refuse
+a wrapped model, and wrap_model refuses one already wrapped. Adapters change nothing else:
+frozen base parameters have ``requires_grad=False``, so DDP all-reduces only the adapter
+gradients, and FSDP2 shards frozen and trainable parameters alike
 (it allows both in one parameter group).
 """
 
@@ -53,19 +57,43 @@ def launched_with_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _env_int(name: str, default: Optional[int] = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None and default is not None:
+        return default
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer "
+                         "(torchrun sets it)") from None
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: int = 600
                      ) -> Tuple[int, int, torch.device]:
     """Join the process group described by the torchrun environment variables.
 
     backend: "nccl" on CUDA, "gloo" on the CPU by default. Returns (rank, world, device); the
-    device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
+    device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. A RANK, WORLD_SIZE or
+    LOCAL_RANK that is not an integer, or out of range, is a ValueError naming it.
     """
     if not launched_with_torchrun():
         raise RuntimeError("distributed training needs the torchrun environment (RANK, WORLD_SIZE, "
                            "MASTER_ADDR, MASTER_PORT); launch with e.g. "
                            "`torchrun --nproc-per-node 2 -m kfused.cli.demo --distributed ddp`")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = _env_int("LOCAL_RANK", 0)
+    if local < 0:
+        raise ValueError(f"environment variable LOCAL_RANK={local} must be >= 0")
+    if not is_distributed():
+        world, rank_ = _env_int("WORLD_SIZE"), _env_int("RANK")
+        if world < 1:
+            raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
+        if not 0 <= rank_ < world:  # torch would wait for a rendezvous, then time out
+            raise ValueError(f"environment variable RANK={rank_} must be in [0, WORLD_SIZE="
+                             f"{world}) (ranks count from 0)")
     if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"environment variable LOCAL_RANK={local} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA devices")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
@@ -90,6 +118,34 @@ def transformer_blocks(model: nn.Module) -> Dict[str, nn.Module]:
                 name.startswith(f + ".") for f in found):
             found[name] = mod
     return found
+
+
+def parallel_wrapper(model: nn.Module) -> Optional[str]:
+    """How ``model`` is already wrapped for multi-process training (DistributedDataParallel,
+    FSDP2's fully_shard, DTensor parameters), or None."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = model
+    for _ in range(8):  # through torch.compile wrappers, as kfused.integration.unwrap
+        if isinstance(m, DDP):
+            return "DistributedDataParallel"
+        if not isinstance(getattr(m, "_orig_mod", None), nn.Module):
+            break
+        m = m._orig_mod
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch, or one built without distributed
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = ()  # nothing is an instance of no class
+    for name, sub in m.named_modules():
+        if isinstance(sub, FSDPModule):
+            return f"FSDP2: fully_shard on {name or 'the model'}"
+    for name, p in m.named_parameters():
+        if hasattr(p, "device_mesh"):
+            return f"DTensor parameter {name}"
+    return None
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, **kwargs) -> nn.Module:
@@ -135,7 +191,8 @@ def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[tor
 def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> nn.Module:
     """"none" (unchanged), "ddp" or "fsdp2" (these need the process group: init_distributed).
     ``kwargs`` go to :func:`wrap_ddp` / :func:`wrap_fsdp2`; "none" takes none (they would be
-    dropped: e.g. an ``mp_dtype`` that never reaches a wrapper)."""
+    dropped: e.g. an ``mp_dtype`` that never reaches a wrapper). A model already wrapped by
+    DDP or FSDP2 is a ValueError (wrap once)."""
     if mode == "none":
         if kwargs:
             raise TypeError(f"wrap_model: mode 'none' leaves the model unchanged and takes no "
@@ -144,6 +201,10 @@ def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> n
     if mode in ("ddp", "fsdp2") and not is_distributed():
         raise RuntimeError(f"distributed mode {mode!r} needs an initialized process group; "
                            "call kfused.distributed.init_distributed() first (under torchrun)")
+    wrapper = parallel_wrapper(model) if mode in ("ddp", "fsdp2") else None
+    if wrapper is not None:  # twice: FSDP2 asserted, DDP over FSDP2 failed in a collective
+        raise ValueError(f"wrap_model: the model is already wrapped for multi-process training "
+                         f"({wrapper}); wrap it once")
     if mode == "ddp":
         return wrap_ddp(model, device, **kwargs)
     if mode == "fsdp2":

@@ -1,6 +1,7 @@
 """Issue 5, item 4: the adapted model under DDP and FSDP2 (gloo, 2 CPU processes) matches a
 single-process run on the same global batch: gradients, trained adapter weights, checkpoints."""
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -101,10 +102,112 @@ def _worker(rank, world, port, out_dir):
             results["shard_world_mismatch"] = "no error"
         except ValueError as exc:
             results["shard_world_mismatch"] = str(exc)
+        results["wrap_twice"] = _wrap_twice()
+        for mode in ("ddp", "fsdp2"):
+            results[f"to_peft_{mode}"] = _to_peft(mode, out_dir)
+        for mode in ("ddp", "fsdp2"):
+            results[f"inject_after_{mode}"] = _adapt_a_wrapped_model(mode, out_dir)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
+        _save_fails_on_rank_0(rank, out_dir)  # last: before the fix it left the ranks out of step
     finally:
         dist.destroy_process_group()
+
+
+def _adapt_a_wrapped_model(mode, out_dir):
+    """inject / load (which injects) / from_peft into a model already wrapped by DDP / FSDP2:
+    refused (the wrapper never synchronised the new adapters' gradients: each rank trained
+    its own)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, get_state, inject, load
+
+    out = []
+    for how in ("inject", "load", "from_peft"):
+        model = kd.wrap_model(make("gpt2"), mode, torch.device("cpu"))
+        try:
+            if how == "inject":
+                inject(model, AdapterConfig(method="lora", targets=["qkv"], backend="reference"))
+            elif how == "load":
+                load(model, os.path.join(out_dir, "ddp"))
+            else:
+                from kfused.integration.peft_interop import from_peft
+
+                from_peft(model, os.path.join(out_dir, "peft_ddp"))  # the folder _to_peft wrote
+            got = "no error"
+        except Exception as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        if get_state(model, required=False) is not None:  # a refused call changes nothing
+            got += " [model changed]"
+        out.append(got)
+    return out
+
+
+def _wrap_twice():
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, inject
+
+    out = {}
+    for first, second in (("ddp", "ddp"), ("fsdp2", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "ddp")):
+        model = inject(make("gpt2"), AdapterConfig(method="lora", targets=["qkv"],
+                                                   backend="reference"))
+        model = kd.wrap_model(model, first, torch.device("cpu"))
+        try:
+            kd.wrap_model(model, second, torch.device("cpu"))
+            out[first, second] = "no error"
+        except Exception as exc:
+            out[first, second] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _to_peft(mode, out_dir):
+    """to_peft from every rank of a wrapped model: (the adapters, the error or None)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, adapter_state_dict, inject
+
+    model = inject(make("gpt2"), AdapterConfig(method="lora", targets=["qkv"], init="random",
+                                               backend="reference"))
+    weights = adapter_state_dict(model)
+    model = kd.wrap_model(model, mode, torch.device("cpu"))
+    try:
+        from kfused.integration.peft_interop import to_peft
+
+        to_peft(model, os.path.join(out_dir, f"peft_{mode}"))
+        return weights, None
+    except Exception as exc:
+        return weights, f"{type(exc).__name__}: {exc}"
+
+
+def _save_fails_on_rank_0(rank, out_dir):
+    """save() into a path that is a regular file: rank 0 refuses it; every rank must raise
+    (rank 1 returned as if saved, or waited in a barrier rank 0 never reached)."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused.integration import AdapterConfig, inject, save
+
+    model = make("gpt2")
+    inject(model, AdapterConfig(method="lora", targets=["qkv"], backend="reference"))
+    target = os.path.join(out_dir, "a_file")
+    if rank == 0:
+        with open(target, "w") as f:
+            f.write("not a checkpoint")
+    dist.barrier()
+    try:
+        save(model, target)
+        outcome = "no error"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"save_into_file-{rank}.txt"), "w") as f:
+        f.write(outcome)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +268,54 @@ def test_shard_batch_refuses_a_world_other_than_the_process_groups(multi):
     assert "the process group has 2 ranks" in multi[1]["shard_world_mismatch"]
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_inject_or_load_into_a_wrapped_model_is_refused(multi, mode):
+    inj, ld, peft = multi[1][f"inject_after_{mode}"]
+    wrapper = "DistributedDataParallel" if mode == "ddp" else "FSDP2"
+    for got in (inj, ld) + ((peft,) if importlib.util.find_spec("peft") else ()):
+        assert "already wrapped for multi-process training" in got and wrapper in got, got
+        assert "[model changed]" not in got, got
+    assert ld.startswith("CheckpointError: cannot inject"), ld
+
+
+def test_wrap_model_refuses_a_wrapped_model(multi):
+    """DDP over DDP all-reduced twice, FSDP2 twice tripped an assertion inside torch, DDP over
+    FSDP2 failed in a collective without a sharding strategy."""
+    for (first, second), got in multi[1]["wrap_twice"].items():
+        wrapper = "DistributedDataParallel" if first == "ddp" else "FSDP2: fully_shard"
+        assert got.startswith("ValueError: wrap_model: the model is already wrapped") \
+            and wrapper in got, (first, second, got)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_to_peft_of_a_wrapped_model(multi, mode):
+    """FSDP2's sharded adapters are gathered (to_peft failed inside safetensors on a DTensor:
+    'invalid python storage'); the export holds the full tensors."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    weights, err = multi[1][f"to_peft_{mode}"]
+    assert err is None, err
+    got = load_file(os.path.join(multi[0], f"peft_{mode}", "adapter_model.safetensors"))
+    for name, letter in ((n, n.rsplit(".", 1)[1]) for n in weights):
+        key = f"base_model.model.{name.rsplit('.', 1)[0]}.lora_{letter}.weight"
+        assert torch.equal(got[key], weights[name]), key
+
+
+def test_save_failing_on_rank_0_raises_on_every_rank(multi):
+    outcomes = []
+    for r in range(WORLD):
+        with open(os.path.join(multi[0], f"save_into_file-{r}.txt")) as f:
+            outcomes.append(f.read())
+    assert outcomes[0].startswith("CheckpointError: cannot save to"), outcomes[0]
+    for r in range(1, WORLD):
+        assert outcomes[r].startswith("CheckpointError: save to"), outcomes[r]
+        assert "failed on rank 0" in outcomes[r] and "it exists and is a regular file" \
+            in outcomes[r], outcomes[r]
+    with open(os.path.join(multi[0], "a_file")) as f:
+        assert f.read() == "not a checkpoint"
+
+
 def test_bad_inputs_without_a_process_group():
     from torch import nn
 
@@ -188,6 +339,29 @@ def test_bad_inputs_without_a_process_group():
     for mode in ("ddp", "fsdp2"):  # fsdp2 failed on torch's env:// rendezvous (RANK not set)
         with pytest.raises(RuntimeError, match=f"mode '{mode}' needs an initialized process"):
             kd.wrap_model(nn.Linear(2, 2), mode, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("env, match", [
+    (dict(RANK="abc", WORLD_SIZE="2"), r"RANK='abc' must be an integer"),
+    (dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="x"), r"LOCAL_RANK='x' must be an integer"),
+    (dict(RANK="2", WORLD_SIZE="2"), r"RANK=2 must be in \[0, WORLD_SIZE=2\)"),  # was a timeout
+    (dict(RANK="-1", WORLD_SIZE="2"), r"RANK=-1 must be in \[0, WORLD_SIZE=2\)"),
+    (dict(RANK="0", WORLD_SIZE="0"), r"WORLD_SIZE=0 must be >= 1"),
+])
+def test_init_distributed_refuses_a_bad_environment(monkeypatch, env, match):
+    from kfused import distributed as kd
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(ValueError, match=match):
+            kd.init_distributed(timeout_s=2)
+    finally:
+        if dist.is_initialized():  # never leave a process group behind
+            dist.destroy_process_group()
 
 
 def test_demo_torchrun_ddp(tmp_path):

@@ -33,7 +33,7 @@ and every tensor of the weights file against it (name, shape, dtype) before it c
 model; any mismatch is a :class:`CheckpointError` naming the file and tensor. Format-1
 checkpoints (``adapter_model.safetensors`` + ``adapter_config.json`` + ``COMPLETE`` directly in
 ``D``) still load. Under torch.distributed every rank must call :func:`save` (sharded FSDP2
-parameters are gathered); rank 0 writes.
+parameters are gathered); rank 0 writes, and when its write fails every rank raises.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ import torch
 from torch import nn
 
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import (get_state, inject, merged_modules, restore,
-                                       snapshot, unwrap)
+from kfused.integration.inject import (get_state, inject, merged_modules, refuse_wrapped,
+                                       restore, snapshot, unwrap)
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -452,81 +452,110 @@ def save(model: nn.Module, directory: str) -> str:
 
     ``directory`` is created if missing; other files in it are left alone. At every instant it
     holds one complete version (the old one until the commit, the new one after). Returns the
-    directory path. Raises :class:`CheckpointError` if ``directory`` is a file.
+    directory path. Raises :class:`CheckpointError` if ``directory`` is a file. Under
+    torch.distributed every rank calls it and rank 0 writes; when rank 0 fails, every rank
+    raises (the others a :class:`CheckpointError` quoting rank 0's error).
     """
-    from safetensors.torch import save as save_bytes
-
     directory = _path_arg(directory, "save")
     state = get_state(model)
     tensors = adapter_state_dict(model)  # collective under FSDP2: every rank gathers
+    failure = None
     if _dist_rank() == 0:
-        _check_target(directory)
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "kfused_version": _version(),
-            "torch_version": torch.__version__,
-            "config": state.config.to_dict(),
-            "base": _describe(model),
-            "adapter_modules": list(state.adapter_modules),
-            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-                        for n, t in tensors.items()},
-            "buffers": list(state.buffer_names),
-        }
-        weights = save_bytes(tensors, metadata={"format": FORMAT})
-        config = json.dumps(meta, indent=2).encode()
         try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create {directory}: {exc}") from exc
-        _clean(directory)
-        old = _read_pointer(directory)
-        _step(1)
-        ident = _new_id()
-        folder = os.path.join(directory, VERSION_PREFIX + ident)
-        tmp = os.path.join(directory, f".{POINTER}.{ident}.tmp")
-        with _ACTIVE_LOCK:
-            _ACTIVE.add(ident)
-        try:
-            os.mkdir(folder)
-            _step(2)
-            _fsync_write(os.path.join(folder, WEIGHTS), weights, 3)
-            _step(3)
-            _fsync_write(os.path.join(folder, CONFIG), config, 4)
-            _fsync_dir(folder)
-            _step(4)
-            pointer = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                       "version": VERSION_PREFIX + ident,
-                       "sha256": {WEIGHTS: _sha256_bytes(weights), CONFIG: _sha256_bytes(config)}}
-            _fsync_write(tmp, json.dumps(pointer, indent=2).encode(), 5)
-            _step(5)
-            os.replace(tmp, os.path.join(directory, POINTER))
-            _fsync_dir(directory)
-            _step(6)
-        except BaseException:
-            for path, rm in ((tmp, os.unlink), (folder, shutil.rmtree)):
-                try:
-                    if os.path.lexists(path):
-                        rm(path)
-                except OSError:
-                    pass
-            raise
-        finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE.discard(ident)
-        if old is not None:
-            stale = os.path.join(directory, old["version"])
-            if os.path.isdir(stale) and not os.path.islink(stale) and _only_ours(stale):
-                shutil.rmtree(stale, ignore_errors=True)
-        _step(7)
-        if os.path.lexists(os.path.join(directory, MARKER)) and _v1_is_ours(directory):
-            for n in (MARKER, CONFIG, WEIGHTS):  # MARKER first: a half-removed v1 is never read
-                try:
-                    os.unlink(os.path.join(directory, n))
-                except OSError:
-                    pass
-        _step(8)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+            _write_version(model, directory, state, tensors)
+        except BaseException as exc:
+            failure = exc
+    _share_outcome(model, failure, f"save to {directory}", "the checkpoint")
     return directory
+
+
+def _share_outcome(model: nn.Module, failure: Optional[BaseException], what: str, written: str,
+                   error: type = CheckpointError) -> None:
+    """Raise ``failure`` (rank 0's, or None); under torch.distributed every rank first learns
+    whether rank 0's write succeeded, so no rank returns as if a failed write had happened
+    (nor waits for a rank 0 that left with an exception): the others raise ``error``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        device = None  # NCCL stages the bytes on this rank's GPU: the model's, not cuda:0
+        if torch.distributed.get_backend() == "nccl":
+            device = next((p.device for p in unwrap(model).parameters()
+                           if p.device.type == "cuda"), None)
+        torch.distributed.broadcast_object_list(outcome, src=0, device=device)
+        if failure is None and outcome[0] is not None:
+            raise error(f"{what} failed on rank 0, which writes {written}: {outcome[0]}")
+    if failure is not None:
+        raise failure
+
+
+def _write_version(model: nn.Module, directory: str, state, tensors: Dict[str, torch.Tensor]
+                   ) -> None:
+    """Rank 0's part of :func:`save`: steps 1-8 of the module docstring's protocol."""
+    from safetensors.torch import save as save_bytes
+
+    _check_target(directory)
+    meta = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kfused_version": _version(),
+        "torch_version": torch.__version__,
+        "config": state.config.to_dict(),
+        "base": _describe(model),
+        "adapter_modules": list(state.adapter_modules),
+        "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                    for n, t in tensors.items()},
+        "buffers": list(state.buffer_names),
+    }
+    weights = save_bytes(tensors, metadata={"format": FORMAT})
+    config = json.dumps(meta, indent=2).encode()
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {directory}: {exc}") from exc
+    _clean(directory)
+    old = _read_pointer(directory)
+    _step(1)
+    ident = _new_id()
+    folder = os.path.join(directory, VERSION_PREFIX + ident)
+    tmp = os.path.join(directory, f".{POINTER}.{ident}.tmp")
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(ident)
+    try:
+        os.mkdir(folder)
+        _step(2)
+        _fsync_write(os.path.join(folder, WEIGHTS), weights, 3)
+        _step(3)
+        _fsync_write(os.path.join(folder, CONFIG), config, 4)
+        _fsync_dir(folder)
+        _step(4)
+        pointer = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                   "version": VERSION_PREFIX + ident,
+                   "sha256": {WEIGHTS: _sha256_bytes(weights), CONFIG: _sha256_bytes(config)}}
+        _fsync_write(tmp, json.dumps(pointer, indent=2).encode(), 5)
+        _step(5)
+        os.replace(tmp, os.path.join(directory, POINTER))
+        _fsync_dir(directory)
+        _step(6)
+    except BaseException:
+        for path, rm in ((tmp, os.unlink), (folder, shutil.rmtree)):
+            try:
+                if os.path.lexists(path):
+                    rm(path)
+            except OSError:
+                pass
+        raise
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(ident)
+    if old is not None:
+        stale = os.path.join(directory, old["version"])
+        if os.path.isdir(stale) and not os.path.islink(stale) and _only_ours(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    _step(7)
+    if os.path.lexists(os.path.join(directory, MARKER)) and _v1_is_ours(directory):
+        for n in (MARKER, CONFIG, WEIGHTS):  # MARKER first: a half-removed v1 is never read
+            try:
+                os.unlink(os.path.join(directory, n))
+            except OSError:
+                pass
+    _step(8)
 
 
 def read_checkpoint_config(directory: str) -> Dict[str, object]:
@@ -624,6 +653,7 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
     if state is None:
         snap = snapshot(m)
         try:
+            refuse_wrapped(model)
             inject(m, cfg)
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"cannot inject the checkpoint's adapters "

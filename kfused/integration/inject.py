@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from kfused.distributed import parallel_wrapper
 from kfused.integration import methods as _builtin_methods  # noqa: F401  (registers builtins)
 from kfused.integration.arch import (ArchSpec, attention_blocks, describe_archs, detect_arch,
                                      model_dims, model_type_of)
@@ -58,6 +59,19 @@ def unwrap(model: nn.Module) -> nn.Module:
         else:
             break
     return model
+
+
+def refuse_wrapped(model: nn.Module, fn: str = "inject") -> None:
+    """ValueError when ``model`` is already wrapped for multi-process training: the wrapper's
+    gradient sync covers only the parameters it was given, so adapters added now would train
+    on each rank alone."""
+    wrapper = parallel_wrapper(model)
+    if wrapper is not None:
+        raise ValueError(f"{fn}: this model is already wrapped for multi-process training "
+                         f"({wrapper}), which synchronises only the parameters it had then: "
+                         "adapters added now would train on each rank alone. Add the adapters "
+                         "(inject, load into a model without adapters, from_peft) before "
+                         "kfused.distributed.wrap_model.")
 
 
 def get_state(model: nn.Module, required: bool = True) -> Optional[InjectState]:
@@ -330,7 +344,8 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
         config: an :class:`AdapterConfig`, a preset name (see ``kfused.integration.PRESETS``),
             or None to build one from ``fields`` (e.g. ``inject(model, method="lora", r=4)``).
     Raises:
-        ValueError: unknown method, no matching module, wrong module type, already injected.
+        ValueError: unknown method, no matching module, wrong module type, already injected,
+            a model already wrapped by DDP / FSDP2 (inject before wrapping).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"inject: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -347,6 +362,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     if get_state(target_model, required=False) is not None:
         raise ValueError("model already has kfused adapters; inject once per model "
                          "(use a composite method to combine adapters)")
+    refuse_wrapped(model)
     spec = get_method(config.method)
     arch = detect_arch(target_model, config.arch)
     dims = model_dims(target_model)

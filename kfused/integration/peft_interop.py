@@ -71,9 +71,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from kfused.integration.checkpoint import _dist_rank, _full, _share_outcome
 from kfused.integration.config import AdapterConfig
-from kfused.integration.inject import (adapter_modules, get_state, inject, restore, snapshot,
-                                       unwrap)
+from kfused.integration.inject import (adapter_modules, get_state, inject, refuse_wrapped,
+                                       restore, snapshot, unwrap)
 from kfused.modules._linear import is_conv1d, linear_dims
 from kfused.modules.krona import KronALinear, _resolve_shapes
 from kfused.modules.lora import LoRALinear
@@ -592,6 +593,7 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
             model's layers); raised before the model is changed. Should PEFT still fail to load
             a folder, the model is restored as it was and the error says so.
         TypeError: wrong argument types.
+        ValueError: ``model`` is already wrapped by DDP / FSDP2 (convert before wrapping).
     """
     _peft()
     if adapter is None:
@@ -606,6 +608,7 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
     target = unwrap(model)
     if get_state(target, required=False) is not None:
         raise PeftConversionError("the model already has kfused adapters")
+    refuse_wrapped(model, "from_peft")
     _prevalidate_folder(target, folder)
     from peft import PeftModel
 
@@ -911,13 +914,26 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
         FileExistsError: ``path`` is a file, or a folder with files to_peft did not write.
         ValueError: ``path`` is a symbolic link (nothing is written).
         OSError: writing or renaming failed; the previous export, if any, is kept complete.
+    Under torch.distributed every rank calls it (FSDP2's sharded adapters are gathered) and
+    rank 0 writes; when rank 0 fails the other ranks raise a RuntimeError quoting its error.
     """
-    from safetensors.torch import save_file
-
     cfg, tensors = _peft_config(model, task_type)
     path = os.path.abspath(os.fspath(path))
+    tensors = {k: _full(v) for k, v in tensors.items()}  # FSDP2: a collective, every rank
+    failure = None
+    if _dist_rank() == 0:  # under torch.distributed rank 0 writes, every rank learns how it went
+        try:
+            _write_export(cfg, tensors, path)
+        except BaseException as exc:
+            failure = exc
+    _share_outcome(model, failure, f"to_peft to {path}", "the export", error=RuntimeError)
+    return path
+
+
+def _write_export(cfg, tensors: Dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
     _check_target_folder(path)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent,
@@ -945,4 +961,3 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
         os.chdir(path)  # into the new folder: the old one, the cwd until now, is removed next
     if old is not None:
         _remove_old_export(old)
-    return path
