@@ -581,3 +581,21 @@ def test_backend_names_are_read_in_any_case_and_checked_where_given(monkeypatch)
     assert "KFUSED_BACKEND" not in os.environ
     with use_backend("Reference"):
         assert os.environ["KFUSED_BACKEND"] == "Reference"
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("method", ["inducer", "prefix"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "roberta"])
+def test_inducer_prefix_refuse_another_attention_implementation(arch, method, impl):
+    # model.set_attn_implementation("sdpa") after inject ran the unadapted model: the other
+    # implementation never calls the adapter ("add" passed plain rows through its projection)
+    model = make(arch).eval()
+    inject(model, AdapterConfig(method=method, r=2, init="paper", backend="reference"))
+    inputs = batch(arch, n=6)
+    with torch.no_grad():
+        want = model(input_ids=inputs["input_ids"]).logits
+        model.set_attn_implementation(impl)
+        with pytest.raises(ValueError, match=f"attention implementation is '{impl}'"):
+            model(input_ids=inputs["input_ids"])
+        model.set_attn_implementation("kfused_inducer")
+        assert torch.equal(model(input_ids=inputs["input_ids"]).logits, want)

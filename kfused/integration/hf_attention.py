@@ -450,7 +450,25 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
     if ad.inducer and composition == "add":
         _read_old_adapter_keys(block.module, block.layout.path("attn"), block.layout.o)
     attn.kfused_backend = backend
+    if not any(isinstance(h, _RequireImplementation) for h in attn._forward_pre_hooks.values()):
+        attn.register_forward_pre_hook(_RequireImplementation())
     return ad
+
+
+class _RequireImplementation:
+    """Forward pre-hook on an adapted attention layer: refuses to run it under another
+    attention implementation (``model.set_attn_implementation("sdpa")`` after inject), which
+    never calls the adapter and so silently ran the unadapted model. A class, not a closure,
+    so that the model still pickles."""
+
+    def __call__(self, module, args) -> None:
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if impl is not None and impl != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"{ATTN_IMPLEMENTATION}: this {type(module).__name__} carries an inducer/prefix "
+                f"adapter, but the model's attention implementation is {impl!r}, which runs "
+                "without it (the unadapted model); switch back with "
+                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
 
 
 class _OldAdapterKeys:
