@@ -400,6 +400,8 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     running it would silently drop the bias and change the model. They are refused instead.
     The architecture says so (``ArchSpec.score_bias``); a module with a
     ``relative_attention_bias`` marks a T5-family model of a type kfused has no layout for.
+    Nor can models that soft-cap their attention scores (Gemma-2's
+    ``config.attn_logit_softcapping``): the attention refuses the cap at every forward.
     """
     old = _old_mask_interface()
     if old is not None:
@@ -413,6 +415,12 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
         return (f"{type(model).__name__} (model_type={mt!r}) is a T5-family model: T5's relative "
                 "position bias is not supported by the inducer kernel (it adds a learned bias to "
                 "every attention score, which the kernel would drop, giving a wrong result)")
+    softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if softcap is not None:
+        # every forward would be refused (the attention receives softcap=): say so at inject
+        return (f"{type(model).__name__} (model_type={mt!r}) soft-caps its attention scores "
+                f"(config.attn_logit_softcapping={softcap!r}, Gemma-2), which the inducer kernel "
+                "does not apply")
     return None
 
 
