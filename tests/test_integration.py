@@ -581,3 +581,49 @@ def test_backend_names_are_read_in_any_case_and_checked_where_given(monkeypatch)
     assert "KFUSED_BACKEND" not in os.environ
     with use_backend("Reference"):
         assert os.environ["KFUSED_BACKEND"] == "Reference"
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("method", ["inducer", "prefix"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "roberta"])
+def test_inducer_prefix_refuse_another_attention_implementation(arch, method, impl):
+    # model.set_attn_implementation("sdpa") after inject ran the unadapted model: the other
+    # implementation never calls the adapter ("add" passed plain rows through its projection)
+    model = make(arch).eval()
+    inject(model, AdapterConfig(method=method, r=2, init="paper", backend="reference"))
+    inputs = batch(arch, n=6)
+    with torch.no_grad():
+        want = model(input_ids=inputs["input_ids"]).logits
+        model.set_attn_implementation(impl)
+        with pytest.raises(ValueError, match=f"attention implementation is '{impl}'"):
+            model(input_ids=inputs["input_ids"])
+        model.set_attn_implementation("kfused_inducer")
+        assert torch.equal(model(input_ids=inputs["input_ids"]).logits, want)
+
+
+@pytest.mark.parametrize("method", ["inducer", "prefix", "mam"])
+def test_inducer_prefix_refuse_attention_softcapping_at_inject(method):
+    # a Gemma-2 model (Llama-style layout, attention logit soft-capping) took the adapter,
+    # then refused every forward (the attention is handed softcap=): refused at inject, model
+    # unchanged; with the soft-capping turned off it runs
+    import transformers
+
+    def gemma2(softcap):
+        torch.manual_seed(0)
+        cfg = transformers.Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, vocab_size=64, attn_logit_softcapping=softcap)
+        return transformers.Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager")
+
+    init = None if method == "mam" else "paper"
+    model = gemma2(50.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50\.0"):
+        inject(model, AdapterConfig(method=method, r=2, init=init))
+    assert get_state(model, required=False) is None
+    assert model.config._attn_implementation == "eager"
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], v) for k, v in before.items())
+    model = gemma2(None)
+    inject(model, AdapterConfig(method=method, r=2, init=init, backend="reference"))
+    assert model(input_ids=torch.randint(3, 64, (1, 5))).logits.isfinite().all()

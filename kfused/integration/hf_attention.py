@@ -413,6 +413,8 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
     running it would silently drop the bias and change the model. They are refused instead.
     The architecture says so (``ArchSpec.score_bias``); a module with a
     ``relative_attention_bias`` marks a T5-family model of a type kfused has no layout for.
+    Nor can models that soft-cap their attention scores (Gemma-2's
+    ``config.attn_logit_softcapping``): the attention refuses the cap at every forward.
     """
     old = _old_mask_interface()
     if old is not None:
@@ -426,6 +428,12 @@ def unsupported_reason(model: nn.Module) -> Optional[str]:
         return (f"{type(model).__name__} (model_type={mt!r}) is a T5-family model: T5's relative "
                 "position bias is not supported by the inducer kernel (it adds a learned bias to "
                 "every attention score, which the kernel would drop, giving a wrong result)")
+    softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if softcap is not None:
+        # every forward would be refused (the attention receives softcap=): say so at inject
+        return (f"{type(model).__name__} (model_type={mt!r}) soft-caps its attention scores "
+                f"(config.attn_logit_softcapping={softcap!r}, Gemma-2), which the inducer kernel "
+                "does not apply")
     return None
 
 
@@ -463,7 +471,25 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
     if ad.inducer and composition == "add":
         _read_old_adapter_keys(block.module, block.layout.path("attn"), block.layout.o)
     attn.kfused_backend = backend
+    if not any(isinstance(h, _RequireImplementation) for h in attn._forward_pre_hooks.values()):
+        attn.register_forward_pre_hook(_RequireImplementation())
     return ad
+
+
+class _RequireImplementation:
+    """Forward pre-hook on an adapted attention layer: refuses to run it under another
+    attention implementation (``model.set_attn_implementation("sdpa")`` after inject), which
+    never calls the adapter and so silently ran the unadapted model. A class, not a closure,
+    so that the model still pickles."""
+
+    def __call__(self, module, args) -> None:
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if impl is not None and impl != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"{ATTN_IMPLEMENTATION}: this {type(module).__name__} carries an inducer/prefix "
+                f"adapter, but the model's attention implementation is {impl!r}, which runs "
+                "without it (the unadapted model); switch back with "
+                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
 
 
 class _OldAdapterKeys:
