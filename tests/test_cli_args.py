@@ -287,7 +287,7 @@ def test_perf_options_are_checked(argv, option, monkeypatch, capsys):
 
 
 def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
-    # --update-known with --ops, an unknown op, a --json folder that does not exist or a
+    # --update-known with --ops, --check without sm_90, an unknown op, a --json folder that does not exist or a
     # .txt name (the table beside it overwrote the JSON) were found only after the run, if at
     # all; the table's <name>.txt replaced any file of that name
     from kfused.perf import report
@@ -298,6 +298,8 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
     for argv, option, text in [
             (["--update-known", "--ops", "krona"], "--update-known", "needs a full run"),
             (["--update-known", "--arch", "80"], "--update-known", "needs a full run"),
+            # the known list is sm_90's: after the compile run every entry read as fixed, exit 1
+            (["--check", "--arch", "80"], "--check", "compiles no sm_90"),
             (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
             (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
             (["--json", str(tmp_path)], "--json", "is a folder"),

@@ -532,6 +532,10 @@ def run(argv=None) -> int:
                     f"prefixes of {', '.join(known_ops)}")
     if a.update_known and (ops or 90 not in a.arch or a.no_csrc):
         p.error("argument --update-known: needs a full run (all ops, sm_90, csrc)")
+    if a.check and not a.update_known and 90 not in a.arch:
+        # the known list is sm_90's: without sm_90 every entry would read as fixed (exit 1)
+        p.error(f"argument --check: compares the sm_90 violations with the known list; "
+                f"--arch {','.join(map(str, a.arch))} compiles no sm_90")
     if a.json is not None:
         folder = os.path.dirname(os.path.abspath(a.json))
         text_path = os.path.splitext(a.json)[0] + ".txt"
