@@ -117,6 +117,43 @@ def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
     assert (tmp_path / "demo.png").read_bytes() == b"my plot"
 
 
+def test_out_folders_that_cannot_be_written_are_refused_before_any_work(tmp_path, monkeypatch,
+                                                                       capsys):
+    # --out under a file (or in a folder that cannot be written): the demo failed with a
+    # NotADirectoryError traceback after the frozen base's evaluation, pretrain_base after
+    # the whole pretraining (its weights lost); --docs too few was a ValueError traceback
+    import kfused.data.pretrain_base as pb
+    from kfused.cli import demo
+
+    def no_work(*a, **k):
+        raise AssertionError("started working with an --out it cannot write")
+
+    monkeypatch.setattr(demo, "_build_model", no_work)
+    monkeypatch.setattr(pb, "build_model", no_work)
+    (tmp_path / "file").write_text("mine")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: os.fspath(p) != str(readonly)
+                        and real_access(p, mode, **k))
+    for out, text in [(tmp_path / "file" / "sub", "file is not a directory"),
+                      (tmp_path / "file" / "a" / "b", "file is not a directory"),
+                      (readonly / "new", "readonly is not writable"),
+                      (readonly, "readonly is not writable")]:
+        assert run_demo(TINY + ["--steps", "1", "--methods", "lora", "--out", str(out)]) == 2
+        assert text in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exc:
+            pb.main(["--steps", "1", "--docs", "40", "--seq-len", "32", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --out" in err and text in err, err
+    assert (tmp_path / "file").read_text() == "mine" and os.listdir(readonly) == []
+    with pytest.raises(SystemExit) as exc:
+        pb.main(["--docs", "1", "--out", str(tmp_path / "base")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --docs 1 gives" in err and "Traceback" not in err
+    assert not (tmp_path / "base").exists()
+
+
 def test_demo_interrupted_write_keeps_the_earlier_files(tmp_path, monkeypatch):
     import types
 

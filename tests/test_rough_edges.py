@@ -245,6 +245,12 @@ def test_bench_out_never_overwrites_a_file(tmp_path, monkeypatch, capsys):
         bench.run(argv[:-1] + [str(first)])
     assert exc.value.code == 2
     assert "--out" in capsys.readouterr().err and first.read_text() == "the user's notes"
+    # --out under a file: a usage error before any case (was a NotADirectoryError traceback)
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        bench.run(argv[:-1] + [str(first / "sub")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --out" in err and "is not a directory" in err
 
 
 def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kfused._files import new_results_file, replace_atomically
+from kfused._files import folder_refusal, new_results_file, replace_atomically
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -257,9 +257,10 @@ def run(argv: Optional[List[str]] = None) -> int:
         p.error("argument --write-prefs: records GPU measurements; needs a CUDA --device")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
-    if args.out and os.path.lexists(args.out) and not os.path.isdir(args.out):
-        p.error(f"argument --out: {args.out} exists and is not a directory")
     out_dir = Path(args.out) if args.out else default_out_dir()
+    unusable = folder_refusal(out_dir)  # a file, under one, not writable: before any case runs
+    if unusable:
+        p.error(f"argument --out: {unusable}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rep = args.rep_ms if args.rep_ms is not None else (200 if device.type == "cuda" else 50)
     if device.type != "cuda":

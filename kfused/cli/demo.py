@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kfused._files import replace_atomically
+from kfused._files import folder_refusal, replace_atomically
 
 # The demo's rows: name -> (label, AdapterConfig keyword arguments). Anything else passed to
 # --methods is a preset name (kfused.integration.PRESETS) or a registered method.
@@ -407,8 +407,9 @@ def _ours(json_path: str) -> bool:
 def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
     """Why ``--out`` cannot take this run's files (None if it can): kfused never overwrites
     a file it did not write, nor writes through a symbolic link it finds there."""
-    if os.path.lexists(out) and not os.path.isdir(out):  # a file, or a dangling link
-        return f"--out {out} exists and is not a directory"
+    unusable = folder_refusal(out)  # a file, a dangling link, under one, not writable
+    if unusable:
+        return f"--out {unusable}"
     report = os.path.join(out, REPORT)
     for name in (REPORT, PLOT):
         path = os.path.join(out, name)
