@@ -264,6 +264,38 @@ def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
     assert (tmp_path / "e2e_cpu.json").read_text() == "the user's notes"
     assert {p.name for p in tmp_path.glob("*.json")} == {"e2e_cpu.json", "e2e_cpu-2.json",
                                                          "e2e_cpu-3.json"}
+    import json
+
+    # the file names the dtype the cases ran: the CPU's quick cases are float32 (it said
+    # torch.bfloat16, the script's default, for a float32 run)
+    monkeypatch.setattr(be, "bench_cases", lambda *a, **k: [_Case(torch.float32)])
+    monkeypatch.setattr(be, "measure", lambda *a, **k: [])
+    be.run("cpu", torch.bfloat16, True, str(tmp_path), 1.0)
+    meta = json.loads((tmp_path / "e2e_cpu-4.json").read_text())["meta"]
+    assert meta["dtype"] == "torch.float32" and meta["requested_dtype"] == "torch.bfloat16"
+
+
+def test_bench_e2e_script_checks_its_arguments_before_measuring(tmp_path, monkeypatch, capsys):
+    # benchmarks/bench_e2e.py took any --rep-ms (-1, nan) and --device string, and found an
+    # --out under a file only after every measurement (a NotADirectoryError traceback)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_e2e_script", os.path.join(ROOT, "benchmarks", "bench_e2e.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "run", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "file").write_text("mine")
+    for argv, option, text in [(["--rep-ms", "-1"], "--rep-ms", "expected a number > 0"),
+                               (["--rep-ms", "nan"], "--rep-ms", "expected a finite number"),
+                               (["--device", "bogus"], "--device", "invalid device 'bogus'"),
+                               (["--out", str(tmp_path / "file" / "sub")], "--out",
+                                "is not a directory")]:
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--quick", "--device", "cpu"] + argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument {option}" in err and text in err, err
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_bench_records_the_commit_of_the_kfused_that_runs(tmp_path, monkeypatch):
