@@ -88,6 +88,13 @@ BAD = [
     (["demo", "--scale", "big"], "--scale", "expected a number"),
     (["demo", "--base", "random", "--d-model", "130", "--heads", "4"], "--d-model",
      "not a multiple of --heads 4"),
+    # each names the rows: the preset silently won over --method, either over --methods
+    (["demo", "--method", "lora", "--preset", "lora-4"], "--preset",
+     "not allowed with argument --method"),
+    (["demo", "--methods", "lora,krona", "--method", "kernel_mix"], "--method",
+     "not allowed with argument --methods"),
+    (["demo", "--methods", "lora", "--preset", "lora-4"], "--preset",
+     "not allowed with argument --methods"),
 ]
 BAD += [([cmd, opt, v], opt, "expected an integer >= 1")
         for cmd, opt in POSITIVE_INT for v in ("0", "-3")]

@@ -68,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "meaning representations and score BLEU and slot accuracy; fused kernels "
                     "vs the unfused reference on a GPU.",
         formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated rows: " + ", ".join(METHODS) + ", a preset name "
-                        "(kfused.integration.PRESETS) or any registered method")
-    p.add_argument("--method", default=None, help="one method only (same as --methods NAME)")
-    p.add_argument("--preset", default=None, help="one preset only (same as --methods NAME)")
+    rows = p.add_mutually_exclusive_group()  # each names the rows: one of them, not two
+    rows.add_argument("--methods", default=DEFAULT_METHODS,
+                      help="comma-separated rows: " + ", ".join(METHODS) + ", a preset name "
+                           "(kfused.integration.PRESETS) or any registered method")
+    rows.add_argument("--method", default=None, help="one method only (same as --methods NAME)")
+    rows.add_argument("--preset", default=None, help="one preset only (same as --methods NAME)")
     p.add_argument("--targets", default=None,
                    help="comma-separated roles/regexes for every row (default: each method's)")
     p.add_argument("--rank", type=positive_int, default=None,
