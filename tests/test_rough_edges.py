@@ -253,6 +253,40 @@ def test_bench_out_never_overwrites_a_file(tmp_path, monkeypatch, capsys):
     assert exc.value.code == 2 and "argument --out" in err and "is not a directory" in err
 
 
+def test_bench_exits_1_when_a_provider_fails(tmp_path, monkeypatch, capsys):
+    # a provider that raised (a crashing kernel) was one row marked "error" and the exit
+    # status stayed 0: benchmarks/gpu_suite.sh's `|| status=1` passed the stage
+    import json
+
+    import kfused.cases
+    from kfused.bench import BenchCase, Provider
+    from kfused.cli import bench
+
+    def works():
+        x = torch.ones(3, requires_grad=True)
+        return (lambda: x * 2), [x]
+
+    def crashes():
+        raise RuntimeError("the kernel crashed")
+
+    def cases(providers):
+        return lambda *a, **k: [BenchCase("krona_linear", {"T": 3}, torch.float32, providers)]
+
+    argv = ["krona", "--device", "cpu", "--no-plot", "--rep-ms", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(kfused.cases, "bench_cases", cases([Provider("floor", works)]))
+    assert bench.run(argv) == 0
+    (first,) = tmp_path.glob("*.json")
+    monkeypatch.setattr(kfused.cases, "bench_cases", cases([
+        Provider("floor", works), Provider("kfused-triton", crashes),
+        Provider("kfused-cuda", works, skip_reason="not built")]))  # a skip is no failure
+    assert bench.run(argv) == 1
+    assert "1 provider(s) failed" in capsys.readouterr().err
+    (written,) = set(tmp_path.glob("*.json")) - {first}  # the results are still written
+    rows = json.loads(written.read_text())["rows"]
+    assert [r["provider"] for r in rows if "error" in r] == ["kfused-triton"]
+    assert any(r["provider"] == "floor" and "ms_p50" in r for r in rows)
+
+
 def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
     # benchmarks/bench_e2e.py wrote e2e_<device>.json over whatever was in --out
     import kfused.cases.e2e as be

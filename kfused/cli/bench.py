@@ -1,5 +1,6 @@
 """`kfused bench`: run the benchmark cases of each op family (``bench_cases(device, dtype,
-quick)`` in :mod:`kfused.cases`) through the shared harness. Results go to
+quick)`` in :mod:`kfused.cases`) through the shared harness (exit status 1 when a provider
+failed: its row holds the error, the others are still measured). Results go to
 ``<out>/<op>_<device>_<utc>.json`` (``-2``, ``-3``, ... before ``.json`` when that name or
 its PNG is taken: an existing file is never overwritten; default
 ``benchmarks/results/local/`` of the source checkout, git-ignored;
@@ -304,6 +305,12 @@ def run(argv: Optional[List[str]] = None) -> int:
         prefs = write_prefs(Path(args.write_prefs), str(meta.get("device")), all_rows,
                             meta.get("git_commit"))
         print(f"wrote {args.write_prefs}: {json.dumps(prefs)}")
+    failed = [r for r in all_rows if "error" in r]  # the others are measured and written
+    if failed:
+        print(f"kfused bench: {len(failed)} provider(s) failed: " + "; ".join(
+            f"{r['op']} {_short(r['shape'])} {r['provider']}: {r['error'][:200]}"
+            for r in failed), file=sys.stderr)
+        return 1
     return 0
 
 
