@@ -31,8 +31,8 @@ def main(argv=None) -> int:
     unusable = folder_refusal(a.out)  # before the measurements, not after them
     if unusable:
         p.error(f"argument --out: {unusable}")
-    run(a.device, getattr(torch, a.dtype), a.quick, a.out, a.rep_ms)
-    return 0
+    rows = run(a.device, getattr(torch, a.dtype), a.quick, a.out, a.rep_ms)
+    return 1 if any("error" in r for r in rows) else 0  # a provider failed (its row says how)
 
 
 if __name__ == "__main__":

@@ -330,6 +330,11 @@ def test_bench_e2e_script_checks_its_arguments_before_measuring(tmp_path, monkey
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"argument {option}" in err and text in err, err
     assert (tmp_path / "file").read_text() == "mine"
+    # a provider that failed: exit status 1 (was 0), as `kfused bench`
+    for rows, code in [([{"provider": "a", "ms_p50": 1.0}], 0),
+                       ([{"provider": "a", "ms_p50": 1.0}, {"provider": "b", "error": "x"}], 1)]:
+        monkeypatch.setattr(script, "run", lambda *a, rows=rows, **k: rows)
+        assert script.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == code
 
 
 def test_bench_records_the_commit_of_the_kfused_that_runs(tmp_path, monkeypatch):
