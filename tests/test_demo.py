@@ -393,6 +393,16 @@ def test_metrics_slot_rules():
     assert em.added_values(em.parse_mr(mr), "Cotto is an Italian pub in the riverside.") == \
         ["food[Italian]", "area[riverside]"]
     assert not em.slot_realised("eatType", "pub", "Cotto is public.")  # word boundaries
+    # a value inside another slot's value: food[Indian] was realised by the landmark's name
+    # alone, and Indian food beside that landmark was never counted as added
+    mr = "name[Cotto], food[Indian], near[Raja Indian Cuisine]"
+    assert em.slot_scores([mr], ["Cotto is near Raja Indian Cuisine."])["slot_accuracy"] == 2 / 3
+    assert em.slot_scores([mr], ["Cotto serves Indian food near Raja Indian Cuisine."]) \
+        ["slot_accuracy"] == 1.0
+    mr = "name[Cotto], food[Italian], near[Raja Indian Cuisine]"
+    assert em.added_values(em.parse_mr(mr), "Cotto serves Indian food near Raja Indian "
+                                            "Cuisine.") == ["food[Indian]"]
+    assert em.added_values(em.parse_mr(mr), "Cotto is near Raja Indian Cuisine.") == []
 
 
 @pytest.mark.parametrize("module", ["make_e2e", "make_corpus"])
