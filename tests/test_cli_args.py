@@ -310,6 +310,9 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
             (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
             (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
             (["--json", str(tmp_path)], "--json", "is a folder"),
+            # an empty name (an unset variable) passed every check: nothing written after the run
+            (["--json", ""], "--json", "names no file"),
+            (["--json", str(tmp_path / "new") + os.sep], "--json", "names no file"),
             (["--json", str(tmp_path / "p.txt")], "--json", "give a .json name"),
             (["--json", str(tmp_path / "r.json")], "--json", "not overwriting it")]:
         with pytest.raises(SystemExit) as exc:

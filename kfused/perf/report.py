@@ -537,6 +537,8 @@ def run(argv=None) -> int:
         p.error(f"argument --check: compares the sm_90 violations with the known list; "
                 f"--arch {','.join(map(str, a.arch))} compiles no sm_90")
     if a.json is not None:
+        if not os.path.basename(a.json):  # '' or 'dir/': after the run, nothing was written
+            p.error(f"argument --json: {a.json!r} names no file; give a .json file name")
         folder = os.path.dirname(os.path.abspath(a.json))
         text_path = os.path.splitext(a.json)[0] + ".txt"
         if os.path.isdir(a.json) or not os.path.isdir(folder):
