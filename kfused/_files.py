@@ -16,6 +16,8 @@ def folder_refusal(path) -> Optional[str]:
     parent is not a directory (a file, a dangling link) or is not writable. Asked before the
     work, so a run never fails on its output folder after it (a traceback, the work lost)."""
     path = os.fspath(path)
+    if not path:  # os.makedirs('') fails; joined names would land in the working directory
+        return "'' names no folder"
     if os.path.lexists(path):
         if not os.path.isdir(path):
             return f"{path} exists and is not a directory"

@@ -139,7 +139,8 @@ def test_out_folders_that_cannot_be_written_are_refused_before_any_work(tmp_path
     for out, text in [(tmp_path / "file" / "sub", "file is not a directory"),
                       (tmp_path / "file" / "a" / "b", "file is not a directory"),
                       (readonly / "new", "readonly is not writable"),
-                      (readonly, "readonly is not writable")]:
+                      (readonly, "readonly is not writable"),
+                      ("", "'' names no folder")]:  # was a FileNotFoundError traceback
         assert run_demo(TINY + ["--steps", "1", "--methods", "lora", "--out", str(out)]) == 2
         assert text in capsys.readouterr().err
         with pytest.raises(SystemExit) as exc:
