@@ -226,11 +226,20 @@ def test_demo_runs_fused_and_distributed_messages(tmp_path, capsys):
 def test_demo_model_dir_must_be_a_local_checkpoint(tmp_path, capsys):
     # a missing folder was taken for a model hub id (an OSError about repo ids); a folder
     # without config.json failed inside transformers
-    for d in (tmp_path / "missing", tmp_path):
+    # a checkpoint that is no causal LM (T5) or an unreadable config.json: a traceback from
+    # transformers after the refusals (now a usage error too)
+    import transformers
+
+    transformers.T5Config(d_model=8, num_layers=1, num_heads=1).save_pretrained(tmp_path / "t5")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    for d, text in [(tmp_path / "missing", "no config.json"), (tmp_path, "no config.json"),
+                    (tmp_path / "t5", "'t5' model, which is no causal language model"),
+                    (tmp_path / "broken", "config.json cannot be read")]:
         with pytest.raises(SystemExit) as exc:
             run_demo(TINY + ["--model-dir", str(d), "--out", str(tmp_path / "out")])
-        assert exc.value.code == 2
-        assert "argument --model-dir" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --model-dir" in err and text in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -156,6 +156,23 @@ def _build_model(args, vocab: int, device: torch.device):
     return model.to(device)
 
 
+def _causal_lm_refusal(path: str) -> Optional[str]:
+    """Why the checkpoint in ``path`` is no causal language model the demo can load (None if
+    it is one)."""
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cfg = tf.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{path}: its config.json cannot be read ({type(exc).__name__}: {first})"
+    if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return (f"{path} holds a {cfg.model_type!r} model, which is no causal language model "
+                "(AutoModelForCausalLM cannot load it); the demo generates text left to right")
+    return None
+
+
 def _max_positions(model) -> int:
     cfg = model.config
     return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
@@ -515,6 +532,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         # else transformers takes it for a model hub id (unreachable) or fails on the folder
         parser.error(f"argument --model-dir: {args.model_dir} is not a local transformers "
                      "checkpoint folder (no config.json in it)")
+    if args.model_dir:  # a checkpoint AutoModelForCausalLM cannot load: a traceback later
+        refusal = _causal_lm_refusal(args.model_dir)
+        if refusal:
+            parser.error(f"argument --model-dir: {refusal}")
     from kfused import distributed as kd
     from kfused.data import ByteTokenizer, encode_pairs, load_pairs
 
