@@ -91,6 +91,23 @@ def test_demo_local_checkpoint_dir(tmp_path, capsys):
     assert report["checkpoint"]["lora"]["reload_bit_exact"] is True
 
 
+def test_demo_names_the_architecture_it_ran(tmp_path, capsys):
+    # a --model-dir Llama checkpoint ran, but the run line and the report's title said
+    # "GPT-2-shaped"
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("llama", d_model=32, n_layers=1, n_heads=2, vocab=260).save_pretrained(
+        tmp_path / "llama-local")
+    assert run_demo(["--model-dir", str(tmp_path / "llama-local"), "--method", "lora",
+                     "--steps", "1", "--seq-len", "32", "--loss", "all", "--batch-size", "2",
+                     "--gen-examples", "0", "--no-progress", "--device", "cpu",
+                     "--out", str(tmp_path / "out")]) == 0
+    assert "LoRA on a llama model (from " in capsys.readouterr().out
+    title = json.loads((tmp_path / "out" / "demo.json").read_text())["title"]
+    assert "llama" in title and "GPT-2" not in title, title
+
+
 def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
     # --out held the user's own demo.json / demo.png: they were silently overwritten
     (tmp_path / "demo.json").write_text('{"mine": 1}')

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretrained: the base shipped in kfused/data/base; random: a randomly "
                         "initialised model of --layers/--d-model/--heads")
     p.add_argument("--model-dir", default=None,
-                   help="local transformers GPT-2 checkpoint directory (overrides --base)")
+                   help="local transformers causal-LM checkpoint directory, e.g. GPT-2 or Llama "
+                        "(overrides --base)")
     p.add_argument("--layers", type=positive_int, default=4,
                    help="layers of a --base random model")
     p.add_argument("--d-model", type=positive_int, default=128,
@@ -630,13 +631,15 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         if not bool((eval_data["labels"][:, 1:] != -100).any()):
             notes.append(f"no held-out sentence starts within --seq-len {args.seq_len}: no "
                          "held-out loss")
+    model_type = getattr(base_model.config, "model_type", None)  # --model-dir: any causal LM
+    shaped = "GPT-2-shaped" if model_type == "gpt2" else f"{model_type}"
     if args.model_dir:
         built = f"from {args.model_dir}"
     elif args.base == "pretrained":
         built = "the shipped pretrained base (kfused/data/base)"
     else:
         built = f"{args.layers} layers, d={args.d_model}, random weights"
-    say(f"kfused demo: {', '.join(_label(m) for m in methods)} on a GPT-2-shaped model "
+    say(f"kfused demo: {', '.join(_label(m) for m in methods)} on a {shaped} model "
         f"({built}), {len(train)} train / {n_eval} held-out examples, batch "
         f"{args.batch_size}, {args.steps} steps, lr {args.lr}, seed {args.seed}, device "
         f"{device}, compute dtype {str(dtype).replace('torch.', '')}"
@@ -706,7 +709,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             base_info.pop("loss_every_50_steps", None)
     report = {
         "written_by": WRITER,
-        "title": f"kfused demo: GPT-2-shaped byte-level base ({total_params:,d} params), "
+        "title": f"kfused demo: {shaped} byte-level base ({total_params:,d} params), "
                  f"E2E-style data-to-text, {args.steps} steps, {device.type}",
         "device": str(device), "device_name": (torch.cuda.get_device_name(device)
                                                 if device.type == "cuda" else platform.processor()
