@@ -108,6 +108,16 @@ def test_demo_names_the_architecture_it_ran(tmp_path, capsys):
     assert "llama" in title and "GPT-2" not in title, title
 
 
+def test_demo_says_when_it_generates_fewer_examples_than_asked(tmp_path, capsys):
+    # --gen-examples beyond the 60 held-out examples scored 60 without a word
+    assert run_demo(TINY + ["--steps", "1", "--methods", "krona", "--gen-examples", "100",
+                            "--max-new-tokens", "1", "--out", str(tmp_path)]) == 0
+    assert "note: --gen-examples 100: there are 60 held-out examples" in capsys.readouterr().out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert len(report["heldout_mrs"]) == 60
+    assert any(n.startswith("--gen-examples 100") for n in report["notes"])
+
+
 def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
     # --out held the user's own demo.json / demo.png: they were silently overwritten
     (tmp_path / "demo.json").write_text('{"mine": 1}')
