@@ -118,6 +118,16 @@ def test_demo_says_when_it_generates_fewer_examples_than_asked(tmp_path, capsys)
     assert any(n.startswith("--gen-examples 100") for n in report["notes"])
 
 
+def test_demo_says_when_no_step_is_timed(tmp_path, capsys):
+    # --warmup >= --steps: tokens/s was nan (a "-" in the table) without a word why
+    assert run_demo(TINY + ["--steps", "2", "--warmup", "2", "--methods", "krona",
+                            "--gen-examples", "0", "--out", str(tmp_path)]) == 0
+    assert "note: --warmup 2 covers all 2 steps: no step is timed" in capsys.readouterr().out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["runs"]["krona"]["reference"]["tokens_per_s"] != \
+        report["runs"]["krona"]["reference"]["tokens_per_s"]  # nan: not timed
+
+
 def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
     # --out held the user's own demo.json / demo.png: they were silently overwritten
     (tmp_path / "demo.json").write_text('{"mine": 1}')

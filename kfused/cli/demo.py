@@ -611,6 +611,9 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     n_eval = min(60, len(pairs) // 10)
     held = pairs[:n_eval]
     held_mrs = {e["mr"] for e in held}
+    if args.warmup >= args.steps:  # every step is warm-up: nothing timed
+        notes.append(f"--warmup {args.warmup} covers all {args.steps} steps: no step is "
+                     "timed (no tokens/s)")
     if args.gen_examples > n_eval:  # not silently fewer than asked
         notes.append(f"--gen-examples {args.gen_examples}: there are {n_eval} held-out "
                      f"examples; generating for all {n_eval}")
