@@ -466,6 +466,31 @@ def test_data_scripts_answer_help_without_writing(module, capsys, monkeypatch):
     assert f"kfused.data.{module}" in capsys.readouterr().out
 
 
+def test_make_e2e_replaces_the_data_set_whole(tmp_path, monkeypatch, capsys):
+    # make_e2e wrote the shipped e2e_tiny.jsonl in place: a kill part way left a shorter data
+    # set that the demo then loaded as the task
+    from kfused.data import DATA_FILE, make_e2e
+
+    monkeypatch.setattr(make_e2e, "__file__", str(tmp_path / "make_e2e.py"))
+    target = tmp_path / "e2e_tiny.jsonl"
+    target.write_text("the earlier set\n")
+    real = make_e2e.generate
+
+    def killed(*a, **k):
+        yield from real(2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(make_e2e, "generate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        make_e2e.main([])
+    assert target.read_text() == "the earlier set\n"
+    assert os.listdir(tmp_path) == ["e2e_tiny.jsonl"]  # no temporary file left
+    monkeypatch.setattr(make_e2e, "generate", real)
+    make_e2e.main([])
+    with open(DATA_FILE, "rb") as f:  # reproducible: the shipped set, byte for byte
+        assert target.read_bytes() == f.read()
+
+
 def test_metrics_refuse_a_malformed_meaning_representation():
     # a key given twice kept its last value; text outside the slots was dropped
     with pytest.raises(ValueError, match="gives slot 'food' twice"):
