@@ -241,6 +241,10 @@ def test_demo_sentences_beyond_seq_len_are_not_trained_on_nor_scored_as_zero(tmp
     assert all(r["eval_loss"] != 0.0 for r in report["rows"])
     assert any("no held-out loss" in n for n in report["notes"])
     assert math.isfinite(report["fused_vs_reference"]["lora"]["max_abs_loss_difference"])
+    # on the CPU the "fused" run is the reference path: the comparison says so (it read as
+    # a fused-vs-reference result, a loss difference 0 and two tokens/s)
+    assert report["fused_vs_reference"]["lora"]["fused_ran_reference_path"] is True
+    assert "the fused run takes the reference path too" in out
     # nothing left to train on at all: a usage error before training
     assert run_demo(TINY + ["--seq-len", "40", "--out", str(tmp_path / "b")]) == 2
     assert "raise --seq-len or use --loss all" in capsys.readouterr().err
