@@ -504,6 +504,10 @@ def test_metrics_refuse_a_malformed_meaning_representation():
     with pytest.raises(ValueError, match="gives slot 'name' twice"):
         em.slot_scores(["name[Cotto], name[Alimentum]"], ["Cotto."])
     assert em.parse_mr(" name[Cotto] ,food[fast food]") == {"name": "Cotto", "food": "fast food"}
+    # no slot at all: the example counted as complete in all_slots (and its text as added)
+    for mr in ("", " ", ","):
+        with pytest.raises(ValueError, match="holds no key.value. slot"):
+            em.slot_scores([mr, "name[Cotto]"], ["Cotto.", "Cotto."])
 
 
 def test_metrics_refuse_mismatched_or_empty_lists():

@@ -36,9 +36,10 @@ _POOLS = {"name": NAMES, "food": FOOD, "area": AREA, "eatType": EAT, "near": NEA
 
 
 def parse_mr(mr: str) -> Dict[str, str]:
-    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``. A key given twice, or text
-    that is not ``key[value]`` slots separated by commas, is a ValueError (the last value
-    was kept and the rest dropped: the slot scores counted something else than the MR)."""
+    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``. A key given twice, text
+    that is not ``key[value]`` slots separated by commas, or no slot at all is a ValueError
+    (the last value was kept and the rest dropped: the slot scores counted something else
+    than the MR)."""
     slots: Dict[str, str] = {}
     rest = _MR.sub(",", mr)
     if rest.replace(",", "").strip():
@@ -49,6 +50,8 @@ def parse_mr(mr: str) -> Dict[str, str]:
         if k in slots:
             raise ValueError(f"meaning representation {mr!r} gives slot {k!r} twice")
         slots[k] = v.strip()
+    if not slots:  # an empty example counted as complete in all_slots
+        raise ValueError(f"meaning representation {mr!r} holds no key[value] slot")
     return slots
 
 
