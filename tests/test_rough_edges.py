@@ -287,6 +287,21 @@ def test_bench_exits_1_when_a_provider_fails(tmp_path, monkeypatch, capsys):
     assert any(r["provider"] == "floor" and "ms_p50" in r for r in rows)
 
 
+def test_bench_write_prefs_folder_is_checked_before_the_run(tmp_path):
+    # --write-prefs under a file: refused only by mkdir after the whole GPU run (a
+    # NotADirectoryError traceback, the measured preferences lost)
+    from pathlib import Path
+
+    from kfused.cli import bench
+
+    (tmp_path / "file").write_text("mine")
+    for bad in (tmp_path / "file" / "prefs.json", tmp_path / "file" / "sub" / "prefs.json"):
+        with pytest.raises(SystemExit, match="--write-prefs .*file (exists and )?is not a directory"):
+            bench._check_prefs_target(Path(bad))
+    bench._check_prefs_target(tmp_path / "new" / "prefs.json")  # a folder it can make: fine
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "new").exists()
+
+
 def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
     # benchmarks/bench_e2e.py wrote e2e_<device>.json over whatever was in --out
     import kfused.cases.e2e as be

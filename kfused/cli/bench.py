@@ -319,6 +319,9 @@ def _check_prefs_target(path: Path) -> None:
     preferences file written by ``kfused bench --write-prefs``."""
     from kfused.backends import PREFS_WRITER
 
+    unusable = folder_refusal(path.parent)  # else found by mkdir after the whole GPU run
+    if unusable:
+        raise SystemExit(f"kfused bench: --write-prefs {path}: {unusable}")
     if path.is_symlink():  # the rename would replace the link itself, not what it names
         raise SystemExit(f"kfused bench: {path} is a symbolic link; not replacing it (give "
                          f"the file it points to, {os.path.realpath(path)})")
