@@ -74,6 +74,21 @@ def test_demo_bad_method_is_a_usage_error(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+def test_demo_targets_the_model_lacks_are_a_usage_error(tmp_path, capsys):
+    # only the configuration was checked up front: targets no module matches, or a preset's
+    # KronA shapes for another width, failed inside inject with a ValueError traceback after
+    # the frozen base's evaluation (and an empty --out folder made)
+    for argv, text in [(["--methods", "lora", "--targets", "nosuch"],
+                        "LoRA: method 'lora': no module of this model matched targets"),
+                       (["--methods", "kernel_mix", "--targets", "ffn_in"],
+                        "targets must be among q, v, o"),
+                       (["--preset", "krona-glue"], "give a (768, 768) update")]:
+        assert run_demo(TINY + argv + ["--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kfused demo: ") and text in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_demo_local_checkpoint_dir(tmp_path, capsys):
     from kfused.integration.models import tiny_model
 

@@ -174,6 +174,18 @@ def _causal_lm_refusal(path: str) -> Optional[str]:
     return None
 
 
+def _inject_refusal(model, cfg) -> None:
+    """Raise what ``inject(model, cfg)`` would raise, on a weightless (meta-device) copy of
+    ``model``'s architecture: the model itself is left as it was."""
+    import transformers as tf
+
+    from kfused.integration import inject
+
+    with torch.device("meta"):
+        probe = tf.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
+    inject(probe, cfg)
+
+
 def _max_positions(model) -> int:
     cfg = model.config
     return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
@@ -603,6 +615,12 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     tok = ByteTokenizer()
     vocab = tok.vocab_size
     base_model = _build_model(args, vocab, device)
+    try:  # targets no module matches, a preset's shapes for another width: before any work
+        for m in methods:
+            _inject_refusal(base_model, _adapter_config(m, args, "reference"))
+    except (ValueError, NotImplementedError) as exc:
+        print(f"kfused demo: {_label(m)}: {exc}", file=sys.stderr)
+        return 2
     n_pos = _max_positions(base_model)
     if args.seq_len > n_pos:
         notes.append(f"--seq-len {args.seq_len} cut to the model's {n_pos} positions")
