@@ -13,21 +13,26 @@ import sys
 
 import torch
 
+from kfused._files import folder_refusal
 from kfused.cases.e2e import run
+from kfused.cli.args import device, positive_float
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quick", action="store_true",
                    help="2-layer models, seq 128, batch 2 (on a CPU: d 64, seq 64, float32)")
-    p.add_argument("--rep-ms", type=float, default=2000.0)
+    p.add_argument("--rep-ms", type=positive_float, default=2000.0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "results", "local"))
     a = p.parse_args(argv)
-    run(a.device, getattr(torch, a.dtype), a.quick, a.out, a.rep_ms)
-    return 0
+    unusable = folder_refusal(a.out)  # before the measurements, not after them
+    if unusable:
+        p.error(f"argument --out: {unusable}")
+    rows = run(a.device, getattr(torch, a.dtype), a.quick, a.out, a.rep_ms)
+    return 1 if any("error" in r for r in rows) else 0  # a provider failed (its row says how)
 
 
 if __name__ == "__main__":

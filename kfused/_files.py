@@ -7,7 +7,30 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+
+def folder_refusal(path) -> Optional[str]:
+    """Why a command cannot write its files into the folder ``path`` (None if it can): it is
+    not a directory, or it does not exist and cannot be made because its nearest existing
+    parent is not a directory (a file, a dangling link) or is not writable. Asked before the
+    work, so a run never fails on its output folder after it (a traceback, the work lost)."""
+    path = os.fspath(path)
+    if not path:  # os.makedirs('') fails; joined names would land in the working directory
+        return "'' names no folder"
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            return f"{path} exists and is not a directory"
+        parent = path
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return f"{path} cannot be made: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be written: {parent} is not writable"
+    return None
 
 
 def replace_atomically(path: str, write: Callable[[str], None]) -> None:

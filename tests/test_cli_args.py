@@ -88,6 +88,13 @@ BAD = [
     (["demo", "--scale", "big"], "--scale", "expected a number"),
     (["demo", "--base", "random", "--d-model", "130", "--heads", "4"], "--d-model",
      "not a multiple of --heads 4"),
+    # each names the rows: the preset silently won over --method, either over --methods
+    (["demo", "--method", "lora", "--preset", "lora-4"], "--preset",
+     "not allowed with argument --method"),
+    (["demo", "--methods", "lora,krona", "--method", "kernel_mix"], "--method",
+     "not allowed with argument --methods"),
+    (["demo", "--methods", "lora", "--preset", "lora-4"], "--preset",
+     "not allowed with argument --methods"),
 ]
 BAD += [([cmd, opt, v], opt, "expected an integer >= 1")
         for cmd, opt in POSITIVE_INT for v in ("0", "-3")]
@@ -289,7 +296,7 @@ def test_perf_options_are_checked(argv, option, monkeypatch, capsys):
 
 
 def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
-    # --update-known with --ops, an unknown op, a --json folder that does not exist or a
+    # --update-known with --ops, --check without sm_90, an unknown op, a --json folder that does not exist or a
     # .txt name (the table beside it overwrote the JSON) were found only after the run, if at
     # all; the table's <name>.txt replaced any file of that name
     from kfused.perf import report
@@ -305,6 +312,9 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
             (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
             (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
             (["--json", str(tmp_path)], "--json", "is a folder"),
+            # an empty name (an unset variable) passed every check: nothing written after the run
+            (["--json", ""], "--json", "names no file"),
+            (["--json", str(tmp_path / "new") + os.sep], "--json", "names no file"),
             (["--json", str(tmp_path / "p.txt")], "--json", "give a .json name"),
             (["--json", str(tmp_path / "r.json")], "--json", "not overwriting it")]:
         with pytest.raises(SystemExit) as exc:

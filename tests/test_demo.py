@@ -74,6 +74,21 @@ def test_demo_bad_method_is_a_usage_error(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+def test_demo_targets_the_model_lacks_are_a_usage_error(tmp_path, capsys):
+    # only the configuration was checked up front: targets no module matches, or a preset's
+    # KronA shapes for another width, failed inside inject with a ValueError traceback after
+    # the frozen base's evaluation (and an empty --out folder made)
+    for argv, text in [(["--methods", "lora", "--targets", "nosuch"],
+                        "LoRA: method 'lora': no module of this model matched targets"),
+                       (["--methods", "kernel_mix", "--targets", "ffn_in"],
+                        "targets must be among q, v, o"),
+                       (["--preset", "krona-glue"], "give a (768, 768) update")]:
+        assert run_demo(TINY + argv + ["--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kfused demo: ") and text in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_demo_local_checkpoint_dir(tmp_path, capsys):
     from kfused.integration.models import tiny_model
 
@@ -89,6 +104,43 @@ def test_demo_local_checkpoint_dir(tmp_path, capsys):
     assert "from " + str(tmp_path / "gpt2-local") in capsys.readouterr().out
     report = json.loads((tmp_path / "out" / "demo.json").read_text())
     assert report["checkpoint"]["lora"]["reload_bit_exact"] is True
+
+
+def test_demo_names_the_architecture_it_ran(tmp_path, capsys):
+    # a --model-dir Llama checkpoint ran, but the run line and the report's title said
+    # "GPT-2-shaped"
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("llama", d_model=32, n_layers=1, n_heads=2, vocab=260).save_pretrained(
+        tmp_path / "llama-local")
+    assert run_demo(["--model-dir", str(tmp_path / "llama-local"), "--method", "lora",
+                     "--steps", "1", "--seq-len", "32", "--loss", "all", "--batch-size", "2",
+                     "--gen-examples", "0", "--no-progress", "--device", "cpu",
+                     "--out", str(tmp_path / "out")]) == 0
+    assert "LoRA on a llama model (from " in capsys.readouterr().out
+    title = json.loads((tmp_path / "out" / "demo.json").read_text())["title"]
+    assert "llama" in title and "GPT-2" not in title, title
+
+
+def test_demo_says_when_it_generates_fewer_examples_than_asked(tmp_path, capsys):
+    # --gen-examples beyond the 60 held-out examples scored 60 without a word
+    assert run_demo(TINY + ["--steps", "1", "--methods", "krona", "--gen-examples", "100",
+                            "--max-new-tokens", "1", "--out", str(tmp_path)]) == 0
+    assert "note: --gen-examples 100: there are 60 held-out examples" in capsys.readouterr().out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert len(report["heldout_mrs"]) == 60
+    assert any(n.startswith("--gen-examples 100") for n in report["notes"])
+
+
+def test_demo_says_when_no_step_is_timed(tmp_path, capsys):
+    # --warmup >= --steps: tokens/s was nan (a "-" in the table) without a word why
+    assert run_demo(TINY + ["--steps", "2", "--warmup", "2", "--methods", "krona",
+                            "--gen-examples", "0", "--out", str(tmp_path)]) == 0
+    assert "note: --warmup 2 covers all 2 steps: no step is timed" in capsys.readouterr().out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["runs"]["krona"]["reference"]["tokens_per_s"] != \
+        report["runs"]["krona"]["reference"]["tokens_per_s"]  # nan: not timed
 
 
 def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
@@ -115,6 +167,44 @@ def test_demo_never_overwrites_files_it_did_not_write(tmp_path, capsys):
     assert run_demo(TINY + ["--out", str(tmp_path / "link")]) == 2
     assert "not a regular file" in capsys.readouterr().err
     assert (tmp_path / "demo.png").read_bytes() == b"my plot"
+
+
+def test_out_folders_that_cannot_be_written_are_refused_before_any_work(tmp_path, monkeypatch,
+                                                                       capsys):
+    # --out under a file (or in a folder that cannot be written): the demo failed with a
+    # NotADirectoryError traceback after the frozen base's evaluation, pretrain_base after
+    # the whole pretraining (its weights lost); --docs too few was a ValueError traceback
+    import kfused.data.pretrain_base as pb
+    from kfused.cli import demo
+
+    def no_work(*a, **k):
+        raise AssertionError("started working with an --out it cannot write")
+
+    monkeypatch.setattr(demo, "_build_model", no_work)
+    monkeypatch.setattr(pb, "build_model", no_work)
+    (tmp_path / "file").write_text("mine")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: os.fspath(p) != str(readonly)
+                        and real_access(p, mode, **k))
+    for out, text in [(tmp_path / "file" / "sub", "file is not a directory"),
+                      (tmp_path / "file" / "a" / "b", "file is not a directory"),
+                      (readonly / "new", "readonly is not writable"),
+                      (readonly, "readonly is not writable"),
+                      ("", "'' names no folder")]:  # was a FileNotFoundError traceback
+        assert run_demo(TINY + ["--steps", "1", "--methods", "lora", "--out", str(out)]) == 2
+        assert text in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exc:
+            pb.main(["--steps", "1", "--docs", "40", "--seq-len", "32", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --out" in err and text in err, err
+    assert (tmp_path / "file").read_text() == "mine" and os.listdir(readonly) == []
+    with pytest.raises(SystemExit) as exc:
+        pb.main(["--docs", "1", "--out", str(tmp_path / "base")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --docs 1 gives" in err and "Traceback" not in err
+    assert not (tmp_path / "base").exists()
 
 
 def test_demo_interrupted_write_keeps_the_earlier_files(tmp_path, monkeypatch):
@@ -166,6 +256,10 @@ def test_demo_sentences_beyond_seq_len_are_not_trained_on_nor_scored_as_zero(tmp
     assert all(r["eval_loss"] != 0.0 for r in report["rows"])
     assert any("no held-out loss" in n for n in report["notes"])
     assert math.isfinite(report["fused_vs_reference"]["lora"]["max_abs_loss_difference"])
+    # on the CPU the "fused" run is the reference path: the comparison says so (it read as
+    # a fused-vs-reference result, a loss difference 0 and two tokens/s)
+    assert report["fused_vs_reference"]["lora"]["fused_ran_reference_path"] is True
+    assert "the fused run takes the reference path too" in out
     # nothing left to train on at all: a usage error before training
     assert run_demo(TINY + ["--seq-len", "40", "--out", str(tmp_path / "b")]) == 2
     assert "raise --seq-len or use --loss all" in capsys.readouterr().err
@@ -188,11 +282,20 @@ def test_demo_runs_fused_and_distributed_messages(tmp_path, capsys):
 def test_demo_model_dir_must_be_a_local_checkpoint(tmp_path, capsys):
     # a missing folder was taken for a model hub id (an OSError about repo ids); a folder
     # without config.json failed inside transformers
-    for d in (tmp_path / "missing", tmp_path):
+    # a checkpoint that is no causal LM (T5) or an unreadable config.json: a traceback from
+    # transformers after the refusals (now a usage error too)
+    import transformers
+
+    transformers.T5Config(d_model=8, num_layers=1, num_heads=1).save_pretrained(tmp_path / "t5")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    for d, text in [(tmp_path / "missing", "no config.json"), (tmp_path, "no config.json"),
+                    (tmp_path / "t5", "'t5' model, which is no causal language model"),
+                    (tmp_path / "broken", "config.json cannot be read")]:
         with pytest.raises(SystemExit) as exc:
             run_demo(TINY + ["--model-dir", str(d), "--out", str(tmp_path / "out")])
-        assert exc.value.code == 2
-        assert "argument --model-dir" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --model-dir" in err and text in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -356,6 +459,16 @@ def test_metrics_slot_rules():
     assert em.added_values(em.parse_mr(mr), "Cotto is an Italian pub in the riverside.") == \
         ["food[Italian]", "area[riverside]"]
     assert not em.slot_realised("eatType", "pub", "Cotto is public.")  # word boundaries
+    # a value inside another slot's value: food[Indian] was realised by the landmark's name
+    # alone, and Indian food beside that landmark was never counted as added
+    mr = "name[Cotto], food[Indian], near[Raja Indian Cuisine]"
+    assert em.slot_scores([mr], ["Cotto is near Raja Indian Cuisine."])["slot_accuracy"] == 2 / 3
+    assert em.slot_scores([mr], ["Cotto serves Indian food near Raja Indian Cuisine."]) \
+        ["slot_accuracy"] == 1.0
+    mr = "name[Cotto], food[Italian], near[Raja Indian Cuisine]"
+    assert em.added_values(em.parse_mr(mr), "Cotto serves Indian food near Raja Indian "
+                                            "Cuisine.") == ["food[Indian]"]
+    assert em.added_values(em.parse_mr(mr), "Cotto is near Raja Indian Cuisine.") == []
 
 
 @pytest.mark.parametrize("module", ["make_e2e", "make_corpus"])
@@ -372,6 +485,31 @@ def test_data_scripts_answer_help_without_writing(module, capsys, monkeypatch):
     assert f"kfused.data.{module}" in capsys.readouterr().out
 
 
+def test_make_e2e_replaces_the_data_set_whole(tmp_path, monkeypatch, capsys):
+    # make_e2e wrote the shipped e2e_tiny.jsonl in place: a kill part way left a shorter data
+    # set that the demo then loaded as the task
+    from kfused.data import DATA_FILE, make_e2e
+
+    monkeypatch.setattr(make_e2e, "__file__", str(tmp_path / "make_e2e.py"))
+    target = tmp_path / "e2e_tiny.jsonl"
+    target.write_text("the earlier set\n")
+    real = make_e2e.generate
+
+    def killed(*a, **k):
+        yield from real(2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(make_e2e, "generate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        make_e2e.main([])
+    assert target.read_text() == "the earlier set\n"
+    assert os.listdir(tmp_path) == ["e2e_tiny.jsonl"]  # no temporary file left
+    monkeypatch.setattr(make_e2e, "generate", real)
+    make_e2e.main([])
+    with open(DATA_FILE, "rb") as f:  # reproducible: the shipped set, byte for byte
+        assert target.read_bytes() == f.read()
+
+
 def test_metrics_refuse_a_malformed_meaning_representation():
     # a key given twice kept its last value; text outside the slots was dropped
     with pytest.raises(ValueError, match="gives slot 'food' twice"):
@@ -381,6 +519,10 @@ def test_metrics_refuse_a_malformed_meaning_representation():
     with pytest.raises(ValueError, match="gives slot 'name' twice"):
         em.slot_scores(["name[Cotto], name[Alimentum]"], ["Cotto."])
     assert em.parse_mr(" name[Cotto] ,food[fast food]") == {"name": "Cotto", "food": "fast food"}
+    # no slot at all: the example counted as complete in all_slots (and its text as added)
+    for mr in ("", " ", ","):
+        with pytest.raises(ValueError, match="holds no key.value. slot"):
+            em.slot_scores([mr, "name[Cotto]"], ["Cotto.", "Cotto."])
 
 
 def test_metrics_refuse_mismatched_or_empty_lists():

@@ -245,6 +245,61 @@ def test_bench_out_never_overwrites_a_file(tmp_path, monkeypatch, capsys):
         bench.run(argv[:-1] + [str(first)])
     assert exc.value.code == 2
     assert "--out" in capsys.readouterr().err and first.read_text() == "the user's notes"
+    # --out under a file: a usage error before any case (was a NotADirectoryError traceback)
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        bench.run(argv[:-1] + [str(first / "sub")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --out" in err and "is not a directory" in err
+
+
+def test_bench_exits_1_when_a_provider_fails(tmp_path, monkeypatch, capsys):
+    # a provider that raised (a crashing kernel) was one row marked "error" and the exit
+    # status stayed 0: benchmarks/gpu_suite.sh's `|| status=1` passed the stage
+    import json
+
+    import kfused.cases
+    from kfused.bench import BenchCase, Provider
+    from kfused.cli import bench
+
+    def works():
+        x = torch.ones(3, requires_grad=True)
+        return (lambda: x * 2), [x]
+
+    def crashes():
+        raise RuntimeError("the kernel crashed")
+
+    def cases(providers):
+        return lambda *a, **k: [BenchCase("krona_linear", {"T": 3}, torch.float32, providers)]
+
+    argv = ["krona", "--device", "cpu", "--no-plot", "--rep-ms", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(kfused.cases, "bench_cases", cases([Provider("floor", works)]))
+    assert bench.run(argv) == 0
+    (first,) = tmp_path.glob("*.json")
+    monkeypatch.setattr(kfused.cases, "bench_cases", cases([
+        Provider("floor", works), Provider("kfused-triton", crashes),
+        Provider("kfused-cuda", works, skip_reason="not built")]))  # a skip is no failure
+    assert bench.run(argv) == 1
+    assert "1 provider(s) failed" in capsys.readouterr().err
+    (written,) = set(tmp_path.glob("*.json")) - {first}  # the results are still written
+    rows = json.loads(written.read_text())["rows"]
+    assert [r["provider"] for r in rows if "error" in r] == ["kfused-triton"]
+    assert any(r["provider"] == "floor" and "ms_p50" in r for r in rows)
+
+
+def test_bench_write_prefs_folder_is_checked_before_the_run(tmp_path):
+    # --write-prefs under a file: refused only by mkdir after the whole GPU run (a
+    # NotADirectoryError traceback, the measured preferences lost)
+    from pathlib import Path
+
+    from kfused.cli import bench
+
+    (tmp_path / "file").write_text("mine")
+    for bad in (tmp_path / "file" / "prefs.json", tmp_path / "file" / "sub" / "prefs.json"):
+        with pytest.raises(SystemExit, match="--write-prefs .*file (exists and )?is not a directory"):
+            bench._check_prefs_target(Path(bad))
+    bench._check_prefs_target(tmp_path / "new" / "prefs.json")  # a folder it can make: fine
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "new").exists()
 
 
 def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
@@ -258,6 +313,43 @@ def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
     assert (tmp_path / "e2e_cpu.json").read_text() == "the user's notes"
     assert {p.name for p in tmp_path.glob("*.json")} == {"e2e_cpu.json", "e2e_cpu-2.json",
                                                          "e2e_cpu-3.json"}
+    import json
+
+    # the file names the dtype the cases ran: the CPU's quick cases are float32 (it said
+    # torch.bfloat16, the script's default, for a float32 run)
+    monkeypatch.setattr(be, "bench_cases", lambda *a, **k: [_Case(torch.float32)])
+    monkeypatch.setattr(be, "measure", lambda *a, **k: [])
+    be.run("cpu", torch.bfloat16, True, str(tmp_path), 1.0)
+    meta = json.loads((tmp_path / "e2e_cpu-4.json").read_text())["meta"]
+    assert meta["dtype"] == "torch.float32" and meta["requested_dtype"] == "torch.bfloat16"
+
+
+def test_bench_e2e_script_checks_its_arguments_before_measuring(tmp_path, monkeypatch, capsys):
+    # benchmarks/bench_e2e.py took any --rep-ms (-1, nan) and --device string, and found an
+    # --out under a file only after every measurement (a NotADirectoryError traceback)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_e2e_script", os.path.join(ROOT, "benchmarks", "bench_e2e.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "run", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "file").write_text("mine")
+    for argv, option, text in [(["--rep-ms", "-1"], "--rep-ms", "expected a number > 0"),
+                               (["--rep-ms", "nan"], "--rep-ms", "expected a finite number"),
+                               (["--device", "bogus"], "--device", "invalid device 'bogus'"),
+                               (["--out", str(tmp_path / "file" / "sub")], "--out",
+                                "is not a directory")]:
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--quick", "--device", "cpu"] + argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument {option}" in err and text in err, err
+    assert (tmp_path / "file").read_text() == "mine"
+    # a provider that failed: exit status 1 (was 0), as `kfused bench`
+    for rows, code in [([{"provider": "a", "ms_p50": 1.0}], 0),
+                       ([{"provider": "a", "ms_p50": 1.0}, {"provider": "b", "error": "x"}], 1)]:
+        monkeypatch.setattr(script, "run", lambda *a, rows=rows, **k: rows)
+        assert script.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == code
 
 
 def test_bench_records_the_commit_of_the_kfused_that_runs(tmp_path, monkeypatch):

@@ -237,7 +237,8 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
 
 def run(device: str, dtype: torch.dtype, quick: bool, out_dir: str, rep_ms: float) -> List[dict]:
     rows = []
-    for case in bench_cases(device, dtype, quick):
+    cases = bench_cases(device, dtype, quick)
+    for case in cases:
         for row in measure(case, device, rep_ms=rep_ms, warmup_ms=rep_ms / 4, modes=("fwd",)):
             if "ms_p50" in row:
                 row["mode"] = "train_step"
@@ -245,8 +246,11 @@ def run(device: str, dtype: torch.dtype, quick: bool, out_dir: str, rep_ms: floa
             rows.append(row)
     os.makedirs(out_dir, exist_ok=True)
     tag = torch.device(device).type
+    # the dtype the cases ran (the CPU's quick cases are float32 whatever was asked)
+    ran = sorted({str(c.dtype) for c in cases}) or [str(dtype)]
     meta = {"device": torch.cuda.get_device_name() if tag == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": str(dtype), "quick": quick}
+            "torch": torch.__version__, "dtype": ", ".join(ran),
+            "requested_dtype": str(dtype), "quick": quick}
     # a new file per run (e2e_<device>-2.json, ...): never over a file kfused did not write
     path = new_results_file(out_dir, f"e2e_{tag}", json.dumps({"meta": meta, "rows": rows},
                                                                indent=2))

@@ -1,5 +1,6 @@
 """`kfused bench`: run the benchmark cases of each op family (``bench_cases(device, dtype,
-quick)`` in :mod:`kfused.cases`) through the shared harness. Results go to
+quick)`` in :mod:`kfused.cases`) through the shared harness (exit status 1 when a provider
+failed: its row holds the error, the others are still measured). Results go to
 ``<out>/<op>_<device>_<utc>.json`` (``-2``, ``-3``, ... before ``.json`` when that name or
 its PNG is taken: an existing file is never overwritten; default
 ``benchmarks/results/local/`` of the source checkout, git-ignored;
@@ -23,7 +24,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kfused._files import new_results_file, replace_atomically
+from kfused._files import folder_refusal, new_results_file, replace_atomically
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -257,9 +258,10 @@ def run(argv: Optional[List[str]] = None) -> int:
         p.error("argument --write-prefs: records GPU measurements; needs a CUDA --device")
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
-    if args.out and os.path.lexists(args.out) and not os.path.isdir(args.out):
-        p.error(f"argument --out: {args.out} exists and is not a directory")
     out_dir = Path(args.out) if args.out else default_out_dir()
+    unusable = folder_refusal(out_dir)  # a file, under one, not writable: before any case runs
+    if unusable:
+        p.error(f"argument --out: {unusable}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rep = args.rep_ms if args.rep_ms is not None else (200 if device.type == "cuda" else 50)
     if device.type != "cuda":
@@ -303,6 +305,12 @@ def run(argv: Optional[List[str]] = None) -> int:
         prefs = write_prefs(Path(args.write_prefs), str(meta.get("device")), all_rows,
                             meta.get("git_commit"))
         print(f"wrote {args.write_prefs}: {json.dumps(prefs)}")
+    failed = [r for r in all_rows if "error" in r]  # the others are measured and written
+    if failed:
+        print(f"kfused bench: {len(failed)} provider(s) failed: " + "; ".join(
+            f"{r['op']} {_short(r['shape'])} {r['provider']}: {r['error'][:200]}"
+            for r in failed), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -311,6 +319,9 @@ def _check_prefs_target(path: Path) -> None:
     preferences file written by ``kfused bench --write-prefs``."""
     from kfused.backends import PREFS_WRITER
 
+    unusable = folder_refusal(path.parent)  # else found by mkdir after the whole GPU run
+    if unusable:
+        raise SystemExit(f"kfused bench: --write-prefs {path}: {unusable}")
     if path.is_symlink():  # the rename would replace the link itself, not what it names
         raise SystemExit(f"kfused bench: {path} is a symbolic link; not replacing it (give "
                          f"the file it points to, {os.path.realpath(path)})")

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kfused._files import replace_atomically
+from kfused._files import folder_refusal, replace_atomically
 
 # The demo's rows: name -> (label, AdapterConfig keyword arguments). Anything else passed to
 # --methods is a preset name (kfused.integration.PRESETS) or a registered method.
@@ -68,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "meaning representations and score BLEU and slot accuracy; fused kernels "
                     "vs the unfused reference on a GPU.",
         formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated rows: " + ", ".join(METHODS) + ", a preset name "
-                        "(kfused.integration.PRESETS) or any registered method")
-    p.add_argument("--method", default=None, help="one method only (same as --methods NAME)")
-    p.add_argument("--preset", default=None, help="one preset only (same as --methods NAME)")
+    rows = p.add_mutually_exclusive_group()  # each names the rows: one of them, not two
+    rows.add_argument("--methods", default=DEFAULT_METHODS,
+                      help="comma-separated rows: " + ", ".join(METHODS) + ", a preset name "
+                           "(kfused.integration.PRESETS) or any registered method")
+    rows.add_argument("--method", default=None, help="one method only (same as --methods NAME)")
+    rows.add_argument("--preset", default=None, help="one preset only (same as --methods NAME)")
     p.add_argument("--targets", default=None,
                    help="comma-separated roles/regexes for every row (default: each method's)")
     p.add_argument("--rank", type=positive_int, default=None,
@@ -82,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretrained: the base shipped in kfused/data/base; random: a randomly "
                         "initialised model of --layers/--d-model/--heads")
     p.add_argument("--model-dir", default=None,
-                   help="local transformers GPT-2 checkpoint directory (overrides --base)")
+                   help="local transformers causal-LM checkpoint directory, e.g. GPT-2 or Llama "
+                        "(overrides --base)")
     p.add_argument("--layers", type=positive_int, default=4,
                    help="layers of a --base random model")
     p.add_argument("--d-model", type=positive_int, default=128,
@@ -153,6 +155,35 @@ def _build_model(args, vocab: int, device: torch.device):
         model = tiny_model("gpt2", d_model=args.d_model, n_layers=args.layers,
                            n_heads=args.heads, vocab=vocab, max_len=max(args.seq_len, 384))
     return model.to(device)
+
+
+def _causal_lm_refusal(path: str) -> Optional[str]:
+    """Why the checkpoint in ``path`` is no causal language model the demo can load (None if
+    it is one)."""
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cfg = tf.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{path}: its config.json cannot be read ({type(exc).__name__}: {first})"
+    if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return (f"{path} holds a {cfg.model_type!r} model, which is no causal language model "
+                "(AutoModelForCausalLM cannot load it); the demo generates text left to right")
+    return None
+
+
+def _inject_refusal(model, cfg) -> None:
+    """Raise what ``inject(model, cfg)`` would raise, on a weightless (meta-device) copy of
+    ``model``'s architecture: the model itself is left as it was."""
+    import transformers as tf
+
+    from kfused.integration import inject
+
+    with torch.device("meta"):
+        probe = tf.AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
+    inject(probe, cfg)
 
 
 def _max_positions(model) -> int:
@@ -407,8 +438,9 @@ def _ours(json_path: str) -> bool:
 def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
     """Why ``--out`` cannot take this run's files (None if it can): kfused never overwrites
     a file it did not write, nor writes through a symbolic link it finds there."""
-    if os.path.lexists(out) and not os.path.isdir(out):  # a file, or a dangling link
-        return f"--out {out} exists and is not a directory"
+    unusable = folder_refusal(out)  # a file, a dangling link, under one, not writable
+    if unusable:
+        return f"--out {unusable}"
     report = os.path.join(out, REPORT)
     for name in (REPORT, PLOT):
         path = os.path.join(out, name)
@@ -513,6 +545,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         # else transformers takes it for a model hub id (unreachable) or fails on the folder
         parser.error(f"argument --model-dir: {args.model_dir} is not a local transformers "
                      "checkpoint folder (no config.json in it)")
+    if args.model_dir:  # a checkpoint AutoModelForCausalLM cannot load: a traceback later
+        refusal = _causal_lm_refusal(args.model_dir)
+        if refusal:
+            parser.error(f"argument --model-dir: {refusal}")
     from kfused import distributed as kd
     from kfused.data import ByteTokenizer, encode_pairs, load_pairs
 
@@ -579,6 +615,12 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     tok = ByteTokenizer()
     vocab = tok.vocab_size
     base_model = _build_model(args, vocab, device)
+    try:  # targets no module matches, a preset's shapes for another width: before any work
+        for m in methods:
+            _inject_refusal(base_model, _adapter_config(m, args, "reference"))
+    except (ValueError, NotImplementedError) as exc:
+        print(f"kfused demo: {_label(m)}: {exc}", file=sys.stderr)
+        return 2
     n_pos = _max_positions(base_model)
     if args.seq_len > n_pos:
         notes.append(f"--seq-len {args.seq_len} cut to the model's {n_pos} positions")
@@ -587,6 +629,12 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     n_eval = min(60, len(pairs) // 10)
     held = pairs[:n_eval]
     held_mrs = {e["mr"] for e in held}
+    if args.warmup >= args.steps:  # every step is warm-up: nothing timed
+        notes.append(f"--warmup {args.warmup} covers all {args.steps} steps: no step is "
+                     "timed (no tokens/s)")
+    if args.gen_examples > n_eval:  # not silently fewer than asked
+        notes.append(f"--gen-examples {args.gen_examples}: there are {n_eval} held-out "
+                     f"examples; generating for all {n_eval}")
     train = [e for e in pairs[n_eval:] if e["mr"] not in held_mrs]
     target_only = args.loss == "target"
     data = encode_pairs(train, args.seq_len, tok, target_only=target_only)
@@ -607,13 +655,15 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         if not bool((eval_data["labels"][:, 1:] != -100).any()):
             notes.append(f"no held-out sentence starts within --seq-len {args.seq_len}: no "
                          "held-out loss")
+    model_type = getattr(base_model.config, "model_type", None)  # --model-dir: any causal LM
+    shaped = "GPT-2-shaped" if model_type == "gpt2" else f"{model_type}"
     if args.model_dir:
         built = f"from {args.model_dir}"
     elif args.base == "pretrained":
         built = "the shipped pretrained base (kfused/data/base)"
     else:
         built = f"{args.layers} layers, d={args.d_model}, random weights"
-    say(f"kfused demo: {', '.join(_label(m) for m in methods)} on a GPT-2-shaped model "
+    say(f"kfused demo: {', '.join(_label(m) for m in methods)} on a {shaped} model "
         f"({built}), {len(train)} train / {n_eval} held-out examples, batch "
         f"{args.batch_size}, {args.steps} steps, lr {args.lr}, seed {args.seed}, device "
         f"{device}, compute dtype {str(dtype).replace('torch.', '')}"
@@ -660,6 +710,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             a, b = runs[method]["fused"], runs[method]["reference"]
             diffs = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
             comparisons[method] = {  # a nan anywhere is the largest difference, not skipped
+                # off CUDA, backend "auto" is the reference: no fused kernel ran
+                "fused_ran_reference_path": device.type != "cuda",
                 "max_abs_loss_difference": float("nan") if any(map(math.isnan, diffs))
                 else max(diffs),
                 "final_loss_difference": abs(a["losses"][-1] - b["losses"][-1]),
@@ -683,7 +735,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             base_info.pop("loss_every_50_steps", None)
     report = {
         "written_by": WRITER,
-        "title": f"kfused demo: GPT-2-shaped byte-level base ({total_params:,d} params), "
+        "title": f"kfused demo: {shaped} byte-level base ({total_params:,d} params), "
                  f"E2E-style data-to-text, {args.steps} steps, {device.type}",
         "device": str(device), "device_name": (torch.cuda.get_device_name(device)
                                                 if device.type == "cuda" else platform.processor()
@@ -724,7 +776,9 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         _print_table(report)
         print()
         if comparisons:
-            print("fused vs reference (identical batches in identical order):")
+            print("fused vs reference (identical batches in identical order)" + (
+                f"; on the {device.type} the fused run takes the reference path too: the two "
+                "rows compare the reference with itself" if device.type != "cuda" else "") + ":")
             for m, c in comparisons.items():
                 mem = c["peak_memory_bytes"]
                 print(f"  {_label(m):<14} largest |fused - reference| loss difference "

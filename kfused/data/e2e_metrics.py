@@ -8,12 +8,16 @@ per ``key[value]``. A slot is *realised* when the generated text states its valu
   appears and no negated form does; ``familyFriendly[no]``: "not family friendly", "not
   suitable for children" or "no kids" appears;
 * every other slot: the value appears verbatim (case-insensitive, on word boundaries), e.g.
-  ``priceRange[£20-25]`` needs "£20-25", ``customer rating[5 out of 5]`` needs "5 out of 5".
+  ``priceRange[£20-25]`` needs "£20-25", ``customer rating[5 out of 5]`` needs "5 out of 5",
+  outside the representation's other values that contain it (``food[Indian]`` is not
+  realised by the "Indian" of ``near[Raja Indian Cuisine]``).
 
 ``slot_accuracy`` = realised slots / all slots over the held-out set; ``all_slots`` = the
 fraction of examples with every slot realised; ``added`` = slot values the text states that
 the representation does not hold (another restaurant's name, another cuisine, area, eat type
-or landmark), per example: hallucinations, which slot accuracy alone would not punish. The
+or landmark) outside the representation's own values ("Indian food" beside
+``near[Raja Indian Cuisine]`` is added, the landmark's name alone is not), per example:
+hallucinations, which slot accuracy alone would not punish. The
 reference sentences score slot accuracy 1.0 and added 0 (a test checks this).
 """
 
@@ -32,9 +36,10 @@ _POOLS = {"name": NAMES, "food": FOOD, "area": AREA, "eatType": EAT, "near": NEA
 
 
 def parse_mr(mr: str) -> Dict[str, str]:
-    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``. A key given twice, or text
-    that is not ``key[value]`` slots separated by commas, is a ValueError (the last value
-    was kept and the rest dropped: the slot scores counted something else than the MR)."""
+    """``"name[X], food[Y]"`` -> ``{"name": "X", "food": "Y"}``. A key given twice, text
+    that is not ``key[value]`` slots separated by commas, or no slot at all is a ValueError
+    (the last value was kept and the rest dropped: the slot scores counted something else
+    than the MR)."""
     slots: Dict[str, str] = {}
     rest = _MR.sub(",", mr)
     if rest.replace(",", "").strip():
@@ -45,12 +50,24 @@ def parse_mr(mr: str) -> Dict[str, str]:
         if k in slots:
             raise ValueError(f"meaning representation {mr!r} gives slot {k!r} twice")
         slots[k] = v.strip()
+    if not slots:  # an empty example counted as complete in all_slots
+        raise ValueError(f"meaning representation {mr!r} holds no key[value] slot")
     return slots
 
 
+def _pattern(value: str) -> str:
+    return r"(?<!\w)" + re.escape(value) + r"(?!\w)"
+
+
 def _has(text: str, value: str, case: bool = False) -> bool:
-    pat = r"(?<!\w)" + re.escape(value) + r"(?!\w)"
-    return re.search(pat, text, 0 if case else re.IGNORECASE) is not None
+    return re.search(_pattern(value), text, 0 if case else re.IGNORECASE) is not None
+
+
+def _without(text: str, values) -> str:
+    """``text`` with every occurrence of ``values`` (longest first) blanked out."""
+    for v in sorted(values, key=len, reverse=True):
+        text = re.sub(_pattern(v), " ", text, flags=re.IGNORECASE)
+    return text
 
 
 def slot_realised(key: str, value: str, text: str) -> bool:
@@ -64,16 +81,28 @@ def slot_realised(key: str, value: str, text: str) -> bool:
 
 
 def added_values(slots: Dict[str, str], text: str) -> List[str]:
-    """Values of name/food/area/eatType/near stated in ``text`` but absent from ``slots``."""
-    mr_values = " | ".join(slots.values()).lower()
+    """Values of name/food/area/eatType/near stated in ``text`` (outside the values of
+    ``slots``) but absent from ``slots``."""
+    rest = _without(text, [v for v in slots.values() if v])
     out = []
     for key, pool in _POOLS.items():
         for value in pool:
-            if slots.get(key) == value or value.lower() in mr_values:
+            if slots.get(key) == value:
                 continue
-            if _has(text, value, case=key in ("name", "near")):
+            if _has(rest, value, case=key in ("name", "near")):
                 out.append(f"{key}[{value}]")
     return out
+
+
+def _realised(slots: Dict[str, str], text: str) -> List[bool]:
+    """slot_realised for each slot, a value not counted where it is part of another slot's
+    value (food[Indian] inside near[Raja Indian Cuisine])."""
+    hit = []
+    for k, v in slots.items():
+        inside = [o for kk, o in slots.items() if kk != k and o.lower() != v.lower()
+                  and v and _has(o, v)]
+        hit.append(slot_realised(k, v, _without(text, inside) if inside else text))
+    return hit
 
 
 def _same_lengths(**named: Sequence[str]) -> None:
@@ -92,7 +121,7 @@ def slot_scores(mrs: Sequence[str], texts: Sequence[str]) -> Dict[str, float]:
     total = realised = complete = added = 0
     for mr, text in zip(mrs, texts):
         slots = parse_mr(mr)
-        hit = [slot_realised(k, v, text) for k, v in slots.items()]
+        hit = _realised(slots, text)
         total += len(hit)
         realised += sum(hit)
         complete += all(hit)

@@ -100,10 +100,16 @@ def main(argv=None) -> None:
     argparse.ArgumentParser(  # takes no options: --help (or a typo) never rewrites the file
         prog="python -m kfused.data.make_e2e",
         description="Rewrite kfused/data/e2e_tiny.jsonl (600 examples, seed 0).").parse_args(argv)
+    from kfused._files import replace_atomically
+
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_tiny.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        for ex in generate():
-            f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+
+    def write(tmp: str) -> None:  # replaced whole: a kill part way left a shorter data set
+        with open(tmp, "w", encoding="utf-8") as f:
+            for ex in generate():
+                f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+
+    replace_atomically(path, write)
     print(f"wrote {path} ({os.path.getsize(path)} bytes)")
 
 

@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import torch
 
+from kfused._files import folder_refusal
 from kfused.data import ByteTokenizer
 from kfused.data.make_corpus import documents
 
@@ -104,8 +105,9 @@ OUTPUTS = ("config.json", "generation_config.json", "model.safetensors", "pretra
 def _out_refusal(out: str) -> Optional[str]:
     """Why ``out`` cannot take the base's files (None if it can): kfused never overwrites a
     model it did not write (one without this script's pretrain.json beside it)."""
-    if os.path.lexists(out) and not os.path.isdir(out):
-        return f"--out {out} exists and is not a directory"
+    unusable = folder_refusal(out)  # a file, under one, not writable: found after training
+    if unusable:
+        return f"--out {unusable}"
     taken = [n for n in OUTPUTS if os.path.lexists(os.path.join(out, n))]
     if not taken:
         return None
@@ -120,10 +122,15 @@ def _out_refusal(out: str) -> Optional[str]:
     return None
 
 
+class Refusal(ValueError):
+    """An argument this run cannot take, found before anything runs or is written (``main``
+    reports it as a usage error, not a traceback)."""
+
+
 def pretrain(args) -> dict:
     refusal = _out_refusal(args.out)
     if refusal:  # before the corpus and the training: nothing is written
-        raise ValueError(refusal)
+        raise Refusal(refusal)
     torch.set_num_threads(args.threads)
     tok = ByteTokenizer()
     t0 = time.perf_counter()
@@ -133,8 +140,8 @@ def pretrain(args) -> dict:
     chunks = stream[: (stream.numel() // T) * T].view(-1, T)
     held = held[: (held.numel() // T) * T].view(-1, T)
     if chunks.shape[0] == 0:  # before anything is written
-        raise ValueError(f"--docs {args.docs} gives {stream.numel()} tokens, fewer than one "
-                         f"--seq-len {T} sequence")
+        raise Refusal(f"--docs {args.docs} gives {stream.numel()} tokens, fewer than one "
+                      f"--seq-len {T} sequence")
     model = build_model(args.seed)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -224,7 +231,10 @@ def main(argv=None) -> None:  # pragma: no cover
     refusal = _out_refusal(args.out)
     if refusal:
         parser.error(f"argument {refusal}")
-    pretrain(args)
+    try:
+        pretrain(args)
+    except Refusal as exc:  # e.g. --docs too few for one --seq-len sequence
+        parser.error(f"argument {exc}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -562,6 +562,8 @@ def run(argv=None) -> int:
         p.error("argument --arch: the model predicts H100 times from the sm_90 compile; "
                 "include 90, or pass --structure-only")
     if a.json is not None:
+        if not os.path.basename(a.json):  # '' or 'dir/': after the run, nothing was written
+            p.error(f"argument --json: {a.json!r} names no file; give a .json file name")
         folder = os.path.dirname(os.path.abspath(a.json))
         text_path = os.path.splitext(a.json)[0] + ".txt"
         if os.path.isdir(a.json) or not os.path.isdir(folder):
