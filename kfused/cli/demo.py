@@ -77,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", default=None,
                    help="comma-separated roles/regexes for every row (default: each method's)")
     p.add_argument("--rank", type=positive_int, default=None,
-                   help="rank r for every row (default: each row's, 8 for LoRA)")
-    p.add_argument("--scale", type=finite_float, default=None, help="adapter scale s (KronA)")
+                   help="rank r for every row that has one (default: each row's, 8 for "
+                   "LoRA); KronA has none: its size is its factor shapes")
+    p.add_argument("--scale", type=finite_float, default=None,
+                   help="adapter output scale s (KronA, Kernel-wise / Kernel-mix; LoRA "
+                   "scales by alpha / r instead)")
     p.add_argument("--base", default="pretrained", choices=["pretrained", "random"],
                    help="pretrained: the base shipped in kfused/data/base; random: a randomly "
                         "initialised model of --layers/--d-model/--heads")

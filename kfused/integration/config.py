@@ -40,7 +40,8 @@ class AdapterConfig:
             values are ints or, for methods with several ranks per projection (Kernel-mix:
             (wise, shared)), tuples.
         alpha: LoRA numerator (scale = alpha / r); None: alpha = r.
-        scale: adapter output scale s for KronA / KronA^B / parallel adapters.
+        scale: adapter output scale s for KronA / KronA^B / parallel adapters and the
+            per-head methods (Kernel-wise / Kernel-mix); LoRA scales by alpha / r instead.
         a_shape, b_shape: KronA factor shapes (a_out, a_in) / (b_out, b_in); None: derived.
         init: how the adapter parameters start, one vocabulary for every method (defined in
             :mod:`kfused.modules._init`): "zero" (exact start: the adapted model equals the
