@@ -64,13 +64,62 @@ def test_paper_pair_stand_ins_keep_the_configs():
                     cfg = [kl._fwd_config(T, s[a_out], s[a_in], s[b_out], s[b_in], w, cpu, el)
                            for s in (real, stand_in)]
                     assert cfg[0] == cfg[1], (real, stand_in, T, el, w)
-                g = [kl._grad_config(T, *s, cpu, el) for s in (real, stand_in)]
+                # the factor-gradient kernel runs on the swapped factors (B, A) for both
+                # orientations of the pair or for neither (kron_factor_grads)
+                swap = [kl._swap_factors(*s) for s in (real, stand_in)]
+                assert swap[0] == swap[1], (real, stand_in)
+                launched = [(s[2], s[3], s[0], s[1]) if swap[0] else s for s in (real, stand_in)]
+                g = [kl._grad_config(T, *s, cpu, el) for s in launched]
                 # the token step differs (a 512-padded factor takes 4 tokens per step, a
                 # 128-padded one 16): both are several steps at these T
                 assert {k: v for k, v in g[0].items() if k not in ("BT", "AOP", "AIP", "BOP",
                                                                    "BIP")} == \
                     {k: v for k, v in g[1].items() if k not in ("BT", "AOP", "AIP", "BOP",
                                                                 "BIP")}, (real, stand_in, T)
+
+
+def test_factor_gradients_of_wide_pairs_launch_on_the_gpu(monkeypatch):
+    """A 384×2, B 2×384 (the paper's pair the other way round): the factor-gradient kernel's
+    per-token G[t] B tile was 512 × 512, which needs 256 KB of shared memory — it compiles for
+    sm_90 but cannot launch (OutOfResources; found by kfused perf's launch check). It now runs
+    on the swapped factors (B ⊗ A on the transposed token matrices), 2 × 2 tiles; and a config
+    the GPU still refuses falls back to torch (asked once), never a crash."""
+    from triton.runtime.errors import OutOfResources
+
+    from kfused.triton_kernels import krona_linear as kl
+
+    class Kernel:                       # records the launch's constexprs; refuses if told to
+        def __init__(self, refuse):
+            self.refuse, self.calls = refuse, []
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.calls.append(kwargs)
+                if self.refuse:
+                    raise OutOfResources(262144, 232448, "shared memory")
+            return launch
+
+    for a_out, a_in, b_out, b_in in PAPER_PAIR + [(128, 32, 32, 128)]:
+        kernel = Kernel(refuse=False)
+        monkeypatch.setattr(kl, "_kron_grad_kernel", kernel)
+        kl.kron_factor_grads(torch.zeros(4, a_out * b_out), torch.zeros(4, a_in * b_in),
+                             torch.zeros(a_out, a_in), torch.zeros(b_out, b_in), 0.5)
+        (kw,) = kernel.calls
+        assert kw["AOP"] * kw["BIP"] <= kl._GRAD_TILE_LIMIT, ((a_out, a_in, b_out, b_in), kw)
+
+    # a configuration the GPU refuses: torch computes the same gradients (§4), once asked
+    kernel = Kernel(refuse=True)
+    monkeypatch.setattr(kl, "_kron_grad_kernel", kernel)
+    monkeypatch.setattr(kl, "_GRAD_NO_LAUNCH", set())
+    x, A, B = _factors((3, 5, 7, 2), lead=(9,))
+    for dtype in (torch.float32, torch.float16):
+        assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                                 kron_matvec_ref, {"x": x, "A": A, "B": B}, dtype, DEVICE)
+    n = len(kernel.calls)
+    assert n == 2                                # one refusal per dtype
+    xf, Af, Bf = (t.float().to(DEVICE).requires_grad_(True) for t in (x, A, B))
+    kron_matvec(xf, Af, Bf, backend="triton").sum().backward()
+    assert len(kernel.calls) == n and Af.grad is not None    # then torch directly
 
 
 def _factors(shape, lead=(3, 11), dtype=torch.float64):

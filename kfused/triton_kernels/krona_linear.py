@@ -96,6 +96,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from kfused import _alloc
 from kfused.triton_kernels._common import (_grouped_tile, _mm, acc_dtype, dot_precision,
@@ -734,25 +735,94 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
+    if T > 0 and _swap_factors(a_out, a_in, b_out, b_in):
+        # (A ⊗ B) vec(X) = vec(A X Bᵀ), whose transpose B Xᵀ Aᵀ is (B ⊗ A) on vec(Xᵀ): the
+        # same gradients with the factors' roles swapped, on x and g with their factor axes
+        # transposed (two copies), where the per-token G B tile is b_out × a_in, not a_out × b_in
+        xs = x.view(T, a_in, b_in).transpose(1, 2).reshape(T, a_in * b_in)
+        gs = g.view(T, a_out, b_out).transpose(1, 2).reshape(T, a_out * b_out)
+        dxs, dB, dA = kron_factor_grads(gs, xs, B, A, scale, compute_dx=compute_dx,
+                                        compute_dab=compute_dab)
+        dx = None if dxs is None else dxs.view(T, b_in, a_in).transpose(1, 2).reshape(
+            T, a_in * b_in)
+        return dx, dA, dB
     dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
     if T == 0:
         zA = torch.zeros_like(A) if compute_dab else None
         zB = torch.zeros_like(B) if compute_dab else None
         return dx, zA, zB
     cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device, x.element_size())
+    key = (x.device, x.dtype, compute_dx, compute_dab, tuple(sorted(cfg.items())))
+    if key in _GRAD_NO_LAUNCH:
+        return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     n_blocks = triton.cdiv(T, cfg["BT"])
     n_prog = grid_programs(x.device, n_blocks)
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
-    _kron_grad_kernel[(n_prog,)](
-        x, g, A, B, dx if dx is not None else x, dab,
-        T, a_out, a_in, b_out, b_in,
-        x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
-        A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-        float(scale), n_blocks,
-        COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype), **cfg)
+    try:
+        _kron_grad_kernel[(n_prog,)](
+            x, g, A, B, dx if dx is not None else x, dab,
+            T, a_out, a_in, b_out, b_in,
+            x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
+            A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+            float(scale), n_blocks,
+            COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype), **cfg)
+    except OutOfResources:
+        # raised when the GPU loads the kernel, before it runs (nothing written): factor
+        # shapes whose per-token tiles need more shared memory than an SM has, in either
+        # orientation (e.g. A 64×256, B 256×64 on sm_90); remembered, so asked once
+        _GRAD_NO_LAUNCH.add(key)
+        return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     if not compute_dab:
         return dx, None, None
     return (dx, *_sum_factor_partials(dab, A, B))
+
+
+# Per-token tile (elements) of _kron_grad_kernel's W1 = G[t] B (a_out × b_in, padded) above
+# which the swapped orientation is taken when its tile (b_out × a_in) is smaller: on sm_90 a
+# 512 × 512 tile (A 384×2, B 2×384) needs 256 KB of shared memory and cannot launch, a
+# 128 × 128 one (A 128×2, B 2×128: the interpreter's stand-in of that pair) 128 KB at one
+# token per step and 255 registers; swapped, both are 2 × 2 tiles at 4-16 tokens per step
+# (sm_90 compile, kfused perf's representative launches)
+_GRAD_TILE_LIMIT = 64 * 64
+_GRAD_NO_LAUNCH: set = set()     # configurations the GPU refused (OutOfResources)
+
+
+def _swap_factors(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
+    """Whether kron_factor_grads runs the kernel on the swapped factors (B, A)."""
+    tile = max(2, next_pow2(a_out)) * max(2, next_pow2(b_in))
+    swapped = max(2, next_pow2(b_out)) * max(2, next_pow2(a_in))
+    return tile > _GRAD_TILE_LIMIT and swapped < tile
+
+
+def _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab):
+    """kron_factor_grads in torch (float32 accumulation; float64 for float32 inputs, as the
+    kernel's token sums), each product in the order with the smaller per-token intermediate:
+    the fallback for factor shapes the kernel cannot launch with."""
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+    G = g.reshape(T, a_out, b_out).to(acc)
+    X = x.reshape(T, a_in, b_in).to(acc)
+    Af, Bf = A.to(acc), B.to(acc)
+    dx = dA = dB = None
+    if compute_dx:   # dX[t] = Aᵀ G[t] B
+        if a_out * b_in <= a_in * b_out:
+            d = torch.matmul(Af.t(), torch.matmul(G, Bf))
+        else:
+            d = torch.matmul(torch.matmul(Af.t(), G), Bf)
+        dx = (scale * d).reshape(T, a_in * b_in).to(x.dtype)
+    if compute_dab:  # dA = Σ G[t] B X[t]ᵀ, dB = Σ G[t]ᵀ A X[t]
+        if a_out * b_in <= b_out * a_in:
+            dA = torch.einsum("til,tkl->ik", torch.matmul(G, Bf), X)
+        else:
+            dA = torch.einsum("tij,tjk->ik", G, torch.matmul(Bf, X.transpose(1, 2)))
+        if a_out * b_in <= b_out * a_in:
+            dB = torch.einsum("tij,til->jl", G, torch.matmul(Af, X))
+        else:
+            dB = torch.einsum("tjk,tkl->jl", torch.matmul(G.transpose(1, 2), Af), X)
+        dA, dB = (scale * dA).to(A.dtype), (scale * dB).to(B.dtype)
+    return dx, dA, dB
 
 
 def _grad_numerics(dtype: torch.dtype) -> dict:
