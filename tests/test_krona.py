@@ -167,6 +167,31 @@ def test_kron_matvec_triton(shape, dtype):
         {"x": x, "A": A, "B": B}, dtype, DEVICE)
 
 
+@pytest.mark.parametrize("frozen", ["x", "AB"])
+def test_kron_matvec_backward_computes_only_what_is_asked(frozen, monkeypatch):
+    """A frozen input gets no gradient pass: dx was formed (and written, T × d_in) whenever
+    A or B trained, although x did not need it (KronA^B on a frozen FFN input); the
+    gradients that are asked for stay right."""
+    from kfused.triton_kernels import kron_matvec as tk
+
+    calls = []
+    real = tk.kron_factor_grads
+
+    def spy(*args, **kw):
+        calls.append((kw["compute_dx"], kw["compute_dab"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tk, "kron_factor_grads", spy)
+    x, A, B = _factors((3, 5, 4, 2), lead=(2, 7))
+    names = ["A", "B"] if frozen == "x" else ["x"]
+    assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                             kron_matvec_ref, {"x": x, "A": A, "B": B}, torch.float32, DEVICE,
+                             grad_names=names)
+    assert calls == [(False, True)] if frozen == "x" else [(True, False)]
+    g, xf, Af, Bf = (t.float().to(DEVICE) for t in (torch.randn(14, 12), x.reshape(14, 10), A, B))
+    torch.library.opcheck(torch.ops.kfused.kron_matvec_triton_bwd, (g, xf, Af, Bf, True, False))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_krona_linear_triton(shape, dtype):

@@ -37,18 +37,21 @@ def _(x, A, B):
 
 @torch.library.custom_op("kfused::kron_matvec_triton_bwd", mutates_args=())
 def _kron_matvec_triton_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                            need_dab: bool) -> List[torch.Tensor]:
-    dx, dA, dB = _tk().kron_matvec_backward(rows(g), rows(x), A, B, need_dab)
+                            need_dab: bool, need_dx: bool = True) -> List[torch.Tensor]:
+    dx, dA, dB = _tk().kron_matvec_backward(rows(g), rows(x), A, B, need_dab, need_dx)
+    if not need_dx:
+        dx = x.new_zeros(0)
     if not need_dab:
         dA, dB = A.new_zeros(0), B.new_zeros(0)
     return [dx, dA, dB]
 
 
 @_kron_matvec_triton_bwd.register_fake
-def _(g, x, A, B, need_dab):
+def _(g, x, A, B, need_dab, need_dx=True):
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
     if need_dab:
-        return [torch.empty_like(x), torch.empty_like(A), torch.empty_like(B)]
-    return [torch.empty_like(x), A.new_empty(0), B.new_empty(0)]
+        return [dx, torch.empty_like(A), torch.empty_like(B)]
+    return [dx, A.new_empty(0), B.new_empty(0)]
 
 
 def _kron_setup(ctx, inputs, output):
@@ -58,9 +61,12 @@ def _kron_setup(ctx, inputs, output):
 
 def _kron_triton_backward(ctx, g):
     x, A, B = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
     need_dab = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    dx, dA, dB = torch.ops.kfused.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab)
-    return dx, (dA if need_dab else None), (dB if need_dab else None)
+    # dx only when x needs it (a frozen input, e.g. KronA^B's first layer: no dx pass)
+    dx, dA, dB = torch.ops.kfused.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab,
+                                                         need_dx)
+    return (dx if need_dx else None), (dA if need_dab else None), (dB if need_dab else None)
 
 
 _kron_matvec_triton_fwd.register_autograd(_kron_triton_backward, setup_context=_kron_setup)

@@ -18,8 +18,9 @@ def kron_matvec_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> to
 
 
 def kron_matvec_backward(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                         need_dab: bool = True
-                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                         need_dab: bool = True, need_dx: bool = True
+                         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                                    Optional[torch.Tensor]]:
     """(dx, dA, dB) of kron_matvec given its upstream gradient g, in one pass over (x, g)
-    (dA, dB None when need_dab is False)."""
-    return kron_factor_grads(g, x, A, B, 1.0, compute_dx=True, compute_dab=need_dab)
+    (dA, dB None when need_dab is False; dx None when need_dx is False)."""
+    return kron_factor_grads(g, x, A, B, 1.0, compute_dx=need_dx, compute_dab=need_dab)
