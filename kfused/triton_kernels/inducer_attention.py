@@ -39,10 +39,10 @@ tiles per key tile, over every query head of its kv head (grouped-query attentio
 prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed on the host.
 Extra memory is O(n) per head.
 
-The MLP's products run on the tensor cores for 16-bit inputs: products of two 16-bit numbers
-are exact in the float32 accumulator, and a float32 operand (tanh outputs, gradients) is split
-into a 16-bit high and low part (two products, ~16 mantissa bits) so that nothing is rounded
-to 16 bits between MLP stages; float32 inputs use IEEE float32 products throughout.
+The MLP's products run on the CUDA cores as float32 FMA dots in every dtype (exact 16-bit
+products, nothing rounded to 16 bits between MLP stages). They were 16-bit tensor-core dots
+(float32 operands split hi + lo) until an H100 run showed that path faulting or wrong under
+Triton 3.6 (see the comment above :func:`_dot_nn`).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -92,35 +92,32 @@ def _tanh(x):
         return libdevice.tanh(x), 4.0 * t / ((1.0 + t) * (1.0 + t))
 
 
+# The inducer MLP's small products (q Ak, q Bkᵀ, q W1 and their gradients: N = L_PAD or R_PAD
+# columns) run on the CUDA cores in float32 (an "ieee" dot: FMA, exact 16-bit products) in
+# every dtype. Measured on an H100 (Triton 3.6.0, torch 2.11.0+cu130, 2026-11-25,
+# benchmarks/results/h100/inducer-mlp-dot/): with these products as 16-bit tensor-core dots
+# (float32 operands split hi + lo) the 16-bit kernels gave an illegal memory access (forward
+# and dQ kernels), NaN gradients or silently wrong dAk/dak/dBk/dq on 4 of 5 fuzzed shapes;
+# as FMA dots all 5 matched the float64 reference (one known 2e-7 dk residue aside) and the
+# test_inducer kernel tests passed. The interpreter ran both correctly: a code-generation
+# fault of the tensor-core path, not of the formulas. Cost: p·(L + r) FMAs per row and pass,
+# beside the attention's 2·p·n_k tensor-core MACs.
 @triton.jit
 def _dot_nn(a, b, IS16: tl.constexpr):
-    """a @ b, both in the input dtype -> float32 (16-bit products are exact in float32)."""
-    if IS16:
-        return tl.dot(a, b, out_dtype=tl.float32)
-    else:
-        return _mm(a, b, True, "ieee")
+    """a @ b, both in the input dtype -> float32 (FMA, exact products)."""
+    return _mm(a.to(tl.float32), b.to(tl.float32), True, "ieee")
 
 
 @triton.jit
 def _dot_fn(a, b, IS16: tl.constexpr):
-    """a (float32) @ b (input dtype) -> float32; 16-bit: a = hi + lo in b's dtype."""
-    if IS16:
-        a_hi = a.to(b.dtype)
-        a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
-        return tl.dot(a_hi, b, out_dtype=tl.float32) + tl.dot(a_lo, b, out_dtype=tl.float32)
-    else:
-        return _mm(a, b, True, "ieee")
+    """a (float32) @ b (input dtype) -> float32 (FMA)."""
+    return _mm(a, b.to(tl.float32), True, "ieee")
 
 
 @triton.jit
 def _dot_nf(a, b, IS16: tl.constexpr):
-    """a (input dtype) @ b (float32) -> float32; 16-bit: b = hi + lo in a's dtype."""
-    if IS16:
-        b_hi = b.to(a.dtype)
-        b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
-        return tl.dot(a, b_hi, out_dtype=tl.float32) + tl.dot(a, b_lo, out_dtype=tl.float32)
-    else:
-        return _mm(a, b, True, "ieee")
+    """a (input dtype) @ b (float32) -> float32 (FMA)."""
+    return _mm(a.to(tl.float32), b, True, "ieee")
 
 
 @triton.jit
