@@ -132,15 +132,20 @@ for l in L:
     if l.name == "_inducer_attn_bwd_dkdv_kernel":
         tiles = sum(cd(n - (j * BN) // BM * BM, BM) for j in range(cd(n, BN)))
         hand = Bq * H * tiles * 4 * 2 * BM * BN * DP
+        hand_fma = 0
     else:
         tiles = sum(cd(min(n, (i + 1) * BM), BN) for i in range(cd(n, BM)))
         P = cd(n, BM) * Bq * H
+        # the MLP's products are float32 FMA dots in every dtype (no hi/lo split)
         if l.name == "_inducer_attn_fwd_kernel":
-            hand = Bq * H * tiles * 2 * 2 * BM * BN * DP + P * 3 * 2 * BM * DP * 16
+            hand = Bq * H * tiles * 2 * 2 * BM * BN * DP
+            hand_fma = P * 3 * 2 * BM * DP * 16
         else:   # 3 flash products (D_i = ⟨dO, O_hi + O_lo⟩ is no product); MLP: 2 key rows
-                # + 4 dq (hi/lo) + 2 dAk + 2 dBk, value hidden twice + 2 dq + 2 dW1 (hi/lo)
-            hand = Bq * H * tiles * 3 * 2 * BM * BN * DP + P * (10 + 6) * 2 * BM * DP * 16
-    res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled)
+                # + 2 dq + dAk + dBk, value hidden twice + dq + dW1
+            hand = Bq * H * tiles * 3 * 2 * BM * BN * DP
+            hand_fma = P * (6 + 4) * 2 * BM * DP * 16
+    res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled,
+                       model_fma=w["fma32_flops"], hand_fma=hand_fma)
 out["inducer"] = res
 print("RESULT" + json.dumps(out))
 """
@@ -212,3 +217,4 @@ def test_inducer_models(counts):
                         "_inducer_attn_bwd_dkdv_kernel"}
     for name, r in res.items():
         assert r["modelled"] and r["model"] == r["hand"], name
+        assert r["model_fma"] == r["hand_fma"], name

@@ -425,9 +425,10 @@ def _flash(w: Dict[str, float], flops: float, x16: bool) -> None:
 
 def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int, x16: bool,
                w: Dict[str, float]) -> None:
-    """``n`` MLP products of a (BM × DP)·(DP × width) shape (or its transposes) per program;
-    a float32 operand split hi/lo counts twice (the caller passes n accordingly)."""
-    _prod(w, "MLP", programs * n * 2.0 * BM * DP * width, True, x16)
+    """``n`` MLP products of a (BM × DP)·(DP × width) shape (or its transposes) per program,
+    float32 FMA dots in every dtype (kfused/triton_kernels/inducer_attention.py: the 16-bit
+    tensor-core form faulted on an H100 under Triton 3.6); ``x16`` is the input dtype's."""
+    _prod(w, "MLP", programs * n * 2.0 * BM * DP * width, True, False)
 
 
 @kernel("_inducer_attn_fwd_kernel")
@@ -536,7 +537,7 @@ def _m_ind_dq(L) -> Dict[str, float]:
         by += q.numel() * el * (2 if a["HAS_LO"] else 1)
     if a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
-        s = 2 if x16 else 1                                          # hi/lo split products
+        s = 1                                                        # FMA dots, no split
         _mlp_units(progs, BM, DP, LP, 2 + 2 * s + s + s, x16, w)     # key rows; dq; dAk, dBk
         if a["HAS_DU"]:
             _mlp_units(progs, BM, DP, RP, 2 + s + s, x16, w)         # hidden ×2; dq; dW1
