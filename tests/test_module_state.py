@@ -262,10 +262,8 @@ def test_reset_parameters_repeats_the_modules_init():
     assert not out.wise_B.any() and not out.shared_B.any()
 
 
-def test_export_of_an_inducer_model_with_an_attention_mask():
-    # torch.export of an injected inducer model given an attention mask failed inside kfused's
-    # mask function (bool() of "every key unpadded" is data-dependent: GuardOnDataDependent-
-    # SymNode); the mask is kept there instead, and the exported model equals the eager one
+def _inducer_logits_module():
+    """A module (ids[, mask]) -> logits around a tiny injected inducer Llama in eval."""
     from kfused.integration import AdapterConfig, inject
     from kfused.integration.models import tiny_model
 
@@ -279,14 +277,22 @@ def test_export_of_an_inducer_model_with_an_attention_mask():
             super().__init__()
             self.m = model
 
-        def forward(self, ids, mask):
+        def forward(self, ids, mask=None):
             return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
+    return Call()
+
+
+def test_export_of_an_inducer_model_with_an_attention_mask():
+    # torch.export of an injected inducer model given an attention mask failed inside kfused's
+    # mask function (bool() of "every key unpadded" is data-dependent: GuardOnDataDependent-
+    # SymNode); the mask is kept there instead, and the exported model equals the eager one
+    call = _inducer_logits_module()
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1))
-    exported = torch.export.export(Call(), (ids, torch.ones_like(ids))).module()
+    exported = torch.export.export(call, (ids, torch.ones_like(ids))).module()
     for mask in (torch.ones_like(ids), torch.tensor([[1] * 7, [0, 0] + [1] * 5])):
         with torch.no_grad():
-            torch.testing.assert_close(exported(ids, mask), Call()(ids, mask),
+            torch.testing.assert_close(exported(ids, mask), call(ids, mask),
                                        rtol=1e-6, atol=1e-6)
 
 
@@ -294,24 +300,9 @@ def test_export_of_an_inducer_model_without_an_attention_mask_says_what_to_pass(
     # without a mask transformers marks a traced batch as packed sequences (it cannot read the
     # position ids under tracing): the export failed deep inside with an obscure
     # GuardOnDataDependentSymNode. It now says so and what to pass instead
-    from kfused.integration import AdapterConfig, inject
-    from kfused.integration.models import tiny_model
-
-    torch.manual_seed(0)
-    model = tiny_model("llama", vocab=64, d_model=16, n_heads=2, n_layers=1, max_len=32)
-    inject(model, AdapterConfig(method="inducer", r=2, backend="reference"))
-    model.eval()
-
-    class Call(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).logits
-
+    call = _inducer_logits_module()
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     with pytest.raises(NotImplementedError, match="attention_mask=torch.ones_like"):
-        torch.export.export(Call(), (ids,))
+        torch.export.export(call, (ids,))
     with torch.no_grad():                                # eager runs as before
-        assert torch.isfinite(Call()(ids)).all()
+        assert torch.isfinite(call(ids)).all()
