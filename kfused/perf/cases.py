@@ -423,11 +423,11 @@ def _flash(w: Dict[str, float], flops: float, x16: bool) -> None:
     w["dot16_flops" if x16 else "fma32_flops"] += flops
 
 
-def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int, x16: bool,
+def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int,
                w: Dict[str, float]) -> None:
     """``n`` MLP products of a (BM × DP)·(DP × width) shape (or its transposes) per program,
     float32 FMA dots in every dtype (kfused/triton_kernels/inducer_attention.py: the 16-bit
-    tensor-core form faulted on an H100 under Triton 3.6); ``x16`` is the input dtype's."""
+    tensor-core form faulted on an H100 under Triton 3.6)."""
     _prod(w, "MLP", programs * n * 2.0 * BM * DP * width, True, False)
 
 
@@ -471,8 +471,8 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     merge_alu = 0.0                                                  # sum, cvt; acc rescale
     if a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
-        _mlp_units(progs, BM, DP, LP, 2, x16, w)                     # q Ak, q Bkᵀ
-        _mlp_units(progs, BM, DP, RP, 1, x16, w)                     # q W1
+        _mlp_units(progs, BM, DP, LP, 2, w)                     # q Ak, q Bkᵀ
+        _mlp_units(progs, BM, DP, RP, 1, w)                     # q W1
         w["sfu_ops"] += progs * BM * (2 * (LP + RP) + 4)             # tanh (ex2+rcp), σ twice
         merge_alu = progs * BM * (3 * DP + 4 * (LP + RP) + 16)       # logit dot, σ, u
         w["alu_ops"] += merge_alu
@@ -537,10 +537,9 @@ def _m_ind_dq(L) -> Dict[str, float]:
         by += q.numel() * el * (2 if a["HAS_LO"] else 1)
     if a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
-        s = 1                                                        # FMA dots, no split
-        _mlp_units(progs, BM, DP, LP, 2 + 2 * s + s + s, x16, w)     # key rows; dq; dAk, dBk
+        _mlp_units(progs, BM, DP, LP, 2 + 2 + 1 + 1, w)         # key rows; dq; dAk, dBk
         if a["HAS_DU"]:
-            _mlp_units(progs, BM, DP, RP, 2 + s + s, x16, w)         # hidden ×2; dq; dW1
+            _mlp_units(progs, BM, DP, RP, 2 + 1 + 1, w)         # hidden ×2; dq; dW1
         w["sfu_ops"] += progs * BM * 2 * (LP + 2 * RP)
         w["alu_ops"] += progs * BM * (6 * DP + 8 * (LP + RP))
         pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]

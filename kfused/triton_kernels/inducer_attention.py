@@ -42,7 +42,7 @@ Extra memory is O(n) per head.
 The MLP's products run on the CUDA cores as float32 FMA dots in every dtype (exact 16-bit
 products, nothing rounded to 16 bits between MLP stages). They were 16-bit tensor-core dots
 (float32 operands split hi + lo) until an H100 run showed that path faulting or wrong under
-Triton 3.6 (see the comment above :func:`_dot_nn`).
+Triton 3.6 (see the comment above :func:`_mlp_dot`).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -103,21 +103,9 @@ def _tanh(x):
 # fault of the tensor-core path, not of the formulas. Cost: p·(L + r) FMAs per row and pass,
 # beside the attention's 2·p·n_k tensor-core MACs.
 @triton.jit
-def _dot_nn(a, b, IS16: tl.constexpr):
-    """a @ b, both in the input dtype -> float32 (FMA, exact products)."""
+def _mlp_dot(a, b):
+    """a @ b in float32 on the CUDA cores (FMA; 16-bit operands converted exactly)."""
     return _mm(a.to(tl.float32), b.to(tl.float32), True, "ieee")
-
-
-@triton.jit
-def _dot_fn(a, b, IS16: tl.constexpr):
-    """a (float32) @ b (input dtype) -> float32 (FMA)."""
-    return _mm(a, b.to(tl.float32), True, "ieee")
-
-
-@triton.jit
-def _dot_nf(a, b, IS16: tl.constexpr):
-    """a (input dtype) @ b (float32) -> float32 (FMA)."""
-    return _mm(a.to(tl.float32), b, True, "ieee")
 
 
 @triton.jit
@@ -137,11 +125,11 @@ def _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _key_rows(q, ak_w, ak_b, bk_t, IS16: tl.constexpr):
+def _key_rows(q, ak_w, ak_b, bk_t):
     """g = tanh(q Ak + ak), its slope 1 − g² and t = q Bkᵀ (BLOCK_M, L_PAD), all float32
     (padding: g = t = 0)."""
-    g, gs = _tanh(_dot_nn(q, ak_w, IS16) + ak_b[None, :])
-    t = _dot_nn(q, bk_t, IS16)
+    g, gs = _tanh(_mlp_dot(q, ak_w) + ak_b[None, :])
+    t = _mlp_dot(q, bk_t)
     return g, gs, t
 
 
@@ -154,8 +142,7 @@ def _key_logit(q, g, t, ck, scale):
 
 
 @triton.jit
-def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
-                  IS16: tl.constexpr):
+def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr):
     """tanh(q W1 + b1) and its slope (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0)
     and W1 (D_PAD, R_PAD) of head h (contiguous (H, p, r), (H, r))."""
     offs_r = tl.arange(0, R_PAD)
@@ -163,7 +150,7 @@ def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: 
     w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
                  mask=d_ok[:, None] & r_ok[None, :], other=0.0)
     b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-    hid, hs = _tanh(_dot_nn(q, w1, IS16) + b1[None, :])
+    hid, hs = _tanh(_mlp_dot(q, w1) + b1[None, :])
     return hid, hs, w1
 
 
@@ -287,7 +274,7 @@ def _fwd_rows(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
+    HAS_MLP: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
     MERGE: tl.constexpr, SPLIT_M: tl.constexpr,
 ):
     """Query tile ``pid_m`` of head h of batch element b (kv head hk; queries q0 + [0, n_q),
@@ -307,7 +294,7 @@ def _fwd_rows(
         # stays live through the key loop)
         ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
                                             L_PAD)
-        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
         s0 = _key_logit(q, g, t, ck, scale)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -385,7 +372,7 @@ def _fwd_rows(
         tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(x))),
                  mask=m_ok)
         offs_r = tl.arange(0, R_PAD)
-        hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+        hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
         u = lam[:, None] * hid
         tl.store(U + row[:, None] * R + offs_r[None, :], u.to(U.dtype.element_ty),
                  mask=m_ok[:, None] & (offs_r < R)[None, :])
@@ -471,7 +458,7 @@ def _inducer_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    HAS_MLP: tl.constexpr, IS16: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
+    HAS_MLP: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
     VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_M: tl.constexpr,
 ):
     """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
@@ -534,7 +521,7 @@ def _inducer_attn_fwd_kernel(
                     stride_mb, stride_ob, stride_oh, stride_on, stride_od,
                     H, GROUP, N_Q, L, R, scale, qk_scale,
                     HEAD_DIM, D_PAD, L_PAD, R_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_KMASK,
-                    HAS_PREFIX, HAS_MLP, IS16, SAVE_LO, PREC, True, SPLIT_M)
+                    HAS_PREFIX, HAS_MLP, SAVE_LO, PREC, True, SPLIT_M)
             tl.atomic_xchg(COUNT + pid_bk, 0, sem="relaxed", scope="gpu")
     else:
         pid_m = tl.program_id(0)
@@ -554,7 +541,7 @@ def _inducer_attn_fwd_kernel(
             stride_mb, stride_ob, stride_oh, stride_on, stride_od,
             H, GROUP, N_Q, L, R, scale, qk_scale,
             HEAD_DIM, D_PAD, L_PAD, R_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_KMASK,
-            HAS_PREFIX, HAS_MLP, IS16, SAVE_LO, PREC, False, SPLIT_M)
+            HAS_PREFIX, HAS_MLP, SAVE_LO, PREC, False, SPLIT_M)
 
 
 # ------------------------------------------------------------------------------------------
@@ -747,7 +734,7 @@ def _inducer_attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr,
     HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr, HAS_LO: tl.constexpr,
-    IS16: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
+    PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """dQ for one query tile, with the per-row preprocessing in its prologue (−dLSE from the
     recomputed MLP, D_i) and the MLP gradients in its epilogue (see the module docstring).
@@ -782,7 +769,7 @@ def _inducer_attn_bwd_dq_kernel(
         lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
         dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_DU:
-            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
                          mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
             dlam += tl.sum(du * hid, 1)
@@ -835,15 +822,15 @@ def _inducer_attn_bwd_dq_kernel(
         # the key loop: registers there belong to the attention tiles.
         ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
                                             L_PAD)
-        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t, IS16)
+        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
         c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
         qf = q.to(tl.float32)
         cg = c[:, None] * g
         dz = c[:, None] * t * gs
         # d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
         dq += c[:, None] * (2.0 * qf + ck[None, :])
-        dq += _dot_fn(cg, tl.trans(bk_t), IS16)
-        dq += _dot_fn(dz, tl.trans(ak_w), IS16)
+        dq += _mlp_dot(cg, tl.trans(bk_t))
+        dq += _mlp_dot(dz, tl.trans(ak_w))
         # the partials unpadded (HEAD_DIM, L, R: padding lanes are never stored, so the
         # host sums only real entries): dAk (p, L), dBk (L, p), dck (p), dak (L), db1 (R),
         # dW1 (p, R)
@@ -853,25 +840,25 @@ def _inducer_attn_bwd_dq_kernel(
         l_ok = offs_l < L
         r_ok = offs_r < R
         tl.store(base + offs_d[:, None] * L + offs_l[None, :],
-                 _dot_nf(tl.trans(q), dz, IS16), mask=d_ok[:, None] & l_ok[None, :])  # dAk
+                 _mlp_dot(tl.trans(q), dz), mask=d_ok[:, None] & l_ok[None, :])  # dAk
         base += HEAD_DIM * L
         tl.store(base + offs_l[:, None] * HEAD_DIM + offs_d[None, :],
-                 _dot_fn(tl.trans(cg), q, IS16), mask=l_ok[:, None] & d_ok[None, :])  # dBk
+                 _mlp_dot(tl.trans(cg), q), mask=l_ok[:, None] & d_ok[None, :])  # dBk
         base += HEAD_DIM * L
         tl.store(base + offs_d, tl.sum(c[:, None] * qf, 0), mask=d_ok)                 # dck
         base += HEAD_DIM
         tl.store(base + offs_l, tl.sum(dz, 0), mask=l_ok)                              # dak
         base += L
         if HAS_DU:
-            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD, IS16)
+            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
                          mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             dz1 = (lam[:, None] * du) * hs
-            dq += _dot_fn(dz1, tl.trans(w1), IS16)
+            dq += _mlp_dot(dz1, tl.trans(w1))
             tl.store(base + offs_r, tl.sum(dz1, 0), mask=r_ok)                         # db1
             base += R
             tl.store(base + offs_d[:, None] * R + offs_r[None, :],
-                     _dot_nf(tl.trans(q), dz1, IS16), mask=d_ok[:, None] & r_ok[None, :])
+                     _mlp_dot(tl.trans(q), dz1), mask=d_ok[:, None] & r_ok[None, :])
         else:
             tl.store(base + offs_r, tl.zeros([R_PAD], dtype=tl.float32), mask=r_ok)
             base += R
@@ -1130,7 +1117,6 @@ def inducer_attention_forward(
         u = torch.empty(0, dtype=u_dtype or q.dtype, device=q.device)
     km, smb, has_km = _key_mask_u8(key_mask, q)
     pk, pv, spk, spv, n_prefix, has_prefix = _prefix_args(prefix_k, prefix_v, k)
-    is16 = q.dtype in (torch.float16, torch.bfloat16)
     if decode is None:
         decode = _DecodePlan.chosen(lay, q.dtype)
     elif decode and not _DecodePlan.applies(lay):
@@ -1162,7 +1148,7 @@ def inducer_attention_forward(
             float(scale), float(scale) * LOG2E,
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
-            IS16=is16, SAVE_LO=save_lo, PREC=dot_precision(q.dtype), VARLEN=lay.varlen,
+            SAVE_LO=save_lo, PREC=dot_precision(q.dtype), VARLEN=lay.varlen,
             SPLIT_KV=bool(decode), SPLIT_M=split_m, num_warps=warps, num_stages=stages)
     return out, u, lse, lam, stats, out_lo
 
@@ -1237,7 +1223,7 @@ def inducer_attention_backward(
             L, r, n_k - n_q, float(scale), float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad,
             HAS_PREFIX=has_prefix, HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam,
             HAS_DLSE=has_dlse, HAS_LO=has_lo,
-            IS16=q.dtype in (torch.float16, torch.bfloat16), BLOCK_M=BM, BLOCK_N=BN,
+            BLOCK_M=BM, BLOCK_N=BN,
             num_warps=warps, **kw)
     if B * h_kv * n_k > 0:
         _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](

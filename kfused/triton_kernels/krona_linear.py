@@ -797,7 +797,9 @@ def _swap_factors(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
 def _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab):
     """kron_factor_grads in torch (float32 accumulation; float64 for float32 inputs, as the
     kernel's token sums), each product in the order with the smaller per-token intermediate:
-    the fallback for factor shapes the kernel cannot launch with."""
+    the fallback for factor shapes the kernel cannot launch with. Explicit products, not
+    autograd of the reference: the custom op's body runs below torch's autograd key, and the
+    reference's A X first order would form an a_out × b_in matrix per token."""
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
