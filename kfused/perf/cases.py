@@ -411,6 +411,13 @@ def _spans(L, a, heads_of_grid: int) -> List[Tuple[int, int, int, int]]:
     return out
 
 
+def _live_programs(spans, BM: int) -> int:
+    """Query-tile programs that have rows: the whole grid for a batched launch; for a packed
+    one (VARLEN) each sequence's cdiv(n_q, BM) tiles, since a tile past its sequence's end
+    returns at once (the dQ kernel's only writes zeros into its MLP partials)."""
+    return sum(c * cdiv(nq, BM) for c, nq, _, _ in spans)
+
+
 def _attn_common(a):
     q = a["Q"]
     return q, _is16(q), a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"], bool(a["CAUSAL"])
@@ -460,8 +467,8 @@ def _m_ind_fwd(L) -> Dict[str, float]:
         w["sfu_ops"] += ctiles * SM * BN
         w["alu_ops"] += ctiles * (SM * BN * 8 + SM * DP)
     else:
-        progs = L.programs()
         spans = _spans(L, a, a["H"])
+        progs = _live_programs(spans, BM)
     tiles = sum(c * ((0 if split else _attn_tiles(nq, nk, BM, BN, causal, off))
                      + (cdiv(a["N_PREFIX"], BN) * cdiv(nq, BM) if a["HAS_PREFIX"] else 0))
                 for c, nq, nk, off in spans)
@@ -521,8 +528,8 @@ def _m_ind_dq(L) -> Dict[str, float]:
     the host)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
-    progs = L.programs()
     spans = _spans(L, a, a["H"])
+    progs = _live_programs(spans, BM)
     tiles = sum(c * (_attn_tiles(nq, nk, BM, BN, causal, off)
                      + (cdiv(a["N_PREFIX"], BN) * cdiv(nq, BM) if a["HAS_PREFIX"] else 0))
                 for c, nq, nk, off in spans)
@@ -544,7 +551,7 @@ def _m_ind_dq(L) -> Dict[str, float]:
         w["alu_ops"] += progs * BM * (6 * DP + 8 * (LP + RP))
         pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
         part = 2 * hd * pL + hd * pR + hd + pL + pR                  # unpadded
-        by += progs * part * 4                                       # per-tile MLP partials
+        by += L.programs() * part * 4           # per-tile MLP partials (zeros past the end)
         if a["HAS_DU"]:
             by += a["N_ROWS"] * a["R"] * _el(a["DU"])
     w["hbm_bytes"] = by
