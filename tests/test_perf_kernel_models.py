@@ -136,14 +136,16 @@ for l in L:
     else:
         tiles = sum(cd(min(n, (i + 1) * BM), BN) for i in range(cd(n, BM)))
         P = cd(n, BM) * Bq * H
-        # the MLP's products are float32 FMA dots in every dtype (no hi/lo split)
+        # the MLP's products are float32 FMA dots in every dtype (no hi/lo split), L = 4 and
+        # r = 8 padded to 8; a product contracting over the padded width is widened to 16
         if l.name == "_inducer_attn_fwd_kernel":
             hand = Bq * H * tiles * 2 * 2 * BM * BN * DP
-            hand_fma = P * 3 * 2 * BM * DP * 16
-        else:   # 3 flash products (D_i = ⟨dO, O_hi + O_lo⟩ is no product); MLP: 2 key rows
-                # + 2 dq + dAk + dBk, value hidden twice + dq + dW1
+            hand_fma = P * 2 * BM * DP * (2 * 8 + 8)             # q Ak, q Bkᵀ; q W1
+        else:   # 3 flash products (D_i = ⟨dO, O_hi + O_lo⟩ is no product); MLP: key rows g, t,
+                # dAk, dBk at 8, the key share of dq 2 × 16; value hidden once, dW1 at 8, its
+                # share of dq at 16
             hand = Bq * H * tiles * 3 * 2 * BM * BN * DP
-            hand_fma = P * (6 + 4) * 2 * BM * DP * 16
+            hand_fma = P * 2 * BM * DP * (4 * 8 + 2 * 16 + 2 * 8 + 16)
     res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled,
                        model_fma=w["fma32_flops"], hand_fma=hand_fma)
 out["inducer"] = res

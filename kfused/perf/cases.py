@@ -521,11 +521,11 @@ def _m_ind_fwd(L) -> Dict[str, float]:
 
 @kernel("_inducer_attn_bwd_dq_kernel")
 def _m_ind_dq(L) -> Dict[str, float]:
-    """Per query tile: prologue (tanh(q W1 + b1) -> dλ, ds0, −dLSE; 16-bit: D_i = ⟨dO,
-    O_hi + O_lo⟩), then per visited key tile S = QKᵀ, dP = dO Vᵀ, dQ += dS K (3 products;
-    float32 EXACT_DELTA: a first pass forming D_i from P and dP adds 2 more), epilogue: the MLP's share of dq and
-    this tile's float32 partials of dAk, dBk, dW1, dck, dak, db1 (written per tile, summed on
-    the host)."""
+    """Per query tile: prologue (tanh(q W1 + b1) -> dλ, ds0, −dLSE, the value MLP's share of
+    dq and this tile's dW1, db1 partials; 16-bit: D_i = ⟨dO, O_hi + O_lo⟩), then per visited
+    key tile S = QKᵀ, dP = dO Vᵀ, dQ += dS K (3 products; float32 EXACT_DELTA: a first pass
+    forming D_i from P and dP adds 2 more), epilogue: the key MLP's share of dq and this
+    tile's float32 partials of dAk, dBk, dck, dak (written per tile, summed on the host)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
     spans = _spans(L, a, a["H"])
@@ -544,10 +544,14 @@ def _m_ind_dq(L) -> Dict[str, float]:
         by += q.numel() * el * (2 if a["HAS_LO"] else 1)
     if a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
-        _mlp_units(progs, BM, DP, LP, 2 + 2 + 1 + 1, w)         # key rows; dq; dAk, dBk
+        # products contracting over L or r (their share of dq) are widened to 16 by zero
+        # columns when the padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt)
+        _mlp_units(progs, BM, DP, LP, 2 + 2, w)                 # key rows g, t; dAk, dBk
+        _mlp_units(progs, BM, DP, max(16, LP), 2, w)            # key share of dq
         if a["HAS_DU"]:
-            _mlp_units(progs, BM, DP, RP, 2 + 1 + 1, w)         # hidden ×2; dq; dW1
-        w["sfu_ops"] += progs * BM * 2 * (LP + 2 * RP)
+            _mlp_units(progs, BM, DP, RP, 1 + 1, w)             # hidden (prologue); dW1
+            _mlp_units(progs, BM, DP, max(16, RP), 1, w)        # value share of dq
+        w["sfu_ops"] += progs * BM * 2 * (LP + RP)
         w["alu_ops"] += progs * BM * (6 * DP + 8 * (LP + RP))
         pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
         part = 2 * hd * pL + hd * pR + hd + pL + pR                  # unpadded

@@ -32,15 +32,17 @@ backward will follow): from the rounded output alone D cancelled against dP to 1
 float16 prefix gradients (rows with few columns); hi + lo is float32-accurate for one extra
 16-bit read per element. float32: D_i = Σ_j P_ij dP_ij from the same dP values
 (``EXACT_DELTA``, two more products per key tile), so that a row with a single visible column
-gets dP − D = 0 exactly, as the float64 rule of docs/math.md §4 needs there. Its epilogue adds
-the MLP's share of dq and writes this tile's partial sums of dAk, dak, dBk, dck, dW1, db1
-(summed over tiles on the host in a fixed order: deterministic). The dK/dV kernel walks query
+gets dP − D = 0 exactly, as the float64 rule of docs/math.md §4 needs there. Its prologue also
+starts dq with the value MLP's share and writes this tile's partial sums of dW1, db1; its
+epilogue adds the key MLP's share of dq and writes those of dAk, dak, dBk, dck (summed over
+tiles on the host in a fixed order: deterministic). The dK/dV kernel walks query
 tiles per key tile, over every query head of its kv head (grouped-query attention). The
 prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed on the host.
 Extra memory is O(n) per head.
 
 The MLP's products run on the CUDA cores as float32 FMA dots in every dtype (exact 16-bit
-products, nothing rounded to 16 bits between MLP stages). They were 16-bit tensor-core dots
+products, nothing rounded to 16 bits between MLP stages), L and r padded to powers of two
+≥ 8, not 16 (FMA work scales with the padded width; :func:`_mlp_dot_nt`). They were 16-bit tensor-core dots
 (float32 operands split hi + lo) until an H100 run showed that path faulting or wrong under
 Triton 3.6 (see the comment above :func:`_mlp_dot`).
 
@@ -106,6 +108,18 @@ def _tanh(x):
 def _mlp_dot(a, b):
     """a @ b in float32 on the CUDA cores (FMA; 16-bit operands converted exactly)."""
     return _mm(a.to(tl.float32), b.to(tl.float32), True, "ieee")
+
+
+@triton.jit
+def _mlp_dot_nt(a, w):
+    """a @ wᵀ for a (M, K), w (N, K), K = L_PAD or R_PAD (≥ 8) the contracted MLP width, on
+    the CUDA cores as :func:`_mlp_dot`. Triton 3.6 needs K ≥ 16 in a dot: a narrower K is
+    widened to 2K by interleaving zero columns into both operands (the same sum; this
+    product then costs what a 16-wide one does, the others stay at the narrow width)."""
+    if a.shape[1] < 16:
+        a = tl.reshape(tl.join(a, tl.zeros_like(a)), (a.shape[0], 2 * a.shape[1]))
+        w = tl.reshape(tl.join(w, tl.zeros_like(w)), (w.shape[0], 2 * w.shape[1]))
+    return _mlp_dot(a, tl.trans(w))
 
 
 @triton.jit
@@ -786,20 +800,37 @@ def _inducer_attn_bwd_dq_kernel(
         offs_r = tl.arange(0, R_PAD)
         lam = tl.load(LAM + row, mask=m_ok, other=0.0)
         lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
+        r_ok = offs_r < R
         dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # the value MLP's gradients, all here (its hidden rows are not needed later): its
+        # share of dq starts the accumulator (÷ scale: dq is scaled after the key loop), and
+        # this tile's db1, dW1 partials are written at once
+        vbase = part_base + 2 * HEAD_DIM * L + HEAD_DIM + L
         if HAS_DU:
             hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
             du = tl.load(DU + row[:, None] * R + offs_r[None, :],
-                         mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
+                         mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             dlam += tl.sum(du * hid, 1)
+            dz1 = (lam[:, None] * du) * hs
+            dq = _mlp_dot_nt(dz1, w1) * (1.0 / scale)
+            tl.store(vbase + offs_r, tl.sum(dz1, 0), mask=r_ok)                        # db1
+            tl.store(vbase + R + offs_d[:, None] * R + offs_r[None, :],
+                     _mlp_dot(tl.trans(q), dz1), mask=d_ok[:, None] & r_ok[None, :])  # dW1
+        else:
+            dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+            tl.store(vbase + offs_r, tl.zeros([R_PAD], dtype=tl.float32), mask=r_ok)
+            tl.store(vbase + R + offs_d[:, None] * R + offs_r[None, :],
+                     tl.zeros([D_PAD, R_PAD], dtype=tl.float32),
+                     mask=d_ok[:, None] & r_ok[None, :])
         if HAS_DLAM:
             dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
                      - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
         ds0 = dlam * (lam * lam_c)
         adj += ds0
+    else:
+        dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     tl.store(ADJ + row, adj, mask=m_ok)
 
-    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kmask_base = KMASK + b * stride_mb
     k_base = K + b * stride_kb + hk * stride_kh + k0 * stride_kn
     v_base = V + b * stride_vb + hk * stride_vh + k0 * stride_vn
@@ -848,15 +879,14 @@ def _inducer_attn_bwd_dq_kernel(
         dz = c[:, None] * t * gs
         # d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
         dq += c[:, None] * (2.0 * qf + ck[None, :])
-        dq += _mlp_dot(cg, tl.trans(bk_t))
-        dq += _mlp_dot(dz, tl.trans(ak_w))
+        dq += _mlp_dot_nt(cg, bk_t)
+        dq += _mlp_dot_nt(dz, ak_w)
         # the partials unpadded (HEAD_DIM, L, R: padding lanes are never stored, so the
-        # host sums only real entries): dAk (p, L), dBk (L, p), dck (p), dak (L), db1 (R),
-        # dW1 (p, R)
+        # host sums only real entries): dAk (p, L), dBk (L, p), dck (p), dak (L), then db1
+        # (R), dW1 (p, R) (written in the prologue)
         base = part_base
         offs_l = tl.arange(0, L_PAD)
         l_ok = offs_l < L
-        r_ok = offs_r < R
         tl.store(base + offs_d[:, None] * L + offs_l[None, :],
                  _mlp_dot(tl.trans(q), dz), mask=d_ok[:, None] & l_ok[None, :])  # dAk
         base += HEAD_DIM * L
@@ -866,23 +896,6 @@ def _inducer_attn_bwd_dq_kernel(
         tl.store(base + offs_d, tl.sum(c[:, None] * qf, 0), mask=d_ok)                 # dck
         base += HEAD_DIM
         tl.store(base + offs_l, tl.sum(dz, 0), mask=l_ok)                              # dak
-        base += L
-        if HAS_DU:
-            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
-            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
-                         mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            dz1 = (lam[:, None] * du) * hs
-            dq += _mlp_dot(dz1, tl.trans(w1))
-            tl.store(base + offs_r, tl.sum(dz1, 0), mask=r_ok)                         # db1
-            base += R
-            tl.store(base + offs_d[:, None] * R + offs_r[None, :],
-                     _mlp_dot(tl.trans(q), dz1), mask=d_ok[:, None] & r_ok[None, :])
-        else:
-            tl.store(base + offs_r, tl.zeros([R_PAD], dtype=tl.float32), mask=r_ok)
-            base += R
-            tl.store(base + offs_d[:, None] * R + offs_r[None, :],
-                     tl.zeros([D_PAD, R_PAD], dtype=tl.float32),
-                     mask=d_ok[:, None] & r_ok[None, :])
     tl.store(DQ + b * stride_dqb + h * stride_dqh + (q0 + offs_m)[:, None] * stride_dqn
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -1079,7 +1092,7 @@ def _mlp_args(mlp: Optional[Mlp], q: torch.Tensor):
         return (q,) * 6, 1, 1, 16, 16, False
     ts = tuple(t.contiguous() for t in mlp)
     L, r = ts[0].shape[2], ts[4].shape[2]
-    return ts, L, r, max(16, next_pow2(L)), max(16, next_pow2(r)), True
+    return ts, L, r, max(8, next_pow2(L)), max(8, next_pow2(r)), True
 
 
 def inducer_attention_forward(
