@@ -409,6 +409,19 @@ def aot_launches() -> None:
                                        None, None, q, k, v, torch.zeros_like(out),
                                        torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal,
                                        out_lo=out_lo)
+    # MLP widths past 8: L = 17 (padded to 32, contracted as is), r = 5 (padded to 8, widened
+    # to 16 where it is contracted: _mlp_dot_nt)
+    dtype, p, Lw, rw = torch.bfloat16, 64, 17, 5
+    q = torch.empty(B, H, n, p, dtype=dtype)
+    mlp = (torch.empty(H, p, Lw, dtype=dtype), torch.empty(H, Lw, dtype=dtype),
+           torch.empty(H, Lw, p, dtype=dtype), torch.empty(H, p, dtype=dtype),
+           torch.empty(H, p, rw, dtype=dtype), torch.empty(H, rw, dtype=dtype))
+    out, u, lse, lam, stats, out_lo = inducer_attention_forward(q, q, q, mlp, None, None, None,
+                                                                True, save_lo=True)
+    inducer_attention_backward(torch.zeros_like(out), torch.zeros(B, H, n, rw, dtype=dtype), None,
+                               None, q, q, q, torch.zeros_like(out), torch.zeros(B, H, n), stats,
+                               torch.full((2, B, H, n), 0.5), mlp, None, None, None, True,
+                               out_lo=out_lo)
     # the decode path: split-KV chunks merged in the same launch (GQA, padded cache, prefix)
     for dtype, p, n_q in ((torch.bfloat16, 64, 1), (torch.bfloat16, 128, 4),
                           (torch.float32, 64, 1)):
