@@ -14,6 +14,9 @@
 #   bench:<op>    one benchmark family in full (krona, headwise, inducer, e2e)
 #   perf          the performance model's predicted table and JSON for this commit, to set
 #                 beside the measured benchmark JSON (RESULTS.md: predicted vs measured)
+#   demo          the main job with --runs both: fused kernels vs the unfused reference on the
+#                 same data order (loss curves overlaid, largest loss difference, tokens/s, peak
+#                 memory; issue 18 item 3); DEMO_ARGS adds options (e.g. "--steps 8")
 # Every stage has its own time limit (STAGE_LIMIT_S, default 540 s) so one call never runs past
 # the device's 10 minutes. Logs and JSON accumulate in WORK (default
 # benchmarks/results/local/suite, git-ignored, kept on a warm machine between calls); when $OUT is
@@ -23,7 +26,7 @@
 # A typical session (three calls):
 #   bash benchmarks/gpu_suite.sh build,test
 #   bash benchmarks/gpu_suite.sh check,quick
-#   bash benchmarks/gpu_suite.sh bench:krona,bench:headwise      (then bench:inducer,bench:e2e)
+#   bash benchmarks/gpu_suite.sh bench:krona,bench:headwise      (then bench:inducer,bench:e2e,demo)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${1:-build,test}
@@ -102,6 +105,11 @@ for stage in "${LIST[@]}"; do
       else
         echo "perf: no performance model in this checkout" | tee "$WORK/perf.log"
       fi ;;
+    demo)
+      # shellcheck disable=SC2086  # DEMO_ARGS is a list of options
+      py -m kfused.cli.main demo --runs both --no-progress --out "$WORK/demo" ${DEMO_ARGS:-} \
+        >"$WORK/demo.log" 2>&1 || status=1
+      tail -40 "$WORK/demo.log" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
   note "stage $stage: status so far $status, $(( $(date +%s) - t0 )) s"
