@@ -224,7 +224,8 @@ def _m_hw_gemm(L) -> Dict[str, float]:
     """headwise's augmented GEMM C = Σ_i A_i B_i (+ bias) (+ packed low-rank epilogue), or
     its split-K mode (float32 partials). Products: tl.dot on (BM × BK)·(BK × BN) tiles, K
     padded to BK per segment (masked lanes still issue); the LR epilogue adds the (BM × BK)·
-    (BK × RB) down-projection in segment 0's K loop and the (BM × RB)·(RB × BN) up-projection.
+    (BK × RB) down-projection in segment 0's K loop and the (BM × RB)·(RB × BN) up-projection
+    (RB: the computed block; D, zb, U and the stored Z hold LR_W <= RB slots per tile).
     16-bit operands: tensor cores; float32 ("ieee"): CUDA-core FMA.
 
     HBM: the grid runs in grouped order (GROUP row blocks walk every column tile before the
@@ -267,7 +268,7 @@ def _m_hw_gemm(L) -> Dict[str, float]:
         w["alu_ops"] += P * BM * RB * 2                        # + zb, round to the input dtype
         D = a["d_ptr"]
         by += (R.reread_bytes(D.numel() * _el(D), cdiv(n_m, GROUP))   # D_l per row group
-               + M * n_n * RB * el                                     # Z stored
+               + M * n_n * a["LR_W"] * el                              # Z stored
                + a["u_ptr"].numel() * _el(a["u_ptr"]) + a["zb_ptr"].numel() * 4)
     nb = a.get("N1", N) if a.get("OUT2") else N           # OUT2: biases on [0, N1) only
     if a["HAS_BIAS"]:
@@ -287,7 +288,8 @@ def _m_hw_gemm(L) -> Dict[str, float]:
 def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     """One pass over a packed section's output gradient: per token block dZ_l = dY_l U_lᵀ
     (BT × BN)·(BN × RB) and Z_lᵀ dY_l (RB × BT)·(BT × BN), column sums of dZ and dY; float32
-    partials per token split. Token blocks padded to BT per split."""
+    partials per token split. Token blocks padded to BT per split. Z and dZ hold W <= RB
+    slots per tile (the products run on RB-wide blocks, the slots past W masked)."""
     a = L.bound()
     g = a["g_ptr"]
     x16 = _is16(g)
@@ -305,7 +307,7 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
     z = a["z_ptr"]
     w["hbm_bytes"] = (T * N * el                                # dY once (own columns)
-                      + T * Lt * RB * (_el(z) + _el(a["dz_ptr"]))  # Z read, dZ written
+                      + T * Lt * a["W"] * (_el(z) + _el(a["dz_ptr"]))  # Z read, dZ written
                       + a["u_ptr"].numel() * _el(a["u_ptr"])
                       + S * (Lt * RB * BN + Lt * RB + N) * 4)   # float32 partials
     return w

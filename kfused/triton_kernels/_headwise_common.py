@@ -159,7 +159,7 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  a2_ptr, s_a2m, s_a2k, b2_ptr, s_b2k, s_b2n, K2,
                  a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3,
                  bias_ptr, bias2_ptr, c_ptr, s_cm, s_cn, M, N, K_PER,
-                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS, cs_ptr,
+                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS, LR_W, cs_ptr,
                  c2_ptr, s_c2m, N1,
                  BN: tl.constexpr, RB: tl.constexpr, NSEG: tl.constexpr, LR: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BIAS2: tl.constexpr,
@@ -188,8 +188,10 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  mask=mmask[:, None] & nmask[None, :])
     else:
         if LR:
-            # Segment 0 with the packed down-projection of this column tile (pid_n).
+            # Segment 0 with the packed down-projection of this column tile (pid_n): LR_W
+            # slots (the tile's stride in D, zb, U and Z), computed as an RB-wide block.
             rr = tl.arange(0, RB)
+            wmask = rr < LR_W
             z = tl.zeros((BM, RB), dtype=tl.float32)
             for k0 in range(0, K0, BK):
                 ks = k0 + tl.arange(0, BK)
@@ -199,15 +201,16 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                 b = tl.load(b0_ptr + ks[:, None] * s_b0k + rn[None, :] * s_b0n,
                             mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc += _mm(a, b, True, PREC)
-                dt = tl.load(d_ptr + (pid_n * RB + rr[None, :]) * K0 + ks[:, None],
-                             mask=kmask[:, None], other=0.0)
+                dt = tl.load(d_ptr + (pid_n * LR_W + rr[None, :]) * K0 + ks[:, None],
+                             mask=kmask[:, None] & wmask[None, :], other=0.0)
                 z += _mm(a, dt, True, PREC)
-            z += tl.load(zb_ptr + pid_n * RB + rr)[None, :]
+            z += tl.load(zb_ptr + pid_n * LR_W + rr, mask=wmask, other=0.0)[None, :]
             zl = z.to(z_ptr.dtype.element_ty)
-            tl.store(z_ptr + rm[:, None] * s_zm + pid_n * RB + rr[None, :], zl,
-                     mask=mmask[:, None])
+            tl.store(z_ptr + rm[:, None] * s_zm + pid_n * LR_W + rr[None, :], zl,
+                     mask=mmask[:, None] & wmask[None, :])
             cn = tl.arange(0, BN)
-            u = tl.load(u_ptr + (pid_n * RB + rr[:, None]) * BN + cn[None, :])
+            u = tl.load(u_ptr + (pid_n * LR_W + rr[:, None]) * BN + cn[None, :],
+                        mask=wmask[:, None], other=0.0)
             if LR_SCALE:    # shared rows: round(scale·Z) against B_s (U holds it unscaled)
                 zl = tl.where((rr < LR_RS)[None, :],
                               (zl.to(tl.float32) * lr_scale).to(zl.dtype), zl)
@@ -248,9 +251,11 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
 class LowRankTiles:
     """Packed low-rank epilogue operands of one output section for the augmented GEMM.
 
-    D (L, RB, K) and U (L, RB, BN) in the input dtype, zb (L, RB) float32; z: the (T, L·RB)
-    view of the rank-space buffer where the forward stores Z (input dtype). ``scale``
-    multiplies the RS shared rows of every tile (slots [0, RS)), whose U holds B_s unscaled.
+    D (L, W, K) and U (L, W, BN) in the input dtype, zb (L, W) float32; z: the (T, L·W)
+    view of the rank-space buffer where the forward stores Z (input dtype). W: the slots of
+    each tile (its stride in all four); the kernels compute on RB = _rblk(W) wide blocks
+    (a power of 2, >= 16) with the slots past W masked. ``scale`` multiplies the RS shared
+    rows of every tile (slots [0, RS)), whose U holds B_s unscaled.
     """
 
     __slots__ = ("D", "zb", "U", "z", "scale", "RS")
@@ -258,6 +263,14 @@ class LowRankTiles:
     def __init__(self, D, zb, U, z, scale: float = 1.0, RS: int = 0):
         self.D, self.zb, self.U, self.z = D, zb, U, z
         self.scale, self.RS = float(scale), int(RS)
+
+    @property
+    def W(self) -> int:
+        return self.D.shape[1]
+
+    @property
+    def RB(self) -> int:
+        return _rblk(self.W)
 
     @property
     def scaled(self) -> bool:
@@ -315,10 +328,10 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
         flat += [a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
                  a.shape[1] if i < nseg else 0]
     if lr is not None:
-        lra = [lr.D, lr.zb, lr.U, lr.z, lr.z.stride(0), lr.scale, lr.RS]
-        RB = lr.D.shape[1]
+        lra = [lr.D, lr.zb, lr.U, lr.z, lr.z.stride(0), lr.scale, lr.RS, lr.W]
+        RB = lr.RB
     else:
-        lra = [out, out, out, out, 0, 1.0, 0]
+        lra = [out, out, out, out, 0, 1.0, 0, 0]
         RB = 16
     lra.append(colsum if colsum is not None else out)
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), 1)  # noqa: E731
@@ -367,7 +380,7 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
     segs = [at, at.stride(0), at.stride(1), b, b.stride(0), b.stride(1), T] + \
         [at, 0, 0, b, 0, 0, 0] * 3
     _launch(_gemm_kernel, grid,
-            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0,
+            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0, 0,
              part, part, 0, N],
             dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False, HAS_BIAS2=False,
                  PREC=dot_precision(b.dtype), LR_SCALE=False, COLSUM=False, CS_BM=_CS_BM,
@@ -383,21 +396,24 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
 
 @triton.jit
 def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
-                        du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS,
+                        du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS, W,
                         BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
                         PREC: tl.constexpr, SH_SCALE: tl.constexpr):
     # grid: (L tiles, S token splits). One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
     # (stored in the input dtype), partials of U_l's gradient Z_lᵀ dY_l, of Σ_t dZ_l (float32,
     # before rounding) and of the bias gradient Σ_t dY_l. SH_SCALE: the shared rows (slots
     # [0, RS) of every tile) take dZ = round(scale·dY_l) U_lᵀ, rounding the scaled gradient
-    # first as the same-precision torch path does (U holds B_s unscaled).
+    # first as the same-precision torch path does (U holds B_s unscaled). U, Z and dZ hold W
+    # slots per tile (their tile stride); the partials RB (the slots past W are zero).
     l = tl.program_id(0)
     s = tl.program_id(1)
     cn = tl.arange(0, BN)
     rn = l * BN + cn
     nmask = rn < N
     rr = tl.arange(0, RB)
-    ut = tl.load(u_ptr + (l * RB + rr[None, :]) * BN + cn[:, None])  # (BN, RB) = U_lᵀ
+    wmask = rr < W
+    ut = tl.load(u_ptr + (l * W + rr[None, :]) * BN + cn[:, None], mask=wmask[None, :],
+                 other=0.0)  # (BN, RB) = U_lᵀ
     du = tl.zeros((RB, BN), dtype=tl.float32)
     dzb = tl.zeros((RB,), dtype=tl.float32)
     db = tl.zeros((BN,), dtype=tl.float32)
@@ -408,14 +424,14 @@ def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
         tmask = rt < t_hi
         g = tl.load(g_ptr + rt[:, None] * s_gm + rn[None, :] * s_gn,
                     mask=tmask[:, None] & nmask[None, :], other=0.0)
-        z = tl.load(z_ptr + rt[:, None] * s_zm + l * RB + rr[None, :], mask=tmask[:, None],
-                    other=0.0)
+        z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
+                    mask=tmask[:, None] & wmask[None, :], other=0.0)
         dz = _mm(g, ut, True, PREC)
         if SH_SCALE:
             gs = (g.to(tl.float32) * scale).to(g.dtype)
             dz = tl.where((rr < RS)[None, :], _mm(gs, ut, True, PREC), dz)
-        tl.store(dz_ptr + rt[:, None] * s_dzm + l * RB + rr[None, :],
-                 dz.to(dz_ptr.dtype.element_ty), mask=tmask[:, None])
+        tl.store(dz_ptr + rt[:, None] * s_dzm + l * W + rr[None, :],
+                 dz.to(dz_ptr.dtype.element_ty), mask=tmask[:, None] & wmask[None, :])
         dzb += tl.sum(dz, axis=0)
         du += _mm(tl.trans(z), g, True, PREC)
         db += tl.sum(g.to(tl.float32), axis=0)
@@ -427,11 +443,13 @@ def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
 
 def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
                      partials: bool = False):
-    """g (T, N) view of the section's output gradient; dz (T, L·RB) view to fill.
-    Returns float32 (dU (L, RB, BN), dzb (L, RB), db (N,)); partials=True: their unsummed
-    token-split partials (dU (S, L, RB, BN), dzb (S, L, RB), db (S, N))."""
+    """g (T, N) view of the section's output gradient; dz (T, L·W) view to fill.
+    Returns float32 (dU (L, RB, BN), dzb (L, RB), db (N,)) with RB = lr.RB (slots past W
+    zero); partials=True: their unsummed token-split partials (dU (S, L, RB, BN),
+    dzb (S, L, RB), db (S, N))."""
     T, N = g.shape
-    L, RB, BN = lr.U.shape
+    L, W, BN = lr.U.shape
+    RB = lr.RB
     dev = g.device
     # sm_90: 4 warps spilled at RB = 32; float32 (CUDA-core dots) needs the smaller token tile.
     BT = 64 if targets_gpu(dev) and g.dtype != F32 else 32
@@ -446,7 +464,7 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
         return (du, dzb, db) if partials else (du[0], dzb[0], db[0])
     _lr_rank_bwd_kernel[(L, S)](
         g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz, dz.stride(0),
-        du, dzb, db, T, T_PER, L, lr.scale, lr.RS, BT=BT, BN=BN, RB=RB,
+        du, dzb, db, T, T_PER, L, lr.scale, lr.RS, W, BT=BT, BN=BN, RB=RB,
         PREC=dot_precision(g.dtype), SH_SCALE=lr.scaled,
         num_warps=8 if targets_gpu(dev) else 4)
     if partials:
@@ -460,10 +478,15 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
 # Slots of tile l (output columns [l·BN, min((l+1)·BN, N)) of a section with H heads of width
 # P, per-head rank R and shared rank RS): the RS shared rows first, then R rows for every head
 # whose columns meet the tile (heads h0(l) = l·BN // P, ..., h1(l) = (min((l+1)·BN, N) - 1) // P),
-# then zero padding up to RB (>= 16, a power of 2). Slot k of tile l therefore holds
+# then zero padding up to W, the most slots any tile needs rounded up to a multiple of 8 (16-byte
+# rows). W is each tile's stride in D, zb, U, Z and dZ; the kernels compute on RB = _rblk(W)
+# wide blocks (>= 16, a power of 2: the tl.dot width), masking the slots past W, so the dx
+# GEMM's dZ segment, the token reduction dZᵀ X and the rank pass's Z / dZ traffic carry W
+# columns per tile, not RB (Kernel-mix(qvo) intermediate at p = 64: 24 and 40 instead of 32
+# and 64). Slot k of tile l therefore holds
 #   k < RS:                     shared row k
 #   RS <= k < RS + nh(l)·R:     per-head row (h0(l) + (k - RS) // R, (k - RS) % R)
-#   otherwise:                  zero
+#   otherwise (k < W):          zero
 # and per-head row (h, j) occurs in tiles h·P // BN ... ((h+1)·P - 1) // BN, at slot
 # RS + (h - h0(l))·R + j. Both kernels below compute these maps from (H, P, R, RS, BN): no
 # index tensors, and one launch each per section (the torch version took ~40 small launches
@@ -471,25 +494,39 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=1024)
-def pack_dims(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
-    """(L tiles, RB slots per tile) of a section's packing (pure Python: fake kernels use it)."""
+def _most_slots(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
     N = H * P
     L = triton.cdiv(N, BN)
     most = 0
     for l in range(L):
         c0, c1 = l * BN, min((l + 1) * BN, N)
         most = max(most, RS + R * ((c1 - 1) // P - c0 // P + 1))
+    return L, most
+
+
+def pack_dims(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
+    """(L tiles, RB: the computed block width per tile) of a section's packing (pure Python:
+    fake kernels use it)."""
+    L, most = _most_slots(H, P, R, RS, BN)
     return L, _rblk(most)
+
+
+def pack_width(H: int, P: int, R: int, RS: int, BN: int) -> int:
+    """W, the slots stored per tile (the tile stride of D, zb, U, Z and dZ): the most any
+    tile needs, rounded up to a multiple of 8, at most RB."""
+    L, most = _most_slots(H, P, R, RS, BN)
+    return min(_rblk(most), triton.cdiv(max(most, 1), 8) * 8)
 
 
 class _Packing:
     """Dimensions of one section's packing (see the comment above)."""
 
-    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB", "SPAN")
+    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB", "W", "SPAN")
 
     def __init__(self, H: int, P: int, R: int, RS: int, BN: int):
         self.H, self.P, self.R, self.RS, self.BN = H, P, R, RS, BN
         self.L, self.RB = pack_dims(H, P, R, RS, BN)
+        self.W = pack_width(H, P, R, RS, BN)
         # the most tiles one head's columns meet (2 where heads straddle tile edges)
         self.SPAN = max((((h + 1) * P - 1) // BN - (h * P) // BN + 1 for h in range(H)),
                         default=1)
@@ -499,8 +536,8 @@ class _Packing:
 def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr, dc_ptr,
                  K, N, P, R, RS,
                  HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
-                 BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
-    # grid: (L, RB). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
+                 BN: tl.constexpr, W: tl.constexpr, BK: tl.constexpr):
+    # grid: (L, W). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
     # zb[l, k] (float32) and U[l, k, :] (input dtype) from the section's factors
     # down (H·R, K), zb (H·R,), up (H·P, R), sdown (RS, K), sup (H·P, RS), all contiguous;
     # and, from the first tile a row occurs in, its compact row Dc[j] (shared) or
@@ -534,12 +571,12 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
         if SH:
             row += tl.load(sdown_ptr + js * K + ks, mask=ks < k_sh, other=0.0).to(tl.float32)
         row = row.to(d_ptr.dtype.element_ty)
-        tl.store(d_ptr + (l * RB + k) * K + ks, row, mask=kmask)
+        tl.store(d_ptr + (l * W + k) * K + ks, row, mask=kmask)
         tl.store(dc_ptr + crow * K + ks, row, mask=ks < k_c)
     zbv = 0.0
     if HAS_ZB:
         zbv = tl.load(zb_ptr + g, mask=is_hw, other=0.0).to(tl.float32)
-    tl.store(zbp_ptr + l * RB + k, zbv)
+    tl.store(zbp_ptr + l * W + k, zbv)
     cn = tl.arange(0, BN)
     n = c0 + cn
     nmask = n < N
@@ -550,20 +587,20 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
     if SH:   # B_s unscaled: the GEMM and the rank pass apply the scale (LowRankTiles)
         u += tl.load(sup_ptr + n * RS + js, mask=n < tl.where(is_sh, N, 0),
                      other=0.0).to(tl.float32)
-    tl.store(u_ptr + (l * RB + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
+    tl.store(u_ptr + (l * W + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
 
 
 def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.Tensor,
                  U: torch.Tensor, Dc: torch.Tensor) -> None:
-    """Fill the packed operands of one section: D (L·RB, K) and U (L·RB, BN) in the input
-    dtype, zb (L·RB,) float32, and the compact down-projection Dc (RS + H·R, K) in the input
+    """Fill the packed operands of one section: D (L·W, K) and U (L·W, BN) in the input
+    dtype, zb (L·W,) float32, and the compact down-projection Dc (RS + H·R, K) in the input
     dtype (the rows of the compact rank space, see compact_dz), all contiguous (one launch)."""
     K = D.shape[1]
     c = lambda t: t.contiguous() if t is not None else D  # noqa: E731  (no copy when contiguous)
-    _pack_kernel[(pk.L, pk.RB)](
+    _pack_kernel[(pk.L, pk.W)](
         c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U, Dc,
         K, pk.H * pk.P, pk.P, pk.R, pk.RS,
-        HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, RB=pk.RB,
+        HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, W=pk.W,
         BK=_blk(K, 16, 256 if targets_gpu(D.device) else 64), num_warps=4)
 
 
@@ -601,7 +638,7 @@ def _unpack_tile(l, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS,
 @triton.jit
 def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                    ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
-                   K, N, P, R, RS, L, scale,
+                   K, N, P, R, RS, L, W, scale,
                    HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
                    BK: tl.constexpr, COMPACT: tl.constexpr):
     # grid: (H·R + RS + L,). Gradients of the packed operands -> the section's factor
@@ -613,9 +650,9 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
     #                             Σ_l Σ_s dD[l, j]
     #   programs [.., + L):       tile l: dup, dsu (Σ_s dU scattered to the factor layouts)
     #                             and the section bias gradient db = Σ_s db.
-    # dD: (S_D, RS + H·R, K) partials over the compact rank space (COMPACT) or (S_D, L·RB, K)
-    # over the tiles' slots (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
-    # dU (S_R, L·RB, BN), db (S_R, N) float32 partials of the rank pass.
+    # dD: (S_D, RS + H·R, K) partials over the compact rank space (COMPACT) or (S_D, L·W, K)
+    # over the tiles' W slots (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
+    # dU (S_R, L·RB, BN), db (S_R, N) float32 partials of the rank pass (RB per tile).
     pid = tl.program_id(0)
     HR = (N // P) * R
     if pid < HR + RS:
@@ -640,9 +677,9 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                                    other=0.0).to(tl.float32)
             else:
                 for l in range(l_lo, l_hi + 1):
-                    slot = l * RB + j
+                    slot = l * W + j
                     if pid < HR:
-                        slot = l * RB + RS + (h - (l * BN) // P) * R + j
+                        slot = l * W + RS + (h - (l * BN) // P) * R + j
                     for s in range(0, S_D):
                         acc += tl.load(dd_ptr + s * s_dds + slot * s_ddm + ks, mask=kmask,
                                        other=0.0).to(tl.float32)
@@ -667,7 +704,7 @@ def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: tor
                    dU: torch.Tensor, db: torch.Tensor, compact: bool) -> dict:
     """Factor gradients of one section from the gradients of its packed operands (one
     launch): dD token-reduction partials, (S_D, RS + H·R, K) over the compact rank space
-    (``compact``) or (S_D, L·RB, K) over the tiles' slots (any float dtype, unit last stride);
+    (``compact``) or (S_D, L·W, K) over the tiles' slots (any float dtype, unit last stride);
     dzb (S, L·RB), dU (S, L·RB, BN), db (S, N) float32 partials of the rank pass.
 
     Returns the dict of :func:`headwise_qkv_backward` (down, zb, up, sdown, sup in their
@@ -692,7 +729,7 @@ def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: tor
     out["db"] = dbo = _alloc.empty(N, dtype=F32, device=dev)
     _unpack_kernel[(H * R + RS + L,)](
         dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
-        ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, f.scale,
+        ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, pk.W, f.scale,
         HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB, COMPACT=compact,
         # sm_90: RB = 64 with 4 warps needed 255 registers (the (RB, BN) tile); 8 warps halve it
         BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4 if RB * pk.BN <= 2048 else 8)
@@ -733,7 +770,7 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
               keep: bool):
     """Packed operands of every adapted section in one set of buffers laid out like Z's
     columns: D (M, K), U (M, BN) in ``dtype``, zb (M,) float32 (section s at rows
-    offs[s]:offs[s] + L·RB), and the compact down-projection Dc (MC, K) laid out like the
+    offs[s]:offs[s] + L·W), and the compact down-projection Dc (MC, K) laid out like the
     compact rank space (:func:`compact_offsets`), so the dx GEMM reads it with no
     concatenation. The forward
     (keep=True) always packs and records the result with a weak reference to its rank-space
@@ -754,7 +791,7 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
     Dc = _alloc.empty(MC, K, dtype=dtype, device=dev)
     for pk, off, coff, f in zip(packs, offs, coffs, fs):
         if pk is not None:
-            w = pk.L * pk.RB
+            w = pk.L * pk.W
             pack_section(pk, f, D[off:off + w], zb[off:off + w], U[off:off + w],
                          Dc[coff:coff + pk.RS + pk.H * pk.R])
     out = (D, zb, U, Dc)
@@ -803,7 +840,7 @@ def compact_pays(packs, T: int, K: int, el: int) -> bool:
     live = [pk for pk in packs if pk is not None]
     if FORCE_COMPACT is not None:
         return bool(FORCE_COMPACT) and bool(live)
-    M = sum(pk.L * pk.RB for pk in live)
+    M = sum(pk.L * pk.W for pk in live)
     _, MC = compact_offsets(packs)
     if not live or MC >= M:
         return False
@@ -822,9 +859,9 @@ def needs_sum(pk: "_Packing") -> bool:
 
 @triton.jit
 def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
-                       BN: tl.constexpr, RB: tl.constexpr, SPAN: tl.constexpr,
+                       BN: tl.constexpr, W: tl.constexpr, SPAN: tl.constexpr,
                        BT: tl.constexpr, CB: tl.constexpr):
-    # grid (cdiv(T, BT), cdiv(MC, CB)), one section: dzt (T, L·RB) per-occurrence view (any
+    # grid (cdiv(T, BT), cdiv(MC, CB)), one section: dzt (T, L·W) per-occurrence view (any
     # float dtype), dzc (T, MC) compact view (input dtype). Compact column c < RS: the sum of
     # slot c over every tile; c = RS + h·R + j: the sum of its slot in the SPAN (at most)
     # tiles head h's columns meet. Float32 sums in tile order, one rounding.
@@ -837,7 +874,7 @@ def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
     base = dzt_ptr + rt[:, None] * s_dzt
     for l in range(0, L):
         m = tmask[:, None] & (is_sh & cmask)[None, :]
-        acc += tl.load(base + (l * RB + cc)[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(base + (l * W + cc)[None, :], mask=m, other=0.0).to(tl.float32)
     rr = tl.maximum(R, 1)
     gg = tl.maximum(cc - RS, 0)
     h = gg // rr
@@ -847,7 +884,7 @@ def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
     for i in range(0, SPAN):
         lt = l_lo + i
         ok = (cc >= RS) & cmask & (lt <= l_hi)
-        slot = lt * RB + RS + (h - (lt * BN) // P) * R + j
+        slot = lt * W + RS + (h - (lt * BN) // P) * R + j
         acc += tl.load(base + slot[None, :], mask=tmask[:, None] & ok[None, :],
                        other=0.0).to(tl.float32)
     tl.store(dzc_ptr + rt[:, None] * s_dzc + cc[None, :], acc.to(dzc_ptr.dtype.element_ty),
@@ -855,7 +892,7 @@ def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
 
 
 def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
-    """dzc (T, RS + H·R) ← the per-occurrence rank-pass output dzt (T, L·RB) of one section
+    """dzc (T, RS + H·R) ← the per-occurrence rank-pass output dzt (T, L·W) of one section
     (views with unit last stride; one launch)."""
     T, MC = dzc.shape
     if T == 0 or MC == 0:
@@ -864,7 +901,7 @@ def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
     CB = _blk(MC, 16, 64)
     _compact_dz_kernel[(triton.cdiv(T, BT), triton.cdiv(MC, CB))](
         dzt, dzt.stride(0), dzc, dzc.stride(0), T, pk.P, pk.R, pk.RS, pk.L, MC,
-        BN=pk.BN, RB=pk.RB, SPAN=pk.SPAN, BT=BT, CB=CB, num_warps=4)
+        BN=pk.BN, W=pk.W, SPAN=pk.SPAN, BT=BT, CB=CB, num_warps=4)
 
 
 @functools.lru_cache(maxsize=256)

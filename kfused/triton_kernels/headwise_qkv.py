@@ -17,7 +17,8 @@ from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors
                                                     _packing, _tile_n, compact_dz,
                                                     compact_offsets, compact_pays, gemm,
                                                     lr_rank_backward,
-                                                    needs_sum, pack_dims, reduce_tokens,
+                                                    needs_sum, pack_dims, pack_width,
+                                                    reduce_tokens,
                                                     unpack_section)
 
 
@@ -29,8 +30,8 @@ def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int
     for H, (r, rs) in ((HQ, rq), (HV, rv)):
         if (r or rs) and H:
             # int(): under dynamic-shape tracing the packing specializes on the head count.
-            L, RB = pack_dims(int(H), int(P), int(r), int(rs), BN)
-            M += L * RB
+            dims = (int(H), int(P), int(r), int(rs), BN)
+            M += pack_dims(*dims)[0] * pack_width(*dims)
     return M
 
 
@@ -45,7 +46,7 @@ def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, i
         packs.append(pk)
         offs.append(M)
         if pk is not None:
-            M += pk.L * pk.RB
+            M += pk.L * pk.W
     return packs, offs, M
 
 
@@ -80,10 +81,10 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
         if n:
             lr = None
             if pk is not None:
-                L, RB = pk.L, pk.RB
-                s = slice(off, off + L * RB)
-                lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB),
-                                  Up[s].view(L, RB, pk.BN), Z[:, s], f.scale, pk.RS)
+                L, W = pk.L, pk.W
+                s = slice(off, off + L * W)
+                lr = LowRankTiles(Dp[s].view(L, W, D), zbp[s].view(L, W),
+                                  Up[s].view(L, W, pk.BN), Z[:, s], f.scale, pk.RS)
             gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr, bias2=c)
         col += n
     return Y, Z
@@ -119,9 +120,9 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
         if pk is None:
             secs.append(None)
             continue
-        L, RB = pk.L, pk.RB
-        s = slice(off, off + L * RB)
-        lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB), Up[s].view(L, RB, pk.BN),
+        L, W = pk.L, pk.W
+        s = slice(off, off + L * W)
+        lr = LowRankTiles(Dp[s].view(L, W, D), zbp[s].view(L, W), Up[s].view(L, W, pk.BN),
                           Z[:, s], f.scale, pk.RS)
         # The rank pass is needed by dx too (dZ is one of its K segments); its token-split
         # partials are summed by the unpack kernel.
