@@ -422,6 +422,9 @@ def test_opcheck_qkv():
     bargs = (torch.randn_like(Y), det[0], det[1], det[2], det[3], det[7], det[9], det[10],
              det[11], det[12], det[14], None, None, Z, p, True, True)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default, bargs)
+    # the sections' column sums db written in a 16-bit dtype (q) and float32 (v)
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default,
+                          bargs + (1.0, 1.0, torch.float16, None))
 
 
 def test_opcheck_oproj():
@@ -451,6 +454,13 @@ def test_opcheck_oproj():
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
                           (torch.randn_like(Yh), *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
                            Zh, H, True, True, 0.75, True))
+    # the bias gradient db in the 16-bit dtype: from the dx GEMM's column sums, and without
+    # dO (its own column sum)
+    for need_do in (True, False):
+        torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
+                              (torch.randn_like(Yh),
+                               *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
+                               Zh, H, need_do, True, 0.75, True, torch.float16))
 
 
 def test_compile_fullgraph():
