@@ -216,6 +216,39 @@ def test_qkv_kernel(dtype, case, rank_space):
                              grad_names=grad_names, out_names=["Q", "K", "V"])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_kernel_slot_stride_below_the_block(dtype, rank_space):
+    # Every tile stores W slots (the most any tile needs, rounded up to 8) but computes on
+    # RB = _rblk(W) wide blocks: here W = 24 of RB = 32 on q, and on v 40 of 64 (16-bit:
+    # lite rows split hi/lo) or 24 of 32 (float32), with heads straddling tile edges. The
+    # masked slots must neither read a neighbour tile's rows nor write into them.
+    from kfused.triton_kernels._headwise_common import _packing, _tile_n
+
+    H, p, d, T = 3, 24, 40, 29
+    BN = _tile_n(torch.device(DEVICE))
+    lite_rows = 18 if dtype != torch.float32 else 9
+    pq, pv = _packing(H, p, 5, 7, BN), _packing(H, p, lite_rows, 2, BN)
+    if BN == 32:
+        assert (pq.W, pq.RB) == (24, 32)
+        assert (pv.W, pv.RB) == ((40, 64) if dtype != torch.float32 else (24, 32))
+    q = make_factors(H, p, d, shared=7, wise=5)
+    v = make_factors(H, p, d, shared=2, lite=9)
+    inputs = dict(x=rnd(T, d), w_q=rnd(H * p, d), w_k=rnd(H * p, d), w_v=rnd(H * p, d),
+                  b_q=rnd(H * p), b_k=rnd(H * p), b_v=rnd(H * p),
+                  **flat_inputs("q", q), **flat_inputs("v", v))
+    grad_names = [k for k in inputs if not k.startswith("w_")]
+
+    def run(backend):
+        def fn(x, w_q, w_k, w_v, b_q, b_k, b_v, **kw):
+            return headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H,
+                                q=gather("q", kw, 0.75), v=gather("v", kw, 0.75),
+                                backend=backend)
+        return fn
+
+    assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
+                             grad_names=grad_names, out_names=["Q", "K", "V"])
+
+
 def test_qkv_kernel_strided_conv1d_weight_and_frozen_grads(rank_space):
     # GPT-2 layout: one (d, 3d) Conv1D weight, q/k/v as transposed column views (no copy);
     # gradients of the frozen weights are also correct when requested.
@@ -389,6 +422,9 @@ def test_opcheck_qkv():
     bargs = (torch.randn_like(Y), det[0], det[1], det[2], det[3], det[7], det[9], det[10],
              det[11], det[12], det[14], None, None, Z, p, True, True)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default, bargs)
+    # the sections' column sums db written in a 16-bit dtype (q) and float32 (v)
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default,
+                          bargs + (1.0, 1.0, torch.float16, None))
 
 
 def test_opcheck_oproj():
@@ -418,6 +454,13 @@ def test_opcheck_oproj():
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
                           (torch.randn_like(Yh), *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
                            Zh, H, True, True, 0.75, True))
+    # the bias gradient db in the 16-bit dtype: from the dx GEMM's column sums, and without
+    # dO (its own column sum)
+    for need_do in (True, False):
+        torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
+                              (torch.randn_like(Yh),
+                               *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
+                               Zh, H, need_do, True, 0.75, True, torch.float16))
 
 
 def test_compile_fullgraph():

@@ -75,6 +75,28 @@ tp = sum(pad(min(TP, Tt - s * TP), BT) for s in range(S))
 w, modelled = C.model_launch(l)
 out["lr_rank"] = dict(model=w["dot16_flops"], hand=Lt * 2 * (2 * tp * BNt * RB),
                       modelled=modelled, grid=list(l.grid))
+# two sections in one launch (q and v of a q|k|v projection), each with its own RB: 24
+# stored slots of a 32-wide block next to the 16 above, the shared rows of the second scaled
+W2, RB2, Lt2 = 24, 32, 3
+g2 = torch.empty(Tt, Lt2 * BNt, dtype=bf)
+lr2 = hw.LowRankTiles(torch.empty(Lt2, W2, 64, dtype=bf), torch.empty(Lt2, W2),
+                      torch.empty(Lt2, W2, BNt, dtype=bf), torch.empty(Tt, Lt2 * W2, dtype=bf),
+                      scale=0.5, RS=4)
+dz2 = torch.empty(Tt, Lt2 * W2, dtype=bf)
+L, G = trace(lambda: hw.lr_rank_backward_sections([(g, lr, dz), (g2, lr2, dz2)]))
+(l,) = L
+a = l.bound()
+BT, S, TP = a["BT"], l.grid[1], a["T_PER"]
+tp = sum(pad(min(TP, Tt - s * TP), BT) for s in range(S))
+w, modelled = C.model_launch(l)
+out["lr_rank2"] = dict(model=w["dot16_flops"],
+                       hand=Lt * 2 * (2 * tp * BNt * RB) + Lt2 * 3 * (2 * tp * BNt * RB2),
+                       bytes=w["hbm_bytes"],
+                       hand_bytes=(Tt * (Lt + Lt2) * BNt * 2 + Tt * Lt * RB * 4 + Tt * Lt2 * W2 * 4
+                                   + Lt * RB * BNt * 2 + Lt2 * W2 * BNt * 2
+                                   + S * (Lt * RB * BNt + Lt * RB + Lt * BNt) * 4
+                                   + S * (Lt2 * RB2 * BNt + Lt2 * RB2 + Lt2 * BNt) * 4),
+                       modelled=modelled, grid=list(l.grid))
 
 # ---- KronA _kron_fold_kernel
 import kfused.triton_kernels.krona_linear as kk
@@ -193,6 +215,8 @@ def test_reduce_tokens_16bit_is_cublas_in_the_trace(counts):
 def test_lr_rank_bwd_model(counts):
     r = counts["lr_rank"]
     assert r["modelled"] and r["model"] == r["hand"]
+    r = counts["lr_rank2"]      # both sections of one launch, each with its own RB and W
+    assert r["modelled"] and r["model"] == r["hand"] and r["bytes"] == r["hand_bytes"]
 
 
 def test_kron_fold_model(counts):

@@ -261,7 +261,7 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
     """Predicted fwd+bwd time (µs) of the frozen projections, of kfused and of unfused LoRA
     with the same parameter budget (PEFT style: separate A and B GEMMs, then scale and add),
     for the q|k|v projection and (when the preset adapts o) the output projection."""
-    from kfused.triton_kernels._headwise_common import pack_dims
+    from kfused.triton_kernels._headwise_common import pack_dims, pack_width
 
     d, H, Hkv = MODELS[model]
     p = d // H
@@ -283,8 +283,9 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
             secs.append(None)
             continue
         L, RB = pack_dims(Hs, p, R, rk.shared, BN)
-        secs.append((Hs * p, L, RB))
-        Mz += L * RB
+        W = pack_width(Hs, p, R, rk.shared, BN)       # slots stored per tile (<= RB computed)
+        secs.append((Hs * p, L, RB, W))
+        Mz += L * W
         # Tiny torch kernels per adapted section, fwd+bwd, counted by reading the code (bf16
         # factors): casts and folds of the factors (~15), pack in the forward (~10; the
         # backward reuses it), unpack in the backward (~8), autograd of the host-built
@@ -294,12 +295,12 @@ def roofline(model: str, preset: str, tokens: int = 16384, el: int = 2) -> dict:
     for n, sec in zip((Nq, Nkv, Nkv), (secs[0], None, secs[1])):
         extra = sec[1] * sec[2] if sec else 0
         fl = 2 * T * d * (n + extra) + (2 * T * extra * BN if sec else 0)
-        k += _t(fl, el * (T * d + n * d + T * n + T * extra))
+        k += _t(fl, el * (T * d + n * d + T * n + T * (sec[1] * sec[3] if sec else 0)))
     # backward: rank pass per adapted section, dX GEMM over [dY | dZ], dD = dZᵀ X
     for sec in secs:
         if sec:
-            n, L, RB = sec
-            k += _t(2 * 2 * T * n * RB, el * (T * n + 2 * T * L * RB))
+            n, L, RB, W = sec
+            k += _t(2 * 2 * T * n * RB, el * (T * n + 2 * T * L * W))
     k += _t(2 * T * d * (N + Mz), el * (T * N + T * Mz + (N + Mz) * d + T * d))
     k += _t(2 * T * Mz * d, el * (T * Mz + T * d))
     tiny += 10                          # bias folds and reductions

@@ -54,9 +54,10 @@ def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[
                B: Optional[torch.Tensor], shared_A: Optional[torch.Tensor],
                shared_U: Optional[torch.Tensor], z: torch.Tensor, n_heads: int,
                need_do: bool, need_factors: bool, scale: float = 1.0,
-               fold: bool = False) -> List[torch.Tensor]:
+               fold: bool = False, db_dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+    # db_dtype: the dtype of the bias gradient db (None: float32)
     dO, gr = _tk().headwise_oproj_backward(g, o, w_o, A, B, shared_A, shared_U, z, n_heads,
-                                           need_do, need_factors, scale, fold)
+                                           need_do, need_factors, scale, fold, db_dtype)
     out = [dO if dO is not None else _empty(o)]
     for key in ("A", "Bw", "As", "Us", "db"):
         t = gr.get(key)
@@ -66,14 +67,14 @@ def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[
 
 @_oproj_bwd.register_fake
 def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, scale=1.0,
-      fold=False):
+      fold=False, db_dtype=None):
     hw = need_factors and A is not None
     sh = need_factors and shared_A is not None
     e = o.new_empty(0)
     return [torch.empty_like(o) if need_do else e,
             torch.empty_like(A) if hw else e, torch.empty_like(B) if hw else e,
             torch.empty_like(shared_A) if sh else e, torch.empty_like(shared_U) if sh else e,
-            o.new_empty(w_o.shape[0], dtype=torch.float32) if (hw or sh) else e]
+            o.new_empty(w_o.shape[0], dtype=db_dtype or torch.float32) if (hw or sh) else e]
 
 
 def _oproj_setup(ctx, inputs, output):
@@ -96,8 +97,12 @@ def _oproj_backward(ctx, g, gz):
     n_c = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     g = g.contiguous()
     need_f = nA or nB or nsA or nsU or n_b or n_c
+    # db written in the dtype of its uses (the bias b_o's gradient, c's) when they share one
+    # (no conversion kernel after), else float32
+    uses = {dt for dt, n in ((ctx.b_dtype, n_b and ctx.has_b), (ctx.c_dtype, n_c)) if n}
     dO, dA, dB, dsA, dsU, db = torch.ops.kfused.headwise_oproj_triton_bwd(
-        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale, ctx.fold)
+        g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale, ctx.fold,
+        uses.pop() if len(uses) == 1 else None)
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
     if (n_b and ctx.has_b) or n_c:
         db = db if _opt(db) is not None else g.sum(0, dtype=torch.float32)

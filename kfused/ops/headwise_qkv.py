@@ -87,12 +87,14 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              v_sdown: Optional[torch.Tensor], v_sup: Optional[torch.Tensor],
              z: torch.Tensor, head_dim: int, need_dx: bool,
              need_factors: bool, q_scale: float = 1.0,
-             v_scale: float = 1.0) -> List[torch.Tensor]:
+             v_scale: float = 1.0, q_db_dtype: Optional[torch.dtype] = None,
+             v_db_dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+    # *_db_dtype: the dtype of the section's column sums db (None: float32)
     k = _tk()
     q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup, v_scale)
     dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
-                                         need_factors)
+                                         need_factors, (q_db_dtype, v_db_dtype))
     out = [dx if dx is not None else _empty(x)]
     for grads in (gq, gv):
         for key in _SEC_KEYS + ("db",):
@@ -103,10 +105,11 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
 
 @_qkv_bwd.register_fake
 def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-      v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0):
+      v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0, q_db_dtype=None,
+      v_db_dtype=None):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
-    for down, up, sdown, sup, w in ((q_down, q_up, q_sdown, q_sup, w_q),
-                                    (v_down, v_up, v_sdown, v_sup, w_v)):
+    for down, up, sdown, sup, w, db_dt in ((q_down, q_up, q_sdown, q_sup, w_q, q_db_dtype),
+                                           (v_down, v_up, v_sdown, v_sup, w_v, v_db_dtype)):
         hw = need_factors and down is not None
         sh = need_factors and sdown is not None
         r = down.shape[1] if down is not None else 0
@@ -119,7 +122,7 @@ def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
         out.append(torch.empty_like(up) if hw else x.new_empty(0))                # up
         out.append(torch.empty_like(sdown) if sh else x.new_empty(0))             # sdown
         out.append(torch.empty_like(sup) if sh else x.new_empty(0))               # sup
-        out.append(x.new_empty(N, dtype=f32) if (hw or sh) else x.new_empty(0))   # db
+        out.append(x.new_empty(N, dtype=db_dt or f32) if (hw or sh) else x.new_empty(0))  # db
     return out
 
 
@@ -148,9 +151,19 @@ def _qkv_backward(ctx, gY, gZ):
     need_f = any(need[7:17])
     need_c = (len(need) > 20 and need[20], len(need) > 21 and need[21])
     gY = gY.contiguous()
+
+    def db_dtype(i, j):
+        # a section's column sums db give its frozen bias's gradient (b index i) and its
+        # per-head bias c's (section j): written in their dtype when one dtype serves every
+        # use (no conversion kernel after), else float32
+        uses = {dt for dt, n in ((ctx.b_dtypes[i], need[4 + i] and ctx.has_b[i]),
+                                 (ctx.c_dtypes[j], need_c[j])) if n}
+        return uses.pop() if len(uses) == 1 else None
+
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
-        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales)
+        v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales,
+        db_dtype(0, 0), db_dtype(2, 1))
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))

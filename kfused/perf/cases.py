@@ -224,7 +224,8 @@ def _m_hw_gemm(L) -> Dict[str, float]:
     """headwise's augmented GEMM C = Σ_i A_i B_i (+ bias) (+ packed low-rank epilogue), or
     its split-K mode (float32 partials). Products: tl.dot on (BM × BK)·(BK × BN) tiles, K
     padded to BK per segment (masked lanes still issue); the LR epilogue adds the (BM × BK)·
-    (BK × RB) down-projection in segment 0's K loop and the (BM × RB)·(RB × BN) up-projection.
+    (BK × RB) down-projection in segment 0's K loop and the (BM × RB)·(RB × BN) up-projection
+    (RB: the computed block; D, zb, U and the stored Z hold LR_W <= RB slots per tile).
     16-bit operands: tensor cores; float32 ("ieee"): CUDA-core FMA.
 
     HBM: the grid runs in grouped order (GROUP row blocks walk every column tile before the
@@ -267,7 +268,7 @@ def _m_hw_gemm(L) -> Dict[str, float]:
         w["alu_ops"] += P * BM * RB * 2                        # + zb, round to the input dtype
         D = a["d_ptr"]
         by += (R.reread_bytes(D.numel() * _el(D), cdiv(n_m, GROUP))   # D_l per row group
-               + M * n_n * RB * el                                     # Z stored
+               + M * n_n * a["LR_W"] * el                              # Z stored
                + a["u_ptr"].numel() * _el(a["u_ptr"]) + a["zb_ptr"].numel() * 4)
     nb = a.get("N1", N) if a.get("OUT2") else N           # OUT2: biases on [0, N1) only
     if a["HAS_BIAS"]:
@@ -285,29 +286,35 @@ def _m_hw_gemm(L) -> Dict[str, float]:
 
 @kernel("_lr_rank_bwd_kernel")
 def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
-    """One pass over a packed section's output gradient: per token block dZ_l = dY_l U_lᵀ
-    (BT × BN)·(BN × RB) and Z_lᵀ dY_l (RB × BT)·(BT × BN), column sums of dZ and dY; float32
-    partials per token split. Token blocks padded to BT per split."""
+    """One pass over the output gradient of up to two packed sections (a, then b: tiles
+    [0, a_L) and [a_L, grid[0])): per token block dZ_l = dY_l U_lᵀ (BT × BN)·(BN × RB) and
+    Z_lᵀ dY_l (RB × BT)·(BT × BN), column sums of dZ and dY; float32 partials per token
+    split (S shared). Token blocks padded to BT per split. Z and dZ hold W <= RB slots per
+    tile (the products run on RB-wide blocks, the slots past W masked)."""
     a = L.bound()
-    g = a["g_ptr"]
-    x16 = _is16(g)
-    el = _el(g)
-    T, T_PER, Lt, N = a["T"], a["T_PER"], a["L"], a["N"]
-    BT, BN, RB = a["BT"], a["BN"], a["RB"]
+    T, T_PER, BT, BN = a["T"], a["T_PER"], a["BT"], a["BN"]
     S = L.grid[1]
     tp = sum(_k_pad(max(0, min(T_PER, T - s * T_PER)), BT) for s in range(S))
     w = _work()
-    unit = "dot16_flops" if x16 else "fma32_flops"
-    w[unit] += Lt * 2 * 2.0 * tp * BN * RB                      # dZ and dU products
-    if a.get("SH_SCALE"):
-        w[unit] += Lt * 2.0 * tp * BN * RB                      # dZ of round(s·dY) (shared)
-        w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
-    w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
-    z = a["z_ptr"]
-    w["hbm_bytes"] = (T * N * el                                # dY once (own columns)
-                      + T * Lt * RB * (_el(z) + _el(a["dz_ptr"]))  # Z read, dZ written
-                      + a["u_ptr"].numel() * _el(a["u_ptr"])
-                      + S * (Lt * RB * BN + Lt * RB + N) * 4)   # float32 partials
+    w["hbm_bytes"] = 0.0
+    secs = [("a_", "A_", a["a_L"])]
+    if L.grid[0] > a["a_L"]:
+        secs.append(("b_", "B_", L.grid[0] - a["a_L"]))
+    for pre, cpre, Lt in secs:
+        g = a[pre + "g"]
+        x16 = _is16(g)
+        el = _el(g)
+        N, RB, W = a[pre + "N"], a[cpre + "RB"], a[pre + "W"]
+        unit = "dot16_flops" if x16 else "fma32_flops"
+        w[unit] += Lt * 2 * 2.0 * tp * BN * RB                      # dZ and dU products
+        if a.get(cpre + "SH_SCALE"):
+            w[unit] += Lt * 2.0 * tp * BN * RB                      # dZ of round(s·dY) (shared)
+            w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
+        w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
+        w["hbm_bytes"] += (T * N * el                               # dY once (own columns)
+                           + T * Lt * W * (_el(a[pre + "z"]) + _el(a[pre + "dz"]))  # Z, dZ
+                           + a[pre + "u"].numel() * _el(a[pre + "u"])
+                           + S * (Lt * RB * BN + Lt * RB + N) * 4)  # float32 partials
     return w
 
 

@@ -22,10 +22,14 @@ float32 accumulation (float32 inputs: exact "ieee" dots). Two kernels do all the
                        the tile is written. The frozen GEMM and every down-projection that
                        reads X (Kernel-wise A_h, lite bases A_h W_k^h, shared A_s) are thus one
                        pass over X.
-``_lr_rank_bwd_kernel`` one pass over the output gradient of an adapted section: dZ_l = dY_l U_l
-                       (written once, in the input dtype), the up-projection gradient
-                       Σ_t Z_lᵀ dY_l, the rank-space bias gradient Σ_t dZ_l and the output bias
-                       gradient Σ_t dY (split over tokens, float32 partials).
+``_lr_rank_bwd_kernel`` one pass over the output gradient of the adapted sections (q and v in
+                       one launch): dZ_l = dY_l U_l (written once, in the input dtype), the
+                       up-projection gradient Σ_t Z_lᵀ dY_l, the rank-space bias gradient
+                       Σ_t dZ_l and the output bias gradient Σ_t dY (split over tokens,
+                       float32 partials).
+The small kernels around them (packing the factors per tile, unpacking their gradients) also
+take both adapted sections in one launch each: at GPT-2 widths a launch costs about as much as
+a tile pass over the rank space.
 
 Passes (q|k|v projection):
   forward   Y = X [W; D]ᵀ + packed up-projection epilogue            (one GEMM, Z stored)
@@ -44,16 +48,18 @@ SXM, 700 TFLOP/s sustained bf16 tensor-core rate, 3.0 TB/s HBM, T = 16k tokens).
 inputs every product is a tensor-core product (sm_90 SASS: HGMMA, no FFMA, no local-memory
 spills in any config); CUDA-core work is only epilogue adds and column sums, O(T·N). Extra
 work over the frozen projections: (a) RB/BN extra MMA columns per tile for the packed
-down-projection in the forward and for the dZ segment of dX (12.5 % at RB = 16, 25-50 % for
-Kernel-mix(qvo) intermediate at p = 64, where v's 8 lite rows are doubled by the hi/lo
-split), (b) one extra read of dY (rank pass) and of X (dD), (c) for the output projection a
-pass over O (Z) and two over dY (dZ, dB). Predicted kernel time / frozen, fwd+bwd: GPT-2
-small 1.28-1.57 (qkv), 1.98 (o); GPT-2 medium 1.23-1.52, 1.76; Llama-7B GQA 1.19-1.22, 1.22.
+down-projection in the forward (12.5 % at RB = 16, 25-50 % for Kernel-mix(qvo) intermediate
+at p = 64, where v's 8 lite rows are doubled by the hi/lo split) and W/BN for the dZ segment
+of dX (W <= RB: the slots a tile stores, 19-31 % there), (b) one extra read of dY (rank pass)
+and of X (dD), (c) for the output projection a pass over O (Z) and two over dY (dZ, dB).
+Predicted kernel time / frozen, fwd+bwd: GPT-2 small 1.28-1.57 (qkv), 1.98 (o); GPT-2 medium
+1.23-1.52, 1.76; Llama-7B GQA 1.19-1.22, 1.22.
 At GPT-2 widths every tiny launch (~3 µs) counts as much as a kernel pass: the factors reach
 the kernels with no torch op in any forward (a lite section's basis, split and stacking:
 one ``headwise_section`` kernel; per-head biases: the GEMM's second bias; the output
-projection's D_o and [B_w | scale·B_s]: one pack kernel), and the backwards have 2 torch
-ops each (tests/test_headwise_launches.py holds the counts).
+projection's D_o and [B_w | scale·B_s]: one pack kernel), nor in any backward (the bias
+gradients' column sums are stored in the biases' dtype; tests/test_headwise_launches.py
+holds the counts).
 """
 
 from __future__ import annotations
@@ -159,7 +165,7 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  a2_ptr, s_a2m, s_a2k, b2_ptr, s_b2k, s_b2n, K2,
                  a3_ptr, s_a3m, s_a3k, b3_ptr, s_b3k, s_b3n, K3,
                  bias_ptr, bias2_ptr, c_ptr, s_cm, s_cn, M, N, K_PER,
-                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS, cs_ptr,
+                 d_ptr, zb_ptr, u_ptr, z_ptr, s_zm, lr_scale, LR_RS, LR_W, cs_ptr,
                  c2_ptr, s_c2m, N1,
                  BN: tl.constexpr, RB: tl.constexpr, NSEG: tl.constexpr, LR: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BIAS2: tl.constexpr,
@@ -188,8 +194,10 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                  mask=mmask[:, None] & nmask[None, :])
     else:
         if LR:
-            # Segment 0 with the packed down-projection of this column tile (pid_n).
+            # Segment 0 with the packed down-projection of this column tile (pid_n): LR_W
+            # slots (the tile's stride in D, zb, U and Z), computed as an RB-wide block.
             rr = tl.arange(0, RB)
+            wmask = rr < LR_W
             z = tl.zeros((BM, RB), dtype=tl.float32)
             for k0 in range(0, K0, BK):
                 ks = k0 + tl.arange(0, BK)
@@ -199,15 +207,16 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
                 b = tl.load(b0_ptr + ks[:, None] * s_b0k + rn[None, :] * s_b0n,
                             mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc += _mm(a, b, True, PREC)
-                dt = tl.load(d_ptr + (pid_n * RB + rr[None, :]) * K0 + ks[:, None],
-                             mask=kmask[:, None], other=0.0)
+                dt = tl.load(d_ptr + (pid_n * LR_W + rr[None, :]) * K0 + ks[:, None],
+                             mask=kmask[:, None] & wmask[None, :], other=0.0)
                 z += _mm(a, dt, True, PREC)
-            z += tl.load(zb_ptr + pid_n * RB + rr)[None, :]
+            z += tl.load(zb_ptr + pid_n * LR_W + rr, mask=wmask, other=0.0)[None, :]
             zl = z.to(z_ptr.dtype.element_ty)
-            tl.store(z_ptr + rm[:, None] * s_zm + pid_n * RB + rr[None, :], zl,
-                     mask=mmask[:, None])
+            tl.store(z_ptr + rm[:, None] * s_zm + pid_n * LR_W + rr[None, :], zl,
+                     mask=mmask[:, None] & wmask[None, :])
             cn = tl.arange(0, BN)
-            u = tl.load(u_ptr + (pid_n * RB + rr[:, None]) * BN + cn[None, :])
+            u = tl.load(u_ptr + (pid_n * LR_W + rr[:, None]) * BN + cn[None, :],
+                        mask=wmask[:, None], other=0.0)
             if LR_SCALE:    # shared rows: round(scale·Z) against B_s (U holds it unscaled)
                 zl = tl.where((rr < LR_RS)[None, :],
                               (zl.to(tl.float32) * lr_scale).to(zl.dtype), zl)
@@ -248,9 +257,11 @@ def _gemm_kernel(a0_ptr, s_a0m, s_a0k, b0_ptr, s_b0k, s_b0n, K0,
 class LowRankTiles:
     """Packed low-rank epilogue operands of one output section for the augmented GEMM.
 
-    D (L, RB, K) and U (L, RB, BN) in the input dtype, zb (L, RB) float32; z: the (T, L·RB)
-    view of the rank-space buffer where the forward stores Z (input dtype). ``scale``
-    multiplies the RS shared rows of every tile (slots [0, RS)), whose U holds B_s unscaled.
+    D (L, W, K) and U (L, W, BN) in the input dtype, zb (L, W) float32; z: the (T, L·W)
+    view of the rank-space buffer where the forward stores Z (input dtype). W: the slots of
+    each tile (its stride in all four); the kernels compute on RB = _rblk(W) wide blocks
+    (a power of 2, >= 16) with the slots past W masked. ``scale`` multiplies the RS shared
+    rows of every tile (slots [0, RS)), whose U holds B_s unscaled.
     """
 
     __slots__ = ("D", "zb", "U", "z", "scale", "RS")
@@ -258,6 +269,14 @@ class LowRankTiles:
     def __init__(self, D, zb, U, z, scale: float = 1.0, RS: int = 0):
         self.D, self.zb, self.U, self.z = D, zb, U, z
         self.scale, self.RS = float(scale), int(RS)
+
+    @property
+    def W(self) -> int:
+        return self.D.shape[1]
+
+    @property
+    def RB(self) -> int:
+        return _rblk(self.W)
 
     @property
     def scaled(self) -> bool:
@@ -315,10 +334,10 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
         flat += [a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1),
                  a.shape[1] if i < nseg else 0]
     if lr is not None:
-        lra = [lr.D, lr.zb, lr.U, lr.z, lr.z.stride(0), lr.scale, lr.RS]
-        RB = lr.D.shape[1]
+        lra = [lr.D, lr.zb, lr.U, lr.z, lr.z.stride(0), lr.scale, lr.RS, lr.W]
+        RB = lr.RB
     else:
-        lra = [out, out, out, out, 0, 1.0, 0]
+        lra = [out, out, out, out, 0, 1.0, 0, 0]
         RB = 16
     lra.append(colsum if colsum is not None else out)
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), 1)  # noqa: E731
@@ -367,7 +386,7 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
     segs = [at, at.stride(0), at.stride(1), b, b.stride(0), b.stride(1), T] + \
         [at, 0, 0, b, 0, 0, 0] * 3
     _launch(_gemm_kernel, grid,
-            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0,
+            [*segs, part, part, part, 0, 0, M, N, K_PER, part, part, part, part, 0, 1.0, 0, 0,
              part, part, 0, N],
             dict(BN=BN, RB=16, NSEG=1, LR=False, SPLIT=True, HAS_BIAS=False, HAS_BIAS2=False,
                  PREC=dot_precision(b.dtype), LR_SCALE=False, COLSUM=False, CS_BM=_CS_BM,
@@ -382,22 +401,23 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
 
 
 @triton.jit
-def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
-                        du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS,
-                        BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                        PREC: tl.constexpr, SH_SCALE: tl.constexpr):
-    # grid: (L tiles, S token splits). One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
+def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
+                  du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS, W,
+                  BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+                  PREC: tl.constexpr, SH_SCALE: tl.constexpr):
+    # Tile l, token split s of one section. One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
     # (stored in the input dtype), partials of U_l's gradient Z_lᵀ dY_l, of Σ_t dZ_l (float32,
     # before rounding) and of the bias gradient Σ_t dY_l. SH_SCALE: the shared rows (slots
     # [0, RS) of every tile) take dZ = round(scale·dY_l) U_lᵀ, rounding the scaled gradient
-    # first as the same-precision torch path does (U holds B_s unscaled).
-    l = tl.program_id(0)
-    s = tl.program_id(1)
+    # first as the same-precision torch path does (U holds B_s unscaled). U, Z and dZ hold W
+    # slots per tile (their tile stride); the partials RB (the slots past W are zero).
     cn = tl.arange(0, BN)
     rn = l * BN + cn
     nmask = rn < N
     rr = tl.arange(0, RB)
-    ut = tl.load(u_ptr + (l * RB + rr[None, :]) * BN + cn[:, None])  # (BN, RB) = U_lᵀ
+    wmask = rr < W
+    ut = tl.load(u_ptr + (l * W + rr[None, :]) * BN + cn[:, None], mask=wmask[None, :],
+                 other=0.0)  # (BN, RB) = U_lᵀ
     du = tl.zeros((RB, BN), dtype=tl.float32)
     dzb = tl.zeros((RB,), dtype=tl.float32)
     db = tl.zeros((BN,), dtype=tl.float32)
@@ -408,14 +428,14 @@ def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
         tmask = rt < t_hi
         g = tl.load(g_ptr + rt[:, None] * s_gm + rn[None, :] * s_gn,
                     mask=tmask[:, None] & nmask[None, :], other=0.0)
-        z = tl.load(z_ptr + rt[:, None] * s_zm + l * RB + rr[None, :], mask=tmask[:, None],
-                    other=0.0)
+        z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
+                    mask=tmask[:, None] & wmask[None, :], other=0.0)
         dz = _mm(g, ut, True, PREC)
         if SH_SCALE:
             gs = (g.to(tl.float32) * scale).to(g.dtype)
             dz = tl.where((rr < RS)[None, :], _mm(gs, ut, True, PREC), dz)
-        tl.store(dz_ptr + rt[:, None] * s_dzm + l * RB + rr[None, :],
-                 dz.to(dz_ptr.dtype.element_ty), mask=tmask[:, None])
+        tl.store(dz_ptr + rt[:, None] * s_dzm + l * W + rr[None, :],
+                 dz.to(dz_ptr.dtype.element_ty), mask=tmask[:, None] & wmask[None, :])
         dzb += tl.sum(dz, axis=0)
         du += _mm(tl.trans(z), g, True, PREC)
         db += tl.sum(g.to(tl.float32), axis=0)
@@ -425,30 +445,75 @@ def _lr_rank_bwd_kernel(g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
     tl.store(db_ptr + s * N + rn, db, mask=nmask)
 
 
-def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
-                     partials: bool = False):
-    """g (T, N) view of the section's output gradient; dz (T, L·RB) view to fill.
-    Returns float32 (dU (L, RB, BN), dzb (L, RB), db (N,)); partials=True: their unsummed
-    token-split partials (dU (S, L, RB, BN), dzb (S, L, RB), db (S, N))."""
-    T, N = g.shape
-    L, RB, BN = lr.U.shape
-    dev = g.device
+@triton.jit
+def _lr_rank_bwd_kernel(T, T_PER,
+                        a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
+                        a_db, a_L, a_scale, a_RS, a_W,
+                        b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du, b_dzb,
+                        b_db, b_L, b_scale, b_RS, b_W,
+                        BT: tl.constexpr, BN: tl.constexpr, A_RB: tl.constexpr,
+                        B_RB: tl.constexpr, PREC: tl.constexpr, A_SH_SCALE: tl.constexpr,
+                        B_SH_SCALE: tl.constexpr):
+    # grid: (L_a + L_b tiles, S token splits), up to two sections in one launch (the q and v
+    # sections of a q|k|v projection; L_b = 0 for one): program (l, s) runs tile l of
+    # section a or tile l − L_a of section b (_lr_rank_tile), each with its own RB.
+    l = tl.program_id(0)
+    s = tl.program_id(1)
+    if l < a_L:
+        _lr_rank_tile(l, s, a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
+                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, BT, BN, A_RB, PREC, A_SH_SCALE)
+    else:
+        _lr_rank_tile(l - a_L, s, b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du,
+                      b_dzb, b_db, T, T_PER, b_L, b_scale, b_RS, b_W, BT, BN, B_RB, PREC,
+                      B_SH_SCALE)
+
+
+def lr_rank_backward_sections(items) -> list:
+    """The rank pass of one or two sections in one launch. items: per section (g, lr, dz):
+    g (T, N) view of the section's output gradient, its LowRankTiles, dz (T, L·W) view to
+    fill. Returns per section the float32 token-split partials (dU (S, L, RB, BN),
+    dzb (S, L, RB), db (S, N)) with RB = lr.RB (slots past W zero), S shared."""
+    assert 1 <= len(items) <= 2
+    T = items[0][0].shape[0]
+    g0 = items[0][0]
+    dev = g0.device
+    Ls = [lr.U.shape[0] for _, lr, _ in items]
     # sm_90: 4 warps spilled at RB = 32; float32 (CUDA-core dots) needs the smaller token tile.
-    BT = 64 if targets_gpu(dev) and g.dtype != F32 else 32
-    S = _splits(dev, T, L, BT // 4)
+    BT = 64 if targets_gpu(dev) and g0.dtype != F32 else 32
+    S = _splits(dev, T, sum(Ls), BT // 4)
     T_PER = triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT
     S = max(1, triton.cdiv(T, T_PER))
-    du = _alloc.empty(S, L, RB, BN, dtype=F32, device=dev)
-    dzb = _alloc.empty(S, L, RB, dtype=F32, device=dev)
-    db = _alloc.empty(S, N, dtype=F32, device=dev)
+    outs, args, meta = [], [], []
+    for g, lr, dz in items:
+        L, W, BN = lr.U.shape
+        N = g.shape[1]
+        du = _alloc.empty(S, L, lr.RB, BN, dtype=F32, device=dev)
+        dzb = _alloc.empty(S, L, lr.RB, dtype=F32, device=dev)
+        db = _alloc.empty(S, N, dtype=F32, device=dev)
+        if T == 0:
+            du, dzb, db = du.zero_(), dzb.zero_(), db.zero_()
+        outs.append((du, dzb, db))
+        args.append([g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz,
+                     dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W])
+        meta.append((lr.RB, lr.scaled))
     if T == 0:
-        du, dzb, db = du.zero_(), dzb.zero_(), db.zero_()
-        return (du, dzb, db) if partials else (du[0], dzb[0], db[0])
-    _lr_rank_bwd_kernel[(L, S)](
-        g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz, dz.stride(0),
-        du, dzb, db, T, T_PER, L, lr.scale, lr.RS, BT=BT, BN=BN, RB=RB,
-        PREC=dot_precision(g.dtype), SH_SCALE=lr.scaled,
+        return outs
+    if len(items) == 1:             # one section: the second's tiles are none
+        args.append(args[0])
+        meta.append(meta[0])
+    _lr_rank_bwd_kernel[(sum(Ls), S)](
+        T, T_PER, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
+        A_RB=meta[0][0], B_RB=meta[1][0], PREC=dot_precision(g0.dtype),
+        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1],
         num_warps=8 if targets_gpu(dev) else 4)
+    return outs
+
+
+def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
+                     partials: bool = False):
+    """The rank pass of one section (:func:`lr_rank_backward_sections`); partials=False:
+    the partials summed, (dU (L, RB, BN), dzb (L, RB), db (N,))."""
+    du, dzb, db = lr_rank_backward_sections([(g, lr, dz)])[0]
     if partials:
         return du, dzb, db
     return du.sum(0), dzb.sum(0), db.sum(0)
@@ -460,10 +525,15 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
 # Slots of tile l (output columns [l·BN, min((l+1)·BN, N)) of a section with H heads of width
 # P, per-head rank R and shared rank RS): the RS shared rows first, then R rows for every head
 # whose columns meet the tile (heads h0(l) = l·BN // P, ..., h1(l) = (min((l+1)·BN, N) - 1) // P),
-# then zero padding up to RB (>= 16, a power of 2). Slot k of tile l therefore holds
+# then zero padding up to W, the most slots any tile needs rounded up to a multiple of 8 (16-byte
+# rows). W is each tile's stride in D, zb, U, Z and dZ; the kernels compute on RB = _rblk(W)
+# wide blocks (>= 16, a power of 2: the tl.dot width), masking the slots past W, so the dx
+# GEMM's dZ segment, the token reduction dZᵀ X and the rank pass's Z / dZ traffic carry W
+# columns per tile, not RB (Kernel-mix(qvo) intermediate at p = 64: 24 and 40 instead of 32
+# and 64). Slot k of tile l therefore holds
 #   k < RS:                     shared row k
 #   RS <= k < RS + nh(l)·R:     per-head row (h0(l) + (k - RS) // R, (k - RS) % R)
-#   otherwise:                  zero
+#   otherwise (k < W):          zero
 # and per-head row (h, j) occurs in tiles h·P // BN ... ((h+1)·P - 1) // BN, at slot
 # RS + (h - h0(l))·R + j. Both kernels below compute these maps from (H, P, R, RS, BN): no
 # index tensors, and one launch each per section (the torch version took ~40 small launches
@@ -471,42 +541,54 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=1024)
-def pack_dims(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
-    """(L tiles, RB slots per tile) of a section's packing (pure Python: fake kernels use it)."""
+def _most_slots(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
     N = H * P
     L = triton.cdiv(N, BN)
     most = 0
     for l in range(L):
         c0, c1 = l * BN, min((l + 1) * BN, N)
         most = max(most, RS + R * ((c1 - 1) // P - c0 // P + 1))
+    return L, most
+
+
+def pack_dims(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
+    """(L tiles, RB: the computed block width per tile) of a section's packing (pure Python:
+    fake kernels use it)."""
+    L, most = _most_slots(H, P, R, RS, BN)
     return L, _rblk(most)
+
+
+def pack_width(H: int, P: int, R: int, RS: int, BN: int) -> int:
+    """W, the slots stored per tile (the tile stride of D, zb, U, Z and dZ): the most any
+    tile needs, rounded up to a multiple of 8, at most RB."""
+    L, most = _most_slots(H, P, R, RS, BN)
+    return min(_rblk(most), triton.cdiv(max(most, 1), 8) * 8)
 
 
 class _Packing:
     """Dimensions of one section's packing (see the comment above)."""
 
-    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB", "SPAN")
+    __slots__ = ("H", "P", "R", "RS", "BN", "L", "RB", "W", "SPAN")
 
     def __init__(self, H: int, P: int, R: int, RS: int, BN: int):
         self.H, self.P, self.R, self.RS, self.BN = H, P, R, RS, BN
         self.L, self.RB = pack_dims(H, P, R, RS, BN)
+        self.W = pack_width(H, P, R, RS, BN)
         # the most tiles one head's columns meet (2 where heads straddle tile edges)
         self.SPAN = max((((h + 1) * P - 1) // BN - (h * P) // BN + 1 for h in range(H)),
                         default=1)
 
 
 @triton.jit
-def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr, dc_ptr,
-                 K, N, P, R, RS,
-                 HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
-                 BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
-    # grid: (L, RB). Program (l, k) fills slot k of tile l: D[l, k, :] (input dtype),
-    # zb[l, k] (float32) and U[l, k, :] (input dtype) from the section's factors
-    # down (H·R, K), zb (H·R,), up (H·P, R), sdown (RS, K), sup (H·P, RS), all contiguous;
-    # and, from the first tile a row occurs in, its compact row Dc[j] (shared) or
-    # Dc[RS + h·R + j] (per-head), input dtype (see compact_dz).
-    l = tl.program_id(0)
-    k = tl.program_id(1)
+def _pack_slot(l, k, down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u_ptr, dc_ptr,
+               K, N, P, R, RS,
+               HW: tl.constexpr, HAS_ZB: tl.constexpr, SH: tl.constexpr,
+               BN: tl.constexpr, W: tl.constexpr, BK: tl.constexpr):
+    # Slot k of tile l of one section: D[l, k, :] (input dtype), zb[l, k] (float32) and
+    # U[l, k, :] (input dtype) from the section's factors down (H·R, K), zb (H·R,),
+    # up (H·P, R), sdown (RS, K), sup (H·P, RS), all contiguous; and, from the first tile a
+    # row occurs in, its compact row Dc[j] (shared) or Dc[RS + h·R + j] (per-head), input
+    # dtype (see compact_dz). d, zbp, u and dc point at the section's first row.
     c0 = l * BN
     h0 = c0 // P
     nh = (tl.minimum(c0 + BN, N) - 1) // P - h0 + 1
@@ -534,12 +616,12 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
         if SH:
             row += tl.load(sdown_ptr + js * K + ks, mask=ks < k_sh, other=0.0).to(tl.float32)
         row = row.to(d_ptr.dtype.element_ty)
-        tl.store(d_ptr + (l * RB + k) * K + ks, row, mask=kmask)
+        tl.store(d_ptr + (l * W + k) * K + ks, row, mask=kmask)
         tl.store(dc_ptr + crow * K + ks, row, mask=ks < k_c)
     zbv = 0.0
     if HAS_ZB:
         zbv = tl.load(zb_ptr + g, mask=is_hw, other=0.0).to(tl.float32)
-    tl.store(zbp_ptr + l * RB + k, zbv)
+    tl.store(zbp_ptr + l * W + k, zbv)
     cn = tl.arange(0, BN)
     n = c0 + cn
     nmask = n < N
@@ -550,20 +632,57 @@ def _pack_kernel(down_ptr, zb_ptr, up_ptr, sdown_ptr, sup_ptr, d_ptr, zbp_ptr, u
     if SH:   # B_s unscaled: the GEMM and the rank pass apply the scale (LowRankTiles)
         u += tl.load(sup_ptr + n * RS + js, mask=n < tl.where(is_sh, N, 0),
                      other=0.0).to(tl.float32)
-    tl.store(u_ptr + (l * RB + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
+    tl.store(u_ptr + (l * W + k) * BN + cn, u.to(u_ptr.dtype.element_ty))
 
 
-def pack_section(pk: _Packing, f: "SectionFactors", D: torch.Tensor, zb: torch.Tensor,
-                 U: torch.Tensor, Dc: torch.Tensor) -> None:
-    """Fill the packed operands of one section: D (L·RB, K) and U (L·RB, BN) in the input
-    dtype, zb (L·RB,) float32, and the compact down-projection Dc (RS + H·R, K) in the input
-    dtype (the rows of the compact rank space, see compact_dz), all contiguous (one launch)."""
+@triton.jit
+def _pack_kernel(d_ptr, zbp_ptr, u_ptr, dc_ptr, K, P,
+                 a_down, a_zb, a_up, a_sdown, a_sup, a_off, a_coff, a_N, a_R, a_RS, a_L,
+                 b_down, b_zb, b_up, b_sdown, b_sup, b_off, b_coff, b_N, b_R, b_RS,
+                 A_HW: tl.constexpr, A_HAS_ZB: tl.constexpr, A_SH: tl.constexpr,
+                 A_W: tl.constexpr, B_HW: tl.constexpr, B_HAS_ZB: tl.constexpr,
+                 B_SH: tl.constexpr, B_W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # grid: (L_a + L_b, max(W_a, W_b)), up to two sections in one launch (the q and v
+    # sections of a q|k|v projection; L_b = 0 for one): program (l, k) fills slot k of tile
+    # l of section a, or of tile l − L_a of section b. Both sections' packed rows live in the
+    # same buffers D, zb, U (from row a_off / b_off) and Dc (from row a_coff / b_coff).
+    l = tl.program_id(0)
+    k = tl.program_id(1)
+    if l < a_L:
+        if k < A_W:
+            _pack_slot(l, k, a_down, a_zb, a_up, a_sdown, a_sup, d_ptr + a_off * K,
+                       zbp_ptr + a_off, u_ptr + a_off * BN, dc_ptr + a_coff * K,
+                       K, a_N, P, a_R, a_RS, A_HW, A_HAS_ZB, A_SH, BN, A_W, BK)
+    else:
+        if k < B_W:
+            _pack_slot(l - a_L, k, b_down, b_zb, b_up, b_sdown, b_sup, d_ptr + b_off * K,
+                       zbp_ptr + b_off, u_ptr + b_off * BN, dc_ptr + b_coff * K,
+                       K, b_N, P, b_R, b_RS, B_HW, B_HAS_ZB, B_SH, BN, B_W, BK)
+
+
+def pack_sections(items, D: torch.Tensor, zb: torch.Tensor, U: torch.Tensor,
+                  Dc: torch.Tensor) -> None:
+    """Fill the packed operands of one or two sections in one launch. items: (pk, f, off,
+    coff) per section: its rows off : off + L·W of D (M, K) and U (M, BN) in the input
+    dtype and of zb (M,) float32, and its rows coff : coff + RS + H·R of the compact
+    down-projection Dc (MC, K) in the input dtype (the rows of the compact rank space, see
+    compact_dz), all contiguous. The sections share the head width and BN."""
+    assert 1 <= len(items) <= 2
     K = D.shape[1]
     c = lambda t: t.contiguous() if t is not None else D  # noqa: E731  (no copy when contiguous)
-    _pack_kernel[(pk.L, pk.RB)](
-        c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), D, zb, U, Dc,
-        K, pk.H * pk.P, pk.P, pk.R, pk.RS,
-        HW=f.hw, HAS_ZB=f.hw and f.zb is not None, SH=f.sh, BN=pk.BN, RB=pk.RB,
+    args, meta = [], {}
+    for tag, (pk, f, off, coff) in zip("ab", (items + items)[:2]):
+        args += [c(f.down), c(f.zb), c(f.up), c(f.sdown), c(f.sup), off, coff, pk.H * pk.P,
+                 pk.R, pk.RS]
+        if tag == "a":
+            args.append(pk.L)
+        T = tag.upper()
+        meta.update({f"{T}_HW": f.hw, f"{T}_HAS_ZB": f.hw and f.zb is not None,
+                     f"{T}_SH": f.sh, f"{T}_W": pk.W})
+    pa = items[0][0]
+    L = sum(it[0].L for it in items)
+    _pack_kernel[(L, max(it[0].W for it in items))](
+        D, zb, U, Dc, K, pa.P, *args, **meta, BN=pa.BN,
         BK=_blk(K, 16, 256 if targets_gpu(D.device) else 64), num_warps=4)
 
 
@@ -583,7 +702,7 @@ def _unpack_tile(l, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS,
     for s in range(0, S_R):
         du += tl.load(du_ptr + ((s * L + l) * RB + rk[:, None]) * BN + cn[None, :])
         db += tl.load(db_ptr + s * N + n, mask=nmask, other=0.0)
-    tl.store(dbo_ptr + n, db, mask=nmask)
+    tl.store(dbo_ptr + n, db.to(dbo_ptr.dtype.element_ty), mask=nmask)
     if SH:
         js = tl.minimum(rk, tl.maximum(RS - 1, 0))
         tl.store(dsu_ptr + n[None, :] * RS + js[:, None],
@@ -599,13 +718,13 @@ def _unpack_tile(l, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS,
 
 
 @triton.jit
-def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
-                   ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
-                   K, N, P, R, RS, L, scale,
-                   HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                   BK: tl.constexpr, COMPACT: tl.constexpr):
-    # grid: (H·R + RS + L,). Gradients of the packed operands -> the section's factor
-    # gradients, every sum in a fixed order (no atomics):
+def _unpack_prog(pid, dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
+                 ddown_ptr, dzbh_ptr, dup_ptr, dsd_ptr, dsu_ptr, dbo_ptr,
+                 K, N, P, R, RS, L, W, scale,
+                 HW: tl.constexpr, SH: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+                 BK: tl.constexpr, COMPACT: tl.constexpr):
+    # Program pid of one section's H·R + RS + L. Gradients of the packed operands -> the
+    # section's factor gradients, every sum in a fixed order (no atomics):
     #   programs [0, H·R):        per-head row g = (h, j): ddown[g] = Σ_s dD[RS + g]
     #                             (COMPACT) or Σ_occurrences Σ_s dD[slot],
     #                             dzbh[g] = Σ_occurrences Σ_s dzb
@@ -613,10 +732,9 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
     #                             Σ_l Σ_s dD[l, j]
     #   programs [.., + L):       tile l: dup, dsu (Σ_s dU scattered to the factor layouts)
     #                             and the section bias gradient db = Σ_s db.
-    # dD: (S_D, RS + H·R, K) partials over the compact rank space (COMPACT) or (S_D, L·RB, K)
-    # over the tiles' slots (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
-    # dU (S_R, L·RB, BN), db (S_R, N) float32 partials of the rank pass.
-    pid = tl.program_id(0)
+    # dD: (S_D, RS + H·R, K) partials over the compact rank space (COMPACT) or (S_D, L·W, K)
+    # over the tiles' W slots (any float dtype, strides s_dds, s_ddm); dzb (S_R, L·RB),
+    # dU (S_R, L·RB, BN), db (S_R, N) float32 partials of the rank pass (RB per tile).
     HR = (N // P) * R
     if pid < HR + RS:
         rr = tl.maximum(R, 1)
@@ -640,9 +758,9 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                                    other=0.0).to(tl.float32)
             else:
                 for l in range(l_lo, l_hi + 1):
-                    slot = l * RB + j
+                    slot = l * W + j
                     if pid < HR:
-                        slot = l * RB + RS + (h - (l * BN) // P) * R + j
+                        slot = l * W + RS + (h - (l * BN) // P) * R + j
                     for s in range(0, S_D):
                         acc += tl.load(dd_ptr + s * s_dds + slot * s_ddm + ks, mask=kmask,
                                        other=0.0).to(tl.float32)
@@ -663,19 +781,34 @@ def _unpack_kernel(dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
                      L, scale, HW, SH, BN, RB)
 
 
-def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: torch.Tensor,
-                   dU: torch.Tensor, db: torch.Tensor, compact: bool) -> dict:
-    """Factor gradients of one section from the gradients of its packed operands (one
-    launch): dD token-reduction partials, (S_D, RS + H·R, K) over the compact rank space
-    (``compact``) or (S_D, L·RB, K) over the tiles' slots (any float dtype, unit last stride);
-    dzb (S, L·RB), dU (S, L·RB, BN), db (S, N) float32 partials of the rank pass.
+@triton.jit
+def _unpack_kernel(K, P,
+                   a_dd, a_sdds, a_sddm, a_dzb, a_du, a_db, a_SD, a_SR, a_ddown, a_dzbh, a_dup,
+                   a_dsd, a_dsu, a_dbo, a_N, a_R, a_RS, a_L, a_W, a_scale, a_progs,
+                   b_dd, b_sdds, b_sddm, b_dzb, b_du, b_db, b_SD, b_SR, b_ddown, b_dzbh, b_dup,
+                   b_dsd, b_dsu, b_dbo, b_N, b_R, b_RS, b_L, b_W, b_scale,
+                   A_HW: tl.constexpr, A_SH: tl.constexpr, A_RB: tl.constexpr,
+                   B_HW: tl.constexpr, B_SH: tl.constexpr, B_RB: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, COMPACT: tl.constexpr):
+    # grid: (progs_a + progs_b,), up to two sections in one launch (the q and v sections of
+    # a q|k|v projection; progs_b = 0 for one), progs = H·R + RS + L each (_unpack_prog).
+    pid = tl.program_id(0)
+    if pid < a_progs:
+        _unpack_prog(pid, a_dd, a_sdds, a_sddm, a_dzb, a_du, a_db, a_SD, a_SR, a_ddown, a_dzbh,
+                     a_dup, a_dsd, a_dsu, a_dbo, K, a_N, P, a_R, a_RS, a_L, a_W, a_scale,
+                     A_HW, A_SH, BN, A_RB, BK, COMPACT)
+    else:
+        _unpack_prog(pid - a_progs, b_dd, b_sdds, b_sddm, b_dzb, b_du, b_db, b_SD, b_SR,
+                     b_ddown, b_dzbh, b_dup, b_dsd, b_dsu, b_dbo, K, b_N, P, b_R, b_RS, b_L,
+                     b_W, b_scale, B_HW, B_SH, BN, B_RB, BK, COMPACT)
 
-    Returns the dict of :func:`headwise_qkv_backward` (down, zb, up, sdown, sup in their
-    factor's dtype; zb and db float32)."""
-    H, P, R, RS, L, RB = pk.H, pk.P, pk.R, pk.RS, pk.L, pk.RB
-    K = dD.shape[-1]
+
+def _unpack_outputs(pk: _Packing, f: "SectionFactors", K: int, db: torch.Tensor,
+                    db_dtype: Optional[torch.dtype]):
+    """The factor-gradient dict of one section and the kernel's output pointers."""
+    H, P, R, RS = pk.H, pk.P, pk.R, pk.RS
     N = H * P
-    dev = dD.device
+    dev = db.device
     out = {}
     dummy = db
     if f.hw:
@@ -689,14 +822,43 @@ def unpack_section(pk: _Packing, f: "SectionFactors", dD: torch.Tensor, dzb: tor
         out["sup"] = dsu = _alloc.empty(N, RS, dtype=f.sup.dtype, device=dev)
     else:
         dsd = dsu = dummy
-    out["db"] = dbo = _alloc.empty(N, dtype=F32, device=dev)
-    _unpack_kernel[(H * R + RS + L,)](
-        dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
-        ddown, dzbh, dup, dsd, dsu, dbo, K, N, P, R, RS, L, f.scale,
-        HW=f.hw, SH=f.sh, BN=pk.BN, RB=RB, COMPACT=compact,
+    out["db"] = dbo = _alloc.empty(N, dtype=db_dtype or F32, device=dev)
+    return out, (ddown, dzbh, dup, dsd, dsu, dbo)
+
+
+def unpack_sections(items, compact: bool) -> list:
+    """Factor gradients of one or two sections from the gradients of their packed operands
+    (one launch). items: per section (pk, f, dD, dzb, dU, db, db_dtype): dD token-reduction
+    partials, (S_D, RS + H·R, K) over the compact rank space (``compact``) or (S_D, L·W, K)
+    over the tiles' slots (any float dtype, unit last stride); dzb (S, L·RB),
+    dU (S, L·RB, BN), db (S, N) float32 partials of the rank pass.
+
+    Returns per section the dict of :func:`headwise_qkv_backward` (down, zb, up, sdown, sup
+    in their factor's dtype; zb float32; db float32 or ``db_dtype``: the sum in float32,
+    rounded once on store, so the caller needs no conversion kernel)."""
+    assert 1 <= len(items) <= 2
+    outs, args, meta, progs = [], [], {}, []
+    K = items[0][2].shape[-1]
+    dev = items[0][2].device
+    for pk, f, dD, dzb, dU, db, db_dtype in items:
+        out, ptrs = _unpack_outputs(pk, f, K, db, db_dtype)
+        outs.append(out)
+        progs.append(pk.H * pk.R + pk.RS + pk.L)
+        args.append([dD, dD.stride(0), dD.stride(1), dzb, dU, db, dD.shape[0], dzb.shape[0],
+                     *ptrs, pk.H * pk.P, pk.R, pk.RS, pk.L, pk.W, f.scale])
+        meta[len(meta)] = (f.hw, f.sh, pk.RB)
+    if len(items) == 1:             # one section: the second's programs are none
+        args.append(args[0])
+        meta[1] = meta[0]
+    RB = max(pk.RB for pk, *_ in items)
+    pk0 = items[0][0]
+    _unpack_kernel[(sum(progs),)](
+        K, pk0.P, *args[0], progs[0], *args[1],
+        A_HW=meta[0][0], A_SH=meta[0][1], A_RB=meta[0][2],
+        B_HW=meta[1][0], B_SH=meta[1][1], B_RB=meta[1][2], BN=pk0.BN, COMPACT=compact,
         # sm_90: RB = 64 with 4 warps needed 255 registers (the (RB, BN) tile); 8 warps halve it
-        BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4 if RB * pk.BN <= 2048 else 8)
-    return out
+        BK=_blk(K, 16, 256 if targets_gpu(dev) else 64), num_warps=4 if RB * pk0.BN <= 2048 else 8)
+    return outs
 
 
 # Packed operands built by a forward, handed to its backward (saves re-packing). Keyed by the
@@ -733,7 +895,7 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
               keep: bool):
     """Packed operands of every adapted section in one set of buffers laid out like Z's
     columns: D (M, K), U (M, BN) in ``dtype``, zb (M,) float32 (section s at rows
-    offs[s]:offs[s] + L·RB), and the compact down-projection Dc (MC, K) laid out like the
+    offs[s]:offs[s] + L·W), and the compact down-projection Dc (MC, K) laid out like the
     compact rank space (:func:`compact_offsets`), so the dx GEMM reads it with no
     concatenation. The forward
     (keep=True) always packs and records the result with a weak reference to its rank-space
@@ -752,11 +914,10 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
     U = _alloc.empty(M, BN, dtype=dtype, device=dev)
     coffs, MC = compact_offsets(packs)
     Dc = _alloc.empty(MC, K, dtype=dtype, device=dev)
-    for pk, off, coff, f in zip(packs, offs, coffs, fs):
-        if pk is not None:
-            w = pk.L * pk.RB
-            pack_section(pk, f, D[off:off + w], zb[off:off + w], U[off:off + w],
-                         Dc[coff:coff + pk.RS + pk.H * pk.R])
+    items = [(pk, f, off, coff) for pk, off, coff, f in zip(packs, offs, coffs, fs)
+             if pk is not None]
+    if items:
+        pack_sections(items, D, zb, U, Dc)
     out = (D, zb, U, Dc)
     if keep:
         _PACKED.pop(key, None)
@@ -803,7 +964,7 @@ def compact_pays(packs, T: int, K: int, el: int) -> bool:
     live = [pk for pk in packs if pk is not None]
     if FORCE_COMPACT is not None:
         return bool(FORCE_COMPACT) and bool(live)
-    M = sum(pk.L * pk.RB for pk in live)
+    M = sum(pk.L * pk.W for pk in live)
     _, MC = compact_offsets(packs)
     if not live or MC >= M:
         return False
@@ -822,9 +983,9 @@ def needs_sum(pk: "_Packing") -> bool:
 
 @triton.jit
 def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
-                       BN: tl.constexpr, RB: tl.constexpr, SPAN: tl.constexpr,
+                       BN: tl.constexpr, W: tl.constexpr, SPAN: tl.constexpr,
                        BT: tl.constexpr, CB: tl.constexpr):
-    # grid (cdiv(T, BT), cdiv(MC, CB)), one section: dzt (T, L·RB) per-occurrence view (any
+    # grid (cdiv(T, BT), cdiv(MC, CB)), one section: dzt (T, L·W) per-occurrence view (any
     # float dtype), dzc (T, MC) compact view (input dtype). Compact column c < RS: the sum of
     # slot c over every tile; c = RS + h·R + j: the sum of its slot in the SPAN (at most)
     # tiles head h's columns meet. Float32 sums in tile order, one rounding.
@@ -837,7 +998,7 @@ def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
     base = dzt_ptr + rt[:, None] * s_dzt
     for l in range(0, L):
         m = tmask[:, None] & (is_sh & cmask)[None, :]
-        acc += tl.load(base + (l * RB + cc)[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(base + (l * W + cc)[None, :], mask=m, other=0.0).to(tl.float32)
     rr = tl.maximum(R, 1)
     gg = tl.maximum(cc - RS, 0)
     h = gg // rr
@@ -847,7 +1008,7 @@ def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
     for i in range(0, SPAN):
         lt = l_lo + i
         ok = (cc >= RS) & cmask & (lt <= l_hi)
-        slot = lt * RB + RS + (h - (lt * BN) // P) * R + j
+        slot = lt * W + RS + (h - (lt * BN) // P) * R + j
         acc += tl.load(base + slot[None, :], mask=tmask[:, None] & ok[None, :],
                        other=0.0).to(tl.float32)
     tl.store(dzc_ptr + rt[:, None] * s_dzc + cc[None, :], acc.to(dzc_ptr.dtype.element_ty),
@@ -855,7 +1016,7 @@ def _compact_dz_kernel(dzt_ptr, s_dzt, dzc_ptr, s_dzc, T, P, R, RS, L, MC,
 
 
 def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
-    """dzc (T, RS + H·R) ← the per-occurrence rank-pass output dzt (T, L·RB) of one section
+    """dzc (T, RS + H·R) ← the per-occurrence rank-pass output dzt (T, L·W) of one section
     (views with unit last stride; one launch)."""
     T, MC = dzc.shape
     if T == 0 or MC == 0:
@@ -864,7 +1025,7 @@ def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
     CB = _blk(MC, 16, 64)
     _compact_dz_kernel[(triton.cdiv(T, BT), triton.cdiv(MC, CB))](
         dzt, dzt.stride(0), dzc, dzc.stride(0), T, pk.P, pk.R, pk.RS, pk.L, MC,
-        BN=pk.BN, RB=pk.RB, SPAN=pk.SPAN, BT=BT, CB=CB, num_warps=4)
+        BN=pk.BN, W=pk.W, SPAN=pk.SPAN, BT=BT, CB=CB, num_warps=4)
 
 
 @functools.lru_cache(maxsize=256)

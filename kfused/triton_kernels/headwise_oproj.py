@@ -118,7 +118,7 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
             db = tl.zeros((BR,), dtype=tl.float32)
             for r in range(0, CS_ROWS):
                 db += tl.load(cs_ptr + r * N + n, mask=n < N, other=0.0)
-            tl.store(dbo_ptr + n, db, mask=n < N)
+            tl.store(dbo_ptr + n, db.to(dbo_ptr.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
@@ -216,11 +216,13 @@ def _oproj_pack(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype):
 
 
 def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int,
-                  cs: Optional[torch.Tensor] = None) -> dict:
+                  cs: Optional[torch.Tensor] = None,
+                  db_dtype: Optional[torch.dtype] = None) -> dict:
     """Factor gradients from the token reductions' partials dD (S, M, H·P) and dB (S, N, M):
     dA (H, R, P), dB_w (N, H·R), dA_s (R_s, H·P), dB_s = scale·Σ (N, R_s), each in its
     factor's dtype, and with ``cs`` (the dx GEMM's column-sum rows, (rows, N) float32) the
-    bias gradient "db" (N,) float32 (one launch)."""
+    bias gradient "db" (N,) float32 or ``db_dtype`` (summed in float32, rounded on store)
+    (one launch)."""
     R = A.shape[1] if A is not None else 0
     RS = As.shape[0] if As is not None else 0
     M, HP, N = H * R + RS, H * P, dB.shape[1]
@@ -233,7 +235,7 @@ def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int,
         out["As"] = _alloc.empty(RS, HP, dtype=As.dtype, device=dev)
         out["Us"] = _alloc.empty(N, RS, dtype=Bs.dtype, device=dev)
     if cs is not None:
-        out["db"] = _alloc.empty(N, dtype=F32, device=dev)
+        out["db"] = _alloc.empty(N, dtype=db_dtype or F32, device=dev)
     BR, BC, grid = _pack_grid(M, N, P, dev)
     _oproj_unpack_kernel[grid](
         dD, dD.stride(0), dD.stride(1), dB, dB.stride(0), dB.stride(1), dD.shape[0],
@@ -323,11 +325,12 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                             A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
                             As: Optional[torch.Tensor], Us: Optional[torch.Tensor],
                             Z: torch.Tensor, H: int, need_do: bool = True,
-                            need_factors: bool = True, scale: float = 1.0, fold: bool = False):
+                            need_factors: bool = True, scale: float = 1.0, fold: bool = False,
+                            db_dtype: Optional[torch.dtype] = None):
     """g (T, d) any strides. Returns (dO, dict of dA, dBw, dAs, dUs (scale·Σ) for the present
-    parts, and db). ``fold``: dO = g W' with the forward's folded weight (recomputed) instead
-    of [g | dZ]·[W; D_o]; dZ is then formed only for the factor gradients, by the same GEMM
-    over [W' | B_c] when dO is wanted too."""
+    parts, and db, float32 or ``db_dtype``). ``fold``: dO = g W' with the forward's folded
+    weight (recomputed) instead of [g | dZ]·[W; D_o]; dZ is then formed only for the factor
+    gradients, by the same GEMM over [W' | B_c] when dO is wanted too."""
     T, HP = o.shape
     N = w.shape[0]
     P = HP // H
@@ -370,7 +373,7 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
     if need_factors:
         dB = reduce_tokens(g, Z, partials=True)           # (S, d, M)
         dD = reduce_tokens(dZ, o, partials=True)          # (S, M, H·p)
-        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P, cs)
+        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P, cs, db_dtype)
         if cs is None:
-            grads["db"] = g.sum(0, dtype=F32)
+            grads["db"] = g.sum(0, dtype=F32).to(db_dtype or F32)
     return dO, grads

@@ -16,9 +16,10 @@ from kfused.triton_kernels._common import F32
 from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
                                                     _packing, _tile_n, compact_dz,
                                                     compact_offsets, compact_pays, gemm,
-                                                    lr_rank_backward,
-                                                    needs_sum, pack_dims, reduce_tokens,
-                                                    unpack_section)
+                                                    lr_rank_backward_sections,
+                                                    needs_sum, pack_dims, pack_width,
+                                                    reduce_tokens,
+                                                    unpack_sections)
 
 
 def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
@@ -29,8 +30,8 @@ def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int
     for H, (r, rs) in ((HQ, rq), (HV, rv)):
         if (r or rs) and H:
             # int(): under dynamic-shape tracing the packing specializes on the head count.
-            L, RB = pack_dims(int(H), int(P), int(r), int(rs), BN)
-            M += L * RB
+            dims = (int(H), int(P), int(r), int(rs), BN)
+            M += pack_dims(*dims)[0] * pack_width(*dims)
     return M
 
 
@@ -45,7 +46,7 @@ def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, i
         packs.append(pk)
         offs.append(M)
         if pk is not None:
-            M += pk.L * pk.RB
+            M += pk.L * pk.W
     return packs, offs, M
 
 
@@ -80,10 +81,10 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
         if n:
             lr = None
             if pk is not None:
-                L, RB = pk.L, pk.RB
-                s = slice(off, off + L * RB)
-                lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB),
-                                  Up[s].view(L, RB, pk.BN), Z[:, s], f.scale, pk.RS)
+                L, W = pk.L, pk.W
+                s = slice(off, off + L * W)
+                lr = LowRankTiles(Dp[s].view(L, W, D), zbp[s].view(L, W),
+                                  Up[s].view(L, W, pk.BN), Z[:, s], f.scale, pk.RS)
             gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr, bias2=c)
         col += n
     return Y, Z
@@ -92,12 +93,14 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
 def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                           wv: torch.Tensor, q: SectionFactors, v: SectionFactors,
                           Z: torch.Tensor, P: int, need_dx: bool = True,
-                          need_factors: bool = True):
+                          need_factors: bool = True,
+                          db_dtypes: Tuple[Optional[torch.dtype], ...] = (None, None)):
     """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv), any strides.
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
-    sup (each in its factor's dtype; zb's and db's in float32) and of the section's bias
-    (``db``, the column sums of its output gradient) for the parts that exist.
+    sup (each in its factor's dtype; zb's in float32) and of the section's bias (``db``, the
+    column sums of its output gradient, float32 or the section's ``db_dtypes`` entry) for
+    the parts that exist.
     """
     T, D = x.shape
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
@@ -114,22 +117,25 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     dZ = _alloc.empty(T, MC, dtype=x.dtype, device=dev) if compact else dZt
     if M:
         Dp, zbp, Up, Dc = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
-    secs = []
-    for pk, off, coff, c0, n, f in ((pq, oq, cq, 0, Nq, q), (pv, ov, cv, Nq + Nk, Nv, v)):
+    secs, rank = [None, None], []
+    for i, (pk, off, coff, c0, n, f) in enumerate(((pq, oq, cq, 0, Nq, q),
+                                                   (pv, ov, cv, Nq + Nk, Nv, v))):
         if pk is None:
-            secs.append(None)
             continue
-        L, RB = pk.L, pk.RB
-        s = slice(off, off + L * RB)
-        lr = LowRankTiles(Dp[s].view(L, RB, D), zbp[s].view(L, RB), Up[s].view(L, RB, pk.BN),
+        L, W = pk.L, pk.W
+        s = slice(off, off + L * W)
+        lr = LowRankTiles(Dp[s].view(L, W, D), zbp[s].view(L, W), Up[s].view(L, W, pk.BN),
                           Z[:, s], f.scale, pk.RS)
-        # The rank pass is needed by dx too (dZ is one of its K segments); its token-split
-        # partials are summed by the unpack kernel.
-        sec = lr_rank_backward(g[:, c0:c0 + n], lr, dZt[:, s], partials=True)
-        if compact:
-            cs = slice(coff, coff + pk.RS + pk.H * pk.R)
-            compact_dz(pk, dZt[:, s], dZ[:, cs])
-        secs.append((cs if compact else s, sec))
+        rank.append((i, pk, s, slice(coff, coff + pk.RS + pk.H * pk.R),
+                     (g[:, c0:c0 + n], lr, dZt[:, s])))
+    # The rank pass of both sections (one launch) is needed by dx too (dZ is one of its K
+    # segments); its token-split partials are summed by the unpack kernel.
+    if rank:
+        parts = lr_rank_backward_sections([r[-1] for r in rank])
+        for (i, pk, s, cs, _), sec in zip(rank, parts):
+            if compact:
+                compact_dz(pk, dZt[:, s], dZ[:, cs])
+            secs[i] = (cs if compact else s, sec)
     dx = None
     if need_dx:
         dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
@@ -144,10 +150,14 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     grads = [{}, {}]
     if need_factors and M:
         dDall = reduce_tokens(dZ, x, partials=True)               # (S, MC or M, d)
+        items, which = [], []
         for i, (f, pk, sec) in enumerate(zip((q, v), (pq, pv), secs)):
             if sec is not None:
                 cs, (dU, dzb, db) = sec
                 S = dU.shape[0]
-                grads[i] = unpack_section(pk, f, dDall[:, cs], dzb.view(S, -1),
-                                          dU.view(S, -1, pk.BN), db, compact)
+                items.append((pk, f, dDall[:, cs], dzb.view(S, -1), dU.view(S, -1, pk.BN), db,
+                              db_dtypes[i]))
+                which.append(i)
+        for i, g_ in zip(which, unpack_sections(items, compact)):   # one launch
+            grads[i] = g_
     return dx, grads[0], grads[1]
