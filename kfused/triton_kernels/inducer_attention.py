@@ -42,9 +42,9 @@ Extra memory is O(n) per head.
 
 The MLP's products run on the CUDA cores as float32 FMA dots in every dtype (exact 16-bit
 products, nothing rounded to 16 bits between MLP stages), L and r padded to powers of two
-≥ 8, not 16 (FMA work scales with the padded width; :func:`_mlp_dot_nt`). They were 16-bit tensor-core dots
-(float32 operands split hi + lo) until an H100 run showed that path faulting or wrong under
-Triton 3.6 (see the comment above :func:`_mlp_dot`).
+≥ 8, not 16 (FMA work scales with the padded width; :func:`_mlp_dot_nt`). They were 16-bit
+tensor-core dots (float32 operands split hi + lo) until an H100 run showed that path faulting
+or wrong under Triton 3.6 (see the comment above :func:`_mlp_dot`).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
