@@ -481,6 +481,32 @@ def test_compile_fullgraph():
     assert x.grad is not None and f.wise_A.grad is not None
 
 
+def test_compile_cache_keys_carry_the_kfused_source(tmp_path):
+    """torch.compile's caches key a graph on op names and schemas, not on what an op's fake
+    function computes: after the W-slot change of headwise_qkv (its forward op's schema
+    unchanged, a narrower rank space) a warm inductor cache from the previous sources failed
+    test_compile_fullgraph with
+    ``expected size 6==6, stride 8==16`` (reproduced: compiled by 35d89ed into a fresh
+    TORCHINDUCTOR_CACHE_DIR, then run by the new sources). kfused stamps its sources into
+    torch.compiler.config.cache_key_tag, which every FX-graph / AOTAutograd key includes."""
+    import torch.compiler.config as cconfig
+    from kfused.ops import _cache_tag
+
+    stamp = _cache_tag.source_hash()
+    assert cconfig.cache_key_tag.split("+")[-1] == "kfused-" + stamp
+    # a user's own tag is kept, an earlier kfused stamp replaced, never stacked
+    assert _cache_tag.tagged("", "ab") == "kfused-ab"
+    assert _cache_tag.tagged("mine+kfused-00", "ab") == "mine+kfused-ab"
+    assert _cache_tag.tagged(_cache_tag.tagged("mine", "ab"), "ab") == "mine+kfused-ab"
+    # any change to an op or kernel source changes the stamp
+    for folder, name in (("ops", "a.py"), ("triton_kernels", "b.py")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text("x = 1\n")
+    before = _cache_tag.source_hash(str(tmp_path))
+    (tmp_path / "triton_kernels" / "b.py").write_text("x = 2\n")
+    assert _cache_tag.source_hash(str(tmp_path)) != before
+
+
 # ------------------------------------------------------------------------------------------
 # Bad inputs
 

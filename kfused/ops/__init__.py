@@ -8,6 +8,7 @@ validation and backend dispatch).
     inducer_output_projection                          packed variable-length batches
 """
 
+from kfused.ops import _cache_tag
 from kfused.ops.headwise_lowrank import headwise_lowrank
 from kfused.ops.headwise_oproj import headwise_oproj
 from kfused.ops.headwise_projection import headwise_projection
@@ -17,6 +18,8 @@ from kfused.ops.inducer_output_projection import inducer_output_projection
 from kfused.ops.kron_matvec import kron_matvec
 from kfused.ops.krona_linear import check_scale, krona_linear
 from kfused.reference.headwise import HeadFactors
+
+_cache_tag.install()
 
 __all__ = ["kron_matvec", "krona_linear", "check_scale", "headwise_qkv", "headwise_projection",
            "headwise_oproj", "headwise_lowrank", "HeadFactors", "inducer_attention",
