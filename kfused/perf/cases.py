@@ -421,7 +421,7 @@ def _spans(L, a, heads_of_grid: int) -> List[Tuple[int, int, int, int]]:
 def _live_programs(spans, BM: int) -> int:
     """Query-tile programs that have rows: the whole grid for a batched launch; for a packed
     one (VARLEN) each sequence's cdiv(n_q, BM) tiles, since a tile past its sequence's end
-    returns at once (the dQ kernel's only writes zeros into its MLP partials)."""
+    returns at once (in the dQ kernel after writing zeros into its MLP partials)."""
     return sum(c * cdiv(nq, BM) for c, nq, _, _ in spans)
 
 

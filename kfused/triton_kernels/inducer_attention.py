@@ -772,12 +772,12 @@ def _inducer_attn_bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off = _query_tile(
         pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off, BLOCK_M, VARLEN)
-    part_base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * (
-        2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
+    part_size = 2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R    # this tile's partials
+    part_base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * part_size
     if VARLEN:
         if pid_m * BLOCK_M >= n_q:              # past its sequence's end: no rows
             if HAS_MLP:
-                _zero_fill(part_base, 2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R, 1024)
+                _zero_fill(part_base, part_size, 1024)
             return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
