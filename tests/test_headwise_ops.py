@@ -382,6 +382,153 @@ def test_oproj_exact_must_be_bool_or_none():
         headwise_oproj(o, w, n_heads=2, exact="yes")
 
 
+def _qkv_case_inputs(case, p, d, T):
+    H, Hkv, qm, vm, biases = QKV_CASES[case]
+    q = make_factors(H, p, d, **qm) if qm else None
+    v = make_factors(Hkv, p, d, **vm) if vm else None
+    inputs = dict(x=rnd(T, d), w_q=rnd(H * p, d), w_k=rnd(Hkv * p, d), w_v=rnd(Hkv * p, d))
+    if biases:
+        inputs.update(b_q=rnd(H * p), b_k=rnd(Hkv * p), b_v=rnd(Hkv * p))
+    if q is not None:
+        inputs.update(flat_inputs("q", q))
+    if v is not None:
+        inputs.update(flat_inputs("v", v))
+
+    def run(backend, exact=None):
+        def fn(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, **kw):
+            extra = {} if backend == "reference" else dict(exact=exact)
+            return headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
+                                q=gather("q", kw, 0.75) if q is not None else None,
+                                v=gather("v", kw, 0.75) if v is not None else None,
+                                backend=backend, **extra)
+        return fn
+    return inputs, run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(QKV_CASES)))
+def test_qkv_dx_folded(dtype, case, launches, rank_space):
+    """exact=False: the backward folds the q and v updates into their frozen weights
+    (W' = W + U·D, one launch for both sections, rounded once) and dX = dY·[W'_q; W_k; W'_v]
+    without the dZ segment; the forward and the factor gradients as before. Same
+    docs/math.md §4 rule for the outputs and every gradient; float32 never folds."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    inputs, run = _qkv_case_inputs(case, random.choice([40, 56]), random.choice([48, 80]),
+                                   random.choice([19, 37]))
+    folds = launches(hc, "_qkv_fold_kernel")
+    assert_against_reference(run("triton", exact=False), run("reference"), inputs, dtype,
+                             DEVICE, grad_names=[k for k in inputs if not k.startswith("w_")],
+                             out_names=["Q", "K", "V"])
+    assert len(folds) == (0 if dtype == torch.float32 else 1)
+
+
+def test_qkv_dx_fold_when_it_pays(launches, monkeypatch):
+    """exact=None folds (on a GPU) only when kfused.triton_kernels._headwise_common.
+    dx_fold_pays says so; the result is the same rule either way."""
+    import importlib
+
+    from kfused.triton_kernels import _headwise_common as hc
+
+    ops_qkv = importlib.import_module("kfused.ops.headwise_qkv")   # (the package exports
+    monkeypatch.setattr(ops_qkv, "_dx_fold_mode", lambda *a: 1)   # the function by that name)
+    inputs, run = _qkv_case_inputs(0, 40, 48, 37)
+    for force, want in ((True, 1), (False, 0)):
+        monkeypatch.setattr(hc, "FORCE_FOLD", force)
+        folds = launches(hc, "_qkv_fold_kernel")
+        assert_against_reference(run("triton"), run("reference"), inputs, torch.float16,
+                                 DEVICE, grad_names=["x", "q_wise_A", "v_lite_B"],
+                                 out_names=["Q", "K", "V"])
+        assert len(folds) == want
+
+
+def test_qkv_dx_fold_decision():
+    """The rule behind exact: 0 exact, 1 fold when it pays, 2 fold; and where it pays
+    (PREDICTED by the roofline)."""
+    from kfused.ops.headwise_qkv import _dx_fold_mode
+    from kfused.triton_kernels._headwise_common import (_packing, compact_pays,
+                                                        dx_fold_pays)
+
+    cuda, cpu, f16 = torch.device("cuda"), torch.device("cpu"), torch.float16
+    assert _dx_fold_mode(f16, 4096, None, cuda) == 1
+    assert _dx_fold_mode(f16, 512, None, cuda) == 0          # below FOLD_MIN_TOKENS
+    assert _dx_fold_mode(f16, 4096, None, cpu) == 0
+    assert _dx_fold_mode(torch.bfloat16, 8, False, cpu) == 2
+    assert _dx_fold_mode(torch.float32, 4096, False, cuda) == 0
+    assert _dx_fold_mode(f16, 4096, True, cuda) == 0
+    # the benchmark presets at GPT-2 small, T = 16k: Kernel-mix(qvo) intermediate's 336
+    # rank-space columns pay for the fold, Kernel-mix-lite(qv) small's 96 do not
+    from kfused.integration.headwise import HEADWISE_PRESETS
+
+    for preset, want in (("kernel-mix-qvo-intermediate", True),
+                         ("kernel-mix-lite-qv-small", False)):
+        pr = HEADWISE_PRESETS[preset]
+        packs = tuple(_packing(12, 64, r.wise + 2 * r.lite, r.shared, 128)
+                      for r in (pr.q, pr.v))
+        compact = compact_pays(packs, 16384, 768, 2)
+        assert dx_fold_pays(packs, 16384, 768, 2, compact) is want
+
+
+def test_qkv_fold_kernel_is_exact_on_small_integers():
+    """W' = W + Σ_slot s·U·D per tile with small integers (scale 2 on the shared slots): every
+    product and the float32 sum are exact, so the folded weight equals the float64 one
+    exactly, whatever the strides of W, for one section and for two in one launch."""
+    from kfused.triton_kernels._headwise_common import LowRankTiles, fold_sections
+
+    gen = torch.Generator().manual_seed(11)
+    ints = lambda *s: torch.randint(-3, 4, s, generator=gen).double()  # noqa: E731
+    BN = 32
+
+    def section(N, K, L, W, RS):
+        w = ints(K, N).t()                                     # a transposed view
+        D, U = ints(L, W, K), ints(L, W, BN)
+        lr = LowRankTiles(D.half().to(DEVICE), torch.zeros(L, W, device=DEVICE),
+                          U.half().to(DEVICE), None, 2.0, RS)
+        s = torch.ones(W, dtype=F64)
+        s[:RS] = 2.0
+        delta = torch.einsum("lwn,lwk->lnk", U * s[None, :, None], D).reshape(L * BN, K)[:N]
+        return w, lr, w + delta
+
+    K = 50
+    a = section(70, K, 3, 24, 5)
+    b = section(32, K, 1, 40, 0)
+    for items in ((a,), (a, b), (b, a)):
+        got = fold_sections([(w.half().to(DEVICE), lr) for w, lr, _ in items], K)
+        want = torch.cat([ref for *_, ref in items])
+        assert want.abs().max() < 2048                                     # exact in float16
+        assert got.dtype == torch.float16 and got.is_contiguous()
+        assert torch.equal(got.double().cpu(), want)
+
+
+def test_qkv_dx_fold_rounds_away_sub_ulp_update():
+    """The documented cost of exact=False in dX: in float16 an update below half an ulp of
+    W_q does not survive the fold, while the exact backward keeps it."""
+    H, p, d = 2, 2, 4
+    x = torch.ones(1, d, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    w = torch.tensor([[1.0], [-1.0]], dtype=torch.float16, device=DEVICE).repeat(H * p // 2, d)
+    wk = torch.zeros(H * p, d, dtype=torch.float16, device=DEVICE)
+    f = HeadFactors(wise_A=torch.full((H, 1, d), 1e-2, dtype=torch.float16, device=DEVICE),
+                    wise_B=torch.full((H, p, 1), 1e-2, dtype=torch.float16, device=DEVICE))
+    dxs = []
+    for exact in (False, True):
+        xe = x.detach().clone().requires_grad_()
+        Q, _, _ = headwise_qkv(xe, w, wk, wk, n_heads=H, q=f, backend="triton", exact=exact)
+        Q.sum().backward()
+        dxs.append(xe.grad.double().cpu())
+    # Σ_n W[n, c] = 0 per column; the update adds 1e-4 (< half an ulp of ±1) to each of
+    # the H·p rows: 4e-4 in all
+    assert torch.equal(dxs[0], torch.zeros_like(dxs[0]))
+    torch.testing.assert_close(dxs[1], torch.full((1, d), 4e-4, dtype=F64), rtol=2e-3, atol=0)
+
+
+def test_qkv_exact_must_be_bool_or_none():
+    x, w = torch.randn(2, 4, device=DEVICE), torch.randn(4, 4, device=DEVICE)
+    with pytest.raises(TypeError, match=r"exact must be True, False or None, got int"):
+        headwise_qkv(x, w, w, w, n_heads=2, exact=1)
+    with pytest.raises(TypeError, match=r"exact must be True, False or None, got str"):
+        headwise_projection(x, w, n_heads=2, exact="no")
+
+
 # ------------------------------------------------------------------------------------------
 # torch.library registrations
 

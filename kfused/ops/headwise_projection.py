@@ -13,6 +13,7 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
+from kfused.ops._fold import check_exact
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_input_width, _check_int,
                                          _check_linear, _head_width, _no_float64,
                                          _scalar_factors)
@@ -25,7 +26,8 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
                         factors: Optional[HeadFactors] = None,
                         w_k: Optional[torch.Tensor] = None, b_k: Optional[torch.Tensor] = None,
                         n_key_heads: Optional[int] = None,
-                        backend: Optional[str] = None) -> torch.Tensor:
+                        backend: Optional[str] = None,
+                        exact: Optional[bool] = None) -> torch.Tensor:
     """One adapted q or v projection, ``X Wᵀ + b + Δ`` (docs/math.md §2), fused like
     :func:`headwise_qkv` but for a single projection (the frozen GEMM and every
     down-projection in one pass over X, up-projections in the epilogue).
@@ -33,12 +35,15 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
     x (..., d); weight (H·p, d) any strides; bias (H·p,) or None; factors for H heads;
     w_k (H_k·p, d), b_k: the frozen key projection, required when ``factors`` has a lite
     part (head h uses key head ``h // (H / H_k)``; ``n_key_heads`` defaults to
-    ``w_k.shape[0] // p``). Returns (..., H·p).
+    ``w_k.shape[0] // p``). exact: how the Triton backward forms dX, as in
+    :func:`headwise_qkv` (None: fold the update into W for dX on 16-bit CUDA inputs when it
+    pays; False: fold; True: never). Returns (..., H·p).
     """
     _validate.check_tensor("x", x, min_ndim=1)
     d = x.shape[-1]
     _validate.check_tensor("weight", weight, ndim=2)
     _check_input_width("x", x, {"weight": weight})
+    check_exact(exact)
     p = _head_width(n_heads, "weight", weight, "output rows", weight.shape[0])
     H = n_heads
     _check_linear("weight", weight, H * p, d, x)
@@ -89,4 +94,4 @@ def headwise_projection(x: torch.Tensor, weight: torch.Tensor,
     empty = weight.new_empty(0, d)
     key = (w_k, b_k, Hk) if Hk is not None else (None, None, H)
     return _qkv_call(x, weight, empty, empty, bias, None, None, H, 0, p, factors, None,
-                     key=key)
+                     key=key, exact=exact)

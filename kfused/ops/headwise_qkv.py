@@ -17,6 +17,7 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
+from kfused.ops._fold import check_exact, fold_decision
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
                                          _check_input_width, _check_linear,
                                          _check_n_heads, _dense, _empty,
@@ -50,7 +51,10 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
              v_up: Optional[torch.Tensor], v_sdown: Optional[torch.Tensor],
              v_sup: Optional[torch.Tensor], head_dim: int, q_scale: float = 1.0,
              v_scale: float = 1.0, q_c: Optional[torch.Tensor] = None,
-             v_c: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             v_c: Optional[torch.Tensor] = None,
+             fold_dx: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    # fold_dx: how the backward forms dx (headwise_qkv_backward's argument; saved by
+    # _qkv_setup, unused here)
     k = _tk()
     q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
@@ -71,7 +75,7 @@ def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
       v_down, v_zb, v_up, v_sdown, v_sup, head_dim, q_scale=1.0, v_scale=1.0, q_c=None,
-      v_c=None):
+      v_c=None, fold_dx=0):
     T = x.shape[0]
     M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
                 v_down, v_sdown, x.device)
@@ -88,13 +92,14 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              z: torch.Tensor, head_dim: int, need_dx: bool,
              need_factors: bool, q_scale: float = 1.0,
              v_scale: float = 1.0, q_db_dtype: Optional[torch.dtype] = None,
-             v_db_dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
-    # *_db_dtype: the dtype of the section's column sums db (None: float32)
+             v_db_dtype: Optional[torch.dtype] = None, fold_dx: int = 0) -> List[torch.Tensor]:
+    # *_db_dtype: the dtype of the section's column sums db (None: float32); fold_dx: see
+    # kfused.triton_kernels.headwise_qkv.headwise_qkv_backward
     k = _tk()
     q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup, v_scale)
     dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
-                                         need_factors, (q_db_dtype, v_db_dtype))
+                                         need_factors, (q_db_dtype, v_db_dtype), fold_dx)
     out = [dx if dx is not None else _empty(x)]
     for grads in (gq, gv):
         for key in _SEC_KEYS + ("db",):
@@ -106,7 +111,7 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
 @_qkv_bwd.register_fake
 def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
       v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0, q_db_dtype=None,
-      v_db_dtype=None):
+      v_db_dtype=None, fold_dx=0):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
     for down, up, sdown, sup, w, db_dt in ((q_down, q_up, q_sdown, q_sup, w_q, q_db_dtype),
                                            (v_down, v_up, v_sdown, v_sup, w_v, v_db_dtype)):
@@ -129,11 +134,12 @@ def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
 def _qkv_setup(ctx, inputs, output):
     (x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *rest) = inputs
-    q_scale, v_scale, q_c, v_c = tuple(rest) + (1.0, 1.0, None, None)[len(rest):]
+    q_scale, v_scale, q_c, v_c, fold_dx = tuple(rest) + (1.0, 1.0, None, None, 0)[len(rest):]
     ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
                           v_down, v_up, v_sdown, v_sup, output[1])
     ctx.head_dim = head_dim
     ctx.scales = (q_scale, v_scale)
+    ctx.fold_dx = fold_dx
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
     ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
     ctx.c_dtypes = tuple(c.dtype if c is not None else None for c in (q_c, v_c))
@@ -143,7 +149,7 @@ def _qkv_setup(ctx, inputs, output):
 
 def _qkv_backward(ctx, gY, gZ):
     if gY is None:
-        return (None,) * 22
+        return (None,) * 23
     (x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
      v_down, v_up, v_sdown, v_sup, z) = ctx.saved_tensors
     need = ctx.needs_input_grad
@@ -163,7 +169,7 @@ def _qkv_backward(ctx, gY, gZ):
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
         v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales,
-        db_dtype(0, 0), db_dtype(2, 1))
+        db_dtype(0, 0), db_dtype(2, 1), ctx.fold_dx)
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
@@ -187,7 +193,7 @@ def _qkv_backward(ctx, gY, gZ):
     dc = [sec["db"].to(dt) if nc else None
           for sec, nc, dt in zip((gq, gv), need_c, ctx.c_dtypes)]
     return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gq), bias_grad(1, None),
-            bias_grad(2, gv), *fac, None, None, None, *dc)
+            bias_grad(2, gv), *fac, None, None, None, *dc, None)
 
 
 _qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
@@ -200,7 +206,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
                  b_v: Optional[torch.Tensor] = None, *, n_heads: int,
                  n_kv_heads: Optional[int] = None, q: Optional[HeadFactors] = None,
                  v: Optional[HeadFactors] = None, backend: Optional[str] = None,
-                 fused_output: bool = False):
+                 fused_output: bool = False, exact: Optional[bool] = None):
     """Fused attention-input projection with docs/math.md §2 updates on q and v.
 
     ``Q = X W_qᵀ + b_q + ΔQ``, ``K = X W_kᵀ + b_k``, ``V = X W_vᵀ + b_v + ΔV`` where each Δ is
@@ -216,6 +222,16 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
             when smaller). Lite on q uses key head ``h // (H / H_kv)`` for query head h.
         q, v: factors (shapes in :class:`HeadFactors`; for v use H_kv heads).
         backend: "auto" | "triton" | "reference".
+        exact: how the Triton backward forms dX (the rule of
+            :func:`kfused.ops._fold.fold_decision`, shared with ``headwise_oproj`` and
+            ``krona_linear``). True: ``dX = [dY | dZ]·[W; D]``, the update never rounded into
+            a weight. False (16-bit only): fold the q and v updates into their frozen
+            weights, ``W' = W + ΔW`` (one pass over those weights, rounded once to the input
+            dtype), and ``dX = dY·[W'_q; W_k; W'_v]``: the part of ΔW below half an ulp of
+            W is rounded away in dX (the forward and the factor gradients stay exact).
+            None (default): fold for float16/bfloat16 CUDA inputs with at least
+            ``FOLD_MIN_TOKENS`` tokens when the performance model says the fold pays (it
+            does at GPT-2 widths, not at Llama-7B's), else exact. float32 never folds.
 
     Returns ``Q (..., H·p)``, ``K (..., H_kv·p)``, ``V (..., H_kv·p)``, or with
     ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel
@@ -232,6 +248,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     H = _check_n_heads(n_heads)
     Hkv = n_kv_heads if n_kv_heads is not None else H
     _check_flag("fused_output", fused_output)
+    check_exact(exact)
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or H % Hkv != 0:
         raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing "
                          f"n_heads={H}")
@@ -264,17 +281,28 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
         out = headwise_qkv_ref(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
                                q=q, v=v)
         return torch.cat(out, dim=-1) if fused_output else out
-    Y = _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v)
+    Y = _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, exact=exact)
     if fused_output:
         return Y
     return tuple(Y.split([H * p, Hkv * p, Hkv * p], dim=-1))
 
 
-def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
+def _dx_fold_mode(dtype: torch.dtype, tokens: int, exact: Optional[bool],
+                  device: torch.device) -> int:
+    """The backward's ``fold_dx`` for ``exact`` (kfused.triton_kernels.headwise_qkv.
+    headwise_qkv_backward): 0 exact; 1 fold when the performance model says it pays
+    (exact=None where :func:`fold_decision` folds); 2 fold (exact=False, 16-bit)."""
+    if not fold_decision(dtype, tokens, exact, device.type == "cuda"):
+        return 0
+    return 2 if exact is False else 1
+
+
+def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None, exact=None):
     """Build the kernel-level factors and call the fused op; returns [Q | K | V] (..., N).
 
     key: ``(w_k, b_k, Hk)`` of the frozen key projection when it is not the op's own k
-    section (single-projection use, where w_k / w_v are empty)."""
+    section (single-projection use, where w_k / w_v are empty). exact: see
+    :func:`headwise_qkv`."""
     d = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d)
@@ -285,7 +313,8 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None):
     vf, dcv, sv, lv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
-        x2, w_q, w_k, w_v, c(b_q), c(b_k), c(b_v), *qf, *vf, p, sq, sv, c(dcq), c(dcv))
+        x2, w_q, w_k, w_v, c(b_q), c(b_k), c(b_v), *qf, *vf, p, sq, sv, c(dcq), c(dcv),
+        _dx_fold_mode(x2.dtype, x2.shape[0], exact, x2.device))
     for lite, c0 in ((lq, 0), (lv, w_q.shape[0] + w_k.shape[0])):
         if lite is not None and lite[0].requires_grad and torch.is_grad_enabled():
             Y = LiteKeyGrad.apply(Y, lite[0], lite[1], x2.detach(), kw.detach(),

@@ -215,6 +215,31 @@ def _m_oproj_fold(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_qkv_fold_kernel")
+def _m_qkv_fold(L) -> Dict[str, float]:
+    """W' = W + U·D of the q and v sections (headwise_qkv's folded dX): one (BN × BK) tile
+    of W' per program, one (BN × RB)·(RB × BK) tensor-core dot (two with a scaled shared
+    part), W converted and added, W' converted on store. HBM: W read and W' written once,
+    each tile's U re-read by its column programs and D by nobody else (L2 rule)."""
+    a = L.bound()
+    K, BN, BK = a["K"], a["BN"], a["BK"]
+    kb = L.grid[1]
+    w = _work()
+    out_el = _el(a["out_ptr"])
+    w["hbm_bytes"] = 0.0
+    secs = [("a_", "A_", a["a_L"])]
+    if L.grid[0] > a["a_L"]:
+        secs.append(("b_", "B_", L.grid[0] - a["a_L"]))
+    for pre, cpre, Lt in secs:
+        RB, N, W = a[cpre + "RB"], a[pre + "N"], a[pre + "W"]
+        dots = 2 if a.get(cpre + "SH_SCALE") else 1
+        _prod(w, "fold", Lt * kb * dots * 2.0 * BN * RB * BK, True, _is16(a[pre + "d"]))
+        w["alu_ops"] += Lt * kb * BN * BK * 3
+        w["hbm_bytes"] += (N * K * (_el(a[pre + "w"]) + out_el)
+                           + R.reread_bytes(Lt * W * BN * out_el, kb) + Lt * W * K * out_el)
+    return w
+
+
 def _k_pad(K: int, BK: int) -> int:
     return cdiv(K, BK) * BK if K > 0 else 0
 

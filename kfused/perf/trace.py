@@ -131,12 +131,19 @@ def _gpu_dispatch(launches: List[Launch]):
     * ``_headwise_common._launch`` records one launch per autotuning config while compiling
       for a GPU; those launches share an ``alt`` id so the report keeps only the fastest
       predicted one.
+    * ``headwise_qkv``'s ``_dx_fold_mode`` (how its backward forms dX for ``exact``) is
+      evaluated as for a CUDA device.
 
     Each name is replaced in every headwise kernel module that looks it up as a global.
     """
+    import importlib
+
     import kfused.triton_kernels._headwise_common as hc
     import kfused.triton_kernels.headwise_oproj as ho
     import kfused.triton_kernels.headwise_qkv as hq
+
+    ops_qkv = importlib.import_module("kfused.ops.headwise_qkv")  # (not the function)
+    fold_mode = ops_qkv._dx_fold_mode
 
     orig = dict(reduce_tokens=hc.reduce_tokens, _thin=ho._thin, _launch=hc._launch)
     counter = [0]
@@ -160,8 +167,13 @@ def _gpu_dispatch(launches: List[Launch]):
                 L.alt = counter[0]
             counter[0] += 1
 
-    patched = dict(reduce_tokens=reduce_tokens, _thin=_thin, _launch=_launch)
-    saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho) for k in patched if hasattr(m, k)]
+    def _dx_fold_mode(dtype, tokens, exact, device):
+        return fold_mode(dtype, tokens, exact, torch.device("cuda"))
+
+    patched = dict(reduce_tokens=reduce_tokens, _thin=_thin, _launch=_launch,
+                   _dx_fold_mode=_dx_fold_mode)
+    saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho, ops_qkv) for k in patched
+             if hasattr(m, k)]
     for m, k, _ in saved:
         setattr(m, k, patched[k])
     try:

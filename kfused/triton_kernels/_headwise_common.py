@@ -35,6 +35,9 @@ Passes (q|k|v projection):
   forward   Y = X [W; D]ᵀ + packed up-projection epilogue            (one GEMM, Z stored)
   backward  rank pass over dY (dZ, dU, dzb, db); dX = [dY | dZ]·[W; D] (one GEMM);
             dD = dZᵀ X (token reduction; cuBLAS for 16-bit on a GPU, split-K here otherwise).
+            folded dX (16-bit, exact=False, or exact=None on a GPU where dx_fold_pays):
+            W' = W + U·D for q and v (_qkv_fold_kernel, one launch), dX = dY·[W'_q; W_k;
+            W'_v], frozen-shaped.
 Output projection (the down-projection reads O head by head, the up-projection spans every
 output column, so Z cannot be finished inside one output tile):
   forward   Z = O D_oᵀ (D_o: block-diagonal A_h plus A_s, thin GEMM), Y = [O | Z]·[W_o | B]ᵀ
@@ -52,8 +55,8 @@ down-projection in the forward (12.5 % at RB = 16, 25-50 % for Kernel-mix(qvo) i
 at p = 64, where v's 8 lite rows are doubled by the hi/lo split) and W/BN for the dZ segment
 of dX (W <= RB: the slots a tile stores, 19-31 % there), (b) one extra read of dY (rank pass)
 and of X (dD), (c) for the output projection a pass over O (Z) and two over dY (dZ, dB).
-Predicted kernel time / frozen, fwd+bwd: GPT-2 small 1.28-1.57 (qkv), 1.98 (o); GPT-2 medium
-1.23-1.52, 1.76; Llama-7B GQA 1.19-1.22, 1.22.
+Predicted time / frozen, fwd+bwd (``kfused perf``, kernels and glue): GPT-2 small 1.58-1.69
+(qkv), 1.97 (o); GPT-2 medium 1.42-1.55, 1.82; Llama-7B GQA 1.20-1.21, 1.23.
 At GPT-2 widths every tiny launch (~3 µs) counts as much as a kernel pass: the factors reach
 the kernels with no torch op in any forward (a lite section's basis, split and stacking:
 one ``headwise_section`` kernel; per-head biases: the GEMM's second bias; the output
@@ -520,6 +523,118 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------
+# The backward's folded weight (16-bit, exact=False / None on a GPU when it pays): dX reads
+# W' = W + U·D instead of the dZ segment [dY | dZ]·[W; D]
+
+
+@triton.jit
+def _fold_tile(l, kb, w_ptr, s_wn, s_wk, d_ptr, u_ptr, out_ptr, K, N, RS, W, scale,
+               BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, SH_SCALE: tl.constexpr):
+    # Rows [l·BN, (l+1)·BN) of one section, columns [kb·BK, (kb+1)·BK):
+    # W'[n, k] = W[n, k] + Σ_slot s(slot)·U[l, slot, n − l·BN]·D[l, slot, k], s = scale on
+    # the RS shared slots (U holds B_s unscaled), 1 on the others. Exact 16-bit products
+    # (tensor cores) summed with W in float32, rounded once on store (out: unit column
+    # stride, row stride K).
+    cn = tl.arange(0, BN)
+    rn = l * BN + cn
+    nmask = rn < N
+    ks = kb * BK + tl.arange(0, BK)
+    kmask = ks < K
+    rr = tl.arange(0, RB)
+    wmask = rr < W
+    acc = tl.load(w_ptr + rn[:, None] * s_wn + ks[None, :] * s_wk,
+                  mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    ut = tl.load(u_ptr + (l * W + rr[None, :]) * BN + cn[:, None], mask=wmask[None, :],
+                 other=0.0)                                         # (BN, RB) = U_lᵀ
+    dd = tl.load(d_ptr + (l * W + rr[:, None]) * K + ks[None, :],
+                 mask=wmask[:, None] & kmask[None, :], other=0.0)   # (RB, BK)
+    if SH_SCALE:
+        sh = (rr < RS)[None, :]
+        zero = tl.zeros_like(ut)
+        acc += scale * tl.dot(tl.where(sh, ut, zero), dd, out_dtype=tl.float32)
+        acc += tl.dot(tl.where(sh, zero, ut), dd, out_dtype=tl.float32)
+    else:
+        acc += tl.dot(ut, dd, out_dtype=tl.float32)
+    tl.store(out_ptr + rn[:, None] * K + ks[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=nmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _qkv_fold_kernel(K, out_ptr,
+                     a_w, a_swn, a_swk, a_d, a_u, a_N, a_RS, a_W, a_scale, a_L,
+                     b_w, b_swn, b_swk, b_d, b_u, b_N, b_RS, b_W, b_scale, b_row,
+                     BN: tl.constexpr, A_RB: tl.constexpr, B_RB: tl.constexpr,
+                     A_SH_SCALE: tl.constexpr, B_SH_SCALE: tl.constexpr, BK: tl.constexpr):
+    # grid: (L_a + L_b tiles, cdiv(K, BK)), up to two sections in one launch (q and v):
+    # program (l, kb) folds tile l of section a into out rows [0, N_a), or tile l − L_a of
+    # section b into rows [b_row, b_row + N_b) (_fold_tile).
+    l = tl.program_id(0)
+    kb = tl.program_id(1)
+    if l < a_L:
+        _fold_tile(l, kb, a_w, a_swn, a_swk, a_d, a_u, out_ptr, K, a_N, a_RS, a_W, a_scale,
+                   BN, A_RB, BK, A_SH_SCALE)
+    else:
+        _fold_tile(l - a_L, kb, b_w, b_swn, b_swk, b_d, b_u, out_ptr + b_row * K, K, b_N,
+                   b_RS, b_W, b_scale, BN, B_RB, BK, B_SH_SCALE)
+
+
+def fold_sections(items, K: int) -> torch.Tensor:
+    """W' = W + U·D of one or two packed sections in one launch. items: per section
+    (w (N, K) any strides, its LowRankTiles lr). Returns W' (ΣN, K) contiguous in the
+    packed operands' dtype, the sections' rows one after the other."""
+    assert 1 <= len(items) <= 2
+    D0 = items[0][1].D
+    dev = D0.device
+    rows = [w.shape[0] for w, _ in items]
+    out = _alloc.empty(sum(rows), K, dtype=D0.dtype, device=dev)
+    if out.numel() == 0:
+        return out
+    args, meta, Ls = [], [], []
+    for i, (w, lr) in enumerate(items):
+        L, W, BN = lr.U.shape
+        Ls.append(L)
+        args.append([w, w.stride(0), w.stride(1), lr.D, lr.U, w.shape[0], lr.RS, W, lr.scale,
+                     L if i == 0 else rows[0]])
+        meta.append((lr.RB, lr.scaled))
+    if len(items) == 1:             # one section: the second's tiles are none
+        args.append(args[0][:-1] + [0])
+        meta.append(meta[0])
+    BK = _blk(K, 16, 64 if targets_gpu(dev) else 32)
+    _qkv_fold_kernel[(sum(Ls), triton.cdiv(K, BK))](
+        K, out, *args[0], *args[1], BN=items[0][1].U.shape[2], A_RB=meta[0][0],
+        B_RB=meta[1][0], A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1], BK=BK,
+        num_warps=4 if targets_gpu(dev) else 1)
+    return out
+
+
+# Tests set this to True or False to fold (mode 1) whatever the shapes (None: decide).
+FORCE_FOLD = None
+
+
+def dx_fold_pays(packs, T: int, K: int, el: int, compact: bool) -> bool:
+    """Whether folding pays in the q|k|v backward (mode 1 of headwise_qkv_backward): the dx
+    GEMM loses its dZ segment, (MC if compact else M)·K MACs per token, against one fold
+    launch that reads the adapted sections' frozen weights and writes W' once. Decided by
+    the H100 roofline's ceilings (kfused.perf.roofline; PREDICTED): Kernel-mix(qvo)
+    intermediate pays at the GPT-2 and Llama-7B benchmark widths (gpt2-small: 336 slot
+    columns, ~11 µs of dZ segment against a ~5 µs fold), Kernel-mix-lite(qv) small's 96
+    columns at gpt2-small do not."""
+    from kfused.perf import roofline as R
+
+    live = [pk for pk in packs if pk is not None]
+    if FORCE_FOLD is not None:
+        return bool(FORCE_FOLD) and bool(live)
+    if not live:
+        return False
+    M = sum(pk.L * pk.W for pk in live)
+    _, MC = compact_offsets(packs)
+    saved = 2.0 * T * (MC if compact else M) * K / R.WGMMA_RATE
+    n_fold = sum(pk.H * pk.P for pk in live)
+    cost = R.KERNEL_OVERHEAD_S + (2 * n_fold * K * el + M * (K + live[0].BN) * el) / R.HBM_BW
+    return saved > cost
+
+
+# ------------------------------------------------------------------------------------------
 # Packing the low-rank rows of one section per output column tile
 #
 # Slots of tile l (output columns [l·BN, min((l+1)·BN, N)) of a section with H heads of width
@@ -952,10 +1067,11 @@ def compact_offsets(packs) -> Tuple[list, int]:
 FORCE_COMPACT = None
 
 
-def compact_pays(packs, T: int, K: int, el: int) -> bool:
-    """Whether the backward should run on the compact rank space: the dx GEMM and the token
-    reduction each lose (M − MC)·K MACs per token, against one more launch per section and
-    the per-occurrence buffer written (float32 when summed) and read once more. Decided by
+def compact_pays(packs, T: int, K: int, el: int, dx: bool = True) -> bool:
+    """Whether the backward should run on the compact rank space: the dx GEMM (``dx``: when
+    it has a dZ segment, i.e. not folded) and the token reduction each lose (M − MC)·K MACs
+    per token, against one more launch per section and the per-occurrence buffer written
+    (float32 when summed) and read once more. Decided by
     the H100 roofline's ceilings (kfused.perf.roofline; PREDICTED): at GPT-2 widths it does
     not pay (Kernel-mix(qvo) intermediate, gpt2-small: 17 µs saved, 28 µs spent), at
     Llama-7B (32 tiles per section) it saves ~140 µs per q|k|v backward."""
@@ -969,7 +1085,7 @@ def compact_pays(packs, T: int, K: int, el: int) -> bool:
     if not live or MC >= M:
         return False
     summed = any(needs_sum(pk) for pk in live)
-    saved = 4.0 * T * (M - MC) * K / R.WGMMA_RATE     # both are compute-bound GEMMs
+    saved = (4.0 if dx else 2.0) * T * (M - MC) * K / R.WGMMA_RATE   # compute-bound GEMMs
     cost = (len(live) * R.KERNEL_OVERHEAD_S
             + T * (M * ((4 - el) if summed else 0) + M * (4 if summed else el) + MC * el)
             / R.HBM_BW)

@@ -15,7 +15,8 @@ from kfused import _alloc
 from kfused.triton_kernels._common import F32
 from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
                                                     _packing, _tile_n, compact_dz,
-                                                    compact_offsets, compact_pays, gemm,
+                                                    compact_offsets, compact_pays,
+                                                    dx_fold_pays, fold_sections, gemm,
                                                     lr_rank_backward_sections,
                                                     needs_sum, pack_dims, pack_width,
                                                     reduce_tokens,
@@ -94,8 +95,14 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
                           wv: torch.Tensor, q: SectionFactors, v: SectionFactors,
                           Z: torch.Tensor, P: int, need_dx: bool = True,
                           need_factors: bool = True,
-                          db_dtypes: Tuple[Optional[torch.dtype], ...] = (None, None)):
+                          db_dtypes: Tuple[Optional[torch.dtype], ...] = (None, None),
+                          fold_dx: int = 0):
     """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv), any strides.
+
+    fold_dx (16-bit only; float32 ignores it): 0 dx = [dY | dZ]·[W; D] exactly; 2 dx =
+    dY·W' with the adapted sections' update folded into their frozen weights, W' = W + U·D
+    rounded once to the input dtype (the part of the update below half an ulp of W is lost
+    in dx; the factor gradients are unchanged); 1 fold when :func:`dx_fold_pays` says so.
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
     sup (each in its factor's dtype; zb's in float32) and of the section's bias (``db``, the
@@ -106,9 +113,13 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
     Nq, Nk, Nv = HQ * P, HK * P, HV * P
     dev = x.device
+    el = x.element_size()
     (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
     (cq, cv), MC = compact_offsets((pq, pv))
-    compact = compact_pays((pq, pv), T, D, x.element_size())
+    fold = (need_dx and M > 0 and T > 0 and x.dtype in (torch.float16, torch.bfloat16)
+            and (fold_dx == 2 or (fold_dx == 1 and dx_fold_pays(
+                (pq, pv), T, D, el, compact_pays((pq, pv), T, D, el)))))
+    compact = compact_pays((pq, pv), T, D, el, dx=not fold)
     # the rank pass's dZ, one column per tile occurrence of a row. Compact: float32 when some
     # compact column sums several occurrences (rounded once, by compact_dz), and the dx GEMM
     # and the token reduction read the compact dZ; otherwise they read this one.
@@ -128,9 +139,9 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
                           Z[:, s], f.scale, pk.RS)
         rank.append((i, pk, s, slice(coff, coff + pk.RS + pk.H * pk.R),
                      (g[:, c0:c0 + n], lr, dZt[:, s])))
-    # The rank pass of both sections (one launch) is needed by dx too (dZ is one of its K
-    # segments); its token-split partials are summed by the unpack kernel.
-    if rank:
+    # The rank pass of both sections (one launch) is needed by dx too unless it folds (dZ is
+    # one of its K segments); its token-split partials are summed by the unpack kernel.
+    if rank and (need_factors or not fold):
         parts = lr_rank_backward_sections([r[-1] for r in rank])
         for (i, pk, s, cs, _), sec in zip(rank, parts):
             if compact:
@@ -139,9 +150,18 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     dx = None
     if need_dx:
         dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
-        segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, wq), (Nq, Nk, wk),
-                                                          (Nq + Nk, Nv, wv)) if n]
-        if M:
+        ws = [wq, wk, wv]
+        if fold:
+            # one launch folds the adapted sections (their rows of W' in rank's order)
+            folded = fold_sections([((wq, wv)[r[0]], r[-1][1]) for r in rank], D)
+            row = 0
+            for i, *_ in rank:
+                n = (Nq, Nv)[i]
+                ws[2 * i] = folded[row:row + n]
+                row += n
+        segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, ws[0]), (Nq, Nk, ws[1]),
+                                                          (Nq + Nk, Nv, ws[2])) if n]
+        if M and not fold:
             segs.append((dZ, Dc) if compact else (dZ, Dp))
         if segs and T:
             gemm(segs, dx)
