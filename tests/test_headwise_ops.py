@@ -407,11 +407,12 @@ def _qkv_case_inputs(case, p, d, T):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
-def test_qkv_dx_folded(dtype, case, launches, rank_space):
-    """exact=False: the backward folds the q and v updates into their frozen weights
-    (W' = W + U·D, one launch for both sections, rounded once) and dX = dY·[W'_q; W_k; W'_v]
-    without the dZ segment; the forward and the factor gradients as before. Same
-    docs/math.md §4 rule for the outputs and every gradient; float32 never folds."""
+def test_qkv_folded(dtype, case, launches, rank_space):
+    """exact=False: the forward folds the q and v updates and every bias into a copy of the
+    frozen weights (W' = [W_q + U·D; W_k; W_v + U·D], b' = b + c + U·zb; one launch,
+    rounded once) and runs Y = X W'ᵀ + b'; the backward recomputes Z from X in the rank
+    pass, folds again and runs dX = dY W'. Same docs/math.md §4 rule for the outputs and
+    every gradient; float32 never folds."""
     from kfused.triton_kernels import _headwise_common as hc
 
     inputs, run = _qkv_case_inputs(case, random.choice([40, 56]), random.choice([48, 80]),
@@ -420,105 +421,194 @@ def test_qkv_dx_folded(dtype, case, launches, rank_space):
     assert_against_reference(run("triton", exact=False), run("reference"), inputs, dtype,
                              DEVICE, grad_names=[k for k in inputs if not k.startswith("w_")],
                              out_names=["Q", "K", "V"])
-    assert len(folds) == (0 if dtype == torch.float32 else 1)
+    assert len(folds) == (0 if dtype == torch.float32 else 2)      # forward, backward
 
 
-def test_qkv_dx_fold_when_it_pays(launches, monkeypatch):
-    """exact=None folds (on a GPU) only when kfused.triton_kernels._headwise_common.
-    dx_fold_pays says so; the result is the same rule either way."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_projection_folded(dtype, launches):
+    """headwise_projection with exact=False: one adapted projection (lite heads read the
+    frozen key projection, grouped) folded like headwise_qkv's q section."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    H, Hk, p, d, T = 4, 2, 24, 56, 23
+    f = make_factors(H, p, d, shared=2, wise=1, lite=2)
+    inputs = dict(x=rnd(T, d), weight=rnd(H * p, d), bias=rnd(H * p), w_k=rnd(Hk * p, d),
+                  b_k=rnd(Hk * p), **flat_inputs("f", f))
+    folds = launches(hc, "_qkv_fold_kernel")
+
+    def run(backend):
+        def fn(x, weight, bias, w_k, b_k, **kw):
+            extra = {} if backend == "reference" else dict(exact=False)
+            return headwise_projection(x, weight, bias, n_heads=H, factors=gather("f", kw, 0.75),
+                                       w_k=w_k, b_k=b_k, backend=backend, **extra)
+        return fn
+
+    assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
+                             grad_names=[k for k in inputs if k not in ("weight", "w_k")])
+    assert len(folds) == (0 if dtype == torch.float32 else 2)
+
+
+@pytest.mark.parametrize("plan", ["both", "dx", "none"])
+def test_qkv_fold_where_it_pays(plan, launches, monkeypatch):
+    """exact=None (on a GPU) takes what kfused.triton_kernels._headwise_common.fold_plan
+    decides: both folds, dX's alone (the forward's augmented GEMM and stored Z kept), or
+    neither; the same rule either way."""
     import importlib
 
     from kfused.triton_kernels import _headwise_common as hc
 
     ops_qkv = importlib.import_module("kfused.ops.headwise_qkv")   # (the package exports
-    monkeypatch.setattr(ops_qkv, "_dx_fold_mode", lambda *a: 1)   # the function by that name)
+    monkeypatch.setattr(ops_qkv, "_fold_mode", lambda *a: 1)      # the function by that name)
+    monkeypatch.setattr(hc, "FORCE_FOLD", plan == "both")
+    monkeypatch.setattr(hc, "FORCE_FOLD_DX", plan == "dx")
     inputs, run = _qkv_case_inputs(0, 40, 48, 37)
-    for force, want in ((True, 1), (False, 0)):
-        monkeypatch.setattr(hc, "FORCE_FOLD", force)
-        folds = launches(hc, "_qkv_fold_kernel")
-        assert_against_reference(run("triton"), run("reference"), inputs, torch.float16,
-                                 DEVICE, grad_names=["x", "q_wise_A", "v_lite_B"],
-                                 out_names=["Q", "K", "V"])
-        assert len(folds) == want
+    folds = launches(hc, "_qkv_fold_kernel")
+    assert_against_reference(run("triton"), run("reference"), inputs, torch.float16, DEVICE,
+                             grad_names=["x", "q_wise_A", "q_shared_B", "v_lite_B", "b_v"],
+                             out_names=["Q", "K", "V"])
+    assert len(folds) == {"both": 2, "dx": 1, "none": 0}[plan]
 
 
-def test_qkv_dx_fold_decision():
-    """The rule behind exact: 0 exact, 1 fold when it pays, 2 fold; and where it pays
-    (PREDICTED by the roofline)."""
-    from kfused.ops.headwise_qkv import _dx_fold_mode
-    from kfused.triton_kernels._headwise_common import (_packing, compact_pays,
-                                                        dx_fold_pays)
+def test_qkv_fold_decision():
+    """The rule behind exact: 0 exact, 1 where it pays, 2 fold; and where it pays (PREDICTED
+    by the roofline, kfused.triton_kernels._headwise_common.fold_plan)."""
+    from kfused.integration.headwise import HEADWISE_PRESETS
+    from kfused.ops.headwise_qkv import _fold_mode
+    from kfused.triton_kernels._headwise_common import _packing, fold_plan
 
     cuda, cpu, f16 = torch.device("cuda"), torch.device("cpu"), torch.float16
-    assert _dx_fold_mode(f16, 4096, None, cuda) == 1
-    assert _dx_fold_mode(f16, 512, None, cuda) == 0          # below FOLD_MIN_TOKENS
-    assert _dx_fold_mode(f16, 4096, None, cpu) == 0
-    assert _dx_fold_mode(torch.bfloat16, 8, False, cpu) == 2
-    assert _dx_fold_mode(torch.float32, 4096, False, cuda) == 0
-    assert _dx_fold_mode(f16, 4096, True, cuda) == 0
-    # the benchmark presets at GPT-2 small, T = 16k: Kernel-mix(qvo) intermediate's 336
-    # rank-space columns pay for the fold, Kernel-mix-lite(qv) small's 96 do not
-    from kfused.integration.headwise import HEADWISE_PRESETS
-
-    for preset, want in (("kernel-mix-qvo-intermediate", True),
-                         ("kernel-mix-lite-qv-small", False)):
-        pr = HEADWISE_PRESETS[preset]
-        packs = tuple(_packing(12, 64, r.wise + 2 * r.lite, r.shared, 128)
-                      for r in (pr.q, pr.v))
-        compact = compact_pays(packs, 16384, 768, 2)
-        assert dx_fold_pays(packs, 16384, 768, 2, compact) is want
+    assert _fold_mode(f16, 4096, None, cuda) == 1
+    assert _fold_mode(f16, 512, None, cuda) == 0          # below FOLD_MIN_TOKENS
+    assert _fold_mode(f16, 4096, None, cpu) == 0
+    assert _fold_mode(torch.bfloat16, 8, False, cpu) == 2
+    assert _fold_mode(torch.float32, 4096, False, cuda) == 0
+    assert _fold_mode(f16, 4096, True, cuda) == 0
+    packs = (_packing(2, 8, 2, 1, 32), None)
+    assert fold_plan(0, packs, 64, 16, 48, f16) == (False, False)
+    assert fold_plan(2, packs, 64, 16, 48, f16) == (True, True)
+    assert fold_plan(2, packs, 64, 16, 48, torch.float32) == (False, False)
+    assert fold_plan(2, (None, None), 64, 16, 48, f16) == (False, False)
+    # the benchmark presets at T = 16k, bfloat16: (fold the forward, fold dX)
+    want = {("kernel-mix-qvo-intermediate", 768, 12, 12): (True, True),
+            ("kernel-mix-qvo-intermediate", 4096, 32, 8): (False, True),
+            ("kernel-mix-lite-qv-small", 768, 12, 12): (False, False),
+            ("kernel-mix-lite-qv-small", 1024, 16, 16): (False, True)}
+    for (preset, d, H, Hkv), plan in want.items():
+        pr, p = HEADWISE_PRESETS[preset], d // H
+        packs = tuple(_packing(h, p, r.wise + 2 * r.lite, r.shared, 128)
+                      for r, h in ((pr.q, H), (pr.v, Hkv)))
+        assert fold_plan(1, packs, 16384, d, (H + 2 * Hkv) * p, torch.bfloat16) == plan
 
 
 def test_qkv_fold_kernel_is_exact_on_small_integers():
-    """W' = W + Σ_slot s·U·D per tile with small integers (scale 2 on the shared slots): every
-    product and the float32 sum are exact, so the folded weight equals the float64 one
-    exactly, whatever the strides of W, for one section and for two in one launch."""
-    from kfused.triton_kernels._headwise_common import LowRankTiles, fold_sections
+    """W' = [W_q + Σ s·U·D; W_k; W_v + Σ s·U·D] per tile and b' = b + c + Σ s·U·zb with small
+    integers (scale 2 on the shared slots): every product and the float32 sums are exact,
+    so W' and b' equal the float64 ones exactly, whatever the strides of W, with or without
+    a k section or an adapted q."""
+    from kfused.triton_kernels._headwise_common import LowRankTiles, _tile_n, fold_qkv
 
     gen = torch.Generator().manual_seed(11)
     ints = lambda *s: torch.randint(-3, 4, s, generator=gen).double()  # noqa: E731
-    BN = 32
+    BN = _tile_n(torch.device(DEVICE))
+    dev = lambda t: t.half().to(DEVICE) if t is not None else None    # noqa: E731
 
     def section(N, K, L, W, RS):
-        w = ints(K, N).t()                                     # a transposed view
-        D, U = ints(L, W, K), ints(L, W, BN)
-        lr = LowRankTiles(D.half().to(DEVICE), torch.zeros(L, W, device=DEVICE),
-                          U.half().to(DEVICE), None, 2.0, RS)
+        w, b = ints(K, N).t(), ints(N)                          # w a transposed view
+        if not L:
+            return w, None, b, None, w, b
+        D, U, zb, c = ints(L, W, K), ints(L, W, BN), ints(L, W), ints(N)
+        lr = LowRankTiles(dev(D), zb.float().to(DEVICE), dev(U), None, 2.0, RS)
         s = torch.ones(W, dtype=F64)
         s[:RS] = 2.0
-        delta = torch.einsum("lwn,lwk->lnk", U * s[None, :, None], D).reshape(L * BN, K)[:N]
-        return w, lr, w + delta
+        us = U * s[None, :, None]
+        dw = torch.einsum("lwn,lwk->lnk", us, D).reshape(L * BN, K)[:N]
+        db = torch.einsum("lwn,lw->ln", us, zb).reshape(L * BN)[:N]
+        return w, lr, b, c, w + dw, b + c + db
 
     K = 50
-    a = section(70, K, 3, 24, 5)
-    b = section(32, K, 1, 40, 0)
-    for items in ((a,), (a, b), (b, a)):
-        got = fold_sections([(w.half().to(DEVICE), lr) for w, lr, _ in items], K)
-        want = torch.cat([ref for *_, ref in items])
-        assert want.abs().max() < 2048                                     # exact in float16
+    q = section(BN * 2 + 6, K, 3, 24, 5)
+    k = section(BN + 3, K, 0, 0, 0)
+    v = section(BN, K, 1, 40, 0)
+    empty = (torch.zeros(0, K, dtype=F64), None, None, None, torch.zeros(0, K, dtype=F64),
+             torch.zeros(0, dtype=F64))
+    for a, kk, b in ((q, k, v), (q, empty, empty), (k, empty, v), (empty, k, empty)):
+        secs = (a, kk, b)
+        got, gb = fold_qkv([dev(t[0]) for t in secs], (a[1], b[1]), K, torch.float16,
+                           biases=tuple(dev(t[2]) for t in secs), cs=(dev(a[3]), dev(b[3])))
+        want_w = torch.cat([t[4] for t in secs])
+        want_b = torch.cat([t[5] for t in secs])
+        assert max(want_w.abs().max(), want_b.abs().max()) < 2048     # exact in float16
         assert got.dtype == torch.float16 and got.is_contiguous()
-        assert torch.equal(got.double().cpu(), want)
+        assert torch.equal(got.double().cpu(), want_w)
+        assert torch.equal(gb.double().cpu(), want_b)
+        got2, none = fold_qkv([dev(t[0]) for t in secs], (a[1], b[1]), K, torch.float16)
+        assert none is None and torch.equal(got2, got)
 
 
-def test_qkv_dx_fold_rounds_away_sub_ulp_update():
-    """The documented cost of exact=False in dX: in float16 an update below half an ulp of
-    W_q does not survive the fold, while the exact backward keeps it."""
+def test_qkv_fold_rounds_away_sub_ulp_update():
+    """The documented cost of exact=False: in float16 an update below half an ulp of W_q does
+    not survive the fold, in Q nor in dX, while the exact path keeps it in both."""
     H, p, d = 2, 2, 4
-    x = torch.ones(1, d, dtype=torch.float16, device=DEVICE, requires_grad=True)
-    w = torch.tensor([[1.0], [-1.0]], dtype=torch.float16, device=DEVICE).repeat(H * p // 2, d)
+    x = torch.ones(1, d, dtype=torch.float16, device=DEVICE)
+    w = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float16,
+                     device=DEVICE).repeat(H * p // 2, d // 2)
     wk = torch.zeros(H * p, d, dtype=torch.float16, device=DEVICE)
     f = HeadFactors(wise_A=torch.full((H, 1, d), 1e-2, dtype=torch.float16, device=DEVICE),
                     wise_B=torch.full((H, p, 1), 1e-2, dtype=torch.float16, device=DEVICE))
-    dxs = []
+    got = []
     for exact in (False, True):
-        xe = x.detach().clone().requires_grad_()
+        xe = x.clone().requires_grad_()
         Q, _, _ = headwise_qkv(xe, w, wk, wk, n_heads=H, q=f, backend="triton", exact=exact)
         Q.sum().backward()
-        dxs.append(xe.grad.double().cpu())
-    # Σ_n W[n, c] = 0 per column; the update adds 1e-4 (< half an ulp of ±1) to each of
-    # the H·p rows: 4e-4 in all
-    assert torch.equal(dxs[0], torch.zeros_like(dxs[0]))
-    torch.testing.assert_close(dxs[1], torch.full((1, d), 4e-4, dtype=F64), rtol=2e-3, atol=0)
+        got.append((Q.double().cpu(), xe.grad.double().cpu()))
+    # every row and every column of W sums to 0; ΔW = 1e-4 (< half an ulp of ±1) per entry:
+    # Q = Σ_c ΔW[n, c] = 4e-4 per row, dX = Σ_n ΔW[n, c] = 4e-4 per column
+    for t in got[0]:
+        assert torch.equal(t, torch.zeros_like(t))
+    for t in got[1]:
+        torch.testing.assert_close(t, torch.full_like(t, 4e-4), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("mag", [1e-3, 1e-1])
+def test_qkv_fold_meets_the_rule_in_simulated_bfloat16(mag):
+    """What exact=None does on a GPU in bfloat16, simulated in float64 (the interpreter has
+    no bfloat16): W' = [W_q + ΔW_q; W_k; W_v + ΔW_v] and b' rounded once to bfloat16, then
+    Y = X W'ᵀ + b' and dX = dY W' rounded once (the GEMMs accumulate in float32: well inside
+    these errors). Both meet docs/math.md §4 against the float64 reference, with torch's
+    bfloat16 run of the same reference as the yardstick, at GPT-2 widths and small (1e-3)
+    to large (1e-1) updates."""
+    from kfused.reference.headwise import projection_delta_weight
+
+    bf = torch.bfloat16
+    rb = lambda t: t.to(bf).double()   # noqa: E731  (a bfloat16 input, in float64)
+    T, d, H, p = 192, 768, 12, 64
+    x = rb(rnd(T, d))
+    wq, wk, wv = (rb(0.02 * rnd(H * p, d)) for _ in range(3))
+    bq, bk, bv = (rb(0.02 * rnd(H * p)) for _ in range(3))
+    q = HeadFactors(wise_A=rb(mag * rnd(H, 3, d)), wise_B=rb(mag * rnd(H, p, 3)),
+                    wise_c=rb(mag * rnd(H, p)), shared_A=rb(mag * rnd(12, d)),
+                    shared_B=rb(mag * rnd(H * p, 12)), scale=2.0)
+    v = HeadFactors(lite_A=rb(mag * rnd(H, 8, p)), lite_B=rb(mag * rnd(H, p, 8)),
+                    shared_A=rb(mag * rnd(8, d)), shared_B=rb(mag * rnd(H * p, 8)), scale=2.0)
+    keys = ("wise_A", "wise_B", "wise_c", "shared_A", "shared_B", "lite_A", "lite_B")
+    as_bf = lambda f: HeadFactors(scale=f.scale, **{k: getattr(f, k).to(bf) for k in keys  # noqa
+                                                    if getattr(f, k) is not None})
+    g = rb(rnd(T, 3 * H * p))
+    x64 = x.clone().requires_grad_()
+    ref = torch.cat(headwise_qkv_ref(x64, wq, wk, wv, bq, bk, bv, n_heads=H, q=q, v=v), -1)
+    ref.backward(g)
+    xt = x.to(bf).requires_grad_()
+    tt = torch.cat(headwise_qkv_ref(xt, *(t.to(bf) for t in (wq, wk, wv, bq, bk, bv)),
+                                    n_heads=H, q=as_bf(q), v=as_bf(v)), -1)
+    tt.backward(g.to(bf))
+    dwq, dbq = projection_delta_weight(q, H)
+    dwv, dbv = projection_delta_weight(v, H, w_k=wk, b_k=bk)
+    wf = rb(torch.cat([wq + dwq, wk, wv + dwv]))
+    bfold = rb(torch.cat([bq + dbq, bk, bv + dbv]))
+    for got, want, torch_t in ((rb(x @ wf.t() + bfold), ref.detach(), tt.double()),
+                               (rb(g @ wf), x64.grad, xt.grad.double())):
+        bound = 2 * (torch_t - want).abs().max() + 2 ** -8 * want.abs().max()
+        assert (got - want).abs().max() <= bound
 
 
 def test_qkv_exact_must_be_bool_or_none():
@@ -572,6 +662,19 @@ def test_opcheck_qkv():
     # the sections' column sums db written in a 16-bit dtype (q) and float32 (v)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default,
                           bargs + (1.0, 1.0, torch.float16, None))
+    # folded (fold=2, 16-bit): no Z stored (a (T, 0) buffer), the backward recomputes it
+    half = [a.half() if isinstance(a, torch.Tensor) else a for a in args]
+    hargs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+             for a in half]
+    fargs = tuple(hargs) + (0.5, 1.0, None, None, 2)
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_fwd.default, fargs)
+    fdet = [a.detach() if isinstance(a, torch.Tensor) else a for a in fargs]
+    Yf, Zf = torch.ops.kfused.headwise_qkv_triton_fwd(*fdet)
+    assert Zf.shape == (T, 0)
+    fb = (torch.randn_like(Yf), fdet[0], fdet[1], fdet[2], fdet[3], fdet[7], fdet[9],
+          fdet[10], fdet[11], fdet[12], fdet[14], None, None, Zf, p, True, True, 0.5, 1.0,
+          None, None, 2)
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default, fb)
 
 
 def test_opcheck_oproj():

@@ -52,33 +52,36 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
              v_sup: Optional[torch.Tensor], head_dim: int, q_scale: float = 1.0,
              v_scale: float = 1.0, q_c: Optional[torch.Tensor] = None,
              v_c: Optional[torch.Tensor] = None,
-             fold_dx: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    # fold_dx: how the backward forms dx (headwise_qkv_backward's argument; saved by
-    # _qkv_setup, unused here)
+             fold: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    # fold: 0 exact, 1 fold where the roofline says it pays, 2 fold (16-bit; see
+    # kfused.triton_kernels.headwise_qkv), the same for the backward (saved by _qkv_setup)
     k = _tk()
     q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
     # the GEMM epilogue reads the biases with unit stride (x and the weights via strides)
     return k.headwise_qkv_forward(x, w_q, w_k, w_v, _dense(b_q), _dense(b_k), _dense(b_v), q, v,
-                                  head_dim, _dense(q_c), _dense(v_c))
+                                  head_dim, _dense(q_c), _dense(v_c), fold)
 
 
-def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device):
+def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device, fold=0, T=0, K=0,
+            N=0, dtype=torch.float32):
     """Width of the packed rank-space buffer (see kfused.triton_kernels.headwise_qkv)."""
     rq = q_down.shape[1] if q_down is not None else 0
     rsq = q_sdown.shape[0] if q_sdown is not None else 0
     rv = v_down.shape[1] if v_down is not None else 0
     rsv = v_sdown.shape[0] if v_sdown is not None else 0
-    return _tk().qkv_zwidth(HQ, HV, head_dim, (rq, rsq), (rv, rsv), device)
+    return _tk().qkv_zwidth(HQ, HV, head_dim, (rq, rsq), (rv, rsv), device, fold, T, K, N,
+                            dtype)
 
 
 @_qkv_fwd.register_fake
 def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
       v_down, v_zb, v_up, v_sdown, v_sup, head_dim, q_scale=1.0, v_scale=1.0, q_c=None,
-      v_c=None, fold_dx=0):
+      v_c=None, fold=0):
     T = x.shape[0]
+    N = w_q.shape[0] + w_k.shape[0] + w_v.shape[0]
     M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
-                v_down, v_sdown, x.device)
+                v_down, v_sdown, x.device, fold, T, x.shape[1], N, x.dtype)
     return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]), x.new_empty(T, M))
 
 
@@ -92,14 +95,14 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              z: torch.Tensor, head_dim: int, need_dx: bool,
              need_factors: bool, q_scale: float = 1.0,
              v_scale: float = 1.0, q_db_dtype: Optional[torch.dtype] = None,
-             v_db_dtype: Optional[torch.dtype] = None, fold_dx: int = 0) -> List[torch.Tensor]:
-    # *_db_dtype: the dtype of the section's column sums db (None: float32); fold_dx: see
-    # kfused.triton_kernels.headwise_qkv.headwise_qkv_backward
+             v_db_dtype: Optional[torch.dtype] = None, fold: int = 0) -> List[torch.Tensor]:
+    # *_db_dtype: the dtype of the section's column sums db (None: float32); fold: the
+    # forward's (kfused.triton_kernels.headwise_qkv.headwise_qkv_backward)
     k = _tk()
     q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup, v_scale)
     dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
-                                         need_factors, (q_db_dtype, v_db_dtype), fold_dx)
+                                         need_factors, (q_db_dtype, v_db_dtype), fold)
     out = [dx if dx is not None else _empty(x)]
     for grads in (gq, gv):
         for key in _SEC_KEYS + ("db",):
@@ -111,7 +114,7 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
 @_qkv_bwd.register_fake
 def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
       v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0, q_db_dtype=None,
-      v_db_dtype=None, fold_dx=0):
+      v_db_dtype=None, fold=0):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
     for down, up, sdown, sup, w, db_dt in ((q_down, q_up, q_sdown, q_sup, w_q, q_db_dtype),
                                            (v_down, v_up, v_sdown, v_sup, w_v, v_db_dtype)):
@@ -134,12 +137,12 @@ def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
 def _qkv_setup(ctx, inputs, output):
     (x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *rest) = inputs
-    q_scale, v_scale, q_c, v_c, fold_dx = tuple(rest) + (1.0, 1.0, None, None, 0)[len(rest):]
+    q_scale, v_scale, q_c, v_c, fold = tuple(rest) + (1.0, 1.0, None, None, 0)[len(rest):]
     ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
                           v_down, v_up, v_sdown, v_sup, output[1])
     ctx.head_dim = head_dim
     ctx.scales = (q_scale, v_scale)
-    ctx.fold_dx = fold_dx
+    ctx.fold = fold
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
     ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
     ctx.c_dtypes = tuple(c.dtype if c is not None else None for c in (q_c, v_c))
@@ -169,7 +172,7 @@ def _qkv_backward(ctx, gY, gZ):
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
         v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales,
-        db_dtype(0, 0), db_dtype(2, 1), ctx.fold_dx)
+        db_dtype(0, 0), db_dtype(2, 1), ctx.fold)
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
@@ -222,16 +225,20 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
             when smaller). Lite on q uses key head ``h // (H / H_kv)`` for query head h.
         q, v: factors (shapes in :class:`HeadFactors`; for v use H_kv heads).
         backend: "auto" | "triton" | "reference".
-        exact: how the Triton backward forms dX (the rule of
+        exact: how the Triton backend applies the q and v updates (the rule of
             :func:`kfused.ops._fold.fold_decision`, shared with ``headwise_oproj`` and
-            ``krona_linear``). True: ``dX = [dY | dZ]·[W; D]``, the update never rounded into
-            a weight. False (16-bit only): fold the q and v updates into their frozen
-            weights, ``W' = W + ΔW`` (one pass over those weights, rounded once to the input
-            dtype), and ``dX = dY·[W'_q; W_k; W'_v]``: the part of ΔW below half an ulp of
-            W is rounded away in dX (the forward and the factor gradients stay exact).
-            None (default): fold for float16/bfloat16 CUDA inputs with at least
-            ``FOLD_MIN_TOKENS`` tokens when the performance model says the fold pays (it
-            does at GPT-2 widths, not at Llama-7B's), else exact. float32 never folds.
+            ``krona_linear``). True: the augmented GEMMs (``Y = X [W; D]ᵀ`` with the
+            up-projections in the epilogue, ``dX = [dY | dZ]·[W; D]``), the update never
+            rounded into a weight. False (16-bit only): fold the updates and the biases into
+            a copy of the frozen weights, ``W' = [W_q + ΔW_q; W_k; W_v + ΔW_v]`` (one pass,
+            rounded once to the input dtype), then ``Y = X W'ᵀ + b'`` and ``dX = dY W'``,
+            frozen-shaped; the part of ΔW below half an ulp of W is rounded away in Y and dX
+            (the factor gradients stay exact; Z is recomputed from X in the backward).
+            None (default): on float16/bfloat16 CUDA inputs with at least
+            ``FOLD_MIN_TOKENS`` tokens, what the performance model predicts is faster
+            (kfused.triton_kernels._headwise_common.fold_plan: both folds, dX's alone, or
+            none; Kernel-mix(qvo) intermediate folds at GPT-2 widths); else exact. float32
+            never folds.
 
     Returns ``Q (..., H·p)``, ``K (..., H_kv·p)``, ``V (..., H_kv·p)``, or with
     ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel
@@ -242,7 +249,9 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     bases A_h W_k^h precomputed per call, shared A_s; packed into one >= 16-wide block) and
     adds the up-projections and biases in its epilogue before writing Q and V. Backward: one
     rank pass over dQ and dV (dZ, up-projection and bias gradients), dX as one GEMM over
-    [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections.
+    [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections. Folded
+    (``exact``): one launch forms W' and b', the forward and dX are frozen-shaped GEMMs and
+    the rank pass recomputes Z from X.
     """
     _validate.check_tensor("x", x, min_ndim=1)
     H = _check_n_heads(n_heads)
@@ -287,11 +296,11 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     return tuple(Y.split([H * p, Hkv * p, Hkv * p], dim=-1))
 
 
-def _dx_fold_mode(dtype: torch.dtype, tokens: int, exact: Optional[bool],
-                  device: torch.device) -> int:
-    """The backward's ``fold_dx`` for ``exact`` (kfused.triton_kernels.headwise_qkv.
-    headwise_qkv_backward): 0 exact; 1 fold when the performance model says it pays
-    (exact=None where :func:`fold_decision` folds); 2 fold (exact=False, 16-bit)."""
+def _fold_mode(dtype: torch.dtype, tokens: int, exact: Optional[bool],
+               device: torch.device) -> int:
+    """The ops' ``fold`` for ``exact`` (kfused.triton_kernels.headwise_qkv): 0 exact; 1 fold
+    where the performance model says it pays (exact=None where :func:`fold_decision` folds);
+    2 fold (exact=False, 16-bit)."""
     if not fold_decision(dtype, tokens, exact, device.type == "cuda"):
         return 0
     return 2 if exact is False else 1
@@ -314,7 +323,7 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None, exact=
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, c(b_q), c(b_k), c(b_v), *qf, *vf, p, sq, sv, c(dcq), c(dcv),
-        _dx_fold_mode(x2.dtype, x2.shape[0], exact, x2.device))
+        _fold_mode(x2.dtype, x2.shape[0], exact, x2.device))
     for lite, c0 in ((lq, 0), (lv, w_q.shape[0] + w_k.shape[0])):
         if lite is not None and lite[0].requires_grad and torch.is_grad_enabled():
             Y = LiteKeyGrad.apply(Y, lite[0], lite[1], x2.detach(), kw.detach(),

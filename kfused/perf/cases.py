@@ -217,26 +217,35 @@ def _m_oproj_fold(L) -> Dict[str, float]:
 
 @kernel("_qkv_fold_kernel")
 def _m_qkv_fold(L) -> Dict[str, float]:
-    """W' = W + U·D of the q and v sections (headwise_qkv's folded dX): one (BN × BK) tile
-    of W' per program, one (BN × RB)·(RB × BK) tensor-core dot (two with a scaled shared
-    part), W converted and added, W' converted on store. HBM: W read and W' written once,
-    each tile's U re-read by its column programs and D by nobody else (L2 rule)."""
+    """W' = [W_q + U_q·D_q; W_k; W_v + U_v·D_v] (headwise_qkv folded): one (BN × BK) tile of
+    W' per program; adapted tiles issue one (BN × RB)·(RB × BK) tensor-core dot (two with a
+    scaled shared part); W converted and added, W' converted on store; BIAS: the first
+    column programs also form b' (U·zb, a row sum per slot). HBM: W read and W' written
+    once, each tile's U re-read by its column programs (L2 rule), D once."""
     a = L.bound()
     K, BN, BK = a["K"], a["BN"], a["BK"]
     kb = L.grid[1]
     w = _work()
     out_el = _el(a["out_ptr"])
     w["hbm_bytes"] = 0.0
-    secs = [("a_", "A_", a["a_L"])]
-    if L.grid[0] > a["a_L"]:
-        secs.append(("b_", "B_", L.grid[0] - a["a_L"]))
+    La, Lk = a["a_L"], a["k_L"]
+    secs = [("a_", "A_", La), ("k_", "K_", Lk), ("b_", "B_", L.grid[0] - La - Lk)]
     for pre, cpre, Lt in secs:
-        RB, N, W = a[cpre + "RB"], a[pre + "N"], a[pre + "W"]
-        dots = 2 if a.get(cpre + "SH_SCALE") else 1
-        _prod(w, "fold", Lt * kb * dots * 2.0 * BN * RB * BK, True, _is16(a[pre + "d"]))
+        if Lt <= 0:
+            continue
+        N = a[pre + "N"]
         w["alu_ops"] += Lt * kb * BN * BK * 3
-        w["hbm_bytes"] += (N * K * (_el(a[pre + "w"]) + out_el)
-                           + R.reread_bytes(Lt * W * BN * out_el, kb) + Lt * W * K * out_el)
+        w["hbm_bytes"] += N * K * (_el(a[pre + "w"]) + out_el)
+        if a.get(cpre + "LR"):
+            RB, W = a[cpre + "RB"], a[pre + "W"]
+            dots = 2 if a.get(cpre + "SH_SCALE") else 1
+            _prod(w, "fold", Lt * kb * dots * 2.0 * BN * RB * BK, True, _is16(a[pre + "d"]))
+            w["hbm_bytes"] += (R.reread_bytes(Lt * W * BN * out_el, kb)
+                               + Lt * W * K * out_el)
+            if a["BIAS"]:
+                w["alu_ops"] += Lt * BN * RB * 2
+        if a["BIAS"]:
+            w["hbm_bytes"] += N * out_el * 2
     return w
 
 
@@ -332,14 +341,26 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
         N, RB, W = a[pre + "N"], a[cpre + "RB"], a[pre + "W"]
         unit = "dot16_flops" if x16 else "fma32_flops"
         w[unit] += Lt * 2 * 2.0 * tp * BN * RB                      # dZ and dU products
+        zx = a.get("ZX", False)
+        if zx:                                                      # Z = X D_lᵀ + zb again
+            K = a["K"]
+            w[unit] += Lt * 2.0 * tp * RB * _k_pad(K, a["BK"])
+            w["alu_ops"] += Lt * tp * RB * 2
         if a.get(cpre + "SH_SCALE"):
             w[unit] += Lt * 2.0 * tp * BN * RB                      # dZ of round(s·dY) (shared)
             w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
         w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
+        z_bytes = 0 if zx else T * Lt * W * _el(a[pre + "z"])      # Z read (not when ZX)
         w["hbm_bytes"] += (T * N * el                               # dY once (own columns)
-                           + T * Lt * W * (_el(a[pre + "z"]) + _el(a[pre + "dz"]))  # Z, dZ
+                           + z_bytes + T * Lt * W * _el(a[pre + "dz"])  # dZ written
+                           + (a[pre + "d"].numel() * el if zx else 0)
                            + a[pre + "u"].numel() * _el(a[pre + "u"])
                            + S * (Lt * RB * BN + Lt * RB + N) * 4)  # float32 partials
+    if a.get("ZX", False):
+        # X once: the programs of one token split (every tile of both sections) run side by
+        # side and share its rows through L2
+        xs = a["x_ptr"]
+        w["hbm_bytes"] += T * a["K"] * _el(xs)
     return w
 
 

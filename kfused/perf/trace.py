@@ -62,7 +62,10 @@ class _Glue(TorchDispatchMode):
             out = func(*args, **kwargs)
             real = True
         if short not in _FREE:
-            ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            # (an out= buffer is written, not read: not an input)
+            ins = [a for a in tree_flatten((args, {k: v for k, v in kwargs.items()
+                                                   if k != "out"}))[0]
+                   if isinstance(a, torch.Tensor)]
             outs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
             nb = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
             if short in ("zero_", "fill_", "zeros", "ones", "full", "zeros_like", "ones_like",
@@ -131,8 +134,9 @@ def _gpu_dispatch(launches: List[Launch]):
     * ``_headwise_common._launch`` records one launch per autotuning config while compiling
       for a GPU; those launches share an ``alt`` id so the report keeps only the fastest
       predicted one.
-    * ``headwise_qkv``'s ``_dx_fold_mode`` (how its backward forms dX for ``exact``) is
-      evaluated as for a CUDA device.
+    * ``headwise_qkv``'s ``_fold_mode`` (how ``exact`` applies the update) is evaluated as
+      for a CUDA device, and its folded GEMMs (``frozen_gemm``) go to cuBLAS for 16-bit
+      operands as they do there.
 
     Each name is replaced in every headwise kernel module that looks it up as a global.
     """
@@ -143,9 +147,10 @@ def _gpu_dispatch(launches: List[Launch]):
     import kfused.triton_kernels.headwise_qkv as hq
 
     ops_qkv = importlib.import_module("kfused.ops.headwise_qkv")  # (not the function)
-    fold_mode = ops_qkv._dx_fold_mode
+    fold_mode = ops_qkv._fold_mode
 
-    orig = dict(reduce_tokens=hc.reduce_tokens, _thin=ho._thin, _launch=hc._launch)
+    orig = dict(reduce_tokens=hc.reduce_tokens, _thin=ho._thin, _launch=hc._launch,
+                frozen_gemm=hc.frozen_gemm)
     counter = [0]
 
     def reduce_tokens(a_t, b, partials=False):
@@ -167,11 +172,18 @@ def _gpu_dispatch(launches: List[Launch]):
                 L.alt = counter[0]
             counter[0] += 1
 
-    def _dx_fold_mode(dtype, tokens, exact, device):
+    def _fold_mode(dtype, tokens, exact, device):
         return fold_mode(dtype, tokens, exact, torch.device("cuda"))
 
+    def frozen_gemm(a, b, out, bias=None):
+        if a.dtype in _IS16:
+            if bias is None:
+                return torch.matmul(a, b, out=out)
+            return torch.addmm(bias, a, b, out=out)
+        return orig["frozen_gemm"](a, b, out, bias=bias)
+
     patched = dict(reduce_tokens=reduce_tokens, _thin=_thin, _launch=_launch,
-                   _dx_fold_mode=_dx_fold_mode)
+                   _fold_mode=_fold_mode, frozen_gemm=frozen_gemm)
     saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho, ops_qkv) for k in patched
              if hasattr(m, k)]
     for m, k, _ in saved:

@@ -35,9 +35,11 @@ Passes (q|k|v projection):
   forward   Y = X [W; D]ᵀ + packed up-projection epilogue            (one GEMM, Z stored)
   backward  rank pass over dY (dZ, dU, dzb, db); dX = [dY | dZ]·[W; D] (one GEMM);
             dD = dZᵀ X (token reduction; cuBLAS for 16-bit on a GPU, split-K here otherwise).
-            folded dX (16-bit, exact=False, or exact=None on a GPU where dx_fold_pays):
-            W' = W + U·D for q and v (_qkv_fold_kernel, one launch), dX = dY·[W'_q; W_k;
-            W'_v], frozen-shaped.
+  folded    (16-bit; exact=False, or exact=None on a GPU where fold_plan predicts it pays)
+            W' = [W_q + U·D; W_k; W_v + U·D] and b' = b + c + U·zb (_qkv_fold_kernel, one
+            launch, one rounding); forward Y = X W'ᵀ + b' (cuBLAS on a GPU), no Z stored;
+            backward: the rank pass recomputes Z = X Dᵀ + zb per token block, W' folded
+            again, dX = dY W' (cuBLAS). fold_plan may also fold dX alone (forward exact).
 Output projection (the down-projection reads O head by head, the up-projection spans every
 output column, so Z cannot be finished inside one output tile):
   forward   Z = O D_oᵀ (D_o: block-diagonal A_h plus A_s, thin GEMM), Y = [O | Z]·[W_o | B]ᵀ
@@ -406,14 +408,19 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
 @triton.jit
 def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
                   du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS, W,
+                  x_ptr, s_xm, K, d_ptr, zb_ptr,
                   BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                  PREC: tl.constexpr, SH_SCALE: tl.constexpr):
+                  PREC: tl.constexpr, SH_SCALE: tl.constexpr, ZX: tl.constexpr,
+                  BK: tl.constexpr):
     # Tile l, token split s of one section. One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
     # (stored in the input dtype), partials of U_l's gradient Z_lᵀ dY_l, of Σ_t dZ_l (float32,
     # before rounding) and of the bias gradient Σ_t dY_l. SH_SCALE: the shared rows (slots
     # [0, RS) of every tile) take dZ = round(scale·dY_l) U_lᵀ, rounding the scaled gradient
     # first as the same-precision torch path does (U holds B_s unscaled). U, Z and dZ hold W
     # slots per tile (their tile stride); the partials RB (the slots past W are zero).
+    # ZX (a folded forward stored no Z): Z_l = X D_lᵀ + zb_l recomputed per token block from
+    # X (T, K), unit column stride, and the packed D (L, W, K), zb (L, W), rounded to the
+    # input dtype as the forward's augmented GEMM rounds it.
     cn = tl.arange(0, BN)
     rn = l * BN + cn
     nmask = rn < N
@@ -431,8 +438,21 @@ def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
         tmask = rt < t_hi
         g = tl.load(g_ptr + rt[:, None] * s_gm + rn[None, :] * s_gn,
                     mask=tmask[:, None] & nmask[None, :], other=0.0)
-        z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
-                    mask=tmask[:, None] & wmask[None, :], other=0.0)
+        if ZX:
+            zf = tl.zeros((BT, RB), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < K
+                xa = tl.load(x_ptr + rt[:, None] * s_xm + kk[None, :],
+                             mask=tmask[:, None] & km[None, :], other=0.0)
+                dt = tl.load(d_ptr + (l * W + rr[None, :]) * K + kk[:, None],
+                             mask=km[:, None] & wmask[None, :], other=0.0)
+                zf += _mm(xa, dt, True, PREC)
+            zf += tl.load(zb_ptr + l * W + rr, mask=wmask, other=0.0)[None, :]
+            z = zf.to(g.dtype)
+        else:
+            z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
+                        mask=tmask[:, None] & wmask[None, :], other=0.0)
         dz = _mm(g, ut, True, PREC)
         if SH_SCALE:
             gs = (g.to(tl.float32) * scale).to(g.dtype)
@@ -449,14 +469,14 @@ def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
 
 
 @triton.jit
-def _lr_rank_bwd_kernel(T, T_PER,
+def _lr_rank_bwd_kernel(T, T_PER, x_ptr, s_xm, K,
                         a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
-                        a_db, a_L, a_scale, a_RS, a_W,
+                        a_db, a_L, a_scale, a_RS, a_W, a_d, a_zb,
                         b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du, b_dzb,
-                        b_db, b_L, b_scale, b_RS, b_W,
+                        b_db, b_L, b_scale, b_RS, b_W, b_d, b_zb,
                         BT: tl.constexpr, BN: tl.constexpr, A_RB: tl.constexpr,
                         B_RB: tl.constexpr, PREC: tl.constexpr, A_SH_SCALE: tl.constexpr,
-                        B_SH_SCALE: tl.constexpr):
+                        B_SH_SCALE: tl.constexpr, ZX: tl.constexpr, BK: tl.constexpr):
     # grid: (L_a + L_b tiles, S token splits), up to two sections in one launch (the q and v
     # sections of a q|k|v projection; L_b = 0 for one): program (l, s) runs tile l of
     # section a or tile l − L_a of section b (_lr_rank_tile), each with its own RB.
@@ -464,18 +484,21 @@ def _lr_rank_bwd_kernel(T, T_PER,
     s = tl.program_id(1)
     if l < a_L:
         _lr_rank_tile(l, s, a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
-                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, BT, BN, A_RB, PREC, A_SH_SCALE)
+                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, x_ptr, s_xm, K, a_d, a_zb,
+                      BT, BN, A_RB, PREC, A_SH_SCALE, ZX, BK)
     else:
         _lr_rank_tile(l - a_L, s, b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du,
-                      b_dzb, b_db, T, T_PER, b_L, b_scale, b_RS, b_W, BT, BN, B_RB, PREC,
-                      B_SH_SCALE)
+                      b_dzb, b_db, T, T_PER, b_L, b_scale, b_RS, b_W, x_ptr, s_xm, K, b_d,
+                      b_zb, BT, BN, B_RB, PREC, B_SH_SCALE, ZX, BK)
 
 
-def lr_rank_backward_sections(items) -> list:
+def lr_rank_backward_sections(items, x: Optional[torch.Tensor] = None) -> list:
     """The rank pass of one or two sections in one launch. items: per section (g, lr, dz):
     g (T, N) view of the section's output gradient, its LowRankTiles, dz (T, L·W) view to
-    fill. Returns per section the float32 token-split partials (dU (S, L, RB, BN),
-    dzb (S, L, RB), db (S, N)) with RB = lr.RB (slots past W zero), S shared."""
+    fill. ``x`` (T, K) with unit column stride: recompute Z from it and the tiles' D and zb
+    (a folded forward stored none; lr.z is then unused). Returns per section the float32
+    token-split partials (dU (S, L, RB, BN), dzb (S, L, RB), db (S, N)) with RB = lr.RB
+    (slots past W zero), S shared."""
     assert 1 <= len(items) <= 2
     T = items[0][0].shape[0]
     g0 = items[0][0]
@@ -496,18 +519,22 @@ def lr_rank_backward_sections(items) -> list:
         if T == 0:
             du, dzb, db = du.zero_(), dzb.zero_(), db.zero_()
         outs.append((du, dzb, db))
-        args.append([g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz,
-                     dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W])
+        z = lr.z if x is None else dz           # (unused when Z is recomputed)
+        args.append([g, g.stride(0), g.stride(1), N, z, z.stride(0), lr.U, dz,
+                     dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W, lr.D, lr.zb])
         meta.append((lr.RB, lr.scaled))
     if T == 0:
         return outs
     if len(items) == 1:             # one section: the second's tiles are none
         args.append(args[0])
         meta.append(meta[0])
+    K = x.shape[1] if x is not None else 0
+    xa = x if x is not None else g0
     _lr_rank_bwd_kernel[(sum(Ls), S)](
-        T, T_PER, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
+        T, T_PER, xa, xa.stride(0), K, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
         A_RB=meta[0][0], B_RB=meta[1][0], PREC=dot_precision(g0.dtype),
-        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1],
+        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1], ZX=x is not None,
+        BK=_blk(K, 16, 64 if targets_gpu(dev) else 32),
         num_warps=8 if targets_gpu(dev) else 4)
     return outs
 
@@ -523,115 +550,212 @@ def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------
-# The backward's folded weight (16-bit, exact=False / None on a GPU when it pays): dX reads
-# W' = W + U·D instead of the dZ segment [dY | dZ]·[W; D]
+# Folding (16-bit, exact=False, or exact=None on a GPU where the roofline says it pays): the
+# adapted sections' updates rounded once into a copy of the frozen weight, W' = W + U·D
+# (from the packed tiles), so that Y = X W'ᵀ + b' and dX = dY W' are frozen-shaped GEMMs
 
 
 @triton.jit
-def _fold_tile(l, kb, w_ptr, s_wn, s_wk, d_ptr, u_ptr, out_ptr, K, N, RS, W, scale,
-               BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, SH_SCALE: tl.constexpr):
+def _fold_tile(l, kb, w_ptr, s_wn, s_wk, d_ptr, u_ptr, zb_ptr, b_ptr, c_ptr, out_ptr, bo_ptr,
+               K, N, RS, W, scale,
+               BN: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, LR: tl.constexpr,
+               SH_SCALE: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
+               BIAS: tl.constexpr):
     # Rows [l·BN, (l+1)·BN) of one section, columns [kb·BK, (kb+1)·BK):
     # W'[n, k] = W[n, k] + Σ_slot s(slot)·U[l, slot, n − l·BN]·D[l, slot, k], s = scale on
-    # the RS shared slots (U holds B_s unscaled), 1 on the others. Exact 16-bit products
-    # (tensor cores) summed with W in float32, rounded once on store (out: unit column
-    # stride, row stride K).
+    # the RS shared slots (U holds B_s unscaled), 1 on the others; LR False: a copy (a
+    # section with no update). Exact 16-bit products (tensor cores) summed with W in
+    # float32, rounded once on store (out: unit column stride, row stride K). BIAS: the
+    # kb = 0 programs also write b'[n] = b[n] + c[n] + Σ_slot s(slot)·U[l, slot, n]·zb[l, slot]
+    # (float32 sum, rounded once to bo's dtype).
     cn = tl.arange(0, BN)
     rn = l * BN + cn
     nmask = rn < N
     ks = kb * BK + tl.arange(0, BK)
     kmask = ks < K
-    rr = tl.arange(0, RB)
-    wmask = rr < W
     acc = tl.load(w_ptr + rn[:, None] * s_wn + ks[None, :] * s_wk,
                   mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    ut = tl.load(u_ptr + (l * W + rr[None, :]) * BN + cn[:, None], mask=wmask[None, :],
-                 other=0.0)                                         # (BN, RB) = U_lᵀ
-    dd = tl.load(d_ptr + (l * W + rr[:, None]) * K + ks[None, :],
-                 mask=wmask[:, None] & kmask[None, :], other=0.0)   # (RB, BK)
-    if SH_SCALE:
-        sh = (rr < RS)[None, :]
-        zero = tl.zeros_like(ut)
-        acc += scale * tl.dot(tl.where(sh, ut, zero), dd, out_dtype=tl.float32)
-        acc += tl.dot(tl.where(sh, zero, ut), dd, out_dtype=tl.float32)
-    else:
-        acc += tl.dot(ut, dd, out_dtype=tl.float32)
+    if LR:
+        rr = tl.arange(0, RB)
+        wmask = rr < W
+        ut = tl.load(u_ptr + (l * W + rr[None, :]) * BN + cn[:, None], mask=wmask[None, :],
+                     other=0.0)                                         # (BN, RB) = U_lᵀ
+        dd = tl.load(d_ptr + (l * W + rr[:, None]) * K + ks[None, :],
+                     mask=wmask[:, None] & kmask[None, :], other=0.0)   # (RB, BK)
+        if SH_SCALE:
+            sh = (rr < RS)[None, :]
+            zero = tl.zeros_like(ut)
+            acc += scale * tl.dot(tl.where(sh, ut, zero), dd, out_dtype=tl.float32)
+            acc += tl.dot(tl.where(sh, zero, ut), dd, out_dtype=tl.float32)
+        else:
+            acc += tl.dot(ut, dd, out_dtype=tl.float32)
     tl.store(out_ptr + rn[:, None] * K + ks[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=nmask[:, None] & kmask[None, :])
+    if BIAS:
+        if kb == 0:
+            bsum = tl.zeros((BN,), dtype=tl.float32)
+            if HAS_B:
+                bsum += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            if HAS_C:
+                bsum += tl.load(c_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            if LR:
+                zb = tl.load(zb_ptr + l * W + rr, mask=wmask, other=0.0)
+                if SH_SCALE:
+                    zb = tl.where(rr < RS, zb * scale, zb)
+                bsum += tl.sum(ut.to(tl.float32) * zb[None, :], axis=1)
+            tl.store(bo_ptr + rn, bsum.to(bo_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
-def _qkv_fold_kernel(K, out_ptr,
-                     a_w, a_swn, a_swk, a_d, a_u, a_N, a_RS, a_W, a_scale, a_L,
-                     b_w, b_swn, b_swk, b_d, b_u, b_N, b_RS, b_W, b_scale, b_row,
-                     BN: tl.constexpr, A_RB: tl.constexpr, B_RB: tl.constexpr,
-                     A_SH_SCALE: tl.constexpr, B_SH_SCALE: tl.constexpr, BK: tl.constexpr):
-    # grid: (L_a + L_b tiles, cdiv(K, BK)), up to two sections in one launch (q and v):
-    # program (l, kb) folds tile l of section a into out rows [0, N_a), or tile l − L_a of
-    # section b into rows [b_row, b_row + N_b) (_fold_tile).
+def _qkv_fold_kernel(K, out_ptr, bo_ptr,
+                     a_w, a_swn, a_swk, a_d, a_u, a_zb, a_b, a_c, a_N, a_RS, a_W, a_scale,
+                     a_L,
+                     k_w, k_swn, k_swk, k_b, k_N, k_row, k_L,
+                     b_w, b_swn, b_swk, b_d, b_u, b_zb, b_b, b_c, b_N, b_RS, b_W, b_scale,
+                     b_row,
+                     BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr,
+                     A_LR: tl.constexpr, A_RB: tl.constexpr, A_SH_SCALE: tl.constexpr,
+                     A_HAS_B: tl.constexpr, A_HAS_C: tl.constexpr, K_HAS_B: tl.constexpr,
+                     B_LR: tl.constexpr, B_RB: tl.constexpr, B_SH_SCALE: tl.constexpr,
+                     B_HAS_B: tl.constexpr, B_HAS_C: tl.constexpr):
+    # grid: (L_a + L_k + L_b tiles, cdiv(K, BK)): the three sections q (a, rows [0, N_a)),
+    # k (copied, rows [k_row, k_row + N_k)) and v (b, rows [b_row, b_row + N_b)) of
+    # W' = [W'_q; W_k; W'_v] (_fold_tile), any of them empty; an unadapted q or v is a copy.
     l = tl.program_id(0)
     kb = tl.program_id(1)
     if l < a_L:
-        _fold_tile(l, kb, a_w, a_swn, a_swk, a_d, a_u, out_ptr, K, a_N, a_RS, a_W, a_scale,
-                   BN, A_RB, BK, A_SH_SCALE)
+        _fold_tile(l, kb, a_w, a_swn, a_swk, a_d, a_u, a_zb, a_b, a_c, out_ptr, bo_ptr, K,
+                   a_N, a_RS, a_W, a_scale, BN, A_RB, BK, A_LR, A_SH_SCALE, A_HAS_B, A_HAS_C,
+                   BIAS)
+    elif l < a_L + k_L:
+        _fold_tile(l - a_L, kb, k_w, k_swn, k_swk, out_ptr, out_ptr, out_ptr, k_b, out_ptr,
+                   out_ptr + k_row * K, bo_ptr + k_row, K, k_N, 0, 0, 1.0, BN, 16, BK, False,
+                   False, K_HAS_B, False, BIAS)
     else:
-        _fold_tile(l - a_L, kb, b_w, b_swn, b_swk, b_d, b_u, out_ptr + b_row * K, K, b_N,
-                   b_RS, b_W, b_scale, BN, B_RB, BK, B_SH_SCALE)
+        _fold_tile(l - a_L - k_L, kb, b_w, b_swn, b_swk, b_d, b_u, b_zb, b_b, b_c,
+                   out_ptr + b_row * K, bo_ptr + b_row, K, b_N, b_RS, b_W, b_scale, BN, B_RB,
+                   BK, B_LR, B_SH_SCALE, B_HAS_B, B_HAS_C, BIAS)
 
 
-def fold_sections(items, K: int) -> torch.Tensor:
-    """W' = W + U·D of one or two packed sections in one launch. items: per section
-    (w (N, K) any strides, its LowRankTiles lr). Returns W' (ΣN, K) contiguous in the
-    packed operands' dtype, the sections' rows one after the other."""
-    assert 1 <= len(items) <= 2
-    D0 = items[0][1].D
-    dev = D0.device
-    rows = [w.shape[0] for w, _ in items]
-    out = _alloc.empty(sum(rows), K, dtype=D0.dtype, device=dev)
+def fold_qkv(ws, lrs, K: int, dtype: torch.dtype, biases=None, cs=None):
+    """W' = [W'_q; W_k; W'_v] (ΣN, K) contiguous in ``dtype`` (one launch): ws the three
+    frozen weights (N_i, K) any strides (N_i may be 0), lrs the LowRankTiles of q and v (None:
+    that section is copied). ``biases`` (b_q, b_k, b_v) and ``cs`` (c_q, c_v), contiguous or
+    None: also return b' (ΣN,) in ``dtype``, the frozen biases plus the per-head biases plus
+    U·zb of each tile (the lite heads' down-projection bias through the up-projection), each
+    rounded once; else (W', None)."""
+    dev = ws[0].device
+    rows = [w.shape[0] for w in ws]
+    out = _alloc.empty(sum(rows), K, dtype=dtype, device=dev)
+    bias = biases is not None
+    bo = _alloc.empty(sum(rows), dtype=dtype, device=dev) if bias else out
+    if out.numel() == 0:
+        return out, (bo if bias else None)
+    BN = _tile_n(dev)
+    biases = biases if bias else (None, None, None)
+    cs = cs if cs is not None else (None, None)
+    secs, meta, Ls = [], {}, []
+    for i, (tag, w, lr, b, c) in enumerate((("A", ws[0], lrs[0], biases[0], cs[0]),
+                                             ("B", ws[2], lrs[1], biases[2], cs[1]))):
+        L = triton.cdiv(w.shape[0], BN)
+        Ls.append(L)
+        secs.append([w, w.stride(0), w.stride(1),
+                     lr.D if lr is not None else out, lr.U if lr is not None else out,
+                     lr.zb if lr is not None else out, b if b is not None else out,
+                     c if c is not None else out, w.shape[0],
+                     lr.RS if lr is not None else 0, lr.W if lr is not None else 0,
+                     lr.scale if lr is not None else 1.0,
+                     L if tag == "A" else rows[0] + rows[1]])
+        meta.update({f"{tag}_LR": lr is not None, f"{tag}_RB": lr.RB if lr is not None else 16,
+                     f"{tag}_SH_SCALE": lr is not None and lr.scaled,
+                     f"{tag}_HAS_B": b is not None, f"{tag}_HAS_C": c is not None})
+    wk, bk = ws[1], biases[1]
+    Lk = triton.cdiv(wk.shape[0], BN)
+    ksec = [wk, wk.stride(0), wk.stride(1), bk if bk is not None else out, wk.shape[0],
+            rows[0], Lk]
+    BK = _blk(K, 16, 64 if targets_gpu(dev) else 32)
+    _qkv_fold_kernel[(Ls[0] + Lk + Ls[1], triton.cdiv(K, BK))](
+        K, out, bo, *secs[0], *ksec, *secs[1], BN=BN, BK=BK, BIAS=bias, K_HAS_B=bk is not None,
+        **meta, num_warps=4 if targets_gpu(dev) else 1)
+    return out, (bo if bias else None)
+
+
+def frozen_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out = a @ b (+ bias) for a folded (frozen-shaped) GEMM: cuBLAS for 16-bit on a GPU, the
+    Triton GEMM otherwise. a (M, K), b (K, N) any strides, out (M, N) contiguous."""
+    if out.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16):
+        if bias is None:
+            return torch.matmul(a, b, out=out)
+        return torch.addmm(bias, a, b, out=out)
     if out.numel() == 0:
         return out
-    args, meta, Ls = [], [], []
-    for i, (w, lr) in enumerate(items):
-        L, W, BN = lr.U.shape
-        Ls.append(L)
-        args.append([w, w.stride(0), w.stride(1), lr.D, lr.U, w.shape[0], lr.RS, W, lr.scale,
-                     L if i == 0 else rows[0]])
-        meta.append((lr.RB, lr.scaled))
-    if len(items) == 1:             # one section: the second's tiles are none
-        args.append(args[0][:-1] + [0])
-        meta.append(meta[0])
-    BK = _blk(K, 16, 64 if targets_gpu(dev) else 32)
-    _qkv_fold_kernel[(sum(Ls), triton.cdiv(K, BK))](
-        K, out, *args[0], *args[1], BN=items[0][1].U.shape[2], A_RB=meta[0][0],
-        B_RB=meta[1][0], A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1], BK=BK,
-        num_warps=4 if targets_gpu(dev) else 1)
-    return out
+    if a.shape[1] == 0:
+        out.zero_()
+        return out.add_(bias) if bias is not None else out
+    return gemm([(a, b)], out, bias=bias)
 
 
-# Tests set this to True or False to fold (mode 1) whatever the shapes (None: decide).
+# Tests set these to True or False to take one path in mode 1 whatever the shapes (None:
+# decide): FORCE_FOLD for the forward and dX together, FORCE_FOLD_DX for dX alone.
 FORCE_FOLD = None
+FORCE_FOLD_DX = None
 
 
-def dx_fold_pays(packs, T: int, K: int, el: int, compact: bool) -> bool:
-    """Whether folding pays in the q|k|v backward (mode 1 of headwise_qkv_backward): the dx
-    GEMM loses its dZ segment, (MC if compact else M)·K MACs per token, against one fold
-    launch that reads the adapted sections' frozen weights and writes W' once. Decided by
-    the H100 roofline's ceilings (kfused.perf.roofline; PREDICTED): Kernel-mix(qvo)
-    intermediate pays at the GPT-2 and Llama-7B benchmark widths (gpt2-small: 336 slot
-    columns, ~11 µs of dZ segment against a ~5 µs fold), Kernel-mix-lite(qv) small's 96
-    columns at gpt2-small do not."""
+def fold_plan(mode: int, packs, T: int, K: int, N: int, dtype: torch.dtype):
+    """(fold the forward, fold dX) of a q|k|v call (``mode``: the ops' fold argument, 0
+    exact, 1 where the roofline says it pays, 2 fold; only 16-bit ever folds). The forward
+    folds only with dX (the same W'). Pure Python on shapes (fake kernels use it)."""
+    live = [pk for pk in packs if pk is not None]
+    if mode == 0 or not live or T == 0 or dtype not in (torch.float16, torch.bfloat16):
+        return False, False
+    if mode == 2:
+        return True, True
+    el = torch.finfo(dtype).bits // 8
+    fwd = fold_pays(packs, T, K, N, el) if FORCE_FOLD is None else bool(FORCE_FOLD)
+    if fwd:
+        return True, True
+    compact = compact_pays(packs, T, K, el)
+    return False, (dx_fold_pays(packs, T, K, N, el, compact) if FORCE_FOLD_DX is None
+                   else bool(FORCE_FOLD_DX))
+
+
+def _fold_cost(N: int, K: int, M: int, BN: int, el: int) -> float:
+    from kfused.perf import roofline as R
+
+    return R.KERNEL_OVERHEAD_S + (2 * N * K * el + M * (K + BN) * el) / R.HBM_BW
+
+
+def dx_fold_pays(packs, T: int, K: int, N: int, el: int, compact: bool) -> bool:
+    """Whether folding dX alone pays (the forward exact): the dx GEMM loses its dZ segment,
+    (MC if compact else M)·K MACs per token, against one fold launch that reads the frozen
+    weights (N rows of q|k|v) and writes W' once. Decided by the H100 roofline's ceilings
+    (kfused.perf.roofline; PREDICTED)."""
     from kfused.perf import roofline as R
 
     live = [pk for pk in packs if pk is not None]
-    if FORCE_FOLD is not None:
-        return bool(FORCE_FOLD) and bool(live)
-    if not live:
-        return False
     M = sum(pk.L * pk.W for pk in live)
     _, MC = compact_offsets(packs)
     saved = 2.0 * T * (MC if compact else M) * K / R.WGMMA_RATE
-    n_fold = sum(pk.H * pk.P for pk in live)
-    cost = R.KERNEL_OVERHEAD_S + (2 * n_fold * K * el + M * (K + live[0].BN) * el) / R.HBM_BW
-    return saved > cost
+    return saved > _fold_cost(N, K, M, live[0].BN, el)
+
+
+def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
+    """Whether folding the forward too pays: Y = X W'ᵀ + b' loses the augmented GEMM's
+    low-rank work (Z_l = X D_lᵀ and Z_l U_l over every tile's RB-wide block) and Z's store
+    and reload (T·M), against a second fold launch and Z recomputed from X in the rank pass
+    (the down-product again, counted in full although that pass is memory-bound). Decided by
+    the H100 roofline's ceilings (kfused.perf.roofline; PREDICTED): Kernel-mix(qvo)
+    intermediate pays at GPT-2 widths, not at Llama-7B's (a 6144-row weight to fold each
+    way)."""
+    from kfused.perf import roofline as R
+
+    live = [pk for pk in packs if pk is not None]
+    M = sum(pk.L * pk.W for pk in live)
+    lr_cols = sum(pk.L * pk.RB for pk in live)
+    saved = (2.0 * T * lr_cols * live[0].BN / R.WGMMA_RATE     # Z_l U_l
+             + 2.0 * T * M * el / R.HBM_BW)                    # Z stored and read back
+    return saved > _fold_cost(N, K, M, live[0].BN, el)
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from kfused.triton_kernels._common import F32
 from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
                                                     _packing, _tile_n, compact_dz,
                                                     compact_offsets, compact_pays,
-                                                    dx_fold_pays, fold_sections, gemm,
+                                                    fold_plan, fold_qkv, frozen_gemm, gemm,
                                                     lr_rank_backward_sections,
                                                     needs_sum, pack_dims, pack_width,
                                                     reduce_tokens,
@@ -24,9 +24,17 @@ from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors
 
 
 def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
-               device: torch.device) -> int:
-    """Width of the rank-space buffer Z of the fused q|k|v projection."""
+               device: torch.device, fold: int = 0, T: int = 0, K: int = 0, N: int = 0,
+               dtype: torch.dtype = torch.float32) -> int:
+    """Width of the rank-space buffer Z of the fused q|k|v projection (0 when the forward
+    folds: ``fold``, T, K = d, N = the output width and ``dtype`` as the forward's)."""
     BN = _tile_n(device)
+    if fold:
+        # int(): under dynamic-shape tracing the plan specializes on these dimensions
+        packs = qkv_packings(int(HQ), int(HV), int(P), tuple(map(int, rq)), tuple(map(int, rv)),
+                             device)[0]
+        if fold_plan(fold, packs, T, int(K), int(N), dtype)[0]:
+            return 0
     M = 0
     for H, (r, rs) in ((HQ, rq), (HV, rv)):
         if (r or rs) and H:
@@ -55,26 +63,39 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
                          bq: Optional[torch.Tensor], bk: Optional[torch.Tensor],
                          bv: Optional[torch.Tensor], q: SectionFactors, v: SectionFactors,
                          P: int, cq: Optional[torch.Tensor] = None,
-                         cv: Optional[torch.Tensor] = None):
+                         cv: Optional[torch.Tensor] = None, fold: int = 0):
     """x (T, d) any strides; w* (N*, d) nn.Linear layout, any strides (Conv1D column views
     work; N* may be 0 to skip a section, e.g. a single adapted projection in the q slot);
     biases (N*,) contiguous or None; cq, cv: the q and v sections' per-head biases (Nq,),
     (Nv,) contiguous or None, added with the frozen bias in the GEMM epilogue; P the head
     width.
 
+    ``fold`` (see :func:`headwise_qkv_backward`): where :func:`fold_plan` folds the
+    forward, Y = X W'ᵀ + b' with the updates and the biases folded (:func:`fold_qkv`, one
+    launch; cuBLAS on a GPU) and no Z is stored (the backward recomputes it).
+
     Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype and the rank-space
-    buffer Z (T, M) in x.dtype (packed layout of :func:`qkv_packings`) for the backward.
+    buffer Z (T, M) in x.dtype (packed layout of :func:`qkv_packings`; (T, 0) when folded)
+    for the backward.
     """
     T, D = x.shape
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
+    N = (HQ + HK + HV) * P
     dev = x.device
     (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
-    Y = _alloc.empty(T, (HQ + HK + HV) * P, dtype=x.dtype, device=dev)
-    Z = _alloc.empty(T, M, dtype=x.dtype, device=dev)
+    folded = fold_plan(fold, (pq, pv), T, D, N, x.dtype)[0]
+    Y = _alloc.empty(T, N, dtype=x.dtype, device=dev)
+    Z = _alloc.empty(T, 0 if folded else M, dtype=x.dtype, device=dev)
     if T == 0 or Y.shape[1] == 0:
         return Y, Z
     if M:
         Dp, zbp, Up, _ = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
+    if folded:
+        lrs = [_tiles(pk, off, f, Dp, zbp, Up, None, D) for pk, off, f in
+               ((pq, oq, q), (pv, ov, v))]
+        wf, bf = fold_qkv((wq, wk, wv), lrs, D, x.dtype, biases=(bq, bk, bv), cs=(cq, cv))
+        frozen_gemm(x, wf.t(), Y, bias=bf)
+        return Y, Z
     col = 0
     for w, b, c, pk, off, f in ((wq, bq, cq, pq, oq, q), (wk, bk, None, None, 0, None),
                                 (wv, bv, cv, pv, ov, v)):
@@ -91,18 +112,31 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     return Y, Z
 
 
+def _tiles(pk, off: int, f: SectionFactors, Dp, zbp, Up, Z, K: int):
+    """The LowRankTiles of one packed section (None when it is not adapted); Z: the (T, M)
+    rank-space buffer, or None (not stored)."""
+    if pk is None:
+        return None
+    L, W = pk.L, pk.W
+    s = slice(off, off + L * W)
+    return LowRankTiles(Dp[s].view(L, W, K), zbp[s].view(L, W), Up[s].view(L, W, pk.BN),
+                        Z[:, s] if Z is not None else None, f.scale, pk.RS)
+
+
 def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                           wv: torch.Tensor, q: SectionFactors, v: SectionFactors,
                           Z: torch.Tensor, P: int, need_dx: bool = True,
                           need_factors: bool = True,
                           db_dtypes: Tuple[Optional[torch.dtype], ...] = (None, None),
-                          fold_dx: int = 0):
+                          fold: int = 0):
     """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv), any strides.
 
-    fold_dx (16-bit only; float32 ignores it): 0 dx = [dY | dZ]·[W; D] exactly; 2 dx =
-    dY·W' with the adapted sections' update folded into their frozen weights, W' = W + U·D
-    rounded once to the input dtype (the part of the update below half an ulp of W is lost
-    in dx; the factor gradients are unchanged); 1 fold when :func:`dx_fold_pays` says so.
+    fold (16-bit only; float32 ignores it), the forward's: 0 dx = [dY | dZ]·
+    [W; D] exactly; 2 the forward folded (see :func:`headwise_qkv_forward`), Z is recomputed
+    from X by the rank pass, and dx = dY·W' with W' = [W'_q; W_k; W'_v] folded again (the
+    updates rounded once into the frozen weights: the part below half an ulp of W is lost
+    in Y and dx; the factor gradients are unchanged); 1 what :func:`fold_plan` decides
+    from the roofline: both folds, dx's alone (the forward exact), or neither.
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
     sup (each in its factor's dtype; zb's in float32) and of the section's bias (``db``, the
@@ -116,10 +150,8 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     el = x.element_size()
     (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
     (cq, cv), MC = compact_offsets((pq, pv))
-    fold = (need_dx and M > 0 and T > 0 and x.dtype in (torch.float16, torch.bfloat16)
-            and (fold_dx == 2 or (fold_dx == 1 and dx_fold_pays(
-                (pq, pv), T, D, el, compact_pays((pq, pv), T, D, el)))))
-    compact = compact_pays((pq, pv), T, D, el, dx=not fold)
+    zx, dx_fold = fold_plan(fold, (pq, pv), T, D, Nq + Nk + Nv, x.dtype)   # Z from X?
+    compact = compact_pays((pq, pv), T, D, el, dx=not dx_fold)
     # the rank pass's dZ, one column per tile occurrence of a row. Compact: float32 when some
     # compact column sums several occurrences (rounded once, by compact_dz), and the dx GEMM
     # and the token reduction read the compact dZ; otherwise they read this one.
@@ -128,21 +160,19 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     dZ = _alloc.empty(T, MC, dtype=x.dtype, device=dev) if compact else dZt
     if M:
         Dp, zbp, Up, Dc = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
-    secs, rank = [None, None], []
+    secs, rank, lrs = [None, None], [], [None, None]
     for i, (pk, off, coff, c0, n, f) in enumerate(((pq, oq, cq, 0, Nq, q),
                                                    (pv, ov, cv, Nq + Nk, Nv, v))):
         if pk is None:
             continue
-        L, W = pk.L, pk.W
-        s = slice(off, off + L * W)
-        lr = LowRankTiles(Dp[s].view(L, W, D), zbp[s].view(L, W), Up[s].view(L, W, pk.BN),
-                          Z[:, s], f.scale, pk.RS)
+        s = slice(off, off + pk.L * pk.W)
+        lrs[i] = lr = _tiles(pk, off, f, Dp, zbp, Up, None if zx else Z, D)
         rank.append((i, pk, s, slice(coff, coff + pk.RS + pk.H * pk.R),
                      (g[:, c0:c0 + n], lr, dZt[:, s])))
     # The rank pass of both sections (one launch) is needed by dx too unless it folds (dZ is
     # one of its K segments); its token-split partials are summed by the unpack kernel.
-    if rank and (need_factors or not fold):
-        parts = lr_rank_backward_sections([r[-1] for r in rank])
+    if rank and (need_factors or not dx_fold):
+        parts = lr_rank_backward_sections([r[-1] for r in rank], x=x if zx else None)
         for (i, pk, s, cs, _), sec in zip(rank, parts):
             if compact:
                 compact_dz(pk, dZt[:, s], dZ[:, cs])
@@ -150,23 +180,17 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     dx = None
     if need_dx:
         dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
-        ws = [wq, wk, wv]
-        if fold:
-            # one launch folds the adapted sections (their rows of W' in rank's order)
-            folded = fold_sections([((wq, wv)[r[0]], r[-1][1]) for r in rank], D)
-            row = 0
-            for i, *_ in rank:
-                n = (Nq, Nv)[i]
-                ws[2 * i] = folded[row:row + n]
-                row += n
-        segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, ws[0]), (Nq, Nk, ws[1]),
-                                                          (Nq + Nk, Nv, ws[2])) if n]
-        if M and not fold:
-            segs.append((dZ, Dc) if compact else (dZ, Dp))
-        if segs and T:
-            gemm(segs, dx)
+        if dx_fold:   # dx = dY·W', frozen-shaped (one fold launch, then cuBLAS on a GPU)
+            frozen_gemm(g, fold_qkv((wq, wk, wv), lrs, D, x.dtype)[0], dx)
         else:
-            dx.zero_()
+            segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, wq), (Nq, Nk, wk),
+                                                              (Nq + Nk, Nv, wv)) if n]
+            if M:
+                segs.append((dZ, Dc) if compact else (dZ, Dp))
+            if segs and T:
+                gemm(segs, dx)
+            else:
+                dx.zero_()
     grads = [{}, {}]
     if need_factors and M:
         dDall = reduce_tokens(dZ, x, partials=True)               # (S, MC or M, d)
