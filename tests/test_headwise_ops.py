@@ -171,6 +171,29 @@ QKV_CASES = [
 ]
 
 
+def _qkv_case_inputs(case, p, d, T):
+    H, Hkv, qm, vm, biases = QKV_CASES[case]
+    q = make_factors(H, p, d, **qm) if qm else None
+    v = make_factors(Hkv, p, d, **vm) if vm else None
+    inputs = dict(x=rnd(T, d), w_q=rnd(H * p, d), w_k=rnd(Hkv * p, d), w_v=rnd(Hkv * p, d))
+    if biases:
+        inputs.update(b_q=rnd(H * p), b_k=rnd(Hkv * p), b_v=rnd(Hkv * p))
+    if q is not None:
+        inputs.update(flat_inputs("q", q))
+    if v is not None:
+        inputs.update(flat_inputs("v", v))
+
+    def run(backend, exact=None):
+        def fn(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, **kw):
+            extra = {} if backend == "reference" else dict(exact=exact)
+            return headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
+                                q=gather("q", kw, 0.75) if q is not None else None,
+                                v=gather("v", kw, 0.75) if v is not None else None,
+                                backend=backend, **extra)
+        return fn
+    return inputs, run
+
+
 @pytest.fixture(params=[False, True], ids=["tiles", "compact"])
 def rank_space(request, monkeypatch):
     """Both backward layouts of the rank space (kfused.triton_kernels._headwise_common:
@@ -184,34 +207,14 @@ def rank_space(request, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
 def test_qkv_kernel(dtype, case, rank_space):
-    H, Hkv, qm, vm, biases = QKV_CASES[case]
     # Lite re-associates K A_hᵀ as X (W_k A_hᵀ) + b_k A_hᵀ (docs/math.md §2): its float32 error has the
     # same distribution as torch's but is not the same number, so on a tensor of a dozen
     # elements "max err <= 2 x torch's max err + eps" fails a few % of draws by chance (T = 1:
     # ~5 %, measured). Shapes here keep every compared tensor at >= ~40 elements (T = 1 and
     # tiny heads are covered by the same-association ops below and by H = 1 here).
-    p = random.choice([40, 56])
-    d = random.choice([48, 80])
-    T = random.choice([19, 37])
-    q = make_factors(H, p, d, **qm) if qm else None
-    v = make_factors(Hkv, p, d, **vm) if vm else None
-    inputs = dict(x=rnd(T, d), w_q=rnd(H * p, d), w_k=rnd(Hkv * p, d), w_v=rnd(Hkv * p, d))
-    if biases:
-        inputs.update(b_q=rnd(H * p), b_k=rnd(Hkv * p), b_v=rnd(Hkv * p))
-    if q is not None:
-        inputs.update(flat_inputs("q", q))
-    if v is not None:
-        inputs.update(flat_inputs("v", v))
+    inputs, run = _qkv_case_inputs(case, random.choice([40, 56]), random.choice([48, 80]),
+                                   random.choice([19, 37]))
     grad_names = [k for k in inputs if not k.startswith("w_")]
-
-    def run(backend):
-        def fn(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, **kw):
-            return headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
-                                q=gather("q", kw, 0.75) if q is not None else None,
-                                v=gather("v", kw, 0.75) if v is not None else None,
-                                backend=backend)
-        return fn
-
     assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
                              grad_names=grad_names, out_names=["Q", "K", "V"])
 
@@ -380,29 +383,6 @@ def test_oproj_exact_must_be_bool_or_none():
     o, w = torch.randn(2, 4, device=DEVICE), torch.randn(3, 4, device=DEVICE)
     with pytest.raises(TypeError, match=r"exact must be True, False or None, got str"):
         headwise_oproj(o, w, n_heads=2, exact="yes")
-
-
-def _qkv_case_inputs(case, p, d, T):
-    H, Hkv, qm, vm, biases = QKV_CASES[case]
-    q = make_factors(H, p, d, **qm) if qm else None
-    v = make_factors(Hkv, p, d, **vm) if vm else None
-    inputs = dict(x=rnd(T, d), w_q=rnd(H * p, d), w_k=rnd(Hkv * p, d), w_v=rnd(Hkv * p, d))
-    if biases:
-        inputs.update(b_q=rnd(H * p), b_k=rnd(Hkv * p), b_v=rnd(Hkv * p))
-    if q is not None:
-        inputs.update(flat_inputs("q", q))
-    if v is not None:
-        inputs.update(flat_inputs("v", v))
-
-    def run(backend, exact=None):
-        def fn(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, **kw):
-            extra = {} if backend == "reference" else dict(exact=exact)
-            return headwise_qkv(x, w_q, w_k, w_v, b_q, b_k, b_v, n_heads=H, n_kv_heads=Hkv,
-                                q=gather("q", kw, 0.75) if q is not None else None,
-                                v=gather("v", kw, 0.75) if v is not None else None,
-                                backend=backend, **extra)
-        return fn
-    return inputs, run
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
