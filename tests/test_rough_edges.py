@@ -518,3 +518,39 @@ def test_kfused_poison_reads_its_flag_as_triton_reads_its_own():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
                          capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True"] * 3 + ["False"] * 4
+
+
+@pytest.mark.parametrize("method", ["kernel_mix", "kernel_wise_lite", "krona"])
+def test_set_exact_reaches_every_folding_op(method, monkeypatch):
+    """kfused.integration.set_exact: the injected modules pass it to every op that can fold
+    its update into the frozen weight (q|k|v / single projection, output projection, KronA);
+    None again restores each op's own rule; anything else is refused."""
+    import importlib
+
+    from kfused.integration import set_exact
+
+    seen = []
+    for mod, fn in (("kfused.ops.headwise_qkv", "headwise_qkv"),
+                    ("kfused.ops.headwise_projection", "headwise_projection"),
+                    ("kfused.ops.headwise_oproj", "headwise_oproj"),
+                    ("kfused.ops.krona_linear", "krona_linear")):
+        real = getattr(importlib.import_module(mod), fn)
+
+        def spy(*a, _real=real, _fn=fn, **kw):
+            seen.append((_fn, kw.get("exact")))
+            return _real(*a, **kw)
+
+        for where in ("kfused.modules.headwise", "kfused.modules.krona"):
+            m = importlib.import_module(where)
+            if hasattr(m, fn):
+                monkeypatch.setattr(m, fn, spy)
+    model = _gpt2()
+    inject(model, AdapterConfig(method=method, r=2, backend="reference"))
+    ids = torch.randint(0, 50, (2, 8))
+    for exact in (True, False, None):
+        seen.clear()
+        set_exact(model, exact)
+        model(input_ids=ids)
+        assert seen and all(e is exact for _, e in seen), seen
+    with pytest.raises(TypeError, match="exact must be True, False or None"):
+        set_exact(model, "yes")

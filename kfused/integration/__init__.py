@@ -16,13 +16,15 @@ from kfused.integration.config import PRESETS, AdapterConfig, preset
 from kfused.integration.inject import (InjectState, adapter_modules, count_parameters, merged_modules,
                                        get_state, inject, merge, merge_and_unload,
                                        print_trainable_parameters,
-                                       set_backend, unmerge, unwrap, use_backend)
+                                       set_backend, set_exact, unmerge, unwrap,
+                                       use_backend)
 from kfused.integration.registry import (MethodSpec, Target, get_method, is_mergeable, methods,
                                          register_method)
 
 __all__ = [
     "AdapterConfig", "PRESETS", "preset", "inject", "save", "load", "merge", "unmerge", "merge_and_unload",
-    "print_trainable_parameters", "count_parameters", "set_backend", "adapter_modules",
+    "print_trainable_parameters", "count_parameters", "set_backend", "set_exact",
+    "adapter_modules",
     "use_backend", "adapter_state_dict", "read_checkpoint_config", "get_state", "unwrap", "InjectState",
     "CheckpointError", "register_method", "get_method", "methods", "is_mergeable", "MethodSpec",
     "Target", "register_arch", "ArchSpec", "ARCHS", "detect_arch", "merged_modules",

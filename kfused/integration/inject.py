@@ -456,6 +456,21 @@ def set_backend(model: nn.Module, backend: Optional[str]) -> None:
             sub.kfused_backend = backend
 
 
+def set_exact(model: nn.Module, exact: Optional[bool]) -> None:
+    """Set ``exact`` of every adapter module whose op can fold its update into the frozen
+    weight (KronA linear, the per-head q|k|v / single-projection / output-projection
+    modules): True never folds (every bit of the update kept), False folds 16-bit inputs,
+    None (the default) leaves it to each op's rule (fold on 16-bit CUDA inputs from
+    ``FOLD_MIN_TOKENS`` tokens where it pays; see kfused.ops._fold)."""
+    from kfused.ops._fold import check_exact
+
+    check_exact(exact)
+    for mod in adapter_modules(model).values():
+        for sub in mod.modules():
+            if hasattr(type(sub), "exact"):   # (a class attribute of those modules)
+                sub.exact = exact
+
+
 @contextlib.contextmanager
 def use_backend(backend: Optional[str]):
     """Within the block, every kfused op defaults to ``backend`` ($KFUSED_BACKEND), including

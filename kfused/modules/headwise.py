@@ -250,6 +250,9 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
     forward(x (..., d)) -> (..., H·p).
     """
 
+    # exact= of the op (None: its default; kfused.integration.set_exact sets it)
+    exact: Optional[bool] = None
+
     def __init__(self, base: nn.Module, n_heads: int, ranks: ProjRanks, *,
                  key: Optional[nn.Module] = None, n_key_heads: Optional[int] = None,
                  scale: float = 1.0, head_bias: Optional[bool] = None, init: str = "zero"):
@@ -302,7 +305,7 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
                                    cast(getattr(self.base, "bias", None)),
                                    n_heads=self.n_heads, factors=self.adapter.factors().map(cast),
                                    w_k=cast(wk), b_k=cast(bk), n_key_heads=self.n_key_heads,
-                                   backend=backend)
+                                   backend=backend, exact=self.exact)
 
     def delta_weight(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Dense (ΔW (out, in), Δb (out,) or None) of the update, in float64-safe torch ops."""
@@ -338,6 +341,9 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
     forward(x (..., d)) -> fused [Q | K | V] (..., H·p + 2·H_kv·p) (drop-in for ``c_attn``);
     forward_split(x) -> (Q, K, V).
     """
+
+    # exact= of the op (None: its default; kfused.integration.set_exact sets it)
+    exact: Optional[bool] = None
 
     def __init__(self, *, fused: Optional[nn.Module] = None, q: Optional[nn.Module] = None,
                  k: Optional[nn.Module] = None, v: Optional[nn.Module] = None, n_heads: int,
@@ -426,7 +432,7 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
                             q=qa.factors().map(cast) if qa.ranks.active else None,
                             v=va.factors().map(cast) if va.ranks.active else None,
                             backend=backend,
-                            fused_output=fused_output)
+                            fused_output=fused_output, exact=self.exact)
 
     def delta_weights(self):
         """[(ΔW, Δb, target slice) for q and v] in (out, in) layout of the fused weight."""
@@ -461,6 +467,9 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
 
     forward(o (..., H·p)) -> (..., d).
     """
+
+    # exact= of the op (None: its default; kfused.integration.set_exact sets it)
+    exact: Optional[bool] = None
 
     def __init__(self, base: nn.Module, n_heads: int, ranks: ProjRanks, *, scale: float = 1.0,
                  head_bias: Optional[bool] = None, init: str = "zero"):
@@ -507,7 +516,8 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
                               cast(getattr(self.base, "bias", None)), n_heads=self.n_heads,
                               wise_A=cast(self.wise_A), wise_B=cast(self.wise_B),
                               wise_c=cast(self.c), shared_A=cast(self.shared_A),
-                              shared_B=cast(self.shared_B), scale=self.scale, backend=backend)
+                              shared_B=cast(self.shared_B), scale=self.scale, backend=backend,
+                              exact=self.exact)
 
     def delta_weight(self):
         return oproj_delta_weight(self.n_heads, self.wise_A, self.wise_B, self.c,

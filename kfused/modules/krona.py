@@ -128,6 +128,9 @@ class KronALinear(_KronFactors, WrappedLinear):
         backend: forwarded to :func:`kfused.krona_linear` (None = auto / $KFUSED_BACKEND).
     """
 
+    # exact= of krona_linear (None: its default; kfused.integration.set_exact sets it)
+    exact: Optional[bool] = None
+
     def __init__(self, base: nn.Module, a_shape: Optional[Tuple[int, int]] = None,
                  b_shape: Optional[Tuple[int, int]] = None, scale: float = 1.0,
                  init: str = "zero", backend: Optional[str] = None):
@@ -152,7 +155,8 @@ class KronALinear(_KronFactors, WrappedLinear):
         bias = self.base.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        return krona_linear(x, w, bias, A, B, self.scale, backend=self.backend)
+        return krona_linear(x, w, bias, A, B, self.scale, backend=self.backend,
+                            exact=self.exact)
 
     def extra_repr(self) -> str:
         return (f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}, scale={self.scale}, "
