@@ -468,16 +468,22 @@ def test_qkv_fold_decision():
     assert fold_plan(2, packs, 64, 16, 48, f16) == (True, True)
     assert fold_plan(2, packs, 64, 16, 48, torch.float32) == (False, False)
     assert fold_plan(2, (None, None), 64, 16, 48, f16) == (False, False)
-    # the benchmark presets at T = 16k, bfloat16: (fold the forward, fold dX)
-    want = {("kernel-mix-qvo-intermediate", 768, 12, 12): (True, True),
-            ("kernel-mix-qvo-intermediate", 4096, 32, 8): (False, True),
-            ("kernel-mix-lite-qv-small", 768, 12, 12): (False, False),
-            ("kernel-mix-lite-qv-small", 1024, 16, 16): (False, True)}
-    for (preset, d, H, Hkv), plan in want.items():
+    # the benchmark presets, bfloat16: (fold the forward, fold dX) — at T = 16k every one
+    # folds both; with fewer tokens a wide model's fold costs more than it saves
+    want = {("kernel-mix-qvo-intermediate", 768, 12, 12, 16384): (True, True),
+            ("kernel-mix-qvo-intermediate", 768, 12, 12, 1024): (True, True),
+            ("kernel-mix-lite-qv-small", 768, 12, 12, 16384): (True, True),
+            ("kernel-mix-qvo-intermediate", 4096, 32, 8, 16384): (True, True),
+            ("kernel-mix-qvo-intermediate", 4096, 32, 8, 2048): (False, False),
+            ("kernel-mix-lite-qv-small", 1024, 16, 16, 4096): (False, False)}
+    for (preset, d, H, Hkv, T), plan in want.items():
         pr, p = HEADWISE_PRESETS[preset], d // H
         packs = tuple(_packing(h, p, r.wise + 2 * r.lite, r.shared, 128)
                       for r, h in ((pr.q, H), (pr.v, Hkv)))
-        assert fold_plan(1, packs, 16384, d, (H + 2 * Hkv) * p, torch.bfloat16) == plan
+        assert fold_plan(1, packs, T, d, (H + 2 * Hkv) * p, torch.bfloat16) == plan
+    # dX alone where the forward fold does not pay but the dZ segment costs more than a fold
+    pk = _packing(32, 64, 16, 8, 128)
+    assert fold_plan(1, (pk, pk), 4096, 2048, 3 * 2048, torch.bfloat16) == (False, True)
 
 
 def test_qkv_fold_kernel_is_exact_on_small_integers():

@@ -237,8 +237,8 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
             None (default): on float16/bfloat16 CUDA inputs with at least
             ``FOLD_MIN_TOKENS`` tokens, what the performance model predicts is faster
             (kfused.triton_kernels._headwise_common.fold_plan: both folds, dX's alone, or
-            none; Kernel-mix(qvo) intermediate folds at GPT-2 widths); else exact. float32
-            never folds.
+            none; every benchmark preset folds both at 16k tokens, Llama-7B widths below ~8k
+            tokens fold nothing); else exact. float32 never folds.
 
     Returns ``Q (..., H·p)``, ``K (..., H_kv·p)``, ``V (..., H_kv·p)``, or with
     ``fused_output=True`` the one tensor ``[Q | K | V] (..., (H + 2·H_kv)·p)`` the kernel

@@ -742,21 +742,32 @@ def dx_fold_pays(packs, T: int, K: int, N: int, el: int, compact: bool) -> bool:
 
 
 def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
-    """Whether folding the forward too pays: Y = X W'ᵀ + b' loses the augmented GEMM's
-    low-rank work (Z_l = X D_lᵀ and Z_l U_l over every tile's RB-wide block) and Z's store
-    and reload (T·M), against a second fold launch and Z recomputed from X in the rank pass
-    (the down-product again, counted in full although that pass is memory-bound). Decided by
-    the H100 roofline's ceilings (kfused.perf.roofline; PREDICTED): Kernel-mix(qvo)
-    intermediate pays at GPT-2 widths, not at Llama-7B's (a 6144-row weight to fold each
-    way)."""
+    """Whether folding the forward too pays, from the H100 roofline's ceilings
+    (kfused.perf.roofline; PREDICTED), pass against pass:
+    forward — the augmented GEMMs (one launch per section; each adapted tile also computes
+    Z_l = X D_lᵀ and Z_l U_l over its RB-wide block) against one frozen-shaped GEMM (N rows
+    of q|k|v) and a fold launch;
+    rank pass — it reads Z (exact) or recomputes Z from X (folded: the down-product again,
+    and X read instead of Z), each priced as max(its bytes, its products): the pass is
+    memory-bound, so most of the recomputation hides under its reads.
+    dX folds in both plans (see :func:`fold_plan`)."""
     from kfused.perf import roofline as R
 
     live = [pk for pk in packs if pk is not None]
+    BN = live[0].BN
     M = sum(pk.L * pk.W for pk in live)
-    lr_cols = sum(pk.L * pk.RB for pk in live)
-    saved = (2.0 * T * lr_cols * live[0].BN / R.WGMMA_RATE     # Z_l U_l
-             + 2.0 * T * M * el / R.HBM_BW)                    # Z stored and read back
-    return saved > _fold_cost(N, K, M, live[0].BN, el)
+    lr = sum(pk.L * pk.RB for pk in live)
+    n_ad = sum(pk.H * pk.P for pk in live)
+    launches = len(live) + (1 if N > n_ad else 0)
+    rate, bw = R.WGMMA_RATE, R.HBM_BW
+    t_exact = ((2.0 * T * N * K + 2.0 * T * lr * (K + BN)) / rate
+               + launches * R.KERNEL_OVERHEAD_S)
+    t_fold = R.gemm_time(T, N, K, el) + _fold_cost(N, K, M, BN, el)
+    rank_bytes = T * (n_ad + M) * el                    # dY of the adapted sections, dZ
+    rank_flops = 4.0 * T * lr * BN                      # dZ and dU products
+    t_rank_exact = max((rank_bytes + T * M * el) / bw, rank_flops / rate)
+    t_rank_fold = max((rank_bytes + T * K * el) / bw, (rank_flops + 2.0 * T * lr * K) / rate)
+    return t_exact + t_rank_exact > t_fold + t_rank_fold
 
 
 # ------------------------------------------------------------------------------------------
