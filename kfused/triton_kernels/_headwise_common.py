@@ -58,8 +58,8 @@ at p = 64, where v's 8 lite rows are doubled by the hi/lo split) and W/BN for th
 of dX (W <= RB: the slots a tile stores, 19-31 % there), (b) one extra read of dY (rank pass)
 and of X (dD), (c) for the output projection a pass over O (Z) and two over dY (dZ, dB).
 Predicted time / frozen, fwd+bwd (``kfused perf``, kernels and glue, each q|k|v case on the
-path fold_plan picks): GPT-2 small 1.52-1.58 (qkv), 1.97 (o); GPT-2 medium 1.41, 1.82;
-Llama-7B GQA 1.20, 1.23.
+path fold_plan picks: all folded at 16k tokens): GPT-2 small 1.52 (qkv), 1.97 (o); GPT-2
+medium 1.37-1.41, 1.82; Llama-7B GQA 1.16-1.17, 1.23.
 At GPT-2 widths every tiny launch (~3 µs) counts as much as a kernel pass: the factors reach
 the kernels with no torch op in any forward (a lite section's basis, split and stacking:
 one ``headwise_section`` kernel; per-head biases: the GEMM's second bias; the output
