@@ -100,6 +100,14 @@ class _NoDoubleBackward(torch.autograd.Function):
         no_double_backward(ctx.op)(ctx, *grads)
 
 
+def _one_dtype(uses) -> Optional[torch.dtype]:
+    """The dtype a bias-gradient sum is written in: its uses' dtype when every use wanted
+    ((dtype, wanted) pairs: the frozen bias's gradient, the per-head bias c's) shares one (no
+    conversion kernel after), else None (float32)."""
+    dts = {dt for dt, wanted in uses if wanted}
+    return dts.pop() if len(dts) == 1 else None
+
+
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
 

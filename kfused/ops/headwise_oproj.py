@@ -17,7 +17,8 @@ from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._fold import check_exact, fold_decision
 from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _head_width,
-                                         _no_float64, _opt, _scalar, no_double_backward)
+                                         _no_float64, _one_dtype, _opt, _scalar,
+                                         no_double_backward)
 from kfused.reference.headwise import headwise_oproj_ref
 
 
@@ -97,12 +98,9 @@ def _oproj_backward(ctx, g, gz):
     n_c = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     g = g.contiguous()
     need_f = nA or nB or nsA or nsU or n_b or n_c
-    # db written in the dtype of its uses (the bias b_o's gradient, c's) when they share one
-    # (no conversion kernel after), else float32
-    uses = {dt for dt, n in ((ctx.b_dtype, n_b and ctx.has_b), (ctx.c_dtype, n_c)) if n}
     dO, dA, dB, dsA, dsU, db = torch.ops.kfused.headwise_oproj_triton_bwd(
         g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale, ctx.fold,
-        uses.pop() if len(uses) == 1 else None)
+        _one_dtype(((ctx.b_dtype, n_b and ctx.has_b), (ctx.c_dtype, n_c))))
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
     if (n_b and ctx.has_b) or n_c:
         db = db if _opt(db) is not None else g.sum(0, dtype=torch.float32)

@@ -22,8 +22,8 @@ from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
                                          _check_input_width, _check_linear,
                                          _check_n_heads, _dense, _empty,
                                          LiteKeyGrad, _head_width,
-                                         _no_float64, _opt, _scalar_factors, _section,
-                                         no_double_backward)
+                                         _no_float64, _one_dtype, _opt, _scalar_factors,
+                                         _section, no_double_backward)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
 
 
@@ -163,11 +163,9 @@ def _qkv_backward(ctx, gY, gZ):
 
     def db_dtype(i, j):
         # a section's column sums db give its frozen bias's gradient (b index i) and its
-        # per-head bias c's (section j): written in their dtype when one dtype serves every
-        # use (no conversion kernel after), else float32
-        uses = {dt for dt, n in ((ctx.b_dtypes[i], need[4 + i] and ctx.has_b[i]),
-                                 (ctx.c_dtypes[j], need_c[j])) if n}
-        return uses.pop() if len(uses) == 1 else None
+        # per-head bias c's (section j)
+        return _one_dtype(((ctx.b_dtypes[i], need[4 + i] and ctx.has_b[i]),
+                           (ctx.c_dtypes[j], need_c[j])))
 
     res = torch.ops.kfused.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,

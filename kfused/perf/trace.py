@@ -125,8 +125,8 @@ def _gpu_dispatch(launches: List[Launch]):
     """Make the host code take the branches it takes on a CUDA device although the stand-in
     tensors are on the CPU, and tag autotuned alternatives.
 
-    * ``reduce_tokens`` and ``headwise_oproj._thin`` hand 16-bit CUDA operands to cuBLAS
-      (``torch.matmul``) and only fall back to the Triton GEMM otherwise: the same branch is
+    * ``reduce_tokens`` and ``frozen_gemm`` (also ``headwise_oproj._thin``) hand 16-bit CUDA
+      operands to cuBLAS (``torch.matmul``) and only fall back to the Triton GEMM otherwise: the same branch is
       taken here for 16-bit operands, so the trace records the cuBLAS GEMM (priced as a
       matmul glue op) instead of a split-K Triton launch that the GPU never runs. The
       conditions mirror those two functions (their ``device.type == "cuda"`` test is the only
@@ -135,8 +135,7 @@ def _gpu_dispatch(launches: List[Launch]):
       for a GPU; those launches share an ``alt`` id so the report keeps only the fastest
       predicted one.
     * ``headwise_qkv``'s ``_fold_mode`` (how ``exact`` applies the update) is evaluated as
-      for a CUDA device, and its folded GEMMs (``frozen_gemm``) go to cuBLAS for 16-bit
-      operands as they do there.
+      for a CUDA device.
 
     Each name is replaced in every headwise kernel module that looks it up as a global.
     """
@@ -149,7 +148,7 @@ def _gpu_dispatch(launches: List[Launch]):
     ops_qkv = importlib.import_module("kfused.ops.headwise_qkv")  # (not the function)
     fold_mode = ops_qkv._fold_mode
 
-    orig = dict(reduce_tokens=hc.reduce_tokens, _thin=ho._thin, _launch=hc._launch,
+    orig = dict(reduce_tokens=hc.reduce_tokens, _launch=hc._launch,
                 frozen_gemm=hc.frozen_gemm)
     counter = [0]
 
@@ -158,11 +157,6 @@ def _gpu_dispatch(launches: List[Launch]):
             out = torch.matmul(a_t.t(), b)
             return out.unsqueeze(0) if partials else out.float()
         return orig["reduce_tokens"](a_t, b, partials=partials)
-
-    def _thin(a, b, out):
-        if a.dtype in _IS16:
-            return torch.matmul(a, b, out=out)
-        return orig["_thin"](a, b, out)
 
     def _launch(kernel, grid, args, kwargs):
         n0 = len(launches)
@@ -182,7 +176,7 @@ def _gpu_dispatch(launches: List[Launch]):
             return torch.addmm(bias, a, b, out=out)
         return orig["frozen_gemm"](a, b, out, bias=bias)
 
-    patched = dict(reduce_tokens=reduce_tokens, _thin=_thin, _launch=_launch,
+    patched = dict(reduce_tokens=reduce_tokens, _thin=frozen_gemm, _launch=_launch,
                    _fold_mode=_fold_mode, frozen_gemm=frozen_gemm)
     saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho, ops_qkv) for k in patched
              if hasattr(m, k)]

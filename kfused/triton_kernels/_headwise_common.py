@@ -683,8 +683,9 @@ def fold_qkv(ws, lrs, K: int, dtype: torch.dtype, biases=None, cs=None):
 
 def frozen_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """out = a @ b (+ bias) for a folded (frozen-shaped) GEMM: cuBLAS for 16-bit on a GPU, the
-    Triton GEMM otherwise. a (M, K), b (K, N) any strides, out (M, N) contiguous."""
+    """out = a @ b (+ bias) for a GEMM that needs no fusion (the folded, frozen-shaped ones; the
+    output projection's thin ones): cuBLAS for 16-bit on a GPU, the Triton GEMM otherwise
+    (exact float32 dots). a (M, K), b (K, N) any strides, out (M, N) contiguous."""
     if out.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16):
         if bias is None:
             return torch.matmul(a, b, out=out)

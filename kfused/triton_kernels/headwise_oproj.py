@@ -16,7 +16,7 @@ import triton.language as tl
 from kfused import _alloc
 from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu
 from kfused.triton_kernels._headwise_common import (_PACKED_MAX, _operand_key, colsum_rows,
-                                                    gemm, reduce_tokens)
+                                                    frozen_gemm, gemm, reduce_tokens)
 
 
 # ------------------------------------------------------------------------------------------
@@ -272,16 +272,9 @@ def _oproj_operands(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype,
     return out
 
 
-def _thin(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = a @ b for a GEMM with a thin side that needs no fusion: cuBLAS for 16-bit on a
-    GPU, the Triton GEMM otherwise (exact float32 dots)."""
-    if out.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16):
-        return torch.matmul(a, b, out=out)
-    if out.numel() == 0:
-        return out
-    if a.shape[1] == 0:
-        return out.zero_()
-    return gemm([(a, b)], out)
+# out = a @ b for a GEMM with a thin side that needs no fusion: cuBLAS for 16-bit on a GPU,
+# the Triton GEMM otherwise (exact float32 dots) — the folded q|k|v GEMMs' helper
+_thin = frozen_gemm
 
 
 def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
