@@ -23,7 +23,7 @@ def _params():
             for prov in case.providers:
                 sid = ",".join(f"{k}={v}" for k, v in case.shape.items()
                                if not isinstance(v, (list, dict)))
-                out.append(pytest.param(case, prov, id=f"{op}-{sid}-{prov.name}"))
+                out.append(pytest.param(case, prov, id=f"{case.op}-{sid}-{prov.name}"))
     return out
 
 

@@ -12,6 +12,10 @@ pair with the providers:
     peft-lora      plain LoRA on q and v with the same parameter budget, as PEFT runs it
                    (peft.get_peft_model on q_proj/k_proj/v_proj linears)
 
+The output projection ``headwise_oproj`` has the same providers (floor: the frozen o_proj
+linear; peft-lora on o_proj with the o part's budget) for the preset with an o part, on the
+path ``exact=None`` takes (folded on 16-bit GPU inputs from 1024 tokens) beside
+``kfused-triton-exact``;
 plus the standalone ``headwise_lowrank`` op (LOWRANK_CASES) with its two fused backends side by
 side: kfused-triton, kfused-cuda (the CUDA C++ extension) and eager (the reference).
 
@@ -37,7 +41,7 @@ from kfused.cases import CheckCase
 from kfused.integration.headwise import HEADWISE_PRESETS as PRESETS
 from kfused.integration.headwise import headwise_parameter_count as count_parameters
 from kfused.ops import headwise_lowrank, headwise_oproj, headwise_qkv
-from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
+from kfused.reference.headwise import HeadFactors, headwise_oproj_ref, headwise_qkv_ref
 
 WIDTHS = {  # T = 16k tokens; head width 64 (GPT-2) and 128 (Llama-7B, grouped-query)
     "gpt2-small": dict(d=768, H=12, Hkv=12, tokens=16384),
@@ -47,6 +51,7 @@ WIDTHS = {  # T = 16k tokens; head width 64 (GPT-2) and 128 (Llama-7B, grouped-q
 # Off the GPU (Triton interpreter / CPU torch) only a smoke-sized case is meaningful.
 CPU_WIDTHS = {"cpu-smoke": dict(d=96, H=4, Hkv=2, tokens=64)}
 BENCH_PRESETS = ("kernel-mix-qvo-intermediate", "kernel-mix-lite-qv-small")
+OPROJ_PRESET = "kernel-mix-qvo-intermediate"   # the bench preset with an o part
 
 
 def _factors(ranks, H, p, d, device, dtype, gen) -> HeadFactors:
@@ -143,11 +148,7 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
         return (lambda: model(x)), [x, *leaves]
 
     unfit = triton_unfit(dev, dtype)
-    try:
-        import peft  # noqa: F401
-        peft_skip = None
-    except Exception as exc:  # pragma: no cover
-        peft_skip = f"peft not importable ({exc})"
+    peft_skip = _peft_skip()
     providers = [
         Provider("floor", floor),
         # exact=None: what a GPU takes (the fold where the roofline predicts it pays);
@@ -173,6 +174,110 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
         bytes_fwd=float(el * (tokens * d + N * d + tokens * N)))
 
 
+def _oproj_case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
+    """The output projection with the preset's o part (Kernel-wise + shared LoRA on W_o,
+    basis O): the other half of issue 12's q/k/v/o target."""
+    import dataclasses
+
+    from kfused.modules.headwise import ProjRanks
+
+    w = {**WIDTHS, **CPU_WIDTHS}[width]
+    d, H = w["d"], w["H"]
+    p = d // H
+    HP = H * p
+    ro = PRESETS[preset].o
+    dev = torch.device(device)
+    budget = count_parameters(dataclasses.replace(PRESETS[preset], q=ProjRanks(),
+                                                  v=ProjRanks()), d, H)
+    lora_r = max(1, round(budget / (HP + d)))
+
+    def inputs(seed=0):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+
+        def rnd(*s, scale=1.0, grad=False):
+            t = torch.randn(*s, generator=gen, device=dev, dtype=dtype) * scale
+            return t.requires_grad_(grad)
+
+        o = rnd(tokens, HP, grad=True)
+        w_o, b_o = rnd(d, HP, scale=HP ** -0.5), rnd(d, scale=0.1)
+        kw = {}
+        if ro.wise:
+            kw.update(wise_A=rnd(H, ro.wise, p, scale=p ** -0.5, grad=True),
+                      wise_B=rnd(d, H * ro.wise, scale=0.02, grad=True),
+                      wise_c=rnd(d, scale=0.02, grad=True))
+        if ro.shared:
+            kw.update(shared_A=rnd(ro.shared, HP, scale=HP ** -0.5, grad=True),
+                      shared_B=rnd(d, ro.shared, scale=0.02, grad=True))
+        return o, w_o, b_o, kw
+
+    def floor():
+        o, w_o, b_o, _ = inputs()
+        return (lambda: torch.nn.functional.linear(o, w_o, b_o)), [o]
+
+    def fused(backend, exact=None, compiled=False):
+        def make():
+            o, w_o, b_o, kw = inputs()
+            extra = {} if backend == "reference" else dict(backend=backend, exact=exact)
+            fn = headwise_oproj_ref if backend == "reference" else headwise_oproj
+            fn = torch.compile(fn) if compiled else fn
+            return (lambda: fn(o, w_o, b_o, n_heads=H, scale=0.5, **kw, **extra)), \
+                [o, *kw.values()]
+        return make
+
+    def peft_lora():
+        import peft
+
+        o, w_o, b_o, _ = inputs()
+
+        class Out(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.o_proj = torch.nn.Linear(HP, d, device=dev, dtype=dtype)
+                with torch.no_grad():
+                    self.o_proj.weight.copy_(w_o)
+                    self.o_proj.bias.copy_(b_o)
+
+            def forward(self, x):
+                return self.o_proj(x)
+
+        model = peft.get_peft_model(Out(), peft.LoraConfig(
+            r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=["o_proj"]))
+        leaves = [prm for prm in model.parameters() if prm.requires_grad]
+        with torch.no_grad():  # B = 0 at init: make the adapter path do real work
+            for prm in leaves:
+                prm.normal_(0, 0.02)
+        return (lambda: model(o)), [o, *leaves]
+
+    unfit = triton_unfit(dev, dtype)
+    providers = [
+        Provider("floor", floor),
+        Provider("kfused-triton", fused("triton"), skip_reason=unfit),
+        Provider("kfused-triton-exact", fused("triton", True), skip_reason=unfit),
+        Provider("eager", fused("reference")),
+        Provider("compile", fused("reference", compiled=True),
+                 skip_reason=None if dev.type == "cuda" else "torch.compile timed on CUDA only"),
+        Provider("peft-lora", peft_lora, skip_reason=_peft_skip()),
+    ]
+    rank_cols = H * ro.wise + ro.shared
+    flops_fwd = 2.0 * tokens * HP * d + 2.0 * tokens * (ro.wise * HP + ro.shared * HP
+                                                         + rank_cols * d)
+    el = torch.finfo(dtype).bits // 8
+    return BenchCase(
+        op="headwise_oproj",
+        shape=dict(width=width, preset=preset, tokens=tokens, d=d, heads=H, head_dim=p,
+                   adapter_params=budget, peft_lora_rank=lora_r),
+        dtype=dtype, providers=providers, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
+        bytes_fwd=float(el * (tokens * HP + d * HP + tokens * d)))
+
+
+def _peft_skip():
+    try:
+        import peft  # noqa: F401
+        return None
+    except Exception as exc:  # pragma: no cover
+        return f"peft not importable ({exc})"
+
+
 def dict_q_v(cfg):
     """The preset restricted to its q and v parts (what this projection carries)."""
     import dataclasses
@@ -188,6 +293,8 @@ def bench_cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List
     if dev.type != "cuda":
         return ([_case(w, p, device, dtype, CPU_WIDTHS[w]["tokens"]) for w in CPU_WIDTHS
                  for p in BENCH_PRESETS]
+                + [_oproj_case(w, OPROJ_PRESET, device, dtype, CPU_WIDTHS[w]["tokens"])
+                   for w in CPU_WIDTHS]
                 + [_lowrank_case("cpu-sized kernel-wise-lite", 64, 2, 16, 16, 4, True, dev,
                                  dtype)])
     out = []
@@ -195,6 +302,7 @@ def bench_cases(device="cuda", dtype=torch.float16, quick: bool = False) -> List
         tokens = w["tokens"] // 4 if quick else w["tokens"]
         for preset in BENCH_PRESETS:
             out.append(_case(width, preset, device, dtype, tokens))
+        out.append(_oproj_case(width, OPROJ_PRESET, device, dtype, tokens))
     for label, T, H, d_b, p, r, per_head in LOWRANK_CASES:
         out.append(_lowrank_case(label, T // 4 if quick else T, H, d_b, p, r, per_head, dev,
                                  dtype))
