@@ -14,6 +14,9 @@
 #   bench:<op>    one benchmark family in full (krona, headwise, inducer, e2e)
 #   perf          the performance model's predicted table and JSON for this commit, to set
 #                 beside the measured benchmark JSON (RESULTS.md: predicted vs measured)
+#   results       RESULTS.md in WORK from every bench JSON of the run (and perf_predicted.json
+#                 when the perf stage ran): measured ratio against each issue's target, met or
+#                 not, the predicted ratio and time beside it (python -m kfused.cli.main results)
 #   demo          the main job with --runs both: fused kernels vs the unfused reference on the
 #                 same data order (loss curves overlaid, largest loss difference, tokens/s, peak
 #                 memory; issue 18 item 3); DEMO_ARGS adds options (e.g. "--steps 8")
@@ -21,12 +24,14 @@
 # the device's 10 minutes. Logs and JSON accumulate in WORK (default
 # benchmarks/results/local/suite, git-ignored, kept on a warm machine between calls); when $OUT is
 # set (the device tool sets it), the call ends by packing WORK into $OUT: one results.tar.gz,
-# summary.txt and at most 6 PNG plots, i.e. never more than 8 files.
+# summary.txt, RESULTS.md (after the results stage) and at most 5 PNG plots, i.e. never more
+# than 8 files.
 #
 # A typical session (three calls):
 #   bash benchmarks/gpu_suite.sh build,test
 #   bash benchmarks/gpu_suite.sh check,quick
 #   bash benchmarks/gpu_suite.sh bench:krona,bench:headwise      (then bench:inducer,bench:e2e,demo)
+#   bash benchmarks/gpu_suite.sh perf,results    (RESULTS.md comes back in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${1:-build,test}
@@ -105,6 +110,13 @@ for stage in "${LIST[@]}"; do
       else
         echo "perf: no performance model in this checkout" | tee "$WORK/perf.log"
       fi ;;
+    results)
+      pred=()
+      [ -f "$WORK/perf_predicted.json" ] && pred=(--predicted "$WORK/perf_predicted.json")
+      py -m kfused.cli.main results "$WORK/bench" "${pred[@]}" --out "$WORK/RESULTS.md" \
+        >"$WORK/results.log" 2>&1 || status=1
+      tail -3 "$WORK/results.log"
+      if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
     demo)
       # shellcheck disable=SC2086  # DEMO_ARGS is a list of options
       py -m kfused.cli.main demo --runs both --no-progress --out "$WORK/demo" ${DEMO_ARGS:-} \
@@ -118,7 +130,7 @@ done
 if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/results.tar.gz" -C "$WORK" . 2>/dev/null
   cp "$WORK/summary.txt" "$OUT/summary.txt"
-  find "$WORK" -name '*.png' -newer "$WORK/env.txt" 2>/dev/null | head -6 | while read -r f; do
+  find "$WORK" -name '*.png' -newer "$WORK/env.txt" 2>/dev/null | head -5 | while read -r f; do
     cp "$f" "$OUT/$(basename "$f")"; done
   echo "packed into \$OUT: $(ls "$OUT" | tr '\n' ' ')"
 fi

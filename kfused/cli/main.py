@@ -1,4 +1,4 @@
-"""The `kfused` command: demo (the main job), bench, check, info, perf."""
+"""The `kfused` command: demo (the main job), bench, check, info, perf, results."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ commands:
   check   every available kernel on this device against the float64 reference (docs/math.md §4)
   info    versions, device and which backends can run
   perf    compile every kernel launch (sm_90/sm_80), SASS stats, PREDICTED H100 roofline
+  results a GPU run's bench JSON against the issues' targets (measured vs predicted): RESULTS.md
 
 `kfused <command> --help` for the options of each."""
 
@@ -103,6 +104,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from kfused.perf import report
 
         return report.run(rest)
+    if cmd == "results":
+        from kfused.cli import results
+
+        return results.run(rest)
     print(f"kfused: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,343 @@
+"""Measured results against the issues' targets: ``kfused results`` reads the JSON that
+``kfused bench`` wrote on a GPU (and, optionally, the performance model's prediction for the
+same commit, ``kfused perf --json``) and writes ``RESULTS.md``: for every op, case and target
+the measured ratio, its limit and whether it is met, the predicted ratio beside it, the two
+device ceilings measured in the same run, and predicted against measured time per case.
+
+Ratios are the subject provider's median time over the baseline's, measured in the same run
+(the same JSON file, shape and mode): ``≤ limit`` for "no slower than" targets, ``≥ min`` for
+the CUDA C++ path against the Triton one (Triton time / CUDA time). A target whose subject or
+baseline was not measured (skipped, failed, not a provider of that case) is listed as such,
+never as met.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+MARKER = "<!-- written by `kfused results`; it replaces only a file that starts with this line -->"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One target of an issue, as it applies to measured benchmark rows."""
+
+    issue: int
+    op: str
+    subject: str                    # the provider held to the target
+    baseline: str                   # the provider it is compared with
+    text: str
+    max_ratio: float = math.inf     # subject time / baseline time must be <= this
+    min_ratio: Optional[float] = None   # ... and >= this
+    mode: str = "fwd+bwd"
+    when: Optional[Callable[[dict], bool]] = None   # which shapes the target covers
+
+    def applies(self, op: str, shape: dict, mode: str) -> bool:
+        return op == self.op and mode == self.mode and (self.when is None or self.when(shape))
+
+    def limit(self) -> str:
+        parts = []
+        if self.max_ratio != math.inf:
+            parts.append(f"≤ {self.max_ratio:.2f}")
+        if self.min_ratio is not None:
+            parts.append(f"≥ {self.min_ratio:.2f}")
+        return " and ".join(parts)
+
+    def met(self, ratio: float) -> bool:
+        return ratio <= self.max_ratio and (self.min_ratio is None or ratio >= self.min_ratio)
+
+
+def _prefill(s: dict) -> bool:
+    return "n" in s and not s.get("decode")
+
+
+def _decode(s: dict) -> bool:
+    return bool(s.get("decode"))
+
+
+def _packed(s: dict) -> bool:
+    return "lens" in s
+
+
+_CUDA = "CUDA C++ within 10 % of the Triton path"
+_KRONA = "krona_linear"
+_QKV, _OPROJ, _LOWRANK = "headwise_qkv", "headwise_oproj", "headwise_lowrank"
+_IND, _E2E = "inducer_attention", "e2e_train_step"
+
+# issue 9's list of targets (issues 11, 12, 14, 15 state them per op)
+RULES: Tuple[Rule, ...] = (
+    Rule(11, _KRONA, "kfused-triton", "floor", "≤ 1.15× the frozen linear", 1.15),
+    Rule(11, _KRONA, "kfused-triton", "kron-dense", "≥ 2× faster than materialised kron", 0.5),
+    Rule(11, _KRONA, "kfused-triton", "compile", "≥ 1.3× faster than torch.compile", 1 / 1.3),
+    Rule(15, _KRONA, "kfused-triton", "kfused-cuda", _CUDA, min_ratio=1 / 1.1),
+    *(r for op in (_QKV, _OPROJ) for r in (
+        Rule(12, op, "kfused-triton", "floor", "≤ 1.25× the frozen projections", 1.25),
+        Rule(12, op, "kfused-triton", "peft-lora", "no slower than unfused LoRA (same budget)",
+             1.0))),
+    Rule(15, _LOWRANK, "kfused-triton", "kfused-cuda", _CUDA, min_ratio=1 / 1.1),
+    Rule(14, _IND, "kfused-triton", "sdpa", "≥ 0.85× SDPA flash speed (n ≥ 2048)", 1 / 0.85,
+         when=lambda s: _prefill(s) and s["n"] >= 2048),
+    Rule(14, _IND, "kfused-triton", "flex", "≥ 1.2× FlexAttention computing the same λ",
+         1 / 1.2, when=_prefill),
+    Rule(15, _IND, "kfused-triton", "kfused-cuda", _CUDA + " (prefill, inference)",
+         min_ratio=1 / 1.1, mode="fwd", when=_prefill),
+    Rule(14, _IND, "kfused-triton", "sdpa", "decode at least as fast per token as SDPA", 1.0,
+         mode="fwd", when=_decode),
+    Rule(15, _IND, "kfused-triton", "kfused-cuda", "CUDA C++ faster than Triton on decode",
+         min_ratio=1.0, mode="fwd", when=_decode),
+    Rule(14, _IND, "kfused-varlen", "flash-varlen", "≥ 0.85× flash-attention varlen speed",
+         1 / 0.85, when=_packed),
+    Rule(14, _IND, "kfused-varlen", "kfused-padded", "packed: faster than padding", 1.0,
+         when=_packed),
+    *(Rule(9, _E2E, f"kfused-{m}-fused", "peft-lora",
+           "GPT-2-small training step ≥ PEFT LoRA tokens/s", 1.0, mode="fwd",
+           when=lambda s: s.get("model") == "gpt2-small")
+      for m in ("krona", "kernel-mix-qvo", "inducer-lora", "mam-inducer")),
+)
+
+
+# ------------------------------------------------------------------------------------------
+# reading
+
+
+def load_runs(paths: Iterable) -> List[dict]:
+    """The ``kfused bench`` JSON files among ``paths`` (files, or folders searched for
+    ``*.json``); each {"path", "meta", "rows"}. Other JSON (a performance-model file, backend
+    preferences) is passed over; a path that does not exist raises FileNotFoundError."""
+    runs = []
+    for p in paths:
+        p = Path(p)
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist")
+        for f in (sorted(p.rglob("*.json")) if p.is_dir() else [p]):
+            try:
+                data = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and isinstance(data.get("rows"), list) and \
+                    isinstance(data.get("meta"), dict):
+                runs.append({"path": str(f), "meta": data["meta"], "rows": data["rows"]})
+    return runs
+
+
+def _key(shape: dict) -> str:
+    return json.dumps(shape, sort_keys=True)
+
+
+def _table(rows: List[dict]) -> Dict[Tuple[str, str, str], Dict[str, dict]]:
+    """(op, shape, mode) -> provider -> row (measured rows; a skipped or failed provider is
+    kept under mode "all")."""
+    out: Dict[Tuple[str, str, str], Dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault((r["op"], _key(r["shape"]), r["mode"]), {})[r["provider"]] = r
+    return out
+
+
+def _why_missing(table, op: str, shape: str, mode: str, provider: str) -> str:
+    r = table.get((op, shape, "all"), {}).get(provider)
+    if r is not None:
+        return ("skipped: " + str(r["skipped"])) if "skipped" in r else \
+            ("failed: " + str(r.get("error", ""))[:120])
+    return f"no {mode} measurement of {provider}"
+
+
+def evaluate(rows: List[dict], rules: Iterable[Rule] = RULES) -> List[dict]:
+    """One entry per (case, mode, rule) that applies to a measured case: the measured ratio
+    and whether it meets the rule, or why it could not be measured."""
+    table = _table(rows)
+    rules = list(rules)
+    out = []
+    for (op, shape, mode), provs in table.items():
+        if mode == "all":
+            continue
+        sh = json.loads(shape)
+        for rule in rules:
+            if not rule.applies(op, sh, mode):
+                continue
+            e = {"issue": rule.issue, "op": op, "shape": sh, "mode": mode, "rule": rule,
+                 "subject": rule.subject, "baseline": rule.baseline}
+            s, b = provs.get(rule.subject), provs.get(rule.baseline)
+            if s is None or b is None:
+                e["missing"] = _why_missing(table, op, shape, mode,
+                                            rule.subject if s is None else rule.baseline)
+            else:
+                e["ms"], e["ms_baseline"] = s["ms_p50"], b["ms_p50"]
+                e["ratio"] = s["ms_p50"] / b["ms_p50"]
+                e["met"] = rule.met(e["ratio"])
+            out.append(e)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# the performance model's prediction for the same case
+
+
+def _pred_key(op: str, shape: dict, subject: str) -> Optional[tuple]:
+    """A key that a bench case and the performance-model case of the same shape share (None
+    for cases the model does not cover). krona: the model's fold+cuBLAS path is the
+    ``kfused-triton`` provider on a GPU, its exact path ``kfused-triton-exact``."""
+    g = shape.get
+    if op == _KRONA:
+        path = g("path")
+        if path is not None:      # a model case
+            subject = "kfused-triton-exact" if path == "exact" else "kfused-triton"
+        return (op, g("T"), g("d_in"), g("d_out"), tuple(g("A") or ()), tuple(g("B") or ()),
+                subject)
+    if op in (_QKV, _OPROJ):
+        return (op, g("width"), g("preset"), g("T", g("tokens")))
+    if op == _LOWRANK:
+        return (op, g("T"), g("H"), g("d_b"), g("p"), g("r"))
+    if op == _IND:
+        if "lens" in shape:
+            return (op, "packed", tuple(g("lens")), g("H"), g("p"))
+        if g("decode"):
+            return (op, "decode", g("B"), g("H"), g("H_kv"), g("n_k"), g("p"))
+        return (op, "prefill", g("B"), g("H"), g("n"), g("p"), bool(g("causal")))
+    return None
+
+
+def load_predicted(path) -> Dict[tuple, List[dict]]:
+    """``kfused perf --json`` cases by :func:`_pred_key` (a key may hold a fwd+bwd and a
+    forward-only case)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
+        raise ValueError(f"{path} is not a `kfused perf --json` file (no 'cases' list)")
+    out: Dict[tuple, List[dict]] = {}
+    for c in data["cases"]:
+        k = _pred_key(c["op"], c["shape"], "kfused-triton")
+        if k is not None:
+            out.setdefault(k, []).append(c)
+    return out
+
+
+def _pred_case(pred, op: str, shape: dict, subject: str, mode: str) -> Optional[dict]:
+    for c in pred.get(_pred_key(op, shape, subject), []):
+        forward_only = bool(c["shape"].get("forward_only") or c["shape"].get("decode"))
+        if forward_only == (mode == "fwd"):
+            return c
+    return None
+
+
+def _pred_ratio(case: Optional[dict], rule: Rule) -> Optional[float]:
+    if case is None:
+        return None
+    for t in case.get("targets", []):
+        if t["issue"] == rule.issue and t["baseline"] == rule.baseline:
+            return t["predicted_ratio"]
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# writing
+
+
+def _case_label(op: str, shape: dict) -> str:
+    skip = {"L", "r", "composition", "adapter_params", "padded_tokens"}
+    parts = []
+    for k, v in shape.items():
+        if k in skip:
+            continue
+        if isinstance(v, list):
+            v = f"{len(v)} seqs" if k == "lens" else "x".join(map(str, v))
+        parts.append(f"{k}={v}")
+    return ", ".join(parts)
+
+
+def _fmt_ms(ms: Optional[float]) -> str:
+    if ms is None:
+        return "—"
+    return f"{ms * 1e3:.1f} µs" if ms < 1 else f"{ms:.3f} ms"
+
+
+def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
+           pred_source: Optional[str] = None) -> str:
+    """RESULTS.md text for ``runs`` (:func:`load_runs`) and the optional prediction."""
+    lines = [MARKER, "", "# Measured results", ""]
+    if not runs:
+        lines.append("No `kfused bench` JSON was given: nothing measured.")
+        return "\n".join(lines) + "\n"
+    lines += ["Every ratio is measured: the median time of the provider held to the target "
+              "over the baseline's, in the same run (same JSON file, shape and mode). "
+              "\"predicted\" is `kfused perf`'s static model for the same case, where it has "
+              "one" + (f" (`{pred_source}`)" if pred_source else "") + ".", ""]
+    lines += ["## Runs", "", "| file | device | driver | CUDA | torch | triton | commit | "
+              "d2d copy GB/s | bf16 matmul TFLOP/s | quick |", "|---" * 10 + "|"]
+    for run in runs:
+        m = run["meta"]
+        c = m.get("ceilings") or {}
+        cp, mm = c.get("d2d_copy_GBps"), c.get("bf16_matmul_8192_TFLOPs")
+        lines.append(f"| {Path(run['path']).name} | {m.get('device')} | {m.get('driver')} | "
+                     f"{m.get('cuda')} | {m.get('torch')} | {m.get('triton')} | "
+                     f"{str(m.get('git_commit'))[:12]} | "
+                     f"{f'{cp:.0f}' if cp else '—'} | {f'{mm:.0f}' if mm else '—'} | "
+                     f"{m.get('quick', False)} |")
+    lines.append("")
+    met = failed = missing = 0
+    target_lines = ["## Targets", "", "| issue | op | case | mode | target | subject vs "
+                    "baseline | measured | limit | met | predicted |", "|---" * 10 + "|"]
+    timing = ["## Predicted against measured time", "",
+              "| op | case | mode | provider | predicted | measured | measured / predicted |",
+              "|---" * 7 + "|"]
+    timed = set()
+    for run in runs:
+        for e in evaluate(run["rows"]):
+            rule = e["rule"]
+            case = _pred_case(pred or {}, e["op"], e["shape"], e["subject"], e["mode"])
+            pr = _pred_ratio(case, rule)
+            label = _case_label(e["op"], e["shape"])
+            if "ratio" in e:
+                verdict = "yes" if e["met"] else "**NO**"
+                met += e["met"]
+                failed += not e["met"]
+                measured = f"{e['ratio']:.2f}x"
+            else:
+                verdict, measured = "not measured", e["missing"].replace("|", "/")
+                missing += 1
+            target_lines.append(
+                f"| #{rule.issue} | {e['op']} | {label} | {e['mode']} | {rule.text} | "
+                f"{rule.subject} vs {rule.baseline} | {measured} | {rule.limit()} | "
+                f"{verdict} | {f'{pr:.2f}x' if pr is not None else '—'} |")
+            if case is None or "ms" not in e:
+                continue
+            base = (case.get("baselines") or {}).get(rule.baseline) or {}
+            for prov, p_s, ms in ((e["subject"], case.get("predicted_t_s"), e["ms"]),
+                                  (rule.baseline, base.get("t"), e["ms_baseline"])):
+                tkey = (run["path"], e["op"], _key(e["shape"]), e["mode"], prov)
+                if p_s and tkey not in timed:
+                    timed.add(tkey)
+                    timing.append(f"| {e['op']} | {label} | {e['mode']} | {prov} | "
+                                  f"{_fmt_ms(p_s * 1e3)} | {_fmt_ms(ms)} | "
+                                  f"{ms / (p_s * 1e3):.2f} |")
+    lines.append(f"**{met} met, {failed} not met, {missing} not measured.**")
+    lines += [""] + target_lines + [""]
+    if len(timing) > 4:
+        lines += timing + [""]
+    return "\n".join(lines)
+
+
+def write(path, text: str) -> None:
+    """Write RESULTS.md at ``path``: a new file, or one this command wrote before (its first
+    line is :data:`MARKER`); anything else is refused (kfused never overwrites a file it did
+    not write). Replaced atomically."""
+    from kfused._files import replace_atomically
+
+    path = Path(path)
+    if path.is_symlink():
+        raise FileExistsError(f"{path} is a symbolic link; not replacing it")
+    if path.exists():
+        try:
+            first = path.read_text().split("\n", 1)[0]
+        except (OSError, UnicodeDecodeError):
+            first = ""
+        if first != MARKER:
+            raise FileExistsError(f"{path} exists and was not written by `kfused results`; "
+                                  "not overwriting it")
+
+    def dump(tmp: str) -> None:
+        Path(tmp).write_text(text)
+
+    replace_atomically(str(path), dump)

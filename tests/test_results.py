@@ -1,0 +1,193 @@
+"""`kfused results`: measured bench rows against the issues' targets (RESULTS.md)."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from kfused import results
+from kfused.cli import results as cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PERF_LATEST = os.path.join(ROOT, "benchmarks", "results", "predicted", "perf-latest.json")
+
+QKV = {"width": "gpt2-small", "preset": "kernel-mix-qvo-intermediate", "tokens": 16384, "d": 768,
+       "heads": 12, "kv_heads": 12, "head_dim": 64, "adapter_params": 74496,
+       "peft_lora_rank": 24}
+KRONA = {"T": 16384, "d_in": 768, "d_out": 768, "factors": "sqrt", "A": [24, 24],
+         "B": [32, 32]}
+DECODE = {"B": 8, "H": 32, "H_kv": 32, "n_q": 1, "n_k": 4096, "p": 128, "decode": True,
+          "L": 4, "r": 8, "composition": "add"}
+
+
+def _prefill(n):
+    return {"B": max(1, 16384 // n), "H": 32, "n": n, "p": 64, "causal": True, "L": 4, "r": 8,
+            "composition": "add"}
+
+
+def _row(op, shape, provider, mode, ms):
+    return {"op": op, "shape": shape, "dtype": "bfloat16", "provider": provider, "mode": mode,
+            "ms_p20": ms * 0.99, "ms_p50": ms, "ms_p80": ms * 1.01}
+
+
+META = {"device": "NVIDIA H100 80GB HBM3", "driver": "550.54", "cuda": "12.8", "torch": "2.11.0",
+        "triton": "3.6.0", "git_commit": "0123456789abcdef",
+        "ceilings": {"d2d_copy_GBps": 2950.0, "bf16_matmul_8192_TFLOPs": 770.0}}
+
+
+def _rows():
+    return [
+        _row("headwise_qkv", QKV, "floor", "fwd+bwd", 0.160),
+        _row("headwise_qkv", QKV, "kfused-triton", "fwd+bwd", 0.240),     # 1.5x: not met
+        _row("headwise_qkv", QKV, "peft-lora", "fwd+bwd", 0.480),         # 0.5x: met
+        _row("headwise_qkv", QKV, "floor", "fwd", 0.05),                  # fwd: no qkv target
+        _row("headwise_qkv", QKV, "kfused-triton", "fwd", 0.5),
+        _row("krona_linear", KRONA, "floor", "fwd+bwd", 0.060),
+        _row("krona_linear", KRONA, "kfused-triton", "fwd+bwd", 0.0688),  # 1.147x: met
+        _row("krona_linear", KRONA, "kron-dense", "fwd+bwd", 0.100),      # 0.69x: not met
+        _row("krona_linear", {**KRONA, "T": 4096}, "floor", "fwd+bwd", 0.02),
+        _row("krona_linear", {**KRONA, "T": 4096}, "kfused-triton", "fwd+bwd", 0.02),
+        {"op": "krona_linear", "shape": KRONA, "dtype": "bfloat16", "provider": "compile",
+         "mode": "all", "skipped": "torch.compile timed on CUDA only"},
+        {"op": "krona_linear", "shape": KRONA, "dtype": "bfloat16", "provider": "kfused-cuda",
+         "mode": "all", "error": "RuntimeError: boom"},
+        _row("inducer_attention", DECODE, "kfused-triton", "fwd", 0.180),
+        _row("inducer_attention", DECODE, "sdpa", "fwd", 0.180),          # tie: met (≤ 1)
+        _row("inducer_attention", DECODE, "kfused-cuda", "fwd", 0.200),   # 0.9x: not faster
+        _row("inducer_attention", _prefill(512), "kfused-triton", "fwd+bwd", 0.9),
+        _row("inducer_attention", _prefill(512), "sdpa", "fwd+bwd", 0.3),     # n < 2048: none
+        _row("inducer_attention", _prefill(512), "flex", "fwd+bwd", 1.0),     # 0.9x: not met
+        _row("inducer_attention", _prefill(2048), "kfused-triton", "fwd+bwd", 2.2),
+        _row("inducer_attention", _prefill(2048), "sdpa", "fwd+bwd", 2.0),    # 1.1x ≤ 1/0.85
+    ]
+
+
+def _by(entries, op, baseline, n=None):
+    out = [e for e in entries if e["op"] == op and e["baseline"] == baseline
+           and (n is None or e["shape"].get("n") == n)]
+    assert len(out) == 1, (op, baseline, n, out)
+    return out[0]
+
+
+def test_evaluate_ratios_limits_and_what_was_not_measured():
+    ev = results.evaluate(_rows())
+    e = _by(ev, "headwise_qkv", "floor")
+    assert e["ratio"] == pytest.approx(1.5) and e["met"] is False
+    assert _by(ev, "headwise_qkv", "peft-lora")["met"] is True
+    assert all(e["mode"] == "fwd+bwd" for e in ev if e["op"] == "headwise_qkv")
+    big = [e for e in ev if e["op"] == "krona_linear" and e["shape"]["T"] == 16384]
+    assert _by(big, "krona_linear", "floor")["met"] is True          # 1.147 ≤ 1.15
+    assert _by(big, "krona_linear", "kron-dense")["met"] is False    # 0.69 > 0.5
+    assert "skipped: torch.compile" in _by(big, "krona_linear", "compile")["missing"]
+    assert "failed: RuntimeError: boom" in _by(big, "krona_linear", "kfused-cuda")["missing"]
+    assert "met" not in _by(big, "krona_linear", "compile")
+    dec = [e for e in ev if e["op"] == "inducer_attention" and e["shape"].get("decode")]
+    assert {(e["baseline"], e["met"]) for e in dec} == {("sdpa", True), ("kfused-cuda", False)}
+    assert all(e["mode"] == "fwd" for e in dec)
+    # the SDPA target covers n ≥ 2048 only; FlexAttention every prefill length
+    assert [e["shape"]["n"] for e in ev if e["baseline"] == "sdpa" and not
+            e["shape"].get("decode")] == [2048]
+    assert _by(ev, "inducer_attention", "flex", 512)["met"] is False
+    assert _by(ev, "inducer_attention", "sdpa", 2048)["met"] is True
+
+
+def test_rules_hold_the_limits_the_performance_model_predicts_against():
+    """RESULTS.md and `kfused perf` judge the same targets: every (issue, baseline, limits) a
+    model case carries is a rule of its op here (flash-varlen and sdpa-padded are model-only
+    baselines: the GPU run has no flash-attn package, and pads with kfused)."""
+    from kfused.perf.cases import all_cases
+
+    rules = {(r.op, r.issue, r.baseline, round(r.max_ratio, 6),
+              None if r.min_ratio is None else round(r.min_ratio, 6)) for r in results.RULES}
+    n = 0
+    for case in all_cases():
+        for t in case.targets:
+            if t.baseline in ("flash-varlen", "sdpa-padded"):
+                continue
+            key = (case.op, t.issue, t.baseline, round(t.max_ratio, 6),
+                   None if t.min_ratio is None else round(t.min_ratio, 6))
+            assert key in rules, key
+            n += 1
+    assert n > 30
+
+
+def test_render_puts_predicted_beside_measured_from_the_model_json():
+    pred = results.load_predicted(PERF_LATEST)
+    text = results.render([{"path": "/x/headwise.json", "meta": META, "rows": _rows()}], pred,
+                          "perf-latest.json")
+    assert text.splitlines()[0] == results.MARKER
+    assert "| headwise.json | NVIDIA H100 80GB HBM3 | 550.54 | 12.8 | 2.11.0 | 3.6.0 | " \
+           "0123456789ab | 2950 | 770 |" in text
+    ev = results.evaluate(_rows())
+    n_met = sum(e.get("met") is True for e in ev)
+    n_not = sum(e.get("met") is False for e in ev)
+    n_missing = sum("missing" in e for e in ev)
+    assert f"**{n_met} met, {n_not} not met, {n_missing} not measured.**" in text
+    with open(PERF_LATEST) as f:
+        model = json.load(f)
+    case = next(c for c in model["cases"] if c["op"] == "headwise_qkv"
+                and c["shape"]["width"] == "gpt2-small"
+                and c["shape"]["preset"] == "kernel-mix-qvo-intermediate")
+    ratio = next(t["predicted_ratio"] for t in case["targets"] if t["baseline"] == "floor")
+    line = next(ln for ln in text.splitlines() if ln.startswith("| #12 | headwise_qkv")
+                and "kfused-triton vs floor" in ln)
+    assert line.endswith(f"| 1.50x | ≤ 1.25 | **NO** | {ratio:.2f}x |")
+    p_us = case["predicted_t_s"] * 1e6
+    timing = next(ln for ln in text.splitlines() if ln.startswith("| headwise_qkv |")
+                  and "| fwd+bwd | kfused-triton |" in ln)
+    assert timing.endswith(f"| {p_us:.1f} µs | 240.0 µs | {240.0 / p_us:.2f} |")
+    # a case the model has no counterpart of gets no predicted ratio
+    line = next(ln for ln in text.splitlines() if "flex" in ln and "n=512" in ln)
+    assert line.endswith("| **NO** | — |") or "| **NO** | " in line
+
+
+def test_cli_writes_refuses_foreign_files_and_replaces_its_own(tmp_path, capsys):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "headwise_x.json").write_text(json.dumps({"meta": META, "rows": _rows()}))
+    (bench / "backend_prefs.json").write_text(json.dumps({"written_by": "x", "devices": {}}))
+    out = tmp_path / "RESULTS.md"
+    assert cli.run([str(bench), "--predicted", PERF_LATEST, "--out", str(out)]) == 0
+    first = out.read_text()
+    assert first.startswith(results.MARKER) and "headwise_x.json" in first
+    assert "backend_prefs" not in first
+    assert cli.run([str(bench), "--out", str(out)]) == 0            # its own file: replaced
+    assert "predicted" in out.read_text() and out.read_text() != first
+    foreign = tmp_path / "notes.md"
+    foreign.write_text("mine\n")
+    with pytest.raises(SystemExit):
+        cli.run([str(bench), "--out", str(foreign)])
+    assert foreign.read_text() == "mine\n"
+    assert "was not written by `kfused results`" in capsys.readouterr().err
+    for argv, msg in (([str(tmp_path / "missing")], "does not exist"),
+                      ([str(tmp_path / "RESULTS.md")], "no `kfused bench` JSON"),
+                      ([str(bench), "--predicted", str(bench / "headwise_x.json")],
+                       "not a `kfused perf --json` file")):
+        with pytest.raises(SystemExit):
+            cli.run(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_results_of_a_real_cpu_bench_run(tmp_path, monkeypatch, capsys):
+    """The JSON `kfused bench` writes is what `kfused results` reads (CPU-sized headwise
+    cases: the ratios mean nothing on a CPU, the pipeline is what is checked)."""
+    import kfused.cases
+    from kfused.cli import bench
+
+    cases = [c for c in kfused.cases.bench_cases("headwise", "cpu", torch.float32, quick=True)
+             if c.op == "headwise_oproj"]
+    assert cases
+    for c in cases:
+        c.providers = [p for p in c.providers if p.name in ("floor", "kfused-triton", "eager")]
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: cases)
+    assert bench.run(["headwise", "--device", "cpu", "--no-plot", "--rep-ms", "1",
+                      "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    text = results.render(results.load_runs([tmp_path]))
+    line = next(ln for ln in text.splitlines() if ln.startswith("| #12 | headwise_oproj")
+                and "kfused-triton vs floor" in ln)
+    ratio = float(line.split("|")[7].strip().rstrip("x"))
+    assert math.isfinite(ratio) and ratio > 0
+    assert "kfused-triton vs peft-lora | no fwd+bwd measurement of peft-lora" in text
