@@ -74,9 +74,47 @@ def _peak_mem(fn: Callable[[], object], device: torch.device) -> Optional[int]:
     return int(torch.cuda.max_memory_allocated(device) - base)
 
 
+def kernel_events(events, calls: int) -> Dict[str, Dict[str, float]]:
+    """Device time per kernel name from torch.profiler events of ``calls`` identical calls:
+    {name: {"us": mean device µs per call, "launches": per call}} (device-side events only:
+    kernels, copies and sets; host events are passed over)."""
+    from torch.autograd import DeviceType
+
+    out: Dict[str, Dict[str, float]] = {}
+    for e in events:
+        if getattr(e, "device_type", None) not in (DeviceType.CUDA,):
+            continue
+        k = out.setdefault(e.name, {"us": 0.0, "launches": 0.0})
+        k["us"] += e.time_range.elapsed_us() / calls
+        k["launches"] += 1.0 / calls
+    return out
+
+
+def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 3
+                 ) -> Optional[Dict[str, Dict[str, float]]]:
+    """:func:`kernel_events` of ``calls`` runs of ``fn`` under torch.profiler (CUDA only: the
+    per-kernel time ``kfused results`` sets beside the performance model's per-kernel
+    prediction); None on other devices."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    return kernel_events(prof.events(), calls)
+
+
 def measure(case: BenchCase, device: Union[str, torch.device], *, rep_ms: float = 100,
-            warmup_ms: float = 25, modes: Sequence[str] = ("fwd", "bwd", "fwd+bwd")) -> List[dict]:
-    """Measure every provider of a case; one row per (provider, mode)."""
+            warmup_ms: float = 25, modes: Sequence[str] = ("fwd", "bwd", "fwd+bwd"),
+            kernels: bool = False) -> List[dict]:
+    """Measure every provider of a case; one row per (provider, mode). ``kernels``: on CUDA,
+    the kfused providers' fwd and fwd+bwd rows also get the device time per kernel
+    (:func:`kernel_times`; a profiler failure is recorded in ``kernels_error``, the timing
+    stands)."""
     device = torch.device(device)
     rows = []
     for prov in case.providers:
@@ -130,6 +168,13 @@ def measure(case: BenchCase, device: Union[str, torch.device], *, rep_ms: float 
                     row["tflops"] = flops / (q[1] * 1e-3) / 1e12
                 if mode == "fwd" and case.bytes_fwd:
                     row["gbps"] = case.bytes_fwd / (q[1] * 1e-3) / 1e9
+                if kernels and mode != "bwd" and prov.name.startswith("kfused-"):
+                    try:
+                        kt = kernel_times(run_fwd if mode == "fwd" else run_fwdbwd, device)
+                        if kt is not None:
+                            row["kernels"] = kt
+                    except Exception as exc:  # the timing above stands
+                        row["kernels_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 rows.append(row)
         except Exception as exc:  # a provider that fails is reported, not fatal
             rows.append({**base, "mode": "all", "error": f"{type(exc).__name__}: {exc}"})

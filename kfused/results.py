@@ -2,7 +2,8 @@
 ``kfused bench`` wrote on a GPU (and, optionally, the performance model's prediction for the
 same commit, ``kfused perf --json``) and writes ``RESULTS.md``: for every op, case and target
 the measured ratio, its limit and whether it is met, the predicted ratio beside it, the two
-device ceilings measured in the same run, and predicted against measured time per case.
+device ceilings measured in the same run, predicted against measured time per case and,
+where ``kfused bench`` profiled the run (on CUDA, by default), per kernel.
 
 Ratios are the subject provider's median time over the baseline's, measured in the same run
 (the same JSON file, shape and mode): ``≤ limit`` for "no slower than" targets, ``≥ min`` for
@@ -166,6 +167,8 @@ def evaluate(rows: List[dict], rules: Iterable[Rule] = RULES) -> List[dict]:
                                             rule.subject if s is None else rule.baseline)
             else:
                 e["ms"], e["ms_baseline"] = s["ms_p50"], b["ms_p50"]
+                if s.get("kernels"):
+                    e["kernels"] = s["kernels"]
                 e["ratio"] = s["ms_p50"] / b["ms_p50"]
                 e["met"] = rule.met(e["ratio"])
             out.append(e)
@@ -231,6 +234,31 @@ def _pred_ratio(case: Optional[dict], rule: Rule) -> Optional[float]:
     return None
 
 
+def kernel_rows(case: dict, measured: Dict[str, Dict[str, float]]) -> List[tuple]:
+    """Predicted against measured per kernel of one case: (kernel, predicted launches,
+    measured launches per call, predicted µs, measured µs). Measured names are matched to the
+    model's Triton kernel names (exactly, else by the longest model name they start with);
+    the rest (cuBLAS, torch element-wise, copies) is set against the model's torch glue."""
+    names = sorted({k["kernel"] for k in case.get("kernels", [])}, key=len, reverse=True)
+    pred: Dict[str, List[float]] = {}
+    for k in case.get("kernels", []):
+        v = pred.setdefault(k["kernel"], [0, 0.0])
+        v[0] += 1
+        v[1] += k["predicted"]["t"] * 1e6
+    glue = "other (torch glue, cuBLAS)"
+    g = case.get("glue") or {}
+    pred[glue] = [g.get("n_ops", 0), g.get("t_s", 0.0) * 1e6]
+    meas: Dict[str, List[float]] = {}
+    for name, m in measured.items():
+        to = name if name in pred else next((n for n in names if name.startswith(n)), glue)
+        v = meas.setdefault(to, [0.0, 0.0])
+        v[0] += m["launches"]
+        v[1] += m["us"]
+    order = [n for n in pred if n != glue] + [glue]
+    return [(n, pred[n][0], meas.get(n, [0, 0.0])[0], pred[n][1], meas.get(n, [0, 0.0])[1])
+            for n in order if pred[n][1] or n in meas]
+
+
 # ------------------------------------------------------------------------------------------
 # writing
 
@@ -282,7 +310,10 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
     timing = ["## Predicted against measured time", "",
               "| op | case | mode | provider | predicted | measured | measured / predicted |",
               "|---" * 7 + "|"]
-    timed = set()
+    per_kernel = ["## Predicted against measured per kernel", "",
+                  "Device time per call (torch.profiler) of the provider held to the target, "
+                  "kernel by kernel, against the model's prediction for that launch.", ""]
+    timed, profiled = set(), set()
     for run in runs:
         for e in evaluate(run["rows"]):
             rule = e["rule"]
@@ -303,6 +334,18 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
                 f"{verdict} | {f'{pr:.2f}x' if pr is not None else '—'} |")
             if case is None or "ms" not in e:
                 continue
+            pkey = (run["path"], e["op"], _key(e["shape"]), e["mode"], e["subject"])
+            if e.get("kernels") and pkey not in profiled:
+                profiled.add(pkey)
+                per_kernel += [f"**{e['op']} {label}, {e['mode']}, {e['subject']}**", "",
+                               "| kernel | launches predicted | launches measured | "
+                               "predicted | measured | measured / predicted |",
+                               "|---" * 6 + "|"]
+                for name, lp, lm, tp, tm in kernel_rows(case, e["kernels"]):
+                    ratio = f"{tm / tp:.2f}" if tp else "—"
+                    per_kernel.append(f"| {name} | {lp:g} | {lm:g} | {tp:.1f} µs | "
+                                      f"{tm:.1f} µs | {ratio} |")
+                per_kernel.append("")
             base = (case.get("baselines") or {}).get(rule.baseline) or {}
             for prov, p_s, ms in ((e["subject"], case.get("predicted_t_s"), e["ms"]),
                                   (rule.baseline, base.get("t"), e["ms_baseline"])):
@@ -316,6 +359,8 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
     lines += [""] + target_lines + [""]
     if len(timing) > 4:
         lines += timing + [""]
+    if profiled:
+        lines += per_kernel
     return "\n".join(lines)
 
 

@@ -191,3 +191,61 @@ def test_results_of_a_real_cpu_bench_run(tmp_path, monkeypatch, capsys):
     ratio = float(line.split("|")[7].strip().rstrip("x"))
     assert math.isfinite(ratio) and ratio > 0
     assert "kfused-triton vs peft-lora | no fwd+bwd measurement of peft-lora" in text
+
+
+def test_per_kernel_device_times_against_the_model():
+    """kernel_events keeps device-side events only (per call); kernel_rows matches them to
+    the model's launches by name (a compiled name may carry a suffix) and sets the rest
+    against the model's torch glue; render prints the table for a profiled row."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    from kfused.bench import kernel_events
+
+    def ev(name, dev, us):
+        return SimpleNamespace(name=name, device_type=dev, time_range=Interval(5, 5 + us))
+
+    events = [ev("_gemm_kernel", DeviceType.CUDA, 30), ev("_gemm_kernel", DeviceType.CUDA, 36),
+              ev("_gemm_kernel", DeviceType.CUDA, 28), ev("_gemm_kernel", DeviceType.CUDA, 34),
+              ev("aten::mm", DeviceType.CPU, 100), ev("cudaLaunchKernel", DeviceType.CPU, 3),
+              ev("sm90_xmma_gemm_bf16bf16", DeviceType.CUDA, 60),
+              ev("_oproj_fold_kernel_0d1d2d", DeviceType.CUDA, 12)]
+    k = kernel_events(events, calls=2)
+    assert set(k) == {"_gemm_kernel", "sm90_xmma_gemm_bf16bf16", "_oproj_fold_kernel_0d1d2d"}
+    assert k["_gemm_kernel"] == {"us": pytest.approx(64.0), "launches": pytest.approx(2.0)}
+    assert k["sm90_xmma_gemm_bf16bf16"] == {"us": pytest.approx(30.0),
+                                            "launches": pytest.approx(0.5)}
+
+    with open(PERF_LATEST) as f:
+        model = json.load(f)
+    case = next(c for c in model["cases"] if c["op"] == "headwise_oproj"
+                and c["shape"]["width"] == "gpt2-small")
+    rows = {r[0]: r for r in results.kernel_rows(case, k)}
+    gemm_pred = sum(x["predicted"]["t"] for x in case["kernels"]
+                    if x["kernel"] == "_gemm_kernel") * 1e6
+    assert rows["_gemm_kernel"][1:] == (2, pytest.approx(2.0), pytest.approx(gemm_pred),
+                                        pytest.approx(64.0))
+    fold_pred = sum(x["predicted"]["t"] for x in case["kernels"]
+                    if x["kernel"] == "_oproj_fold_kernel") * 1e6
+    assert rows["_oproj_fold_kernel"][1:] == (2, pytest.approx(0.5), pytest.approx(fold_pred),
+                                              pytest.approx(6.0))
+    glue = rows["other (torch glue, cuBLAS)"]
+    assert glue[4] == pytest.approx(30.0)
+    assert glue[3] == pytest.approx(case["glue"]["t_s"] * 1e6)
+    assert rows["_oproj_pack_kernel"][2] == 0 and rows["_oproj_pack_kernel"][4] == 0.0
+
+    shape = {"width": "gpt2-small", "preset": "kernel-mix-qvo-intermediate", "tokens": 16384,
+             "d": 768, "heads": 12, "head_dim": 64, "adapter_params": 92928,
+             "peft_lora_rank": 60}
+    row = _row("headwise_oproj", shape, "kfused-triton", "fwd+bwd", 0.11)
+    row["kernels"] = k
+    text = results.render([{"path": "o.json", "meta": META, "rows": [
+        row, _row("headwise_oproj", shape, "floor", "fwd+bwd", 0.055)]}],
+        results.load_predicted(PERF_LATEST))
+    sec = text.split("## Predicted against measured per kernel", 1)[1]
+    assert "**headwise_oproj " in sec and "fwd+bwd, kfused-triton**" in sec
+    line = next(ln for ln in sec.splitlines() if ln.startswith("| _gemm_kernel |"))
+    assert line == (f"| _gemm_kernel | 2 | 2 | {gemm_pred:.1f} µs | 64.0 µs | "
+                    f"{64.0 / gemm_pred:.2f} |")

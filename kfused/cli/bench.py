@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "git-ignored, or ./kfused_bench_results; committed results live in "
                         "benchmarks/results/<device>/)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="on CUDA, skip the per-kernel device times of the kfused providers "
+                        "(torch.profiler, a few calls each; `kfused results` sets them beside "
+                        "the performance model's per-kernel prediction)")
     p.add_argument("--write-prefs", default=None, metavar="PATH",
                    help="also record which fused backend was faster per op and regime on this "
                         "GPU model into PATH (JSON, merged with what kfused wrote there "
@@ -289,7 +293,8 @@ def run(argv: Optional[List[str]] = None) -> int:
             print(f"kfused bench: {op} runs its {device.type} cases in {', '.join(other)}, not "
                   f"--dtype {args.dtype}", file=sys.stderr)
         for case in tqdm(case_list, desc=f"bench {op}", file=sys.stderr):
-            rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4))
+            rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4,
+                                kernels=device.type == "cuda" and not args.no_kernels))
         add_ratios(rows)
         all_rows.extend(rows)
         path = new_results_file(out_dir, f"{op}_{slug}_{stamp}",
