@@ -14,9 +14,11 @@
 #   bench:<op>    one benchmark family in full (krona, headwise, inducer, e2e)
 #   perf          the performance model's predicted table and JSON for this commit, to set
 #                 beside the measured benchmark JSON (RESULTS.md: predicted vs measured)
-#   results       RESULTS.md in WORK from every bench JSON of the run (and perf_predicted.json
-#                 when the perf stage ran): measured ratio against each issue's target, met or
-#                 not, the predicted ratio and time beside it (python -m kfused.cli.main results)
+#   results       RESULTS.md in WORK from every bench JSON of the run: measured ratio against
+#                 each issue's target, met or not, the predicted ratio and time beside it, per
+#                 case and per kernel (python -m kfused.cli.main results; the prediction is
+#                 perf_predicted.json when the perf stage ran, else the committed
+#                 benchmarks/results/predicted/perf-latest.json, whose commit it names)
 #   demo          the main job with --runs both: fused kernels vs the unfused reference on the
 #                 same data order (loss curves overlaid, largest loss difference, tokens/s, peak
 #                 memory; issue 18 item 3); DEMO_ARGS adds options (e.g. "--steps 8")
@@ -31,7 +33,7 @@
 #   bash benchmarks/gpu_suite.sh build,test
 #   bash benchmarks/gpu_suite.sh check,quick
 #   bash benchmarks/gpu_suite.sh bench:krona,bench:headwise      (then bench:inducer,bench:e2e,demo)
-#   bash benchmarks/gpu_suite.sh perf,results    (RESULTS.md comes back in $OUT)
+#   bash benchmarks/gpu_suite.sh results         (RESULTS.md comes back in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=${1:-build,test}
@@ -111,7 +113,9 @@ for stage in "${LIST[@]}"; do
         echo "perf: no performance model in this checkout" | tee "$WORK/perf.log"
       fi ;;
     results)
-      pred=()
+      # the prediction of this run's commit (perf stage), else the committed one (the model
+      # needs no GPU: regenerate it on a CPU rather than spend device time on it)
+      pred=(--predicted benchmarks/results/predicted/perf-latest.json)
       [ -f "$WORK/perf_predicted.json" ] && pred=(--predicted "$WORK/perf_predicted.json")
       py -m kfused.cli.main results "$WORK/bench" "${pred[@]}" --out "$WORK/RESULTS.md" \
         >"$WORK/results.log" 2>&1 || status=1

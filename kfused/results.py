@@ -214,6 +214,7 @@ def load_predicted(path) -> Dict[tuple, List[dict]]:
         k = _pred_key(c["op"], c["shape"], "kfused-triton")
         if k is not None:
             out.setdefault(k, []).append(c)
+    out[("__commit__",)] = [{"commit": (data.get("versions") or {}).get("commit")}]
     return out
 
 
@@ -275,6 +276,11 @@ def _case_label(op: str, shape: dict) -> str:
     return ", ".join(parts)
 
 
+def _pred_commit(pred) -> str:
+    commit = ((pred or {}).get(("__commit__",)) or [{}])[0].get("commit")
+    return f", predicted at commit {commit[:12]}" if commit else ""
+
+
 def _fmt_ms(ms: Optional[float]) -> str:
     if ms is None:
         return "—"
@@ -291,7 +297,8 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
     lines += ["Every ratio is measured: the median time of the provider held to the target "
               "over the baseline's, in the same run (same JSON file, shape and mode). "
               "\"predicted\" is `kfused perf`'s static model for the same case, where it has "
-              "one" + (f" (`{pred_source}`)" if pred_source else "") + ".", ""]
+              "one" + (f" (`{pred_source}`" + _pred_commit(pred) + ")" if pred_source else "")
+              + ".", ""]
     lines += ["## Runs", "", "| file | device | driver | CUDA | torch | triton | commit | "
               "d2d copy GB/s | bf16 matmul TFLOP/s | quick |", "|---" * 10 + "|"]
     for run in runs:

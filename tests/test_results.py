@@ -127,6 +127,7 @@ def test_render_puts_predicted_beside_measured_from_the_model_json():
     assert f"**{n_met} met, {n_not} not met, {n_missing} not measured.**" in text
     with open(PERF_LATEST) as f:
         model = json.load(f)
+    assert f"(`perf-latest.json`, predicted at commit {model['versions']['commit'][:12]})" in text
     case = next(c for c in model["cases"] if c["op"] == "headwise_qkv"
                 and c["shape"]["width"] == "gpt2-small"
                 and c["shape"]["preset"] == "kernel-mix-qvo-intermediate")
