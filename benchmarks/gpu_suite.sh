@@ -39,6 +39,9 @@ cd "$(dirname "$0")/.."
 STAGES=${1:-build,test}
 WORK=${WORK:-benchmarks/results/local/suite}
 LIMIT=${STAGE_LIMIT_S:-540}
+# a bench stage starts no case after this (the one running may take a minute or two more);
+# its JSON is rewritten after every case, so even a stage killed at LIMIT keeps what it measured
+BENCH_LIMIT=${BENCH_LIMIT_S:-$(( LIMIT > 240 ? LIMIT - 150 : LIMIT / 2 ))}
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
 status=0
@@ -93,7 +96,8 @@ for stage in "${LIST[@]}"; do
       py -m kfused.cli.main check >"$WORK/check.log" 2>&1 || status=1
       tail -8 "$WORK/check.log" ;;
     quick)
-      py -m kfused.cli.main bench --quick --out "$WORK/bench" >"$WORK/bench_quick.log" 2>&1 \
+      py -m kfused.cli.main bench --quick --out "$WORK/bench" --time-limit "$BENCH_LIMIT" \
+        >"$WORK/bench_quick.log" 2>&1 \
         || status=1
       grep -v "^bench " "$WORK/bench_quick.log" | tail -40 ;;
     bench:*)
@@ -102,7 +106,8 @@ for stage in "${LIST[@]}"; do
       # GPU model (backend="auto" reads it: KFUSED_BACKEND_PREFS / kfused/data/backend_prefs.json)
       prefs=()
       [ "$op" = inducer ] && prefs=(--write-prefs "$WORK/backend_prefs.json")
-      py -m kfused.cli.main bench "$op" --out "$WORK/bench" "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1 || status=1
+      py -m kfused.cli.main bench "$op" --out "$WORK/bench" --time-limit "$BENCH_LIMIT" \
+        "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1 || status=1
       grep -v "^bench " "$WORK/bench_$op.log" | tail -40 ;;
     perf)
       if python3 -c "import kfused.perf" 2>/dev/null; then

@@ -152,13 +152,14 @@ def evaluate(rows: List[dict], rules: Iterable[Rule] = RULES) -> List[dict]:
     table = _table(rows)
     rules = list(rules)
     out = []
-    for (op, shape, mode), provs in table.items():
-        if mode == "all":
-            continue
+    cases = list(dict.fromkeys((op, shape) for op, shape, _ in table))
+    for op, shape in cases:
         sh = json.loads(shape)
         for rule in rules:
+            mode = rule.mode
             if not rule.applies(op, sh, mode):
                 continue
+            provs = table.get((op, shape, mode), {})
             e = {"issue": rule.issue, "op": op, "shape": sh, "mode": mode, "rule": rule,
                  "subject": rule.subject, "baseline": rule.baseline}
             s, b = provs.get(rule.subject), provs.get(rule.baseline)
@@ -300,7 +301,7 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
               "one" + (f" (`{pred_source}`" + _pred_commit(pred) + ")" if pred_source else "")
               + ".", ""]
     lines += ["## Runs", "", "| file | device | driver | CUDA | torch | triton | commit | "
-              "d2d copy GB/s | bf16 matmul TFLOP/s | quick |", "|---" * 10 + "|"]
+              "d2d copy GB/s | bf16 matmul TFLOP/s | quick | complete |", "|---" * 11 + "|"]
     for run in runs:
         m = run["meta"]
         c = m.get("ceilings") or {}
@@ -309,7 +310,7 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
                      f"{m.get('cuda')} | {m.get('torch')} | {m.get('triton')} | "
                      f"{str(m.get('git_commit'))[:12]} | "
                      f"{f'{cp:.0f}' if cp else '—'} | {f'{mm:.0f}' if mm else '—'} | "
-                     f"{m.get('quick', False)} |")
+                     f"{m.get('quick', False)} | {m.get('complete', True)} |")
     lines.append("")
     met = failed = missing = 0
     target_lines = ["## Targets", "", "| issue | op | case | mode | target | subject vs "

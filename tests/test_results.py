@@ -119,7 +119,7 @@ def test_render_puts_predicted_beside_measured_from_the_model_json():
                           "perf-latest.json")
     assert text.splitlines()[0] == results.MARKER
     assert "| headwise.json | NVIDIA H100 80GB HBM3 | 550.54 | 12.8 | 2.11.0 | 3.6.0 | " \
-           "0123456789ab | 2950 | 770 |" in text
+           "0123456789ab | 2950 | 770 | False | True |" in text
     ev = results.evaluate(_rows())
     n_met = sum(e.get("met") is True for e in ev)
     n_not = sum(e.get("met") is False for e in ev)
@@ -250,3 +250,50 @@ def test_per_kernel_device_times_against_the_model():
     line = next(ln for ln in sec.splitlines() if ln.startswith("| _gemm_kernel |"))
     assert line == (f"| _gemm_kernel | 2 | 2 | {gemm_pred:.1f} µs | 64.0 µs | "
                     f"{64.0 / gemm_pred:.2f} |")
+
+
+def test_bench_time_limit_keeps_every_measured_case_and_says_which_did_not_run(
+        tmp_path, monkeypatch, capsys):
+    """--time-limit: no case starts after it; the JSON is rewritten after every case (a run
+    killed from outside keeps what it measured) and ends "complete"; cases not run are rows
+    that say so, and `kfused results` reports their targets as not measured."""
+    import kfused.bench
+    import kfused.cases
+    from kfused.bench import BenchCase, Provider
+    from kfused.cli import bench
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock["t"])
+    seen = []
+
+    def fake_measure(case, device, **kw):
+        clock["t"] += 40.0                       # each case "takes" 40 s
+        files = sorted(tmp_path.glob("headwise_*.json"))
+        seen.append([json.loads(f.read_text())["meta"]["complete"] for f in files])
+        return [_row(case.op, case.shape, p.name, "fwd+bwd", 0.1 + 0.1 * i)
+                for i, p in enumerate(case.providers)]
+
+    shapes = [dict(QKV, tokens=t) for t in (1024, 2048, 4096)]
+    cases = [BenchCase("headwise_qkv", sh, torch.float32,
+                       [Provider("floor", None), Provider("kfused-triton", None)])
+             for sh in shapes]
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: cases)
+    monkeypatch.setattr(kfused.bench, "measure", fake_measure)
+    assert bench.run(["headwise", "--device", "cpu", "--no-plot", "--time-limit", "50",
+                      "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert seen == [[], [False]]                 # written after case 1; case 3 never started
+    (f,) = tmp_path.glob("headwise_*.json")
+    data = json.loads(f.read_text())
+    assert data["meta"]["complete"] is True
+    measured = [r for r in data["rows"] if "ms_p50" in r]
+    assert len(measured) == 4
+    assert all(r["ratio_to_floor"] == pytest.approx(2.0) for r in measured
+               if r["provider"] == "kfused-triton")
+    left = [r for r in data["rows"] if "skipped" in r]
+    assert [r["shape"]["tokens"] for r in left] == [4096, 4096]
+    assert all(r["skipped"] == "not run: --time-limit 50 s reached" for r in left)
+    ev = [e for e in results.evaluate(data["rows"]) if e["shape"]["tokens"] == 4096]
+    assert {e["baseline"] for e in ev} == {"floor", "peft-lora"}
+    assert all(e["missing"].startswith("skipped: not run: --time-limit") for e in ev
+               if e["baseline"] == "floor")

@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -239,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPU model into PATH (JSON, merged with what kfused wrote there "
                         "before); backend='auto' reads it through KFUSED_BACKEND_PREFS or as "
                         "kfused/data/backend_prefs.json")
+    p.add_argument("--time-limit", type=positive_float, default=None, metavar="SECONDS",
+                   help="start no new case after this many seconds (the cases left are "
+                        "recorded as not run); each op's JSON is rewritten after every case, "
+                        "so a run stopped from outside keeps what it measured")
     p.add_argument("--list", action="store_true", help="list the ops and exit")
     return p
 
@@ -284,6 +289,7 @@ def run(argv: Optional[List[str]] = None) -> int:
     if args.write_prefs:
         _check_prefs_target(Path(args.write_prefs))
     all_rows: List[dict] = []
+    t_end = None if args.time_limit is None else time.monotonic() + args.time_limit
     for op in ops:
         rows: List[dict] = []
         case_list = bench_cases(op, device, DTYPES[args.dtype], quick=args.quick)
@@ -292,14 +298,33 @@ def run(argv: Optional[List[str]] = None) -> int:
         if other:  # a family that runs another dtype here says so (the rows name it too)
             print(f"kfused bench: {op} runs its {device.type} cases in {', '.join(other)}, not "
                   f"--dtype {args.dtype}", file=sys.stderr)
+        path = None
+
+        def save(complete: bool) -> Path:
+            """This op's JSON so far: a new file the first time, then replaced whole (a run
+            stopped from outside keeps every case measured before it)."""
+            text = json.dumps({"meta": {**meta, "quick": args.quick, "complete": complete},
+                               "rows": rows}, indent=1, default=str)
+            if path is None:
+                return new_results_file(out_dir, f"{op}_{slug}_{stamp}", text)
+            replace_atomically(str(path), lambda tmp: Path(tmp).write_text(text))
+            return path
+
         for case in tqdm(case_list, desc=f"bench {op}", file=sys.stderr):
+            if t_end is not None and time.monotonic() > t_end:
+                rows.extend({"op": case.op, "shape": dict(case.shape),
+                             "dtype": str(case.dtype).replace("torch.", ""),
+                             "provider": prov.name, "mode": "all",
+                             "skipped": f"not run: --time-limit {args.time_limit:g} s reached"}
+                            for prov in case.providers)
+                continue
             rows.extend(measure(case, device, rep_ms=rep, warmup_ms=rep / 4,
                                 kernels=device.type == "cuda" and not args.no_kernels))
+            add_ratios(rows)
+            path = save(False)
         add_ratios(rows)
         all_rows.extend(rows)
-        path = new_results_file(out_dir, f"{op}_{slug}_{stamp}",
-                                 json.dumps({"meta": {**meta, "quick": args.quick},
-                                             "rows": rows}, indent=1, default=str))
+        path = save(True)
         _print_table(rows)
         print(f"wrote {path}")
         if not args.no_plot:
