@@ -180,7 +180,7 @@ def evaluate(rows: List[dict], rules: Iterable[Rule] = RULES) -> List[dict]:
 # the performance model's prediction for the same case
 
 
-def _pred_key(op: str, shape: dict, subject: str) -> Optional[tuple]:
+def case_key(op: str, shape: dict, subject: str) -> Optional[tuple]:
     """A key that a bench case and the performance-model case of the same shape share (None
     for cases the model does not cover). krona: the model's fold+cuBLAS path is the
     ``kfused-triton`` provider on a GPU, its exact path ``kfused-triton-exact``."""
@@ -205,14 +205,14 @@ def _pred_key(op: str, shape: dict, subject: str) -> Optional[tuple]:
 
 
 def load_predicted(path) -> Dict[tuple, List[dict]]:
-    """``kfused perf --json`` cases by :func:`_pred_key` (a key may hold a fwd+bwd and a
+    """``kfused perf --json`` cases by :func:`case_key` (a key may hold a fwd+bwd and a
     forward-only case)."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
         raise ValueError(f"{path} is not a `kfused perf --json` file (no 'cases' list)")
     out: Dict[tuple, List[dict]] = {}
     for c in data["cases"]:
-        k = _pred_key(c["op"], c["shape"], "kfused-triton")
+        k = case_key(c["op"], c["shape"], "kfused-triton")
         if k is not None:
             out.setdefault(k, []).append(c)
     out[("__commit__",)] = [{"commit": (data.get("versions") or {}).get("commit")}]
@@ -220,7 +220,7 @@ def load_predicted(path) -> Dict[tuple, List[dict]]:
 
 
 def _pred_case(pred, op: str, shape: dict, subject: str, mode: str) -> Optional[dict]:
-    for c in pred.get(_pred_key(op, shape, subject), []):
+    for c in pred.get(case_key(op, shape, subject), []):
         forward_only = bool(c["shape"].get("forward_only") or c["shape"].get("decode"))
         if forward_only == (mode == "fwd"):
             return c

@@ -297,3 +297,18 @@ def test_bench_time_limit_keeps_every_measured_case_and_says_which_did_not_run(
     assert {e["baseline"] for e in ev} == {"floor", "peft-lora"}
     assert all(e["missing"].startswith("skipped: not run: --time-limit") for e in ev
                if e["baseline"] == "floor")
+
+
+def test_bench_runs_the_shapes_the_model_predicts_first():
+    """Under --time-limit the target shapes are measured first (the model's cases), the rest
+    keep their order after them."""
+    from types import SimpleNamespace
+
+    from kfused.cli.bench import targets_first
+
+    small = dict(KRONA, T=4096)
+    odd = dict(KRONA, T=16384, A=[32, 24], B=[24, 32], factors="glue")
+    cases = [SimpleNamespace(op="krona_linear", shape=s) for s in (small, odd, KRONA)]
+    cases.append(SimpleNamespace(op="headwise_qkv", shape=QKV))
+    order = targets_first(cases)
+    assert [c.shape for c in order] == [KRONA, QKV, small, odd]
