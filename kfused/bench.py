@@ -76,28 +76,39 @@ def _peak_mem(fn: Callable[[], object], device: torch.device) -> Optional[int]:
 
 def kernel_events(events, calls: int) -> Dict[str, Dict[str, float]]:
     """Device time per kernel name from torch.profiler events of ``calls`` identical calls:
-    {name: {"us": mean device µs per call, "launches": per call}} (device-side events only:
-    kernels, copies and sets; host events are passed over)."""
+    {name: {"us": device µs per call, "launches": per call}} (device-side events only:
+    kernels, copies and sets; host events are passed over). The launches per call are the
+    events per call rounded (at least 1) and the time their mean duration times that: the
+    profiler can drop the first kernel records of a session, which would otherwise read as
+    fewer launches or less time."""
     from torch.autograd import DeviceType
 
-    out: Dict[str, Dict[str, float]] = {}
+    seen: Dict[str, List[float]] = {}
     for e in events:
         if getattr(e, "device_type", None) not in (DeviceType.CUDA,):
             continue
-        k = out.setdefault(e.name, {"us": 0.0, "launches": 0.0})
-        k["us"] += e.time_range.elapsed_us() / calls
-        k["launches"] += 1.0 / calls
+        seen.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    out: Dict[str, Dict[str, float]] = {}
+    for name, times in seen.items():
+        launches = max(1, round(len(times) / calls))
+        out[name] = {"us": sum(times) / len(times) * launches, "launches": float(launches)}
     return out
 
 
-def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 3
+def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 5
                  ) -> Optional[Dict[str, Dict[str, float]]]:
     """:func:`kernel_events` of ``calls`` runs of ``fn`` under torch.profiler (CUDA only: the
     per-kernel time ``kfused results`` sets beside the performance model's per-kernel
     prediction); None on other devices."""
     if device.type != "cuda":
         return None
+    import os
+
     from torch.profiler import ProfilerActivity, profile
+
+    # CUPTI finalised when the profiler stops (torch's default since 2.7 unless CUDA graphs
+    # run): left active it slows every later launch, i.e. the timings of the next providers
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
     fn()
     torch.cuda.synchronize(device)
