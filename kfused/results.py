@@ -312,6 +312,11 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
                      f"{f'{cp:.0f}' if cp else '—'} | {f'{mm:.0f}' if mm else '—'} | "
                      f"{m.get('quick', False)} | {m.get('complete', True)} |")
     lines.append("")
+    cpu = [Path(r["path"]).name for r in runs if r["meta"].get("device_type", "cuda") != "cuda"]
+    if cpu:
+        lines += [f"**Not a GPU run ({', '.join(cpu)}): the Triton kernels ran in the "
+                  "interpreter or not at all; these ratios say nothing about the targets.**",
+                  ""]
     met = failed = missing = 0
     target_lines = ["## Targets", "", "| issue | op | case | mode | target | subject vs "
                     "baseline | measured | limit | met | predicted |", "|---" * 10 + "|"]

@@ -127,6 +127,7 @@ def test_render_puts_predicted_beside_measured_from_the_model_json():
     assert f"**{n_met} met, {n_not} not met, {n_missing} not measured.**" in text
     with open(PERF_LATEST) as f:
         model = json.load(f)
+    assert "Not a GPU run" not in text
     assert f"(`perf-latest.json`, predicted at commit {model['versions']['commit'][:12]})" in text
     case = next(c for c in model["cases"] if c["op"] == "headwise_qkv"
                 and c["shape"]["width"] == "gpt2-small"
@@ -192,6 +193,7 @@ def test_results_of_a_real_cpu_bench_run(tmp_path, monkeypatch, capsys):
     ratio = float(line.split("|")[7].strip().rstrip("x"))
     assert math.isfinite(ratio) and ratio > 0
     assert "kfused-triton vs peft-lora | no fwd+bwd measurement of peft-lora" in text
+    assert "**Not a GPU run (headwise_" in text
 
 
 def test_per_kernel_device_times_against_the_model():
