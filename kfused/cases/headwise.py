@@ -121,31 +121,9 @@ def _case(width: str, preset: str, device, dtype, tokens: int) -> BenchCase:
             [x, *_leaves(q), *_leaves(v)]
 
     def peft_lora():
-        import peft
-
         x, W, b, _, _ = inputs()
-
-        class Attn(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.q_proj = torch.nn.Linear(d, d, device=dev, dtype=dtype)
-                self.k_proj = torch.nn.Linear(d, nkv, device=dev, dtype=dtype)
-                self.v_proj = torch.nn.Linear(d, nkv, device=dev, dtype=dtype)
-                with torch.no_grad():
-                    for m, wi, bi in zip((self.q_proj, self.k_proj, self.v_proj), W, b):
-                        m.weight.copy_(wi)
-                        m.bias.copy_(bi)
-
-            def forward(self, x):
-                return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-        model = peft.get_peft_model(Attn(), peft.LoraConfig(
-            r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
-        leaves = [prm for prm in model.parameters() if prm.requires_grad]
-        with torch.no_grad():  # B = 0 at init: make the adapter path do real work
-            for prm in leaves:
-                prm.normal_(0, 0.02)
-        return (lambda: model(x)), [x, *leaves]
+        return _peft_lora(x, {"q_proj": (W[0], b[0]), "k_proj": (W[1], b[1]),
+                              "v_proj": (W[2], b[2])}, ["q_proj", "v_proj"], lora_r)
 
     unfit = triton_unfit(dev, dtype)
     peft_skip = _peft_skip()
@@ -225,28 +203,8 @@ def _oproj_case(width: str, preset: str, device, dtype, tokens: int) -> BenchCas
         return make
 
     def peft_lora():
-        import peft
-
         o, w_o, b_o, _ = inputs()
-
-        class Out(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.o_proj = torch.nn.Linear(HP, d, device=dev, dtype=dtype)
-                with torch.no_grad():
-                    self.o_proj.weight.copy_(w_o)
-                    self.o_proj.bias.copy_(b_o)
-
-            def forward(self, x):
-                return self.o_proj(x)
-
-        model = peft.get_peft_model(Out(), peft.LoraConfig(
-            r=lora_r, lora_alpha=lora_r, lora_dropout=0.0, target_modules=["o_proj"]))
-        leaves = [prm for prm in model.parameters() if prm.requires_grad]
-        with torch.no_grad():  # B = 0 at init: make the adapter path do real work
-            for prm in leaves:
-                prm.normal_(0, 0.02)
-        return (lambda: model(o)), [o, *leaves]
+        return _peft_lora(o, {"o_proj": (w_o, b_o)}, ["o_proj"], lora_r)
 
     unfit = triton_unfit(dev, dtype)
     providers = [
@@ -268,6 +226,39 @@ def _oproj_case(width: str, preset: str, device, dtype, tokens: int) -> BenchCas
                    adapter_params=budget, peft_lora_rank=lora_r),
         dtype=dtype, providers=providers, flops_fwd=flops_fwd, flops_bwd=2 * flops_fwd,
         bytes_fwd=float(el * (tokens * HP + d * HP + tokens * d)))
+
+
+class _Projections(torch.nn.Module):
+    """Frozen linears with the given weights under the given names (the attention's q_proj,
+    k_proj, v_proj or o_proj, as PEFT targets them); forward returns each one's output."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.names = list(weights)
+        for name, (w, b) in weights.items():
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+                lin.bias.copy_(b)
+            self.add_module(name, lin)
+
+    def forward(self, x):
+        out = tuple(getattr(self, n)(x) for n in self.names)
+        return out if len(out) > 1 else out[0]
+
+
+def _peft_lora(x, weights, targets, r):
+    """Plain LoRA of rank r on ``targets`` as PEFT runs it (peft.get_peft_model), its factors
+    drawn at random (B = 0 at init would skip the adapter's real work)."""
+    import peft
+
+    model = peft.get_peft_model(_Projections(weights), peft.LoraConfig(
+        r=r, lora_alpha=r, lora_dropout=0.0, target_modules=targets))
+    leaves = [prm for prm in model.parameters() if prm.requires_grad]
+    with torch.no_grad():
+        for prm in leaves:
+            prm.normal_(0, 0.02)
+    return (lambda: model(x)), [x, *leaves]
 
 
 def _peft_skip():
