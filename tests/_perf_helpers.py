@@ -6,10 +6,17 @@ on disk (``$KFUSED_CACHE`` or ~/.cache/kfused/perf) keyed on kernel source, spec
 options and Triton version, so a warm run only traces the ops (about 10 s on 2 cores).
 
 On a fresh machine (CI) the cache is cold and the run compiles about 350 kernels for sm_90
-(about 9 minutes on 2 cores). conftest.py therefore starts it in the background as soon as
-the tests that need it are collected (:func:`start_structure_report`), so the compiles share
-the machine with the interpreter tests, which use one core, instead of running after them;
-:func:`structure_report` waits for it.
+(about 9 minutes on 2 cores). Two things keep that off the suite's critical path:
+
+* ``tests/perf_seed.json`` (``$KFUSED_CACHE_SEED`` of the run): the statistics of the last
+  refresh's compiles, keyed as the cache is (kernel source, specialisation, options, Triton
+  version), so only the launches whose kernel or specialisation changed since, or a Triton
+  version other than the refresh's, are compiled. Refresh it after changing a kernel:
+  ``python tests/_perf_helpers.py --refresh-seed`` (compiles only what the seed misses).
+* conftest.py starts the run in the background as soon as the tests that need it are
+  collected (:func:`start_structure_report`), so the compiles share the machine with the
+  interpreter tests, which use one core, instead of running after them;
+  :func:`structure_report` waits for it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = os.path.join(ROOT, "tests", "perf_seed.json")
 TIMEOUT_S = 1800
+STRUCTURE_ARGS = ["--structure-only", "--arch", "90", "--no-csrc", "--jobs", "2"]
 
 _run = {}   # the background run: proc, tmp (TemporaryDirectory), out, log, t0
 
@@ -45,19 +54,28 @@ runpy.run_module("kfused.perf.report", run_name="__main__", alter_sys=True)
 """
 
 
+def _env(cache: str = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if os.path.exists(SEED):
+        env["KFUSED_CACHE_SEED"] = SEED + (os.pathsep + env["KFUSED_CACHE_SEED"]
+                                           if env.get("KFUSED_CACHE_SEED") else "")
+    if cache:
+        env["KFUSED_CACHE"] = cache
+    return env
+
+
 def start_structure_report() -> None:
     """Start the structural compile run in the background (once per process)."""
     if _run:
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = _env()
     tmp = tempfile.TemporaryDirectory()
     out = os.path.join(tmp.name, "structure.json")
     log = open(os.path.join(tmp.name, "structure.log"), "w+")
     proc = subprocess.Popen([sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()),
-                             "--structure-only", "--arch", "90", "--no-csrc", "--jobs", "2",
-                             "--json", out],
+                             *STRUCTURE_ARGS, "--json", out],
                             stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)   # its own group: _kill ends the workers too
     _run.update(proc=proc, tmp=tmp, out=out, log=log, t0=time.perf_counter())
@@ -103,3 +121,27 @@ def structure_report():
     rep["_seconds"] = secs
     rep["_stdout"] = output[-4000:]
     return rep
+
+
+def refresh_seed() -> int:
+    """Rewrite tests/perf_seed.json with the entries the structural run uses now: the run
+    goes into an empty cache folder (seeded from the current file, so only what it misses
+    compiles), and every entry it used is written back. Returns the entry count."""
+    sys.path.insert(0, ROOT)
+    with tempfile.TemporaryDirectory() as cache:
+        out = os.path.join(cache, "structure.json")
+        subprocess.run([sys.executable, "-m", "kfused.perf.report", *STRUCTURE_ARGS,
+                        "--json", out], env=_env(cache), cwd=ROOT, check=False)
+        if not os.path.exists(out):
+            raise SystemExit("the structural run wrote no report; seed left as it was")
+        os.environ["KFUSED_CACHE"] = cache
+        from kfused.perf.compile import cache_dir, write_seed
+
+        names = [n for n in os.listdir(cache_dir()) if n.endswith(".json")]
+        return write_seed(SEED, names)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--refresh-seed"]:
+        raise SystemExit("usage: python tests/_perf_helpers.py --refresh-seed")
+    print(f"{SEED}: {refresh_seed()} entries")

@@ -1,6 +1,7 @@
 """Unit tests of the static performance model (no compiler, no GPU)."""
 
 import math
+import os
 
 from kfused.perf import roofline as R
 from kfused.perf.compile import classify_sass, occupancy
@@ -425,3 +426,45 @@ def test_sdpa_decode_split_count_uses_fa2_key_blocks():
     assert "(8 splits;" in parts[0]["name"], parts[0]["name"]
     parts = C._inducer_decode_case(1, 8, 8, 2048, 128).baselines["sdpa"]()
     assert "(16 splits;" in parts[0]["name"], parts[0]["name"]
+
+
+def test_seed_file_answers_a_cold_cache_and_only_for_the_identical_compile(tmp_path,
+                                                                           monkeypatch):
+    """tests/perf_seed.json (KFUSED_CACHE_SEED): an entry answers exactly the compile it was
+    written for (kernel source, specialisation, options, arch, Triton version), lands in the
+    cache folder, and compile_many then compiles nothing for it; any other launch misses."""
+    import json
+    import types
+
+    from kfused.perf import compile as CP
+
+    monkeypatch.setenv("KFUSED_CACHE", str(tmp_path / "a"))
+    monkeypatch.delenv("KFUSED_CACHE_SEED", raising=False)
+    CP._seed.cache_clear()
+    fn = types.SimpleNamespace(__name__="k_seeded", cache_key="k_seeded-src")
+    spec = ({"x": "*bf16"}, {}, {}, dict(num_warps=4, num_stages=3))
+    name = f"k_seeded-sm90-{CP.spec_key(fn, spec, 90)}.json"
+    stats = dict(regs=72, shared_bytes=1024, num_warps=4, ctas_per_sm=3, sass={}, dots={})
+    with open(os.path.join(CP.cache_dir(), name), "w") as f:
+        json.dump(stats, f)
+    seed = str(tmp_path / "seed.json")
+    assert CP.write_seed(seed, [name, "k_gone-sm90-0.json"]) == 1
+
+    monkeypatch.setenv("KFUSED_CACHE", str(tmp_path / "b"))      # a fresh machine
+    assert CP.cached_stats(fn, spec, 90) is None
+    monkeypatch.setenv("KFUSED_CACHE_SEED", seed)
+    other = (spec[0], spec[1], spec[2], dict(num_warps=8, num_stages=3))
+    edited = types.SimpleNamespace(__name__="k_seeded", cache_key="k_seeded-src-edited")
+    assert CP.cached_stats(fn, other, 90) is None
+    assert CP.cached_stats(edited, spec, 90) is None
+    assert CP.cached_stats(fn, spec, 80) is None
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled a seeded launch")
+
+    monkeypatch.setattr(CP, "compile_launch", no_compile)
+    (st, err), = CP.compile_many([(fn, spec, 90)], jobs=1)
+    assert err is None and st == stats
+    with open(os.path.join(CP.cache_dir(), name)) as f:
+        assert json.load(f) == stats                              # now in the cache folder
+    CP._seed.cache_clear()
