@@ -74,6 +74,20 @@ def _peak_mem(fn: Callable[[], object], device: torch.device) -> Optional[int]:
     return int(torch.cuda.max_memory_allocated(device) - base)
 
 
+def allow_backward_replay() -> None:
+    """Turn AOTAutograd's buffer donation off for this process (torch >= 2.6 has the switch;
+    older ones never donate). The harness replays one backward (``bwd`` mode,
+    retain_graph=True), which a donating backward refuses ("compiled with non-empty donated
+    buffers"): every torch.compile baseline (KronA, q|k|v, output projection, inducer) would
+    lose its row. Set before the first compiled call: the backward is compiled lazily at the
+    first backward, and Dynamo's cache then hands that donating graph to every later
+    ``torch.compile`` of the same function (seen: ``test_bench_cases`` then
+    ``test_rough_edges`` in one process)."""
+    cfg = getattr(getattr(torch, "_functorch", None), "config", None)
+    if cfg is not None and hasattr(cfg, "donated_buffer"):
+        cfg.donated_buffer = False
+
+
 def kernel_events(events, calls: int) -> Dict[str, Dict[str, float]]:
     """Device time per kernel name from torch.profiler events of ``calls`` identical calls:
     {name: {"us": device µs per call, "launches": per call}} (device-side events only:
@@ -127,6 +141,7 @@ def measure(case: BenchCase, device: Union[str, torch.device], *, rep_ms: float 
     (:func:`kernel_times`; a profiler failure is recorded in ``kernels_error``, the timing
     stands)."""
     device = torch.device(device)
+    allow_backward_replay()
     rows = []
     for prov in case.providers:
         base = {"op": case.op, "shape": dict(case.shape), "dtype": str(case.dtype).replace("torch.", ""),

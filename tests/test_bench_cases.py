@@ -10,7 +10,10 @@ once: the cases must build and run, their timings mean nothing there.
 import pytest
 import torch
 
+from kfused.bench import allow_backward_replay
 from kfused.cases import BENCH_FAMILIES, bench_cases
+
+allow_backward_replay()   # as kfused bench does: one process may run both (see its docstring)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

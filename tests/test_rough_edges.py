@@ -554,3 +554,30 @@ def test_set_exact_reaches_every_folding_op(method, monkeypatch):
         assert seen and all(e is exact for _, e in seen), seen
     with pytest.raises(TypeError, match="exact must be True, False or None"):
         set_exact(model, "yes")
+
+
+@pytest.mark.slow
+def test_harness_replays_the_backward_of_any_compiled_baseline(monkeypatch):
+    """measure() turns buffer donation off itself: the KronA and headwise torch.compile
+    baselines (GPU-only providers) would otherwise lose their rows to the replayed backward
+    exactly as the inducer's did; here a fresh compiled function on the CPU stands in."""
+    from kfused.bench import BenchCase, Provider, measure
+
+    cfg = torch._functorch.config
+    if not hasattr(cfg, "donated_buffer"):
+        pytest.skip("this torch never donates buffers")
+    monkeypatch.setattr(cfg, "donated_buffer", True)
+
+    def ref(x, w):   # a fresh function: no graph of it is cached yet
+        return torch.tanh(x @ w).square() * 0.5
+
+    def make():
+        x = torch.randn(64, 32, requires_grad=True)
+        w = torch.randn(32, 16, requires_grad=True)
+        fn = torch.compile(ref)
+        return (lambda: fn(x, w)), [x, w]
+
+    case = BenchCase("stand_in", {"T": 64}, torch.float32, [Provider("compile", make)])
+    rows = measure(case, "cpu", rep_ms=5, warmup_ms=1, modes=("bwd", "fwd+bwd"))
+    assert [r.get("mode") for r in rows] == ["bwd", "fwd+bwd"], rows
+    assert all("ms_p50" in r for r in rows), rows

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kfused.backends import available_backends
-from kfused.bench import BenchCase, Provider
+from kfused.bench import BenchCase, Provider, allow_backward_replay
 from kfused.cases import CheckCase
 from kfused.ops import inducer_attention, inducer_attention_varlen
 from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
@@ -31,18 +31,6 @@ from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
 OP = "inducer_attention"
 L_KEY, R_VALUE = 4, 8
 _MATERIALISED_LIMIT = 8 * 2**30       # skip eager/compile when the score matrix exceeds 8 GiB
-
-
-def _no_donated_buffers() -> None:
-    """Turn AOTAutograd's buffer donation off for this process (torch >= 2.6 has the switch;
-    older ones never donate). The harness replays one backward (retain_graph=True), which a
-    donating backward refuses. A context manager around the forward is not enough: the
-    backward is compiled lazily at the first backward call, outside it, and Dynamo's cache
-    then hands that donating graph to every later ``torch.compile`` of the same function
-    (seen: ``test_bench_cases`` then ``test_rough_edges`` in one process)."""
-    cfg = getattr(getattr(torch, "_functorch", None), "config", None)
-    if cfg is not None and hasattr(cfg, "donated_buffer"):
-        cfg.donated_buffer = False
 
 
 def _make_inputs(B, H, n, p, device, dtype, grad=True):
@@ -144,7 +132,7 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
 
                 def mk_compile(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
-                    _no_donated_buffers()
+                    allow_backward_replay()
                     ref = torch.compile(inducer_attention_ref)
                     def fn():
                         return ref(q, k, v, **params, causal=causal)
