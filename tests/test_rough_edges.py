@@ -560,10 +560,13 @@ def test_set_exact_reaches_every_folding_op(method, monkeypatch):
 def test_harness_replays_the_backward_of_any_compiled_baseline(monkeypatch):
     """measure() turns buffer donation off itself: the KronA and headwise torch.compile
     baselines (GPU-only providers) would otherwise lose their rows to the replayed backward
-    exactly as the inducer's did; here a fresh compiled function on the CPU stands in."""
+    exactly as the inducer's did (torch 2.6-2.11 refuse retain_graph on a donating backward;
+    the GPU machine runs 2.11, 2.13 here no longer does, so the switch itself is checked);
+    a fresh compiled function on the CPU stands in for the baselines."""
     from kfused.bench import BenchCase, Provider, measure
 
-    cfg = torch._functorch.config
+    import torch._functorch.config as cfg
+
     if not hasattr(cfg, "donated_buffer"):
         pytest.skip("this torch never donates buffers")
     monkeypatch.setattr(cfg, "donated_buffer", True)
@@ -581,3 +584,4 @@ def test_harness_replays_the_backward_of_any_compiled_baseline(monkeypatch):
     rows = measure(case, "cpu", rep_ms=5, warmup_ms=1, modes=("bwd", "fwd+bwd"))
     assert [r.get("mode") for r in rows] == ["bwd", "fwd+bwd"], rows
     assert all("ms_p50" in r for r in rows), rows
+    assert cfg.donated_buffer is False
