@@ -560,9 +560,9 @@ def test_set_exact_reaches_every_folding_op(method, monkeypatch):
 def test_harness_replays_the_backward_of_any_compiled_baseline(monkeypatch):
     """measure() turns buffer donation off itself: the KronA and headwise torch.compile
     baselines (GPU-only providers) would otherwise lose their rows to the replayed backward
-    exactly as the inducer's did (torch 2.6-2.11 refuse retain_graph on a donating backward;
-    the GPU machine runs 2.11, 2.13 here no longer does, so the switch itself is checked);
-    a fresh compiled function on the CPU stands in for the baselines."""
+    exactly as the inducer's did (torch from 2.6 refused retain_graph on a donating
+    backward; the torch 2.13 here no longer raises, the GPU machine's 2.11 may: so the switch
+    itself is checked); a fresh compiled function on the CPU stands in for the baselines."""
     from kfused.bench import BenchCase, Provider, measure
 
     import torch._functorch.config as cfg
