@@ -21,6 +21,7 @@ import torch
 from kfused.cli import args as cli_args
 from kfused.cli import bench, check, demo
 from kfused.cli import main as cli_main
+from kfused.cli import results as results_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_CUDA = not torch.cuda.is_available()
@@ -245,13 +246,14 @@ def _demo_docstring_commands():
 PARSERS = {"demo": lambda a: demo.build_parser().parse_args(a),
            "bench": lambda a: bench.build_parser().parse_args(a),
            "check": check.parse_args,
-           "info": lambda a: cli_main.info_parser().parse_args(a)}
+           "info": lambda a: cli_main.info_parser().parse_args(a),
+           "results": lambda a: results_cli.build_parser().parse_args(a)}
 
 
 def test_readme_commands_still_parse():
     cmds = _readme_commands() + _demo_docstring_commands()
     names = {c[0] for c in cmds}
-    assert {"demo", "check", "bench", "info"} <= names, cmds
+    assert {"demo", "check", "bench", "info", "results"} <= names, cmds
     assert ["bench", "--quick", "--dtype", "bf16"] in cmds
     for argv in cmds:
         if argv[0] == "perf":  # kfused.perf.report builds its parser inside run(): not parsed here
