@@ -52,6 +52,10 @@ class Rule:
         return ratio <= self.max_ratio and (self.min_ratio is None or ratio >= self.min_ratio)
 
 
+# (op, provider) pairs the model predicts that no target holds: timed against the model only
+TIMED_ONLY = {("krona_linear", "kfused-triton-exact")}
+
+
 def _prefill(s: dict) -> bool:
     return "n" in s and not s.get("decode")
 
@@ -327,6 +331,28 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
                   "Device time per call (torch.profiler) of the provider held to the target, "
                   "kernel by kernel, against the model's prediction for that launch.", ""]
     timed, profiled = set(), set()
+
+    def note(run, op, shape, mode, prov, p_s, ms, kernels=None, case=None):
+        """One predicted-against-measured time row (once per run, case, mode, provider) and,
+        for a profiled row, its per-kernel table."""
+        key = (run["path"], op, _key(shape), mode, prov)
+        label = _case_label(op, shape)
+        if p_s and key not in timed:
+            timed.add(key)
+            timing.append(f"| {op} | {label} | {mode} | {prov} | {_fmt_ms(p_s * 1e3)} | "
+                          f"{_fmt_ms(ms)} | {ms / (p_s * 1e3):.2f} |")
+        if kernels and case is not None and key not in profiled:
+            profiled.add(key)
+            per_kernel.extend([f"**{op} {label}, {mode}, {prov}**", "",
+                               "| kernel | launches predicted | launches measured | "
+                               "predicted | measured | measured / predicted |",
+                               "|---" * 6 + "|"])
+            for name, lp, lm, tp, tm in kernel_rows(case, kernels):
+                ratio = f"{tm / tp:.2f}" if tp else "—"
+                per_kernel.append(f"| {name} | {lp:g} | {lm:g} | {tp:.1f} µs | "
+                                  f"{tm:.1f} µs | {ratio} |")
+            per_kernel.append("")
+
     for run in runs:
         for e in evaluate(run["rows"]):
             rule = e["rule"]
@@ -347,27 +373,18 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
                 f"{verdict} | {f'{pr:.2f}x' if pr is not None else '—'} |")
             if case is None or "ms" not in e:
                 continue
-            pkey = (run["path"], e["op"], _key(e["shape"]), e["mode"], e["subject"])
-            if e.get("kernels") and pkey not in profiled:
-                profiled.add(pkey)
-                per_kernel += [f"**{e['op']} {label}, {e['mode']}, {e['subject']}**", "",
-                               "| kernel | launches predicted | launches measured | "
-                               "predicted | measured | measured / predicted |",
-                               "|---" * 6 + "|"]
-                for name, lp, lm, tp, tm in kernel_rows(case, e["kernels"]):
-                    ratio = f"{tm / tp:.2f}" if tp else "—"
-                    per_kernel.append(f"| {name} | {lp:g} | {lm:g} | {tp:.1f} µs | "
-                                      f"{tm:.1f} µs | {ratio} |")
-                per_kernel.append("")
             base = (case.get("baselines") or {}).get(rule.baseline) or {}
-            for prov, p_s, ms in ((e["subject"], case.get("predicted_t_s"), e["ms"]),
-                                  (rule.baseline, base.get("t"), e["ms_baseline"])):
-                tkey = (run["path"], e["op"], _key(e["shape"]), e["mode"], prov)
-                if p_s and tkey not in timed:
-                    timed.add(tkey)
-                    timing.append(f"| {e['op']} | {label} | {e['mode']} | {prov} | "
-                                  f"{_fmt_ms(p_s * 1e3)} | {_fmt_ms(ms)} | "
-                                  f"{ms / (p_s * 1e3):.2f} |")
+            note(run, e["op"], e["shape"], e["mode"], e["subject"], case.get("predicted_t_s"),
+                 e["ms"], e.get("kernels"), case)
+            note(run, e["op"], e["shape"], e["mode"], rule.baseline, base.get("t"),
+                 e["ms_baseline"])
+        # paths the model predicts that no target holds (KronA's exact path): time only
+        for r in run["rows"]:
+            if (r["op"], r["provider"]) in TIMED_ONLY and "ms_p50" in r:
+                case = _pred_case(pred or {}, r["op"], r["shape"], r["provider"], r["mode"])
+                if case is not None:
+                    note(run, r["op"], r["shape"], r["mode"], r["provider"],
+                         case.get("predicted_t_s"), r["ms_p50"], r.get("kernels"), case)
     lines.append(f"**{met} met, {failed} not met, {missing} not measured.**")
     lines += [""] + target_lines + [""]
     if len(timing) > 4:

@@ -317,3 +317,24 @@ def test_bench_runs_the_shapes_the_model_predicts_first():
     cases.append(SimpleNamespace(op="headwise_qkv", shape=QKV))
     order = targets_first(cases)
     assert [c.shape for c in order] == [KRONA, QKV, small, odd]
+
+
+def test_krona_exact_path_is_timed_against_its_own_prediction():
+    """No target holds KronA's exact path, but the model predicts it (its own kernels): the
+    measured row gets a time row and, profiled, a per-kernel table against the exact case,
+    not the folded one."""
+    with open(PERF_LATEST) as f:
+        model = json.load(f)
+    exact = next(c for c in model["cases"] if c["op"] == "krona_linear"
+                 and c["shape"]["path"] == "exact" and c["shape"]["A"] == [24, 24]
+                 and c["shape"]["d_out"] == 768)
+    row = _row("krona_linear", KRONA, "kfused-triton-exact", "fwd+bwd", 0.125)
+    name = exact["kernels"][0]["kernel"]
+    row["kernels"] = {name: {"us": 50.0, "launches": 1.0}}
+    text = results.render([{"path": "k.json", "meta": META, "rows": [row]}],
+                          results.load_predicted(PERF_LATEST))
+    p_us = exact["predicted_t_s"] * 1e6
+    line = next(ln for ln in text.splitlines() if "| kfused-triton-exact |" in ln)
+    assert line.endswith(f"| {p_us:.1f} µs | 125.0 µs | {125.0 / p_us:.2f} |")
+    assert "fwd+bwd, kfused-triton-exact**" in text
+    assert f"| {name} |" in text.split("per kernel", 1)[1]
