@@ -61,6 +61,7 @@ def run(argv: Optional[List[str]] = None) -> int:
         results.write(out, text)
     except FileExistsError as exc:
         p.error(f"argument --out: {exc}")
-    summary = next((ln for ln in text.splitlines() if ln.startswith("**")), "")
+    summary = next((ln for ln in text.splitlines() if ln.startswith("**")
+                    and " not measured." in ln), "")
     print(f"wrote {out}: {summary.strip('*')}", file=sys.stderr)
     return 0
