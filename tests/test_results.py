@@ -152,6 +152,8 @@ def test_cli_writes_refuses_foreign_files_and_replaces_its_own(tmp_path, capsys)
     (bench / "backend_prefs.json").write_text(json.dumps({"written_by": "x", "devices": {}}))
     out = tmp_path / "RESULTS.md"
     assert cli.run([str(bench), "--predicted", PERF_LATEST, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"wrote {out}: ") and err.rstrip().endswith("not measured.")
     first = out.read_text()
     assert first.startswith(results.MARKER) and "headwise_x.json" in first
     assert "backend_prefs" not in first
