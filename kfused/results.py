@@ -125,6 +125,12 @@ def load_runs(paths: Iterable) -> List[dict]:
                 continue
             if isinstance(data, dict) and isinstance(data.get("rows"), list) and \
                     isinstance(data.get("meta"), dict):
+                for i, r in enumerate(data["rows"]):
+                    bad = not isinstance(r, dict) or not isinstance(r.get("shape"), dict) or \
+                        any(not isinstance(r.get(k), str) for k in ("op", "provider", "mode"))
+                    if bad or ("ms_p50" in r and not isinstance(r["ms_p50"], (int, float))):
+                        raise ValueError(f"{f}: row {i} is not a `kfused bench` row (op, "
+                                         f"shape, provider, mode, ms_p50): {str(r)[:200]}")
                 runs.append({"path": str(f), "meta": data["meta"], "rows": data["rows"]})
     return runs
 
@@ -215,7 +221,11 @@ def load_predicted(path) -> Dict[tuple, List[dict]]:
     if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
         raise ValueError(f"{path} is not a `kfused perf --json` file (no 'cases' list)")
     out: Dict[tuple, List[dict]] = {}
-    for c in data["cases"]:
+    for i, c in enumerate(data["cases"]):
+        if not isinstance(c, dict) or not isinstance(c.get("op"), str) or \
+                not isinstance(c.get("shape"), dict):
+            raise ValueError(f"{path}: case {i} has no op and shape: not a `kfused perf "
+                             "--json` file")
         k = case_key(c["op"], c["shape"], "kfused-triton")
         if k is not None:
             out.setdefault(k, []).append(c)
@@ -403,6 +413,8 @@ def write(path, text: str) -> None:
     path = Path(path)
     if path.is_symlink():
         raise FileExistsError(f"{path} is a symbolic link; not replacing it")
+    if path.is_dir():
+        raise FileExistsError(f"{path} is a directory; give the RESULTS.md file to write")
     if path.exists():
         try:
             first = path.read_text().split("\n", 1)[0]

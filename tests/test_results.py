@@ -165,7 +165,14 @@ def test_cli_writes_refuses_foreign_files_and_replaces_its_own(tmp_path, capsys)
         cli.run([str(bench), "--out", str(foreign)])
     assert foreign.read_text() == "mine\n"
     assert "was not written by `kfused results`" in capsys.readouterr().err
-    for argv, msg in (([str(tmp_path / "missing")], "does not exist"),
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"meta": {}, "rows": [{"op": "krona_linear", "ms_p50": 1.0}]}))
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({"cases": [{"label": "x"}]}))
+    for argv, msg in (([str(odd)], "row 0 is not a `kfused bench` row"),
+                      ([str(bench), "--predicted", str(cases)], "case 0 has no op and shape"),
+                      ([str(bench), "--out", str(tmp_path)], "is a directory"),
+                      ([str(tmp_path / "missing")], "does not exist"),
                       ([str(tmp_path / "RESULTS.md")], "no `kfused bench` JSON"),
                       ([str(bench), "--predicted", str(bench / "headwise_x.json")],
                        "not a `kfused perf --json` file")):

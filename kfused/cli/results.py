@@ -35,7 +35,7 @@ def run(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         runs = results.load_runs(args.inputs)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         p.error(f"argument inputs: {exc}")
     if not runs:
         p.error("argument inputs: no `kfused bench` JSON (an object with 'meta' and 'rows') in "
