@@ -347,3 +347,18 @@ def test_krona_exact_path_is_timed_against_its_own_prediction():
     assert line.endswith(f"| {p_us:.1f} µs | 125.0 µs | {125.0 / p_us:.2f} |")
     assert "fwd+bwd, kfused-triton-exact**" in text
     assert f"| {name} |" in text.split("per kernel", 1)[1]
+
+
+def test_every_rule_names_providers_the_benchmarks_have():
+    """A rule whose subject or baseline no benchmark case provides would read "not measured"
+    on every GPU run: each names a provider of its op's cases (flash-varlen is the model's
+    baseline only: the GPU machine has no flash-attn package)."""
+    import kfused.cases
+
+    provided = {}
+    for fam in kfused.cases.BENCH_FAMILIES:
+        for case in kfused.cases.bench_cases(fam, "cpu", torch.float32, quick=True):
+            provided.setdefault(case.op, set()).update(p.name for p in case.providers)
+    for r in results.RULES:
+        assert r.subject in provided[r.op], (r.op, r.subject)
+        assert r.baseline in provided[r.op] or r.baseline == "flash-varlen", (r.op, r.baseline)
