@@ -213,9 +213,17 @@ def case_key(op: str, shape: dict, subject: str) -> Optional[tuple]:
     return None
 
 
-def load_predicted(path) -> Dict[tuple, List[dict]]:
-    """``kfused perf --json`` cases by :func:`case_key` (a key may hold a fwd+bwd and a
-    forward-only case)."""
+@dataclass
+class Prediction:
+    """A ``kfused perf --json`` file: its cases by :func:`case_key` (a key may hold a
+    fwd+bwd and a forward-only case) and the commit it predicted."""
+
+    cases: Dict[tuple, List[dict]]
+    commit: Optional[str] = None
+
+
+def load_predicted(path) -> Prediction:
+    """Read a ``kfused perf --json`` file (:class:`Prediction`)."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
         raise ValueError(f"{path} is not a `kfused perf --json` file (no 'cases' list)")
@@ -228,12 +236,12 @@ def load_predicted(path) -> Dict[tuple, List[dict]]:
         k = case_key(c["op"], c["shape"], "kfused-triton")
         if k is not None:
             out.setdefault(k, []).append(c)
-    out[("__commit__",)] = [{"commit": (data.get("versions") or {}).get("commit")}]
-    return out
+    return Prediction(out, (data.get("versions") or {}).get("commit"))
 
 
-def _pred_case(pred, op: str, shape: dict, subject: str, mode: str) -> Optional[dict]:
-    for c in pred.get(case_key(op, shape, subject), []):
+def _pred_case(pred: Optional[Prediction], op: str, shape: dict, subject: str,
+               mode: str) -> Optional[dict]:
+    for c in (pred.cases.get(case_key(op, shape, subject), []) if pred else []):
         forward_only = bool(c["shape"].get("forward_only") or c["shape"].get("decode"))
         if forward_only == (mode == "fwd"):
             return c
@@ -290,18 +298,13 @@ def _case_label(op: str, shape: dict) -> str:
     return ", ".join(parts)
 
 
-def _pred_commit(pred) -> str:
-    commit = ((pred or {}).get(("__commit__",)) or [{}])[0].get("commit")
-    return f", predicted at commit {commit[:12]}" if commit else ""
-
-
 def _fmt_ms(ms: Optional[float]) -> str:
     if ms is None:
         return "—"
     return f"{ms * 1e3:.1f} µs" if ms < 1 else f"{ms:.3f} ms"
 
 
-def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
+def render(runs: List[dict], pred: Optional[Prediction] = None,
            pred_source: Optional[str] = None) -> str:
     """RESULTS.md text for ``runs`` (:func:`load_runs`) and the optional prediction."""
     lines = [MARKER, "", "# Measured results", ""]
@@ -311,7 +314,9 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
     lines += ["Every ratio is measured: the median time of the provider held to the target "
               "over the baseline's, in the same run (same JSON file, shape and mode). "
               "\"predicted\" is `kfused perf`'s static model for the same case, where it has "
-              "one" + (f" (`{pred_source}`" + _pred_commit(pred) + ")" if pred_source else "")
+              "one" + (f" (`{pred_source}`" + (f", predicted at commit {pred.commit[:12]}"
+                                                if pred and pred.commit else "") + ")"
+                       if pred_source else "")
               + ".", ""]
     lines += ["## Runs", "", "| file | device | driver | CUDA | torch | triton | commit | "
               "d2d copy GB/s | bf16 matmul TFLOP/s | quick | complete |", "|---" * 11 + "|"]
@@ -365,7 +370,7 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
     for run in runs:
         for e in evaluate(run["rows"]):
             rule = e["rule"]
-            case = _pred_case(pred or {}, e["op"], e["shape"], e["subject"], e["mode"])
+            case = _pred_case(pred, e["op"], e["shape"], e["subject"], e["mode"])
             pr = _pred_ratio(case, rule)
             label = _case_label(e["op"], e["shape"])
             if "ratio" in e:
@@ -390,7 +395,7 @@ def render(runs: List[dict], pred: Optional[Dict[tuple, List[dict]]] = None,
         # paths the model predicts that no target holds (KronA's exact path): time only
         for r in run["rows"]:
             if (r["op"], r["provider"]) in TIMED_ONLY and "ms_p50" in r:
-                case = _pred_case(pred or {}, r["op"], r["shape"], r["provider"], r["mode"])
+                case = _pred_case(pred, r["op"], r["shape"], r["provider"], r["mode"])
                 if case is not None:
                     note(run, r["op"], r["shape"], r["mode"], r["provider"],
                          case.get("predicted_t_s"), r["ms_p50"], r.get("kernels"), case)
