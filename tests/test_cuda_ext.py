@@ -463,9 +463,13 @@ def test_headwise_lowrank_errors():
 # ------------------------------------------------------------------------------------------
 
 def inducer_ref(q, k, v, s0, pk=None, pv=None, lens=None, causal=False):
-    """Float formula: (f, lse, lam); fully masked rows -> f = 0, lse = -1e30, lam = 1."""
+    """Float formula: (f, lse, lam); fully masked rows -> f = 0, lse = -1e30, lam = 1.
+    k, v may have fewer heads than q (grouped-query: query head h reads kv head h // G)."""
     Bn, H, n_q, p = q.shape
     n_k = k.shape[2]
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
     l = 0 if pk is None else pk.shape[1]
     if l:
         k = torch.cat([pk.unsqueeze(0).expand(Bn, -1, -1, -1), k], dim=2)
@@ -630,6 +634,76 @@ def test_inducer_attention_fwd_mlp_in_kernel(case, dtype, u_float):
     assert all(not torch.isnan(t).any() for t in got)
     _check([compare(n, x, w, t, dtype) for n, x, w, t in zip(("f", "lse", "lam", "u"), got,
                                                              want, same)])
+
+
+GQA_CASES = [  # B, H, H_kv, n_q, n_k, p, l, causal, lens
+    (2, 8, 2, 1, 1025, 128, 0, True, None),         # decode: 4 query heads packed per block
+    (3, 8, 2, 4, 300, 64, 0, True, [300, 17, 1]),   # 4 heads x 4 queries = 16 packed rows
+    (2, 6, 3, 3, 77, 40, 0, True, [77, 2]),         # 2 x 3 rows, p = 40 (padded), lengths
+    (1, 8, 1, 3, 200, 64, 0, True, None),           # 8 x 3 = 24 rows: one head per block
+    (2, 6, 3, 1, 90, 80, 2, False, [90, 5]),        # a prefix (per query head): no packing
+    (2, 4, 2, 70, 120, 64, 0, True, None),          # prefill
+    (1, 12, 4, 2, 5000, 32, 0, False, None),        # packed, many key splits
+    (2, 4, 4, 1, 50, 17, 0, True, None),            # H_kv = H, p % 8 != 0 (scalar loads)
+]
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["s0", "mlp"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_inducer_attention_grouped_query(case, dtype, mlp):
+    """k/v with H_kv heads dividing q's H (query head h reads kv head h // (H / H_kv)): the
+    16-bit decode blocks that pack a kv head's query heads (each row its own head's q, causal
+    limit, in-kernel MLP weights and output row) and the unpacked schedules, against the
+    float64 formula with the kv heads repeated."""
+    Bn, H, Hkv, n_q, n_k, p, l, causal, lens = case
+    if mlp and dtype == torch.float32:
+        pytest.skip("the in-kernel inducer MLP is the 16-bit path (float32 takes s0)")
+    L, r = 4, 8
+    q = torch.randn(Bn, H, n_q, p, dtype=torch.float64)
+    k = torch.randn(Bn, Hkv, n_k, p, dtype=torch.float64)
+    v = torch.randn(Bn, Hkv, n_k, p, dtype=torch.float64)
+    s0 = torch.randn(Bn, H, n_q, dtype=torch.float64) * 3
+    W = _mlp_weights(H, p, L, r, gen_scale=p ** -0.5)
+    pk = torch.randn(H, l, p, dtype=torch.float64) if l else None
+    pv = torch.randn(H, l, p, dtype=torch.float64) if l else None
+    lens_t = torch.tensor(lens) if lens is not None else None
+    cast = lambda t: None if t is None else t.to(DEV, dtype)  # noqa: E731
+
+    def formula(q, k, v, s0, pk, pv, W):
+        if not mlp:
+            return inducer_ref(q, k, v, s0, pk, pv, lens_t, causal)
+        s0, hid = mlp_ref(q, *W)
+        f, lse, lam = inducer_ref(q, k, v, s0, pk, pv, lens_t, causal)
+        return f, lse, lam, lam[..., None] * hid
+
+    want = formula(q, k, v, s0, pk, pv, W)
+    with no_tf32():
+        same = formula(cast(q), cast(k), cast(v), cast(s0), cast(pk), cast(pv),
+                       [cast(w) for w in W])
+    _poison_allocator()
+    extra = ([cast(w) for w in W] + [False]) if mlp else []
+    got = _C.inducer_attention_fwd(cast(q), cast(k), cast(v), None if mlp else cast(s0),
+                                   cast(pk), cast(pv),
+                                   lens_t.to(DEV) if lens_t is not None else None, causal,
+                                   *extra)
+    torch.cuda.synchronize()
+    got = got if mlp else got[:3]
+    assert got[0].shape == (Bn, H, n_q, p)
+    assert all(not torch.isnan(t).any() for t in got)
+    _check([compare(n, x, w, t, dtype) for n, x, w, t in zip(("f", "lse", "lam", "u"), got,
+                                                             want, same)])
+
+
+def test_inducer_attention_grouped_query_errors():
+    q = torch.randn(1, 6, 3, 32, device=DEV, dtype=torch.float16)
+    s0 = torch.randn(1, 6, 3, device=DEV)
+    k = torch.randn(1, 4, 5, 32, device=DEV, dtype=torch.float16)   # 4 does not divide 6
+    with pytest.raises(RuntimeError, match="H_kv dividing"):
+        _C.inducer_attention_fwd(q, k, k, s0, None, None, None, False)
+    k3 = torch.randn(1, 3, 5, 32, device=DEV, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="v "):
+        _C.inducer_attention_fwd(q, k3, k, s0, None, None, None, False)
 
 
 def test_inducer_attention_mlp_errors():

@@ -554,6 +554,17 @@ def test_cuda_inference_kernel_matches_reference(p, causal):
             lambda **kw: inducer_attention(**kw, causal=causal, backend="cuda"),
             lambda **kw: inducer_attention_ref(**kw, causal=causal), inputs, dtype, DEVICE,
             grad_names=[])
+    # grouped-query decode (8 query heads on 2 kv heads, packed per kv head; no prefix)
+    H, Hkv = 8, 2
+    inputs = {"q": t(B, H, 1, p), "k": t(B, Hkv, n, p), "v": t(B, Hkv, n, p),
+              "Ak": t(H, p, L) * 0.1, "ak": t(H, L) * 0.1, "Bk": t(H, L, p) * 0.1,
+              "ck": t(H, p) * 0.1, "W1": t(H, p, r) * 0.1, "b1": t(H, r) * 0.1,
+              "seq_lens": torch.tensor([n, 50])}
+    for dtype in DTYPES:
+        assert_against_reference(
+            lambda **kw: inducer_attention(**kw, causal=causal, backend="cuda"),
+            lambda **kw: inducer_attention_ref(**kw, causal=causal), inputs, dtype, DEVICE,
+            grad_names=[])
 
 
 # ------------------------------------------------------------------------------------------

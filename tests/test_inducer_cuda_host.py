@@ -46,18 +46,20 @@ def _standin(q, k, v, s0, pk, pv, lens, causal, Ak=None, ak=None, Bk=None, ck=No
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 
+@pytest.mark.parametrize("hkv", [3, 1], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("composition", ["add", "gate"])
 @pytest.mark.parametrize("causal,prefix,lens", [(False, 0, False), (True, 2, False),
                                                 (True, 0, True), (False, 3, True)])
-def test_cuda_host_glue_matches_the_reference(composition, causal, prefix, lens, dtype):
+def test_cuda_host_glue_matches_the_reference(composition, causal, prefix, lens, dtype, hkv):
     g = torch.Generator().manual_seed(7)
     B, H, n_q, n_k, p, L, r = 2, 3, 5, 7, 16, 4, 6
 
     def t(*s, sc=1.0):
         return (torch.randn(*s, generator=g, dtype=F64) * sc).to(dtype)
 
-    q, k, v = t(B, H, n_q, p), t(B, H, n_k, p), t(B, H, n_k, p)
+    # hkv < H: grouped-query k/v, passed to the kernel as they are (it reads kv head h // G)
+    q, k, v = t(B, H, n_q, p), t(B, hkv, n_k, p), t(B, hkv, n_k, p)
     prm = dict(Ak=t(H, p, L, sc=0.3), ak=t(H, L), Bk=t(H, L, p, sc=0.3), ck=t(H, p, sc=0.3),
                W1=t(H, p, r, sc=0.3), b1=t(H, r), W2=t(H, r, p), b2=t(H, p))
     pk = t(H, prefix, p) if prefix else None
@@ -87,6 +89,21 @@ def test_cuda_host_glue_matches_the_reference(composition, causal, prefix, lens,
         torch.testing.assert_close(gu.double(), wu, rtol=tol, atol=tol)
     else:
         assert gu is None and wu is None
+
+
+def test_cuda_backend_takes_grouped_query_kv():
+    """The CUDA kernel reads kv head h // (H / H_kv) (packing a kv head's query heads into one
+    decode block): backend="cuda" no longer refuses grouped-query k/v; its other limits
+    stand."""
+    from kfused.ops.inducer_attention import _cuda_unfit
+
+    q = torch.randn(1, 8, 1, 64, dtype=torch.float16)
+    k = torch.randn(1, 2, 9, 64, dtype=torch.float16)
+    unfit = _cuda_unfit(q, k, None, 64 ** -0.5, [q, k])
+    assert unfit("cuda") is None and unfit("triton") is None
+    assert "scale" in _cuda_unfit(q, k, None, 0.3, [q, k])("cuda")
+    assert "seq_lens" in _cuda_unfit(q, k, torch.ones(1, 9, dtype=torch.bool), 64 ** -0.5,
+                                     [q, k])("cuda")
 
 
 def test_cuda_host_glue_without_inducer():

@@ -139,13 +139,25 @@ def test_cuda_inducer_model_follows_the_csrc_host():
     assert (int(consts["kPrefillBN"]), int(consts["kPrefillRW"]), int(consts["kDecodeBN"]),
             int(consts["kDecodeKW"])) == (C._CU_PREFILL_BN, C._CU_PREFILL_RW, C._CU_DECODE_BN,
                                           C._CU_DECODE_KW)
-    decode, BM, SK, row_tiles, nsplit, per = C._cuda_inducer_grid(8, 16, 2048, 2048)
-    assert (decode, BM, SK, row_tiles, nsplit) == (False, 64, 64, 32, 1)
-    decode, BM, SK, row_tiles, nsplit, per = C._cuda_inducer_grid(1, 8, 1, 16384)
-    assert decode and (BM, SK, row_tiles) == (16, 64, 1)
+    decode, BM, SK, row_tiles, nsplit, per, gpack = C._cuda_inducer_grid(8, 16, 2048, 2048)
+    assert (decode, BM, SK, row_tiles, nsplit, gpack) == (False, 64, 64, 32, 1, 1)
+    decode, BM, SK, row_tiles, nsplit, per, gpack = C._cuda_inducer_grid(1, 8, 1, 16384)
+    assert decode and (BM, SK, row_tiles, gpack) == (16, 64, 1, 1)
     # min(cdiv(2·132, 8) = 33, 256 stages, 64) splits of cdiv(256, 33) = 8 stages -> 32
     assert (nsplit, per) == (32, 8)
     assert C._cuda_inducer_grid(8, 32, 1, 4096)[4] == 1     # 256 blocks fill the GPU
+    # grouped-query decode: a kv head's 4 query heads packed into one block (64 blocks, so
+    # the keys split again), unless their rows overflow the 16-row tile or a prefix is given
+    # (csrc/inducer/inducer_attention_fwd.cu's gpack rule)
+    assert C._cuda_inducer_grid(8, 32, 1, 4096, Hkv=8)[6] == 4
+    assert C._cuda_inducer_grid(8, 32, 1, 4096, Hkv=8)[4] > 1
+    assert C._cuda_inducer_grid(8, 32, 4, 4096, Hkv=8)[6] == 4       # 16 rows: still one tile
+    assert C._cuda_inducer_grid(8, 32, 5, 4096, Hkv=8)[6] == 1       # 20 rows
+    assert C._cuda_inducer_grid(8, 32, 1, 4096, l=3, Hkv=8)[6] == 1  # a prefix per query head
+    assert C._cuda_inducer_grid(8, 32, 64, 4096, Hkv=8)[6] == 1      # prefill
+    host = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "inducer" /
+            "inducer_attention_fwd.cu").read_text()
+    assert "gpack = (decode && group > 1 && l == 0 && group * n_q <= rows_blk) ? group : 1" in host
     # the host's limit on the in-kernel MLP (kfused.ops refuses wider MLPs for "cuda")
     from kfused.ops.inducer_attention import CUDA_MLP_MAX_COLS
     assert int(re.search(r"kMlpMaxCols = (\d+)", src).group(1)) == CUDA_MLP_MAX_COLS

@@ -179,13 +179,14 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Shared-memory tile loader: rows [0, nrows) x columns [0, ncols) (16-bit elements) of a
-// global matrix with row stride `ld` (elements) into smem rows of `pitch`, zero-filling
-// columns [ncols, cpad) and rows [nrows, rpad). Vector path (16-byte cp.async) when `vec`
-// (base 16-byte aligned, ld % 8 == 0, ncols % 8 == 0); otherwise scalar loads.
-// Asynchronous on the vector path: the caller commits / waits / synchronises.
-template <typename T>
-__device__ __forceinline__ void load_tile(T* s, int pitch, const T* g, int64_t ld, int nrows,
+// Shared-memory tile loader, row by row: smem row r < rpad receives columns [0, ncols) of the
+// global row row_ptr(r) (16-bit elements), zero-filling columns [ncols, cpad) and every column
+// of a row whose row_ptr is nullptr. Vector path (16-byte cp.async) when `vec` (every row
+// 16-byte aligned, ncols % 8 == 0; `any` is a valid 16-byte aligned global address, passed
+// for the rows that read nothing); otherwise scalar loads. Asynchronous on the vector path:
+// the caller commits / waits / synchronises.
+template <typename T, typename RowPtr>
+__device__ __forceinline__ void load_rows(T* s, int pitch, RowPtr row_ptr, const T* any,
                                           int ncols, int rpad, int cpad, bool vec, int tid,
                                           int nthreads) {
   const int cchunks = cpad / 8;
@@ -193,21 +194,34 @@ __device__ __forceinline__ void load_tile(T* s, int pitch, const T* g, int64_t l
   if (vec) {
     for (int e = tid; e < total; e += nthreads) {
       const int r = e / cchunks, c = (e - r * cchunks) * 8;
-      const bool ok = r < nrows && c < ncols;
-      cp_async16(s + r * pitch + c, ok ? g + r * ld + c : g, ok);
+      const T* g = row_ptr(r);
+      const bool ok = g != nullptr && c < ncols;
+      cp_async16(s + r * pitch + c, ok ? g + c : any, ok);
     }
   } else {
     for (int e = tid; e < total; e += nthreads) {
       const int r = e / cchunks, c0 = (e - r * cchunks) * 8;
+      const T* g = row_ptr(r);
       alignas(16) T v[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int c = c0 + i;
-        v[i] = (r < nrows && c < ncols) ? g[r * ld + c] : T(0.f);
+        v[i] = (g != nullptr && c < ncols) ? g[c] : T(0.f);
       }
       *reinterpret_cast<uint4*>(s + r * pitch + c0) = *reinterpret_cast<const uint4*>(v);
     }
   }
+}
+
+// Rows [0, nrows) x columns [0, ncols) of a global matrix with row stride `ld` (elements)
+// into smem rows of `pitch`, zero-filling columns [ncols, cpad) and rows [nrows, rpad)
+// (load_rows; vector path: base 16-byte aligned and ld % 8 == 0 besides).
+template <typename T>
+__device__ __forceinline__ void load_tile(T* s, int pitch, const T* g, int64_t ld, int nrows,
+                                          int ncols, int rpad, int cpad, bool vec, int tid,
+                                          int nthreads) {
+  load_rows<T>(s, pitch, [=](int r) -> const T* { return r < nrows ? g + r * ld : nullptr; },
+               g, ncols, rpad, cpad, vec, tid, nthreads);
 }
 
 

@@ -36,6 +36,12 @@ struct InducerParams {
   int64_t k_sb, k_sh, k_sn;
   int64_t v_sb, v_sh, v_sn;
   int B, H, n_q, n_k, p, l;
+  // Grouped-query attention: k and v have H / group heads; query head h reads kv head
+  // h / group. gpack query heads (1, or all `group` of a kv head: the 16-bit decode schedule
+  // without a prefix) share a block, their n_q rows stacked: packed row R of head block
+  // blockIdx.y is query R % n_q of head blockIdx.y * gpack + R / n_q, so the block reads
+  // its kv head's keys once for all of them.
+  int group, gpack;
   int pitch;  // row pitch (elements) of the K/V tiles in shared memory
   float scale_log2;
   bool causal;
@@ -61,6 +67,10 @@ struct InducerParams {
   bool u_f32;
   float* ws_s0;  // nsplit > 1: the split-0 block's s0 (rows) and tanh(q W1 + b1) (rows, r)
   float* ws_hid; //   for the merge kernel
+  // nsplit > 1, tensor-core kernel: one int32 arrival counter per (batch, head block, row
+  // tile), zero before the launch and left zero after it. The last of a tile's nsplit blocks
+  // to arrive merges the splits itself (no second launch). nullptr: inducer_merge_kernel.
+  int* count;
 };
 
 // The combined MLP weight [Ak | W1 | Bk^T | ck] is staged in the second K buffer of the
@@ -81,6 +91,25 @@ __device__ __forceinline__ float row_lse(float m, float l) {
 
 __device__ __forceinline__ float sigmoid_of(float x) {
   return x >= 0.f ? 1.f / (1.f + expf(-x)) : expf(x) / (1.f + expf(x));
+}
+
+// Packed row R of head block hb (InducerParams::gpack): its query head and query index.
+__device__ __forceinline__ void packed_row(const InducerParams& P, int hb, int R, int& h,
+                                           int& i) {
+  if (P.gpack == 1) {
+    h = hb;
+    i = R;
+  } else {
+    const int j = R / P.n_q;
+    h = hb * P.gpack + j;
+    i = R - j * P.n_q;
+  }
+}
+
+// The largest query index among packed rows [R0, R1] of a block (causal: its last visible key).
+__device__ __forceinline__ int last_query(const InducerParams& P, int R0, int R1) {
+  if (P.gpack == 1) return R1;
+  return R0 / P.n_q != R1 / P.n_q ? P.n_q - 1 : R1 % P.n_q;
 }
 
 // u[row, j] = lam * hidden (float32 or T, as the caller asked).
@@ -109,13 +138,42 @@ __device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t rid
     if (d < P.p) f[ridx * P.p + d] = static_cast<T>(o[c] * inv);
   }
   const float lse = row_lse(m, lsum);
-  const float lam = sigmoid_of((P.L > 0 ? P.ws_s0[ridx] : P.s0[ridx]) - lse);
+  // (the workspace was written by another block: read through L2, see merge_row)
+  const float lam = sigmoid_of((P.L > 0 ? __ldcg(P.ws_s0 + ridx) : P.s0[ridx]) - lse);
   if (lane == 0) {
     P.lse[ridx] = lse;
     P.lam[ridx] = lam;
   }
   if (P.L > 0)
-    for (int j = lane; j < P.r; j += 32) store_u<T>(P, ridx, j, lam * P.ws_hid[ridx * P.r + j]);
+    for (int j = lane; j < P.r; j += 32)
+      store_u<T>(P, ridx, j, lam * __ldcg(P.ws_hid + ridx * P.r + j));
+}
+
+// Merge the key splits of row ridx (one warp, splits in order: deterministic) and finalise it.
+// The partials come from other blocks, so they are read through L2 (__ldcg), never from a
+// possibly stale L1 line.
+template <typename T, int CH>
+__device__ __forceinline__ void merge_row(const InducerParams& P, int64_t ridx) {
+  const int lane = threadIdx.x & 31;
+  const int64_t sbase = ridx * P.nsplit;
+  float M = -INFINITY;
+  for (int sp = 0; sp < P.nsplit; ++sp) M = fmaxf(M, __ldcg(P.part_ml + 2 * (sbase + sp)));
+  float L = 0.f, o[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) o[c] = 0.f;
+  if (M != -INFINITY) {
+    for (int sp = 0; sp < P.nsplit; ++sp) {
+      const float ms = __ldcg(P.part_ml + 2 * (sbase + sp));
+      const float sc = ms == -INFINITY ? 0.f : exp2f(ms - M);
+      L += __ldcg(P.part_ml + 2 * (sbase + sp) + 1) * sc;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int d = lane + 32 * c;
+        if (d < P.p) o[c] += __ldcg(P.part_o + (sbase + sp) * P.p + d) * sc;
+      }
+    }
+  }
+  finalize_row<T, CH>(P, ridx, M, L, o);
 }
 
 // Shared-memory row pitch for K/V tiles: 32 lanes reading 32 different rows at the same
@@ -123,28 +181,9 @@ __device__ __forceinline__ void finalize_row(const InducerParams& P, int64_t rid
 
 template <typename T, int CH>
 __global__ void __launch_bounds__(128) inducer_merge_kernel(const InducerParams P) {
-  const int lane = threadIdx.x & 31;
   const int64_t ridx = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (ridx >= static_cast<int64_t>(P.B) * P.H * P.n_q) return;
-  const int64_t sbase = ridx * P.nsplit;
-  float M = -INFINITY;
-  for (int sp = 0; sp < P.nsplit; ++sp) M = fmaxf(M, P.part_ml[2 * (sbase + sp)]);
-  float L = 0.f, o[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) o[c] = 0.f;
-  if (M != -INFINITY) {
-    for (int sp = 0; sp < P.nsplit; ++sp) {
-      const float ms = P.part_ml[2 * (sbase + sp)];
-      const float sc = ms == -INFINITY ? 0.f : exp2f(ms - M);
-      L += P.part_ml[2 * (sbase + sp) + 1] * sc;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const int d = lane + 32 * c;
-        if (d < P.p) o[c] += P.part_o[(sbase + sp) * P.p + d] * sc;
-      }
-    }
-  }
-  finalize_row<T, CH>(P, ridx, M, L, o);
+  merge_row<T, CH>(P, ridx);
 }
 
 

@@ -7,6 +7,9 @@
 // (inducer_mma.cuh), which then also writes u = lam * tanh(q W1 + b1) ("add"; for "gate" the
 // caller composes (1 - lam) f + u W2 + lam b2 from a float32 u).
 //
+// k, v: (B, H_kv, n_k, p) with H_kv dividing H (grouped-query attention: query head h reads kv
+// head h / (H / H_kv); the 16-bit decode schedule packs a kv head's query heads into one block,
+// inducer.cuh InducerParams::gpack).
 // Keys are the l prefix keys (P_k, P_v: (H, l, p), shared over the batch, never masked)
 // followed by the n_k sequence keys of the KV cache. Sequence key j is visible to query row i
 // when j < key_lengths[b] (if given) and, with causal, j <= n_k - n_q + i (the query rows are
@@ -36,6 +39,9 @@
 #include "kfused.h"
 
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 namespace kfused {
@@ -104,8 +110,9 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
     const int row = row0 + r;
     Qs[e] = row < P.n_q ? to_float(q[row * P.q_sn + d]) * P.scale_log2 : 0.f;
   }
-  const T* kseq = static_cast<const T*>(P.k) + b * P.k_sb + h * P.k_sh;
-  const T* vseq = static_cast<const T*>(P.v) + b * P.v_sb + h * P.v_sh;
+  const int hk = h / P.group;  // grouped-query attention: the kv head (no packing here)
+  const T* kseq = static_cast<const T*>(P.k) + b * P.k_sb + hk * P.k_sh;
+  const T* vseq = static_cast<const T*>(P.v) + b * P.v_sb + hk * P.v_sh;
   const T* kpre = P.pk ? static_cast<const T*>(P.pk) + static_cast<int64_t>(h) * l * p : nullptr;
   const T* vpre = P.pv ? static_cast<const T*>(P.pv) + static_cast<int64_t>(h) * l * p : nullptr;
 
@@ -248,8 +255,6 @@ __global__ void __launch_bounds__(kWarps * 32) inducer_fwd_kernel(const InducerP
   }
 }
 
-// Merge the key splits of each row (one warp per row, splits in order).
-
 template <typename T, int CH>
 void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t stream) {
   set_smem(inducer_fwd_kernel<T, CH>, smem, "inducer_fwd_kernel");
@@ -262,6 +267,23 @@ void launch_inducer(const InducerParams& P, dim3 grid, size_t smem, cudaStream_t
   }
 }
 
+
+// At least n int32 zeros for the tensor-core kernel's arrival counters (InducerParams::count),
+// kept per (device, stream) and reused: every launch leaves them at zero, so no launch pays a
+// memset, and launches on one stream run in order. A larger request replaces the buffer (the
+// caching allocator keeps the old one until the stream's earlier work is done). The map is
+// never destroyed: no tensor is freed after the CUDA runtime has shut down at exit.
+at::Tensor arrival_counters(const at::Tensor& like, int64_t n) {
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<int64_t, cudaStream_t>, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(static_cast<int64_t>(like.get_device()), current_stream());
+  auto it = cache->find(key);
+  if (it != cache->end() && it->second.numel() >= n) return it->second;
+  at::Tensor t = at::zeros({std::max<int64_t>(n, 1024)}, like.options().dtype(at::kInt));
+  (*cache)[key] = t;
+  return t;
+}
 
 }  // namespace
 }  // namespace inducer
@@ -281,13 +303,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   check_like(k, "k", q, "q");
   check_like(v, "v", q, "q");
   check_dim(q, 4, "q", "(B, H, n_q, p)");
-  check_dim(k, 4, "k", "(B, H, n_k, p)");
-  check_dim(v, 4, "v", "(B, H, n_k, p)");
+  check_dim(k, 4, "k", "(B, H_kv, n_k, p)");
+  check_dim(v, 4, "v", "(B, H_kv, n_k, p)");
   const int64_t Bn = q.size(0), H = q.size(1), n_q = q.size(2), p = q.size(3);
-  const int64_t n_k = k.size(2);
-  TORCH_CHECK(k.size(0) == Bn && k.size(1) == H && k.size(3) == p,
-              "kfused: inducer_attention_fwd: k (", describe(k), ") must be (", Bn, ", ", H,
-              ", n_k, ", p, ") to match q ", q.sizes());
+  const int64_t n_k = k.size(2), H_kv = k.size(1);
+  TORCH_CHECK(k.size(0) == Bn && H_kv >= 1 && H % H_kv == 0 && k.size(3) == p,
+              "kfused: inducer_attention_fwd: k (", describe(k), ") must be (", Bn,
+              ", H_kv, n_k, ", p, ") with H_kv dividing q's ", H, " heads (grouped-query "
+              "attention) to match q ", q.sizes());
   TORCH_CHECK(v.sizes() == k.sizes(), "kfused: inducer_attention_fwd: v (", describe(v),
               ") must have the shape of k ", k.sizes());
   TORCH_CHECK(p >= 1 && p <= 128, "kfused: inducer_attention_fwd: head width p = ", p,
@@ -415,8 +438,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   // Flash-decoding: split the keys over blocks when the (row tile, head, batch) blocks cannot
   // fill the device (CUDA-core kernel: every split walks at least 2 steps of ksplit tiles;
   // tensor-core kernel: at least one stage).
-  const int64_t row_tiles = ceil_div(n_q, rows_blk);
-  const int64_t blocks = row_tiles * Bn * H;
+  // Grouped-query decode (16-bit, no prefix, every query row of a kv head in one tile): the
+  // group's query heads share a block, which reads its kv head's keys once for all of them.
+  const int64_t group = H / H_kv;
+  const int64_t gpack = (decode && group > 1 && l == 0 && group * n_q <= rows_blk) ? group : 1;
+  const int64_t row_tiles = ceil_div(gpack * n_q, rows_blk);
+  const int64_t blocks = row_tiles * Bn * (H / gpack);
   const int64_t ntiles = ceil_div(l + n_k, stage_keys);
   int64_t nsplit = 1;
   if (blocks < sms) {
@@ -477,6 +504,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   P.n_k = static_cast<int>(n_k);
   P.p = static_cast<int>(p);
   P.l = static_cast<int>(l);
+  P.group = static_cast<int>(group);
+  P.gpack = static_cast<int>(gpack);
   P.scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p)) * 1.4426950408889634);
   P.causal = causal;
   P.ksplit = ksplit;
@@ -485,7 +514,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   P.part_o = nsplit > 1 ? part_o.data_ptr<float>() : nullptr;
   P.part_ml = nsplit > 1 ? part_ml.data_ptr<float>() : nullptr;
   TORCH_CHECK(row_tiles * nsplit < (int64_t(1) << 31), "kfused: inducer_attention_fwd: too many rows");
-  const dim3 grid(static_cast<unsigned>(row_tiles * nsplit), static_cast<unsigned>(H),
+  const dim3 grid(static_cast<unsigned>(row_tiles * nsplit), static_cast<unsigned>(H / gpack),
                   static_cast<unsigned>(Bn));
   const int chunks = static_cast<int>(ceil_div(p, 32));
   cudaStream_t stream = current_stream();
@@ -497,6 +526,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
     for (int64_t st : {P.q_sb, P.q_sh, P.q_sn, P.k_sb, P.k_sh, P.k_sn, P.v_sb, P.v_sh, P.v_sn})
       vec = vec && st % 8 == 0;
     P.vec = vec;
+    // the splits merge in the kernel (its last block per tile): one counter per tile
+    at::Tensor count;
+    if (nsplit > 1) {
+      count = arrival_counters(q, row_tiles * (H / gpack) * Bn);
+      P.count = count.data_ptr<int>();
+    }
     if (q.scalar_type() == at::kHalf)
       launch_inducer_mma_p<c10::Half>(P, decode, chunks, grid, stream);
     else

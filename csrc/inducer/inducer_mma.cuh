@@ -19,8 +19,9 @@ namespace inducer {
 //   prefill: RW = 4, KW = 1, BN = 64   (64 rows per block; every warp walks every key tile)
 //   decode : RW = 1, KW = 4, BN = 16   (16 rows per block, n_q <= 16; the 4 warps split the
 //                                       keys of a stage and merge their states at the end)
-// plus the flash-decoding split over blocks (nsplit, workspace + inducer_merge_kernel) when
-// the (row tile, head, batch) blocks cannot fill the device.
+// plus the flash-decoding split over blocks (nsplit, float32 workspace) when the (row tile,
+// head, batch) blocks cannot fill the device; the last block of a tile to finish merges the
+// splits (arrival counter, InducerParams::count), so decode stays one launch.
 // Per warp and key tile: S = Q K^T (16 x BN, float accumulators; Q fragments stay in
 // registers for the whole kernel, K fragments by ldmatrix from rows of pitch D + 8, which
 // is conflict-free), masking and the online softmax in the log2 domain on the accumulator
@@ -130,20 +131,32 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rw = warp % RW, kw = warp / RW;
   const int g = lane >> 2, qd = lane & 3;
-  const int b = blockIdx.z, h = blockIdx.y;
+  // Rows are packed rows R (InducerParams::gpack): with gpack = 1 the query rows of head hb.
+  const int b = blockIdx.z, hb = blockIdx.y;
+  const int NR = P.gpack * P.n_q;
   const int split = blockIdx.x % P.nsplit;
   const int row0 = (blockIdx.x / P.nsplit) * BM;
   const int p = P.p, l = P.l;
+  const int R_last = (row0 + BM < NR ? row0 + BM : NR) - 1;
+  int h_lo, h_hi, i_unused;  // the query heads of the block's rows
+  packed_row(P, hb, row0, h_lo, i_unused);
+  packed_row(P, hb, R_last, h_hi, i_unused);
+  const int hk = h_lo / P.group;  // their kv head
+  // (B, H, n_q) index of packed row R < NR
+  auto ridx_of = [&](int R) -> int64_t {
+    int hh, i;
+    packed_row(P, hb, R, hh, i);
+    return (static_cast<int64_t>(b) * P.H + hh) * P.n_q + i;
+  };
 
   int len = P.n_k;
   if (P.lens) {
     len = P.lens[b];
     len = len < 0 ? 0 : (len > P.n_k ? P.n_k : len);
   }
-  const int last_row = (row0 + BM < P.n_q ? row0 + BM : P.n_q) - 1;
   int seq_end = len;
   if (P.causal) {
-    const int lim = P.n_k - P.n_q + last_row + 1;
+    const int lim = P.n_k - P.n_q + last_query(P, row0, R_last) + 1;
     seq_end = lim < seq_end ? lim : seq_end;
   }
   seq_end = seq_end < 0 ? 0 : seq_end;
@@ -154,15 +167,28 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   st_end = st_end < nst_vis ? st_end : nst_vis;
   const int nsteps = st_end > st_beg ? st_end - st_beg : 0;
 
-  const T* qb = static_cast<const T*>(P.q) + b * P.q_sb + h * P.q_sh;
-  const T* kseq = static_cast<const T*>(P.k) + b * P.k_sb + h * P.k_sh;
-  const T* vseq = static_cast<const T*>(P.v) + b * P.v_sb + h * P.v_sh;
-  const T* kpre = P.pk ? static_cast<const T*>(P.pk) + static_cast<int64_t>(h) * l * p : nullptr;
-  const T* vpre = P.pv ? static_cast<const T*>(P.pv) + static_cast<int64_t>(h) * l * p : nullptr;
+  const T* qb = static_cast<const T*>(P.q) + b * P.q_sb + h_lo * P.q_sh;
+  const T* kseq = static_cast<const T*>(P.k) + b * P.k_sb + hk * P.k_sh;
+  const T* vseq = static_cast<const T*>(P.v) + b * P.v_sb + hk * P.v_sh;
+  // (a prefix belongs to its query head: the host packs no heads when there is one)
+  const T* kpre = P.pk ? static_cast<const T*>(P.pk) + static_cast<int64_t>(h_lo) * l * p : nullptr;
+  const T* vpre = P.pv ? static_cast<const T*>(P.pv) + static_cast<int64_t>(h_lo) * l * p : nullptr;
 
-  {
+  if (P.gpack == 1) {
     const int nrows = P.n_q - row0 < BM ? P.n_q - row0 : BM;
     mma::load_tile<T>(Qs, PITCH, qb + row0 * P.q_sn, P.q_sn, nrows, p, BM, D, P.vec, tid, NT);
+  } else {
+    const T* qbat = static_cast<const T*>(P.q) + b * P.q_sb;
+    mma::load_rows<T>(
+        Qs, PITCH,
+        [&](int r) -> const T* {
+          const int R = row0 + r;
+          if (R >= NR) return nullptr;
+          int hh, i;
+          packed_row(P, hb, R, hh, i);
+          return qbat + hh * P.q_sh + i * P.q_sn;
+        },
+        qb, p, BM, D, P.vec, tid, NT);
   }
   mma::cp_async_commit();  // group 0: the Q tile
   // The inducer MLP runs once per row: in the block of key split 0. Its per-row results live
@@ -172,7 +198,7 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   const int mpitch = P.ncp + 1;  // odd: a thread per row reads its row conflict-free
   float* Ms = reinterpret_cast<float*>(smem_raw + Cfg::kSmem);
   float* S0s = Ms + BM * mpitch;
-  if (mlp) stage_mlp_weights<T, D, NT>(P, h, Ks + SK * PITCH, PITCH);  // the second K buffer
+  if (mlp) stage_mlp_weights<T, D, NT>(P, h_lo, Ks + SK * PITCH, PITCH);  // the second K buffer
   // Keys [st * SK, st * SK + SK): prefix keys, then sequence keys, zero beyond kend / p.
   auto load_stage = [&](int st, int buf) {
     T* ks = Ks + buf * SK * PITCH;
@@ -215,8 +241,14 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
   uint32_t qf[D / 16][4];
-  const int rowA = row0 + rw * 16 + g;  // this thread's rows: rowA and rowA + 8
+  const int rowA = row0 + rw * 16 + g;  // this thread's (packed) rows: rowA and rowA + 8
   const int diag = P.n_k - P.n_q;       // causal: sequence key j visible to row i iff j <= diag + i
+  int qi[2];                            // their query indices
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    int hh;
+    packed_row(P, hb, rowA + 8 * i < NR ? rowA + 8 * i : row0, hh, qi[i]);
+  }
 
   if (nsteps > 0) load_stage(st_beg, 0);
   mma::cp_async_commit();  // group 1: the first key stage (empty when nsteps == 0)
@@ -225,55 +257,76 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) mma::load_a_kmajor<T>(qf[kc], Qs, PITCH, rw * 16, kc * 16);
   if (mlp) {
-    if (kw == 0) {
-      const T* Wc = Ks + SK * PITCH;
-      for (int np = 0; np < P.ncp / 16; ++np) {
-        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-          uint32_t bf[4];
-          mma::load_b2_kmajor<T>(bf, Wc, PITCH, np * 16, kc * 16);
-          mma::mma16816<T>(c0, qf[kc], bf[0], bf[1]);
-          mma::mma16816<T>(c1, qf[kc], bf[2], bf[3]);
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = rw * 16 + g + 8 * (e >> 1), cc = np * 16 + 2 * qd + (e & 1);
-          Ms[rr * mpitch + cc] = c0[e];
-          Ms[rr * mpitch + cc + 8] = c1[e];
-        }
+    // One product per query head of the block (packed rows: each head's own weights, staged
+    // in turn; a row keeps its head's products).
+    for (int hm = h_lo; hm <= h_hi; ++hm) {
+      if (hm != h_lo) {
+        __syncthreads();  // the previous head's weights consumed
+        stage_mlp_weights<T, D, NT>(P, hm, Ks + SK * PITCH, PITCH);
+        __syncthreads();
       }
-      // |q|^2 of rows g and g + 8 from the A fragments (a[0], a[2]: row g; a[1], a[3]: row
-      // g + 8; zero padding beyond p and n_q)
-      float ss[2] = {0.f, 0.f};
+      if (kw == 0) {
+        const T* Wc = Ks + SK * PITCH;
+        bool mine[2];  // rows rw * 16 + g (+ 8) belong to head hm
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 x = mma::unpack2<T>(qf[kc][i]);
-          ss[i & 1] += x.x * x.x + x.y * x.y;
+        for (int i = 0; i < 2; ++i) {
+          int hh, ii;
+          packed_row(P, hb, rowA + 8 * i, hh, ii);
+          mine[i] = hh == hm;
         }
-      ss[0] = quad_sum(ss[0]);
-      ss[1] = quad_sum(ss[1]);
-      if (qd == 0) {
-        S0s[rw * 16 + g] = ss[0];
-        S0s[rw * 16 + g + 8] = ss[1];
+        for (int np = 0; np < P.ncp / 16; ++np) {
+          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int kc = 0; kc < D / 16; ++kc) {
+            uint32_t bf[4];
+            mma::load_b2_kmajor<T>(bf, Wc, PITCH, np * 16, kc * 16);
+            mma::mma16816<T>(c0, qf[kc], bf[0], bf[1]);
+            mma::mma16816<T>(c1, qf[kc], bf[2], bf[3]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int rr = rw * 16 + g + 8 * (e >> 1), cc = np * 16 + 2 * qd + (e & 1);
+            if (!mine[e >> 1]) continue;
+            Ms[rr * mpitch + cc] = c0[e];
+            Ms[rr * mpitch + cc + 8] = c1[e];
+          }
+        }
+        if (hm != h_lo) continue;  // |q|^2 once
+        // |q|^2 of rows g and g + 8 from the A fragments (a[0], a[2]: row g; a[1], a[3]: row
+        // g + 8; zero padding beyond p and n_q)
+        float ss[2] = {0.f, 0.f};
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 x = mma::unpack2<T>(qf[kc][i]);
+            ss[i & 1] += x.x * x.x + x.y * x.y;
+          }
+        ss[0] = quad_sum(ss[0]);
+        ss[1] = quad_sum(ss[1]);
+        if (qd == 0) {
+          S0s[rw * 16 + g] = ss[0];
+          S0s[rw * 16 + g + 8] = ss[1];
+        }
       }
     }
     __syncthreads();  // products in Ms; the second K buffer is free again
     const int Lk = P.L, R = P.r;
-    const T* akb = static_cast<const T*>(P.ak_b) + static_cast<int64_t>(h) * Lk;
-    const T* b1 = static_cast<const T*>(P.b1) + static_cast<int64_t>(h) * R;
     for (int rr = tid; rr < BM; rr += NT) {
+      const int Rr = row0 + rr;
+      if (Rr >= NR) continue;  // padding rows (packed: no head's products)
+      int hr, ir;
+      packed_row(P, hb, Rr, hr, ir);
+      const T* akb = static_cast<const T*>(P.ak_b) + static_cast<int64_t>(hr) * Lk;
+      const T* b1 = static_cast<const T*>(P.b1) + static_cast<int64_t>(hr) * R;
       float* m = Ms + rr * mpitch;
       float acc = S0s[rr] + m[2 * Lk + R];
       for (int i = 0; i < Lk; ++i) acc += tanhf(m[i] + to_float(akb[i])) * m[Lk + R + i];
       const float s0 = acc * P.scale;
       S0s[rr] = s0;
       for (int j = 0; j < R; ++j) m[Lk + j] = tanhf(m[Lk + j] + to_float(b1[j]));
-      const int row = row0 + rr;
-      if (P.nsplit > 1 && row < P.n_q) {  // for the merge kernel
-        const int64_t ridx = (static_cast<int64_t>(b) * P.H + h) * P.n_q + row;
+      if (P.nsplit > 1) {  // for the merge kernel
+        const int64_t ridx = (static_cast<int64_t>(b) * P.H + hr) * P.n_q + ir;
         P.ws_s0[ridx] = s0;
         for (int j = 0; j < R; ++j) P.ws_hid[ridx * R + j] = m[Lk + j];
       }
@@ -314,9 +367,8 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * j + 2 * qd + (e & 1);
-        const int row = rowA + (e >> 1) * 8;
         const bool vis =
-            key < l || (key < kend && (!P.causal || key - l <= diag + row));
+            key < l || (key < kend && (!P.causal || key - l <= diag + qi[e >> 1]));
         s[j][e] = vis ? s[j][e] * P.scale_log2 : -INFINITY;
       }
 #pragma unroll
@@ -363,7 +415,6 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   l_r[0] = quad_sum(l_r[0]);
   l_r[1] = quad_sum(l_r[1]);
 
-  const int64_t rbase = (static_cast<int64_t>(b) * P.H + h) * P.n_q;
   // s0 of global row ridx (block row lr): in-kernel MLP, given, or none (no inducer)
   auto row_s0 = [&](int64_t ridx, int lr) -> float {
     return P.s0 ? P.s0[ridx] : (P.L > 0 && split == 0 ? S0s[lr] : 0.f);
@@ -372,21 +423,22 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = rowA + 8 * i, lr = rw * 16 + g + 8 * i;
-      if (row >= P.n_q) continue;
-      const float s0 = row_s0(rbase + row, lr);
+      if (row >= NR) continue;
+      const int64_t ridx = ridx_of(row);
+      const float s0 = row_s0(ridx, lr);
 #pragma unroll
       for (int j = 0; j < ND; ++j) {
         const int col = 8 * j + 2 * qd;
-        store_row_state<T>(P, rbase + row, split, col, o[j][2 * i], j == 0 && qd == 0, m_r[i],
+        store_row_state<T>(P, ridx, split, col, o[j][2 * i], j == 0 && qd == 0, m_r[i],
                            l_r[i], s0);
-        store_row_state<T>(P, rbase + row, split, col + 1, o[j][2 * i + 1], false, m_r[i],
+        store_row_state<T>(P, ridx, split, col + 1, o[j][2 * i + 1], false, m_r[i],
                            l_r[i], s0);
       }
       if (P.L > 0 && P.nsplit == 1) {  // u = lam tanh(q W1 + b1), the row's quad over j
         // (nsplit == 1: this block is key split 0, which ran the MLP)
         const float lam = sigmoid_of(s0 - row_lse(m_r[i], l_r[i]));
         for (int j = qd; j < P.r; j += 4)
-          store_u<T>(P, rbase + row, j, lam * Ms[lr * mpitch + P.L + j]);
+          store_u<T>(P, ridx, j, lam * Ms[lr * mpitch + P.L + j]);
       }
     }
   } else {
@@ -428,20 +480,41 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     for (int e = tid; e < 16 * D; e += NT) {
       const int r = e / D, col = e - r * D;
       const int row = row0 + r;
-      if (row >= P.n_q || col >= p) continue;
+      if (row >= NR || col >= p) continue;
+      const int64_t ridx = ridx_of(row);
       const float3 st = merged(r, col);
-      store_row_state<T>(P, rbase + row, split, col, st.z, col == 0, st.x, st.y,
-                         row_s0(rbase + row, r));
+      store_row_state<T>(P, ridx, split, col, st.z, col == 0, st.x, st.y, row_s0(ridx, r));
     }
     if (P.L > 0 && P.nsplit == 1) {  // u = lam tanh(q W1 + b1) (split 0 ran the MLP)
       for (int e = tid; e < 16 * P.r; e += NT) {
         const int r = e / P.r, j = e - r * P.r;
         const int row = row0 + r;
-        if (row >= P.n_q) continue;
+        if (row >= NR) continue;
         const float3 st = merged(r, -1);
         const float lam = sigmoid_of(S0s[r] - row_lse(st.x, st.y));
-        store_u<T>(P, rbase + row, j, lam * Ms[r * mpitch + P.L + j]);
+        store_u<T>(P, ridx_of(row), j, lam * Ms[r * mpitch + P.L + j]);
       }
+    }
+  }
+  if (P.nsplit > 1 && P.count) {
+    // Flash-decoding merge without a second launch: every thread's partial stores are made
+    // visible device-wide, then one ticket per block on the tile's arrival counter; the last
+    // of the tile's nsplit blocks merges all of them (one warp per row, splits in order),
+    // and leaves the counter at zero for the next launch.
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int* c = P.count + (static_cast<int64_t>(b) * gridDim.y + hb) * (gridDim.x / P.nsplit) +
+               blockIdx.x / P.nsplit;
+      s_last = atomicAdd(c, 1) == P.nsplit - 1;
+      if (s_last) atomicExch(c, 0);
+    }
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      for (int r = warp; r < BM; r += NT / 32)
+        if (row0 + r < NR) merge_row<T, (D + 31) / 32>(P, ridx_of(row0 + r));
     }
   }
 }
@@ -454,7 +527,7 @@ void launch_inducer_mma(const InducerParams& P, dim3 grid, cudaStream_t stream) 
   set_smem(kernel, smem, "inducer_mma_kernel");
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(P);
   check_launch("inducer_mma_kernel");
-  if (P.nsplit > 1) {
+  if (P.nsplit > 1 && !P.count) {  // (with counters the kernel merged the splits itself)
     const int64_t rows = static_cast<int64_t>(P.B) * P.H * P.n_q;
     constexpr int CH = (D + 31) / 32;
     inducer_merge_kernel<T, CH><<<static_cast<unsigned>(ceil_div(rows, 4)), 128, 0, stream>>>(P);

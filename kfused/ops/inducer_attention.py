@@ -380,8 +380,9 @@ CUDA_MLP_MAX_COLS = 64
 def _cuda_unfit(q: Tensor, k: Tensor, key_padding_mask, scale: float, tensors,
                 mlp_cols: int = 0):
     """The CUDA kernel is the inference path: no autograd, sequence lengths rather than a
-    boolean mask, k/v with q's head count, the default softmax scale; its in-kernel MLP
-    (16-bit) takes 2L + r + 1 = ``mlp_cols`` <= CUDA_MLP_MAX_COLS."""
+    boolean mask, the default softmax scale; its in-kernel MLP (16-bit) takes 2L + r + 1 =
+    ``mlp_cols`` <= CUDA_MLP_MAX_COLS. Grouped-query k/v are fine (it packs a kv head's
+    query heads into one decode block)."""
     def unfit(name: str) -> Optional[str]:
         if name != "cuda":
             return None
@@ -390,8 +391,6 @@ def _cuda_unfit(q: Tensor, k: Tensor, key_padding_mask, scale: float, tensors,
                     "triton backend or run under torch.no_grad()")
         if key_padding_mask is not None:
             return "the CUDA inducer kernel takes seq_lens, not a boolean key_padding_mask"
-        if k.shape[1] != q.shape[1]:
-            return "the CUDA inducer kernel needs k/v with q's head count (no grouped-query)"
         if abs(scale - q.shape[-1] ** -0.5) > 1e-12:
             return "the CUDA inducer kernel uses the default scale 1/sqrt(head_dim)"
         if q.dtype != torch.float32 and mlp_cols > CUDA_MLP_MAX_COLS:
@@ -433,8 +432,8 @@ def inducer_attention(
         prefix_k, prefix_v: (H, l, p) prefix keys/values shared over the batch; l = 0 is none.
         scale: softmax scale τ, default 1/√p.
         backend: "auto" | "triton" | "cuda" | "reference" (default from ``KFUSED_BACKEND``).
-            "cuda" is the CUDA C++ inference kernel (no autograd; seq_lens masks only; k/v
-            with q's head count); "auto" prefers Triton, unless backend preferences measured
+            "cuda" is the CUDA C++ inference kernel (no autograd; seq_lens masks only;
+            grouped-query k/v too); "auto" prefers Triton, unless backend preferences measured
             on this GPU model (``kfused bench inducer --write-prefs``) rank CUDA first for
             the call's regime ("prefill" / "decode").
 

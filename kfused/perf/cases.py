@@ -749,24 +749,30 @@ _CU_PREFILL_BN, _CU_PREFILL_RW, _CU_DECODE_BN, _CU_DECODE_KW = 64, 4, 16, 4
 _CU_SMEM_PER_SM = 227 * 1024            # sm_90 shared memory a CTA set may use
 
 
-def _cuda_inducer_grid(B: int, H: int, n_q: int, n_k: int, l: int = 0):
-    """(decode?, rows per block, keys per stage, row tiles, nsplit, stages per split): the
-    host decision of inducer_attention_fwd (csrc/inducer/inducer_attention_fwd.cu, 16-bit)."""
+def _cuda_inducer_grid(B: int, H: int, n_q: int, n_k: int, l: int = 0,
+                       Hkv: Optional[int] = None):
+    """(decode?, rows per block, keys per stage, row tiles, nsplit, stages per split, query
+    heads per block): the host decision of inducer_attention_fwd
+    (csrc/inducer/inducer_attention_fwd.cu, 16-bit). Grouped-query decode without a prefix
+    packs a kv head's H / Hkv query heads into one block when their rows fit one tile."""
     decode = n_q <= 16
     BM = 16 if decode else 16 * _CU_PREFILL_RW
     SK = _CU_DECODE_BN * _CU_DECODE_KW if decode else _CU_PREFILL_BN
-    row_tiles = cdiv(n_q, BM)
-    blocks = row_tiles * B * H
+    group = H // (Hkv or H)
+    gpack = group if decode and group > 1 and l == 0 and group * n_q <= BM else 1
+    row_tiles = cdiv(gpack * n_q, BM)
+    blocks = row_tiles * B * (H // gpack)
     ntiles = cdiv(l + n_k, SK)
     nsplit = 1
     if blocks < R.SMS:
         nsplit = max(1, min(cdiv(2 * R.SMS, blocks), ntiles, 64))
     per = max(1, cdiv(ntiles, nsplit))
-    return decode, BM, SK, row_tiles, max(1, cdiv(ntiles, per)), per
+    return decode, BM, SK, row_tiles, max(1, cdiv(ntiles, per)), per, gpack
 
 
 def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal: bool,
-                  L_KEY: int = 4, R_VALUE: int = 8, l: int = 0, el: int = 2) -> List[dict]:
+                  L_KEY: int = 4, R_VALUE: int = 8, l: int = 0, el: int = 2,
+                  Hkv: Optional[int] = None) -> List[dict]:
     """PREDICTED time of ``inducer_attention(..., backend="cuda")`` (16-bit, "add"): the CUDA
     C++ flash kernel (mma.sync: the HMMA rate; per block S = QKᵀ and PV over the visited
     stages, causal blocks stopping at their last row's key; every score exp'd, masked and
@@ -775,27 +781,33 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
     stages [Ak | W1 | Bkᵀ | ck] and multiplies its Q tile by it on the tensor cores, one
     thread per row finishes s0 and tanh(q W1 + b1) — 2 SFU ops per tanh —, the epilogue
     writes u), the flash-decoding merge when the keys are split (s0 and the hidden row
-    through a float32 workspace), and whatever torch work ``_cuda_inference`` still does
-    around the kernel, traced with a stand-in kernel (none for "add")."""
-    decode, BM, SK, row_tiles, nsplit, per = _cuda_inducer_grid(B, H, n_q, n_k, l)
+    through a float32 workspace; the last block of each tile merges, no second launch), and
+    whatever torch work ``_cuda_inference`` still does
+    around the kernel, traced with a stand-in kernel (none for "add"). Grouped-query k/v
+    (``Hkv`` kv heads): K and V read once per kv head (packed decode blocks read them once
+    for all their query heads; otherwise L2 holds them across the group's adjacent blocks)."""
+    Hkv = Hkv or H
+    decode, BM, SK, row_tiles, nsplit, per, gpack = _cuda_inducer_grid(B, H, n_q, n_k, l, Hkv)
     ncp = cdiv(2 * L_KEY + R_VALUE + 1, 16) * 16        # [Ak | W1 | Bkᵀ | ck] padded
     D = cdiv(p, 32) * 32
+    NR = gpack * n_q                                    # packed rows per head block
     stages = 0
     for rt in range(row_tiles):
-        last = min((rt + 1) * BM, n_q) - 1
+        r0, r1 = rt * BM, min((rt + 1) * BM, NR) - 1
+        last = r1 if gpack == 1 else (n_q - 1 if r0 // n_q != r1 // n_q else r1 % n_q)
         end = min(n_k, n_k - n_q + last + 1) if causal else n_k
         stages += cdiv(l + max(end, 0), SK)
-    stages *= B * H
+    stages *= B * (H // gpack)
     rows = B * H * n_q
     work = _work()
     work["dot16_flops"] = stages * 2 * 2.0 * BM * SK * D
     work["sfu_ops"] = stages * BM * SK
     work["alu_ops"] = stages * (BM * SK * 8 + BM * D)
-    work["hbm_bytes"] = (el * B * H * (2 * n_q * p + 2 * n_k * p) + 2 * el * H * l * p
+    work["hbm_bytes"] = (el * B * (2 * H * n_q * p + 2 * Hkv * n_k * p) + 2 * el * H * l * p
                          + rows * 4 * 2 + (rows * nsplit * (p + 2) * 4 if nsplit > 1 else 0))
-    # the MLP, once per row tile (key split 0): Q·C on the tensor cores, the weights staged
-    # from L2 (read from HBM once per head), the per-row finish, u written (its workspace
-    # when split)
+    # the MLP, once per row tile (key split 0): Q·C on the tensor cores (a packed block: once
+    # per query head it holds), the weights staged from L2 (read from HBM once per head), the
+    # per-row finish, u written (its workspace when split)
     mlp_blocks = row_tiles * B * H
     work["dot16_flops"] += mlp_blocks * 2.0 * BM * D * ncp
     work["sfu_ops"] += rows * (2 * (L_KEY + R_VALUE) + 2)
@@ -809,25 +821,32 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
         smem = max(smem, el * BM * pitch + 4 * (_CU_DECODE_KW * 16 * D + 2 * _CU_DECODE_KW * 16))
     smem += 4 * BM * (ncp + 2)                          # the MLP's per-row results
     ctas = max(1, min(4, _CU_SMEM_PER_SM // smem))
-    programs = row_tiles * nsplit * B * H
+    programs = row_tiles * nsplit * B * (H // gpack)
+    if nsplit > 1:
+        # the last block of each tile to arrive merges its splits (InducerParams::count): the
+        # partials read back through L2, f, lse, λ and u written; serial after the last
+        # wave, the tiles' last blocks in parallel, each at one SM's share of L2 bandwidth
+        # and of the element-wise rate: ``tail_s``
+        tiles = row_tiles * B * (H // gpack)
+        m_read = rows * nsplit * (p + 2) * 4 + rows * (1 + R_VALUE) * 4
+        m_write = rows * (p * el + 8) + rows * R_VALUE * el
+        m_alu = rows * nsplit * (p + 4) + rows * 2 * R_VALUE
+        work["hbm_bytes"] += m_write
+        work["alu_ops"] += m_alu
+        work["sfu_ops"] += rows * (nsplit + 2)
+        work["tail_s"] = ((m_read + m_write) / tiles / (R.L2_BW / R.SMS)
+                          + m_alu / tiles / (R.ALU32_RATE / R.SMS))
     pr = R.predict(work, {"hmma": 1}, programs, ctas)
     out = [dict(name=f"{name}: inducer_mma_kernel ({'decode' if decode else 'prefill'}, "
-                     f"{programs} blocks, {nsplit} split{'s' if nsplit > 1 else ''})",
+                     f"{programs} blocks, {nsplit} split{'s' if nsplit > 1 else ''}"
+                     f"{f', {gpack} heads per block' if gpack > 1 else ''})",
                 t=pr["t"], flops=work["dot16_flops"])]
-    if nsplit > 1:
-        mw = _work()
-        mw["hbm_bytes"] = (rows * nsplit * (p + 2) * 4 + rows * (p * el + 8)
-                           + rows * ((1 + R_VALUE) * 4 + R_VALUE * el))
-        mw["alu_ops"] = rows * nsplit * (p + 4) + rows * 2 * R_VALUE
-        mw["sfu_ops"] = rows * 2
-        out.append(dict(name=f"{name}: inducer_merge_kernel",
-                        t=R.predict(mw, {}, cdiv(rows, 4), 8)["t"], flops=0.0))
 
     def glue():
         from kfused.ops.inducer_attention import _cuda_inference
 
         q = _e(B, H, n_q, p)
-        k = v = _e(B, H, n_k, p)
+        k = v = _e(B, Hkv, n_k, p)
         prm = [_e(H, p, L_KEY), _e(H, L_KEY), _e(H, L_KEY, p), _e(H, p), _e(H, p, R_VALUE),
                _e(H, R_VALUE)]
 
@@ -1397,11 +1416,10 @@ def _inducer_decode_case(B, H, Hkv, n_k, p, L_KEY=4, R_VALUE=8):
 
     baselines = {"sdpa": sdpa}
     targets = [Target(14, "sdpa", 1.0, "decode at least as fast per token as SDPA")]
-    if Hkv == H:       # the CUDA C++ kernel has no grouped-query attention
-        baselines["kfused-cuda"] = lambda: _cuda_inducer("cuda decode", B, H, 1, n_k, p, True,
-                                                         L_KEY, R_VALUE)
-        targets.append(Target(15, "kfused-cuda", math.inf, "CUDA C++ faster than Triton on "
-                              "decode", min_ratio=1.0))
+    baselines["kfused-cuda"] = lambda: _cuda_inducer("cuda decode", B, H, 1, n_k, p, True,
+                                                     L_KEY, R_VALUE, Hkv=Hkv)
+    targets.append(Target(15, "kfused-cuda", math.inf, "CUDA C++ faster than Triton on "
+                          "decode", min_ratio=1.0))
     return Case(
         op="inducer_attention", label=f"decode B={B} H={H}/{Hkv} n_k={n_k} p={p}",
         shape=dict(B=B, H=H, H_kv=Hkv, n_q=1, n_k=n_k, p=p, L=L_KEY, r=R_VALUE, decode=True),
