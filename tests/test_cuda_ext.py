@@ -490,7 +490,9 @@ def inducer_ref(q, k, v, s0, pk=None, pv=None, lens=None, causal=False):
     lse = torch.logsumexp(S, dim=-1)
     P = torch.softmax(S, dim=-1).nan_to_num(0.0)
     f = torch.matmul(P, v)
-    lse = torch.where(any_vis, lse, torch.full_like(lse, -1e30))
+    # the kernel's lse is float32 (-1e30 overflows float16): at least float32 here too
+    up = torch.promote_types(lse.dtype, torch.float32)
+    lse = torch.where(any_vis, lse.to(up), torch.full_like(lse, -1e30, dtype=up))
     lam = torch.sigmoid(s0 - lse)
     return f, lse, lam
 
@@ -619,7 +621,10 @@ def test_inducer_attention_fwd_mlp_in_kernel(case, dtype, u_float):
     def formula(q, k, v, pk, pv, W):
         s0, hid = mlp_ref(q, *W)
         f, lse, lam = inducer_ref(q, k, v, s0, pk, pv, lens_t, causal)
-        return f, lse, lam, lam[..., None] * hid
+        # u in the kernel's u dtype (float32 λ times the rounded hidden row)
+        u = lam[..., None] * hid
+        return f, lse, lam, u.to(q.dtype if q.dtype == torch.float64 or not u_float
+                                 else torch.float32)
 
     want = formula(q, k, v, pk, pv, W)
     with no_tf32():
@@ -675,7 +680,7 @@ def test_inducer_attention_grouped_query(case, dtype, mlp):
             return inducer_ref(q, k, v, s0, pk, pv, lens_t, causal)
         s0, hid = mlp_ref(q, *W)
         f, lse, lam = inducer_ref(q, k, v, s0, pk, pv, lens_t, causal)
-        return f, lse, lam, lam[..., None] * hid
+        return f, lse, lam, (lam[..., None] * hid).to(q.dtype)   # u in q's dtype
 
     want = formula(q, k, v, s0, pk, pv, W)
     with no_tf32():
