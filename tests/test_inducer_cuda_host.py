@@ -9,37 +9,10 @@ GPU (tests/test_cuda_ext.py, tests/test_inducer.py)."""
 import pytest
 import torch
 
+from _cuda_standin import F64, _d
+from _cuda_standin import inducer_attention_fwd as _standin
 from kfused.ops.inducer_attention import _cuda_inference
-from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
-                                      inducer_value_hidden)
-
-F64 = torch.float64
-
-
-def _d(t):
-    return None if t is None else t.double()
-
-
-def _standin(q, k, v, s0, pk, pv, lens, causal, Ak=None, ak=None, Bk=None, ck=None, W1=None,
-             b1=None, u_float=False):
-    """What inducer_attention_fwd returns — f (ordinary prefix-attention), its LSE, λ =
-    σ(s0 − LSE) and, given the MLP weights instead of s0 (16-bit only), s0 and u = λ tanh(q W1
-    + b1) computed as the kernel does — from the float64 reference (float32 stats)."""
-    mlp = W1 is not None
-    # like the C++ (inducer_attention_fwd.cu): key_lengths int32 or int64
-    assert lens is None or lens.dtype in (torch.int32, torch.int64), lens.dtype
-    assert (s0 is None) == mlp, "the kernel takes s0 or the MLP weights, not both / neither"
-    assert not mlp or q.dtype != torch.float32, "the in-kernel MLP is the 16-bit path"
-    f, _, lse, _ = inducer_attention_ref(_d(q), _d(k), _d(v), causal=causal, seq_lens=lens,
-                                         prefix_k=_d(pk), prefix_v=_d(pv), return_stats=True)
-    if mlp:
-        s0 = inducer_key_logit(_d(q), _d(Ak), _d(ak), _d(Bk), _d(ck), q.shape[-1] ** -0.5)
-    lam = torch.sigmoid(s0.double() - lse)
-    u = q.new_empty(0)
-    if mlp:
-        u = (lam[..., None] * inducer_value_hidden(_d(q), _d(W1), _d(b1))).to(
-            torch.float32 if u_float else q.dtype)
-    return f.to(q.dtype), lse.float(), lam.float(), u
+from kfused.reference.inducer import inducer_attention_ref
 
 
 # float32: float32-accurate host MLP; float16: the output's own rounding (and f's) only
