@@ -16,6 +16,15 @@ import pytest  # noqa: E402
 
 from kfused import _alloc  # noqa: E402
 
+if os.environ.get("KFUSED_GPU_CONFIGS") == "1" and not torch.cuda.is_available():
+    # A test aid: the interpreter runs every kernel with the block sizes, grids and splits a
+    # GPU would get (the compile check's switch), e.g. 128-column output tiles and their
+    # low-rank packing instead of the interpreter's 32 — code paths CI otherwise only
+    # compiles. tests/test_gpu_configs.py runs a selection this way in every CI run.
+    from kfused.triton_kernels import _common as _tk_common  # noqa: E402
+
+    _tk_common._AOT_TARGET["on"] = True
+
 # Shapes and data are drawn afresh each run; KFUSED_TEST_SEED=<n> replays a run (the seed is
 # printed in the pytest header).
 BASE_SEED = int(os.environ.get("KFUSED_TEST_SEED", random.SystemRandom().randrange(2**31)))
@@ -112,5 +121,8 @@ def device():
 
 
 def pytest_report_header(config):
+    from kfused.triton_kernels._common import _AOT_TARGET
+
+    gpu_cfg = "; GPU block sizes (KFUSED_GPU_CONFIGS=1)" if _AOT_TARGET["on"] else ""
     return (f"kfused tests on {DEVICE}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; "
-            f"torch {torch.__version__}; KFUSED_TEST_SEED={BASE_SEED}")
+            f"torch {torch.__version__}; KFUSED_TEST_SEED={BASE_SEED}{gpu_cfg}")
