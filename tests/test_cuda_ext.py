@@ -688,7 +688,8 @@ GQA_CASES = [  # B, H, H_kv, n_q, n_k, p, l, causal, lens
     (2, 8, 2, 1, 1025, 128, 0, True, None),         # decode: 4 query heads packed per block
     (3, 8, 2, 4, 300, 64, 0, True, [300, 17, 1]),   # 4 heads x 4 queries = 16 packed rows
     (2, 6, 3, 3, 77, 40, 0, True, [77, 2]),         # 2 x 3 rows, p = 40 (padded), lengths
-    (1, 8, 1, 3, 200, 64, 0, True, None),           # 8 x 3 = 24 rows: one head per block
+    (1, 8, 1, 3, 200, 64, 0, True, None),           # 8 x 3 = 24 rows: 4 heads per block
+    (2, 6, 2, 6, 100, 64, 0, True, [100, 9]),       # 3 x 6 = 18 rows, 3 prime: one head
     (2, 6, 3, 1, 90, 80, 2, False, [90, 5]),        # a prefix (per query head): no packing
     (2, 4, 2, 70, 120, 64, 0, True, None),          # prefill
     (1, 12, 4, 2, 5000, 32, 0, False, None),        # packed, many key splits

@@ -152,12 +152,14 @@ def test_cuda_inducer_model_follows_the_csrc_host():
     assert C._cuda_inducer_grid(8, 32, 1, 4096, Hkv=8)[6] == 4
     assert C._cuda_inducer_grid(8, 32, 1, 4096, Hkv=8)[4] > 1
     assert C._cuda_inducer_grid(8, 32, 4, 4096, Hkv=8)[6] == 4       # 16 rows: still one tile
-    assert C._cuda_inducer_grid(8, 32, 5, 4096, Hkv=8)[6] == 1       # 20 rows
+    assert C._cuda_inducer_grid(8, 32, 5, 4096, Hkv=8)[6] == 2       # 2 heads x 5 rows
+    assert C._cuda_inducer_grid(8, 24, 6, 4096, Hkv=8)[6] == 1       # 3 x 6 > 16, 3 prime
+    assert C._cuda_inducer_grid(8, 32, 17, 4096, Hkv=4)[6] == 1      # prefill schedule
     assert C._cuda_inducer_grid(8, 32, 1, 4096, l=3, Hkv=8)[6] == 1  # a prefix per query head
     assert C._cuda_inducer_grid(8, 32, 64, 4096, Hkv=8)[6] == 1      # prefill
     host = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "inducer" /
             "inducer_attention_fwd.cu").read_text()
-    assert "gpack = (decode && group > 1 && l == 0 && group * n_q <= rows_blk) ? group : 1" in host
+    assert "if (group % d == 0 && d * n_q <= rows_blk) {" in host
     # the host's limit on the in-kernel MLP (kfused.ops refuses wider MLPs for "cuda")
     from kfused.ops.inducer_attention import CUDA_MLP_MAX_COLS
     assert int(re.search(r"kMlpMaxCols = (\d+)", src).group(1)) == CUDA_MLP_MAX_COLS

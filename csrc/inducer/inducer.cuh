@@ -37,10 +37,10 @@ struct InducerParams {
   int64_t v_sb, v_sh, v_sn;
   int B, H, n_q, n_k, p, l;
   // Grouped-query attention: k and v have H / group heads; query head h reads kv head
-  // h / group. gpack query heads (1, or all `group` of a kv head: the 16-bit decode schedule
-  // without a prefix) share a block, their n_q rows stacked: packed row R of head block
-  // blockIdx.y is query R % n_q of head blockIdx.y * gpack + R / n_q, so the block reads
-  // its kv head's keys once for all of them.
+  // h / group. gpack query heads (a divisor of group, all of them of one kv head; > 1 only in
+  // the 16-bit decode schedule without a prefix) share a block, their n_q rows stacked:
+  // packed row R of head block blockIdx.y is query R % n_q of head blockIdx.y * gpack +
+  // R / n_q, so the block reads the kv head's keys once for all of them.
   int group, gpack;
   int pitch;  // row pitch (elements) of the K/V tiles in shared memory
   float scale_log2;

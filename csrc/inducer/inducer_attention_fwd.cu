@@ -438,10 +438,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   // Flash-decoding: split the keys over blocks when the (row tile, head, batch) blocks cannot
   // fill the device (CUDA-core kernel: every split walks at least 2 steps of ksplit tiles;
   // tensor-core kernel: at least one stage).
-  // Grouped-query decode (16-bit, no prefix, every query row of a kv head in one tile): the
-  // group's query heads share a block, which reads its kv head's keys once for all of them.
+  // Grouped-query decode (16-bit, no prefix): gpack query heads of one kv head share a block
+  // (the most that divide the group and whose rows fit one tile), which reads the kv head's
+  // keys once for all of them.
   const int64_t group = H / H_kv;
-  const int64_t gpack = (decode && group > 1 && l == 0 && group * n_q <= rows_blk) ? group : 1;
+  int64_t gpack = 1;
+  if (decode && l == 0)
+    for (int64_t d = group; d > 1; --d)
+      if (group % d == 0 && d * n_q <= rows_blk) {
+        gpack = d;
+        break;
+      }
   const int64_t row_tiles = ceil_div(gpack * n_q, rows_blk);
   const int64_t blocks = row_tiles * Bn * (H / gpack);
   const int64_t ntiles = ceil_div(l + n_k, stage_keys);

@@ -754,12 +754,16 @@ def _cuda_inducer_grid(B: int, H: int, n_q: int, n_k: int, l: int = 0,
     """(decode?, rows per block, keys per stage, row tiles, nsplit, stages per split, query
     heads per block): the host decision of inducer_attention_fwd
     (csrc/inducer/inducer_attention_fwd.cu, 16-bit). Grouped-query decode without a prefix
-    packs a kv head's H / Hkv query heads into one block when their rows fit one tile."""
+    packs query heads of one kv head into a block: the most that divide H / Hkv and whose
+    rows fit one tile."""
     decode = n_q <= 16
     BM = 16 if decode else 16 * _CU_PREFILL_RW
     SK = _CU_DECODE_BN * _CU_DECODE_KW if decode else _CU_PREFILL_BN
     group = H // (Hkv or H)
-    gpack = group if decode and group > 1 and l == 0 and group * n_q <= BM else 1
+    gpack = 1
+    if decode and l == 0:
+        gpack = max((g for g in range(1, group + 1) if group % g == 0 and g * n_q <= BM),
+                    default=1)
     row_tiles = cdiv(gpack * n_q, BM)
     blocks = row_tiles * B * (H // gpack)
     ntiles = cdiv(l + n_k, SK)
