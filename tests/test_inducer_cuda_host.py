@@ -6,6 +6,8 @@ q and the kernel only λ. Checked: the call contract (s0 or the weights, u in fl
 "gate"), every formula the host computes, without a GPU. The kernel itself is tested on a
 GPU (tests/test_cuda_ext.py, tests/test_inducer.py)."""
 
+import types
+
 import pytest
 import torch
 
@@ -109,3 +111,43 @@ def test_cuda_host_glue_takes_any_integer_seq_lens(lens_dtype, dtype):
                           None, None, p ** -0.5, True, kernel=_standin)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hkv,n_q,prefix", [(3, 9, 4), (1, 1, 0)], ids=["prefix", "gqa-decode"])
+def test_cuda_backend_end_to_end_with_a_standin_extension(monkeypatch, hkv, n_q, prefix):
+    """inducer_attention(backend="cuda") through everything but the kernel: backend choice,
+    the CUDA checks, the custom op and the host glue, with the extension replaced by the
+    float64 stand-in (tests/_cuda_standin.py) — what tests/test_inducer.py's GPU test runs."""
+    import _cuda_standin
+
+    from kfused import backends, cuda as kcuda
+    from kfused.ops import inducer_attention
+    from kfused.testing import assert_against_reference
+
+    calls = []
+
+    def fwd(*a):
+        calls.append(a)
+        return _cuda_standin.inducer_attention_fwd(*a)
+
+    monkeypatch.setattr(kcuda, "require", lambda name: types.SimpleNamespace(
+        inducer_attention_fwd=fwd))
+    monkeypatch.setattr(backends, "cuda_unfit", lambda device, dtype, op: None)
+    g = torch.Generator().manual_seed(5)
+    B, H, n_k, p, L, r = 2, 3, 11, 16, 4, 6
+
+    def t(*s, sc=1.0):
+        return torch.randn(*s, generator=g, dtype=F64) * sc
+
+    inputs = {"q": t(B, H, n_q, p), "k": t(B, hkv, n_k, p), "v": t(B, hkv, n_k, p),
+              "Ak": t(H, p, L, sc=0.3), "ak": t(H, L), "Bk": t(H, L, p, sc=0.3),
+              "ck": t(H, p, sc=0.3), "W1": t(H, p, r, sc=0.3), "b1": t(H, r),
+              "seq_lens": torch.tensor([n_k, 5])}
+    if prefix:
+        inputs.update(prefix_k=t(H, prefix, p), prefix_v=t(H, prefix, p))
+    for dtype in (torch.float32, torch.float16):
+        assert_against_reference(
+            lambda **kw: inducer_attention(**kw, causal=True, backend="cuda"),
+            lambda **kw: inducer_attention_ref(**kw, causal=True), inputs, dtype, "cpu",
+            grad_names=[])
+    assert calls and all(c[1].shape[1] == hkv for c in calls)   # the kernel got k as given
