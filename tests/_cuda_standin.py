@@ -1,5 +1,5 @@
 """Float64 stand-ins for the CUDA extension's functions (kfused._C), with its call signatures,
-output shapes and dtypes, for running GPU test code on the CPU.
+output shapes, dtypes and (contiguous) layouts, for running GPU test code on the CPU.
 
 The GPU tests of the extension (tests/test_cuda_ext.py) had never run before a GPU was lent:
 a mistake in a test's own reference or plumbing (a float16 ``full_like(-1e30)`` overflow, a
@@ -35,12 +35,21 @@ def kron_matvec_fwd(x, A, B):
 
 
 def kron_matvec_bwd(g, x, A, B, need_dx=True, scale=1.0):
-    if x.shape[0] == 0:
+    """Closed-form gradients (no autograd: called inside a custom op's backward, below the
+    autograd dispatch key): y[t] = s·A X[t] Bᵀ, so dX[t] = s·Aᵀ G[t] B, dA = s·Σ G[t] B X[t]ᵀ,
+    dB = s·Σ G[t]ᵀ A X[t]."""
+    T = x.shape[0]
+    if T == 0:
         return (x.new_empty(x.shape) if need_dx else x.new_empty(0), torch.zeros_like(A),
                 torch.zeros_like(B))
-    leaves = [_d(t).requires_grad_(True) for t in (x, A, B)]
-    dx, dA, dB = torch.autograd.grad(scale * _kron(*leaves), leaves, _d(g))
-    return (dx.to(x.dtype) if need_dx else x.new_empty(0)), dA.to(A.dtype), dB.to(B.dtype)
+    Ad, Bd = _d(A), _d(B)
+    X = _d(x).reshape(T, A.shape[1], B.shape[1])
+    G = _d(g).reshape(T, A.shape[0], B.shape[0])
+    dx = (scale * torch.einsum("ik,tij,jl->tkl", Ad, G, Bd)).reshape(T, -1)
+    dA = scale * torch.einsum("tij,jl,tkl->ik", G, Bd, X)
+    dB = scale * torch.einsum("tij,ik,tkl->jl", G, Ad, X)
+    return tuple(t.contiguous() for t in ((dx.to(x.dtype) if need_dx else x.new_empty(0)),
+                                          dA.to(A.dtype), dB.to(B.dtype)))
 
 
 def krona_fold_fwd(W, A, B, scale):
@@ -67,17 +76,26 @@ def headwise_lowrank_fwd(basis, A, B, bias=None, save_u=False):
         Us = torch.zeros(T, H, (r + 1 + 7) // 8 * 8, dtype=basis.dtype)
         Us[..., :r] = U.to(basis.dtype)
         Us[..., r] = 1
-    return out.to(basis.dtype), Us
+    return out.to(basis.dtype).contiguous(), Us
 
 
 def headwise_lowrank_bwd(g, basis, A, B, has_bias, U=None):
-    leaves = [_d(t).requires_grad_(True) for t in (basis, A, B)]
-    if g.shape[0] == 0:
-        grads = [torch.zeros_like(t) for t in leaves]
+    """Closed-form gradients (no autograd, as kron_matvec_bwd): out = U Bᵀ per head with
+    U = basis Aᵀ, so dU = g B, dB = Σ_t gᵀ U, dA = Σ_t dUᵀ basis, dbasis = dU A (summed over
+    the heads for a shared basis)."""
+    bd, Ad, Bd, gd = _d(basis), _d(A), _d(B), _d(g)
+    Uf, _ = _headwise(bd, Ad, Bd)
+    dU = torch.einsum("thp,hpr->thr", gd, Bd)
+    dB = torch.einsum("thp,thr->hpr", gd, Uf)
+    if basis.dim() == 2:
+        dA = torch.einsum("thr,td->hrd", dU, bd)
+        dbasis = torch.einsum("thr,hrd->td", dU, Ad)
     else:
-        grads = torch.autograd.grad(_headwise(*leaves)[1], leaves, _d(g))
-    dbias = (_d(g).sum(0).to(g.dtype) if has_bias else g.new_empty(0))
-    return (grads[0].to(basis.dtype), grads[1].to(A.dtype), grads[2].to(B.dtype), dbias)
+        dA = torch.einsum("thr,thd->hrd", dU, bd)
+        dbasis = torch.einsum("thr,hrd->thd", dU, Ad)
+    dbias = gd.sum(0).to(g.dtype) if has_bias else g.new_empty(0)
+    return tuple(t.contiguous() for t in (dbasis.to(basis.dtype), dA.to(A.dtype),
+                                          dB.to(B.dtype), dbias))
 
 
 def inducer_attention_fwd(q, k, v, s0, pk=None, pv=None, lens=None, causal=False, Ak=None,
@@ -103,4 +121,4 @@ def inducer_attention_fwd(q, k, v, s0, pk=None, pv=None, lens=None, causal=False
     if mlp:
         u = (lam[..., None] * inducer_value_hidden(_d(q), _d(W1), _d(b1))).to(
             torch.float32 if u_float else q.dtype)
-    return f.to(q.dtype), lse.float(), lam.float(), u
+    return tuple(t.contiguous() for t in (f.to(q.dtype), lse.float(), lam.float(), u))
