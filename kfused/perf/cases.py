@@ -786,8 +786,8 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
     thread per row finishes s0 and tanh(q W1 + b1) — 2 SFU ops per tanh —, the epilogue
     writes u), the flash-decoding merge when the keys are split (s0 and the hidden row
     through a float32 workspace; the last block of each tile merges, no second launch), and
-    whatever torch work ``_cuda_inference`` still does
-    around the kernel, traced with a stand-in kernel (none for "add"). Grouped-query k/v
+    whatever torch work ``_cuda_inference`` still does around the kernel, traced with a
+    stand-in kernel (none for "add"). Grouped-query k/v
     (``Hkv`` kv heads): K and V read once per kv head (packed decode blocks read them once
     for all their query heads; otherwise L2 holds them across the group's adjacent blocks)."""
     Hkv = Hkv or H
