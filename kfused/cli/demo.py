@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights stay float32")
     p.add_argument("--runs", default="auto", choices=["auto", "both", "fused", "reference"],
                    help="auto: fused + reference on CUDA, reference only on the CPU")
+    p.add_argument("--fused-backend", default="auto", choices=["auto", "triton", "cuda"],
+                   help="the fused run's kernels: auto (Triton, or the CUDA C++ path where "
+                        "kfused bench measured it faster), triton or cuda; on a CPU, "
+                        "--fused-backend triton with TRITON_INTERPRET=1 runs the Triton kernels "
+                        "in their interpreter (slow: tiny models only)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (less memory)")
@@ -228,6 +233,20 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def _fused_backend_refusal(backend: str, device: torch.device) -> Optional[str]:
+    """Why the fused run cannot use ``backend`` on ``device`` (None if it can)."""
+    if device.type == "cuda":
+        return None  # each op names what it cannot run, as for any explicit backend
+    if backend == "cuda":
+        return f"the CUDA C++ kernels need a CUDA device (--device is {device})"
+    from kfused.backends import triton_interpret
+
+    if not triton_interpret():
+        return (f"Triton kernels on the {device.type} run only in the interpreter: set "
+                "TRITON_INTERPRET=1 (slow: a tiny model and a few steps)")
+    return None
 
 
 def _use_backend(backend: str):
@@ -587,8 +606,16 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     notes: List[str] = []
     if runs_wanted == "auto":
         runs_wanted = "both" if device.type == "cuda" else "reference"
-    plan = {"both": [("fused", "auto"), ("reference", "reference")],
-            "fused": [("fused", "auto")], "reference": [("reference", "reference")]}[runs_wanted]
+    fb = args.fused_backend
+    plan = {"both": [("fused", fb), ("reference", "reference")],
+            "fused": [("fused", fb)], "reference": [("reference", "reference")]}[runs_wanted]
+    # the fused run runs kernels on CUDA, or in the Triton interpreter when asked for by name
+    fused_kernels = device.type == "cuda" or fb != "auto"
+    if fb != "auto" and runs_wanted != "reference":
+        refusal = _fused_backend_refusal(fb, device)
+        if refusal:
+            print(f"kfused demo: --fused-backend {fb}: {refusal}", file=sys.stderr)
+            return 2
     if "fused" not in dict(plan):
         fused_skip = ("CPU: running the unfused reference only; the fused run is skipped "
                       "because the Triton kernels need a CUDA GPU (their CPU interpreter is far "
@@ -597,9 +624,12 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         notes.append(fused_skip)
     else:
         fused_skip = None
-        if device.type != "cuda":
+        if not fused_kernels:
             notes.append("the fused run on the CPU uses the reference path (the fused kernels "
                          "need a CUDA GPU)")
+        elif device.type != "cuda":
+            notes.append("the fused run on the CPU runs the Triton kernels in their interpreter "
+                         "(TRITON_INTERPRET=1): a check of the numbers, not of the speed")
     twice = sorted({m for m in methods if methods.count(m) > 1})
     if twice:  # one row, one run and one checkpoint folder per name
         print(f"kfused demo: --methods names {', '.join(twice)} more than once", file=sys.stderr)
@@ -714,7 +744,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
             diffs = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
             comparisons[method] = {  # a nan anywhere is the largest difference, not skipped
                 # off CUDA, backend "auto" is the reference: no fused kernel ran
-                "fused_ran_reference_path": device.type != "cuda",
+                "fused_ran_reference_path": not fused_kernels,
                 "max_abs_loss_difference": float("nan") if any(map(math.isnan, diffs))
                 else max(diffs),
                 "final_loss_difference": abs(a["losses"][-1] - b["losses"][-1]),
@@ -781,7 +811,9 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
         if comparisons:
             print("fused vs reference (identical batches in identical order)" + (
                 f"; on the {device.type} the fused run takes the reference path too: the two "
-                "rows compare the reference with itself" if device.type != "cuda" else "") + ":")
+                "rows compare the reference with itself" if not fused_kernels else
+                f"; on the {device.type} the fused run ran the Triton kernels in their "
+                "interpreter (numbers, not speed)" if device.type != "cuda" else "") + ":")
             for m, c in comparisons.items():
                 mem = c["peak_memory_bytes"]
                 print(f"  {_label(m):<14} largest |fused - reference| loss difference "

@@ -6,9 +6,22 @@ No model hub and no text corpus can be downloaded, so the small GPT-2-shaped bas
 
 * **prose** about towns, travel, weather, shops, hotels, museums, parks, cafés, pubs and
   restaurants: several sentences with varied openings, clauses and connectives;
-* **notes**: a short record in a ``Key: value | Key: value`` layout, the separator token, then
-  a description of it (general "structured data, then text" material, as web text has);
-* **short dialogue-style** questions and answers about places.
+* **notes**: a short record, the separator token, then a description of it (general
+  "structured data, then text" material, as web text has), in three layouts: ``Key: value |
+  Key: value``, ``key=value; key=value`` with other key names, and a name followed by its
+  values in parentheses;
+* **short dialogue-style** questions and answers about places;
+* **lists** of coined names said twice ("The guests were Varnelle, Osbry and Tamsen. Later
+  that day Varnelle, Osbry and Tamsen came back."): the plainest material for learning to
+  copy from context, which the descriptions alone taught too slowly (a 3,000-step base
+  trained without them copied no name it had not memorised).
+
+Most venues and many landmarks get a **coined name** (``_coined``: syllables drawn afresh for
+each document, "Varnelle", "The Osbry Arms", "Tamsen House") rather than one of a fixed pool:
+a name the model cannot have memorised has to be copied from where the document first states
+it (the record of a note, the first sentence of prose), which is what a data-to-text task
+later asks of the base. The first base, pretrained on 56 fixed names only, never learned to
+copy: adapted on the task it wrote pool-like or garbled names and few of the slots it was given.
 
 Distinct from the demo's data-to-text task (:mod:`kfused.data.make_e2e`): no document uses the
 task's ``key[value]`` meaning-representation syntax or its slot names, and every venue and
@@ -38,6 +51,17 @@ VENUE_NAMES = [
     "Cedar and Sage", "The Bell Tower", "Wren House", "The Nightingale", "Sunflower Deli",
     "The Salt Store", "Lavender Hill", "The Clockmaker", "Amber Rooms", "The Signal Box",
 ]
+# Syllables of coined names (checked against the task's names like the pools above).
+_ONSETS = ["b", "br", "c", "cr", "d", "dr", "f", "g", "gr", "h", "j", "k", "l", "m", "n", "p",
+           "pr", "qu", "r", "s", "st", "t", "tr", "v", "w", "z", "th", "ch", "sh", "bl", "pl"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "ie"]
+_CODAS = ["", "", "", "n", "r", "l", "s", "m", "nd", "rn", "th", "x", "ck", "ll", "st"]
+_ENDINGS = ["", "", "a", "o", "elle", "ino", "ford", "by", "ton", "well", "more", "wick",
+            "ara", "eo", "ista"]
+_NAME_NOUNS = ["Arms", "House", "Kitchen", "Rooms", "Grill", "Tavern", "Table", "Lounge",
+               "Yard", "Cellar", "Corner", "Place", "Garden", "Hall", "Bar", "Parlour"]
+_LANDMARK_KINDS = ["the {} Hotel", "the {} Theatre", "{} Bridge", "the {} Gallery",
+                   "{} Park", "the {} Centre", "{} Station", "the {} Tower"]
 LANDMARKS = [
     "the railway station", "the cathedral", "the town hall", "the old bridge", "the harbour",
     "the market square", "the university", "the botanic garden", "the bus station",
@@ -104,9 +128,39 @@ def _cap(s: str) -> str:
     return s[0].upper() + s[1:] if s else s
 
 
+def _word(rng: random.Random) -> str:
+    """One coined word of one or two syllables and an ending ("Varnelle", "Quosby")."""
+    w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                for _ in range(rng.choice([1, 1, 2])))
+    return _cap(w + rng.choice(_ENDINGS))
+
+
+def _clashes(name: str) -> bool:
+    """Whether ``name`` contains, or is contained in, a name of the demo task."""
+    from kfused.data.make_e2e import NAMES, NEAR
+
+    low = name.lower()
+    return any(n.lower() in low or low in n.lower() for n in NAMES + NEAR)
+
+
+def _coined(rng: random.Random, landmark: bool = False) -> str:
+    """A name made up for one document (never one of the task's: redrawn on a clash)."""
+    while True:
+        w = _word(rng)
+        if landmark:
+            name = rng.choice(_LANDMARK_KINDS).format(w)
+        else:
+            r = rng.random()
+            name = (w if r < 0.45 else f"The {w} {rng.choice(_NAME_NOUNS)}" if r < 0.75
+                    else f"{w} {rng.choice(_NAME_NOUNS)}" if r < 0.9 else f"The {w}")
+        if not _clashes(name):
+            return name
+
+
 def _venue(rng: random.Random) -> dict:
     kind = rng.choice(VENUE_KINDS)
-    v = {"name": rng.choice(VENUE_NAMES), "kind": kind, "town": rng.choice(TOWNS),
+    name = _coined(rng) if rng.random() < 0.75 else rng.choice(VENUE_NAMES)
+    v = {"name": name, "kind": kind, "town": rng.choice(TOWNS),
          "adj": rng.choice(ADJ_PLACE)}
     if kind in FOOD_KINDS and rng.random() < 0.8:
         v["cuisine"] = rng.choice(CUISINES)
@@ -120,7 +174,7 @@ def _venue(rng: random.Random) -> dict:
     if rng.random() < 0.7:
         v["area"] = rng.choice(AREAS)
     if rng.random() < 0.5:
-        v["near"] = rng.choice(LANDMARKS)
+        v["near"] = _coined(rng, landmark=True) if rng.random() < 0.5 else rng.choice(LANDMARKS)
     if rng.random() < 0.5:
         v["people"] = rng.choice(PEOPLE)
         v["suits"] = rng.random() < 0.75
@@ -233,11 +287,16 @@ _NOTE_KEYS = [("Kind", "kind"), ("Town", "town"), ("Cuisine", "cuisine"), ("Pric
               ("Good for", "people"), ("Extras", "feature"), ("Open", "hours")]
 
 
-def note(rng: random.Random) -> Tuple[str, str]:
-    """A ``Key: value | ...`` record and a description of it."""
-    v = _venue(rng)
-    fields = [f"Name: {v['name']}"]
-    for label, key in _NOTE_KEYS:
+# The second layout's key names (never the task's slot names).
+_EQ_KEYS = {"kind": "type", "town": "town", "cuisine": "cuisine", "price": "prices",
+            "money": "cost", "rating": "rating", "area": "district", "near": "close to",
+            "people": "suits", "feature": "extras", "hours": "open"}
+
+
+def _note_values(v: dict) -> List[Tuple[str, str]]:
+    """(key, value) of a venue's record fields, in the record's order."""
+    out = []
+    for _, key in _NOTE_KEYS:
         if key not in v:
             continue
         val = v[key]
@@ -245,14 +304,60 @@ def note(rng: random.Random) -> Tuple[str, str]:
             val = val[0]
         if key == "people":
             val = ("" if v["suits"] else "not ") + val
-        fields.append(f"{label}: {val}")
-    return " | ".join(fields), " ".join(_venue_sentences(v, rng))
+        out.append((key, val))
+    return out
 
 
-def documents(n: int, seed: int = 1234, note_fraction: float = 0.3) -> List[Tuple[str, str]]:
-    """``n`` documents as (record, text); record is "" for prose."""
+def note(rng: random.Random) -> Tuple[str, str]:
+    """A record of a venue, in one of three layouts, and a description of it."""
+    v = _venue(rng)
+    fields = _note_values(v)
+    r = rng.random()
+    if r < 0.5:
+        labels = dict((key, label) for label, key in _NOTE_KEYS)
+        record = " | ".join([f"Name: {v['name']}"] + [f"{labels[k]}: {x}" for k, x in fields])
+    elif r < 0.8:
+        record = "; ".join([f"name={v['name']}"] + [f"{_EQ_KEYS[k]}={x}" for k, x in fields])
+    else:
+        record = f"{v['name']} (" + ", ".join(x for _, x in fields) + ")"
+    return record, " ".join(_venue_sentences(v, rng))
+
+
+_LIST_FRAMES = [
+    ("The guests were {}.", "Later that day {} came back."),
+    ("On the map you can see {}.", "Walking back we passed {} again."),
+    ("The shortlist named {}.", "In the end the judges chose {}, in that order."),
+    ("Stops on the route: {}.", "On the way home the bus called at {}."),
+    ("The new members are {}.", "Please welcome {}."),
+    ("Our favourite places this year were {}.", "Next year we will visit {} once more."),
+]
+
+
+def _and(names: List[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def name_list(rng: random.Random) -> str:
+    """A list of coined names and the same names again (in order, or reversed)."""
+    names = [_coined(rng, landmark=rng.random() < 0.3) for _ in range(rng.randint(2, 6))]
+    first, second = rng.choice(_LIST_FRAMES)
+    again = names[::-1] if rng.random() < 0.25 else names
+    text = first.format(_and(names)) + " " + second.format(_and(again))
+    if rng.random() < 0.5:  # and one of them once more
+        text += f" {_cap(rng.choice(names))} was the one people talked about most."
+    return text
+
+
+def documents(n: int, seed: int = 1234, note_fraction: float = 0.4,
+              list_fraction: float = 0.2) -> List[Tuple[str, str]]:
+    """``n`` documents as (record, text); record is "" for prose and lists."""
     rng = random.Random(seed)
-    return [note(rng) if rng.random() < note_fraction else ("", prose(rng)) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        out.append(note(rng) if r < note_fraction else ("", name_list(rng))
+                   if r < note_fraction + list_fraction else ("", prose(rng)))
+    return out
 
 
 def main(argv=None) -> None:

@@ -50,12 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps")
-    p.add_argument("--batch-size", type=positive_int, default=12, help="sequences per step")
+    p.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int_range(2, SHAPE["max_len"]), default=SHAPE["max_len"],
                    help=f"tokens per packed sequence (2 to the model's {SHAPE['max_len']} "
                         "positions)")
-    p.add_argument("--lr", type=positive_float, default=2e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=positive_int, default=60, help="linear warm-up steps")
     p.add_argument("--docs", type=positive_int, default=24000,
                    help="corpus documents to generate")
@@ -97,6 +97,32 @@ def mean_loss(model, chunks: torch.Tensor, batch: int = 16) -> float:
         x = chunks[i:i + batch]
         tot += float(model(input_ids=x, labels=x).loss) * x.shape[0]
     return tot / chunks.shape[0]
+
+
+@torch.no_grad()
+def name_copy_rate(model, docs, max_new: int = 48) -> float:
+    """The fraction of ``docs``' notes whose greedy description (from ``BOS record SEP``)
+    states the record's venue name: whether the base copies a name it cannot have memorised
+    (most are coined per document) from its context, as a data-to-text task needs."""
+    tok = ByteTokenizer()
+    model.eval()
+    notes = [(record, _record_name(record)) for record, _ in docs if record]
+    hits = 0
+    for record, name in notes:
+        ids = torch.tensor([[tok.BOS] + tok.encode(record) + [tok.SEP]])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=tok.EOS,
+                             pad_token_id=tok.PAD)
+        hits += name in tok.decode(out[0, ids.shape[1]:].tolist())
+    return hits / max(1, len(notes))
+
+
+def _record_name(record: str) -> str:
+    """The venue name of a record in any of make_corpus's layouts."""
+    for head in ("Name: ", "name="):
+        if record.startswith(head):
+            return record[len(head):].split(" | " if head == "Name: " else "; ")[0]
+    return record.split(" (")[0]
 
 
 OUTPUTS = ("config.json", "generation_config.json", "model.safetensors", "pretrain.json")
@@ -172,23 +198,27 @@ def pretrain(args) -> dict:
     train_s = time.perf_counter() - t_train
     model.half().float()  # evaluate exactly what is stored (float16)
     held_loss = mean_loss(model, held)
+    copy_rate = name_copy_rate(model, documents(120, seed=4321))
     os.makedirs(args.out, exist_ok=True)
     # every file is written into a staging folder inside --out first, then moved into place
     # with the record last: a failure or kill while writing leaves the earlier version whole
     stage = tempfile.mkdtemp(dir=args.out, prefix=".pretrain-staging-")
     try:
-        _write_version(model, stage, losses, held_loss, stream, train_s, t0, tok, args)
+        _write_version(model, stage, losses, held_loss, copy_rate, stream, train_s, t0,
+                       tok, args)
         for name in OUTPUTS:  # pretrain.json last: the record names the weights beside it
             os.replace(os.path.join(stage, name), os.path.join(args.out, name))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     with open(os.path.join(args.out, "pretrain.json")) as f:
         info = json.load(f)
-    print(f"held-out loss {held_loss:.4f} nats/byte; trained {train_s:.0f} s; wrote {args.out}")
+    print(f"held-out loss {held_loss:.4f} nats/byte; names copied into {100 * copy_rate:.0f}% "
+          f"of held-out notes' descriptions; trained {train_s:.0f} s; wrote {args.out}")
     return info
 
 
-def _write_version(model, out, losses, held_loss, stream, train_s, t0, tok, args) -> None:
+def _write_version(model, out, losses, held_loss, copy_rate, stream, train_s, t0, tok,
+                   args) -> None:
     """The base's four files (OUTPUTS) into ``out``."""
     T = args.seq_len
     model.half().save_pretrained(out, safe_serialization=True)
@@ -212,6 +242,7 @@ def _write_version(model, out, losses, held_loss, stream, train_s, t0, tok, args
         "final_train_loss_nats_per_byte": round(sum(losses[-20:]) / min(20, len(losses)), 4),
         "first_train_loss": round(losses[0], 4),
         "heldout_loss_nats_per_byte_float16_weights": round(held_loss, 4),
+        "heldout_note_name_copy_rate": round(copy_rate, 3),
         "loss_every_50_steps": [round(x, 4) for x in losses[::50]],
         "load_average_at_end": load, "cpu_threads": args.threads,
         "machine": platform.machine(), "torch": torch.__version__,
