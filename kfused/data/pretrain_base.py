@@ -11,7 +11,7 @@ in float16 (the demo loads them as float32 and keeps the base frozen) with ``con
 and ``pretrain.json`` (steps, tokens, time, load, final training and held-out loss of the
 float16 weights, versions, sha256 of the weights) beside them:
 
-    python -m kfused.data.pretrain_base --threads 1     # the shipped run: ~20 min (pretrain.json)
+    python -m kfused.data.pretrain_base                 # the shipped run: ~25 min on 2 threads (pretrain.json)
     python -m kfused.data.pretrain_base --steps 20 --out /tmp/base   # a quick try
 """
 
