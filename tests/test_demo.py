@@ -571,14 +571,31 @@ def test_demo_fused_run_with_triton_kernels_in_the_interpreter(tmp_path, capsys)
 
     if not triton_interpret():
         pytest.skip("needs TRITON_INTERPRET=1 (the README's test command sets it)")
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: Counter = Counter()
+
+    class CountKfusedOps(TorchDispatchMode):  # which kfused custom ops actually ran
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("kfused."):
+                seen[str(func).split(".")[1]] += 1
+            return func(*args, **(kwargs or {}))
+
     methods = "krona,kernel_mix,inducer_lora"
     # head width 32 (the inducer kernels' smallest); the loss on whole sequences, since few
     # sentences start within 64 bytes
-    rc = run_demo(TINY + ["--d-model", "64", "--loss", "all", "--steps", "2", "--methods",
-                          methods, "--runs", "both",
-                          "--fused-backend", "triton", "--gen-examples", "1",
-                          "--out", str(tmp_path)])
+    with CountKfusedOps():
+        rc = run_demo(TINY + ["--d-model", "64", "--loss", "all", "--steps", "2", "--methods",
+                              methods, "--runs", "both",
+                              "--fused-backend", "triton", "--gen-examples", "1",
+                              "--out", str(tmp_path)])
     assert rc == 0
+    for op in ("krona_linear_triton_fwd", "krona_linear_triton_bwd", "headwise_qkv_triton_fwd",
+               "headwise_qkv_triton_bwd", "headwise_oproj_triton_bwd",
+               "inducer_attention_triton_fwd", "inducer_attention_triton_bwd"):
+        assert seen[op] > 0, (op, dict(seen))  # the fused run ran the Triton kernels
     out = capsys.readouterr().out
     assert "ran the Triton kernels in their interpreter" in out
     report = json.loads((tmp_path / "demo.json").read_text())
