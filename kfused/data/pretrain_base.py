@@ -9,7 +9,8 @@ Reproducible: a fixed seed, a fixed corpus, a fixed number of steps, float32 on 
 (bit-identical weights need the same torch version and thread count). The weights are stored
 in float16 (the demo loads them as float32 and keeps the base frozen) with ``config.json``
 and ``pretrain.json`` (steps, tokens, time, load, final training and held-out loss of the
-float16 weights, versions, sha256 of the weights) beside them:
+float16 weights, how often its greedy descriptions of held-out notes state the record's name,
+versions, sha256 of the weights) beside them:
 
     python -m kfused.data.pretrain_base                 # the shipped run: ~25 min on 2 threads (pretrain.json)
     python -m kfused.data.pretrain_base --steps 20 --out /tmp/base   # a quick try
@@ -32,7 +33,7 @@ import torch
 
 from kfused._files import folder_refusal
 from kfused.data import ByteTokenizer
-from kfused.data.make_corpus import documents
+from kfused.data.make_corpus import documents, record_name
 
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base")
 
@@ -106,7 +107,7 @@ def name_copy_rate(model, docs, max_new: int = 48) -> float:
     (most are coined per document) from its context, as a data-to-text task needs."""
     tok = ByteTokenizer()
     model.eval()
-    notes = [(record, _record_name(record)) for record, _ in docs if record]
+    notes = [(record, record_name(record)) for record, _ in docs if record]
     hits = 0
     for record, name in notes:
         ids = torch.tensor([[tok.BOS] + tok.encode(record) + [tok.SEP]])
@@ -115,14 +116,6 @@ def name_copy_rate(model, docs, max_new: int = 48) -> float:
                              pad_token_id=tok.PAD)
         hits += name in tok.decode(out[0, ids.shape[1]:].tolist())
     return hits / max(1, len(notes))
-
-
-def _record_name(record: str) -> str:
-    """The venue name of a record in any of make_corpus's layouts."""
-    for head in ("Name: ", "name="):
-        if record.startswith(head):
-            return record[len(head):].split(" | " if head == "Name: " else "; ")[0]
-    return record.split(" (")[0]
 
 
 OUTPUTS = ("config.json", "generation_config.json", "model.safetensors", "pretrain.json")
