@@ -225,10 +225,12 @@ def test_krona_linear_folded_triton(shape, dtype):
 
 
 @pytest.mark.parametrize("T,shape", [(75, (16, 16, 16, 16)), (37, (17, 16, 16, 20)),
-                                     (3, (16, 20, 24, 16))], ids=str)
+                                     (3, (16, 20, 24, 16)), (41, (2, 24, 20, 2)),
+                                     (19, (3, 16, 24, 2))], ids=str)
 def test_folded_backward_one_pass_counts_every_token_once(T, shape, launches):
-    """The folded path's backward is one kernel when every factor product is a tensor-core
-    dot (dx = dy W' plus dA, dB over a slice of each row block's tokens per column program).
+    """The folded path's backward is one kernel (dx = dy W' plus dA, dB over a slice of each
+    row block's tokens per column program), with tensor-core factor products (16-wide and
+    up) and with CUDA-core ones (narrow factors, the paper's kind).
     With small integers every product and sum is exact in float16/float32, so dx, dA, dB
     must equal the float64 result exactly: a token reduced twice or skipped (ragged T, row
     blocks split over several column programs) cannot hide in a tolerance."""
@@ -322,14 +324,43 @@ def test_exact_kron_term_order_choice():
         assert not order(*balanced)
 
 
-def test_folded_backward_path_choice():
-    """One pass only where every factor product is a tensor-core dot; the paper's narrow
-    factors keep the frozen GEMM plus the separate factor pass."""
-    from kfused.triton_kernels.krona_linear import fused_dx_grad_applies
+@pytest.mark.parametrize("T,folds", [(119, 2), (120, 1)], ids=str)
+def test_folded_forward_keeps_small_weight(T, folds, launches):
+    """The folded forward keeps W' for the backward when it is at most 1/KEEP_FOLD_RATIO of
+    x (d_out·d_in·8 <= T·d_in: here T >= 120 for d_out = 15): one fold per step; below that
+    the backward folds again. dx is dy W' either way."""
+    from kfused.ops.krona_linear import KEEP_FOLD_RATIO
+    from kfused.triton_kernels import krona_linear as kl
 
-    assert fused_dx_grad_applies(24, 24, 32, 32) and fused_dx_grad_applies(9, 16, 16, 16)
-    assert not fused_dx_grad_applies(2, 384, 384, 2)
-    assert not fused_dx_grad_applies(24, 8, 32, 32)
+    assert KEEP_FOLD_RATIO == 8
+    x, A, B = (t.half().to(DEVICE).requires_grad_() for t in _factors((3, 4, 5, 2), lead=(T,)))
+    W = (torch.randn(15, 8) / 3).half().to(DEVICE)
+    g = torch.randn(T, 15).half().to(DEVICE)
+    folded = launches(kl, "_kron_fold_kernel")
+    y = krona_linear(x, W, None, A, B, 0.5, backend="triton", exact=False)
+    y.backward(g)
+    assert len(folded) == folds
+    w_fold = kl.fold_weight(W, A.detach(), B.detach(), 0.5)
+    want = (g.double() @ w_fold.double()).cpu()
+    torch.testing.assert_close(x.grad.double().cpu(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_folded_backward_path_choice():
+    """One pass where the factor products are tensor-core dots or cheap CUDA-core products
+    (the paper's narrow factors); two passes where the products run swapped (the one-pass
+    kernel has no swapped form) or their CUDA-core part outweighs a second read of x and dy."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    one = kl.fused_dx_grad_applies
+    assert one(24, 24, 32, 32) and one(48, 24, 64, 32) and one(9, 16, 16, 16)
+    assert one(2, 384, 384, 2) and one(8, 384, 384, 2) and one(24, 8, 32, 32)
+    assert kl._swap_factors(384, 2, 2, 384) and not one(384, 2, 2, 384)
+    # A 2×2, B 384×384: G·B per token is a 2-row product on the CUDA cores (~1 MFLOP/token)
+    cfg = kl._grad_config(16384, 2, 2, 384, 384, torch.device("cuda"))
+    assert kl._cuda_core_flops_per_token(cfg) > kl._ONE_PASS_CUDA_FLOPS_PER_BYTE * 2 * 1536
+    assert not one(2, 2, 384, 384)
+    # the decision is the GPU's wherever it runs (the interpreter follows the GPU's path)
+    assert one(2, 384, 384, 2, T=75)
 
 
 def test_fold_weight_matches_dense_kron():
@@ -932,7 +963,7 @@ def test_triton_custom_ops_take_any_layout():
     W, g = torch.randn(12, 30), torch.randn(12, 7).t()        # g column-major
     for bias in (torch.randn(24)[::2], torch.randn(1).expand(12)):
         for op in (torch.ops.kfused.krona_linear_triton_fwd,
-                   torch.ops.kfused.krona_linear_folded_fwd):
+                   lambda *a: torch.ops.kfused.krona_linear_folded_fwd(*a)[0]):
             y = op(x, W, bias, A, B, 0.5)
             torch.testing.assert_close(y, krona_linear_ref(x, W, bias, A, B, 0.5),
                                        rtol=1e-5, atol=1e-5)

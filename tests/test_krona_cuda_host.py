@@ -63,7 +63,7 @@ def test_cuda_folded_glue_matches_the_reference(ext, bias, factor_grads):
     b = t(a_out * b_out) if bias else None
     A, B = t(a_out, a_in, grad=factor_grads), t(b_out, b_in, grad=factor_grads)
     gy = t(T, a_out * b_out)
-    y = torch.ops.kfused.krona_linear_cuda_folded_fwd(x, W, b, A, B, s)
+    y = torch.ops.kfused.krona_linear_cuda_folded_fwd(x, W, b, A, B, s)[0]
     leaves = [x] + ([A, B] if factor_grads else [])
     grads = torch.autograd.grad(y, leaves, gy)
 

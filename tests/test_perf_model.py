@@ -123,6 +123,38 @@ def test_wgmma_feed_efficiency():
     assert math.isclose(p2["t_dot16"], 1e-3 / R.MMA_SYNC_FRACTION)
 
 
+def test_kron_factor_steps_instruction_rule():
+    """KronA factor-gradient products are charged by the instruction the sm_90 TTGIR shows:
+    M >= 64 rows wgmma (feed-limited at N < 64 only with A from shared memory: G's loaded
+    rows in W1 = G·B), M < 64 mma.sync (dot16_sync_extra); the 16-bit hi/lo pairs of dA and
+    dB are one dot stacked along M."""
+    from kfused.perf import cases as C
+
+    a = dict(BT=2, AOP=32, AIP=32, BOP=32, BIP=32, DOT_W1=True, DOT_DA=True, DOT_V=True,
+             DOT_DB=True, SPLIT=True)
+    w = C._work()
+    C._factor_steps(w, a, 1.0, True)
+    w1, da, v, db = 2 * 64 * 32 * 32, 2 * 64 * 32 * 64, 2 * 64 * 32 * 32, 2 * 64 * 32 * 64
+    assert w["dot16_flops"] == w1 + da + v + db
+    assert w.get("dot16_sync_extra", 0.0) == 0.0                 # every M is 64
+    assert math.isclose(w["dot16_feed_extra"], w1 * (1 / R.wgmma_feed_efficiency(32, False) - 1))
+    # 16-wide factors: the stacked dA, dB have M = 32 -> mma.sync; W1 and V (M = 2·16) too
+    w = C._work()
+    C._factor_steps(w, dict(a, AOP=16, AIP=16, BOP=16, BIP=16), 1.0, True)
+    assert w.get("dot16_feed_extra", 0.0) == 0.0
+    assert math.isclose(w["dot16_sync_extra"],
+                        w["dot16_flops"] * (R.WGMMA_RATE / R.MMA_RATE - 1))
+    # float32 inputs: no split (dA, dB unstacked) and IEEE dots on the CUDA cores
+    w = C._work()
+    C._factor_steps(w, dict(a, SPLIT=False), 1.0, False)
+    assert w["dot16_flops"] == 0 and w["fma32_flops"] == w1 + da / 2 + v + db / 2
+    # the sync extra is charged only where the SASS has HGMMA
+    p = R.predict(dict(dot16_flops=R.WGMMA_RATE * 1e-3,
+                       dot16_sync_extra=R.WGMMA_RATE * 1e-3 * (R.WGMMA_RATE / R.MMA_RATE - 1)),
+                  {"hgmma": 1}, R.SMS, 1)
+    assert math.isclose(p["t_dot16"], 1e-3 / R.MMA_SYNC_FRACTION)
+
+
 def test_cuda_inducer_model_follows_the_csrc_host():
     """The Python replica of inducer_attention_fwd's launch decision (kfused.perf.cases) uses
     the tile constants csrc/inducer/inducer.cuh defines, and splits the keys the way the

@@ -52,7 +52,7 @@ def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
             dB if need_dab else B.new_zeros(0)]
 
 
-def _krona_bwd_fake(g, x, weight, A, B, scale, need_dx, need_dab):
+def _krona_bwd_fake(g, x, weight, A, B, scale, need_dx, need_dab, w_fold=None):
     return [torch.empty_like(x) if need_dx else x.new_empty(0),
             torch.empty_like(A) if need_dab else A.new_empty(0),
             torch.empty_like(B) if need_dab else B.new_empty(0)]
@@ -69,13 +69,18 @@ def _krona_setup(ctx, inputs, output):
 
 
 def _krona_backward(bwd_op):
-    """The autograd backward of a krona_linear forward op whose backward op is ``bwd_op``."""
+    """The autograd backward of a krona_linear forward op whose backward op is ``bwd_op``
+    (a folded forward also saves its W', handed to ``bwd_op``; its own gradient is none)."""
     def backward(ctx, g):
-        x, weight, A, B = ctx.saved_tensors
+        x, weight, A, B, *kept = ctx.saved_tensors
         nx, nw, nb, nA, nB, _ = ctx.needs_input_grad
+        if isinstance(g, (list, tuple)):    # a folded op's outputs [y, W']: W' has no gradient
+            g = g[0]
+        if g is None:       # folded ops (no materialised grads): y unused
+            return (None,) * 6
         g = g.contiguous()
         need_dab = nA or nB
-        dx, dA, dB = bwd_op(g, x, weight, A, B, ctx.scale, nx, need_dab)
+        dx, dA, dB = bwd_op(g, x, weight, A, B, ctx.scale, nx, need_dab, *kept)
         # The frozen weight normally has no gradient; when it does, it is one plain GEMM.
         dW = torch.matmul(g.t(), x).to(weight.dtype) if nw else None
         db = g.sum(0) if (nb and ctx.has_bias) else None
@@ -92,29 +97,53 @@ _krona_linear_triton_bwd.register_autograd(no_double_backward("krona_linear", "t
 # Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
 
 
+# W' is kept from the forward for the backward's dx (one fold per step instead of two) when it
+# is small beside x: at most 1/KEEP_FOLD_RATIO of x's elements (T >= 8·d_out tokens), i.e.
+# at most 12.5 % more saved activation than the frozen linear's x; otherwise the backward
+# folds again (one more d_out×d_in pass and launch). PREDICTED (kfused perf, H100, bf16,
+# T = 16384): −3.8 µs of 77 µs at 768², where W' is 4.7 % of x.
+KEEP_FOLD_RATIO = 8
+
+
+def keeps_fold(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a folded forward keeps W' for its backward (see ``KEEP_FOLD_RATIO``)."""
+    return KEEP_FOLD_RATIO * weight.numel() <= x.numel()
+
+
 @torch.library.custom_op("kfused::krona_linear_folded_fwd", mutates_args=())
 def _krona_linear_folded_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+                             A: torch.Tensor, B: torch.Tensor, scale: float
+                             ) -> List[torch.Tensor]:
     w_fold = _tk().fold_weight(weight, A, B, scale)
-    return torch.nn.functional.linear(x, w_fold, bias)
+    y = torch.nn.functional.linear(x, w_fold, bias)
+    return [y, w_fold if keeps_fold(x, weight) else x.new_empty(0)]
 
 
-_krona_linear_folded_fwd.register_fake(_krona_fwd_fake)
+def _folded_fwd_fake(x, weight, bias, A, B, scale):
+    keep = weight.new_empty(weight.shape) if keeps_fold(x, weight) else x.new_empty(0)
+    return [x.new_empty(x.shape[0], weight.shape[0]), keep]
+
+
+_krona_linear_folded_fwd.register_fake(_folded_fwd_fake)
 
 
 @torch.library.custom_op("kfused::krona_linear_folded_bwd", mutates_args=())
 def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              A: torch.Tensor, B: torch.Tensor, scale: float,
-                             need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+                             need_dx: bool, need_dab: bool,
+                             w_fold: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     k = _tk()
     g, x = rows(g), rows(x)   # the factor-gradient kernels read rows with unit stride
-    # W' is recomputed (one d_out×d_in pass) rather than saved: no extra activation memory.
-    if need_dx and need_dab and k.fused_dx_grad_applies(*A.shape, *B.shape):
-        # one pass over dy: dx = dy W' and the factor gradients in the same kernel
-        dx, dA, dB = k.krona_dx_and_factor_grads(g, x, k.fold_weight(weight, A, B, scale),
-                                                 A, B, scale)
-        return [dx, dA, dB]
-    dx = torch.matmul(g, k.fold_weight(weight, A, B, scale)) if need_dx else x.new_zeros(0)
+    if need_dx and (w_fold is None or w_fold.numel() == 0):
+        w_fold = k.fold_weight(weight, A, B, scale)     # not kept by the forward: fold again
+    if need_dx and need_dab and k.fused_dx_grad_applies(*A.shape, *B.shape, x.shape[0],
+                                                         x.element_size()):
+        # one pass over dy: dx = dy W' and the factor gradients in the same kernel (None: the
+        # GPU could not load it at these factor shapes; the two passes below)
+        res = k.krona_dx_and_factor_grads(g, x, w_fold, A, B, scale)
+        if res is not None:
+            return list(res)
+    dx = torch.matmul(g, w_fold) if need_dx else x.new_zeros(0)
     _, dA, dB = k.krona_linear_backward(g, x, weight, A, B, scale, need_dx=False,
                                         need_dab=need_dab)
     return [dx, dA if need_dab else A.new_zeros(0), dB if need_dab else B.new_zeros(0)]
@@ -123,8 +152,18 @@ def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 _krona_linear_folded_bwd.register_fake(_krona_bwd_fake)
 
 
+def _folded_setup(ctx, inputs, output):
+    """As :func:`_krona_setup`, plus the forward's W' (empty when not kept)."""
+    x, weight, bias, A, B, scale = inputs
+    ctx.save_for_backward(x, weight, A, B, output[1])
+    ctx.scale = scale
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)    # no zero gradient for W'
+
+
 _krona_linear_folded_fwd.register_autograd(
-    _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_krona_setup)
+    _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_folded_setup)
 _krona_linear_folded_bwd.register_autograd(no_double_backward("krona_linear", "triton"))
 
 # ------------------------------------------------------------------------------------------
@@ -139,21 +178,27 @@ def _ext():
 @torch.library.custom_op("kfused::krona_linear_cuda_folded_fwd", mutates_args=())
 def _krona_linear_cuda_folded_fwd(x: torch.Tensor, weight: torch.Tensor,
                                   bias: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
-    return torch.nn.functional.linear(x, _ext().krona_fold_fwd(weight, A, B, scale), bias)
+                                  scale: float) -> List[torch.Tensor]:
+    w_fold = _ext().krona_fold_fwd(weight, A, B, scale)
+    y = torch.nn.functional.linear(x, w_fold, bias)
+    return [y, w_fold if keeps_fold(x, weight) else x.new_empty(0)]
 
 
-_krona_linear_cuda_folded_fwd.register_fake(_krona_fwd_fake)
+_krona_linear_cuda_folded_fwd.register_fake(_folded_fwd_fake)
 
 
 @torch.library.custom_op("kfused::krona_linear_cuda_folded_bwd", mutates_args=())
 def _krona_linear_cuda_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                   A: torch.Tensor, B: torch.Tensor, scale: float,
-                                  need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
+                                  need_dx: bool, need_dab: bool,
+                                  w_fold: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     ext = _ext()
     g = g.contiguous()          # the extension's kron_matvec_bwd requires contiguous g and x
-    # W' is recomputed (one d_out×d_in pass) rather than saved, as on the Triton path
-    dx = torch.matmul(g, ext.krona_fold_fwd(weight, A, B, scale)) if need_dx else x.new_zeros(0)
+    dx = x.new_zeros(0)
+    if need_dx:
+        if w_fold is None or w_fold.numel() == 0:    # not kept by the forward: fold again
+            w_fold = ext.krona_fold_fwd(weight, A, B, scale)
+        dx = torch.matmul(g, w_fold)
     if not need_dab:
         return [dx, A.new_zeros(0), B.new_zeros(0)]
     _, dA, dB = ext.kron_matvec_bwd(g, x.contiguous(), A.contiguous(), B.contiguous(),
@@ -165,7 +210,7 @@ _krona_linear_cuda_folded_bwd.register_fake(_krona_bwd_fake)
 
 
 _krona_linear_cuda_folded_fwd.register_autograd(
-    _krona_backward(torch.ops.kfused.krona_linear_cuda_folded_bwd), setup_context=_krona_setup)
+    _krona_backward(torch.ops.kfused.krona_linear_cuda_folded_bwd), setup_context=_folded_setup)
 _krona_linear_cuda_folded_bwd.register_autograd(no_double_backward("krona_linear", "cuda"))
 
 # ------------------------------------------------------------------------------------------
@@ -234,7 +279,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     x2 = rows(x)
     if be == "cuda":
         if use_folded_weight(x2, exact):
-            y = torch.ops.kfused.krona_linear_cuda_folded_fwd(x2, weight, bias, A, B, scale)
+            y = torch.ops.kfused.krona_linear_cuda_folded_fwd(x2, weight, bias, A, B, scale)[0]
         else:
             from kfused.ops.kron_matvec import kron_matvec
 
@@ -242,7 +287,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  + scale * kron_matvec(x2, A, B, backend="cuda"))
         return y.reshape(*lead, a_out * b_out)
     if use_folded_weight(x2, exact):
-        y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)
+        y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)[0]
     else:
         y = torch.ops.kfused.krona_linear_triton_fwd(x2, weight, bias, A, B, scale)
     return y.reshape(*lead, a_out * b_out)

@@ -55,11 +55,12 @@ def _is16(t) -> bool:
 
 def _prod(a: dict, key: str, flops: float, on_dot: bool, x16: bool) -> None:
     """Add a matrix product's FLOPs to the right unit: tl.dot on 16-bit tiles -> dot16; tl.dot
-    on float32 (IEEE) -> fma32; the broadcast path (a tile dim < 16) forms float64 products."""
+    on float32 (IEEE) -> fma32; the broadcast path (a tile dim < 16, ``_mm``) forms float32
+    products for 16-bit inputs and float64 products for float32 ones."""
     if on_dot:
         a["dot16_flops" if x16 else "fma32_flops"] += flops
     else:
-        a["fma64_flops"] += flops
+        a["fma32_flops" if x16 else "fma64_flops"] += flops
 
 
 def _work() -> Dict[str, float]:
@@ -107,25 +108,39 @@ def _factor_steps(w: Dict[str, float], a: dict, steps: float, x16: bool,
     """Products of ``steps`` factor-gradient steps of BT tokens (_kron_grad_kernel's loop
     body, also _kron_dx_grad_kernel's): W1 = G·B, (dX = Aᵀ W1,) (dA += W1 Xᵀ, V = A X,
     dB += Gᵀ V); 16-bit (SPLIT) tensor-core dots: the W1 and V residues through dA and dB
-    again."""
+    again, each hi/lo pair one dot stacked along M (dB as dBᵀ: M = 2·BIP).
+
+    Which instruction each product gets, as the sm_90 TTGIR of _kron_dx_grad_kernel shows
+    (24/32-wide factors): a dot with M < 64 rows is mma.sync (Triton's wgmma needs M >= 64),
+    charged at MMA_RATE inside a kernel whose SASS has HGMMA (``dot16_sync_extra``); M >= 64
+    is wgmma, whose operand feed (:func:`R.wgmma_feed_efficiency`) depends on whether A is a
+    register operand — computed tiles (W1, the stacked residues, X's permuted rows) are, G's
+    rows loaded for W1 = G·B are read from shared memory."""
     BT, AOP, AIP, BOP, BIP = (a[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
-    # the hi/lo pair only on tensor-core dots (CUDA-core products take the float32 sums)
-    lo_da = 2.0 if a.get("SPLIT") and a["DOT_DA"] else 1.0
-    lo_db = 2.0 if a.get("SPLIT") and a["DOT_DB"] else 1.0
-    prods = [("W1", BT * AOP * BIP * BOP, BIP, 1.0)]
+    split = bool(a.get("SPLIT"))
+    # (key, M, N, K, A in registers)
+    prods = [("W1", BT * AOP, BIP, BOP, False)]
     if dab:
-        prods += [("DA", AOP * AIP * BT * BIP, AIP, lo_da), ("V", BT * BIP * AOP * AIP, AOP, 1.0),
-                  ("DB", BOP * BIP * BT * AOP, BIP, lo_db)]
+        prods.append(("DA", (2 if split and a["DOT_DA"] else 1) * AOP, AIP, BT * BIP, True))
+        prods.append(("V", BT * BIP, AOP, AIP, True))
+        if split and a["DOT_DB"]:
+            prods.append(("DB", 2 * BIP, BOP, BT * AOP, True))
+        else:
+            prods.append(("DB", BOP, BIP, BT * AOP, True))
     if dx:
-        prods.append(("DX", BT * BIP * AIP * AOP, AIP, 1.0))
-    for key, mnk, n, times in prods:
-        flops = times * steps * 2.0 * mnk
+        prods.append(("DX", BT * BIP, AIP, AOP, True))
+    for key, m, n, k, a_regs in prods:
+        flops = steps * 2.0 * m * n * k
         _prod(w, key, flops, a[f"DOT_{key}"], x16)
         if a[f"DOT_{key}"] and x16:
-            # output width N < 64 with both operands in shared memory: the wgmma feed sets
-            # the pace (counted only where the SASS has HGMMA)
-            eff = R.wgmma_feed_efficiency(n, a_in_registers=False)
-            w["dot16_feed_extra"] = w.get("dot16_feed_extra", 0.0) + flops * (1.0 / eff - 1.0)
+            if m < 64:
+                w["dot16_sync_extra"] = (w.get("dot16_sync_extra", 0.0)
+                                         + flops * (R.WGMMA_RATE / R.MMA_RATE - 1.0))
+            else:
+                # output width N < 64 with A in shared memory: the wgmma feed sets the pace
+                eff = R.wgmma_feed_efficiency(n, a_in_registers=a_regs)
+                w["dot16_feed_extra"] = (w.get("dot16_feed_extra", 0.0)
+                                         + flops * (1.0 / eff - 1.0))
 
 
 @kernel("_kron_grad_kernel")
@@ -957,14 +972,18 @@ def _reduce_partials(name: str, grid: int, n: int, el: int) -> dict:
 def _cuda_krona(T: int, d_in: int, d_out: int, A_shape, B_shape, el: int = 2) -> List[dict]:
     """PREDICTED time of ``krona_linear(..., backend="cuda")`` fwd+bwd on the folded path
     (16-bit, T >= FOLD_MIN_TOKENS): the fold kernel (W read, W' written: 128-bit element-wise)
-    before the forward GEMM and again before the dx GEMM (cuBLAS), and the factor gradients
-    from the extension's kron_matvec backward without dx (g and x read once, block partials
-    reduced in a fixed order)."""
+    before the forward GEMM and, unless the forward kept W' (``keeps_fold``: T >= 8·d_out),
+    again before the dx GEMM (cuBLAS), and the factor gradients from the extension's
+    kron_matvec backward without dx (g and x read once, block partials reduced in a fixed
+    order)."""
+    from kfused.ops.krona_linear import KEEP_FOLD_RATIO
+
     fold = el * d_out * d_in * 2
+    refold = KEEP_FOLD_RATIO * d_out * d_in > T * d_in
     return ([_stream("cuda: krona_fold_kernel (fwd)", fold),
-             _gemm("cuda: fwd GEMM on W' (cuBLAS)", T, d_out, d_in),
-             _stream("cuda: krona_fold_kernel (bwd)", fold),
-             _gemm("cuda: dx GEMM on W' (cuBLAS)", T, d_in, d_out)]
+             _gemm("cuda: fwd GEMM on W' (cuBLAS)", T, d_out, d_in)]
+            + ([_stream("cuda: krona_fold_kernel (bwd)", fold)] if refold else [])
+            + [_gemm("cuda: dx GEMM on W' (cuBLAS)", T, d_in, d_out)]
             + _cuda_kron_bwd("cuda", T, A_shape, B_shape, need_dx=False, el=el))
 
 

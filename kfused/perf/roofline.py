@@ -16,6 +16,9 @@ Work of one kernel launch (or torch op) is split by the unit that executes it:
   dot16_feed_extra  tensor-core time lost to a starved wgmma operand feed (small-N products
                 with both operands in shared memory, :func:`wgmma_feed_efficiency`), in FLOP
                 equivalents at the dot16 rate; not counted as issued FLOPs.
+  dot16_sync_extra  in a kernel whose SASS has HGMMA, the extra time of its products that
+                the compiler could only issue as mma.sync (M < 64 rows), in FLOP equivalents
+                at the wgmma rate: flops · (WGMMA_RATE / MMA_RATE − 1); not issued FLOPs.
 
   t_compute = t_dot16 + t_fma32 + t_fma64 + t_sfu + t_alu     (pipes not overlapped: none of
               today's kernels software-pipelines softmax against MMA like FlashAttention-3)
@@ -131,7 +134,8 @@ def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
     """Predicted time (seconds) of one launch, with its parts."""
     # dot16_feed_extra: tensor-core time lost to a starved wgmma operand feed, in FLOP
     # equivalents (see wgmma_feed_efficiency); only where the compiler chose wgmma
-    extra = work.get("dot16_feed_extra", 0.0) if sass.get("hgmma", 0) else 0.0
+    extra = (work.get("dot16_feed_extra", 0.0) + work.get("dot16_sync_extra", 0.0)
+             if sass.get("hgmma", 0) else 0.0)
     t_dot = (work.get("dot16_flops", 0.0) + extra) / dot16_rate(sass)
     t_fma = work.get("fma32_flops", 0.0) / FMA32_RATE
     t_f64 = work.get("fma64_flops", 0.0) / FMA64_RATE

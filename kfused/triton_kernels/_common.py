@@ -37,9 +37,17 @@ def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr = tl.
                           out_dtype=tl.float64).to(ACC)
         return tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
     else:
-        # float64 products are exact for 16/32-bit inputs, so this path matches an FMA dot;
-        # it only serves tiles with a dim < 16, where the float64 cost is negligible.
-        prod = a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :]
+        if PREC == "ieee":
+            # float32/float64 inputs: float64 products are exact for float32 operands, so
+            # this path matches an IEEE FMA dot
+            prod = a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :]
+        else:
+            # 16-bit inputs (PREC "tf32"): float32 products and sums — exact products of
+            # 16-bit operands, one rounding for a float32 operand (a float32 sum carried
+            # into the next product), so at least as accurate as the tensor-core dot, which
+            # accumulates in float32 too; float64 here cost the CUDA cores 2x (sm_90 DFMA
+            # rate) for no accuracy the 16-bit result can keep
+            prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
         return tl.sum(prod, axis=1).to(ACC)
 
 

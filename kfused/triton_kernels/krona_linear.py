@@ -22,8 +22,9 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     order too (G B first). A product with a dim < 16 runs on the CUDA cores in float64: a
     reduction of 2 (LC or KC = 1) as an outer product into the output tile.
 
-``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy (when every factor
-    product is a tensor-core dot, :func:`fused_dx_grad_applies`): a (BM × BN) tile of
+``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy (unless its
+    CUDA-core factor products would cost more than a second read of x and dy,
+    :func:`fused_dx_grad_applies`): a (BM × BN) tile of
     dx = dy W' per program, then the factor-gradient steps below over a slice of the same
     row block's tokens (each column program of a row block takes its own slice; their dy
     rows were just streamed by the row block's GEMM tiles).
@@ -33,7 +34,8 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     a grid-stride loop over token blocks with float32 partial sums per program, reduced on
     the host (deterministic, no atomics). With every (padded) factor dim ≥ 16 the four
     products are tensor-core dots (sm_90: HGMMA/HMMA in the SASS); dims < 16 (the paper's
-    A 2×384, B 384×2) use exact broadcast products on the CUDA cores.
+    A 2×384, B 384×2) use broadcast products on the CUDA cores (``_mm``: float32 for 16-bit
+    inputs, float64 for float32 ones).
 
 Products keep the reference's order (A X first, then ·Bᵀ) and round the intermediate to the
 input dtype as torch does, so 16-bit results track ``torch_t`` under docs/math.md §4.
@@ -72,9 +74,13 @@ HBM 2.8 TB/s; a kernel takes max(FLOPs/rate, bytes/bandwidth); a tiny launch 2 �
     read hides and the cost is the 2.8 GFLOP of factor products (+15 %) — predicted 1.12 × if
     that Triton GEMM matched cuBLAS, ≈ 1.25 × at 85 % of cuBLAS. Built as
     ``_kron_dx_grad_kernel``; the static model (kfused perf, which also counts the 16-bit
-    residue products, 5.5 GFLOP at 768², and the wgmma feed limit of their N = 32 outputs)
-    predicts 1.48 × at 768² and 1.29 × at 768→3072 for the whole fwd+bwd (from 1.65 × and
-    1.34 ×).
+    residue products, 5.5 GFLOP at 768², and charges each product by the instruction the
+    sm_90 TTGIR shows: wgmma at M >= 64 rows, feed-limited at N = 32 with A in shared memory;
+    mma.sync below M = 64) predicted 1.48 × at 768² and 1.29 × at 768→3072 for the whole
+    fwd+bwd (from 1.65 × and 1.34 ×); with each hi/lo pair one stacked M = 64 wgmma (was
+    two M = 32 mma.sync dots) 1.41 × and 1.25 ×, and the paper's 2×384 / 384×2 (8×384 /
+    384×2) factors in the one pass too, their CUDA-core products in float32, 1.34 × and
+    1.22 × (from 1.60 × and 1.33 ×).
 
 Numerics of the fold (measured on the CPU, ``python benchmarks/bench_krona.py
 --fold-numerics``, T = 512, factors 24x24/32x32 and 2x384/384x2, |s·A⊗B| / |W| from 1 to 1e-4):
@@ -250,20 +256,60 @@ def _g_rows(G, t0, t_end, stride_gt, a_out, b_out, rg_t, rg_i, jo):
 
 
 @triton.jit
+def _stack2(hi, lo, M: tl.constexpr, K: tl.constexpr):
+    """[hi; lo]: two (M × K) tiles stacked into one (2M × K) operand."""
+    return tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * M, K))
+
+
+@triton.jit
+def _dab_zeros(AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr, BIP: tl.constexpr,
+               DOT_DA: tl.constexpr, DOT_DB: tl.constexpr, SPLIT: tl.constexpr,
+               RACC: tl.constexpr):
+    """Zero token sums for :func:`_dab_step`: dA (AOP × AIP) and dB (BOP × BIP), or, where a
+    16-bit product and its residue share one stacked dot, dA as [hi; lo] rows (2·AOP × AIP)
+    and dB transposed as [hi; lo] rows (2·BIP × BOP); :func:`_dab_final` folds them back."""
+    if SPLIT and DOT_DA:
+        da = tl.zeros((2 * AOP, AIP), dtype=RACC)
+    else:
+        da = tl.zeros((AOP, AIP), dtype=RACC)
+    if SPLIT and DOT_DB:
+        db = tl.zeros((2 * BIP, BOP), dtype=RACC)
+    else:
+        db = tl.zeros((BOP, BIP), dtype=RACC)
+    return da, db
+
+
+@triton.jit
+def _dab_final(da, db, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
+               BIP: tl.constexpr, DOT_DA: tl.constexpr, DOT_DB: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """dA (AOP × AIP) and dB (BOP × BIP) from :func:`_dab_zeros`' accumulators."""
+    if SPLIT and DOT_DA:
+        da = tl.sum(tl.reshape(da, (2, AOP, AIP)), axis=0)
+    if SPLIT and DOT_DB:
+        db = tl.trans(tl.sum(tl.reshape(db, (2, BIP, BOP)), axis=0))
+    return da, db
+
+
+@triton.jit
 def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t, rx_k, li,
               BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BIP: tl.constexpr,
               DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
               PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr, IDT: tl.constexpr,
               SPLIT: tl.constexpr):
     """One token block's share of dA = Σ_t W1[t] X[t]ᵀ and dB = Σ_t G[t]ᵀ (A X[t]), given
-    G[t] (g2, rows (t, i)) and W1[t] = G[t] B (w1f float32, w1 rounded to IDT).
+    G[t] (g2, rows (t, i)) and W1[t] = G[t] B (w1f float32, w1 rounded to IDT), into the
+    accumulators of :func:`_dab_zeros`.
 
     16-bit inputs (SPLIT) on the tensor cores: W1 and V are float32 sums; their rounding
     residues (lo parts, in the input dtype) go through the same products, so the token sums
     see W1 and V to ~2^-22 rather than one 16-bit rounding (which cancellation over many
-    tokens can magnify past the docs/math.md §4 bound). A product on the CUDA cores (a
-    factor dim < 16) forms float64 products and takes the float32 W1 / V as they are: exact
-    without the split, one product instead of two."""
+    tokens can magnify past the docs/math.md §4 bound). Each hi/lo pair is one dot with the
+    two parts stacked along M ([hi; lo] rows; dB as its transpose, M = 2·BIP): at 32-wide
+    factors two M = 32 products are mma.sync dots (sm_90 wgmma needs M >= 64), the stacked
+    M = 64 one a wgmma with its A operand in registers (the sm_90 TTGIR shows both). A
+    product on the CUDA cores (a factor dim < 16, ``_mm``'s broadcast path) takes the float32
+    W1 / V as they are: no split, one product instead of two."""
     x_ok = ((t0 + rx_t) < t_end)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
     x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
                  mask=x_ok, other=0.0)
@@ -273,12 +319,13 @@ def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t,
     if DOT_DA:
         w1p = tl.reshape(tl.permute(tl.reshape(w1, (BT, AOP, BIP)), (1, 0, 2)),
                          (AOP, BT * BIP))
-        da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
         if SPLIT:
             w1lo = (w1f - w1.to(tl.float32)).to(IDT)
             w1lop = tl.reshape(tl.permute(tl.reshape(w1lo, (BT, AOP, BIP)), (1, 0, 2)),
                                (AOP, BT * BIP))
-            da += _mm(w1lop, xp, DOT_DA, PREC, ACC).to(RACC)
+            da += _mm(_stack2(w1p, w1lop, AOP, BT * BIP), xp, DOT_DA, PREC, ACC).to(RACC)
+        else:
+            da += _mm(w1p, xp, DOT_DA, PREC, ACC).to(RACC)
     else:
         w1fp = tl.reshape(tl.permute(tl.reshape(w1f, (BT, AOP, BIP)), (1, 0, 2)),
                           (AOP, BT * BIP))
@@ -287,13 +334,18 @@ def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t,
     vf = _mm(xp, tl.trans(a), DOT_V, PREC, ACC)                     # (BT*BIP, AOP)
     if DOT_DB:
         v = vf.to(IDT)
-        vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)), (BT * AOP, BIP))
-        db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
         if SPLIT:
+            # dBᵀ = Σ_{t,i} V[t][i, l] G[t][i, j]: [Vᵀ; V_loᵀ] rows l, cols (t, i)
             vlo = (vf - v.to(tl.float32)).to(IDT)
-            vlop = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (0, 2, 1)),
-                              (BT * AOP, BIP))
-            db += _mm(tl.trans(g2), vlop, DOT_DB, PREC, ACC).to(RACC)
+            vt = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (1, 0, 2)),
+                            (BIP, BT * AOP))
+            vlot = tl.reshape(tl.permute(tl.reshape(vlo, (BT, BIP, AOP)), (1, 0, 2)),
+                              (BIP, BT * AOP))
+            db += _mm(_stack2(vt, vlot, BIP, BT * AOP), g2, DOT_DB, PREC, ACC).to(RACC)
+        else:
+            vp = tl.reshape(tl.permute(tl.reshape(v, (BT, BIP, AOP)), (0, 2, 1)),
+                            (BT * AOP, BIP))
+            db += _mm(tl.trans(g2), vp, DOT_DB, PREC, ACC).to(RACC)
     else:
         vfp = tl.reshape(tl.permute(tl.reshape(vf, (BT, BIP, AOP)), (0, 2, 1)),
                          (BT * AOP, BIP))
@@ -362,8 +414,7 @@ def _kron_grad_kernel(
 
     # The sums over tokens (dA, dB) accumulate across token blocks in RACC: float64 for float32
     # inputs, so that the reduction over T adds no error beyond the per-block products.
-    da = tl.zeros((AOP, AIP), dtype=RACC)
-    db = tl.zeros((BOP, BIP), dtype=RACC)
+    da, db = _dab_zeros(AOP, AIP, BOP, BIP, DOT_DA, DOT_DB, SPLIT, RACC)
     for blk in range(pid, n_blocks, n_prog):
         t0 = blk * BT
         g2 = _g_rows(G, t0, T, stride_gt, a_out, b_out, rg_t, rg_i, jo)
@@ -385,6 +436,7 @@ def _kron_grad_kernel(
                                rx_t, rx_k, li, BT, AOP, AIP, BIP, DOT_DA, DOT_V, DOT_DB, PREC,
                                ACC, RACC, IDT, SPLIT)
     if COMPUTE_DAB:
+        da, db = _dab_final(da, db, AOP, AIP, BOP, BIP, DOT_DA, DOT_DB, SPLIT)
         _store_factor_partials(DAB, pid, da, db, scale, a_out, a_in, b_out, b_in,
                                AOP, AIP, BOP, BIP)
 
@@ -433,8 +485,7 @@ def _kron_dx_grad_kernel(
     a, b = _factors(A, B, stride_ai, stride_ak, stride_bj, stride_bl, a_out, a_in, b_out,
                     b_in, X.dtype.element_ty, AOP, AIP, BOP, BIP)
     jo, li, rg_t, rg_i, rx_t, rx_k = _step_lanes(BT, AOP, AIP, BOP, BIP)
-    da = tl.zeros((AOP, AIP), dtype=RACC)
-    db = tl.zeros((BOP, BIP), dtype=RACC)
+    da, db = _dab_zeros(AOP, AIP, BOP, BIP, DOT_DA, DOT_DB, SPLIT, RACC)
     t_lo = pid_m * BM + pid_n * tok_per_prog
     t_hi = tl.minimum(tl.minimum(t_lo + tok_per_prog, pid_m * BM + BM), T)
     for t0 in range(t_lo, t_hi, BT):
@@ -444,6 +495,7 @@ def _kron_dx_grad_kernel(
         da, db = _dab_step(da, db, X, g2, w1f, w1, a, t0, t_hi, stride_xt, a_in, b_in,
                            rx_t, rx_k, li, BT, AOP, AIP, BIP, DOT_DA, DOT_V, DOT_DB, PREC,
                            ACC, RACC, IDT, SPLIT)
+    da, db = _dab_final(da, db, AOP, AIP, BOP, BIP, DOT_DA, DOT_DB, SPLIT)
     _store_factor_partials(DAB, pid_m * n_n + pid_n, da, db, scale, a_out, a_in, b_out, b_in,
                            AOP, AIP, BOP, BIP)
 
@@ -865,24 +917,56 @@ def _dx_grad_config(T: int, d_in: int, a_out: int, a_in: int, b_out: int, b_in: 
     return cfg
 
 
-def fused_dx_grad_applies(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
+# Folded backward, one pass or two (PREDICTED by the roofline constants of kfused.perf: FMA32
+# 53.6 TFLOP/s, HBM 3.0 TB/s): the one-pass kernel adds its CUDA-core factor products to the
+# GEMM's time, the separate pass reads x and dy again (2·(d_in + d_out) bytes per token at
+# 16 bits) and hides its products under those bytes; one pass wins while the CUDA-core FLOPs
+# per token stay below ~17.9 per byte the separate pass would read.
+_ONE_PASS_CUDA_FLOPS_PER_BYTE = 17.9
+
+
+def _cuda_core_flops_per_token(cfg: dict) -> float:
+    """FLOPs per token of the factor products in ``cfg`` (a :func:`_grad_config`) that are not
+    tensor-core dots (a padded dim < 16: CUDA-core broadcast products)."""
+    bt, AOP, AIP, BOP, BIP = (cfg[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
+    mnk = dict(DOT_W1=bt * AOP * BOP * BIP, DOT_DA=AOP * bt * BIP * AIP,
+               DOT_V=bt * BIP * AIP * AOP, DOT_DB=BOP * bt * AOP * BIP)
+    return sum(2.0 * v / bt for k, v in mnk.items() if not cfg[k])
+
+
+def fused_dx_grad_applies(a_out: int, a_in: int, b_out: int, b_in: int, T: int = 16384,
+                          elem_bytes: int = 2) -> bool:
     """Whether the folded backward takes :func:`krona_dx_and_factor_grads` (one pass) rather
-    than the frozen GEMM plus the separate factor-gradient pass: when every factor product
-    is a tensor-core dot (each padded factor dim >= 16). Narrower factors (the paper's 2×384
-    / 384×2) form their products on the CUDA cores in float64; inside the GEMM kernel that
-    work is added to the GEMM's instead of hiding under the separate pass's memory time
-    (PREDICTED, kfused perf: 768→3072 with A 8×384, B 384×2 164.5 µs fused against 147.5 µs
-    separate)."""
-    return min(next_pow2(a_out), next_pow2(a_in), next_pow2(b_out), next_pow2(b_in)) >= 16
+    than the frozen GEMM plus the separate factor-gradient pass (:func:`kron_factor_grads`).
+
+    One pass when the factor products run unswapped (:func:`_swap_factors`: the one-pass
+    kernel has no swapped form) and their CUDA-core part (padded dims < 16) costs less than
+    the separate pass's second read of x and dy (``_ONE_PASS_CUDA_FLOPS_PER_BYTE``): every
+    24/32-wide pair (tensor-core dots only) and the paper's 2×384 / 384×2 and 8×384 / 384×2
+    (16 and 66 CUDA-core kFLOP per token against 55 and 137 allowed); not A 2×2, B 384×384
+    (a 2-row G·B per token on the CUDA cores). PREDICTED (kfused perf, bf16, T = 16384, with
+    the float32 broadcast products of ``_mm``): paper 768² 87.0 µs in two passes → 73.9 µs in
+    one; 768→3072 A 8×384 265.4 → 243.5 µs. Decided with the GPU's tile configuration
+    wherever it runs, so the CPU interpreter takes the path a GPU takes."""
+    if _swap_factors(a_out, a_in, b_out, b_in):
+        return False
+    cfg = _grad_config(T, a_out, a_in, b_out, b_in, torch.device("cuda"), elem_bytes)
+    read = elem_bytes * (a_in * b_in + a_out * b_out)
+    return _cuda_core_flops_per_token(cfg) <= _ONE_PASS_CUDA_FLOPS_PER_BYTE * read
+
+
+_DX_GRAD_NO_LAUNCH: set = set()  # one-pass configurations the GPU refused (OutOfResources)
 
 
 def krona_dx_and_factor_grads(g: torch.Tensor, x: torch.Tensor, w_fold: torch.Tensor,
                               A: torch.Tensor, B: torch.Tensor, scale: float = 1.0
-                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The folded path's backward in one launch (:func:`_kron_dx_grad_kernel`): dx = g W'
     with W' = :func:`fold_weight` (W, A, B, scale) given as ``w_fold`` (d_out, d_in), and
     dA, dB of ``scale · (A ⊗ B) x``. g (T, d_out), x (T, d_in) with unit inner stride,
-    16-bit. Returns (dx, dA, dB)."""
+    16-bit. Returns (dx, dA, dB), or None when the GPU cannot load the kernel at these factor
+    shapes (OutOfResources, raised before it runs; remembered): the caller then takes the two
+    passes."""
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
@@ -891,16 +975,23 @@ def krona_dx_and_factor_grads(g: torch.Tensor, x: torch.Tensor, w_fold: torch.Te
     if T == 0:
         return dx, torch.zeros_like(A), torch.zeros_like(B)
     cfg = _dx_grad_config(T, d_in, a_out, a_in, b_out, b_in, x.device, x.element_size())
+    key = (x.device, x.dtype, tuple(sorted(cfg.items())))
+    if key in _DX_GRAD_NO_LAUNCH:
+        return None
     n_m, n_n = triton.cdiv(T, cfg["BM"]), triton.cdiv(d_in, cfg["BN"])
     # the row block's tokens shared out among its column programs, in whole factor steps
     tok = triton.cdiv(triton.cdiv(cfg["BM"], n_n), cfg["BT"]) * cfg["BT"]
     dab = _factor_partials(n_m * n_n, A, B, x.dtype)
-    _kron_dx_grad_kernel[(n_m * n_n,)](
-        g, w_fold, x, dx, A, B, dab,
-        T, a_out, a_in, b_out, b_in,
-        g.stride(0), w_fold.stride(0), w_fold.stride(1), x.stride(0), dx.stride(0),
-        A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), tok,
-        GROUP_M=8, **_grad_numerics(x.dtype), **cfg)
+    try:
+        _kron_dx_grad_kernel[(n_m * n_n,)](
+            g, w_fold, x, dx, A, B, dab,
+            T, a_out, a_in, b_out, b_in,
+            g.stride(0), w_fold.stride(0), w_fold.stride(1), x.stride(0), dx.stride(0),
+            A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), tok,
+            GROUP_M=8, **_grad_numerics(x.dtype), **cfg)
+    except OutOfResources:
+        _DX_GRAD_NO_LAUNCH.add(key)
+        return None
     return (dx, *_sum_factor_partials(dab, A, B))
 
 
