@@ -200,7 +200,8 @@ def test_cuda_inducer_model_follows_the_csrc_host():
 def test_cuda_krona_model_follows_the_csrc_host():
     """The model of krona_linear(backend="cuda") uses kron_matvec.cu's launch constants
     (threads, tokens per tile, the 100 KiB budget) and costs what the folded path runs: the
-    fold twice, cuBLAS twice, the backward kernel without dx and its reduction."""
+    fold once when the forward keeps W' (T >= 8·d_out) and twice otherwise, cuBLAS twice,
+    the backward kernel without dx and its reduction."""
     import pathlib
     import re
 
@@ -212,10 +213,11 @@ def test_cuda_krona_model_follows_the_csrc_host():
     assert int(re.search(r"kTileMaxTokens = (\d+);", src).group(1)) == C._CU_KRON_MAX_TT
     assert re.search(r"kPreferred = (\d+) \* 1024", src).group(1) == "100"
     assert C._CU_KRON_BUDGET == 100 * 1024
-    parts = C._cuda_krona(16384, 768, 768, (24, 24), (32, 32))
-    names = [p["name"] for p in parts]
-    assert sum("krona_fold_kernel" in n for n in names) == 2
-    assert sum("GEMM on W'" in n for n in names) == 2
+    for T, folds in ((16384, 1), (6143, 2)):
+        parts = C._cuda_krona(T, 768, 768, (24, 24), (32, 32))
+        names = [p["name"] for p in parts]
+        assert sum("krona_fold_kernel" in n for n in names) == folds
+        assert sum("GEMM on W'" in n for n in names) == 2
     assert any("kron_mma_bwd_kernel" in n for n in names) and "reduce_partials" in names[-1]
     # the host's choice between the tensor-core and the CUDA-core backward kernel
     assert float(re.search(r"kTcMaxWaste = ([\d.]+);", src).group(1)) == C._CU_KRON_TC_MAX_WASTE

@@ -63,6 +63,20 @@ def _prod(a: dict, key: str, flops: float, on_dot: bool, x16: bool) -> None:
         a["fma32_flops" if x16 else "fma64_flops"] += flops
 
 
+def _dot16_instr(w: Dict[str, float], flops: float, m: int, n: int, a_regs: bool) -> None:
+    """Extra time of one 16-bit tensor-core product in a kernel whose SASS has HGMMA, by the
+    instruction the sm_90 TTGIR shows Triton choosing: M < 64 rows cannot be a wgmma (it is
+    mma.sync: ``dot16_sync_extra``); M >= 64 is a wgmma, whose operand feed limits N < 64
+    outputs when A comes from shared memory (a tile loaded from global memory) rather than
+    registers (a computed tile): ``dot16_feed_extra``."""
+    if m < 64:
+        w["dot16_sync_extra"] = w.get("dot16_sync_extra", 0.0) + flops * (
+            R.WGMMA_RATE / R.MMA_RATE - 1.0)
+    else:
+        eff = R.wgmma_feed_efficiency(n, a_in_registers=a_regs)
+        w["dot16_feed_extra"] = w.get("dot16_feed_extra", 0.0) + flops * (1.0 / eff - 1.0)
+
+
 def _work() -> Dict[str, float]:
     return dict(dot16_flops=0.0, fma32_flops=0.0, fma64_flops=0.0, sfu_ops=0.0, alu_ops=0.0,
                 hbm_bytes=0.0)
@@ -133,14 +147,7 @@ def _factor_steps(w: Dict[str, float], a: dict, steps: float, x16: bool,
         flops = steps * 2.0 * m * n * k
         _prod(w, key, flops, a[f"DOT_{key}"], x16)
         if a[f"DOT_{key}"] and x16:
-            if m < 64:
-                w["dot16_sync_extra"] = (w.get("dot16_sync_extra", 0.0)
-                                         + flops * (R.WGMMA_RATE / R.MMA_RATE - 1.0))
-            else:
-                # output width N < 64 with A in shared memory: the wgmma feed sets the pace
-                eff = R.wgmma_feed_efficiency(n, a_in_registers=a_regs)
-                w["dot16_feed_extra"] = (w.get("dot16_feed_extra", 0.0)
-                                         + flops * (1.0 / eff - 1.0))
+            _dot16_instr(w, flops, m, n, a_regs)
 
 
 @kernel("_kron_grad_kernel")
@@ -339,7 +346,10 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     [0, a_L) and [a_L, grid[0])): per token block dZ_l = dY_l U_lᵀ (BT × BN)·(BN × RB) and
     Z_lᵀ dY_l (RB × BT)·(BT × BN), column sums of dZ and dY; float32 partials per token
     split (S shared). Token blocks padded to BT per split. Z and dZ hold W <= RB slots per
-    tile (the products run on RB-wide blocks, the slots past W masked)."""
+    tile (the products run on RB-wide blocks, the slots past W masked). 16-bit products by
+    their instruction (:func:`_dot16_instr`; the sm_90 TTGIR of the GPT-2 q|k|v launch: dZ
+    and Z = X Dᵀ wgmma with A (dY, X rows) in shared memory, N = RB; Z_lᵀ dY_l a wgmma with
+    A in registers at RB = 64, mma.sync at RB = 32)."""
     a = L.bound()
     T, T_PER, BT, BN = a["T"], a["T_PER"], a["BT"], a["BN"]
     S = L.grid[1]
@@ -355,14 +365,23 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
         el = _el(g)
         N, RB, W = a[pre + "N"], a[cpre + "RB"], a[pre + "W"]
         unit = "dot16_flops" if x16 else "fma32_flops"
-        w[unit] += Lt * 2 * 2.0 * tp * BN * RB                      # dZ and dU products
+        prod = Lt * 2.0 * tp * BN * RB
+        w[unit] += 2 * prod                                         # dZ and dU products
+        if x16:
+            _dot16_instr(w, prod, BT, RB, False)                    # dZ = dY Uᵀ
+            _dot16_instr(w, prod, RB, BN, True)                     # dU = Zᵀ dY
         zx = a.get("ZX", False)
         if zx:                                                      # Z = X D_lᵀ + zb again
             K = a["K"]
-            w[unit] += Lt * 2.0 * tp * RB * _k_pad(K, a["BK"])
+            zf = Lt * 2.0 * tp * RB * _k_pad(K, a["BK"])
+            w[unit] += zf
+            if x16:
+                _dot16_instr(w, zf, BT, RB, False)
             w["alu_ops"] += Lt * tp * RB * 2
         if a.get(cpre + "SH_SCALE"):
-            w[unit] += Lt * 2.0 * tp * BN * RB                      # dZ of round(s·dY) (shared)
+            w[unit] += prod                                         # dZ of round(s·dY) (shared)
+            if x16:
+                _dot16_instr(w, prod, BT, RB, True)
             w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
         w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
         z_bytes = 0 if zx else T * Lt * W * _el(a[pre + "z"])      # Z read (not when ZX)

@@ -749,8 +749,10 @@ def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
     Z_l = X D_lᵀ and Z_l U_l over its RB-wide block) against one frozen-shaped GEMM (N rows
     of q|k|v) and a fold launch;
     rank pass — it reads Z (exact) or recomputes Z from X (folded: the down-product again,
-    and X read instead of Z), each priced as max(its bytes, its products): the pass is
-    memory-bound, so most of the recomputation hides under its reads.
+    and X read instead of Z), each priced as max(its bytes, its products), the products at
+    the rate of the instruction each gets (RB-wide wgmma feed, mma.sync below RB = 64): at
+    GPT-2 widths the pass is memory-bound and most of the recomputation hides under its
+    reads; at Llama-7B widths (K = 4096, RB = 16) it does not, and the forward stays exact.
     dX folds in both plans (see :func:`fold_plan`)."""
     from kfused.perf import roofline as R
 
@@ -765,9 +767,18 @@ def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
                + launches * R.KERNEL_OVERHEAD_S)
     t_fold = R.gemm_time(T, N, K, el) + _fold_cost(N, K, M, BN, el)
     rank_bytes = T * (n_ad + M) * el                    # dY of the adapted sections, dZ
-    rank_flops = 4.0 * T * lr * BN                      # dZ and dU products
-    t_rank_exact = max((rank_bytes + T * M * el) / bw, rank_flops / rate)
-    t_rank_fold = max((rank_bytes + T * K * el) / bw, (rank_flops + 2.0 * T * lr * K) / rate)
+    # the rank pass's products at the rate of the instruction each gets on sm_90 (kfused.perf
+    # _dot16_instr): dZ = dY Uᵀ and Z = X Dᵀ are wgmma with A from shared memory and N = RB
+    # (feed-limited below 64), dU = Zᵀ dY mma.sync below RB = 64
+    t_dz = t_du = t_zx = 0.0
+    for pk in live:
+        feed = R.wgmma_feed_efficiency(pk.RB, a_in_registers=False)
+        prod = 2.0 * T * pk.L * pk.RB
+        t_dz += prod * BN / (rate * feed)
+        t_du += prod * BN / (rate if pk.RB >= 64 else R.MMA_RATE)
+        t_zx += prod * K / (rate * feed)
+    t_rank_exact = max((rank_bytes + T * M * el) / bw, t_dz + t_du)
+    t_rank_fold = max((rank_bytes + T * K * el) / bw, t_dz + t_du + t_zx)
     return t_exact + t_rank_exact > t_fold + t_rank_fold
 
 
