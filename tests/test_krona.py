@@ -507,6 +507,31 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("T", [130, 7], ids=str)
+def test_torch_compile_fullgraph_folded(T):
+    """The folded ops under torch.compile: the forward's second output (W', kept at T >= 120
+    for d_out = 15, empty below) traces, and the gradients match eager."""
+    torch._dynamo.reset()
+    x, A, B = (t.half().to(DEVICE) for t in _factors((3, 4, 5, 2), lead=(T,)))
+    W = (torch.randn(15, 8) / 3).half().to(DEVICE)
+
+    def f(x, W, A, B):
+        y = krona_linear(x, W, None, A, B, 0.5, backend="triton", exact=False)
+        return y.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True,
+                             backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    leaves = [t.clone().requires_grad_() for t in (x, A, B)]
+    out = compiled(leaves[0], W, leaves[1], leaves[2])
+    got = torch.autograd.grad(out, leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, A, B)]
+    ref = f(ref_leaves[0], W, ref_leaves[1], ref_leaves[2])
+    want = torch.autograd.grad(ref, ref_leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------
 # bad inputs, edge cases, dispatch
 
