@@ -347,8 +347,9 @@ def test_pretrained_base_ships_and_matches_its_record():
 def test_pretrained_base_copies_names_from_its_context():
     # the first shipped base (56 fixed venue names, no coined ones) copied no name it had not
     # memorised: adapted to the task it wrote pool-like or garbled names. The shipped base's
-    # greedy descriptions of held-out notes state the record's (mostly coined) name in about a
-    # fifth of them (pretrain.json), where a base that does not copy scores near 0
+    # greedy descriptions of held-out notes state the record's (mostly coined) name in most of
+    # them (0.787 in pretrain.json; the 3,000-step base 0.191), where a base that does not
+    # copy scores near 0
     import transformers
 
     from kfused.data.pretrain_base import name_copy_rate
@@ -357,7 +358,7 @@ def test_pretrained_base_copies_names_from_its_context():
     model = transformers.AutoModelForCausalLM.from_pretrained(BASE_DIR).float()
     rate = name_copy_rate(model, documents(120, seed=4321))
     assert rate == pytest.approx(info["heldout_note_name_copy_rate"], abs=0.05)  # 2 of ~47
-    assert rate >= 0.15
+    assert rate >= 0.5
 
 
 def test_pretrain_script_runs(tmp_path):

@@ -51,14 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kfused.data.pretrain_base",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps")
+    p.add_argument("--steps", type=positive_int, default=6000, help="optimizer steps")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int_range(2, SHAPE["max_len"]), default=SHAPE["max_len"],
                    help=f"tokens per packed sequence (2 to the model's {SHAPE['max_len']} "
                         "positions)")
     p.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=positive_int, default=60, help="linear warm-up steps")
-    p.add_argument("--docs", type=positive_int, default=24000,
+    p.add_argument("--docs", type=positive_int, default=48000,
                    help="corpus documents to generate")
     p.add_argument("--seed", type=seed_int, default=0, help="initialisation and batch-order seed")
     p.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads")
