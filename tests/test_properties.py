@@ -364,6 +364,49 @@ def test_headwise_oproj_property(seed):
     run_property(seed, body, 10)
 
 
+class _FixedDraws:
+    """A stand-in for hypothesis's ``data``: every draw returns the value recorded for its
+    label (a failing example replayed exactly, whatever the process state)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def draw(self, strategy, label=None):
+        return self.values[label]
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (stop 38): headwise_oproj float16, shared "
+                   "LoRA at one token: dshared_A 2.65e-3 from float64 against a bound of "
+                   "2.44e-3; the same at 36a4bea, before that stop's changes")
+def test_oproj_shared_scale_float16_one_token_known_defect():
+    """The example a full CI run's hypothesis drew (2026-11-27, KFUSED_TEST_SEED=1262740466;
+    the replay command did not regenerate it: hypothesis drew other examples in a fresh
+    process). Likely cause, not yet fixed: the backward forms dZ of the shared rows as
+    dY·round(s·B_s) while the same-precision torch path rounds s·dY first."""
+    values = {"dtype": torch.float16, "H": 3, "p": 6, "d_out": 22, "wise": True,
+              "shared": True, "lead": [1], "data seed": 4160, "o layout": "transpose",
+              "w_o layout": "contiguous", "r": 2, "wise_c": False, "r_s": 2, "b_o": True,
+              "scale": 0.4765675275852965, "scale positive": False}
+    data = _FixedDraws(values)
+    dtype = values["dtype"]
+    H, p, dout = values["H"], values["p"], values["d_out"]
+    g = gen(data)
+    os_, ov = strided(data, g, "o", (*values["lead"], H * p), layouts_for(dtype))
+    Ws, Wv = strided(data, g, "w_o", (dout, H * p), ("contiguous", "transpose", "slice"))
+    inputs = {"o": os_, "w_o": Ws, **_oproj_inputs(data, g, H, p, dout, wise=True,
+                                                    shared=True)}
+    inputs["b_o"] = rnd(g, dout)
+    scale = draw_scale(data)
+
+    def run(backend):
+        def fn(o, w_o, b_o=None, **kw):
+            return headwise_oproj(ov(o), Wv(w_o), b_o, n_heads=H, scale=scale,
+                                  backend=backend, **kw)
+        return fn
+
+    check(run("triton"), run("reference"), inputs, dtype)
+
+
 def test_oproj_width_one_with_wise_and_shared():
     g = torch.Generator().manual_seed(3)
     H, p = 2, 3
