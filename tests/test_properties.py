@@ -375,14 +375,13 @@ class _FixedDraws:
         return self.values[label]
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (stop 38): headwise_oproj float16, shared "
-                   "LoRA at one token: dshared_A 2.65e-3 from float64 against a bound of "
-                   "2.44e-3; the same at 36a4bea, before that stop's changes")
-def test_oproj_shared_scale_float16_one_token_known_defect():
+def test_oproj_shared_scale_float16_one_token():
     """The example a full CI run's hypothesis drew (2026-11-27, KFUSED_TEST_SEED=1262740466;
     the replay command did not regenerate it: hypothesis drew other examples in a fresh
-    process). Likely cause, not yet fixed: the backward forms dZ of the shared rows as
-    dY·round(s·B_s) while the same-precision torch path rounds s·dY first."""
+    process), replayed draw by draw. It failed (dshared_A 2.65e-3 from float64 against a
+    bound of 2.44e-3, also before stop 38) while the backward formed dZ of the shared rows as
+    dY·round(s·B_s); the same-precision torch path rounds s·dY first, as the backward now
+    does."""
     values = {"dtype": torch.float16, "H": 3, "p": 6, "d_out": 22, "wise": True,
               "shared": True, "lead": [1], "data seed": 4160, "o layout": "transpose",
               "w_o layout": "contiguous", "r": 2, "wise_c": False, "r_s": 2, "b_o": True,

@@ -363,6 +363,16 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                 gemm(segs, dO, colsum=cs)
         else:
             gemm([(dZ, Do)], dO)
+    if need_factors and RS and scale != 1.0 and T and N:
+        # the shared rows of dZ as round(s·dY) B_s, the same-precision torch path's rounding
+        # order (as the q|k|v rank pass's SH_SCALE does), not dY round(s·B_s) from the packed
+        # B_c: the latter missed docs/math.md §4 on dA_s (float16, one token: 2.65e-3 against
+        # 2.44e-3, tests/test_properties.py). Costs one more thin GEMM over dY (PREDICTED
+        # ≈ 11 µs at GPT-2 small, T = 16384).
+        gs = g * scale      # one rounding of s·dY to dt, as torch's half-precision multiply
+        tmp = _alloc.empty(T, RS, dtype=dt, device=dev)
+        _thin(gs, Us, tmp)
+        dZ[:, H * R:] = tmp
     if need_factors:
         dB = reduce_tokens(g, Z, partials=True)           # (S, d, M)
         dD = reduce_tokens(dZ, o, partials=True)          # (S, M, H·p)
