@@ -203,11 +203,14 @@ CASES = [(p, s, "qkv") for p in PRESETS for s in SHAPES] + \
 # [W' | B_c], drops the thin GEMMs for Z and dZ (9). The bias gradients' column sums are
 # written in the dtype of the biases they serve (c, b), so no backward converts them with a
 # torch op, and the q and v sections share one launch each of the pack, rank-pass and
-# unpack kernels (15, 17, 9, 9 before both).
+# unpack kernels (15, 17, 9, 9 before both). The output projection's backward with a shared
+# part and scale != 1 forms the shared rows of dZ as round(s·dY) B_s, the torch path's
+# rounding order (docs/math.md §4 failed on dA_s without it): a multiply, a thin GEMM and the
+# copy into dZ, 3 launches (8 before).
 BUDGET = {("kernel-mix-qvo-intermediate", "qkv"): 10,
           ("kernel-mix-lite-qv-small", "qkv"): 12,
-          ("kernel-mix-qvo-intermediate", "oproj"): 8,
-          ("kernel-mix-qvo-intermediate", "oproj-folded"): 8}
+          ("kernel-mix-qvo-intermediate", "oproj"): 11,
+          ("kernel-mix-qvo-intermediate", "oproj-folded"): 11}
 FWD_TORCH_BUDGET = {"qkv": 0, "oproj": 0, "oproj-folded": 0}
 
 
