@@ -336,32 +336,34 @@ def _oproj_inputs(data, g, H, p, dout, *, wise, shared):
     return inputs
 
 
+def _oproj_example(data):
+    """One drawn headwise_oproj example checked against the reference (docs/math.md §4)."""
+    dtype = draw_dtype(data)
+    H = data.draw(st.integers(1, 4), label="H")
+    p = extent(data, "p", min_extent(dtype, H), 5)
+    dout = extent(data, "d_out", min_extent(dtype), 11)
+    wise, shared = (data.draw(st.booleans(), label=k) for k in ("wise", "shared"))
+    lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
+    g = gen(data)
+    os_, ov = strided(data, g, "o", (*lead, H * p), layouts_for(dtype))
+    Ws, Wv = strided(data, g, "w_o", (dout, H * p), ("contiguous", "transpose", "slice"))
+    inputs = {"o": os_, "w_o": Ws, **_oproj_inputs(data, g, H, p, dout, wise=wise,
+                                                    shared=shared)}
+    if data.draw(st.booleans(), label="b_o"):
+        inputs["b_o"] = rnd(g, dout)
+    scale = draw_scale(data)
+
+    def run(backend):
+        def fn(o, w_o, b_o=None, **kw):
+            return headwise_oproj(ov(o), Wv(w_o), b_o, n_heads=H, scale=scale,
+                                  backend=backend, **kw)
+        return fn
+
+    check(run("triton"), run("reference"), inputs, dtype)
+
+
 def test_headwise_oproj_property(seed):
-    def body(data):
-        dtype = draw_dtype(data)
-        H = data.draw(st.integers(1, 4), label="H")
-        p = extent(data, "p", min_extent(dtype, H), 5)
-        dout = extent(data, "d_out", min_extent(dtype), 11)
-        wise, shared = (data.draw(st.booleans(), label=k) for k in ("wise", "shared"))
-        lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=2), label="lead")
-        g = gen(data)
-        os_, ov = strided(data, g, "o", (*lead, H * p), layouts_for(dtype))
-        Ws, Wv = strided(data, g, "w_o", (dout, H * p), ("contiguous", "transpose", "slice"))
-        inputs = {"o": os_, "w_o": Ws, **_oproj_inputs(data, g, H, p, dout, wise=wise,
-                                                        shared=shared)}
-        if data.draw(st.booleans(), label="b_o"):
-            inputs["b_o"] = rnd(g, dout)
-        scale = draw_scale(data)
-
-        def run(backend):
-            def fn(o, w_o, b_o=None, **kw):
-                return headwise_oproj(ov(o), Wv(w_o), b_o, n_heads=H, scale=scale,
-                                      backend=backend, **kw)
-            return fn
-
-        check(run("triton"), run("reference"), inputs, dtype)
-
-    run_property(seed, body, 10)
+    run_property(seed, _oproj_example, 10)
 
 
 class _FixedDraws:
@@ -382,28 +384,11 @@ def test_oproj_shared_scale_float16_one_token():
     bound of 2.44e-3, also before stop 38) while the backward formed dZ of the shared rows as
     dY·round(s·B_s); the same-precision torch path rounds s·dY first, as the backward now
     does."""
-    values = {"dtype": torch.float16, "H": 3, "p": 6, "d_out": 22, "wise": True,
-              "shared": True, "lead": [1], "data seed": 4160, "o layout": "transpose",
-              "w_o layout": "contiguous", "r": 2, "wise_c": False, "r_s": 2, "b_o": True,
-              "scale": 0.4765675275852965, "scale positive": False}
-    data = _FixedDraws(values)
-    dtype = values["dtype"]
-    H, p, dout = values["H"], values["p"], values["d_out"]
-    g = gen(data)
-    os_, ov = strided(data, g, "o", (*values["lead"], H * p), layouts_for(dtype))
-    Ws, Wv = strided(data, g, "w_o", (dout, H * p), ("contiguous", "transpose", "slice"))
-    inputs = {"o": os_, "w_o": Ws, **_oproj_inputs(data, g, H, p, dout, wise=True,
-                                                    shared=True)}
-    inputs["b_o"] = rnd(g, dout)
-    scale = draw_scale(data)
-
-    def run(backend):
-        def fn(o, w_o, b_o=None, **kw):
-            return headwise_oproj(ov(o), Wv(w_o), b_o, n_heads=H, scale=scale,
-                                  backend=backend, **kw)
-        return fn
-
-    check(run("triton"), run("reference"), inputs, dtype)
+    _oproj_example(_FixedDraws({
+        "dtype": torch.float16, "H": 3, "p": 6, "d_out": 22, "wise": True, "shared": True,
+        "lead": [1], "data seed": 4160, "o layout": "transpose", "w_o layout": "contiguous",
+        "r": 2, "wise_c": False, "r_s": 2, "b_o": True, "scale": 0.4765675275852965,
+        "scale positive": False}))
 
 
 def test_oproj_width_one_with_wise_and_shared():
