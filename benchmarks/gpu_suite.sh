@@ -5,6 +5,10 @@
 #   bash benchmarks/gpu_suite.sh STAGES
 #
 # STAGES is a comma list, run in order:
+#   proof         the whole proof in one call (a session lent 15 minutes of device time fits
+#                 one): build ‖ check ‖ kernel tests (PROOF_P1_S, 200 s), then krona, headwise,
+#                 inducer benchmarks alone on the GPU (targets first), then results.
+#                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
 #   build         pip install -e . --no-deps --no-build-isolation (offline; the machine's torch
 #                 and triton), CUDA extension for sm_90                       (~2-4 min)
 #   test          the GPU test suite, without the CPU-only compiler checks CI already runs: one
@@ -57,7 +61,7 @@ note() { echo "$*" | tee -a "$WORK/summary.txt"; }
 
 {
   echo "== $(date -u +%FT%TZ) stages: $STAGES"
-  echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "git: ${KFUSED_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nvcc --version 2>/dev/null | tail -1
@@ -119,6 +123,74 @@ for stage in "${LIST[@]}"; do
       if grep -v -E ' rc=(0|5)$' "$WORK/pytest/rc.txt" | tee -a "$WORK/summary.txt" | grep -q .; then
         status=1
       fi ;;
+    proof)
+      # The whole proof in ONE device call, for a session lent 15 minutes of device time (a
+      # machine's start costs a minute or two of it and a second start needs 4 minutes left:
+      # one full call is what fits). Phase 1 (PROOF_P1_S, default 200 s), correctness only, the
+      # GPU shared: the CUDA extension's build in the background, then `check` (every kernel vs
+      # the float64 reference, CUDA included when the build made it), and beside them the
+      # kernel test files under pytest-xdist (-v: every finished test is in the log even when
+      # the phase's end cuts the run). Phase 2, the GPU alone: one benchmark family at a time,
+      # the performance model's target cases first (kfused bench without --quick orders them
+      # so), each family its share of what the call has left; then `results` (RESULTS.md).
+      p1=${PROOF_P1_S:-200}
+      p1_end=$(( $(date +%s) + p1 ))
+      ( MAX_JOBS=8 KFUSED_CUDA_ARCHS="90" timeout "$p1" python3 -m pip install -e . --no-deps \
+          --no-build-isolation >"$WORK/build.log" 2>&1
+        echo "build rc=$?" >>"$WORK/build.log"
+        python3 -c "import kfused.cuda as c; print('CUDA extension:', c.unavailable_reason() or 'loaded')" \
+          >>"$WORK/build.log" 2>&1
+        rest=$(( p1_end - $(date +%s) ))
+        if [ "$rest" -gt 20 ]; then
+          timeout "$rest" python3 -m kfused.cli.main check >"$WORK/check.log" 2>&1
+          echo "check rc=$? (124: cut at the phase's end)" >>"$WORK/check.log"
+        else
+          echo "check: not started, the build took the phase" >"$WORK/check.log"
+        fi ) &
+      popts=()   # the device image has pytest-xdist and pytest-timeout; elsewhere they may lack
+      python3 -c "import xdist" 2>/dev/null && popts+=(-n "${TEST_JOBS:-8}")
+      python3 -c "import pytest_timeout" 2>/dev/null && popts+=(--timeout 150)
+      # shellcheck disable=SC2086  # PROOF_TESTS is a list of files
+      PYTHONPATH=$PWD timeout "$p1" python3 -m pytest -v "${popts[@]}" -p no:cacheprovider \
+        ${PROOF_TESTS:-tests/test_krona.py tests/test_headwise_ops.py \
+        tests/test_inducer.py tests/test_inducer_varlen.py tests/test_inducer_decode.py \
+        tests/test_gpu_configs.py tests/test_cuda_ext.py} >"$WORK/pytest.log" 2>&1
+      echo "pytest rc=$? (124: cut at the phase's end)" >>"$WORK/pytest.log"
+      wait
+      # nothing of phase 1 may share the GPU with the timings (xdist workers, nvcc, check)
+      pkill -9 -f "pytest|kfused.cli.main check|pip install|nvcc|cicc|ptxas" 2>/dev/null
+      sleep 2
+      { grep "build rc\|CUDA extension" "$WORK/build.log"
+        tail -4 "$WORK/check.log"
+        c() { grep -c " $1" "$WORK/pytest.log"; }
+        echo "pytest: $(c PASSED) passed, $(c FAILED) failed, $(c SKIPPED) skipped, $(c ERROR)" \
+          "errors; $(tail -1 "$WORK/pytest.log")"
+        grep ' FAILED\| ERROR' "$WORK/pytest.log" | sed 's/^/  /' | head -40
+      } | tee -a "$WORK/summary.txt"
+      fams=(${PROOF_BENCH:-krona headwise inducer})
+      share=(36 30 34)
+      rest=$(( $(left) - 30 ))   # kept for results and the packing
+      i=0
+      for op in "${fams[@]}"; do
+        lim=$(( rest * ${share[$i]:-30} / 100 ))
+        i=$(( i + 1 ))
+        if [ "$lim" -lt 40 ]; then note "bench $op: not started, $lim s share"; continue; fi
+        prefs=()
+        [ "$op" = inducer ] && prefs=(--write-prefs "$WORK/backend_prefs.json")
+        timeout "$lim" python3 -m kfused.cli.main bench "$op" --out "$WORK/bench" \
+          --rep-ms "${PROOF_REP_MS:-100}" --time-limit $(( lim > 90 ? lim - 45 : lim / 2 )) \
+          "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1
+        rc=$?
+        [ "$rc" -ne 0 ] && status=1
+        note "bench $op: rc=$rc, limit $lim s (124: cut there; its JSON holds every case measured)"
+        grep -v "^bench " "$WORK/bench_$op.log" | grep -v "skipped\|not run" | tail -30
+      done
+      LIMIT=$(( $(left) > 25 ? $(left) - 10 : 15 ))
+      pred=(--predicted benchmarks/results/predicted/perf-latest.json)
+      py -m kfused.cli.main results "$WORK/bench" "${pred[@]}" --out "$WORK/RESULTS.md" \
+        >"$WORK/results.log" 2>&1 || status=1
+      tail -3 "$WORK/results.log"
+      if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
     check)
       py -m kfused.cli.main check >"$WORK/check.log" 2>&1 || status=1
       tail -8 "$WORK/check.log" ;;

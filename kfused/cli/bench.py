@@ -56,7 +56,9 @@ def _git_commit() -> str:
     the working directory's, which may be another checkout or none)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
-        return "unknown"
+        # a copy of the tree without its history (the lent GPU machine's): the commit the
+        # caller names
+        return os.environ.get("KFUSED_GIT_COMMIT", "unknown")
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
                              capture_output=True, text=True, timeout=10)
