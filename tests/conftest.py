@@ -28,6 +28,9 @@ if os.environ.get("KFUSED_GPU_CONFIGS") == "1" and not torch.cuda.is_available()
 # Shapes and data are drawn afresh each run; KFUSED_TEST_SEED=<n> replays a run (the seed is
 # printed in the pytest header).
 BASE_SEED = int(os.environ.get("KFUSED_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# processes started from this one (pytest-xdist's workers, subprocess tests) draw the same
+# shapes: xdist refuses a run whose workers collected different parametrisations
+os.environ["KFUSED_TEST_SEED"] = str(BASE_SEED)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
