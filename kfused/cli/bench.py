@@ -54,11 +54,15 @@ def available_ops() -> List[str]:
 def _git_commit() -> str:
     """The commit of the kfused that runs: the checkout this package was imported from (not
     the working directory's, which may be another checkout or none)."""
+    named = os.environ.get("KFUSED_GIT_COMMIT")
+    if named:
+        # the caller names it: a copy of the tree whose .git is absent or not the tree's own
+        # (the lent GPU machine's copy recorded the session's first commit, b378980, for a
+        # tree at 488dbee)
+        return named
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
-        # a copy of the tree without its history (the lent GPU machine's): the commit the
-        # caller names
-        return os.environ.get("KFUSED_GIT_COMMIT", "unknown")
+        return "unknown"
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
                              capture_output=True, text=True, timeout=10)
