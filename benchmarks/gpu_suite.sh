@@ -9,6 +9,8 @@
 #                 one): build ‖ check ‖ kernel tests (PROOF_P1_S, 200 s), then krona, headwise,
 #                 inducer benchmarks alone on the GPU (targets first), then results.
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
+#   ncu           Nsight Compute (--set full, details page as CSV) on one launch of each kernel
+#                 the model misjudged most (benchmarks/host_profile.py drives them)
 #   build         pip install -e . --no-deps --no-build-isolation (offline; the machine's torch
 #                 and triton), CUDA extension for sm_90                       (~2-4 min)
 #   test          the GPU test suite, without the CPU-only compiler checks CI already runs: one
@@ -150,8 +152,12 @@ for stage in "${LIST[@]}"; do
       popts=()   # the device image has pytest-xdist and pytest-timeout; elsewhere they may lack
       python3 -c "import xdist" 2>/dev/null && popts+=(-n "${TEST_JOBS:-8}")
       python3 -c "import pytest_timeout" 2>/dev/null && popts+=(--timeout 150)
+      # one seed for every xdist worker (they must collect the same shapes), and each failure's
+      # report written the moment it happens (a cut run prints none: 2026-11-27 lost 28)
+      export KFUSED_TEST_SEED=${KFUSED_TEST_SEED:-$RANDOM$RANDOM}
+      export KFUSED_FAILURE_LOG=$WORK/failures.txt
       # shellcheck disable=SC2086  # PROOF_TESTS is a list of files
-      PYTHONPATH=$PWD timeout "$p1" python3 -m pytest -v "${popts[@]}" -p no:cacheprovider \
+      PYTHONPATH=$PWD timeout "$p1" python3 -m pytest -v --tb=short "${popts[@]}" -p no:cacheprovider \
         ${PROOF_TESTS:-tests/test_krona.py tests/test_headwise_ops.py \
         tests/test_inducer.py tests/test_inducer_varlen.py tests/test_inducer_decode.py \
         tests/test_gpu_configs.py tests/test_cuda_ext.py} >"$WORK/pytest.log" 2>&1
@@ -166,6 +172,7 @@ for stage in "${LIST[@]}"; do
         echo "pytest: $(c PASSED) passed, $(c FAILED) failed, $(c SKIPPED) skipped, $(c ERROR)" \
           "errors; $(tail -1 "$WORK/pytest.log")"
         grep ' FAILED\| ERROR' "$WORK/pytest.log" | sed 's/^/  /' | head -40
+        [ -f "$WORK/failures.txt" ] && grep -A3 '^====' "$WORK/failures.txt" | head -60
       } | tee -a "$WORK/summary.txt"
       fams=(${PROOF_BENCH:-krona headwise inducer})
       share=(36 30 34)
@@ -191,6 +198,22 @@ for stage in "${LIST[@]}"; do
         >"$WORK/results.log" 2>&1 || status=1
       tail -3 "$WORK/results.log"
       if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
+    ncu)
+      # Nsight Compute on the kernels the model misjudged most on the H100 of 2026-11-27
+      # (measured / predicted: _krona_fwd_kernel 16-26x, _kron_dx_grad_kernel 2.3-4.6x,
+      # _lr_rank_bwd_kernel 4-5.7x, _inducer_attn_bwd_dq_kernel 1.9-4.6x): one launch each
+      # after warm-up, the details page as text (NCU_KERNELS overrides the regex)
+      if command -v ncu >/dev/null; then
+        re=${NCU_KERNELS:-_krona_fwd_kernel|_kron_dx_grad_kernel|_lr_rank_bwd_kernel}
+        PYTHONPATH=$PWD timeout "$LIMIT" ncu --set full -k "regex:$re" --launch-skip 6 \
+          --launch-count 3 --page details --csv python3 benchmarks/host_profile.py \
+          --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:" \
+          --providers kfused-triton,kfused-triton-exact --iters 3 --no-cprofile \
+          >"$WORK/ncu.csv" 2>"$WORK/ncu.log" || status=1
+        tail -3 "$WORK/ncu.log"; wc -l "$WORK/ncu.csv"
+      else
+        echo "ncu: not on this machine" | tee "$WORK/ncu.log"
+      fi ;;
     check)
       py -m kfused.cli.main check >"$WORK/check.log" 2>&1 || status=1
       tail -8 "$WORK/check.log" ;;

@@ -113,6 +113,8 @@ def main(argv=None) -> int:
                                       "inducer:B=8,:n=2048,:causal=True:composition=add")
     p.add_argument("--providers", default="floor,kfused-triton,kfused-triton-exact")
     p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--no-cprofile", action="store_true",
+                   help="skip cProfile and the profiler pass (under ncu: launches only)")
     args = p.parse_args(argv)
     provs = args.providers.split(",")
     for spec in args.cases.split(";"):
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
             host = (time.perf_counter() - t0) / args.iters
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / args.iters
+            if args.no_cprofile:
+                print(f"--- {prov.name}: wall {wall * 1e6:.1f} us/call", flush=True)
+                continue
             dev, per = _device_us(step)
             print(f"--- {prov.name}: wall {wall * 1e6:.1f} us/call, host loop {host * 1e6:.1f} "
                   f"us/call, device {dev:.1f} us/call", flush=True)

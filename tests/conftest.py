@@ -61,6 +61,15 @@ def pytest_runtest_makereport(item, call):
     """Every failure names the seed that replays it."""
     outcome = yield
     rep = outcome.get_result()
+    if rep.failed and os.environ.get("KFUSED_FAILURE_LOG"):
+        # written as it happens: a run cut by a time limit (the lent GPU's device calls) has
+        # printed no failure report yet, only the test's name
+        try:
+            with open(os.environ["KFUSED_FAILURE_LOG"], "a") as f:
+                f.write(f"==== {item.nodeid} ({rep.when}; KFUSED_TEST_SEED={BASE_SEED})\n"
+                        f"{rep.longreprtext[-6000:]}\n")
+        except OSError:
+            pass
     if rep.failed:
         rep.sections.append((
             "kfused seed",

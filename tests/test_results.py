@@ -135,7 +135,7 @@ def test_render_puts_predicted_beside_measured_from_the_model_json():
     ratio = next(t["predicted_ratio"] for t in case["targets"] if t["baseline"] == "floor")
     line = next(ln for ln in text.splitlines() if ln.startswith("| #12 | headwise_qkv")
                 and "kfused-triton vs floor" in ln)
-    assert line.endswith(f"| 1.50x | ≤ 1.25 | **NO** | {ratio:.2f}x |")
+    assert line.endswith(f"| 1.50x | ≤ 1.25 | **NO** | — | {ratio:.2f}x |")  # no graph timing
     p_us = case["predicted_t_s"] * 1e6
     timing = next(ln for ln in text.splitlines() if ln.startswith("| headwise_qkv |")
                   and "| fwd+bwd | kfused-triton |" in ln)
@@ -362,3 +362,20 @@ def test_every_rule_names_providers_the_benchmarks_have():
     for r in results.RULES:
         assert r.subject in provided[r.op], (r.op, r.subject)
         assert r.baseline in provided[r.op] or r.baseline == "flash-varlen", (r.op, r.baseline)
+
+
+def test_cuda_graph_ratio_sits_beside_the_eager_one():
+    """A row pair with CUDA-graph times (kfused.bench.graph_timer) gets the device-bound ratio
+    and its own verdict beside the eager one; a pair where either lacks it shows a dash."""
+    rows = _rows()
+    for r in rows:
+        if r.get("mode") == "fwd+bwd" and "ms_p50" in r:
+            r["graph_ms_p50"] = r["ms_p50"] * (0.5 if r["provider"] == "kfused-triton" else 1.0)
+    ev = [e for e in results.evaluate(rows) if "ratio" in e and e["mode"] == "fwd+bwd"]
+    assert ev and all(abs(e["graph_ratio"] - e["ratio"] * (0.5 if e["subject"] ==
+                      "kfused-triton" else 1.0)) < 1e-12 for e in ev)
+    assert all(e["graph_met"] == e["rule"].met(e["graph_ratio"]) for e in ev)
+    text = results.render([{"path": "/x/headwise.json", "meta": META, "rows": rows}])
+    line = next(ln for ln in text.splitlines() if ln.startswith("| #12 | headwise_qkv")
+                and "kfused-triton vs floor" in ln)
+    assert "| 1.50x | ≤ 1.25 | **NO** | 0.75x yes |" in line

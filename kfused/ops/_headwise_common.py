@@ -15,6 +15,7 @@ import torch
 from kfused import _validate
 from kfused.ops._common import dense as _dense, no_double_backward  # noqa: F401
 from kfused.reference.headwise import HeadFactors
+from kfused.ops._common import custom_op, kops
 
 IMPLS = ("triton",)
 
@@ -166,7 +167,7 @@ def _section_dims(wise_A, lite_A, split: bool):
 # The section kernels as custom ops (opaque to torch.compile, with fake implementations), so
 # that LiteSection traces with no graph break: dynamo cannot trace the interpreter's or the
 # launcher's host code.
-@torch.library.custom_op("kfused::headwise_section_triton_fwd", mutates_args=())
+@custom_op("kfused::headwise_section_triton_fwd")
 def _section_fwd(wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tensor],
                  lite_A: torch.Tensor, lite_B: torch.Tensor, w_k: torch.Tensor,
                  b_k: Optional[torch.Tensor], Hk: int, split: Optional[torch.dtype]
@@ -184,7 +185,7 @@ def _section_fwd_fake(wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk, split):
             lite_A.new_empty(H, P, R, **f))
 
 
-@torch.library.custom_op("kfused::headwise_section_triton_bwd", mutates_args=())
+@custom_op("kfused::headwise_section_triton_bwd")
 def _section_bwd(d_down: torch.Tensor, d_zb: torch.Tensor, d_up: torch.Tensor,
                  wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tensor],
                  lite_A: torch.Tensor, lite_B: torch.Tensor, w_k: torch.Tensor,
@@ -218,7 +219,7 @@ class LiteSection(torch.autograd.Function):
         ctx.Hk, ctx.split = Hk, split is not None
         ctx.save_for_backward(wise_A, wise_B, lite_A, lite_B, w_k, b_k)
         ctx.set_materialize_grads(False)
-        return torch.ops.kfused.headwise_section_triton_fwd(wise_A, wise_B, lite_A, lite_B,
+        return kops.headwise_section_triton_fwd(wise_A, wise_B, lite_A, lite_B,
                                                             w_k, b_k, Hk, split)
 
     @staticmethod
@@ -233,7 +234,7 @@ class LiteSection(torch.autograd.Function):
         z = lambda t, *shape: t.contiguous() if t is not None else lite_A.new_zeros(  # noqa
             *shape, dtype=torch.float32)
         d_down, d_zb, d_up = z(d_down, H, width, d), z(d_zb, H, width), z(d_up, H, P, width)
-        dwa, dwb, dla, dlb = torch.ops.kfused.headwise_section_triton_bwd(
+        dwa, dwb, dla, dlb = kops.headwise_section_triton_bwd(
             d_down, d_zb, d_up, wise_A, wise_B, lite_A, lite_B, w_k, b_k, ctx.Hk, ctx.split,
             need[2])
         dwa, dwb = (dwa, dwb) if wise_A is not None else (None, None)

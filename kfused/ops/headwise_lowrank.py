@@ -27,6 +27,7 @@ from kfused.backends import select_backend
 from kfused.ops._headwise_common import (_check_flag, _dense, _empty, _no_float64,
                                          no_double_backward)
 from kfused.reference.headwise import headwise_lowrank_ref
+from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -39,7 +40,7 @@ def _tk():
 # headwise_lowrank
 
 
-@torch.library.custom_op("kfused::headwise_lowrank_triton_fwd", mutates_args=())
+@custom_op("kfused::headwise_lowrank_triton_fwd")
 def _lowrank_fwd(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                  bias: Optional[torch.Tensor], per_head: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     # the kernels index A, B and the bias as contiguous (the basis through its strides)
@@ -55,7 +56,7 @@ def _(basis, A, B, bias, per_head):
             basis.new_empty(T, H, R, dtype=torch.float32))
 
 
-@torch.library.custom_op("kfused::headwise_lowrank_triton_bwd", mutates_args=())
+@custom_op("kfused::headwise_lowrank_triton_bwd")
 def _lowrank_bwd(g: torch.Tensor, basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                  z: torch.Tensor, per_head: bool, need_basis: bool, need_factors: bool,
                  has_bias: bool) -> List[torch.Tensor]:
@@ -90,14 +91,14 @@ def _lowrank_backward(ctx, g, gz):
     basis, A, B, z = ctx.saved_tensors
     nx, nA, nB, nb, _ = ctx.needs_input_grad
     need_f = nA or nB or nb
-    dx, dA, dB, db = torch.ops.kfused.headwise_lowrank_triton_bwd(
+    dx, dA, dB, db = kops.headwise_lowrank_triton_bwd(
         g.contiguous(), basis, A, B, z, ctx.per_head, nx, need_f, ctx.has_bias and nb)
     return (dx if nx else None, dA if nA else None, dB if nB else None,
             db if (nb and ctx.has_bias) else None, None)
 
 
-_lowrank_fwd.register_autograd(_lowrank_backward, setup_context=_lowrank_setup)
-_lowrank_bwd.register_autograd(no_double_backward("headwise_lowrank", "triton"))
+register_autograd(_lowrank_fwd, _lowrank_backward, setup_context=_lowrank_setup)
+register_autograd(_lowrank_bwd, no_double_backward("headwise_lowrank", "triton"), refuses=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ _lowrank_bwd.register_autograd(no_double_backward("headwise_lowrank", "triton"))
 # infers the basis kind from basis.dim() (2: shared, 3: per head), as the host passes it.
 
 
-@torch.library.custom_op("kfused::headwise_lowrank_cuda_fwd", mutates_args=())
+@custom_op("kfused::headwise_lowrank_cuda_fwd")
 def _lowrank_cuda_fwd(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                       bias: Optional[torch.Tensor],
                       save_u: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +142,7 @@ def _(basis, A, B, bias, save_u=False):
     return out, basis.new_empty(0)
 
 
-@torch.library.custom_op("kfused::headwise_lowrank_cuda_bwd", mutates_args=())
+@custom_op("kfused::headwise_lowrank_cuda_bwd")
 def _lowrank_cuda_bwd(g: torch.Tensor, basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                       has_bias: bool, U: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     ext = cuda.require("headwise_lowrank")
@@ -169,13 +170,13 @@ def _lowrank_cuda_backward(ctx, g, gU):
     if g is None:
         return (None,) * 5
     basis, A, B, U = ctx.saved_tensors
-    dx, dA, dB, db = torch.ops.kfused.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias,
+    dx, dA, dB, db = kops.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias,
                                                                 U)
     return dx, dA, dB, (db if ctx.has_bias else None), None
 
 
-_lowrank_cuda_fwd.register_autograd(_lowrank_cuda_backward, setup_context=_lowrank_cuda_setup)
-_lowrank_cuda_bwd.register_autograd(no_double_backward("headwise_lowrank", "cuda"))
+register_autograd(_lowrank_cuda_fwd, _lowrank_cuda_backward, setup_context=_lowrank_cuda_setup)
+register_autograd(_lowrank_cuda_bwd, no_double_backward("headwise_lowrank", "cuda"), refuses=True)
 
 
 def _infer_per_head(basis: torch.Tensor, H: int, per_head: Optional[bool]) -> bool:
@@ -240,8 +241,8 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
         # backward can follow
         save_u = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (basis, A, B, bias))
-        out, _ = torch.ops.kfused.headwise_lowrank_cuda_fwd(flat, A, B, bias, save_u)
+        out, _ = kops.headwise_lowrank_cuda_fwd(flat, A, B, bias, save_u)
         return out.reshape(*lead, H, p)
-    out, _ = torch.ops.kfused.headwise_lowrank_triton_fwd(
+    out, _ = kops.headwise_lowrank_triton_fwd(
         flat, A.contiguous(), B.contiguous(), bias.contiguous() if bias is not None else None, ph)
     return out.reshape(*lead, H, p)

@@ -20,6 +20,7 @@ from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _h
                                          _no_float64, _one_dtype, _opt, _scalar,
                                          no_double_backward)
 from kfused.reference.headwise import headwise_oproj_ref
+from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -32,7 +33,7 @@ def _tk():
 # Fused output projection
 
 
-@torch.library.custom_op("kfused::headwise_oproj_triton_fwd", mutates_args=())
+@custom_op("kfused::headwise_oproj_triton_fwd")
 def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
                A: Optional[torch.Tensor], B: Optional[torch.Tensor],
                shared_A: Optional[torch.Tensor], shared_U: Optional[torch.Tensor],
@@ -50,7 +51,7 @@ def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale=1.0, c=None, fold=Fa
     return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
 
 
-@torch.library.custom_op("kfused::headwise_oproj_triton_bwd", mutates_args=())
+@custom_op("kfused::headwise_oproj_triton_bwd")
 def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[torch.Tensor],
                B: Optional[torch.Tensor], shared_A: Optional[torch.Tensor],
                shared_U: Optional[torch.Tensor], z: torch.Tensor, n_heads: int,
@@ -98,7 +99,7 @@ def _oproj_backward(ctx, g, gz):
     n_c = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     g = g.contiguous()
     need_f = nA or nB or nsA or nsU or n_b or n_c
-    dO, dA, dB, dsA, dsU, db = torch.ops.kfused.headwise_oproj_triton_bwd(
+    dO, dA, dB, dsA, dsU, db = kops.headwise_oproj_triton_bwd(
         g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale, ctx.fold,
         _one_dtype(((ctx.b_dtype, n_b and ctx.has_b), (ctx.c_dtype, n_c))))
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
@@ -111,8 +112,8 @@ def _oproj_backward(ctx, g, gz):
             _opt(dsA) if nsA else None, _opt(dsU) if nsU else None, None, None, dc, None)
 
 
-_oproj_fwd.register_autograd(_oproj_backward, setup_context=_oproj_setup)
-_oproj_bwd.register_autograd(no_double_backward("headwise_oproj"))
+register_autograd(_oproj_fwd, _oproj_backward, setup_context=_oproj_setup)
+register_autograd(_oproj_bwd, no_double_backward("headwise_oproj"), refuses=True)
 
 
 def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor] = None, *,
@@ -207,6 +208,6 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     # then have the strides the real ones have
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     fold = fold_decision(o2.dtype, o2.shape[0], exact, o2.device.type == "cuda")
-    Y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(
+    Y, _ = kops.headwise_oproj_triton_fwd(
         o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c), fold)
     return Y.reshape(*lead, dout)

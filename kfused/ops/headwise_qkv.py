@@ -25,6 +25,7 @@ from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
                                          _no_float64, _one_dtype, _opt, _scalar_factors,
                                          _section, no_double_backward)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
+from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -40,7 +41,7 @@ def _tk():
 _SEC_KEYS = ("down", "zb", "up", "sdown", "sup")
 
 
-@torch.library.custom_op("kfused::headwise_qkv_triton_fwd", mutates_args=())
+@custom_op("kfused::headwise_qkv_triton_fwd")
 def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
              b_q: Optional[torch.Tensor], b_k: Optional[torch.Tensor],
              b_v: Optional[torch.Tensor],
@@ -85,7 +86,7 @@ def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
     return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]), x.new_empty(T, M))
 
 
-@torch.library.custom_op("kfused::headwise_qkv_triton_bwd", mutates_args=())
+@custom_op("kfused::headwise_qkv_triton_bwd")
 def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
              q_down: Optional[torch.Tensor], q_up: Optional[torch.Tensor],
@@ -167,7 +168,7 @@ def _qkv_backward(ctx, gY, gZ):
         return _one_dtype(((ctx.b_dtypes[i], need[4 + i] and ctx.has_b[i]),
                            (ctx.c_dtypes[j], need_c[j])))
 
-    res = torch.ops.kfused.headwise_qkv_triton_bwd(
+    res = kops.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
         v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales,
         db_dtype(0, 0), db_dtype(2, 1), ctx.fold)
@@ -197,9 +198,9 @@ def _qkv_backward(ctx, gY, gZ):
             bias_grad(2, gv), *fac, None, None, None, *dc, None)
 
 
-_qkv_fwd.register_autograd(_qkv_backward, setup_context=_qkv_setup)
+register_autograd(_qkv_fwd, _qkv_backward, setup_context=_qkv_setup)
 # (headwise_projection runs these ops too)
-_qkv_bwd.register_autograd(no_double_backward("headwise_qkv / headwise_projection"))
+register_autograd(_qkv_bwd, no_double_backward("headwise_qkv / headwise_projection"), refuses=True)
 
 
 def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
@@ -319,7 +320,7 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None, exact=
     qf, dcq, sq, lq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
     vf, dcv, sv, lv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(
+    Y, _ = kops.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, c(b_q), c(b_k), c(b_v), *qf, *vf, p, sq, sv, c(dcq), c(dcv),
         _fold_mode(x2.dtype, x2.shape[0], exact, x2.device))
     for lite, c0 in ((lq, 0), (lv, w_q.shape[0] + w_k.shape[0])):

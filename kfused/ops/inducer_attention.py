@@ -33,6 +33,7 @@ from kfused import _validate, cuda
 from kfused._memo import LastResult
 from kfused.backends import select_backend
 from kfused.reference.inducer import check_seq_lens, inducer_attention_ref
+from kfused.ops._common import custom_op, kops, register_autograd
 
 OP_NAME = "inducer_attention"
 COMPOSITIONS = ("add", "gate")
@@ -46,7 +47,7 @@ def _empty(like: Tensor) -> Tensor:
 # custom ops (Triton backend)
 
 
-@torch.library.custom_op("kfused::inducer_attention_triton_fwd", mutates_args=())
+@custom_op("kfused::inducer_attention_triton_fwd")
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, Ak: Optional[Tensor], ak: Optional[Tensor],
                 Bk: Optional[Tensor], ck: Optional[Tensor], W1: Optional[Tensor],
                 b1: Optional[Tensor], prefix_k: Optional[Tensor], prefix_v: Optional[Tensor],
@@ -92,7 +93,7 @@ def _(q, k, v, Ak, ak, Bk, ck, W1, b1, prefix_k, prefix_v, key_mask, causal, sca
     return out, u, lse, lam, stats, out_lo
 
 
-@torch.library.custom_op("kfused::inducer_attention_triton_bwd", mutates_args=())
+@custom_op("kfused::inducer_attention_triton_bwd")
 def _triton_bwd(dout: Tensor, du: Optional[Tensor], dlam: Optional[Tensor],
                 dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                 lse: Tensor, stats: Tensor, lam: Tensor, Ak: Optional[Tensor],
@@ -169,7 +170,7 @@ def _backward(ctx, dout, du, dlse, dlam, dstats, dout_lo):
             None, None)
 
 
-_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(_triton_fwd, _backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------------
@@ -342,7 +343,7 @@ def _combined_key_mask(key_padding_mask: Optional[Tensor], seq_lens: Optional[Te
 # CUDA C++ extension: forward only (the inference path: prefill and KV-cache decode)
 
 
-@torch.library.custom_op("kfused::inducer_attention_cuda_fwd", mutates_args=())
+@custom_op("kfused::inducer_attention_cuda_fwd")
 def _cuda_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor], prefix_k: Optional[Tensor],
               prefix_v: Optional[Tensor], key_lengths: Optional[Tensor], causal: bool,
               Ak: Optional[Tensor], ak: Optional[Tensor], Bk: Optional[Tensor],
@@ -522,7 +523,7 @@ def _cuda_inference(q, k, v, Ak, ak, Bk, ck, W1, b1, W2, b2, composition, causal
     the kernel (s0 from the q tile it holds, u = λ tanh(q W1 + b1) in its epilogue; "gate"
     adds (1 − λ) f + u W2 + λ b2 here in float32). float32 (the CUDA-core kernel): s0 and
     tanh(q W1 + b1) from :func:`_inducer_mlp_f32` here, λ from the kernel."""
-    kernel = kernel or torch.ops.kfused.inducer_attention_cuda_fwd
+    kernel = kernel or kops.inducer_attention_cuda_fwd
     up = torch.float32
     if seq_lens is not None and seq_lens.dtype not in (torch.int32, torch.int64):
         seq_lens = seq_lens.to(torch.int32)     # the extension takes int32 / int64 lengths

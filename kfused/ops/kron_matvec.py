@@ -16,6 +16,7 @@ from kfused import cuda
 from kfused.backends import select_backend
 from kfused.ops._krona_common import check_factors, no_double_backward, rows
 from kfused.reference.krona import kron_matvec_ref
+from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -25,7 +26,7 @@ def _tk():
     return kron_matvec
 
 
-@torch.library.custom_op("kfused::kron_matvec_triton_fwd", mutates_args=())
+@custom_op("kfused::kron_matvec_triton_fwd")
 def _kron_matvec_triton_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return _tk().kron_matvec_forward(rows(x), A, B)     # x rows with unit stride, A, B any
 
@@ -35,7 +36,7 @@ def _(x, A, B):
     return x.new_empty(x.shape[0], A.shape[0] * B.shape[0])
 
 
-@torch.library.custom_op("kfused::kron_matvec_triton_bwd", mutates_args=())
+@custom_op("kfused::kron_matvec_triton_bwd")
 def _kron_matvec_triton_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                             need_dab: bool, need_dx: bool = True) -> List[torch.Tensor]:
     dx, dA, dB = _tk().kron_matvec_backward(rows(g), rows(x), A, B, need_dab, need_dx)
@@ -64,19 +65,19 @@ def _kron_triton_backward(ctx, g):
     need_dx = ctx.needs_input_grad[0]
     need_dab = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     # dx only when x needs it (a frozen input, e.g. KronA^B's first layer: no dx pass)
-    dx, dA, dB = torch.ops.kfused.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab,
+    dx, dA, dB = kops.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab,
                                                          need_dx)
     return (dx if need_dx else None), (dA if need_dab else None), (dB if need_dab else None)
 
 
-_kron_matvec_triton_fwd.register_autograd(_kron_triton_backward, setup_context=_kron_setup)
-_kron_matvec_triton_bwd.register_autograd(no_double_backward("kron_matvec", "triton"))
+register_autograd(_kron_matvec_triton_fwd, _kron_triton_backward, setup_context=_kron_setup)
+register_autograd(_kron_matvec_triton_bwd, no_double_backward("kron_matvec", "triton"), refuses=True)
 
 # ------------------------------------------------------------------------------------------
 # CUDA C++ extension
 
 
-@torch.library.custom_op("kfused::kron_matvec_cuda_fwd", mutates_args=())
+@custom_op("kfused::kron_matvec_cuda_fwd")
 def _kron_matvec_cuda_fwd(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     # the extension requires a contiguous x (it checks) and reads A, B contiguous
     return cuda.require("kron_matvec").kron_matvec_fwd(x.contiguous(), A.contiguous(),
@@ -88,7 +89,7 @@ def _(x, A, B):
     return x.new_empty(x.shape[0], A.shape[0] * B.shape[0])
 
 
-@torch.library.custom_op("kfused::kron_matvec_cuda_bwd", mutates_args=())
+@custom_op("kfused::kron_matvec_cuda_bwd")
 def _kron_matvec_cuda_bwd(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor,
                           B: torch.Tensor) -> List[torch.Tensor]:
     dx, dA, dB = cuda.require("kron_matvec").kron_matvec_bwd(g.contiguous(), x.contiguous(),
@@ -103,12 +104,12 @@ def _(g, x, A, B):
 
 def _kron_cuda_backward(ctx, g):
     x, A, B = ctx.saved_tensors
-    dx, dA, dB = torch.ops.kfused.kron_matvec_cuda_bwd(g.contiguous(), x, A, B)
+    dx, dA, dB = kops.kron_matvec_cuda_bwd(g.contiguous(), x, A, B)
     return dx, dA, dB
 
 
-_kron_matvec_cuda_fwd.register_autograd(_kron_cuda_backward, setup_context=_kron_setup)
-_kron_matvec_cuda_bwd.register_autograd(no_double_backward("kron_matvec", "cuda"))
+register_autograd(_kron_matvec_cuda_fwd, _kron_cuda_backward, setup_context=_kron_setup)
+register_autograd(_kron_matvec_cuda_bwd, no_double_backward("kron_matvec", "cuda"), refuses=True)
 
 
 def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,
@@ -130,7 +131,7 @@ def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,
     lead = x.shape[:-1]
     x2 = rows(x)
     if be == "triton":
-        y = torch.ops.kfused.kron_matvec_triton_fwd(x2, A, B)
+        y = kops.kron_matvec_triton_fwd(x2, A, B)
     else:
-        y = torch.ops.kfused.kron_matvec_cuda_fwd(x2.contiguous(), A, B)
+        y = kops.kron_matvec_cuda_fwd(x2.contiguous(), A, B)
     return y.reshape(*lead, a_out * b_out)

@@ -18,6 +18,7 @@ from kfused.backends import select_backend
 from kfused.ops._fold import FOLD_MIN_TOKENS, check_exact, fold_decision  # noqa: F401
 from kfused.ops._krona_common import check_factors, dense, no_double_backward, rows
 from kfused.reference.krona import krona_linear_ref
+from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -27,7 +28,7 @@ def _tk():
     return krona_linear
 
 
-@torch.library.custom_op("kfused::krona_linear_triton_fwd", mutates_args=())
+@custom_op("kfused::krona_linear_triton_fwd")
 def _krona_linear_triton_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
     # The kernel reads x rows and the bias with unit stride (weight, A, B through their
@@ -42,7 +43,7 @@ def _krona_fwd_fake(x, weight, bias, A, B, scale):
 _krona_linear_triton_fwd.register_fake(_krona_fwd_fake)
 
 
-@torch.library.custom_op("kfused::krona_linear_triton_bwd", mutates_args=())
+@custom_op("kfused::krona_linear_triton_bwd")
 def _krona_linear_triton_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              A: torch.Tensor, B: torch.Tensor, scale: float,
                              need_dx: bool, need_dab: bool) -> List[torch.Tensor]:
@@ -89,9 +90,9 @@ def _krona_backward(bwd_op):
     return backward
 
 
-_krona_linear_triton_fwd.register_autograd(
-    _krona_backward(torch.ops.kfused.krona_linear_triton_bwd), setup_context=_krona_setup)
-_krona_linear_triton_bwd.register_autograd(no_double_backward("krona_linear", "triton"))
+register_autograd(_krona_linear_triton_fwd, 
+    _krona_backward(kops.krona_linear_triton_bwd), setup_context=_krona_setup)
+register_autograd(_krona_linear_triton_bwd, no_double_backward("krona_linear", "triton"), refuses=True)
 
 # ------------------------------------------------------------------------------------------
 # Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
@@ -110,7 +111,7 @@ def keeps_fold(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return KEEP_FOLD_RATIO * weight.numel() <= x.numel()
 
 
-@torch.library.custom_op("kfused::krona_linear_folded_fwd", mutates_args=())
+@custom_op("kfused::krona_linear_folded_fwd")
 def _krona_linear_folded_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              A: torch.Tensor, B: torch.Tensor, scale: float
                              ) -> List[torch.Tensor]:
@@ -127,7 +128,7 @@ def _folded_fwd_fake(x, weight, bias, A, B, scale):
 _krona_linear_folded_fwd.register_fake(_folded_fwd_fake)
 
 
-@torch.library.custom_op("kfused::krona_linear_folded_bwd", mutates_args=())
+@custom_op("kfused::krona_linear_folded_bwd")
 def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              A: torch.Tensor, B: torch.Tensor, scale: float,
                              need_dx: bool, need_dab: bool,
@@ -162,9 +163,9 @@ def _folded_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)    # no zero gradient for W'
 
 
-_krona_linear_folded_fwd.register_autograd(
-    _krona_backward(torch.ops.kfused.krona_linear_folded_bwd), setup_context=_folded_setup)
-_krona_linear_folded_bwd.register_autograd(no_double_backward("krona_linear", "triton"))
+register_autograd(_krona_linear_folded_fwd, 
+    _krona_backward(kops.krona_linear_folded_bwd), setup_context=_folded_setup)
+register_autograd(_krona_linear_folded_bwd, no_double_backward("krona_linear", "triton"), refuses=True)
 
 # ------------------------------------------------------------------------------------------
 # CUDA C++: the folded path on the extension (W' by its fold kernel, then cuBLAS; dA, dB from
@@ -175,7 +176,7 @@ def _ext():
     return cuda.require("krona_linear")
 
 
-@torch.library.custom_op("kfused::krona_linear_cuda_folded_fwd", mutates_args=())
+@custom_op("kfused::krona_linear_cuda_folded_fwd")
 def _krona_linear_cuda_folded_fwd(x: torch.Tensor, weight: torch.Tensor,
                                   bias: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
                                   scale: float) -> List[torch.Tensor]:
@@ -187,7 +188,7 @@ def _krona_linear_cuda_folded_fwd(x: torch.Tensor, weight: torch.Tensor,
 _krona_linear_cuda_folded_fwd.register_fake(_folded_fwd_fake)
 
 
-@torch.library.custom_op("kfused::krona_linear_cuda_folded_bwd", mutates_args=())
+@custom_op("kfused::krona_linear_cuda_folded_bwd")
 def _krona_linear_cuda_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                   A: torch.Tensor, B: torch.Tensor, scale: float,
                                   need_dx: bool, need_dab: bool,
@@ -209,9 +210,9 @@ def _krona_linear_cuda_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torc
 _krona_linear_cuda_folded_bwd.register_fake(_krona_bwd_fake)
 
 
-_krona_linear_cuda_folded_fwd.register_autograd(
-    _krona_backward(torch.ops.kfused.krona_linear_cuda_folded_bwd), setup_context=_folded_setup)
-_krona_linear_cuda_folded_bwd.register_autograd(no_double_backward("krona_linear", "cuda"))
+register_autograd(_krona_linear_cuda_folded_fwd, 
+    _krona_backward(kops.krona_linear_cuda_folded_bwd), setup_context=_folded_setup)
+register_autograd(_krona_linear_cuda_folded_bwd, no_double_backward("krona_linear", "cuda"), refuses=True)
 
 # ------------------------------------------------------------------------------------------
 # validation and the public API
@@ -279,7 +280,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     x2 = rows(x)
     if be == "cuda":
         if use_folded_weight(x2, exact):
-            y = torch.ops.kfused.krona_linear_cuda_folded_fwd(x2, weight, bias, A, B, scale)[0]
+            y = kops.krona_linear_cuda_folded_fwd(x2, weight, bias, A, B, scale)[0]
         else:
             from kfused.ops.kron_matvec import kron_matvec
 
@@ -287,7 +288,7 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  + scale * kron_matvec(x2, A, B, backend="cuda"))
         return y.reshape(*lead, a_out * b_out)
     if use_folded_weight(x2, exact):
-        y = torch.ops.kfused.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)[0]
+        y = kops.krona_linear_folded_fwd(x2, weight, bias, A, B, scale)[0]
     else:
-        y = torch.ops.kfused.krona_linear_triton_fwd(x2, weight, bias, A, B, scale)
+        y = kops.krona_linear_triton_fwd(x2, weight, bias, A, B, scale)
     return y.reshape(*lead, a_out * b_out)

@@ -80,7 +80,7 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (_AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
+from kfused.triton_kernels._common import (cdiv, _AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
                                            _rblk, _splits, F32, dot_precision, targets_gpu)
 
 
@@ -295,7 +295,7 @@ _CS_BM = min(c.kwargs["BM"] for c in _GEMM_CONFIGS)
 def colsum_rows(M: int) -> int:
     """Rows of :func:`gemm`'s column-sum partials: one per slice of _CS_BM rows of A_0 (the
     smallest BM of the configs)."""
-    return triton.cdiv(M, _CS_BM)
+    return cdiv(M, _CS_BM)
 
 
 def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
@@ -346,7 +346,7 @@ def gemm(segs: Sequence[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
         lra = [out, out, out, out, 0, 1.0, 0, 0]
         RB = 16
     lra.append(colsum if colsum is not None else out)
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), 1)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, BN), 1)  # noqa: E731
     o2 = out2 if out2 is not None and out2.numel() else None
     args = [*flat, bias if bias is not None else out, bias2 if bias2 is not None else out,
             out, out.stride(0), out.stride(1), M, N, 0, *lra,
@@ -382,13 +382,13 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
         return r[None] if partials else r.float()
     BN = _tile_n(dev)
     BM_max = 128 if targets_gpu(dev) else 32
-    programs = triton.cdiv(M, BM_max) * triton.cdiv(N, BN)
+    programs = cdiv(M, BM_max) * cdiv(N, BN)
     S = _splits(dev, T, programs)
-    K_PER = triton.cdiv(triton.cdiv(T, S), 64) * 64
-    S = triton.cdiv(T, K_PER)
+    K_PER = cdiv(cdiv(T, S), 64) * 64
+    S = cdiv(T, K_PER)
     part = _alloc.empty(S, M, N, dtype=F32, device=dev)
     at = a_t.t()
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, BN), S)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, BN), S)  # noqa: E731
     segs = [at, at.stride(0), at.stride(1), b, b.stride(0), b.stride(1), T] + \
         [at, 0, 0, b, 0, 0, 0] * 3
     _launch(_gemm_kernel, grid,
@@ -508,8 +508,8 @@ def lr_rank_backward_sections(items, x: Optional[torch.Tensor] = None) -> list:
     # sm_90: 4 warps spilled at RB = 32; float32 (CUDA-core dots) needs the smaller token tile.
     BT = 64 if targets_gpu(dev) and g0.dtype != F32 else 32
     S = _splits(dev, T, sum(Ls), BT // 4)
-    T_PER = triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT
-    S = max(1, triton.cdiv(T, T_PER))
+    T_PER = cdiv(cdiv(max(T, 1), S), BT) * BT
+    S = max(1, cdiv(T, T_PER))
     outs, args, meta = [], [], []
     for g, lr, dz in items:
         L, W, BN = lr.U.shape
@@ -658,7 +658,7 @@ def fold_qkv(ws, lrs, K: int, dtype: torch.dtype, biases=None, cs=None):
     secs, meta, Ls = [], {}, []
     for i, (tag, w, lr, b, c) in enumerate((("A", ws[0], lrs[0], biases[0], cs[0]),
                                              ("B", ws[2], lrs[1], biases[2], cs[1]))):
-        L = triton.cdiv(w.shape[0], BN)
+        L = cdiv(w.shape[0], BN)
         Ls.append(L)
         secs.append([w, w.stride(0), w.stride(1),
                      lr.D if lr is not None else out, lr.U if lr is not None else out,
@@ -671,11 +671,11 @@ def fold_qkv(ws, lrs, K: int, dtype: torch.dtype, biases=None, cs=None):
                      f"{tag}_SH_SCALE": lr is not None and lr.scaled,
                      f"{tag}_HAS_B": b is not None, f"{tag}_HAS_C": c is not None})
     wk, bk = ws[1], biases[1]
-    Lk = triton.cdiv(wk.shape[0], BN)
+    Lk = cdiv(wk.shape[0], BN)
     ksec = [wk, wk.stride(0), wk.stride(1), bk if bk is not None else out, wk.shape[0],
             rows[0], Lk]
     BK = _blk(K, 16, 64 if targets_gpu(dev) else 32)
-    _qkv_fold_kernel[(Ls[0] + Lk + Ls[1], triton.cdiv(K, BK))](
+    _qkv_fold_kernel[(Ls[0] + Lk + Ls[1], cdiv(K, BK))](
         K, out, bo, *secs[0], *ksec, *secs[1], BN=BN, BK=BK, BIAS=bias, K_HAS_B=bk is not None,
         **meta, num_warps=4 if targets_gpu(dev) else 1)
     return out, (bo if bias else None)
@@ -806,7 +806,7 @@ def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
 @functools.lru_cache(maxsize=1024)
 def _most_slots(H: int, P: int, R: int, RS: int, BN: int) -> Tuple[int, int]:
     N = H * P
-    L = triton.cdiv(N, BN)
+    L = cdiv(N, BN)
     most = 0
     for l in range(L):
         c0, c1 = l * BN, min((l + 1) * BN, N)
@@ -825,7 +825,7 @@ def pack_width(H: int, P: int, R: int, RS: int, BN: int) -> int:
     """W, the slots stored per tile (the tile stride of D, zb, U, Z and dZ): the most any
     tile needs, rounded up to a multiple of 8, at most RB."""
     L, most = _most_slots(H, P, R, RS, BN)
-    return min(_rblk(most), triton.cdiv(max(most, 1), 8) * 8)
+    return min(_rblk(most), cdiv(max(most, 1), 8) * 8)
 
 
 class _Packing:
@@ -1287,7 +1287,7 @@ def compact_dz(pk: "_Packing", dzt: torch.Tensor, dzc: torch.Tensor) -> None:
         return
     BT = 64 if targets_gpu(dzc.device) else 16
     CB = _blk(MC, 16, 64)
-    _compact_dz_kernel[(triton.cdiv(T, BT), triton.cdiv(MC, CB))](
+    _compact_dz_kernel[(cdiv(T, BT), cdiv(MC, CB))](
         dzt, dzt.stride(0), dzc, dzc.stride(0), T, pk.P, pk.R, pk.RS, pk.L, MC,
         BN=pk.BN, W=pk.W, SPAN=pk.SPAN, BT=BT, CB=CB, num_warps=4)
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (_NW, _atb, _blk, _dot_f32_by16, _mm, _rblk, F32,
+from kfused.triton_kernels._common import (cdiv, _NW, _atb, _blk, _dot_f32_by16, _mm, _rblk, F32,
                                            dot_precision, use_dot)
 
 
@@ -121,7 +121,7 @@ def headwise_lowrank_forward(basis: torch.Tensor, A: torch.Tensor, B: torch.Tens
     RB = _rblk(R)
     s_xh = basis.stride(1) if per_head else 0
     s_xk = basis.stride(-1)
-    grid = (triton.cdiv(T, BT), H)
+    grid = (cdiv(T, BT), H)
     if T > 0:
         _hw_lowrank_fwd_kernel[grid](
             basis, basis.stride(0), s_xh, s_xk, A, B, bias if bias is not None else A, out, z,
@@ -154,7 +154,7 @@ def headwise_lowrank_backward(g: torch.Tensor, basis: torch.Tensor, A: torch.Ten
         s_dt, s_dh, nh, hpp = DB, 0, 1, H
     # dZ is needed by dA, and computed by this kernel together with dbasis.
     if T > 0 and (need_basis or need_factors):
-        grid = (triton.cdiv(T, BT), triton.cdiv(DB, BD) if need_basis else 1, nh)
+        grid = (cdiv(T, BT), cdiv(DB, BD) if need_basis else 1, nh)
         _hw_lowrank_bwd_kernel[grid](
             g, A, B, dx, s_dt, s_dh, dz, T, H, DB, P, R, hpp,
             BT=BT, BD=BD, PB=PB, RB=RB, DOT_G=use_dot(BT, PB, RB), DOT_A=use_dot(BT, RB, BD),

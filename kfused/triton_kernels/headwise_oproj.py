@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu
+from kfused.triton_kernels._common import cdiv, F32, _blk, next_pow2, targets_gpu
 from kfused.triton_kernels._headwise_common import (_PACKED_MAX, _operand_key, colsum_rows,
                                                     frozen_gemm, gemm, reduce_tokens)
 
@@ -179,7 +179,7 @@ def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
     gpu = targets_gpu(w.device)
     BN, BK = (64, 128) if gpu else (32, 32)
     BR = _blk(M, 16, 32)
-    _oproj_fold_kernel[(triton.cdiv(rows, BN), triton.cdiv(cols, BK))](
+    _oproj_fold_kernel[(cdiv(rows, BN), cdiv(cols, BK))](
         w, w.stride(0), w.stride(1), Bc, Do, out, cols, N, HP, M, APPEND=append, BN=BN, BK=BK,
         BR=BR, num_warps=4 if gpu else 1)
     return out
@@ -188,7 +188,7 @@ def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
 def _pack_grid(M: int, N: int, width: int, dev):
     """(BR rows of the up-projection per program, BC columns per step, grid)."""
     BR = 32 if targets_gpu(dev) else 8
-    return BR, _blk(width, 16, 256 if targets_gpu(dev) else 32), (M + triton.cdiv(N, BR),)
+    return BR, _blk(width, 16, 256 if targets_gpu(dev) else 32), (M + cdiv(N, BR),)
 
 
 def _oproj_pack(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import F32, _blk, next_pow2, targets_gpu, tl_dtype
+from kfused.triton_kernels._common import cdiv, F32, _blk, next_pow2, targets_gpu, tl_dtype
 
 
 @triton.jit
@@ -178,7 +178,7 @@ def section_forward(wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tenso
     up = _alloc.empty(H, P, R, dtype=F32, device=dev)
     bk = b_k.contiguous() if b_k is not None else down
     BD = _blk(K, 16, 128 if targets_gpu(dev) else 32)
-    _section_fwd_kernel[(H, triton.cdiv(K, BD))](
+    _section_fwd_kernel[(H, cdiv(K, BD))](
         *_strides3(wise_A, down), *_strides3(wise_B, down), lite_A, *lite_A.stride(),
         lite_B, *lite_B.stride(), w_k, *w_k.stride(), bk, down, zb, up,
         K, P, RW, RL, R, H // Hk,

@@ -60,7 +60,7 @@ from triton.language.extra import libdevice
 
 from kfused import _alloc
 from kfused.backends import triton_interpret
-from kfused.triton_kernels._common import _INTERPRETED, _mm, dot_precision, next_pow2
+from kfused.triton_kernels._common import cdiv, _INTERPRETED, _mm, dot_precision, next_pow2
 
 # LSE of a row with no visible real column (log 0): finite so that nothing downstream is NaN;
 # exp(s − LSE) is never evaluated on such a row because every column is masked.
@@ -946,10 +946,10 @@ class _DecodePlan:
                 sms = (torch.cuda.get_device_properties(device).multi_processor_count
                        if device.type == "cuda" else 132)        # H100 SXM (perf model)
                 kv_heads = max(1, lay.B * lay.h_kv)
-                want = 1 if kv_heads >= 0.8 * sms else triton.cdiv(sms, kv_heads)
-                chunk = max(256, triton.cdiv(lay.n_k, want))
-        self.chunk = triton.cdiv(max(1, chunk), self.block_n) * self.block_n
-        self.splits = triton.cdiv(lay.n_k, self.chunk)
+                want = 1 if kv_heads >= 0.8 * sms else cdiv(sms, kv_heads)
+                chunk = max(256, cdiv(lay.n_k, want))
+        self.chunk = cdiv(max(1, chunk), self.block_n) * self.block_n
+        self.splits = cdiv(lay.n_k, self.chunk)
         # Something to split (several chunks) or to pack (query heads per kv head): else the
         # single pass on block_m-row tiles does the same work with no workspace and no merge.
         # PREDICTED (kfused.perf, H100, B=8 H=32/32 n_k=4096 p=128): 182.9 -> 182.0 µs (2.1 MB
@@ -1156,13 +1156,13 @@ def inducer_attention_forward(
     ws_acc = ws_ml = count = lse
     n_ws = chunk = 0
     split_m = 16
-    grid = (triton.cdiv(n_q, BM), B * H)
+    grid = (cdiv(n_q, BM), B * H)
     if decode and B * H * n_q > 0:
         plan = _DecodePlan(lay, q.device, decode_chunk)
         BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
         warps, stages = 4, (1 if triton_interpret() else 2)
         decode = plan.split_kv
-        grid = (triton.cdiv(n_q, BM), B * H)
+        grid = (cdiv(n_q, BM), B * H)
     if decode and B * H * n_q > 0:
         n_ws = B * h_kv * plan.splits * split_m
         ws_acc = torch.empty(n_ws, d_pad, **f32)
@@ -1232,7 +1232,7 @@ def inducer_attention_backward(
     dq = _alloc.empty(*lay.token_shape(H, n_q, q.shape[0]), dtype=q.dtype, device=q.device)
     dk = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=k.dtype, device=q.device)
     dv = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=v.dtype, device=q.device)
-    grid_m = triton.cdiv(n_q, BM)
+    grid_m = cdiv(n_q, BM)
     part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the dQ kernel)
     part = (_alloc.empty(grid_m * B, H, part_size, dtype=torch.float32, device=q.device)
             if has_mlp else lse)
@@ -1257,13 +1257,13 @@ def inducer_attention_backward(
             BLOCK_M=BM, BLOCK_N=BN,
             num_warps=warps, **kw)
     if B * h_kv * n_k > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_k, BN_KV), B * h_kv)](
+        _inducer_attn_bwd_dkdv_kernel[(cdiv(n_k, BN_KV), B * h_kv)](
             q, k, v, km, dout, stats, lay.n_rows, delta, adj, dk, dv, *lay.args(),
             *lay.strides(dk)[:3], *lay.strides(q), *lay.strides(k), *lay.strides(v), smb,
             *lay.strides(dout), H, h_kv, group, *lay.bounds, n_k - n_q, float(scale) * LOG2E,
             float(scale), IS_PREFIX=False, **kv_kw)
     if has_prefix and B * H > 0:
-        _inducer_attn_bwd_dkdv_kernel[(triton.cdiv(n_prefix, BN_KV), B * H)](
+        _inducer_attn_bwd_dkdv_kernel[(cdiv(n_prefix, BN_KV), B * H)](
             q, pk, pv, km, dout, stats, lay.n_rows, delta, adj, dpk_part, dpv_part, *lay.args(),
             *dpk_part.stride()[:3], *lay.strides(q), 0, *spk, 0, *spv, smb, *lay.strides(dout),
             H, H, 1, lay.bounds[0], n_prefix, n_k - n_q, float(scale) * LOG2E, float(scale),

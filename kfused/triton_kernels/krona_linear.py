@@ -105,7 +105,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (_grouped_tile, _mm, acc_dtype, dot_precision,
+from kfused.triton_kernels._common import (cdiv, host_config, _grouped_tile, _mm, acc_dtype, dot_precision,
                                            grid_programs, inter_dtype, next_pow2, targets_gpu,
                                            use_dot)
 
@@ -562,6 +562,7 @@ def _token_tiles(T: int, gpu: bool, elem_bytes: int) -> Tuple[int, int]:
     return min(BM, max(16, next_pow2(T))), (64 if gpu else 128)
 
 
+@host_config
 def _fwd_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int, has_w: bool,
                 device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _krona_fwd_kernel.
@@ -626,7 +627,7 @@ def _kron_products(a_out: int, a_in: int, b_out: int, b_in: int, BI: int, BJ: in
     """Multiply-adds per token of _krona_fwd_kernel's Kronecker term in its two orders at the
     tile (BI, BJ): (U = A X first, V = X Bᵀ first). Each order recomputes its first product for
     every tile of the other output axis."""
-    n_ib, n_jb = triton.cdiv(a_out, BI), triton.cdiv(b_out, BJ)
+    n_ib, n_jb = cdiv(a_out, BI), cdiv(b_out, BJ)
     rows, cols = n_ib * BI, n_jb * BJ
     ax = n_jb * rows * a_in * b_in + rows * b_in * cols
     xb = n_ib * a_in * b_in * cols + rows * a_in * cols
@@ -643,6 +644,7 @@ def _xb_first(a_out: int, a_in: int, b_out: int, b_in: int, BI: int, BJ: int) ->
     return 2 * xb < ax
 
 
+@host_config
 def _fwd_config_xb(T: int, a_in: int, b_in: int, BI: int, BJ: int, has_w: bool, gpu: bool,
                    elem_bytes: int) -> dict:
     """Block sizes of _krona_fwd_kernel in the X Bᵀ-first order (XB_FIRST): V (BM·KC, BJ) is
@@ -694,7 +696,7 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
         return y
     cfg = _fwd_config(T, a_out, a_in, b_out, b_in, weight is not None, x.device,
                       x.element_size())
-    grid = (triton.cdiv(T, cfg["BM"]), triton.cdiv(a_out, cfg["BI"]) * triton.cdiv(b_out, cfg["BJ"]))
+    grid = (cdiv(T, cfg["BM"]), cdiv(a_out, cfg["BI"]) * cdiv(b_out, cfg["BJ"]))
     w = weight if weight is not None else x
     _krona_fwd_kernel[grid](
         x, w, bias if bias is not None else x, A, B, y,
@@ -722,7 +724,7 @@ def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor
     gpu = targets_gpu(A.device)
     BO, BC = (32, 128) if gpu else (16, 64)
     w = weight if weight is not None else A
-    grid = (triton.cdiv(d_out, BO), triton.cdiv(d_in, BC))
+    grid = (cdiv(d_out, BO), cdiv(d_in, BC))
     _kron_fold_kernel[grid](
         w, A, B, out, d_out, d_in, b_out, b_in,
         w.stride(0), w.stride(1) if weight is not None else 0,
@@ -732,6 +734,7 @@ def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor
     return out
 
 
+@host_config
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
                  device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _kron_grad_kernel: BT tokens per step, every factor dim padded to a
@@ -807,7 +810,7 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     key = (x.device, x.dtype, compute_dx, compute_dab, tuple(sorted(cfg.items())))
     if key in _GRAD_NO_LAUNCH:
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
-    n_blocks = triton.cdiv(T, cfg["BT"])
+    n_blocks = cdiv(T, cfg["BT"])
     n_prog = grid_programs(x.device, n_blocks)
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     try:
@@ -839,6 +842,7 @@ _GRAD_TILE_LIMIT = 64 * 64
 _GRAD_NO_LAUNCH: set = set()     # configurations the GPU refused (OutOfResources)
 
 
+@host_config
 def _swap_factors(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
     """Whether kron_factor_grads runs the kernel on the swapped factors (B, A)."""
     tile = max(2, next_pow2(a_out)) * max(2, next_pow2(b_in))
@@ -879,6 +883,7 @@ def _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab):
     return dx, dA, dB
 
 
+@host_config
 def _grad_numerics(dtype: torch.dtype) -> dict:
     """Dot precision, accumulators and the 16-bit hi/lo split of the factor-gradient steps."""
     return dict(PREC=dot_precision(dtype), ACC=acc_dtype(dtype), IDT=inter_dtype(dtype),
@@ -902,6 +907,7 @@ def _sum_factor_partials(dab: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
             tot[A.numel():].view(B.shape).to(B.dtype, copy=True))
 
 
+@host_config
 def _dx_grad_config(T: int, d_in: int, a_out: int, a_in: int, b_out: int, b_in: int,
                     device: torch.device, elem_bytes: int) -> dict:
     """Tiles of _kron_dx_grad_kernel: the GEMM tile, and the factor steps of _grad_config at
@@ -934,6 +940,7 @@ def _cuda_core_flops_per_token(cfg: dict) -> float:
     return sum(2.0 * v / bt for k, v in mnk.items() if not cfg[k])
 
 
+@host_config
 def fused_dx_grad_applies(a_out: int, a_in: int, b_out: int, b_in: int, T: int = 16384,
                           elem_bytes: int = 2) -> bool:
     """Whether the folded backward takes :func:`krona_dx_and_factor_grads` (one pass) rather
@@ -978,9 +985,9 @@ def krona_dx_and_factor_grads(g: torch.Tensor, x: torch.Tensor, w_fold: torch.Te
     key = (x.device, x.dtype, tuple(sorted(cfg.items())))
     if key in _DX_GRAD_NO_LAUNCH:
         return None
-    n_m, n_n = triton.cdiv(T, cfg["BM"]), triton.cdiv(d_in, cfg["BN"])
+    n_m, n_n = cdiv(T, cfg["BM"]), cdiv(d_in, cfg["BN"])
     # the row block's tokens shared out among its column programs, in whole factor steps
-    tok = triton.cdiv(triton.cdiv(cfg["BM"], n_n), cfg["BT"]) * cfg["BT"]
+    tok = cdiv(cdiv(cfg["BM"], n_n), cfg["BT"]) * cfg["BT"]
     dab = _factor_partials(n_m * n_n, A, B, x.dtype)
     try:
         _kron_dx_grad_kernel[(n_m * n_n,)](
