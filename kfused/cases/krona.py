@@ -189,7 +189,11 @@ def check_cases(device: torch.device) -> List[CheckCase]:
     g = torch.Generator().manual_seed(0)
     T = 1000 if device.type == "cuda" else 33
     cases = []
-    for shape in [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (3, 5, 7, 2)]:
+    # (9, 3, 3, 5), (1, 10, 5, 5), (32, 16, 2, 64): the factor shapes whose 16-bit kernel
+    # tests failed on the H100 of 2026-11-27 (fp16 and bf16; float32 and the interpreter
+    # passed; the reports were lost): `kfused check` prints every tensor's error for them
+    for shape in [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (3, 5, 7, 2),
+                  (9, 3, 3, 5), (1, 10, 5, 5), (32, 16, 2, 64)]:
         a_out, a_in, b_out, b_in = shape
         x = torch.randn(T, a_in * b_in, generator=g, dtype=torch.float64)
         A = torch.randn(a_out, a_in, generator=g, dtype=torch.float64)
@@ -202,11 +206,13 @@ def check_cases(device: torch.device) -> List[CheckCase]:
             cases.append(CheckCase("kron_matvec", label, be,
                                    lambda x, A, B, be=be: kron_matvec(x, A, B, backend=be),
                                    kron_matvec_ref, {"x": x, "A": A, "B": B}))
-        cases.append(CheckCase(
-            "krona_linear", label, "triton",
-            lambda **kw: krona_linear(**kw, scale=0.5, backend="triton"),
-            lambda **kw: krona_linear_ref(**kw, scale=0.5),
-            {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
+        for exact, tag in ((None, ""), (False, " folded")):   # factored, and W' + cuBLAS
+            cases.append(CheckCase(
+                "krona_linear", label + tag, "triton",
+                lambda exact=exact, **kw: krona_linear(**kw, scale=0.5, backend="triton",
+                                                       exact=exact),
+                lambda **kw: krona_linear_ref(**kw, scale=0.5),
+                {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
         # the CUDA C++ path: F.linear + its kron_matvec (T < FOLD_MIN_TOKENS), and its fold
         # kernel + cuBLAS (exact=False; float32 never folds)
         for exact, tag in ((None, ""), (False, " folded")):
