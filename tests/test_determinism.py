@@ -70,7 +70,7 @@ def _case(name, dtype, g):
     if name.startswith("inducer_attention"):
         comp = name.split("-")[1]
         B, H, n, p, L, rr = 2, 2, 19, 32, 3, 4
-        mask = torch.rand(B, n, generator=g) > 0.3
+        mask = (torch.rand(B, n, generator=g) > 0.3).to(DEVICE)   # on q's device
         mask[1] = False  # a fully padded batch element
         extra = dict(W2=r(H, rr, p), b2=r(H, p)) if comp == "gate" else {}
 

@@ -961,7 +961,16 @@ def test_qkv_lite_fp16_cancelling_key(seed, rank_space):
                              out_names=["Q", "K", "V"], seed=seed)
 
 
-@pytest.mark.parametrize("BM", [32, 64])
+def _gemm_row_tiles():
+    """The BM of every autotuning config of this run (interpreter: 32; GPU: 64 and 128) and
+    twice the smallest: a tile of several _CS_BM slices. A BM below _CS_BM (the smallest
+    config BM) is no config: its program would own no column-sum row."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    return sorted({c.kwargs["BM"] for c in hc._GEMM_CONFIGS} | {2 * hc._CS_BM})
+
+
+@pytest.mark.parametrize("BM", _gemm_row_tiles())
 def test_gemm_colsum_every_row_whatever_the_tile(BM):
     # The output projection's bias gradient comes from the dx GEMM's column sums of dY, one
     # row per _CS_BM-token slice. On a GPU the autotuner tries several BM: every config must
@@ -1287,23 +1296,23 @@ def test_triton_custom_ops_take_any_layout():
     # the custom ops themselves (not only the public functions) hand their kernels the
     # layouts they index: a strided or expanded bias / per-head c, transposed factors
     H, r, db, p, T = 3, 2, 9, 5, 7
-    x = torch.randn(T, db)
-    A = torch.randn(r, H, db).transpose(0, 1)
-    B = torch.randn(1, p, r).expand(H, p, r)
-    bias = torch.randn(H, 2 * p)[:, ::2]
+    x = _t(T, db)
+    A = _t(r, H, db).transpose(0, 1)
+    B = _t(1, p, r).expand(H, p, r)
+    bias = _t(H, 2 * p)[:, ::2]
     out, _ = torch.ops.kfused.headwise_lowrank_triton_fwd(x, A, B, bias, False)
     torch.testing.assert_close(out, headwise_lowrank_ref(x, A, B, bias), rtol=1e-5, atol=1e-5)
     Hh, pp, dout = 2, 4, 6
-    o, w_o = torch.randn(T, Hh * pp), torch.randn(dout, Hh * pp)
-    b_o, c = torch.randn(2 * dout)[::2], torch.randn(1).expand(dout)
-    wA, wB = torch.randn(Hh, 1, pp), torch.randn(dout, Hh)
+    o, w_o = _t(T, Hh * pp), _t(dout, Hh * pp)
+    b_o, c = _t(2 * dout)[::2], _t(1).expand(dout)
+    wA, wB = _t(Hh, 1, pp), _t(dout, Hh)
     y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(o, w_o, b_o, wA, wB, None, None, Hh, 1.0,
                                                       c, False)
     want = headwise_oproj_ref(o, w_o, b_o, n_heads=Hh, wise_A=wA, wise_B=wB, wise_c=c)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-    w = torch.randn(Hh * pp, db)
-    bq, bk, bv = torch.randn(2 * Hh * pp)[::2], torch.randn(1).expand(Hh * pp), None
-    cq = torch.randn(Hh * pp, 2)[:, 1]
+    w = _t(Hh * pp, db)
+    bq, bk, bv = _t(2 * Hh * pp)[::2], _t(1).expand(Hh * pp), None
+    cq = _t(Hh * pp, 2)[:, 1]
     none5 = (None,) * 5
     Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(x, w, w, w, bq, bk, bv, *none5, *none5, pp,
                                                     1.0, 1.0, cq, None)
@@ -1318,20 +1327,17 @@ def test_empty_input_width(backend):
     # width is an empty sum: the fused ops return what the reference returns (biases, c, and
     # lite's b_k A_hᵀ B_hᵀ), with gradients.
     H, p, T = 3, 4, 5
-    x = torch.randn(T, 0, requires_grad=True)
-    c = torch.randn(H, p)
-    for basis, ph in ((x, False), (torch.randn(2, T, H, 0), True), (torch.randn(0, 0), False)):
-        y = headwise_lowrank(basis, torch.randn(H, 2, 0), torch.randn(H, p, 2), c, per_head=ph,
-                             backend=backend)
+    x = _t(T, 0, grad=True)
+    c = _t(H, p)
+    for basis, ph in ((x, False), (_t(2, T, H, 0), True), (_t(0, 0), False)):
+        y = headwise_lowrank(basis, _t(H, 2, 0), _t(H, p, 2), c, per_head=ph, backend=backend)
         assert y.shape == (*basis.shape[:-2 if ph else -1], H, p)
         torch.testing.assert_close(y, c.expand_as(y))
-    w0 = torch.randn(H * p, 0)
-    b = [torch.randn(H * p) for _ in range(3)]
-    lite = HeadFactors(lite_A=torch.randn(H, 2, p), lite_B=torch.randn(H, p, 2),
-                       lite_c=torch.randn(H, p))
-    wise = HeadFactors(wise_A=torch.randn(H, 1, 0), wise_B=torch.randn(H, p, 1),
-                       wise_c=torch.randn(H, p), shared_A=torch.randn(2, 0),
-                       shared_B=torch.randn(H * p, 2))
+    w0 = _t(H * p, 0)
+    b = [_t(H * p) for _ in range(3)]
+    lite = HeadFactors(lite_A=_t(H, 2, p), lite_B=_t(H, p, 2), lite_c=_t(H, p))
+    wise = HeadFactors(wise_A=_t(H, 1, 0), wise_B=_t(H, p, 1), wise_c=_t(H, p),
+                       shared_A=_t(2, 0), shared_B=_t(H * p, 2))
     Q, K, V = headwise_qkv(x, w0, w0, w0, *b, n_heads=H, q=wise, v=lite, backend=backend)
     torch.testing.assert_close(Q, (b[0] + wise.wise_c.reshape(-1)).expand(T, -1))
     torch.testing.assert_close(K, b[1].expand(T, -1))
@@ -1342,13 +1348,11 @@ def test_empty_input_width(backend):
     y = headwise_projection(x, w0, b[0], n_heads=H, factors=lite, w_k=w0, b_k=b[1],
                             backend=backend)
     torch.testing.assert_close(y, V - b[2] + b[0])
-    y = headwise_oproj(torch.randn(T, 0), torch.randn(6, 0), b[0][:6], n_heads=H,
-                       wise_A=torch.randn(H, 1, 0), wise_B=torch.randn(6, H),
-                       wise_c=torch.randn(6), backend=backend)
+    y = headwise_oproj(_t(T, 0), _t(6, 0), b[0][:6], n_heads=H, wise_A=_t(H, 1, 0),
+                       wise_B=_t(6, H), wise_c=_t(6), backend=backend)
     assert y.shape == (T, 6)
     # a head width of 0 (w_q with no rows): empty outputs
-    Q, K, V = headwise_qkv(torch.randn(T, 6), torch.randn(0, 6), torch.randn(0, 6),
-                           torch.randn(0, 6), n_heads=H, backend=backend)
+    Q, K, V = headwise_qkv(_t(T, 6), _t(0, 6), _t(0, 6), _t(0, 6), n_heads=H, backend=backend)
     assert Q.shape == K.shape == V.shape == (T, 0)
 
 
@@ -1356,16 +1360,16 @@ def test_scale_checks_and_tensor_scale_shapes():
     # a non-number scale is a TypeError, a non-finite number a ValueError (as in
     # krona_linear); a one-element tensor scale of any rank acts as a scalar
     H, p, d, T = 2, 4, 6, 5
-    x, w = torch.randn(T, d), torch.randn(H * p, d)
-    o, wo = torch.randn(T, H * p), torch.randn(d, H * p)
-    sA, sB = torch.randn(2, H * p), torch.randn(d, 2)
+    x, w = _t(T, d), _t(H * p, d)
+    o, wo = _t(T, H * p), _t(d, H * p)
+    sA, sB = _t(2, H * p), _t(d, 2)
 
     def q(scale):
-        return HeadFactors(shared_A=torch.randn(2, d), shared_B=torch.randn(H * p, 2),
-                           scale=scale)
+        return HeadFactors(shared_A=_t(2, d), shared_B=_t(H * p, 2), scale=scale)
     for bad, exc in ((float("nan"), ValueError), (float("inf"), ValueError), ("2", TypeError),
-                     (True, TypeError), (torch.ones((), dtype=torch.int64), TypeError),
-                     (torch.ones(2), ValueError)):
+                     (True, TypeError), (torch.ones((), dtype=torch.int64, device=DEVICE),
+                                         TypeError),
+                     (torch.ones(2, device=DEVICE), ValueError)):
         with pytest.raises(exc, match=r"q\.scale"):
             headwise_qkv(x, w, w, w, n_heads=H, q=q(bad))
         with pytest.raises(exc, match="scale"):
@@ -1375,7 +1379,7 @@ def test_scale_checks_and_tensor_scale_shapes():
     wo_want = headwise_oproj(o, wo, n_heads=H, shared_A=sA, shared_B=sB, scale=0.5,
                              backend="reference")
     for shape in ((), (1,), (1, 1, 1)):
-        s = torch.full(shape, 0.5)
+        s = torch.full(shape, 0.5, device=DEVICE)   # (a tensor scale is on the inputs' device)
         for backend in ("triton", "reference"):
             got = headwise_qkv(x, w, w, w, n_heads=H, backend=backend, fused_output=True,
                                q=HeadFactors(shared_A=f.shared_A, shared_B=f.shared_B, scale=s))
@@ -1415,8 +1419,8 @@ def test_double_backward_says_it_is_unsupported(op):
         y = headwise_lowrank(*leaves, backend="triton")
     elif op == "oproj":
         leaves = [t(T, H * p), t(H, 1, p), t(d, H)]
-        y = headwise_oproj(leaves[0], torch.randn(d, H * p), n_heads=H, wise_A=leaves[1],
-                           wise_B=leaves[2], backend="triton")
+        y = headwise_oproj(leaves[0], torch.randn(d, H * p, dtype=dt, device=DEVICE),
+                           n_heads=H, wise_A=leaves[1], wise_B=leaves[2], backend="triton")
     else:
         w = torch.randn(H * p, d, dtype=dt, device=DEVICE)
         leaves = [t(H, 2, p)]
@@ -1424,7 +1428,8 @@ def test_double_backward_says_it_is_unsupported(op):
             leaves.append(t(T, d))
         x = leaves[1] if op == "qkv" else torch.randn(T, d, dtype=dt, device=DEVICE)
         y = headwise_qkv(x, w, w, w, n_heads=H, backend="triton", fused_output=True,
-                         q=HeadFactors(lite_A=leaves[0], lite_B=torch.randn(H, p, 2, dtype=dt)))
+                         q=HeadFactors(lite_A=leaves[0],
+                                       lite_B=torch.randn(H, p, 2, dtype=dt, device=DEVICE)))
     grads = torch.autograd.grad(y.float().square().sum(), leaves, create_graph=True)
     with pytest.raises(RuntimeError, match=r"double backward is not supported by kfused\.headw"
                                            r"ise_.*backend='reference'"):

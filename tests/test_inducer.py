@@ -449,7 +449,7 @@ def test_bad_inputs():
         inducer_attention(**X, prefix_k=torch.randn(2, 3, 32))
     with pytest.raises(ValueError, match="prefix_v has shape"):
         inducer_attention(**X, prefix_k=torch.randn(2, 3, 32), prefix_v=torch.randn(2, 4, 32))
-    q = torch.randn(1, 1, 4, 48)
+    q = torch.randn(1, 1, 4, 48, device=DEVICE)   # (Triton's own device: the width is refused)
     with pytest.raises(BackendError, match="head width 48"):
         inducer_attention(q, q, q, backend="triton")
     out, _ = inducer_attention(q, q, q, backend="reference")   # any width on the reference
@@ -648,18 +648,22 @@ def test_strided_inputs_match_contiguous():
     give bit-for-bit what their contiguous copies give (no stride read off another tensor)."""
     B, H, H_kv, n, p = 2, 4, 2, 21, 32
     g = torch.Generator().manual_seed(1)
+
+    def rnd(*s):    # drawn on the CPU (the same values on every device), then moved
+        return torch.randn(*s, generator=g).to(DEVICE)
+
     # q as a column slice of a fused (B, n, 3·H·p) projection, viewed as heads
-    fused = torch.randn(B, n, 3 * H * p + 5, generator=g)
+    fused = rnd(B, n, 3 * H * p + 5)
     q = fused[:, :, 5:5 + H * p].view(B, n, H, p).transpose(1, 2)
     # k expanded over the batch (stride 0), v a slice of a wider head dim
-    k = torch.randn(1, H_kv, n, p, generator=g).expand(B, H_kv, n, p)
-    v = torch.randn(B, H_kv, n, 2 * p, generator=g)[..., ::2]
-    pk = torch.randn(1, 3, p, generator=g).expand(H, 3, p)
-    pv = torch.randn(H, p, 3, generator=g).transpose(1, 2)
-    P = {k_: t.float() for k_, t in _params(H, p).items()}
-    mask = torch.rand(B, n, generator=g) > 0.3
-    gy = torch.randn(B, n, H, p, generator=g).transpose(1, 2)       # non-contiguous dout
-    gu = torch.randn(B, n, H, 5, generator=g).transpose(1, 2)
+    k = rnd(1, H_kv, n, p).expand(B, H_kv, n, p)
+    v = rnd(B, H_kv, n, 2 * p)[..., ::2]
+    pk = rnd(1, 3, p).expand(H, 3, p)
+    pv = rnd(H, p, 3).transpose(1, 2)
+    P = {k_: t.float().to(DEVICE) for k_, t in _params(H, p).items()}
+    mask = (torch.rand(B, n, generator=g) > 0.3).to(DEVICE)
+    gy = rnd(B, n, H, p).transpose(1, 2)       # non-contiguous dout
+    gu = rnd(B, n, H, 5).transpose(1, 2)
 
     def run(q, k, v, pk, pv):
         leaves = [t.detach().clone() if t.is_contiguous() else t.detach()
@@ -707,15 +711,20 @@ def test_no_queries_gives_zero_gradients(packed):
 def test_float64_is_refused_by_the_triton_kernels():
     """The interpreter admits float64 (kfused.backends), but the inducer kernels compute in
     float32: a float64 result would carry float32 error (seen: u off by 1e-8, gradients by
-    1e-7 relative). The Triton backend refuses float64 by name; the reference runs it."""
+    1e-7 relative). The Triton backend refuses float64 by name; the reference runs it. (On
+    a GPU compiled Triton takes no float64 at all: the backend check refuses the dtype before
+    the op's own reason.)"""
     from kfused.ops import inducer_attention_varlen
 
+    refused = ("compute in float32" if DEVICE == "cpu"
+               else r"dtype torch\.float64 is not one of float32, float16, bfloat16")
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 5, 32, generator=g, dtype=torch.float64) for _ in range(3))
-    with pytest.raises(BackendError, match="compute in float32"):
+    q, k, v = (torch.randn(1, 2, 5, 32, generator=g, dtype=torch.float64).to(DEVICE)
+               for _ in range(3))
+    with pytest.raises(BackendError, match=refused):
         inducer_attention(q, k, v, backend="triton")
     inducer_attention(q, k, v, backend="reference")
     qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
-    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    with pytest.raises(BackendError, match="compute in float32"):
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(BackendError, match=refused):
         inducer_attention_varlen(qp, kp, vp, cu, backend="triton")

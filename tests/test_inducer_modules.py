@@ -94,8 +94,8 @@ def _inputs(kind):
 @pytest.mark.parametrize("kind", ["gpt2", "roberta", "llama"])
 def test_hf_plain_matches_sdpa_with_padding(kind):
     torch.manual_seed(0)
-    model = _tiny(kind).eval()
-    ids, mask = _inputs(kind)
+    model = _tiny(kind).to(DEVICE).eval()         # (compiled Triton takes CUDA tensors only)
+    ids, mask = (t.to(DEVICE) for t in _inputs(kind))
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state

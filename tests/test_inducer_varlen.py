@@ -192,11 +192,11 @@ def test_varlen_bad_inputs():
     P = {k_: t.float() for k_, t in _params(H, p).items()}
     with pytest.raises(ValueError, match="Bk has shape"):
         inducer_attention_varlen(**X, cu_seqlens_q=cu, **{**P, "Bk": P["Bk"][:, :, :5]})
-    q = torch.randn(4, 1, 48)
+    q = torch.randn(4, 1, 48, device=DEVICE)      # (Triton's own device: the width is refused)
     with pytest.raises(BackendError, match="head width 48"):
-        inducer_attention_varlen(q, q, q, _cu([4]), backend="triton")
+        inducer_attention_varlen(q, q, q, _cu([4]).to(DEVICE), backend="triton")
     with pytest.raises(BackendError, match="no cuda implementation"):
-        inducer_attention_varlen(q, q, q, _cu([4]), backend="cuda")
+        inducer_attention_varlen(q, q, q, _cu([4]).to(DEVICE), backend="cuda")
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -122,14 +122,14 @@ def test_t5_headwise_fused_matches_reference_spec4(name, device):
                              {"emb": emb}, torch.float32, device)
 
 
-def test_t5_headwise_triton_parameter_gradients():
+def test_t5_headwise_triton_parameter_gradients(device):
     """The adapters' own gradients from the fused backward agree with the reference."""
     base = t5(n_layers=1)
     inject(base, AdapterConfig(init="paper", **HEADWISE["kernel_mix"]))
-    inputs = batch("t5", n=7)
+    inputs = {k: v.to(device) for k, v in batch("t5", n=7).items()}
     grads = {}
     for backend in ("reference", "triton"):
-        m = copy.deepcopy(base).eval()
+        m = copy.deepcopy(base).to(device).eval()
         with use_backend(backend):
             m(**inputs).loss.backward()
         grads[backend] = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}

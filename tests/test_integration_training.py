@@ -19,14 +19,15 @@ def _adapter_grads(model):
 
 @pytest.mark.parametrize("arch,method,backend", [("gpt2", "krona", "triton"),
                                                  ("llama", "lora", "reference")])
-def test_torch_compile_fullgraph(arch, method, backend):
+def test_torch_compile_fullgraph(arch, method, backend, device):
     # HF computes the loss with a graph break of its own (also without adapters), so the
     # compiled region is the model's forward to the logits; fullgraph=True fails on any break.
     torch._dynamo.reset()
     model = make(arch, n_layers=1)
     inject(model, AdapterConfig(method=method, init="random", backend=backend))
+    model.to(device)            # (compiled Triton takes CUDA tensors only)
     inputs = batch(arch)
-    ids = inputs["input_ids"]
+    ids = inputs["input_ids"].to(device)
 
     def logits(m):
         return m(input_ids=ids).logits
@@ -145,21 +146,21 @@ def test_bench_e2e_cases_cpu(monkeypatch):
     del sys.modules["kfused.cases.e2e"]
 
 
-def test_krona_fused_runs_in_autocast_dtype():
+def test_krona_fused_runs_in_autocast_dtype(device):
     # The custom ops are opaque to autocast: the module casts the activation itself, so the
     # fused kernel runs in half precision like the linear layer autocast would have produced.
     from torch import nn
 
     from kfused.modules.krona import KronALinear
 
-    m = KronALinear(nn.Linear(16, 24), init="random", backend="triton")
-    x = torch.randn(5, 16)
-    with torch.autocast("cpu", dtype=torch.float16):
+    m = KronALinear(nn.Linear(16, 24, device=device), init="random", backend="triton")
+    x = torch.randn(5, 16, device=device)
+    with torch.autocast(device, dtype=torch.float16):
         y = m(x)
     assert y.dtype == torch.float16
     y.float().sum().backward()
     assert m.A.grad.dtype == torch.float32
     m.backend = "reference"
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast(device, dtype=torch.float16):
         y_ref = m(x)
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)

@@ -77,13 +77,14 @@ def _param_pairs(kf, pm):
     return pairs
 
 
-def _spec4_check(arch, pm, kf, dtype=torch.float32, n=7):
-    """docs/math.md §4: the kfused model (in ``dtype``) against the PEFT model in float64 and in
-    ``dtype``, for the logits and the gradients of the input and every adapter factor."""
+def _spec4_check(arch, pm, kf, dtype=torch.float32, n=7, device="cpu"):
+    """docs/math.md §4: the kfused model (in ``dtype``, on ``device``) against the PEFT model in
+    float64 (on the CPU) and in ``dtype`` (on ``device``, as kfused.testing runs torch_t), for
+    the logits and the gradients of the input and every adapter factor."""
     pairs = _param_pairs(kf, pm)
     ref64 = copy.deepcopy(pm).double().eval()
-    ref_t = copy.deepcopy(pm).to(dtype).eval()
-    kf = kf.to(dtype).eval()
+    ref_t = copy.deepcopy(pm).to(device=device, dtype=dtype).eval()
+    kf = kf.to(device=device, dtype=dtype).eval()
     d = kf.config.hidden_size
     g = torch.Generator().manual_seed(3)
     inputs = {"emb": torch.randn(2, n, d, generator=g, dtype=torch.float64)}
@@ -100,7 +101,7 @@ def _spec4_check(arch, pm, kf, dtype=torch.float32, n=7):
         over = {pn: ps[f"p{i}"] for i, (_, pn) in enumerate(pairs)}
         return torch.func.functional_call(model, over, (), {"inputs_embeds": emb}).logits
 
-    res = assert_against_reference(kernel_fn, ref_fn, inputs, dtype)
+    res = assert_against_reference(kernel_fn, ref_fn, inputs, dtype, device)
     assert len(res) == 2 + len(pairs)  # logits, d(emb), one gradient per factor
     return res
 
@@ -222,16 +223,16 @@ def test_from_peft_keeps_the_model_mode(training):
             torch.testing.assert_close(kf(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
 
 
-def test_from_peft_triton_kernels_interpreter():
-    """The fused KronA kernel (backend='triton', CPU interpreter under TRITON_INTERPRET=1)
-    on a converted PEFT LoKr adapter, under docs/math.md §4."""
+def test_from_peft_triton_kernels_interpreter(device):
+    """The fused KronA kernel (backend='triton', CPU interpreter under TRITON_INTERPRET=1, or
+    compiled on a GPU) on a converted PEFT LoKr adapter, under docs/math.md §4."""
     if not kfused.backends.triton_interpret() and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on CPU) or a GPU")
     pm = _peft_model("roberta", _lokr_cfg("roberta"))
     ref = copy.deepcopy(pm)
     kf = kfused.from_peft(pm, backend="triton")
     assert {m.backend for m in kfused.integration.adapter_modules(kf).values()} == {"triton"}
-    _spec4_check("roberta", ref, kf, n=5)
+    _spec4_check("roberta", ref, kf, n=5, device=device)
 
 
 def test_from_peft_folder_and_kfused_api():

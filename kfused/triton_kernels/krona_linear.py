@@ -478,7 +478,9 @@ def _kron_dx_grad_kernel(
                     other=0.0)
         w = tl.load(WF + ks[:, None] * stride_wo + rn[None, :] * stride_wc,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(g, w, out_dtype=tl.float32)
+        # PREC: IEEE for float32 (compiled Triton's default is TF32, which the interpreter
+        # never shows); 16-bit products are exact either way
+        acc += tl.dot(g, w, out_dtype=tl.float32, input_precision=PREC)
     tl.store(DX + rm[:, None] * stride_dxt + rn[None, :], acc.to(DX.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
