@@ -37,20 +37,9 @@ def _stub_launches() -> None:
 
 
 def _step(prov):
-    import torch
+    from kfused.bench import fwdbwd_step
 
-    fn, leaves = prov.make()
-    outs = fn()
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    gouts = [torch.randn_like(o) for o in outs]
-
-    def step():
-        o = fn()
-        o = o if isinstance(o, tuple) else (o,)
-        pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
-        torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
-                            allow_unused=True)
-    return step
+    return fwdbwd_step(prov)
 
 
 def measure(step, reps: int, calls: int) -> float:

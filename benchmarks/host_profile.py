@@ -38,18 +38,9 @@ def _select(spec: str):
 
 
 def _fwdbwd(prov):
-    fn, leaves = prov.make()
-    outs = fn()
-    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-    gouts = [torch.randn_like(o) for o in outs]
+    from kfused.bench import fwdbwd_step
 
-    def step():
-        o = fn()
-        o = o if isinstance(o, (tuple, list)) else (o,)
-        pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
-        torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
-                            allow_unused=True)
-    return step
+    return fwdbwd_step(prov)
 
 
 def _device_us(step, calls=5):

@@ -115,6 +115,21 @@ def allow_backward_replay() -> None:
         cfg.donated_buffer = False
 
 
+def fwdbwd_step(provider) -> Callable[[], None]:
+    """One forward and backward of a benchmark provider, as a no-argument call: its outputs'
+    gradients (random, drawn once) taken with respect to its leaves."""
+    fn, leaves = provider.make()
+    outs = _as_tuple(fn())
+    gouts = [torch.randn_like(o) for o in outs]
+
+    def step():
+        o = _as_tuple(fn())
+        pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
+        torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
+                            allow_unused=True)
+    return step
+
+
 def kernel_events(events, calls: int) -> Dict[str, Dict[str, float]]:
     """Device time per kernel name from torch.profiler events of ``calls`` identical calls:
     {name: {"us": device µs per call, "launches": per call}} (device-side events only:

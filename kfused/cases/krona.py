@@ -206,22 +206,16 @@ def check_cases(device: torch.device) -> List[CheckCase]:
             cases.append(CheckCase("kron_matvec", label, be,
                                    lambda x, A, B, be=be: kron_matvec(x, A, B, backend=be),
                                    kron_matvec_ref, {"x": x, "A": A, "B": B}))
-        for exact, tag in ((None, ""), (False, " folded")):   # factored, and W' + cuBLAS
-            cases.append(CheckCase(
-                "krona_linear", label + tag, "triton",
-                lambda exact=exact, **kw: krona_linear(**kw, scale=0.5, backend="triton",
-                                                       exact=exact),
-                lambda **kw: krona_linear_ref(**kw, scale=0.5),
-                {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
-        # the CUDA C++ path: F.linear + its kron_matvec (T < FOLD_MIN_TOKENS), and its fold
-        # kernel + cuBLAS (exact=False; float32 never folds)
-        for exact, tag in ((None, ""), (False, " folded")):
-            cases.append(CheckCase(
-                "krona_linear", label + tag, "cuda",
-                lambda exact=exact, **kw: krona_linear(**kw, scale=0.5, backend="cuda",
-                                                       exact=exact),
-                lambda **kw: krona_linear_ref(**kw, scale=0.5),
-                {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
+        # Triton: factored, and W' + cuBLAS; CUDA C++: F.linear + its kron_matvec
+        # (T < FOLD_MIN_TOKENS), and its fold kernel + cuBLAS (exact=False; float32 never folds)
+        for be in ("triton", "cuda"):
+            for exact, tag in ((None, ""), (False, " folded")):
+                cases.append(CheckCase(
+                    "krona_linear", label + tag, be,
+                    lambda exact=exact, be=be, **kw: krona_linear(**kw, scale=0.5, backend=be,
+                                                                  exact=exact),
+                    lambda **kw: krona_linear_ref(**kw, scale=0.5),
+                    {"x": x, "weight": W, "bias": bias, "A": A, "B": B}, ["x", "A", "B"]))
     return cases
 
 
