@@ -186,6 +186,7 @@ for stage in "${LIST[@]}"; do
         [ "$op" = inducer ] && prefs=(--write-prefs "$WORK/backend_prefs.json")
         timeout "$lim" python3 -m kfused.cli.main bench "$op" --out "$WORK/bench" \
           --rep-ms "${PROOF_REP_MS:-100}" --time-limit $(( lim > 90 ? lim - 45 : lim / 2 )) \
+          --skip "${PROOF_SKIP:-eager}" \
           "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1
         rc=$?
         [ "$rc" -ne 0 ] && status=1

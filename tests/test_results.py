@@ -379,3 +379,23 @@ def test_cuda_graph_ratio_sits_beside_the_eager_one():
     line = next(ln for ln in text.splitlines() if ln.startswith("| #12 | headwise_qkv")
                 and "kfused-triton vs floor" in ln)
     assert "| 1.50x | ≤ 1.25 | **NO** | 0.75x yes |" in line
+
+
+def test_bench_skip_records_the_providers_not_run(tmp_path, monkeypatch, capsys):
+    """`kfused bench --skip eager`: the named providers are not run, their rows say so, the
+    others are measured."""
+    import kfused.cases
+    from kfused.cli import bench
+
+    cases = [c for c in kfused.cases.bench_cases("headwise", "cpu", torch.float32, quick=True)
+             if c.op == "headwise_oproj"][:1]
+    for c in cases:
+        c.providers = [p for p in c.providers if p.name in ("floor", "eager")]
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda *a, **k: cases)
+    assert bench.run(["headwise", "--device", "cpu", "--no-plot", "--rep-ms", "1",
+                      "--skip", "eager", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    (path,) = tmp_path.glob("*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["skipped"] for r in rows if r["provider"] == "eager"] == ["not run: --skip"]
+    assert any("ms_p50" in r for r in rows if r["provider"] == "floor")

@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no new case after this many seconds (the cases left are "
                         "recorded as not run); each op's JSON is rewritten after every case, "
                         "so a run stopped from outside keeps what it measured")
+    p.add_argument("--skip", default="", metavar="PROVIDERS",
+                   help="comma list of providers not to run (recorded as skipped), e.g. "
+                        "'eager' (no target compares with it) when device time is short")
     p.add_argument("--list", action="store_true", help="list the ops and exit")
     return p
 
@@ -299,6 +302,11 @@ def run(argv: Optional[List[str]] = None) -> int:
     for op in ops:
         rows: List[dict] = []
         case_list = targets_first(bench_cases(op, device, DTYPES[args.dtype], quick=args.quick))
+        skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+        for case in case_list:
+            for prov in case.providers:
+                if prov.name in skip and not prov.skip_reason:
+                    prov.skip_reason = "not run: --skip"
         other = sorted({str(c.dtype).replace("torch.", "") for c in case_list
                         if c.dtype != DTYPES[args.dtype]})
         if other:  # a family that runs another dtype here says so (the rows name it too)
