@@ -36,8 +36,12 @@
 # summary.txt, RESULTS.md (after the results stage) and at most 5 PNG plots, i.e. never more
 # than 8 files.
 #
-# A typical session (one family per call: a call that ran out of its time starts no more
-# stages, so list a second one only where the first is known to be short):
+# A session lent 15 minutes of device time (2026-11-27: a machine's start took ~35 s of it;
+# a second start needs 4 minutes left): one call,
+#   KFUSED_GIT_COMMIT=<sha> CALL_LIMIT_S=582 bash benchmarks/gpu_suite.sh proof   (timeout_s 600)
+# then, if the machine is still warm and time is left, `ncu`. With 30 minutes or more, the
+# stages one family per call (a call that ran out of its time starts no more stages, so list
+# a second one only where the first is known to be short):
 #   bash benchmarks/gpu_suite.sh build,test
 #   bash benchmarks/gpu_suite.sh check,quick
 #   bash benchmarks/gpu_suite.sh bench:krona      (then bench:headwise, bench:inducer, bench:e2e)
