@@ -7,7 +7,8 @@
 # STAGES is a comma list, run in order:
 #   proof         the whole proof in one call (a session lent 15 minutes of device time fits
 #                 one): build ‖ check ‖ kernel tests (PROOF_P1_S, 200 s), then krona, headwise,
-#                 inducer benchmarks alone on the GPU (targets first), then results.
+#                 inducer, e2e benchmarks alone on the GPU (targets first; PROOF_BENCH,
+#                 PROOF_SHARES), then results.
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
 #   ncu           Nsight Compute (--set full, details page as CSV) on one launch of each kernel
 #                 the model misjudged most (benchmarks/host_profile.py drives them)
@@ -178,8 +179,8 @@ for stage in "${LIST[@]}"; do
         grep ' FAILED\| ERROR' "$WORK/pytest.log" | sed 's/^/  /' | head -40
         [ -f "$WORK/failures.txt" ] && grep -A3 '^====' "$WORK/failures.txt" | head -60
       } | tee -a "$WORK/summary.txt"
-      fams=(${PROOF_BENCH:-krona headwise inducer})
-      share=(36 30 34)
+      fams=(${PROOF_BENCH:-krona headwise inducer e2e})
+      share=(${PROOF_SHARES:-30 26 24 20})   # percent of what the call has left, in order
       rest=$(( $(left) - 30 ))   # kept for results and the packing
       i=0
       for op in "${fams[@]}"; do
