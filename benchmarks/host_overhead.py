@@ -98,10 +98,11 @@ def main(argv=None) -> int:
                 print(f"{case.op:16} {label[:60]:60} {prov.name:20} {us:8.1f} us  {extra}",
                       flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"host_overhead_{time.strftime('%Y%m%dT%H%M%S')}.json")
-    with open(path, "x") as f:
-        json.dump({"torch": torch.__version__, "dtype": args.dtype, "python": sys.version.split()[0],
-                   "note": "CPU, Triton launches stubbed (TRITON_INTERPRET=1)", "rows": rows},
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = os.path.join(args.out, f"host_overhead_{stamp}.json")
+    with open(path, "x") as f:      # never over an existing file
+        json.dump({"torch": torch.__version__, "dtype": args.dtype,
+                   "python": sys.version.split()[0], "note": "CPU, Triton launches stubbed (TRITON_INTERPRET=1)", "rows": rows},
                   f, indent=1, default=str)
     print(f"wrote {path}")
     return 0

@@ -6,6 +6,7 @@ import functools
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -25,6 +26,7 @@ def no_double_backward(op: str, backend: str = "triton"):
             f"double backward is not supported by kfused.{op} (backend={backend!r}): its "
             "backward is a fused kernel with no derivative of its own; use "
             "backend='reference' for higher-order gradients")
+    backward.refuses = True      # register_autograd: no formula for the eager fast path
     return backward
 
 
@@ -70,13 +72,13 @@ def custom_op(name: str):
     return deco
 
 
-def register_autograd(op, backward, setup_context=None, *, refuses: bool = False) -> None:
-    """``op.register_autograd(backward, setup_context=...)``, recorded for the fast path.
-    ``refuses``: the backward only raises (a backward op's double-backward refusal): the fast
-    path then leaves gradient-requiring calls to the custom op, which raises the same."""
+def register_autograd(op, backward, setup_context=None) -> None:
+    """``op.register_autograd(backward, setup_context=...)``, recorded for the fast path. A
+    backward that only refuses (:func:`no_double_backward`, a backward op's) is not recorded:
+    the fast path leaves gradient-requiring calls to the custom op, which raises the same."""
     op.register_autograd(backward, setup_context=setup_context)
-    entry = _OPS[op._name]
-    if not refuses:
+    if not getattr(backward, "refuses", False):
+        entry = _OPS[op._name]
         entry.setup, entry.backward = setup_context, backward
 
 
@@ -108,8 +110,6 @@ def _plain_eager(args) -> bool:
     if not FAST_PATH["on"] or torch.compiler.is_compiling() or \
             torch._C._are_functorch_transforms_active():
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     if _get_current_dispatch_mode() is not None:
         return False
     for a in args:

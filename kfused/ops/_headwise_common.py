@@ -13,9 +13,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from kfused import _validate
-from kfused.ops._common import dense as _dense, no_double_backward  # noqa: F401
+from kfused.ops._common import custom_op, kops, no_double_backward  # noqa: F401 (re-exported)
+from kfused.ops._common import dense as _dense
 from kfused.reference.headwise import HeadFactors
-from kfused.ops._common import custom_op, kops
 
 IMPLS = ("triton",)
 
@@ -219,8 +219,8 @@ class LiteSection(torch.autograd.Function):
         ctx.Hk, ctx.split = Hk, split is not None
         ctx.save_for_backward(wise_A, wise_B, lite_A, lite_B, w_k, b_k)
         ctx.set_materialize_grads(False)
-        return kops.headwise_section_triton_fwd(wise_A, wise_B, lite_A, lite_B,
-                                                            w_k, b_k, Hk, split)
+        return kops.headwise_section_triton_fwd(wise_A, wise_B, lite_A, lite_B, w_k, b_k, Hk,
+                                                split)
 
     @staticmethod
     def backward(ctx, d_down, d_zb, d_up):

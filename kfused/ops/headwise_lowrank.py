@@ -24,10 +24,10 @@ import torch
 
 from kfused import _validate, cuda
 from kfused.backends import select_backend
+from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._headwise_common import (_check_flag, _dense, _empty, _no_float64,
                                          no_double_backward)
 from kfused.reference.headwise import headwise_lowrank_ref
-from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -98,7 +98,7 @@ def _lowrank_backward(ctx, g, gz):
 
 
 register_autograd(_lowrank_fwd, _lowrank_backward, setup_context=_lowrank_setup)
-register_autograd(_lowrank_bwd, no_double_backward("headwise_lowrank", "triton"), refuses=True)
+register_autograd(_lowrank_bwd, no_double_backward("headwise_lowrank", "triton"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -170,13 +170,12 @@ def _lowrank_cuda_backward(ctx, g, gU):
     if g is None:
         return (None,) * 5
     basis, A, B, U = ctx.saved_tensors
-    dx, dA, dB, db = kops.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias,
-                                                                U)
+    dx, dA, dB, db = kops.headwise_lowrank_cuda_bwd(g, basis, A, B, ctx.has_bias, U)
     return dx, dA, dB, (db if ctx.has_bias else None), None
 
 
 register_autograd(_lowrank_cuda_fwd, _lowrank_cuda_backward, setup_context=_lowrank_cuda_setup)
-register_autograd(_lowrank_cuda_bwd, no_double_backward("headwise_lowrank", "cuda"), refuses=True)
+register_autograd(_lowrank_cuda_bwd, no_double_backward("headwise_lowrank", "cuda"))
 
 
 def _infer_per_head(basis: torch.Tensor, H: int, per_head: Optional[bool]) -> bool:

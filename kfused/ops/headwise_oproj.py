@@ -15,12 +15,12 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
+from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import check_exact, fold_decision
 from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _head_width,
                                          _no_float64, _one_dtype, _opt, _scalar,
                                          no_double_backward)
 from kfused.reference.headwise import headwise_oproj_ref
-from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -113,7 +113,7 @@ def _oproj_backward(ctx, g, gz):
 
 
 register_autograd(_oproj_fwd, _oproj_backward, setup_context=_oproj_setup)
-register_autograd(_oproj_bwd, no_double_backward("headwise_oproj"), refuses=True)
+register_autograd(_oproj_bwd, no_double_backward("headwise_oproj"))
 
 
 def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor] = None, *,

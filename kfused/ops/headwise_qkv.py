@@ -17,6 +17,7 @@ import torch
 
 from kfused import _validate
 from kfused.backends import select_backend
+from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import check_exact, fold_decision
 from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
                                          _check_input_width, _check_linear,
@@ -25,7 +26,6 @@ from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
                                          _no_float64, _one_dtype, _opt, _scalar_factors,
                                          _section, no_double_backward)
 from kfused.reference.headwise import HeadFactors, headwise_qkv_ref
-from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -200,7 +200,7 @@ def _qkv_backward(ctx, gY, gZ):
 
 register_autograd(_qkv_fwd, _qkv_backward, setup_context=_qkv_setup)
 # (headwise_projection runs these ops too)
-register_autograd(_qkv_bwd, no_double_backward("headwise_qkv / headwise_projection"), refuses=True)
+register_autograd(_qkv_bwd, no_double_backward("headwise_qkv / headwise_projection"))
 
 
 def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,

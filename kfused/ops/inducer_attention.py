@@ -32,8 +32,8 @@ from torch import Tensor
 from kfused import _validate, cuda
 from kfused._memo import LastResult
 from kfused.backends import select_backend
-from kfused.reference.inducer import check_seq_lens, inducer_attention_ref
 from kfused.ops._common import custom_op, kops, register_autograd
+from kfused.reference.inducer import check_seq_lens, inducer_attention_ref
 
 OP_NAME = "inducer_attention"
 COMPOSITIONS = ("add", "gate")

@@ -14,9 +14,9 @@ import torch
 
 from kfused import cuda
 from kfused.backends import select_backend
+from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._krona_common import check_factors, no_double_backward, rows
 from kfused.reference.krona import kron_matvec_ref
-from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -65,13 +65,12 @@ def _kron_triton_backward(ctx, g):
     need_dx = ctx.needs_input_grad[0]
     need_dab = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     # dx only when x needs it (a frozen input, e.g. KronA^B's first layer: no dx pass)
-    dx, dA, dB = kops.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab,
-                                                         need_dx)
+    dx, dA, dB = kops.kron_matvec_triton_bwd(g.contiguous(), x, A, B, need_dab, need_dx)
     return (dx if need_dx else None), (dA if need_dab else None), (dB if need_dab else None)
 
 
 register_autograd(_kron_matvec_triton_fwd, _kron_triton_backward, setup_context=_kron_setup)
-register_autograd(_kron_matvec_triton_bwd, no_double_backward("kron_matvec", "triton"), refuses=True)
+register_autograd(_kron_matvec_triton_bwd, no_double_backward("kron_matvec", "triton"))
 
 # ------------------------------------------------------------------------------------------
 # CUDA C++ extension
@@ -109,7 +108,7 @@ def _kron_cuda_backward(ctx, g):
 
 
 register_autograd(_kron_matvec_cuda_fwd, _kron_cuda_backward, setup_context=_kron_setup)
-register_autograd(_kron_matvec_cuda_bwd, no_double_backward("kron_matvec", "cuda"), refuses=True)
+register_autograd(_kron_matvec_cuda_bwd, no_double_backward("kron_matvec", "cuda"))
 
 
 def kron_matvec(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *,

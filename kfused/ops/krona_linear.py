@@ -15,10 +15,10 @@ import torch
 
 from kfused import _validate, cuda
 from kfused.backends import select_backend
+from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import FOLD_MIN_TOKENS, check_exact, fold_decision  # noqa: F401
 from kfused.ops._krona_common import check_factors, dense, no_double_backward, rows
 from kfused.reference.krona import krona_linear_ref
-from kfused.ops._common import custom_op, kops, register_autograd
 
 
 def _tk():
@@ -92,7 +92,7 @@ def _krona_backward(bwd_op):
 
 register_autograd(_krona_linear_triton_fwd, 
     _krona_backward(kops.krona_linear_triton_bwd), setup_context=_krona_setup)
-register_autograd(_krona_linear_triton_bwd, no_double_backward("krona_linear", "triton"), refuses=True)
+register_autograd(_krona_linear_triton_bwd, no_double_backward("krona_linear", "triton"))
 
 # ------------------------------------------------------------------------------------------
 # Triton: KronA linear with the adapter folded into the weight (W' = W + s·A⊗B, then cuBLAS)
@@ -165,7 +165,7 @@ def _folded_setup(ctx, inputs, output):
 
 register_autograd(_krona_linear_folded_fwd, 
     _krona_backward(kops.krona_linear_folded_bwd), setup_context=_folded_setup)
-register_autograd(_krona_linear_folded_bwd, no_double_backward("krona_linear", "triton"), refuses=True)
+register_autograd(_krona_linear_folded_bwd, no_double_backward("krona_linear", "triton"))
 
 # ------------------------------------------------------------------------------------------
 # CUDA C++: the folded path on the extension (W' by its fold kernel, then cuBLAS; dA, dB from
@@ -212,7 +212,7 @@ _krona_linear_cuda_folded_bwd.register_fake(_krona_bwd_fake)
 
 register_autograd(_krona_linear_cuda_folded_fwd, 
     _krona_backward(kops.krona_linear_cuda_folded_bwd), setup_context=_folded_setup)
-register_autograd(_krona_linear_cuda_folded_bwd, no_double_backward("krona_linear", "cuda"), refuses=True)
+register_autograd(_krona_linear_cuda_folded_bwd, no_double_backward("krona_linear", "cuda"))
 
 # ------------------------------------------------------------------------------------------
 # validation and the public API

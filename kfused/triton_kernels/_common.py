@@ -4,7 +4,6 @@ choices, block sizes, GPU-target choices and the batched token reduction ``_atb`
 from __future__ import annotations
 
 import functools
-
 from typing import Optional, Tuple
 
 import torch

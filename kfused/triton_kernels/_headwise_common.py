@@ -80,8 +80,9 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (cdiv, _AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
-                                           _rblk, _splits, F32, dot_precision, targets_gpu)
+from kfused.triton_kernels._common import (_AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
+                                           _rblk, _splits, F32, cdiv, dot_precision,
+                                           targets_gpu)
 
 
 def _tile_n(device: torch.device) -> int:

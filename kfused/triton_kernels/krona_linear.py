@@ -105,9 +105,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (cdiv, host_config, _grouped_tile, _mm, acc_dtype, dot_precision,
-                                           grid_programs, inter_dtype, next_pow2, targets_gpu,
-                                           use_dot)
+from kfused.triton_kernels._common import (_grouped_tile, _mm, acc_dtype, cdiv, dot_precision,
+                                           grid_programs, host_config, inter_dtype, next_pow2,
+                                           targets_gpu, use_dot)
 
 
 @triton.jit
