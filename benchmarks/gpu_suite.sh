@@ -12,6 +12,8 @@
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
 #   ncu           Nsight Compute (--set full, details page as CSV) on one launch of each kernel
 #                 the model misjudged most (benchmarks/host_profile.py drives them)
+#   onepass       the krona family's kfused-triton rows again with KronA's one-pass folded
+#                 backward (KFUSED_KRONA_FOLDED_BWD=one-pass), beside the default two passes
 #   build         pip install -e . --no-deps --no-build-isolation (offline; the machine's torch
 #                 and triton), CUDA extension for sm_90                       (~2-4 min)
 #   test          the GPU test suite, without the CPU-only compiler checks CI already runs: one
@@ -206,11 +208,12 @@ for stage in "${LIST[@]}"; do
       if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
     ncu)
       # Nsight Compute on the kernels the model misjudged most on the H100 of 2026-11-27
-      # (measured / predicted: _krona_fwd_kernel 16-26x, _kron_dx_grad_kernel 2.3-4.6x,
-      # _lr_rank_bwd_kernel 4-5.7x, _inducer_attn_bwd_dq_kernel 1.9-4.6x): one launch each
-      # after warm-up, the details page as text (NCU_KERNELS overrides the regex)
+      # (measured / predicted: _krona_fwd_kernel 16-26x, _kron_grad_kernel 1.8-4.5x (the
+      # folded backward's factor pass since then), _lr_rank_bwd_kernel 4-5.7x,
+      # _inducer_attn_bwd_dq_kernel 1.9-4.6x): one launch each after warm-up, the details
+      # page as text (NCU_KERNELS overrides the regex)
       if command -v ncu >/dev/null; then
-        re=${NCU_KERNELS:-_krona_fwd_kernel|_kron_dx_grad_kernel|_lr_rank_bwd_kernel}
+        re=${NCU_KERNELS:-_krona_fwd_kernel|_kron_grad_kernel|_lr_rank_bwd_kernel}
         PYTHONPATH=$PWD timeout "$LIMIT" ncu --set full -k "regex:$re" --launch-skip 6 \
           --launch-count 3 --page details --csv python3 benchmarks/host_profile.py \
           --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:" \
@@ -220,6 +223,15 @@ for stage in "${LIST[@]}"; do
       else
         echo "ncu: not on this machine" | tee "$WORK/ncu.log"
       fi ;;
+    onepass)
+      # KronA's folded backward in its one-pass form (KFUSED_KRONA_FOLDED_BWD=one-pass), the
+      # kfused-triton rows only, beside the default two passes of the krona family's run: the
+      # measurement that chose two passes, repeated (the JSON's meta.env records the mode)
+      KFUSED_KRONA_FOLDED_BWD=one-pass py -m kfused.cli.main bench krona \
+        --out "$WORK/bench-one-pass" --time-limit "$BENCH_LIMIT" \
+        --skip kfused-triton-exact,kfused-cuda,eager,compile,kron-dense \
+        >"$WORK/bench_one_pass.log" 2>&1 || status=1
+      grep -v "^bench " "$WORK/bench_one_pass.log" | tail -20 ;;
     check)
       py -m kfused.cli.main check >"$WORK/check.log" 2>&1 || status=1
       tail -8 "$WORK/check.log" ;;

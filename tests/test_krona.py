@@ -227,8 +227,8 @@ def test_krona_linear_folded_triton(shape, dtype):
 @pytest.mark.parametrize("T,shape", [(75, (16, 16, 16, 16)), (37, (17, 16, 16, 20)),
                                      (3, (16, 20, 24, 16)), (41, (2, 24, 20, 2)),
                                      (19, (3, 16, 24, 2))], ids=str)
-def test_folded_backward_one_pass_counts_every_token_once(T, shape, launches):
-    """The folded path's backward is one kernel (dx = dy W' plus dA, dB over a slice of each
+def test_folded_backward_one_pass_counts_every_token_once(T, shape, launches, monkeypatch):
+    """The folded path's one-pass backward (KFUSED_KRONA_FOLDED_BWD=one-pass) is one kernel (dx = dy W' plus dA, dB over a slice of each
     row block's tokens per column program), with tensor-core factor products (16-wide and
     up) and with CUDA-core ones (narrow factors, the paper's kind).
     With small integers every product and sum is exact in float16/float32, so dx, dA, dB
@@ -244,6 +244,7 @@ def test_folded_backward_one_pass_counts_every_token_once(T, shape, launches):
 
     x, g = ints(T, a_in * b_in), ints(T, a_out * b_out)
     A, B, W = ints(a_out, a_in), ints(b_out, b_in), ints(a_out * b_out, a_in * b_in)
+    monkeypatch.setenv(kl.FOLDED_BWD_ENV, "one-pass")
     launched = launches(kl, "_kron_dx_grad_kernel")
     h = lambda t: t.half().to(DEVICE)  # noqa: E731
     xh = h(x).requires_grad_()
@@ -345,13 +346,40 @@ def test_folded_forward_keeps_small_weight(T, folds, launches):
     torch.testing.assert_close(x.grad.double().cpu(), want, rtol=2e-3, atol=2e-3)
 
 
-def test_folded_backward_path_choice():
-    """One pass where the factor products are tensor-core dots or cheap CUDA-core products
-    (the paper's narrow factors); two passes where the products run swapped (the one-pass
-    kernel has no swapped form) or their CUDA-core part outweighs a second read of x and dy."""
+def test_folded_backward_takes_two_passes_unless_asked(monkeypatch, launches):
+    """Two passes by default (cuBLAS dx, then _kron_grad_kernel: measured faster than the
+    one-pass kernel on the H100); KFUSED_KRONA_FOLDED_BWD=one-pass where the one pass fits;
+    any other value is an error naming the variable."""
     from kfused.triton_kernels import krona_linear as kl
 
-    one = kl.fused_dx_grad_applies
+    monkeypatch.delenv(kl.FOLDED_BWD_ENV, raising=False)
+    assert kl.folded_backward_mode() == "two-pass"
+    assert kl.one_pass_fits(24, 24, 32, 32) and not kl.fused_dx_grad_applies(24, 24, 32, 32)
+    one, two = launches(kl, "_kron_dx_grad_kernel"), launches(kl, "_kron_grad_kernel")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 16 * 16, generator=gen).half().to(DEVICE).requires_grad_()
+    W = torch.randn(16 * 16, 16 * 16, generator=gen).half().to(DEVICE)
+    A = torch.randn(16, 16, generator=gen).half().to(DEVICE).requires_grad_()
+    B = torch.randn(16, 16, generator=gen).half().to(DEVICE).requires_grad_()
+    krona_linear(x, W, None, A, B, 0.5, backend="triton", exact=False).sum().backward()
+    assert (len(one), len(two)) == (0, 1)
+    monkeypatch.setenv(kl.FOLDED_BWD_ENV, "one-pass")
+    assert kl.fused_dx_grad_applies(24, 24, 32, 32)
+    krona_linear(x, W, None, A, B, 0.5, backend="triton", exact=False).sum().backward()
+    assert (len(one), len(two)) == (1, 1)
+    monkeypatch.setenv(kl.FOLDED_BWD_ENV, "fast")
+    with pytest.raises(ValueError, match="KFUSED_KRONA_FOLDED_BWD='fast'"):
+        kl.folded_backward_mode()
+
+
+def test_folded_backward_path_choice():
+    """Where the one pass fits (:func:`one_pass_fits`, the roofline rule the one-pass mode
+    applies): the factor products are tensor-core dots or cheap CUDA-core products (the
+    paper's narrow factors); not where the products run swapped (the one-pass kernel has no
+    swapped form) or their CUDA-core part outweighs a second read of x and dy."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    one = kl.one_pass_fits
     assert one(24, 24, 32, 32) and one(48, 24, 64, 32) and one(9, 16, 16, 16)
     assert one(2, 384, 384, 2) and one(8, 384, 384, 2) and one(24, 8, 32, 32)
     assert kl._swap_factors(384, 2, 2, 384) and not one(384, 2, 2, 384)
@@ -813,10 +841,13 @@ _LAYOUT_CASES = [(op, arg, mode)
 
 
 @pytest.mark.parametrize("op,arg,mode", _LAYOUT_CASES, ids=["-".join(c) for c in _LAYOUT_CASES])
-def test_every_tensor_argument_strided_or_expanded(op, arg, mode):
+def test_every_tensor_argument_strided_or_expanded(op, arg, mode, monkeypatch):
     # Probe: the forward kernel loaded BIAS + cols (unit stride): a strided bias gave wrong
     # numbers (max error 2.19), an expanded one read out of bounds (NaN / 1e28). Every tensor
     # argument of every KronA op, in both layouts, must give the contiguous result.
+    if op == "krona_linear_folded_one_pass":
+        from kfused.triton_kernels.krona_linear import FOLDED_BWD_ENV
+        monkeypatch.setenv(FOLDED_BWD_ENV, "one-pass")
     fn, ref, inputs, dtype = _kron_case(op)
     base, view = _layout(inputs[arg].shape, mode)
     inputs[arg] = base

@@ -120,6 +120,11 @@ out["decision"] = [fold_decision(bf, 16384, None, True), fold_decision(bf, 16384
 krona_cases = [c for c in C.all_cases() if c.op == "krona_linear"]
 c0 = next(c for c in krona_cases if "fold+cuBLAS" in c.label and "768->768 A24x24" in c.label)
 L, G = trace(c0.run)
+out["krona_fold_two_pass"] = dict(names=[l.name for l in L], mm_flops=sum(g.flops for g in G))
+import os
+os.environ["KFUSED_KRONA_FOLDED_BWD"] = "one-pass"
+L, G = trace(c0.run)
+del os.environ["KFUSED_KRONA_FOLDED_BWD"]
 dxl = [l for l in L if l.name == "_kron_dx_grad_kernel"]
 out["krona_fold_case"] = dict(names=[l.name for l in L],
                               mm_flops=sum(g.flops for g in G),
@@ -231,9 +236,15 @@ def test_krona_trace_follows_gpu_dispatch(counts):
     # one fold per step: at T = 16384 the forward keeps W' (4.7 % of x) for dx
     assert f["names"].count("_kron_fold_kernel") == 1 and "_krona_fwd_kernel" not in f["names"]
     assert f["mm_flops"] == f["hand"]                # y = x W'ᵀ via cuBLAS
-    # dx = dy W' and the factor gradients in one launch of our own kernel
+    # one-pass mode: dx = dy W' and the factor gradients in one launch of our own kernel
     assert f["names"].count("_kron_dx_grad_kernel") == 1 and "_kron_grad_kernel" not in f["names"]
     assert f["dx_dot16"] == f["dx_hand"]
+    # by default (two passes, measured faster on the H100): dx = dy W' on cuBLAS too, then the
+    # factor-gradient kernel
+    t = counts["krona_fold_two_pass"]
+    assert t["mm_flops"] == 2 * f["hand"]
+    assert t["names"].count("_kron_grad_kernel") == 1 and "_kron_dx_grad_kernel" not in t["names"]
+    assert t["names"].count("_kron_fold_kernel") == 1
     assert "_kron_fold_kernel" not in counts["krona_exact_case"]["names"]
     assert "_krona_fwd_kernel" in counts["krona_exact_case"]["names"]
 

@@ -6,8 +6,9 @@ Benchmark
 Providers (one frozen layer of width d_in -> d_out plus a KronA adapter, x requires grad as it
 does inside a network, A and B trainable):
     floor           the frozen linear alone (F.linear; cuBLAS): what the adapter rides on
-    kfused-triton   krona_linear (auto: at these sizes W' = W + s·A⊗B folded, then cuBLAS; the
-                    tensor-core factor-gradient pass)
+    kfused-triton   krona_linear (auto: at these sizes W' = W + s·A⊗B folded, then cuBLAS for
+                    y and dx; the tensor-core factor-gradient pass; KFUSED_KRONA_FOLDED_BWD=
+                    one-pass: dx and the factor gradients in one kernel)
     kfused-triton-exact  krona_linear(exact=True): the factored Triton kernels
     kfused-cuda     krona_linear(backend="cuda"): at these sizes the extension's W' fold, then
                     cuBLAS; dA, dB from its kron_matvec backward (no dx)

@@ -91,6 +91,9 @@ def environment(device: torch.device) -> Dict[str, object]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device_type": device.type,
+        # the kfused settings a run's numbers depend on (unset: the defaults)
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KFUSED_")
+                and k not in ("KFUSED_GIT_COMMIT",)},
     }
     try:
         import triton

@@ -139,8 +139,9 @@ def _krona_linear_folded_bwd(g: torch.Tensor, x: torch.Tensor, weight: torch.Ten
         w_fold = k.fold_weight(weight, A, B, scale)     # not kept by the forward: fold again
     if need_dx and need_dab and k.fused_dx_grad_applies(*A.shape, *B.shape, x.shape[0],
                                                          x.element_size()):
-        # one pass over dy: dx = dy W' and the factor gradients in the same kernel (None: the
-        # GPU could not load it at these factor shapes; the two passes below)
+        # one pass over dy (KFUSED_KRONA_FOLDED_BWD=one-pass; the two passes below are the
+        # measured default): dx = dy W' and the factor gradients in the same kernel (None:
+        # the GPU could not load it at these factor shapes; the two passes below)
         res = k.krona_dx_and_factor_grads(g, x, w_fold, A, B, scale)
         if res is not None:
             return list(res)

@@ -22,9 +22,10 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     order too (G B first). A product with a dim < 16 runs on the CUDA cores in float64: a
     reduction of 2 (LC or KC = 1) as an outer product into the output tile.
 
-``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy (unless its
-    CUDA-core factor products would cost more than a second read of x and dy,
-    :func:`fused_dx_grad_applies`): a (BM × BN) tile of
+``_kron_dx_grad_kernel``  the folded path's backward in one pass over dy, when asked for
+    (``KFUSED_KRONA_FOLDED_BWD=one-pass``; by default the folded backward takes two passes,
+    cuBLAS dx and ``_kron_grad_kernel``, measured faster on the H100:
+    :func:`folded_backward_mode`, :func:`fused_dx_grad_applies`): a (BM × BN) tile of
     dx = dy W' per program, then the factor-gradient steps below over a slice of the same
     row block's tokens (each column program of a row block takes its own slice; their dy
     rows were just streamed by the row block's GEMM tiles).
@@ -96,6 +97,8 @@ uses them (there the fold's W' rounding fails docs/math.md §4).
 """
 
 from __future__ import annotations
+
+import os
 
 from typing import Optional, Tuple
 
@@ -942,13 +945,47 @@ def _cuda_core_flops_per_token(cfg: dict) -> float:
     return sum(2.0 * v / bt for k, v in mnk.items() if not cfg[k])
 
 
-@host_config
+# The folded backward's form, chosen by measurement. H100 (benchmarks/results/h100/
+# proof-2026-11-27, bf16, kernel times from torch.profiler, summed per fwd+bwd): the two
+# passes — dx = dy W' on cuBLAS, then _kron_grad_kernel for dA, dB — took less device time
+# than the one-pass _kron_dx_grad_kernel at all 13 shapes measured, e.g. T = 16384, 768²,
+# A 24×24 / B 32×32: one pass 115.9 µs + 20.5 µs partial sums, two passes 30.5 + 43.0 + 11.5
+# µs (136 → 85); the paper's 2×384 / 384×2: 177 → 111 µs; 768→3072, 48×24 / 64×32: 325 → 217
+# µs; T = 65536, 768²: 465 → 281 µs. The model had predicted the opposite (kfused perf:
+# _kron_dx_grad_kernel measured 2.3–4.6× its prediction; its factor steps take 2 tokens per
+# step, a serial chain of small dots in every program). The one-pass kernel stays, correct and
+# tested, for ``KFUSED_KRONA_FOLDED_BWD=one-pass`` (a GPU session re-measures both:
+# ``bash benchmarks/gpu_suite.sh bench:krona,onepass``).
+FOLDED_BWD_ENV = "KFUSED_KRONA_FOLDED_BWD"
+FOLDED_BWD_MODES = ("two-pass", "one-pass")
+FOLDED_BWD_DEFAULT = "two-pass"
+
+
+def folded_backward_mode() -> str:
+    """The folded backward's form: ``KFUSED_KRONA_FOLDED_BWD`` ("two-pass" or "one-pass"),
+    else the measured default (``FOLDED_BWD_DEFAULT``); another value is an error naming
+    the variable."""
+    mode = os.environ.get(FOLDED_BWD_ENV, "").strip() or FOLDED_BWD_DEFAULT
+    if mode not in FOLDED_BWD_MODES:
+        raise ValueError(f"{FOLDED_BWD_ENV}={mode!r}: expected one of "
+                         f"{', '.join(FOLDED_BWD_MODES)}")
+    return mode
+
+
 def fused_dx_grad_applies(a_out: int, a_in: int, b_out: int, b_in: int, T: int = 16384,
                           elem_bytes: int = 2) -> bool:
     """Whether the folded backward takes :func:`krona_dx_and_factor_grads` (one pass) rather
-    than the frozen GEMM plus the separate factor-gradient pass (:func:`kron_factor_grads`).
+    than the frozen GEMM plus the separate factor-gradient pass (:func:`kron_factor_grads`):
+    only in the "one-pass" mode (:func:`folded_backward_mode`; two passes measured faster on
+    the H100) and where :func:`one_pass_fits`."""
+    return (folded_backward_mode() == "one-pass"
+            and one_pass_fits(a_out, a_in, b_out, b_in, T, elem_bytes))
 
-    One pass when the factor products run unswapped (:func:`_swap_factors`: the one-pass
+
+@host_config
+def one_pass_fits(a_out: int, a_in: int, b_out: int, b_in: int, T: int = 16384,
+                  elem_bytes: int = 2) -> bool:
+    """Where the one-pass kernel is an option at all, by the roofline model: one pass when the factor products run unswapped (:func:`_swap_factors`: the one-pass
     kernel has no swapped form) and their CUDA-core part (padded dims < 16) costs less than
     the separate pass's second read of x and dy (``_ONE_PASS_CUDA_FLOPS_PER_BYTE``): every
     24/32-wide pair (tensor-core dots only) and the paper's 2×384 / 384×2 and 8×384 / 384×2
