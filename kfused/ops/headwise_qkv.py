@@ -232,7 +232,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
             a copy of the frozen weights, ``W' = [W_q + ΔW_q; W_k; W_v + ΔW_v]`` (one pass,
             rounded once to the input dtype), then ``Y = X W'ᵀ + b'`` and ``dX = dY W'``,
             frozen-shaped; the part of ΔW below half an ulp of W is rounded away in Y and dX
-            (the factor gradients stay exact; Z is recomputed from X in the backward).
+            (the factor gradients stay exact; Z is computed again from X in the backward).
             None (default): on float16/bfloat16 CUDA inputs with at least
             ``FOLD_MIN_TOKENS`` tokens, what the performance model predicts is faster
             (kfused.triton_kernels._headwise_common.fold_plan: both folds, dX's alone, or
@@ -250,7 +250,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     rank pass over dQ and dV (dZ, up-projection and bias gradients), dX as one GEMM over
     [dQ | dK | dV | dZ], and the token reduction dZᵀ X for the down-projections. Folded
     (``exact``): one launch forms W' and b', the forward and dX are frozen-shaped GEMMs and
-    the rank pass recomputes Z from X.
+    the backward computes Z = X Dᵀ + zb again (one GEMM) for the rank pass.
     """
     _validate.check_tensor("x", x, min_ndim=1)
     H = _check_n_heads(n_heads)

@@ -348,8 +348,8 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
     split (S shared). Token blocks padded to BT per split. Z and dZ hold W <= RB slots per
     tile (the products run on RB-wide blocks, the slots past W masked). 16-bit products by
     their instruction (:func:`_dot16_instr`; the sm_90 TTGIR of the GPT-2 q|k|v launch: dZ
-    and Z = X Dᵀ wgmma with A (dY, X rows) in shared memory, N = RB; Z_lᵀ dY_l a wgmma with
-    A in registers at RB = 64, mma.sync at RB = 32)."""
+    a wgmma with A (dY rows) in shared memory, N = RB; Z_lᵀ dY_l a wgmma with A in registers
+    at RB = 64, mma.sync at RB = 32)."""
     a = L.bound()
     T, T_PER, BT, BN = a["T"], a["T_PER"], a["BT"], a["BN"]
     S = L.grid[1]
@@ -370,31 +370,17 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
         if x16:
             _dot16_instr(w, prod, BT, RB, False)                    # dZ = dY Uᵀ
             _dot16_instr(w, prod, RB, BN, True)                     # dU = Zᵀ dY
-        zx = a.get("ZX", False)
-        if zx:                                                      # Z = X D_lᵀ + zb again
-            K = a["K"]
-            zf = Lt * 2.0 * tp * RB * _k_pad(K, a["BK"])
-            w[unit] += zf
-            if x16:
-                _dot16_instr(w, zf, BT, RB, False)
-            w["alu_ops"] += Lt * tp * RB * 2
         if a.get(cpre + "SH_SCALE"):
             w[unit] += prod                                         # dZ of round(s·dY) (shared)
             if x16:
                 _dot16_instr(w, prod, BT, RB, True)
             w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
         w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
-        z_bytes = 0 if zx else T * Lt * W * _el(a[pre + "z"])      # Z read (not when ZX)
         w["hbm_bytes"] += (T * N * el                               # dY once (own columns)
-                           + z_bytes + T * Lt * W * _el(a[pre + "dz"])  # dZ written
-                           + (a[pre + "d"].numel() * el if zx else 0)
+                           + T * Lt * W * _el(a[pre + "z"])         # Z read
+                           + T * Lt * W * _el(a[pre + "dz"])        # dZ written
                            + a[pre + "u"].numel() * _el(a[pre + "u"])
                            + S * (Lt * RB * BN + Lt * RB + N) * 4)  # float32 partials
-    if a.get("ZX", False):
-        # X once: the programs of one token split (every tile of both sections) run side by
-        # side and share its rows through L2
-        xs = a["x_ptr"]
-        w["hbm_bytes"] += T * a["K"] * _el(xs)
     return w
 
 

@@ -38,8 +38,8 @@ Passes (q|k|v projection):
   folded    (16-bit; exact=False, or exact=None on a GPU where fold_plan predicts it pays)
             W' = [W_q + U·D; W_k; W_v + U·D] and b' = b + c + U·zb (_qkv_fold_kernel, one
             launch, one rounding); forward Y = X W'ᵀ + b' (cuBLAS on a GPU), no Z stored;
-            backward: the rank pass recomputes Z = X Dᵀ + zb per token block, W' folded
-            again, dX = dY W' (cuBLAS). fold_plan may also fold dX alone (forward exact).
+            backward: Z = X Dᵀ + zb by one GEMM (rank_space), then the rank pass, W'
+            folded again, dX = dY W' (cuBLAS). fold_plan may also fold dX alone (forward exact).
 Output projection (the down-projection reads O head by head, the up-projection spans every
 output column, so Z cannot be finished inside one output tile):
   forward   Z = O D_oᵀ (D_o: block-diagonal A_h plus A_s, thin GEMM), Y = [O | Z]·[W_o | B]ᵀ
@@ -410,19 +410,14 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
 @triton.jit
 def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
                   du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS, W,
-                  x_ptr, s_xm, K, d_ptr, zb_ptr,
                   BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                  PREC: tl.constexpr, SH_SCALE: tl.constexpr, ZX: tl.constexpr,
-                  BK: tl.constexpr):
+                  PREC: tl.constexpr, SH_SCALE: tl.constexpr):
     # Tile l, token split s of one section. One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
     # (stored in the input dtype), partials of U_l's gradient Z_lᵀ dY_l, of Σ_t dZ_l (float32,
     # before rounding) and of the bias gradient Σ_t dY_l. SH_SCALE: the shared rows (slots
     # [0, RS) of every tile) take dZ = round(scale·dY_l) U_lᵀ, rounding the scaled gradient
     # first as the same-precision torch path does (U holds B_s unscaled). U, Z and dZ hold W
     # slots per tile (their tile stride); the partials RB (the slots past W are zero).
-    # ZX (a folded forward stored no Z): Z_l = X D_lᵀ + zb_l recomputed per token block from
-    # X (T, K), unit column stride, and the packed D (L, W, K), zb (L, W), rounded to the
-    # input dtype as the forward's augmented GEMM rounds it.
     cn = tl.arange(0, BN)
     rn = l * BN + cn
     nmask = rn < N
@@ -440,21 +435,8 @@ def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
         tmask = rt < t_hi
         g = tl.load(g_ptr + rt[:, None] * s_gm + rn[None, :] * s_gn,
                     mask=tmask[:, None] & nmask[None, :], other=0.0)
-        if ZX:
-            zf = tl.zeros((BT, RB), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kk = k0 + tl.arange(0, BK)
-                km = kk < K
-                xa = tl.load(x_ptr + rt[:, None] * s_xm + kk[None, :],
-                             mask=tmask[:, None] & km[None, :], other=0.0)
-                dt = tl.load(d_ptr + (l * W + rr[None, :]) * K + kk[:, None],
-                             mask=km[:, None] & wmask[None, :], other=0.0)
-                zf += _mm(xa, dt, True, PREC)
-            zf += tl.load(zb_ptr + l * W + rr, mask=wmask, other=0.0)[None, :]
-            z = zf.to(g.dtype)
-        else:
-            z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
-                        mask=tmask[:, None] & wmask[None, :], other=0.0)
+        z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
+                    mask=tmask[:, None] & wmask[None, :], other=0.0)
         dz = _mm(g, ut, True, PREC)
         if SH_SCALE:
             gs = (g.to(tl.float32) * scale).to(g.dtype)
@@ -471,14 +453,14 @@ def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
 
 
 @triton.jit
-def _lr_rank_bwd_kernel(T, T_PER, x_ptr, s_xm, K,
+def _lr_rank_bwd_kernel(T, T_PER,
                         a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
-                        a_db, a_L, a_scale, a_RS, a_W, a_d, a_zb,
+                        a_db, a_L, a_scale, a_RS, a_W,
                         b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du, b_dzb,
-                        b_db, b_L, b_scale, b_RS, b_W, b_d, b_zb,
+                        b_db, b_L, b_scale, b_RS, b_W,
                         BT: tl.constexpr, BN: tl.constexpr, A_RB: tl.constexpr,
                         B_RB: tl.constexpr, PREC: tl.constexpr, A_SH_SCALE: tl.constexpr,
-                        B_SH_SCALE: tl.constexpr, ZX: tl.constexpr, BK: tl.constexpr):
+                        B_SH_SCALE: tl.constexpr):
     # grid: (L_a + L_b tiles, S token splits), up to two sections in one launch (the q and v
     # sections of a q|k|v projection; L_b = 0 for one): program (l, s) runs tile l of
     # section a or tile l − L_a of section b (_lr_rank_tile), each with its own RB.
@@ -486,19 +468,18 @@ def _lr_rank_bwd_kernel(T, T_PER, x_ptr, s_xm, K,
     s = tl.program_id(1)
     if l < a_L:
         _lr_rank_tile(l, s, a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
-                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, x_ptr, s_xm, K, a_d, a_zb,
-                      BT, BN, A_RB, PREC, A_SH_SCALE, ZX, BK)
+                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, BT, BN, A_RB, PREC, A_SH_SCALE)
     else:
         _lr_rank_tile(l - a_L, s, b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du,
-                      b_dzb, b_db, T, T_PER, b_L, b_scale, b_RS, b_W, x_ptr, s_xm, K, b_d,
-                      b_zb, BT, BN, B_RB, PREC, B_SH_SCALE, ZX, BK)
+                      b_dzb, b_db, T, T_PER, b_L, b_scale, b_RS, b_W, BT, BN, B_RB, PREC,
+                      B_SH_SCALE)
 
 
-def lr_rank_backward_sections(items, x: Optional[torch.Tensor] = None) -> list:
+def lr_rank_backward_sections(items) -> list:
     """The rank pass of one or two sections in one launch. items: per section (g, lr, dz):
-    g (T, N) view of the section's output gradient, its LowRankTiles, dz (T, L·W) view to
-    fill. ``x`` (T, K) with unit column stride: recompute Z from it and the tiles' D and zb
-    (a folded forward stored none; lr.z is then unused). Returns per section the float32
+    g (T, N) view of the section's output gradient, its LowRankTiles (lr.z: the forward's Z,
+    or :func:`rank_space` of X after a folded forward), dz (T, L·W) view to fill. Returns
+    per section the float32
     token-split partials (dU (S, L, RB, BN), dzb (S, L, RB), db (S, N)) with RB = lr.RB
     (slots past W zero), S shared."""
     assert 1 <= len(items) <= 2
@@ -521,24 +502,35 @@ def lr_rank_backward_sections(items, x: Optional[torch.Tensor] = None) -> list:
         if T == 0:
             du, dzb, db = du.zero_(), dzb.zero_(), db.zero_()
         outs.append((du, dzb, db))
-        z = lr.z if x is None else dz           # (unused when Z is recomputed)
+        z = lr.z
         args.append([g, g.stride(0), g.stride(1), N, z, z.stride(0), lr.U, dz,
-                     dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W, lr.D, lr.zb])
+                     dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W])
         meta.append((lr.RB, lr.scaled))
     if T == 0:
         return outs
     if len(items) == 1:             # one section: the second's tiles are none
         args.append(args[0])
         meta.append(meta[0])
-    K = x.shape[1] if x is not None else 0
-    xa = x if x is not None else g0
     _lr_rank_bwd_kernel[(sum(Ls), S)](
-        T, T_PER, xa, xa.stride(0), K, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
+        T, T_PER, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
         A_RB=meta[0][0], B_RB=meta[1][0], PREC=dot_precision(g0.dtype),
-        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1], ZX=x is not None,
-        BK=_blk(K, 16, 64 if targets_gpu(dev) else 32),
+        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1],
         num_warps=8 if targets_gpu(dev) else 4)
     return outs
+
+
+def rank_space(x: torch.Tensor, D: torch.Tensor, zb: torch.Tensor) -> torch.Tensor:
+    """Z = X Dᵀ + zb (T, M) in x's dtype, summed in float32 and rounded once as the exact
+    forward's augmented GEMM rounds it: the rank-space input of the rank pass after a folded
+    forward (which stores no Z). x (T, K) any strides; D (M, K) the packed down-projection
+    rows; zb (M,) float32.
+
+    One GEMM over all tiles of both sections: X is read once. (The rank pass recomputed
+    Z_l per tile instead until 2026-11-27, when the H100 measured it: GPT-2 small q|k|v,
+    T = 16384, Kernel-mix qvo-intermediate, 197.6 µs against 92.5 µs for the same pass
+    reading a stored Z — X and D re-read by every tile's programs.)"""
+    Z = _alloc.empty(x.shape[0], D.shape[0], dtype=x.dtype, device=x.device)
+    return gemm([(x, D.t())], Z, bias=zb)
 
 
 def lr_rank_backward(g: torch.Tensor, lr: LowRankTiles, dz: torch.Tensor,
@@ -730,17 +722,19 @@ def _fold_cost(N: int, K: int, M: int, BN: int, el: int) -> float:
 
 
 def dx_fold_pays(packs, T: int, K: int, N: int, el: int, compact: bool) -> bool:
-    """Whether folding dX alone pays (the forward exact): the dx GEMM loses its dZ segment,
-    (MC if compact else M)·K MACs per token, against one fold launch that reads the frozen
-    weights (N rows of q|k|v) and writes W' once. Decided by the H100 roofline's ceilings
-    (kfused.perf.roofline; PREDICTED)."""
+    """Whether folding dX alone pays (the forward exact): the exact dx is our augmented GEMM
+    over [dY | dZ] (N + (MC if compact else M) rows of K, at ``TRITON_GEMM_EFFICIENCY`` of
+    the cuBLAS ceiling), the folded one a frozen-shaped cuBLAS GEMM plus one fold launch
+    that reads the frozen weights (N rows of q|k|v) and writes W' once. Decided by the H100
+    roofline's ceilings (kfused.perf.roofline; PREDICTED)."""
     from kfused.perf import roofline as R
 
     live = [pk for pk in packs if pk is not None]
     M = sum(pk.L * pk.W for pk in live)
     _, MC = compact_offsets(packs)
-    saved = 2.0 * T * (MC if compact else M) * K / R.WGMMA_RATE
-    return saved > _fold_cost(N, K, M, live[0].BN, el)
+    t_exact = (2.0 * T * (N + (MC if compact else M)) * K
+               / (R.WGMMA_RATE * TRITON_GEMM_EFFICIENCY) + R.KERNEL_OVERHEAD_S)
+    return t_exact > R.gemm_time(T, K, N, el) + _fold_cost(N, K, M, live[0].BN, el)
 
 
 def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
@@ -749,11 +743,8 @@ def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
     forward — the augmented GEMMs (one launch per section; each adapted tile also computes
     Z_l = X D_lᵀ and Z_l U_l over its RB-wide block) against one frozen-shaped GEMM (N rows
     of q|k|v) and a fold launch;
-    rank pass — it reads Z (exact) or recomputes Z from X (folded: the down-product again,
-    and X read instead of Z), each priced as max(its bytes, its products), the products at
-    the rate of the instruction each gets (RB-wide wgmma feed, mma.sync below RB = 64): at
-    GPT-2 widths the pass is memory-bound and most of the recomputation hides under its
-    reads; at Llama-7B widths (K = 4096, RB = 16) it does not, and the forward stays exact.
+    backward — the same rank pass over a stored Z in both plans; folded, one more GEMM
+    first computes Z = X Dᵀ + zb again (:func:`rank_space`: X read once, Z written).
     dX folds in both plans (see :func:`fold_plan`)."""
     from kfused.perf import roofline as R
 
@@ -763,24 +754,22 @@ def fold_pays(packs, T: int, K: int, N: int, el: int) -> bool:
     lr = sum(pk.L * pk.RB for pk in live)
     n_ad = sum(pk.H * pk.P for pk in live)
     launches = len(live) + (1 if N > n_ad else 0)
-    rate, bw = R.WGMMA_RATE, R.HBM_BW
+    rate, bw = R.WGMMA_RATE * TRITON_GEMM_EFFICIENCY, R.HBM_BW
     t_exact = ((2.0 * T * N * K + 2.0 * T * lr * (K + BN)) / rate
                + launches * R.KERNEL_OVERHEAD_S)
     t_fold = R.gemm_time(T, N, K, el) + _fold_cost(N, K, M, BN, el)
-    rank_bytes = T * (n_ad + M) * el                    # dY of the adapted sections, dZ
-    # the rank pass's products at the rate of the instruction each gets on sm_90 (kfused.perf
-    # _dot16_instr): dZ = dY Uᵀ and Z = X Dᵀ are wgmma with A from shared memory and N = RB
-    # (feed-limited below 64), dU = Zᵀ dY mma.sync below RB = 64
-    t_dz = t_du = t_zx = 0.0
-    for pk in live:
-        feed = R.wgmma_feed_efficiency(pk.RB, a_in_registers=False)
-        prod = 2.0 * T * pk.L * pk.RB
-        t_dz += prod * BN / (rate * feed)
-        t_du += prod * BN / (rate if pk.RB >= 64 else R.MMA_RATE)
-        t_zx += prod * K / (rate * feed)
-    t_rank_exact = max((rank_bytes + T * M * el) / bw, t_dz + t_du)
-    t_rank_fold = max((rank_bytes + T * K * el) / bw, t_dz + t_du + t_zx)
-    return t_exact + t_rank_exact > t_fold + t_rank_fold
+    t_z = R.KERNEL_OVERHEAD_S + max(2.0 * T * M * K / rate, T * (K + M) * el / bw)
+    return t_exact > t_fold + t_z
+
+
+# The augmented GEMM (_gemm_kernel) against cuBLAS, measured on the H100 (benchmarks/results/
+# h100/proof-2026-11-27, bf16, T = 16384, GPT-2 small q|k|v): its three launches of the
+# exact forward ran 74.9 GFLOP in 172.1 µs (Kernel-mix qvo-intermediate; 435 TFLOP/s) and
+# 62.8 GFLOP in 139.0 µs (lite-qv-small; 452 TFLOP/s), where cuBLAS ran the frozen-shaped
+# 58.0 GFLOP in 91.0 µs (637 TFLOP/s): 0.68–0.71 of cuBLAS's rate per FLOP. fold_pays prices
+# our GEMMs (the augmented forward, the folded backward's Z) at this fraction of the model's
+# cuBLAS ceiling.
+TRITON_GEMM_EFFICIENCY = 0.7
 
 
 # ------------------------------------------------------------------------------------------

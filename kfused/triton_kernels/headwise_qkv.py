@@ -19,7 +19,7 @@ from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors
                                                     fold_plan, fold_qkv, frozen_gemm, gemm,
                                                     lr_rank_backward_sections,
                                                     needs_sum, pack_dims, pack_width,
-                                                    reduce_tokens,
+                                                    rank_space, reduce_tokens,
                                                     unpack_sections)
 
 
@@ -72,7 +72,7 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
 
     ``fold`` (see :func:`headwise_qkv_backward`): where :func:`fold_plan` folds the
     forward, Y = X W'ᵀ + b' with the updates and the biases folded (:func:`fold_qkv`, one
-    launch; cuBLAS on a GPU) and no Z is stored (the backward recomputes it).
+    launch; cuBLAS on a GPU) and no Z is stored (the backward computes it again by one GEMM).
 
     Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype and the rank-space
     buffer Z (T, M) in x.dtype (packed layout of :func:`qkv_packings`; (T, 0) when folded)
@@ -132,8 +132,9 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv), any strides.
 
     fold (16-bit only; float32 ignores it), the forward's: 0 dx = [dY | dZ]·
-    [W; D] exactly; 2 the forward folded (see :func:`headwise_qkv_forward`), Z is recomputed
-    from X by the rank pass, and dx = dY·W' with W' = [W'_q; W_k; W'_v] folded again (the
+    [W; D] exactly; 2 the forward folded (see :func:`headwise_qkv_forward`), Z is computed
+    again from X by one GEMM (:func:`rank_space`) for the rank pass, and dx = dY·W' with
+    W' = [W'_q; W_k; W'_v] folded again (the
     updates rounded once into the frozen weights: the part below half an ulp of W is lost
     in Y and dx; the factor gradients are unchanged); 1 what :func:`fold_plan` decides
     from the roofline: both folds, dx's alone (the forward exact), or neither.
@@ -160,19 +161,22 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     dZ = _alloc.empty(T, MC, dtype=x.dtype, device=dev) if compact else dZt
     if M:
         Dp, zbp, Up, Dc = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
+        if zx and (need_factors or not dx_fold):
+            # the folded forward stored no Z: one GEMM over every tile of both sections
+            Z = rank_space(x, Dp, zbp)
     secs, rank, lrs = [None, None], [], [None, None]
     for i, (pk, off, coff, c0, n, f) in enumerate(((pq, oq, cq, 0, Nq, q),
                                                    (pv, ov, cv, Nq + Nk, Nv, v))):
         if pk is None:
             continue
         s = slice(off, off + pk.L * pk.W)
-        lrs[i] = lr = _tiles(pk, off, f, Dp, zbp, Up, None if zx else Z, D)
+        lrs[i] = lr = _tiles(pk, off, f, Dp, zbp, Up, Z if Z.shape[1] else None, D)
         rank.append((i, pk, s, slice(coff, coff + pk.RS + pk.H * pk.R),
                      (g[:, c0:c0 + n], lr, dZt[:, s])))
     # The rank pass of both sections (one launch) is needed by dx too unless it folds (dZ is
     # one of its K segments); its token-split partials are summed by the unpack kernel.
     if rank and (need_factors or not dx_fold):
-        parts = lr_rank_backward_sections([r[-1] for r in rank], x=x if zx else None)
+        parts = lr_rank_backward_sections([r[-1] for r in rank])
         for (i, pk, s, cs, _), sec in zip(rank, parts):
             if compact:
                 compact_dz(pk, dZt[:, s], dZ[:, cs])
