@@ -1042,3 +1042,26 @@ def test_triton_custom_ops_take_any_layout():
         torch.testing.assert_close(dx.double(), g.double() @ w_fold, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(dA.double(), 0.5 * want[1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(dB.double(), 0.5 * want[2], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,dtype", [(37, torch.float16), (5, torch.float32)])
+def test_factor_partials_sum_exactly_in_fixed_order(rows, dtype):
+    """The per-program partials of dA and dB (float32 for 16-bit factors, float64 for
+    float32 ones) summed by one kernel: ragged row blocks (37 rows) and a column count no
+    block width divides (3·5 + 7·4 = 43); small integers, so every sum is exact and a row
+    skipped, counted twice or a column sent to the wrong factor cannot hide in a tolerance;
+    the same call twice gives the same bits."""
+    from kfused.triton_kernels.krona_linear import _sum_factor_partials
+
+    gen = torch.Generator().manual_seed(rows)
+    racc = torch.float32 if dtype == torch.float16 else torch.float64
+    A = torch.empty(3, 5, dtype=dtype, device=DEVICE)
+    B = torch.empty(7, 4, dtype=dtype, device=DEVICE)
+    dab = torch.randint(-8, 9, (rows, 43), generator=gen).to(racc).to(DEVICE)
+    dA, dB = _sum_factor_partials(dab, A, B)
+    tot = dab.cpu().double().sum(0)
+    assert dA.dtype == dtype and dB.dtype == dtype and dA.shape == (3, 5) and dB.shape == (7, 4)
+    assert torch.equal(dA.cpu().double(), tot[:15].view(3, 5))
+    assert torch.equal(dB.cpu().double(), tot[15:].view(7, 4))
+    again = _sum_factor_partials(dab, A, B)
+    assert torch.equal(again[0], dA) and torch.equal(again[1], dB)

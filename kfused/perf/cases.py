@@ -198,6 +198,20 @@ def _m_kron_dx_grad(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_sum_partials_kernel")
+def _m_sum_partials(L) -> Dict[str, float]:
+    """dA, dB from the factor kernels' per-program partials: every partial read once (rows
+    padded to BR per program), one add per element, the totals converted and written once."""
+    a = L.bound()
+    P = a["DAB"]
+    rows, cols = a["n_rows"], a["n_cols"]
+    w = _work()
+    w["alu_ops"] = L.programs() * cdiv(rows, a["BR"]) * a["BR"] * a["BC"] * 2
+    w["hbm_bytes"] = rows * cols * _el(P) + a["n_a"] * _el(a["DA"]) + (cols - a["n_a"]) * _el(
+        a["DB"])
+    return w
+
+
 @kernel("_kron_fold_kernel")
 def _m_kron_fold(L) -> Dict[str, float]:
     """W' = W + s·A⊗B: one (BO × BC) tile per program, element-wise on the CUDA cores (the

@@ -904,12 +904,38 @@ def _factor_partials(n_prog: int, A: torch.Tensor, B: torch.Tensor,
     return _alloc.empty(n_prog, A.numel() + B.numel(), dtype=racc, device=A.device)
 
 
+@triton.jit
+def _sum_partials_kernel(DAB, n_rows, n_cols, n_a, DA, DB, BR: tl.constexpr, BC: tl.constexpr):
+    """dA, dB from the (n_rows, n_cols) per-program partials DAB (dA's n_a columns, then
+    dB's): BC columns per program, summed over the rows in BR-row blocks in a fixed order
+    (deterministic) in DAB's dtype, each total rounded once to the factor's dtype."""
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    c_ok = cols < n_cols
+    acc = tl.zeros((BC,), dtype=DAB.dtype.element_ty)
+    for r0 in range(0, n_rows, BR):
+        rows = r0 + tl.arange(0, BR)
+        v = tl.load(DAB + rows[:, None] * n_cols + cols[None, :],
+                    mask=(rows < n_rows)[:, None] & c_ok[None, :], other=0.0)
+        acc += tl.sum(v, axis=0)
+    in_a = cols < n_a
+    tl.store(DA + tl.where(in_a, cols, 0), acc.to(DA.dtype.element_ty), mask=c_ok & in_a)
+    tl.store(DB + tl.where(in_a, 0, cols - n_a), acc.to(DB.dtype.element_ty),
+             mask=c_ok & ~in_a)
+
+
 def _sum_factor_partials(dab: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
-    """dA, dB from the per-program partials (one reduction, fixed order: deterministic)."""
-    tot = dab.sum(0)
-    # copies (also when the dtype already matches): dA and dB must not alias one buffer
-    return (tot[:A.numel()].view(A.shape).to(A.dtype, copy=True),
-            tot[A.numel():].view(B.shape).to(B.dtype, copy=True))
+    """dA, dB from the per-program partials: one launch of :func:`_sum_partials_kernel`
+    (fixed order: deterministic), in place of a torch column sum and two casts (three
+    launches; on the H100 the sum took 11.5 µs for 528 × 1600 float32 partials and the
+    casts 2.5 µs, T = 16384, 768², 24×24 / 32×32)."""
+    dA = _alloc.empty(A.shape, dtype=A.dtype, device=A.device)
+    dB = _alloc.empty(B.shape, dtype=B.dtype, device=B.device)
+    n_rows, n_cols = dab.shape
+    BC = 64 if targets_gpu(dab.device) else 32
+    _sum_partials_kernel[(cdiv(n_cols, BC),)](dab, n_rows, n_cols, A.numel(), dA, dB,
+                                             BR=64 if targets_gpu(dab.device) else 8, BC=BC,
+                                             num_warps=4)
+    return dA, dB
 
 
 @host_config
