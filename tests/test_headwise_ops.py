@@ -321,6 +321,24 @@ def test_oproj_kernel(dtype, case):
                              grad_names=[k for k in inputs if k != "w_o"])
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_oproj_bias_gradient_over_many_column_sum_rows(exact):
+    """The bias gradient Σ_t dY comes from the dx GEMM's column sums, one row per 16 tokens,
+    summed by the unpack kernel in blocks of rows: 301 tokens give 19 rows, more than one
+    block (8 rows in the interpreter) and a ragged last one."""
+    H, inputs = oproj_inputs(0, (301,), 24, 40)
+    assert "b_o" in inputs
+
+    def run(backend):
+        def fn(**kw):
+            return headwise_oproj(**kw, n_heads=H, scale=0.5, backend=backend, exact=exact)
+        return fn
+
+    dtype = torch.float32 if exact else torch.float16
+    assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
+                             grad_names=[k for k in inputs if k != "w_o"])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(OPROJ_CASES)))
 def test_oproj_folded(dtype, case, launches):

@@ -77,12 +77,14 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
                          da_ptr, das_ptr, dbw_ptr, dsb_ptr, cs_ptr, CS_ROWS, dbo_ptr,
                          HP, P, R, RS, N, scale,
                          BC: tl.constexpr, BR: tl.constexpr, MP: tl.constexpr,
-                         HAS_CS: tl.constexpr):
+                         HAS_CS: tl.constexpr, CSB: tl.constexpr):
     # The gradients of _oproj_pack_kernel's outputs back to the factors, summing the token
     # reductions' partials in a fixed order: dD (S_D, M, H·P), dBcat (S_B, N, M), any float
     # dtype, unit last stride. Outputs contiguous in the factors' dtypes. HAS_CS: also the
     # bias gradient dbo (N,) float32 = the sum of the dx GEMM's column-sum rows cs
-    # (CS_ROWS, N).
+    # (CS_ROWS, N), CSB rows per load (a (CSB, BR) block reduced over its rows, the blocks
+    # in order): CS_ROWS is T/16 (1024 rows at T = 16384), and one row per load was a chain
+    # of that many dependent loads.
     pid = tl.program_id(0)
     HR, M, h, j, lo = _oproj_row(pid, HP, P, R, RS)
     if pid < M:
@@ -116,8 +118,12 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
                  mask=nm & ((m >= HR) & (m < M))[None, :])
         if HAS_CS:
             db = tl.zeros((BR,), dtype=tl.float32)
-            for r in range(0, CS_ROWS):
-                db += tl.load(cs_ptr + r * N + n, mask=n < N, other=0.0)
+            rb = tl.arange(0, CSB)
+            for r0 in range(0, CS_ROWS, CSB):
+                rs = r0 + rb
+                db += tl.sum(tl.load(cs_ptr + rs[:, None] * N + n[None, :],
+                                     mask=(rs < CS_ROWS)[:, None] & (n < N)[None, :],
+                                     other=0.0), axis=0)
             tl.store(dbo_ptr + n, db.to(dbo_ptr.dtype.element_ty), mask=n < N)
 
 
@@ -242,7 +248,7 @@ def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int,
         dB.shape[0], out.get("A", dD), out.get("As", dD), out.get("Bw", dD),
         out.get("Us", dD), cs if cs is not None else dD, cs.shape[0] if cs is not None else 0,
         out.get("db", dD), HP, P, R, RS, N, float(scale), BC=BC, BR=BR, MP=next_pow2(M),
-        HAS_CS=cs is not None, num_warps=4)
+        HAS_CS=cs is not None, CSB=64 if targets_gpu(dev) else 8, num_warps=4)
     return out
 
 
