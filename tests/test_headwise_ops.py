@@ -204,6 +204,23 @@ def rank_space(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_qkv_many_token_splits(exact, monkeypatch):
+    """The rank pass split over many token ranges (as on a GPU: 2·SMs / tiles of them), so
+    the unpack kernel sums more split partials than one load block holds (4 in the
+    interpreter), with a ragged last block: 300 tokens in 64-token splits, 5 splits."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    real = hc._splits
+    monkeypatch.setattr(hc, "_splits", lambda dev, K, programs, BK=64: max(
+        real(dev, K, programs, BK), 9))
+    inputs, run = _qkv_case_inputs(0, 40, 48, 300)
+    grad_names = [k for k in inputs if not k.startswith("w_")]
+    dtype = torch.float32 if exact else torch.float16
+    assert_against_reference(run("triton", exact), run("reference"), inputs, dtype, DEVICE,
+                             grad_names=grad_names, out_names=["Q", "K", "V"])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
 def test_qkv_kernel(dtype, case, rank_space):
