@@ -191,8 +191,10 @@ def section_forward(wise_A: Optional[torch.Tensor], wise_B: Optional[torch.Tenso
         SPLIT=split is not None, HAS_BK=b_k is not None,
         HI=tl_dtype(split) if split is not None else tl.float32,
         RWP=next_pow2(RW), RLP=next_pow2(RL), PP=next_pow2(P), BD=BD,
-        # (RLP, PB, BD) float32 products: at most 8K (64 registers a thread at 4 warps)
-        PB=max(1, min(next_pow2(P), 8192 // (next_pow2(RL) * BD))), num_warps=4)
+        # (RLP, PB, BD) float32 products: at most 8K on a GPU (64 registers a thread at 4
+        # warps); a few hundred in the interpreter, so that its tests run several p blocks
+        PB=max(1, min(next_pow2(P), (8192 if targets_gpu(dev) else 256)
+                      // (next_pow2(RL) * BD))), num_warps=4)
     return down, zb, up
 
 
