@@ -411,13 +411,17 @@ def reduce_tokens(a_t: torch.Tensor, b: torch.Tensor, partials: bool = False) ->
 def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
                   du_ptr, dzb_ptr, db_ptr, T, T_PER, L, scale, RS, W,
                   BT: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-                  PREC: tl.constexpr, SH_SCALE: tl.constexpr):
+                  PREC: tl.constexpr, SH_SCALE: tl.constexpr, ONES: tl.constexpr):
     # Tile l, token split s of one section. One pass over dY's tile columns: dZ_l = dY_l U_lᵀ
     # (stored in the input dtype), partials of U_l's gradient Z_lᵀ dY_l, of Σ_t dZ_l (float32,
     # before rounding) and of the bias gradient Σ_t dY_l. SH_SCALE: the shared rows (slots
     # [0, RS) of every tile) take dZ = round(scale·dY_l) U_lᵀ, rounding the scaled gradient
     # first as the same-precision torch path does (U holds B_s unscaled). U, Z and dZ hold W
     # slots per tile (their tile stride); the partials RB (the slots past W are zero).
+    # ONES (W < RB, host-decided): slot W of Z, padding, reads 1, so row W of the Z_lᵀ dY_l
+    # dot is Σ_t dY_l — the bias gradient from the tensor cores, with no reduction across
+    # the token rows in the loop — and Σ_t dZ_l = (Σ_t dY_l) U_lᵀ once after it (not with
+    # SH_SCALE, whose shared rows sum round(scale·dY_l) U_lᵀ).
     cn = tl.arange(0, BN)
     rn = l * BN + cn
     nmask = rn < N
@@ -437,15 +441,25 @@ def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
                     mask=tmask[:, None] & nmask[None, :], other=0.0)
         z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
                     mask=tmask[:, None] & wmask[None, :], other=0.0)
+        if ONES:
+            z = tl.where((rr == W)[None, :], 1.0, z).to(g.dtype)
         dz = _mm(g, ut, True, PREC)
         if SH_SCALE:
             gs = (g.to(tl.float32) * scale).to(g.dtype)
             dz = tl.where((rr < RS)[None, :], _mm(gs, ut, True, PREC), dz)
         tl.store(dz_ptr + rt[:, None] * s_dzm + l * W + rr[None, :],
                  dz.to(dz_ptr.dtype.element_ty), mask=tmask[:, None] & wmask[None, :])
-        dzb += tl.sum(dz, axis=0)
+        if not ONES or SH_SCALE:
+            dzb += tl.sum(dz, axis=0)
         du += _mm(tl.trans(z), g, True, PREC)
-        db += tl.sum(g.to(tl.float32), axis=0)
+        if not ONES:
+            db += tl.sum(g.to(tl.float32), axis=0)
+    if ONES:
+        onerow = (rr == W)[:, None]
+        db = tl.sum(tl.where(onerow, du, 0.0), axis=0)
+        du = tl.where(onerow, 0.0, du)
+        if not SH_SCALE:
+            dzb = tl.sum(db[:, None] * ut.to(tl.float32), axis=0)
     base = s * L + l
     tl.store(du_ptr + (base * RB + rr[:, None]) * BN + cn[None, :], du)
     tl.store(dzb_ptr + base * RB + rr, dzb)
@@ -460,7 +474,8 @@ def _lr_rank_bwd_kernel(T, T_PER,
                         b_db, b_L, b_scale, b_RS, b_W,
                         BT: tl.constexpr, BN: tl.constexpr, A_RB: tl.constexpr,
                         B_RB: tl.constexpr, PREC: tl.constexpr, A_SH_SCALE: tl.constexpr,
-                        B_SH_SCALE: tl.constexpr):
+                        B_SH_SCALE: tl.constexpr, A_ONES: tl.constexpr,
+                        B_ONES: tl.constexpr):
     # grid: (L_a + L_b tiles, S token splits), up to two sections in one launch (the q and v
     # sections of a q|k|v projection; L_b = 0 for one): program (l, s) runs tile l of
     # section a or tile l − L_a of section b (_lr_rank_tile), each with its own RB.
@@ -468,11 +483,12 @@ def _lr_rank_bwd_kernel(T, T_PER,
     s = tl.program_id(1)
     if l < a_L:
         _lr_rank_tile(l, s, a_g, a_sgm, a_sgn, a_N, a_z, a_szm, a_u, a_dz, a_sdzm, a_du, a_dzb,
-                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, BT, BN, A_RB, PREC, A_SH_SCALE)
+                      a_db, T, T_PER, a_L, a_scale, a_RS, a_W, BT, BN, A_RB, PREC, A_SH_SCALE,
+                      A_ONES)
     else:
         _lr_rank_tile(l - a_L, s, b_g, b_sgm, b_sgn, b_N, b_z, b_szm, b_u, b_dz, b_sdzm, b_du,
                       b_dzb, b_db, T, T_PER, b_L, b_scale, b_RS, b_W, BT, BN, B_RB, PREC,
-                      B_SH_SCALE)
+                      B_SH_SCALE, B_ONES)
 
 
 def lr_rank_backward_sections(items) -> list:
@@ -505,7 +521,7 @@ def lr_rank_backward_sections(items) -> list:
         z = lr.z
         args.append([g, g.stride(0), g.stride(1), N, z, z.stride(0), lr.U, dz,
                      dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W])
-        meta.append((lr.RB, lr.scaled))
+        meta.append((lr.RB, lr.scaled, W < lr.RB))
     if T == 0:
         return outs
     if len(items) == 1:             # one section: the second's tiles are none
@@ -514,7 +530,7 @@ def lr_rank_backward_sections(items) -> list:
     _lr_rank_bwd_kernel[(sum(Ls), S)](
         T, T_PER, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
         A_RB=meta[0][0], B_RB=meta[1][0], PREC=dot_precision(g0.dtype),
-        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1],
+        A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1], A_ONES=meta[0][2], B_ONES=meta[1][2],
         num_warps=8 if targets_gpu(dev) else 4)
     return outs
 
