@@ -389,7 +389,10 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
             if x16:
                 _dot16_instr(w, prod, BT, RB, True)
             w["alu_ops"] += Lt * tp * BN * 2                        # s·dY, round
-        w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)                 # Σ dZ, round dZ; Σ dY (+cvt)
+        if a.get(cpre + "ONES") and not a.get(cpre + "SH_SCALE"):
+            w["alu_ops"] += Lt * tp * RB                            # round dZ (Σ dY in the dot)
+        else:
+            w["alu_ops"] += Lt * tp * (RB * 2 + BN * 2)             # Σ dZ, round dZ; Σ dY (+cvt)
         w["hbm_bytes"] += (T * N * el                               # dY once (own columns)
                            + T * Lt * W * _el(a[pre + "z"])         # Z read
                            + T * Lt * W * _el(a[pre + "dz"])        # dZ written
