@@ -190,7 +190,7 @@ for stage in "${LIST[@]}"; do
         i=$(( i + 1 ))
         if [ "$lim" -lt 40 ]; then note "bench $op: not started, $lim s share"; continue; fi
         prefs=()
-        [ "$op" = inducer ] && prefs=(--write-prefs "$WORK/backend_prefs.json")
+        case $op in inducer|krona) prefs=(--write-prefs "$WORK/backend_prefs.json") ;; esac
         timeout "$lim" python3 -m kfused.cli.main bench "$op" --out "$WORK/bench" \
           --rep-ms "${PROOF_REP_MS:-100}" --time-limit $(( lim > 90 ? lim - 45 : lim / 2 )) \
           --skip "${PROOF_SKIP:-eager}" \
@@ -242,10 +242,11 @@ for stage in "${LIST[@]}"; do
       grep -v "^bench " "$WORK/bench_quick.log" | tail -40 ;;
     bench:*)
       op=${stage#bench:}
-      # the inducer family also records which fused backend was faster per regime on this
-      # GPU model (backend="auto" reads it: KFUSED_BACKEND_PREFS / kfused/data/backend_prefs.json)
+      # the inducer and krona families also record which fused backend was faster per regime
+      # on this GPU model (backend="auto" reads it: KFUSED_BACKEND_PREFS /
+      # kfused/data/backend_prefs.json)
       prefs=()
-      [ "$op" = inducer ] && prefs=(--write-prefs "$WORK/backend_prefs.json")
+      case $op in inducer|krona) prefs=(--write-prefs "$WORK/backend_prefs.json") ;; esac
       py -m kfused.cli.main bench "$op" --out "$WORK/bench" --time-limit "$BENCH_LIMIT" \
         "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1 || status=1
       grep -v "^bench " "$WORK/bench_$op.log" | tail -40 ;;

@@ -99,11 +99,20 @@ def test_backend_prefs_from_rows():
             {"op": "inducer_attention", "shape": pre, "provider": "kfused-cuda", "mode": "all",
              "skipped": "forward-only"},
             _row("kfused-triton", {"T": 16}, 0.1, op="krona_linear"),
-            _row("kfused-cuda", {"T": 16}, 0.05, op="krona_linear")]   # no regimes: left out
+            _row("kfused-cuda", {"T": 16}, 0.05, op="krona_linear"),
+            _row("kfused-triton", {"T": 16384}, 1.4, op="krona_linear"),
+            _row("kfused-cuda", {"T": 16384}, 3.8, op="krona_linear"),
+            _row("kfused-triton", {"T": 65536}, 1.1, op="krona_linear"),
+            _row("kfused-cuda", {"T": 65536}, 0.8, op="krona_linear"),
+            _row("kfused-triton", {"d": 768}, 0.1, op="headwise_qkv"),    # no regimes: left
+            _row("kfused-cuda", {"d": 768}, 0.05, op="headwise_qkv")]    # out
     got = backend_prefs(rows, regime_of)
-    # decode: 0.18 + 0.04 = 0.22 against 0.23; prefill 0.50 against 0.40
+    # decode: 0.18 + 0.04 = 0.22 against 0.23; prefill 0.50 against 0.40; KronA folded
+    # 1.4 + 1.1 = 2.5 against 3.8 + 0.8 = 4.6 (the sum over the cases, not the cases won)
     assert got == {"inducer_attention": {"decode": ["cuda", "triton"],
-                                         "prefill": ["triton", "cuda"]}}
+                                         "prefill": ["triton", "cuda"]},
+                   "krona_linear": {"exact": ["cuda", "triton"],
+                                    "folded": ["triton", "cuda"]}}
     tie = [_row("kfused-cuda", dec, 0.2), _row("kfused-triton", dec, 0.2)]
     assert backend_prefs(tie, regime_of)["inducer_attention"]["decode"] == ["triton", "cuda"]
     assert backend_prefs([_row("kfused-cuda", dec, 0.2)], regime_of) == {}
@@ -113,7 +122,16 @@ def test_regimes():
     assert regime(1) == regime(16) == "decode" and regime(17) == "prefill"
     assert regime_of("inducer_attention", {"n_q": 1, "n_k": 4096}) == "decode"
     assert regime_of("inducer_attention", {"n": 2048}) == "prefill"
-    assert regime_of("krona_linear", {"T": 16384}) is None
+    # KronA: the benchmark's bfloat16 calls fold from FOLD_MIN_TOKENS tokens
+    from kfused.ops._fold import FOLD_MIN_TOKENS
+    from kfused.ops.krona_linear import regime as krona_regime
+
+    assert regime_of("krona_linear", {"T": 16384}) == "folded"
+    assert regime_of("krona_linear", {"T": FOLD_MIN_TOKENS - 1}) == "exact"
+    assert krona_regime(16384, torch.float32, None) == "exact"          # float32 never folds
+    assert krona_regime(16384, torch.bfloat16, True) == "exact"
+    assert krona_regime(16384, torch.bfloat16, None, on_cuda=False) == "exact"
+    assert regime_of("headwise_qkv", {"tokens": 16384}) is None
 
 
 def test_write_prefs_merges_and_never_overwrites_a_foreign_file(tmp_path, monkeypatch):
@@ -185,3 +203,31 @@ def test_cuda_is_unfit_for_a_gpu_the_extension_was_not_built_for(monkeypatch, ca
         kron_matvec_fwd=None, kron_matvec_bwd=None), None)])
     monkeypatch.setattr(backends, "_ARCH_UNFIT", {})
     assert backends.cuda_unfit(CUDA, torch.float16, "kron_matvec") is None
+
+
+def test_krona_auto_follows_the_measured_order_of_its_regime(prefs, monkeypatch):
+    """krona_linear's auto takes the backend measured faster for the call's regime on this
+    GPU model: folded (16-bit, FOLD_MIN_TOKENS tokens and more) or exact."""
+    import importlib
+
+    kl = importlib.import_module("kfused.ops.krona_linear")      # the module, not the op
+    seen = []
+
+    def pick(op, requested, tensors, **kw):
+        seen.append(kw.get("regime"))
+        return "reference"
+    monkeypatch.setattr(kl, "select_backend", pick)
+    x = torch.randn(3, 5, 6)
+    A, B, W = torch.randn(2, 2), torch.randn(4, 3), torch.randn(8, 6)
+    kl.krona_linear(x, W, None, A, B)
+    assert seen == ["exact"]                                # CPU, float32: never folds
+    monkeypatch.setattr(kl, "fold_decision", lambda dtype, tokens, exact, on_cuda: tokens >= 15)
+    kl.krona_linear(x, W, None, A, B)
+    assert seen[-1] == "folded"                             # 15 token rows
+    # and select_backend itself walks the measured order for that regime
+    monkeypatch.setattr(backends, "cuda_unfit", lambda device, dtype, op: None)
+    monkeypatch.setattr(backends, "triton_unfit", lambda device, dtype: None)
+    t = [types.SimpleNamespace(device=CUDA, dtype=torch.bfloat16)]
+    prefs({GPU: {"krona_linear": {"folded": ["cuda", "triton"]}}})
+    assert select_backend("krona_linear", "auto", t, regime="folded") == "cuda"
+    assert select_backend("krona_linear", "auto", t, regime="exact") == "triton"

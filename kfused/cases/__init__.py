@@ -78,4 +78,9 @@ def regime_of(op: str, shape: Mapping[str, object]) -> Optional[str]:
 
         n_q = shape.get("n_q", shape.get("n"))
         return regime(int(n_q)) if n_q is not None else None
+    if op == "krona_linear" and "T" in shape:
+        from kfused.ops.krona_linear import regime as krona_regime
+
+        # the benchmark's calls: bfloat16 on a GPU, exact=None (kfused.cases.krona)
+        return krona_regime(int(shape["T"]), torch.bfloat16, None)
     return None

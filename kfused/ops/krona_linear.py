@@ -228,6 +228,14 @@ def check_scale(scale) -> float:
     return _validate.check_real("scale", scale)
 
 
+def regime(tokens: int, dtype: torch.dtype, exact: Optional[bool], on_cuda: bool = True) -> str:
+    """The regime a call is in for measured backend preferences (kfused.backends
+    .measured_order): "folded" where it folds the adapter into the weight
+    (:func:`kfused.ops._fold.fold_decision`; both backends then run cuBLAS on W'), else
+    "exact"."""
+    return "folded" if fold_decision(dtype, tokens, exact, on_cuda) else "exact"
+
+
 def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
     """Whether krona_linear folds the adapter into the weight (see its ``exact`` argument and
     :mod:`kfused.ops._fold`)."""
@@ -248,7 +256,8 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         backend: "auto", "triton", "cuda" or "reference". "cuda" (the C++ extension): where
             the fold applies (below), its fold kernel then cuBLAS, dA and dB from its
             kron_matvec backward; otherwise ``F.linear`` plus its kron_matvec (unfused).
-            "auto" prefers Triton.
+            "auto" prefers Triton, unless ``kfused bench --write-prefs`` measured the CUDA
+            C++ path faster on this GPU model for the call's :func:`regime`.
         exact: how the Triton backend applies the adapter.
             False: fold it into the weight — ``W' = W + s·(A⊗B)`` (one d_out×d_in pass, each
             element rounded once to the weight dtype), then the frozen GEMM (cuBLAS) on W'
@@ -274,7 +283,9 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
     scale = check_scale(scale)
     check_exact(exact)
-    be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton", "cuda"))
+    tokens = x.numel() // max(1, x.shape[-1])
+    be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton", "cuda"),
+                        regime=regime(tokens, x.dtype, exact, x.device.type == "cuda"))
     if be == "reference":
         return krona_linear_ref(x, weight, bias, A, B, scale)
     lead = x.shape[:-1]
