@@ -17,6 +17,7 @@ nothing measured it keeps the op's own order (Triton first).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -198,6 +199,11 @@ def load_prefs(path: str) -> dict:
     return data
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def measured_order(op: str, device: torch.device, regime: str) -> Optional[Tuple[str, ...]]:
     """``op``'s backends fastest first in ``regime`` on this GPU model, as measured (see
     :func:`prefs_path`), or None when nothing was measured for it. The file is read once per
@@ -209,7 +215,8 @@ def measured_order(op: str, device: torch.device, regime: str) -> Optional[Tuple
         data = load_prefs(path)
         _PREFS.clear()
         _PREFS.update(path=path, data=data)
-    name = torch.cuda.get_device_name(device)
+    name = _device_name(device.index if device.index is not None
+                        else torch.cuda.current_device())
     order = _PREFS["data"]["devices"].get(name, {}).get(op, {}).get(regime)
     return tuple(order) if order else None
 

@@ -25,6 +25,7 @@ CUDA = torch.device("cuda", 0)      # a device object only: nothing is allocated
 def prefs(tmp_path, monkeypatch):
     """Write a preferences file, point KFUSED_BACKEND_PREFS at it, pretend to be on GPU."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    backends._device_name.cache_clear()      # asked once per device index
     backends._PREFS.clear()
 
     def make(devices):
@@ -149,6 +150,7 @@ def test_write_prefs_merges_and_never_overwrites_a_foreign_file(tmp_path, monkey
     assert data["written_by"] == PREFS_WRITER and set(data["devices"]) == {GPU, "other GPU"}
     assert [p.name for p in path.parent.iterdir()] == ["backend_prefs.json"]   # no temp left
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    backends._device_name.cache_clear()
     monkeypatch.setenv(PREFS_ENV, str(path))
     backends._PREFS.clear()
     assert measured_order("inducer_attention", CUDA, "prefill") == ("triton", "cuda")

@@ -150,11 +150,21 @@ def targets_gpu(device: torch.device) -> bool:
     return device.type == "cuda" or _AOT_TARGET["on"]
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, asked once per device (host functions size grids with it
+    on every call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def grid_programs(device: torch.device, blocks: int, per_sm: int = 4, interp_cap: int = 4) -> int:
     """Programs for a persistent (grid-stride) kernel: a few per SM on a GPU, few on the CPU."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(blocks, sms * per_sm))
+        return max(1, min(blocks, sm_count(device) * per_sm))
     if _AOT_TARGET["on"]:
         return max(1, min(blocks, _AOT_TARGET["sms"] * per_sm))
     return max(1, min(blocks, interp_cap))
@@ -178,8 +188,7 @@ def _splits(device: torch.device, K: int, programs: int, BK: int = 64) -> int:
     chunks = max(1, cdiv(K, 4 * BK))
     if not targets_gpu(device):
         return min(chunks, 2)
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else _AOT_TARGET["sms"])
+    sms = sm_count(device) if device.type == "cuda" else _AOT_TARGET["sms"]
     want = max(1, (2 * sms) // max(1, programs))
     return max(1, min(chunks, want, 64))
 

@@ -60,7 +60,8 @@ from triton.language.extra import libdevice
 
 from kfused import _alloc
 from kfused.backends import triton_interpret
-from kfused.triton_kernels._common import cdiv, _INTERPRETED, _mm, dot_precision, next_pow2
+from kfused.triton_kernels._common import (cdiv, _INTERPRETED, _mm, dot_precision, next_pow2,
+                                           sm_count)
 
 # LSE of a row with no visible real column (log 0): finite so that nothing downstream is NaN;
 # exp(s − LSE) is never evaluated on such a row because every column is masked.
@@ -943,8 +944,8 @@ class _DecodePlan:
                 # partials merged after the last wave) 29.3 µs, 8 chunks 29.5 µs (64 programs
                 # cannot stream at the HBM rate); B = 16 (128 kv heads): no split, 93.5 µs
                 # against 95.0 µs in 3 chunks.
-                sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                       if device.type == "cuda" else 132)        # H100 SXM (perf model)
+                sms = (sm_count(device) if device.type == "cuda"
+                       else 132)                                # H100 SXM (perf model)
                 kv_heads = max(1, lay.B * lay.h_kv)
                 want = 1 if kv_heads >= 0.8 * sms else cdiv(sms, kv_heads)
                 chunk = max(256, cdiv(lay.n_k, want))
