@@ -495,9 +495,8 @@ def lr_rank_backward_sections(items) -> list:
     """The rank pass of one or two sections in one launch. items: per section (g, lr, dz):
     g (T, N) view of the section's output gradient, its LowRankTiles (lr.z: the forward's Z,
     or :func:`rank_space` of X after a folded forward), dz (T, L·W) view to fill. Returns
-    per section the float32
-    token-split partials (dU (S, L, RB, BN), dzb (S, L, RB), db (S, N)) with RB = lr.RB
-    (slots past W zero), S shared."""
+    per section the float32 token-split partials (dU (S, L, RB, BN), dzb (S, L, RB),
+    db (S, N)) with RB = lr.RB (slots past W zero), S shared."""
     assert 1 <= len(items) <= 2
     T = items[0][0].shape[0]
     g0 = items[0][0]
@@ -518,8 +517,7 @@ def lr_rank_backward_sections(items) -> list:
         if T == 0:
             du, dzb, db = du.zero_(), dzb.zero_(), db.zero_()
         outs.append((du, dzb, db))
-        z = lr.z
-        args.append([g, g.stride(0), g.stride(1), N, z, z.stride(0), lr.U, dz,
+        args.append([g, g.stride(0), g.stride(1), N, lr.z, lr.z.stride(0), lr.U, dz,
                      dz.stride(0), du, dzb, db, L, lr.scale, lr.RS, W])
         meta.append((lr.RB, lr.scaled, W < lr.RB))
     if T == 0:

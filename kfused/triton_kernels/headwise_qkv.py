@@ -134,9 +134,9 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     fold (16-bit only; float32 ignores it), the forward's: 0 dx = [dY | dZ]·
     [W; D] exactly; 2 the forward folded (see :func:`headwise_qkv_forward`), Z is computed
     again from X by one GEMM (:func:`rank_space`) for the rank pass, and dx = dY·W' with
-    W' = [W'_q; W_k; W'_v] folded again (the
-    updates rounded once into the frozen weights: the part below half an ulp of W is lost
-    in Y and dx; the factor gradients are unchanged); 1 what :func:`fold_plan` decides
+    W' = [W'_q; W_k; W'_v] folded again (the updates rounded once into the frozen weights:
+    the part below half an ulp of W is lost in Y and dx; the factor gradients are
+    unchanged); 1 what :func:`fold_plan` decides
     from the roofline: both folds, dx's alone (the forward exact), or neither.
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,

@@ -973,11 +973,12 @@ def _cuda_core_flops_per_token(cfg: dict) -> float:
 
 # The folded backward's form, chosen by measurement. H100 (benchmarks/results/h100/
 # proof-2026-11-27, bf16, kernel times from torch.profiler, summed per fwd+bwd): the two
-# passes — dx = dy W' on cuBLAS, then _kron_grad_kernel for dA, dB — took less device time
-# than the one-pass _kron_dx_grad_kernel at all 13 shapes measured, e.g. T = 16384, 768²,
-# A 24×24 / B 32×32: one pass 115.9 µs + 20.5 µs partial sums, two passes 30.5 + 43.0 + 11.5
-# µs (136 → 85); the paper's 2×384 / 384×2: 177 → 111 µs; 768→3072, 48×24 / 64×32: 325 → 217
-# µs; T = 65536, 768²: 465 → 281 µs. The model had predicted the opposite (kfused perf:
+# passes — dx = dy W' on cuBLAS, then _kron_grad_kernel for dA, dB — composed from that
+# run's kernel times, take 0.60–0.87× the device time of the one-pass
+# _kron_dx_grad_kernel at all 13 shapes, e.g. T = 16384, 768², A 24×24 / B 32×32: one pass
+# 115.9 µs + 20.5 µs partial sums, two passes 30.6 + 43.0 + 11.5 µs (136 → 85); the paper's
+# 2×384 / 384×2: 177 → 111 µs; 768→3072, 48×24 / 64×32: 325 → 217 µs; T = 65536, 768²:
+# 465 → 282 µs (the table: the run's README). The model had predicted the opposite (kfused perf:
 # _kron_dx_grad_kernel measured 2.3–4.6× its prediction; its factor steps take 2 tokens per
 # step, a serial chain of small dots in every program). The one-pass kernel stays, correct and
 # tested, for ``KFUSED_KRONA_FOLDED_BWD=one-pass`` (a GPU session re-measures both:
@@ -1011,15 +1012,17 @@ def fused_dx_grad_applies(a_out: int, a_in: int, b_out: int, b_in: int, T: int =
 @host_config
 def one_pass_fits(a_out: int, a_in: int, b_out: int, b_in: int, T: int = 16384,
                   elem_bytes: int = 2) -> bool:
-    """Where the one-pass kernel is an option at all, by the roofline model: one pass when the factor products run unswapped (:func:`_swap_factors`: the one-pass
-    kernel has no swapped form) and their CUDA-core part (padded dims < 16) costs less than
-    the separate pass's second read of x and dy (``_ONE_PASS_CUDA_FLOPS_PER_BYTE``): every
-    24/32-wide pair (tensor-core dots only) and the paper's 2×384 / 384×2 and 8×384 / 384×2
-    (16 and 66 CUDA-core kFLOP per token against 55 and 137 allowed); not A 2×2, B 384×384
-    (a 2-row G·B per token on the CUDA cores). PREDICTED (kfused perf, bf16, T = 16384, with
-    the float32 broadcast products of ``_mm``): paper 768² 87.0 µs in two passes → 73.9 µs in
-    one; 768→3072 A 8×384 265.4 → 243.5 µs. Decided with the GPU's tile configuration
-    wherever it runs, so the CPU interpreter takes the path a GPU takes."""
+    """Where the one-pass kernel is an option at all, by the roofline model: when the
+    factor products run unswapped (:func:`_swap_factors`: the one-pass kernel has no
+    swapped form) and their CUDA-core part (padded dims < 16) costs less than the separate
+    pass's second read of x and dy (``_ONE_PASS_CUDA_FLOPS_PER_BYTE``): every 24/32-wide
+    pair (tensor-core dots only) and the paper's 2×384 / 384×2 and 8×384 / 384×2 (16 and 66
+    CUDA-core kFLOP per token against 55 and 137 allowed); not A 2×2, B 384×384 (a 2-row G·B
+    per token on the CUDA cores). PREDICTED (kfused perf, bf16, T = 16384, with the float32
+    broadcast products of ``_mm``): paper 768² 87.0 µs in two passes → 73.9 µs in one;
+    768→3072 A 8×384 265.4 → 243.5 µs — the H100 measured the opposite (see
+    ``FOLDED_BWD_DEFAULT``). Decided with the GPU's tile configuration wherever it runs, so
+    the CPU interpreter takes the path a GPU takes."""
     if _swap_factors(a_out, a_in, b_out, b_in):
         return False
     cfg = _grad_config(T, a_out, a_in, b_out, b_in, torch.device("cuda"), elem_bytes)
