@@ -63,6 +63,21 @@ def _dot_f32_by16(a, b):
 
 
 @triton.jit
+def _row_block_sum(acc, ptr, n_rows, row_stride, cols, c_ok, BR: tl.constexpr):
+    """acc (C,) + Σ_r ptr[r·row_stride + cols] over the n_rows rows, BR rows per load (a
+    (BR, C) block reduced over its rows, the blocks in order: a fixed order, deterministic),
+    in acc's dtype. One row per load would make the sum a chain of n_rows dependent loads
+    (the latency-bound reductions of partials the H100 showed on 2026-11-27)."""
+    rb = tl.arange(0, BR)
+    for r0 in range(0, n_rows, BR):
+        rows = r0 + rb
+        v = tl.load(ptr + rows[:, None] * row_stride + cols[None, :],
+                    mask=(rows < n_rows)[:, None] & c_ok[None, :], other=0.0)
+        acc += tl.sum(v.to(acc.dtype), axis=0)
+    return acc
+
+
+@triton.jit
 def _grouped_tile(pid, n_m, n_n, GROUP: tl.constexpr):
     """(row block, column block) of program ``pid`` of an (n_m × n_n)-tile GEMM in grouped
     order: GROUP row blocks walk every column block before the next group starts, so the

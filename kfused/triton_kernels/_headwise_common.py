@@ -81,8 +81,8 @@ import triton.language as tl
 
 from kfused import _alloc
 from kfused.triton_kernels._common import (_AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
-                                           _rblk, _splits, F32, cdiv, dot_precision,
-                                           targets_gpu)
+                                           _rblk, _row_block_sum, _splits, F32, cdiv,
+                                           dot_precision, targets_gpu)
 
 
 def _tile_n(device: torch.device) -> int:
@@ -980,12 +980,7 @@ def _unpack_tile(t, du_ptr, db_ptr, S_R, dup_ptr, dsu_ptr, dbo_ptr, N, P, R, RS,
                       + cn[None, None, :], mask=(sv < S_R)[:, None, None], other=0.0)
         du += tl.sum(blk, axis=0)
     if rc == 0:
-        db = tl.zeros((BN,), dtype=tl.float32)
-        for s0 in range(0, S_R, SB):
-            sv = s0 + ss
-            blk = tl.load(db_ptr + sv[:, None] * N + n[None, :],
-                          mask=(sv < S_R)[:, None] & nmask[None, :], other=0.0)
-            db += tl.sum(blk, axis=0)
+        db = _row_block_sum(tl.zeros((BN,), dtype=tl.float32), db_ptr, S_R, N, n, nmask, SB)
         tl.store(dbo_ptr + n, db.to(dbo_ptr.dtype.element_ty), mask=nmask)
     if SH:
         js = tl.minimum(rk, tl.maximum(RS - 1, 0))

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import cdiv, F32, _blk, next_pow2, targets_gpu
+from kfused.triton_kernels._common import (cdiv, F32, _blk, _row_block_sum, next_pow2,
+                                           targets_gpu)
 from kfused.triton_kernels._headwise_common import (_PACKED_MAX, _operand_key, colsum_rows,
                                                     frozen_gemm, gemm, reduce_tokens)
 
@@ -117,13 +118,8 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
                  (acc * scale).to(dsb_ptr.dtype.element_ty),
                  mask=nm & ((m >= HR) & (m < M))[None, :])
         if HAS_CS:
-            db = tl.zeros((BR,), dtype=tl.float32)
-            rb = tl.arange(0, CSB)
-            for r0 in range(0, CS_ROWS, CSB):
-                rs = r0 + rb
-                db += tl.sum(tl.load(cs_ptr + rs[:, None] * N + n[None, :],
-                                     mask=(rs < CS_ROWS)[:, None] & (n < N)[None, :],
-                                     other=0.0), axis=0)
+            db = _row_block_sum(tl.zeros((BR,), dtype=tl.float32), cs_ptr, CS_ROWS, N, n,
+                                n < N, CSB)
             tl.store(dbo_ptr + n, db.to(dbo_ptr.dtype.element_ty), mask=n < N)
 
 

@@ -108,9 +108,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (_grouped_tile, _mm, acc_dtype, cdiv, dot_precision,
-                                           grid_programs, host_config, inter_dtype, next_pow2,
-                                           targets_gpu, use_dot)
+from kfused.triton_kernels._common import (_grouped_tile, _mm, _row_block_sum, acc_dtype, cdiv,
+                                           dot_precision, grid_programs, host_config,
+                                           inter_dtype, next_pow2, targets_gpu, use_dot)
 
 
 @triton.jit
@@ -911,12 +911,8 @@ def _sum_partials_kernel(DAB, n_rows, n_cols, n_a, DA, DB, BR: tl.constexpr, BC:
     (deterministic) in DAB's dtype, each total rounded once to the factor's dtype."""
     cols = tl.program_id(0) * BC + tl.arange(0, BC)
     c_ok = cols < n_cols
-    acc = tl.zeros((BC,), dtype=DAB.dtype.element_ty)
-    for r0 in range(0, n_rows, BR):
-        rows = r0 + tl.arange(0, BR)
-        v = tl.load(DAB + rows[:, None] * n_cols + cols[None, :],
-                    mask=(rows < n_rows)[:, None] & c_ok[None, :], other=0.0)
-        acc += tl.sum(v, axis=0)
+    acc = _row_block_sum(tl.zeros((BC,), dtype=DAB.dtype.element_ty), DAB, n_rows, n_cols,
+                         cols, c_ok, BR)
     in_a = cols < n_a
     tl.store(DA + tl.where(in_a, cols, 0), acc.to(DA.dtype.element_ty), mask=c_ok & in_a)
     tl.store(DB + tl.where(in_a, 0, cols - n_a), acc.to(DB.dtype.element_ty),
