@@ -7,12 +7,16 @@
 # STAGES is a comma list, run in order:
 #   proof         the whole proof in one call (a session lent 15 minutes of device time fits
 #                 one): build ‖ check ‖ kernel tests (PROOF_P1_S, 200 s), then krona, headwise,
-#                 inducer, e2e benchmarks alone on the GPU (targets first; PROOF_BENCH,
+#                 inducer, e2e benchmarks alone on the GPU after tune (PROOF_TUNE_S, 40 s:
+#                 KronA's factor-gradient configurations timed; targets first; PROOF_BENCH,
 #                 PROOF_SHARES), the krona rows again with the one-pass folded backward
 #                 (onepass, into bench-one-pass/), then results.
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
 #   ncu           Nsight Compute (--set full, details page as CSV) on one launch of each kernel
 #                 the model misjudged most (benchmarks/host_profile.py drives them)
+#   tune          KronA's factor-gradient pass: each candidate launch configuration timed per
+#                 benchmark factor shape (benchmarks/tune_kernels.py), the fastest into
+#                 WORK/kernel_tuning.json (proof runs it first and benchmarks with its table)
 #   onepass       the krona family's kfused-triton rows again with KronA's one-pass folded
 #                 backward (KFUSED_KRONA_FOLDED_BWD=one-pass), beside the default two passes
 #   build         pip install -e . --no-deps --no-build-isolation (offline; the machine's torch
@@ -157,6 +161,10 @@ for stage in "${LIST[@]}"; do
         else
           echo "check: not started, the build took the phase" >"$WORK/check.log"
         fi ) &
+      # the factor-gradient candidates compiled and launched once beside the tests (untimed:
+      # the tune step of phase 2 then only times them, from Triton's cache)
+      ( timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only >"$WORK/tune_warm.log" 2>&1
+        echo "warm rc=$?" >>"$WORK/tune_warm.log" ) &
       popts=()   # the device image has pytest-xdist and pytest-timeout; elsewhere they may lack
       python3 -c "import xdist" 2>/dev/null && popts+=(-n "${TEST_JOBS:-8}")
       python3 -c "import pytest_timeout" 2>/dev/null && popts+=(--timeout 150)
@@ -172,7 +180,7 @@ for stage in "${LIST[@]}"; do
       echo "pytest rc=$? (124: cut at the phase's end)" >>"$WORK/pytest.log"
       wait
       # nothing of phase 1 may share the GPU with the timings (xdist workers, nvcc, check)
-      pkill -9 -f "pytest|kfused.cli.main check|pip install|nvcc|cicc|ptxas" 2>/dev/null
+      pkill -9 -f "pytest|kfused.cli.main check|tune_kernels|pip install|nvcc|cicc|ptxas" 2>/dev/null
       sleep 2
       { grep "build rc\|CUDA extension" "$WORK/build.log"
         tail -4 "$WORK/check.log"
@@ -185,6 +193,17 @@ for stage in "${LIST[@]}"; do
       # onepass: KronA's kfused-triton rows again with the one-pass folded backward
       # (KFUSED_KRONA_FOLDED_BWD=one-pass) into bench-one-pass/, outside RESULTS.md: the
       # comparison that chose two passes (stop 40), measured
+      # before them, tune (PROOF_TUNE_S, 40 s): the candidate configurations of KronA's
+      # factor-gradient pass timed (benchmarks/tune_kernels.py); the benchmarks use its table
+      tune_s=${PROOF_TUNE_S:-40}
+      if [ "$tune_s" -gt 0 ]; then
+        timeout "$tune_s" python3 benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" \
+          --out "$WORK/tune.json" --time-limit $(( tune_s - 15 )) >"$WORK/tune.log" 2>&1
+        rc=$?
+        [ -f "$WORK/kernel_tuning.json" ] && export KFUSED_KERNEL_TUNING=$WORK/kernel_tuning.json
+        note "tune: rc=$rc, limit $tune_s s; the benchmarks' table: ${KFUSED_KERNEL_TUNING:-none}"
+        tail -8 "$WORK/tune.log"
+      fi
       fams=(${PROOF_BENCH:-krona headwise inducer e2e onepass})
       share=(${PROOF_SHARES:-28 26 22 16 8})   # percent of what the call has left, in order
       rest=$(( $(left) - 30 ))   # kept for results and the packing
@@ -234,6 +253,15 @@ for stage in "${LIST[@]}"; do
       else
         echo "ncu: not on this machine" | tee "$WORK/ncu.log"
       fi ;;
+    tune)
+      # the candidate configurations of KronA's factor-gradient pass, timed (device time, CUDA
+      # graphs): the fastest per shape into WORK/kernel_tuning.json; copy it to
+      # kfused/data/kernel_tuning.json to commit it (the library reads that file, or the one
+      # KFUSED_KERNEL_TUNING names)
+      py benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" --out "$WORK/tune.json" \
+        --shapes "${TUNE_SHAPES:-targets}" --time-limit "$BENCH_LIMIT" >"$WORK/tune.log" 2>&1 \
+        || status=1
+      tail -20 "$WORK/tune.log" ;;
     onepass)
       # KronA's folded backward in its one-pass form (KFUSED_KRONA_FOLDED_BWD=one-pass), the
       # kfused-triton rows only, beside the default two passes of the krona family's run: the

@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from kfused import _alloc
+from kfused import _alloc, tuning
 from kfused.triton_kernels._common import (_grouped_tile, _mm, _row_block_sum, acc_dtype, cdiv,
                                            dot_precision, grid_programs, host_config,
                                            inter_dtype, next_pow2, targets_gpu, use_dot)
@@ -544,7 +544,8 @@ def _kron_fold_kernel(
 
 # GPU register budgets, set from the sm_90 compile (python -m kfused.triton_kernels._aot krona):
 # elements of the largest per-step tile in _kron_grad_kernel (2 tokens of a 32x32 factor pair:
-# 135 registers with 4 warps, no spill; with 8 warps 4 tokens spilled 16 B, 8 tokens 232 B),
+# 135 registers with 4 warps, no spill; with 8 warps 4 tokens spilled 16 B, 8 tokens 232 B —
+# an older form of the step; with triton 3.6 none of those spills, see _GRAD_CANDIDATE_TILES),
 # and float64 broadcast-product elements in _krona_fwd_kernel's narrow (< 16) products (16384
 # spilled 1.2 KB on the paper's 2x384 / 384x2 factors).
 _GRAD_GPU_TILE = 2048
@@ -742,8 +743,25 @@ def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor
 @host_config
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
                  device: torch.device, elem_bytes: int = 2) -> dict:
-    """Block sizes for _kron_grad_kernel: BT tokens per step, every factor dim padded to a
-    power of two. GPU budgets come from the sm_90 compile check (registers, no spills)."""
+    """Block sizes for _kron_grad_kernel: :func:`_grad_rule`'s, or on a CUDA device the
+    configuration this GPU model timed fastest for these factors (16-bit, the tensor-core
+    path, T >= _TUNE_MIN_T; benchmarks/tune_kernels.py, :mod:`kfused.tuning`)."""
+    cfg = _grad_rule(T, a_out, a_in, b_out, b_in, device, elem_bytes)
+    if (elem_bytes == 2 and T >= _TUNE_MIN_T and device.type == "cuda"
+            and all(cfg[k] for k in ("DOT_W1", "DOT_DA", "DOT_V", "DOT_DB"))):
+        tuned = tuning.lookup("_kron_grad_kernel", device,
+                              grad_tuning_key(a_out, a_in, b_out, b_in, elem_bytes), T)
+        if tuned is not None:
+            cfg = with_grad_config(cfg, tuned)
+    return cfg
+
+
+@host_config
+def _grad_rule(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
+               device: torch.device, elem_bytes: int = 2) -> dict:
+    """The rule's block sizes for _kron_grad_kernel: BT tokens per step, every factor dim
+    padded to a power of two. GPU budgets come from the sm_90 compile check (registers, no
+    spills)."""
     gpu = targets_gpu(device)
     AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
     BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
@@ -783,14 +801,75 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     return dict(BT=BT, AOP=AOP, AIP=AIP, BOP=BOP, BIP=BIP, num_warps=warps, **f)
 
 
+# Candidates of the factor-gradient step timed by benchmarks/tune_kernels.py on a GPU (16-bit,
+# every padded factor dim >= 16: the tensor-core path): (tile elements per step, warps,
+# stages); the tokens per step are the tile over the per-token tile. All compile for sm_90
+# without spills at 32x32 factor pairs (1024-element tiles: 2 tokens 4 warps 90 registers; 4
+# tokens 4 warps 132, 8 warps 100; 8 tokens 8 warps 142; 16 tokens 8 warps 2 stages 204
+# registers and 200 KB of shared memory) and at 64x64 (4096-element tiles: 1 token 4 warps
+# 153 registers; 2 tokens 8 warps 134; 4 tokens 8 warps 2 stages 157); triton 3.6, sm_90,
+# `python3 benchmarks/tune_kernels.py --compile-only`. The H100 of 2026-11-27 measured the
+# first (the rule's choice at 32x32) at 2.1x its predicted time: a short dependent chain per
+# step (4 dots, 3 waited on) that more tokens per step amortise.
+_GRAD_CANDIDATE_TILES = ((2048, 4, 3), (4096, 4, 3), (4096, 8, 3), (8192, 8, 3), (16384, 8, 2))
+_TUNE_MIN_T = 2048      # below this the rule's config (few steps per program either way)
+
+
+def grad_tuning_key(a_out: int, a_in: int, b_out: int, b_in: int, elem_bytes: int) -> dict:
+    """The shape key of _kron_grad_kernel's entries in a tuning table (the factors as the
+    kernel sees them: after :func:`_swap_factors`)."""
+    return {"a_out": a_out, "a_in": a_in, "b_out": b_out, "b_in": b_in,
+            "elem_bytes": elem_bytes}
+
+
+def with_grad_config(cfg: dict, over: dict) -> dict:
+    """``cfg`` (a :func:`_grad_config`) with tokens per step, warps and stages from ``over``;
+    the product flags recomputed for the new step."""
+    cfg = dict(cfg)
+    for k in ("BT", "num_warps", "num_stages"):
+        if k in over:
+            cfg[k] = int(over[k])
+    bt, AOP, AIP, BOP, BIP = (cfg[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
+    shapes = dict(DOT_W1=(bt * AOP, BOP, BIP), DOT_DA=(AOP, bt * BIP, AIP),
+                  DOT_V=(bt * BIP, AIP, AOP), DOT_DB=(BOP, bt * AOP, BIP),
+                  DOT_DX=(bt * BIP, AOP, AIP))
+    cfg.update({k: use_dot(*s) for k, s in shapes.items()})
+    return cfg
+
+
+def grad_candidates(T: int, a_out: int, a_in: int, b_out: int, b_in: int) -> list:
+    """The configurations benchmarks/tune_kernels.py times for these (kernel-side) factors:
+    [{"BT", "num_warps", "num_stages"}], the rule's own first; [] off the tensor-core path."""
+    AOP, AIP = max(2, next_pow2(a_out)), max(2, next_pow2(a_in))
+    BOP, BIP = max(2, next_pow2(b_out)), max(2, next_pow2(b_in))
+    if min(AOP, AIP, BOP, BIP) < 16:
+        return []
+    per_tok = max(AOP * BOP, AIP * BIP, AOP * BIP)
+    rule = _grad_rule(T, a_out, a_in, b_out, b_in, torch.device("cuda"), 2)
+    out = [{"BT": rule["BT"], "num_warps": rule["num_warps"], "num_stages": 3}]
+    for tile, warps, stages in _GRAD_CANDIDATE_TILES:
+        bt = 1
+        while bt * 2 * per_tok <= tile and bt * 2 <= min(32, max(1, next_pow2(T))):
+            bt *= 2
+        c = {"BT": bt, "num_warps": warps, "num_stages": stages}
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                      scale: float = 1.0, *, compute_dx: bool = True, compute_dab: bool = True
+                      scale: float = 1.0, *, compute_dx: bool = True, compute_dab: bool = True,
+                      config: Optional[dict] = None
                       ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
                                  Optional[torch.Tensor]]:
     """Gradients of ``scale · kron_matvec(x; A, B)`` given its upstream gradient ``g``.
 
     g: (T, a_out*b_out), x: (T, a_in*b_in), both with unit inner stride. Returns
     (dx or None, dA or None, dB or None); dA/dB are reduced in float32 and cast to A/B's dtype.
+    ``config``: tokens per step, warps and stages to launch with ({"BT", "num_warps",
+    "num_stages"}, e.g. one of :func:`grad_candidates`) instead of the chosen ones (tuning,
+    tests). The measured configurations of a tuning table apply to the factor gradients
+    alone (``compute_dx=False``, the folded backward's second pass): they were timed so.
     """
     T = x.shape[0]
     a_out, a_in = A.shape
@@ -802,7 +881,7 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
         xs = x.view(T, a_in, b_in).transpose(1, 2).reshape(T, a_in * b_in)
         gs = g.view(T, a_out, b_out).transpose(1, 2).reshape(T, a_out * b_out)
         dxs, dB, dA = kron_factor_grads(gs, xs, B, A, scale, compute_dx=compute_dx,
-                                        compute_dab=compute_dab)
+                                        compute_dab=compute_dab, config=config)
         dx = None if dxs is None else dxs.view(T, b_in, a_in).transpose(1, 2).reshape(
             T, a_in * b_in)
         return dx, dA, dB
@@ -811,7 +890,10 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
         zA = torch.zeros_like(A) if compute_dab else None
         zB = torch.zeros_like(B) if compute_dab else None
         return dx, zA, zB
-    cfg = _grad_config(T, a_out, a_in, b_out, b_in, x.device, x.element_size())
+    cfg = (_grad_rule if compute_dx else _grad_config)(T, a_out, a_in, b_out, b_in, x.device,
+                                                        x.element_size())
+    if config is not None:
+        cfg = with_grad_config(cfg, config)
     key = (x.device, x.dtype, compute_dx, compute_dab, tuple(sorted(cfg.items())))
     if key in _GRAD_NO_LAUNCH:
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
@@ -940,7 +1022,7 @@ def _dx_grad_config(T: int, d_in: int, a_out: int, a_in: int, b_out: int, b_in: 
     """Tiles of _kron_dx_grad_kernel: the GEMM tile, and the factor steps of _grad_config at
     the same warp count."""
     gpu = targets_gpu(device)
-    cfg = _grad_config(T, a_out, a_in, b_out, b_in, device, elem_bytes)
+    cfg = _grad_rule(T, a_out, a_in, b_out, b_in, device, elem_bytes)
     cfg.pop("DOT_DX")
     if gpu:
         gemm = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
@@ -1021,7 +1103,7 @@ def one_pass_fits(a_out: int, a_in: int, b_out: int, b_in: int, T: int = 16384,
     the CPU interpreter takes the path a GPU takes."""
     if _swap_factors(a_out, a_in, b_out, b_in):
         return False
-    cfg = _grad_config(T, a_out, a_in, b_out, b_in, torch.device("cuda"), elem_bytes)
+    cfg = _grad_rule(T, a_out, a_in, b_out, b_in, torch.device("cuda"), elem_bytes)
     read = elem_bytes * (a_in * b_in + a_out * b_out)
     return _cuda_core_flops_per_token(cfg) <= _ONE_PASS_CUDA_FLOPS_PER_BYTE * read
 

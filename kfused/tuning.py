@@ -1,0 +1,135 @@
+"""Measured launch configurations: the block sizes a GPU run timed fastest, per kernel and shape.
+
+Some kernels' best launch parameters cannot be derived on the CPU. The performance model
+(kfused.perf) prices FLOPs and bytes, not the latency chain of a kernel's loop: on the H100 of
+2026-11-27 ``_kron_grad_kernel`` ran at 2.1x its prediction with 2 tokens per step
+(benchmarks/results/h100/proof-2026-11-27). For such kernels ``benchmarks/tune_kernels.py``
+times a few compile-checked candidates on the GPU (each also tested for correctness on the
+CPU) and records the fastest per shape; the host code asks :func:`lookup` and otherwise keeps
+its default rule. A table changes which tested configuration runs, never what is computed.
+
+The table: ``KFUSED_KERNEL_TUNING`` names a file, else the package's
+``kfused/data/kernel_tuning.json`` when one was committed. Format::
+
+    {"written_by": "benchmarks/tune_kernels.py",
+     "devices": {gpu name: {kernel: [{"key": {...}, "T": tokens, "config": {...},
+                                      "us": {candidate: time, ...}}, ...]}}}
+
+``key`` holds everything but the token count that must match (factor shapes, element size);
+of the matching entries the one timed at the nearest token count (in log2) applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+
+TUNING_ENV = "KFUSED_KERNEL_TUNING"
+WRITER = "benchmarks/tune_kernels.py"
+_CONFIG_KEYS = ("BT", "num_warps", "num_stages")
+
+
+class TuningError(ValueError):
+    """A tuning table that cannot be read or does not have the documented form."""
+
+
+def table_path() -> Optional[str]:
+    """The table in use: ``KFUSED_KERNEL_TUNING``, else the package's file if present."""
+    path = os.environ.get(TUNING_ENV, "").strip()
+    if path:
+        return path
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                        "kernel_tuning.json")
+    return here if os.path.exists(here) else None
+
+
+def _valid_entry(e) -> bool:
+    return (isinstance(e, dict) and isinstance(e.get("key"), dict)
+            and isinstance(e.get("T"), int) and e["T"] > 0
+            and isinstance(e.get("config"), dict)
+            and all(isinstance(v, int) and v > 0 for v in e["config"].values()))
+
+
+@functools.lru_cache(maxsize=8)
+def load(path: str) -> dict:
+    """Read and check a table (remembered per path); a malformed one is an error naming it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        devices = data["devices"]
+        ok = isinstance(devices, dict) and all(
+            isinstance(kernels, dict) and all(
+                isinstance(entries, list) and all(_valid_entry(e) for e in entries)
+                for entries in kernels.values())
+            for kernels in devices.values())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TuningError(f"kernel tuning table {path}: cannot be read ({exc})") from exc
+    if not ok:
+        raise TuningError(f"kernel tuning table {path}: expected {{'devices': {{gpu name: "
+                          f"{{kernel: [{{'key': {{...}}, 'T': int, 'config': {{name: int}}}}]}}}}}}")
+    return data
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> Optional[str]:
+    """The CUDA device's model name (asked once per device), or None off a CUDA device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick(entries, key: dict, T: int) -> Optional[dict]:
+    """Of ``entries`` with this ``key``, the config timed at the token count nearest ``T``."""
+    best, dist = None, math.inf
+    for e in entries:
+        if e["key"] != key:
+            continue
+        d = abs(math.log2(max(T, 1) / e["T"]))
+        if d < dist:
+            best, dist = e, d
+    return None if best is None else {k: best["config"][k] for k in best["config"]}
+
+
+def lookup(kernel: str, device: torch.device, key: dict, T: int) -> Optional[dict]:
+    """The measured config of ``kernel`` for this device and shape, or None (no table, another
+    GPU model, a shape not timed, or not a CUDA device)."""
+    name = device_name(device)
+    if name is None:
+        return None
+    path = table_path()
+    if path is None:
+        return None
+    entries = load(path)["devices"].get(name, {}).get(kernel, [])
+    return pick(entries, key, T)
+
+
+def merge(path: str, device: str, kernel: str, entries, extra: Optional[dict] = None) -> dict:
+    """Write ``entries`` for (device, kernel) into the table at ``path`` (created if absent),
+    replacing those with the same key and token count; returns the table."""
+    data = load(path) if os.path.exists(path) else {"written_by": WRITER, "devices": {}}
+    data = json.loads(json.dumps(data))           # a copy: load() is cached
+    have = data["devices"].setdefault(device, {}).setdefault(kernel, [])
+    for e in entries:
+        if not _valid_entry(e):
+            raise TuningError(f"not a tuning entry: {e!r}")
+        have[:] = [h for h in have if not (h["key"] == e["key"] and h["T"] == e["T"])]
+        have.append(e)
+    have.sort(key=lambda e: (json.dumps(e["key"], sort_keys=True), e["T"]))
+    if extra:
+        data.update(extra)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    load.cache_clear()
+    return data

@@ -1,0 +1,171 @@
+"""Measured launch configurations (kfused.tuning, benchmarks/tune_kernels.py): the table's
+lookup and checks, and every candidate configuration of KronA's factor-gradient pass computes
+the same exact sums on the CPU (a GPU run then picks among them by time only)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kfused import tuning
+from kfused.triton_kernels import krona_linear as kl
+
+from conftest import DEVICE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = "Test GPU 80GB"
+
+
+def _entry(key, T, **cfg):
+    return {"key": key, "T": T, "config": cfg, "us": {}}
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A table at a temporary path the library reads, for a device that reports GPU."""
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning.TUNING_ENV, str(path))
+    monkeypatch.setattr(tuning, "device_name", lambda dev: GPU if dev.type == "cuda" else None)
+    kl._grad_config.cache_clear()
+    yield path
+    kl._grad_config.cache_clear()
+    tuning.load.cache_clear()
+
+
+def test_measured_config_applies_to_its_gpu_shape_and_tokens(table):
+    cuda = torch.device("cuda")
+    key = kl.grad_tuning_key(24, 24, 32, 32, 2)
+    tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=8, num_warps=8, num_stages=3),
+                  _entry(key, 65536, BT=16, num_warps=8, num_stages=2)])
+    rule = kl._grad_rule(16384, 24, 24, 32, 32, cuda, 2)
+    assert (rule["BT"], rule["num_warps"]) == (2, 4)
+    cfg = kl._grad_config(16384, 24, 24, 32, 32, cuda, 2)
+    assert (cfg["BT"], cfg["num_warps"], cfg["num_stages"]) == (8, 8, 3)
+    assert all(cfg[k] for k in ("DOT_W1", "DOT_DA", "DOT_V", "DOT_DB"))
+    # the entry timed at the nearest token count (log scale)
+    assert kl._grad_config(4096, 24, 24, 32, 32, cuda, 2)["BT"] == 8
+    assert kl._grad_config(50000, 24, 24, 32, 32, cuda, 2)["BT"] == 16
+    # not below _TUNE_MIN_T, not for float32, not for another shape, not off CUDA
+    assert kl._grad_config(kl._TUNE_MIN_T - 1, 24, 24, 32, 32, cuda, 2)["BT"] == 2
+    assert kl._grad_config(16384, 24, 24, 32, 32, cuda, 4) == kl._grad_rule(
+        16384, 24, 24, 32, 32, cuda, 4)
+    assert kl._grad_config(16384, 32, 24, 24, 32, cuda, 2) == kl._grad_rule(
+        16384, 32, 24, 24, 32, cuda, 2)
+    cpu = torch.device("cpu")
+    assert kl._grad_config(16384, 24, 24, 32, 32, cpu, 2) == kl._grad_rule(
+        16384, 24, 24, 32, 32, cpu, 2)
+
+
+def test_another_gpu_model_keeps_the_rule(table, monkeypatch):
+    key = kl.grad_tuning_key(24, 24, 32, 32, 2)
+    tuning.merge(str(table), "Other GPU", "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=8, num_warps=8, num_stages=3)])
+    cuda = torch.device("cuda")
+    assert kl._grad_config(16384, 24, 24, 32, 32, cuda, 2) == kl._grad_rule(
+        16384, 24, 24, 32, 32, cuda, 2)
+
+
+def test_merge_replaces_same_shape_and_keeps_others(table):
+    key = kl.grad_tuning_key(24, 24, 32, 32, 2)
+    other = kl.grad_tuning_key(48, 24, 64, 32, 2)
+    tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=4, num_warps=8, num_stages=3),
+                  _entry(other, 16384, BT=1, num_warps=8, num_stages=3)])
+    data = tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                        [_entry(key, 16384, BT=8, num_warps=8, num_stages=3)])
+    got = data["devices"][GPU]["_kron_grad_kernel"]
+    assert len(got) == 2
+    assert [e["config"]["BT"] for e in got if e["key"] == key] == [8]
+    assert json.loads(table.read_text()) == data
+
+
+def test_malformed_table_is_an_error_naming_the_file(table):
+    table.write_text(json.dumps({"devices": {GPU: {"_kron_grad_kernel": [{"key": {},
+                                                                          "T": "many"}]}}}))
+    with pytest.raises(tuning.TuningError, match="tuning.json"):
+        tuning.lookup("_kron_grad_kernel", torch.device("cuda"), {}, 16)
+    # and merge never overwrites a file that is not a table
+    before = table.read_text()
+    with pytest.raises(tuning.TuningError):
+        tuning.merge(str(table), GPU, "_kron_grad_kernel", [])
+    assert table.read_text() == before
+
+
+def test_candidates_start_with_the_rule_and_cover_larger_steps():
+    c = kl.grad_candidates(16384, 24, 24, 32, 32)
+    assert c[0] == {"BT": 2, "num_warps": 4, "num_stages": 3}
+    assert {x["BT"] for x in c} == {2, 4, 8, 16} and len(c) == len({json.dumps(x) for x in c})
+    assert kl.grad_candidates(16384, 2, 384, 384, 2) == []      # CUDA-core products: no tuning
+    assert max(x["BT"] for x in kl.grad_candidates(5, 24, 24, 32, 32)) <= 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_every_candidate_computes_the_exact_sums(dtype):
+    """Small integers: every product and partial sum is exact, so dA and dB equal the float64
+    result rounded once to the factor dtype, whatever the tokens per step (a ragged last
+    step at T = 37), warps or stages."""
+    a_out, a_in, b_out, b_in = 16, 24, 32, 16
+    T = 37 if dtype == torch.float32 else 5          # float16: the sums stay below 2^11
+    gen = torch.Generator().manual_seed(7)
+    ints = lambda *s: torch.randint(-1, 2, s, generator=gen).double()  # noqa: E731
+    x, g = ints(T, a_in * b_in), ints(T, a_out * b_out)
+    A, B = ints(a_out, a_in), ints(b_out, b_in)
+    G, X = g.view(T, a_out, b_out), x.view(T, a_in, b_in)
+    dA = 0.5 * torch.einsum("tij,jl,tkl->ik", G, B, X)
+    dB = 0.5 * torch.einsum("tij,ik,tkl->jl", G, A, X)
+    cands = kl.grad_candidates(16384, a_out, a_in, b_out, b_in)
+    assert len(cands) >= 4
+    cast = lambda t: t.to(dtype).to(DEVICE)  # noqa: E731
+    for c in cands:
+        _, gA, gB = kl.kron_factor_grads(cast(g), cast(x), cast(A), cast(B), 0.5,
+                                         compute_dx=False, config=c)
+        assert torch.equal(gA.cpu(), dA.to(dtype)), c
+        assert torch.equal(gB.cpu(), dB.to(dtype)), c
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the sm_90 compile check runs on the CPU in CI")
+def test_candidates_compile_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tune_kernels.py"),
+                        "--compile-only", "--limit", "1"], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
+    assert len(lines) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
+    assert all("spill 0 B" in ln for ln in lines)
+
+
+def test_tune_script_records_the_fastest_candidate(tmp_path, monkeypatch):
+    """benchmarks/tune_kernels.py's timing loop on the CPU with a stand-in timer (the GPU's is
+    a CUDA-graph replay): every candidate runs (and agrees), the fastest goes into the table
+    under the kernel-side factor key, every time into the JSON."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import tune_kernels
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(tune_kernels, "shapes", lambda which: [(37, 16, 24, 32, 16)])
+    fast = {"BT": 8, "num_warps": 8, "num_stages": 3}
+
+    def timer(fn, dev, reps_ms):
+        fn()
+        c = fn.__defaults__[0]            # the candidate the lambda was bound to
+        ms = 0.01 if c == fast else 0.02 + 0.001 * c["BT"]
+        return ms, ms, ms
+
+    table, out = tmp_path / "t.json", tmp_path / "tune.json"
+    assert tune_kernels.tune("targets", str(table), str(out), 1.0, 60.0,
+                             dev=torch.device(DEVICE), timer=timer, name=GPU) == 0
+    data = json.loads(table.read_text())
+    (e,) = data["devices"][GPU]["_kron_grad_kernel"]
+    assert e["key"] == kl.grad_tuning_key(16, 24, 32, 16, 2) and e["T"] == 37
+    assert e["config"] == fast and e["us"]["BT8-w8-s3"] == 10.0
+    rows = json.loads(out.read_text())["rows"]
+    rule = kl.grad_candidates(37, 16, 24, 32, 16)[0]
+    assert rows[0]["best"] == "BT8-w8-s3" and rows[0]["rule"] == tune_kernels.label(rule)
+    assert None not in rows[0]["us"].values()
