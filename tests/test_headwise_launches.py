@@ -206,11 +206,13 @@ CASES = [(p, s, "qkv") for p in PRESETS for s in SHAPES] + \
 # unpack kernels (15, 17, 9, 9 before both). The output projection's backward with a shared
 # part and scale != 1 forms the shared rows of dZ as round(s·dY) B_s, the torch path's
 # rounding order (docs/math.md §4 failed on dA_s without it): a multiply, a thin GEMM and the
-# copy into dZ, 3 launches (8 before).
+# copy into dZ, 3 launches (8 before); folded, the dO GEMM over [W' | B_w | B_s] gives those
+# rows as dY·B_s and the unpack applies s to their sums in float32, so the folded backward
+# launches none of the three (11 → 8).
 BUDGET = {("kernel-mix-qvo-intermediate", "qkv"): 10,
           ("kernel-mix-lite-qv-small", "qkv"): 12,
           ("kernel-mix-qvo-intermediate", "oproj"): 11,
-          ("kernel-mix-qvo-intermediate", "oproj-folded"): 11}
+          ("kernel-mix-qvo-intermediate", "oproj-folded"): 8}
 FWD_TORCH_BUDGET = {"qkv": 0, "oproj": 0, "oproj-folded": 0}
 
 

@@ -78,7 +78,8 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
                          da_ptr, das_ptr, dbw_ptr, dsb_ptr, cs_ptr, CS_ROWS, dbo_ptr,
                          HP, P, R, RS, N, scale,
                          BC: tl.constexpr, BR: tl.constexpr, MP: tl.constexpr,
-                         HAS_CS: tl.constexpr, CSB: tl.constexpr):
+                         HAS_CS: tl.constexpr, CSB: tl.constexpr,
+                         SCALE_SHARED: tl.constexpr = False):
     # The gradients of _oproj_pack_kernel's outputs back to the factors, summing the token
     # reductions' partials in a fixed order: dD (S_D, M, H·P), dBcat (S_B, N, M), any float
     # dtype, unit last stride. Outputs contiguous in the factors' dtypes. HAS_CS: also the
@@ -101,6 +102,8 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
             tl.store(da_ptr + (h * R + j) * P + cs, acc.to(da_ptr.dtype.element_ty),
                      mask=cc < tl.where(pid < HR, lim, 0))
             js = tl.maximum(pid - HR, 0)
+            if SCALE_SHARED:   # dZ's shared rows were dY·B_s (RAW_SHARED fold): s here
+                acc = acc * scale
             tl.store(das_ptr + js * HP + cs, acc.to(das_ptr.dtype.element_ty),
                      mask=cs < tl.where(pid < HR, 0, HP))
     else:
@@ -125,7 +128,8 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
 
 @triton.jit
 def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, M,
-                       APPEND: tl.constexpr,
+                       us_ptr, s_usn, s_usr, HR,
+                       APPEND: tl.constexpr, RAW_SHARED: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     # W' (N, H·P) = W + [B_w | s·B_s] (N, M) · D_o (M, H·P), the packed 16-bit operands of
     # _oproj_pack_kernel (both contiguous): exact products summed with W in float32
@@ -135,6 +139,9 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
     # (cdiv(N + M, BN), cdiv(H·P, BK)). APPEND 2: out = [W' | B_c] (N, H·P + M), columns
     # H·P.. copy B_c (the backward's: dO and dZ from one GEMM), grid (cdiv(N, BN),
     # cdiv(H·P + M, BK)). A copied entry is the packed value itself (0 + v in float32: exact).
+    # RAW_SHARED (APPEND 2): the shared columns H·P + H·R.. copy B_s itself (us_ptr, (N, R_s),
+    # any strides) rather than the packed s·B_s: dZ's shared rows come out of the dO GEMM as
+    # dY·B_s, rounded once, and the unpack applies s to their token sums in float32.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -157,8 +164,16 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
         om = (rn < N + M)[:, None] & km
     elif APPEND == 2:
         bcol = tl.maximum(rk - HP, 0)
-        acc += tl.load(bc_ptr + rn[:, None] * M + bcol[None, :],
-                       mask=nm & ((rk >= HP) & (rk < HP + M))[None, :], other=0.0).to(tl.float32)
+        cm = nm & ((rk >= HP) & (rk < HP + M))[None, :]
+        if RAW_SHARED:
+            acc += tl.load(bc_ptr + rn[:, None] * M + bcol[None, :],
+                           mask=cm & (bcol < HR)[None, :], other=0.0).to(tl.float32)
+            scol = tl.maximum(bcol - HR, 0)
+            acc += tl.load(us_ptr + rn[:, None] * s_usn + scol[None, :] * s_usr,
+                           mask=cm & (bcol >= HR)[None, :], other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(bc_ptr + rn[:, None] * M + bcol[None, :], mask=cm,
+                           other=0.0).to(tl.float32)
         om = nm & (rk < HP + M)[None, :]
     else:
         om = nm & km
@@ -167,11 +182,13 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
 
 
 def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
-               append: int = 0) -> torch.Tensor:
+               append: int = 0, raw_shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W' = w + Bc·Do (N, H·P), contiguous, in the packed operands' (16-bit) dtype: the update
     folded into the frozen weight (any strides), one launch. ``append=1``: [W'; Do]
     (N + M, H·P), the forward's B operand (Y and Z = O Doᵀ from one GEMM); ``append=2``:
-    [W' | Bc] (N, H·P + M), the backward's (dO and dZ = dY Bc from one GEMM)."""
+    [W' | Bc] (N, H·P + M), the backward's (dO and dZ = dY Bc from one GEMM).
+    ``raw_shared`` (append=2): B_s (N, R_s), any strides: its last R_s appended columns hold
+    B_s instead of Bc's s·B_s (W' still folds s·B_s)."""
     N, HP = w.shape
     M = Bc.shape[1]
     rows, cols = (N + M, HP) if append == 1 else (N, HP + M) if append == 2 else (N, HP)
@@ -181,8 +198,12 @@ def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
     gpu = targets_gpu(w.device)
     BN, BK = (64, 128) if gpu else (32, 32)
     BR = _blk(M, 16, 32)
+    raw = append == 2 and raw_shared is not None and raw_shared.shape[1] > 0
+    us = raw_shared if raw else Bc
     _oproj_fold_kernel[(cdiv(rows, BN), cdiv(cols, BK))](
-        w, w.stride(0), w.stride(1), Bc, Do, out, cols, N, HP, M, APPEND=append, BN=BN, BK=BK,
+        w, w.stride(0), w.stride(1), Bc, Do, out, cols, N, HP, M, us,
+        us.stride(0) if raw else 0, us.stride(1) if raw else 0,
+        M - raw_shared.shape[1] if raw else M, APPEND=append, RAW_SHARED=raw, BN=BN, BK=BK,
         BR=BR, num_warps=4 if gpu else 1)
     return out
 
@@ -219,7 +240,7 @@ def _oproj_pack(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype):
 
 def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int,
                   cs: Optional[torch.Tensor] = None,
-                  db_dtype: Optional[torch.dtype] = None) -> dict:
+                  db_dtype: Optional[torch.dtype] = None, scale_shared: bool = False) -> dict:
     """Factor gradients from the token reductions' partials dD (S, M, H·P) and dB (S, N, M):
     dA (H, R, P), dB_w (N, H·R), dA_s (R_s, H·P), dB_s = scale·Σ (N, R_s), each in its
     factor's dtype, and with ``cs`` (the dx GEMM's column-sum rows, (rows, N) float32) the
@@ -244,7 +265,8 @@ def _oproj_unpack(dD, dB, A, Bw, As, Bs, scale: float, H: int, P: int,
         dB.shape[0], out.get("A", dD), out.get("As", dD), out.get("Bw", dD),
         out.get("Us", dD), cs if cs is not None else dD, cs.shape[0] if cs is not None else 0,
         out.get("db", dD), HP, P, R, RS, N, float(scale), BC=BC, BR=BR, MP=next_pow2(M),
-        HAS_CS=cs is not None, CSB=64 if targets_gpu(dev) else 8, num_warps=4)
+        HAS_CS=cs is not None, CSB=64 if targets_gpu(dev) else 8,
+        SCALE_SHARED=bool(scale_shared and RS), num_warps=4)
     return out
 
 
@@ -349,6 +371,12 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
     # folded with dO and the factor gradients wanted: dO and dZ = dY Bc from one GEMM over
     # [W' | Bc]; otherwise dZ (when wanted) from its own thin GEMM first
     fused_dz = fold and need_do and need_factors and T > 0
+    # folded with a shared part and scale != 1: the [W' | B_c] GEMM's shared dZ columns are
+    # dY·B_s (B_s itself appended, rounded once) and the unpack scales their token sums by s
+    # in float32 — more exact than the torch path's round(round(s·dY)·B_s), and no pass over
+    # dY (the multiply, thin GEMM and copy below took 19.8 + ~9 + 3 µs PREDICTED at GPT-2
+    # small, T = 16384)
+    raw = fused_dz and RS > 0 and scale != 1.0 and N > 0
     if dZ is not None and not fused_dz:
         _thin(g, Bcat, dZ)
     cs = None
@@ -359,13 +387,14 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             cs = (_alloc.empty(colsum_rows(T), N, dtype=F32, device=dev) if need_factors
                   else None)
             if fused_dz:
-                gemm([(g, oproj_fold(w, Bcat, Do, append=2))], dO, colsum=cs, out2=dZ)
+                gemm([(g, oproj_fold(w, Bcat, Do, append=2, raw_shared=Us if raw else None))],
+                     dO, colsum=cs, out2=dZ)
             else:
                 segs = [(g, oproj_fold(w, Bcat, Do))] if fold else [(g, w), (dZ, Do)]
                 gemm(segs, dO, colsum=cs)
         else:
             gemm([(dZ, Do)], dO)
-    if need_factors and RS and scale != 1.0 and T and N:
+    if need_factors and RS and scale != 1.0 and T and N and not raw:
         # the shared rows of dZ as round(s·dY) B_s, the same-precision torch path's rounding
         # order (as the q|k|v rank pass's SH_SCALE does), not dY round(s·B_s) from the packed
         # B_c: the latter missed docs/math.md §4 on dA_s (float16, one token: 2.65e-3 against
@@ -378,7 +407,8 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
     if need_factors:
         dB = reduce_tokens(g, Z, partials=True)           # (S, d, M)
         dD = reduce_tokens(dZ, o, partials=True)          # (S, M, H·p)
-        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P, cs, db_dtype)
+        grads = _oproj_unpack(dD, dB, A, Bw, As, Us, scale, H, P, cs, db_dtype,
+                              scale_shared=raw)
         if cs is None:
             grads["db"] = g.sum(0, dtype=F32).to(db_dtype or F32)
     return dO, grads
