@@ -7,15 +7,16 @@
 # STAGES is a comma list, run in order:
 #   proof         the whole proof in one call (a session lent 15 minutes of device time fits
 #                 one): build ‖ check ‖ kernel tests (PROOF_P1_S, 200 s), then krona, headwise,
-#                 inducer, e2e benchmarks alone on the GPU after tune (PROOF_TUNE_S, 40 s:
-#                 KronA's factor-gradient configurations timed; targets first; PROOF_BENCH,
+#                 inducer, e2e benchmarks alone on the GPU after tune (PROOF_TUNE_S, 50 s:
+#                 KronA's factor-gradient pass and the headwise rank pass, their launch
+#                 configurations timed; targets first; PROOF_BENCH,
 #                 PROOF_SHARES), the krona rows again with the one-pass folded backward
 #                 (onepass, into bench-one-pass/), then results.
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
 #   ncu           Nsight Compute (--set full, details page as CSV) on one launch of each kernel
 #                 the model misjudged most (benchmarks/host_profile.py drives them)
-#   tune          KronA's factor-gradient pass: each candidate launch configuration timed per
-#                 benchmark factor shape (benchmarks/tune_kernels.py), the fastest into
+#   tune          KronA's factor-gradient pass and the headwise rank pass: each candidate launch
+#                 configuration timed per benchmark shape (benchmarks/tune_kernels.py), the fastest into
 #                 WORK/kernel_tuning.json (proof runs it first and benchmarks with its table)
 #   onepass       the krona family's kfused-triton rows again with KronA's one-pass folded
 #                 backward (KFUSED_KRONA_FOLDED_BWD=one-pass), beside the default two passes
@@ -193,9 +194,10 @@ for stage in "${LIST[@]}"; do
       # onepass: KronA's kfused-triton rows again with the one-pass folded backward
       # (KFUSED_KRONA_FOLDED_BWD=one-pass) into bench-one-pass/, outside RESULTS.md: the
       # comparison that chose two passes (stop 40), measured
-      # before them, tune (PROOF_TUNE_S, 40 s): the candidate configurations of KronA's
-      # factor-gradient pass timed (benchmarks/tune_kernels.py); the benchmarks use its table
-      tune_s=${PROOF_TUNE_S:-40}
+      # before them, tune (PROOF_TUNE_S, 50 s): the candidate configurations of KronA's
+      # factor-gradient pass and the headwise rank pass timed (benchmarks/tune_kernels.py);
+      # the benchmarks use its table
+      tune_s=${PROOF_TUNE_S:-50}
       if [ "$tune_s" -gt 0 ]; then
         timeout "$tune_s" python3 benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" \
           --out "$WORK/tune.json" --time-limit $(( tune_s - 15 )) >"$WORK/tune.log" 2>&1
@@ -254,10 +256,10 @@ for stage in "${LIST[@]}"; do
         echo "ncu: not on this machine" | tee "$WORK/ncu.log"
       fi ;;
     tune)
-      # the candidate configurations of KronA's factor-gradient pass, timed (device time, CUDA
-      # graphs): the fastest per shape into WORK/kernel_tuning.json; copy it to
-      # kfused/data/kernel_tuning.json to commit it (the library reads that file, or the one
-      # KFUSED_KERNEL_TUNING names)
+      # the candidate configurations of KronA's factor-gradient pass and the headwise rank
+      # pass, timed (device time, CUDA graphs): the fastest per shape into
+      # WORK/kernel_tuning.json; copy it to kfused/data/kernel_tuning.json to commit it (the
+      # library reads that file, or the one KFUSED_KERNEL_TUNING names)
       py benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" --out "$WORK/tune.json" \
         --shapes "${TUNE_SHAPES:-targets}" --time-limit "$BENCH_LIMIT" >"$WORK/tune.log" 2>&1 \
         || status=1

@@ -1,27 +1,33 @@
-"""Time the candidate launch configurations of a kernel on a GPU; record the fastest per shape.
+"""Time the candidate launch configurations of some kernels on a GPU; record the fastest per shape.
 
     python3 benchmarks/tune_kernels.py [--table kfused/data/kernel_tuning.json]
                                        [--out tune.json] [--shapes targets|all] [--reps-ms 30]
+                                       [--kernels krona,rank]
     python3 benchmarks/tune_kernels.py --compile-only      # any machine: compile for sm_90
     python3 benchmarks/tune_kernels.py --warm-only         # GPU: compile + launch, untimed
 
-Kernel: ``_kron_grad_kernel``, the factor-gradient pass of KronA's folded backward (dA, dB
-from one read of x and dy). The H100 of 2026-11-27 ran it at 2.1x its predicted time with
-the rule's 2 tokens per step (a short dependent chain per step that the roofline does not
-price; benchmarks/results/h100/proof-2026-11-27). Its candidates
-(:func:`kfused.triton_kernels.krona_linear.grad_candidates`: tokens per step, warps, stages)
-are each tested on the CPU (tests/test_krona.py) and compile for sm_90 without spills
-(``--compile-only`` checks it, CI runs it on one shape).
+Kernels whose measured time the roofline model does not explain (a short dependent chain per
+loop step; benchmarks/results/h100/proof-2026-11-27), each with a few candidate launch
+configurations (tokens per step, warps, stages), every one tested on the CPU and compiling
+for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape):
+- ``krona``: ``_kron_grad_kernel``, the factor-gradient pass of KronA's folded backward (dA,
+  dB from one read of x and dy): 43.0 µs on the H100 of 2026-11-27 (T = 16384, 768², 24×24 /
+  32×32) against 20.9 predicted, with the rule's 2 tokens per step
+  (:func:`kfused.triton_kernels.krona_linear.grad_candidates`); shapes: the benchmark's
+  factor shapes on the tensor-core path.
+- ``rank``: ``_lr_rank_bwd_kernel``, the rank pass of the headwise q|k|v backward: 92.5 µs
+  against 30.4 predicted (GPT-2 small, Kernel-mix qvo-intermediate; one 8-warp CTA per SM)
+  (:data:`kfused.triton_kernels._headwise_common.RANK_CANDIDATES`); shapes: the sections a
+  benchmark case's real forward and backward hand it.
 
-On a GPU, for every benchmark factor shape on the tensor-core path (bf16): each candidate's
-``kron_factor_grads`` (the kernel and its partial sum) captured in a CUDA graph and replayed
-(device time, no host cost: ``kfused.bench.graph_timer``); the fastest is merged into
-``--table`` (``kfused.tuning``: ``KFUSED_KERNEL_TUNING`` points the library at a table, the
-package's ``kfused/data/kernel_tuning.json`` is the committed one), every time into ``--out``
-with the device, versions and commit. ``benchmarks/gpu_suite.sh proof`` runs it before the
-krona benchmarks and points them at its table.
+On a GPU (bf16) each candidate's call (the kernel and what sums its partials) is captured in a
+CUDA graph and replayed (device time, no host cost: ``kfused.bench.graph_timer``); the fastest
+per shape is merged into ``--table`` (:mod:`kfused.tuning`: ``KFUSED_KERNEL_TUNING`` points the
+library at a table; the package's ``kfused/data/kernel_tuning.json`` is the committed one),
+every time into ``--out`` with the device, versions and commit. ``benchmarks/gpu_suite.sh
+proof`` warms the candidates beside its tests, runs this before its benchmarks and points
+them at the table.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -70,130 +76,212 @@ def label(c: dict) -> str:
     return f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
 
 
-def compile_only(which: str, arch: int, limit: int = 0) -> int:
+class Job:
+    """One shape of one kernel to time: its candidates and a call running a given one."""
+
+    def __init__(self, kernel, text, key, T, candidates, run):
+        self.kernel, self.text, self.key, self.T = kernel, text, key, T
+        self.candidates, self.run = candidates, run
+
+
+def krona_jobs(which: str, dev: torch.device):
+    """_kron_grad_kernel on the benchmark's tensor-core factor shapes (bf16 on a GPU, float16
+    elsewhere: the interpreter mishandles bfloat16)."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    for T, a_out, a_in, b_out, b_in in shapes(which):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(T, a_in * b_in, device=dev, dtype=dt, generator=gen)
+        g = torch.randn(T, a_out * b_out, device=dev, dtype=dt, generator=gen)
+        A = torch.randn(a_out, a_in, device=dev, dtype=dt, generator=gen)
+        B = torch.randn(b_out, b_in, device=dev, dtype=dt, generator=gen)
+        ks = kernel_side(a_out, a_in, b_out, b_in)
+
+        def run(c, g=g, x=x, A=A, B=B):
+            return kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)[1:]
+        yield Job(KERNEL, f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}",
+                  kl.grad_tuning_key(*ks, 2), T, kl.grad_candidates(T, *ks), run)
+
+
+def rank_jobs(which: str, dev: torch.device):
+    """_lr_rank_bwd_kernel, the rank pass of the headwise q|k|v backward, on the sections of
+    the benchmark's GPT-2 q|k|v cases (all widths with ``all``): the sections a real
+    forward and backward hand it (captured), then the pass alone."""
+    from kfused.bench import fwdbwd_step
+    from kfused.cases import bench_cases
+    from kfused.triton_kernels import _headwise_common as hc
+    from kfused.triton_kernels import headwise_qkv as hq
+
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    for case in bench_cases("headwise", dev, dt, quick=dev.type != "cuda"):
+        if case.op != "headwise_qkv" or (which == "targets"
+                                         and case.shape.get("width") != "gpt2-small"):
+            continue
+        prov = next((p for p in case.providers if p.name == "kfused-triton"), None)
+        if prov is None:
+            continue
+        seen = []
+        real = hq.lr_rank_backward_sections
+
+        def spy(items, config=None):
+            seen.append(items)
+            return real(items, config)
+        hq.lr_rank_backward_sections = spy
+        try:
+            fwdbwd_step(prov)()
+        finally:
+            hq.lr_rank_backward_sections = real
+        if not seen:
+            continue
+        items = seen[-1]
+        T = items[0][0].shape[0]
+
+        def run(c, items=items):
+            return tuple(t for sec in hc.lr_rank_backward_sections(items, c) for t in sec)
+        job = Job("_lr_rank_bwd_kernel", f"{case.shape.get('width')} {case.shape.get('preset')}"
+                  f" T={T}", hc.rank_tuning_key(items, items[0][0].element_size()), T,
+                  hc.rank_candidates(), run)
+        job.items = items
+        yield job
+
+
+JOBS = {"krona": krona_jobs, "rank": rank_jobs}
+
+
+def compile_only(which: str, arch: int, limit: int = 0, kernels=("krona", "rank")) -> int:
     """Compile every candidate of every shape for sm_<arch> on CPU stand-ins; print registers,
     spills and shared memory; nonzero when one spills or cannot launch."""
     from kfused.perf.compile import compile_launch, jit_spec, launch_error, recording
     from kfused.triton_kernels import krona_linear as kl
 
     bad = 0
-    todo = shapes(which)
-    for T, a_out, a_in, b_out, b_in in (todo[:limit] if limit else todo):
-        ks = kernel_side(a_out, a_in, b_out, b_in)
-        for c in kl.grad_candidates(T, *ks):
-            x = torch.empty(T, a_in * b_in, dtype=torch.bfloat16)
-            g = torch.empty(T, a_out * b_out, dtype=torch.bfloat16)
-            A = torch.empty(a_out, a_in, dtype=torch.bfloat16)
-            B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
-            with recording() as launches:
-                kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
-            (L,) = [L for L in launches if L.name == KERNEL]
-            st = compile_launch(L.fn, jit_spec(L.fn, L.args, L.kwargs, arch), arch)
-            err = launch_error(st, arch)
-            ok = st["spill_bytes"] == 0 and err is None
-            bad += not ok
-            print(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in} {label(c):12s} regs {st['regs']:3d} "
-                  f"spill {st['spill_bytes']} B shared {st['shared_bytes']} B "
-                  f"ctas/SM {st['ctas_per_sm']}" + ("" if ok else f"  <- {err or 'spills'}"),
-                  flush=True)
+
+    def report(text, c, L, override):
+        nonlocal bad
+        kw = dict(L.kwargs)
+        if override:     # a traced launch of the rule's config, relaunched with c
+            kw.update(c)
+        st = compile_launch(L.fn, jit_spec(L.fn, L.args, kw, arch), arch)
+        err = launch_error(st, arch)
+        ok = st["spill_bytes"] == 0 and err is None
+        bad += not ok
+        print(f"{L.name} {text} {label(c):12s} regs {st['regs']:3d} spill {st['spill_bytes']} B "
+              f"shared {st['shared_bytes']} B ctas/SM {st['ctas_per_sm']}"
+              + ("" if ok else f"  <- {err or 'spills'}"), flush=True)
+
+    if "krona" in kernels:
+        todo = shapes(which)
+        for T, a_out, a_in, b_out, b_in in (todo[:limit] if limit else todo):
+            ks = kernel_side(a_out, a_in, b_out, b_in)
+            for c in kl.grad_candidates(T, *ks):
+                x = torch.empty(T, a_in * b_in, dtype=torch.bfloat16)
+                g = torch.empty(T, a_out * b_out, dtype=torch.bfloat16)
+                A = torch.empty(a_out, a_in, dtype=torch.bfloat16)
+                B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
+                with recording() as launches:
+                    kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
+                (L,) = [L for L in launches if L.name == KERNEL]
+                report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
+    if "rank" in kernels:
+        from kfused.perf.cases import all_cases
+        from kfused.perf.trace import trace
+        from kfused.triton_kernels import _headwise_common as hc
+
+        cases = [c for c in all_cases() if c.op == "headwise_qkv"
+                 and (which == "all" or "gpt2-small" in c.label)]
+        for case in (cases[:limit] if limit else cases):
+            launches, _ = trace(case.run)
+            for L in [L for L in launches if L.name == "_lr_rank_bwd_kernel"]:
+                for c in hc.rank_candidates():
+                    report(case.label, c, L, True)
     return 1 if bad else 0
 
 
-def warm(which: str) -> int:
+def warm(which: str, kernels=("krona", "rank")) -> int:
     """Compile and launch every candidate once on the GPU, untimed (the Triton cache on disk
     then holds them: the proof runs this beside its tests, and the timed run later loads)."""
-    from kfused.triton_kernels import krona_linear as kl
-
     dev = torch.device("cuda")
-    for T, a_out, a_in, b_out, b_in in shapes(which):
-        x = torch.randn(T, a_in * b_in, device=dev, dtype=torch.bfloat16)
-        g = torch.randn(T, a_out * b_out, device=dev, dtype=torch.bfloat16)
-        A = torch.randn(a_out, a_in, device=dev, dtype=torch.bfloat16)
-        B = torch.randn(b_out, b_in, device=dev, dtype=torch.bfloat16)
-        for c in kl.grad_candidates(T, *kernel_side(a_out, a_in, b_out, b_in)):
-            t0 = time.monotonic()
-            try:
-                kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
-                torch.cuda.synchronize()
-                msg = "ok"
-            except Exception as exc:
-                msg = f"{type(exc).__name__}: {str(exc)[:120]}"
-            print(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in} {label(c)}: {msg} "
-                  f"({time.monotonic() - t0:.1f} s)", flush=True)
+    for kind in kernels:
+        for job in JOBS[kind](which, dev):
+            for c in job.candidates:
+                t0 = time.monotonic()
+                try:
+                    job.run(c)
+                    torch.cuda.synchronize()
+                    msg = "ok"
+                except Exception as exc:
+                    msg = f"{type(exc).__name__}: {str(exc)[:120]}"
+                print(f"{job.kernel} {job.text} {label(c)}: {msg} "
+                      f"({time.monotonic() - t0:.1f} s)", flush=True)
     return 0
 
 
 def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
-         dev: torch.device = torch.device("cuda"), timer=None, name: str = "") -> int:
+         dev: torch.device = torch.device("cuda"), timer=None, name: str = "",
+         kernels=("krona", "rank")) -> int:
     """Time every candidate per shape (``timer(fn, dev, reps_ms)`` -> (p20, p50, p80) ms,
     default ``kfused.bench.graph_timer``), merge the fastest into ``table``, write ``out``."""
     from kfused import tuning
     from kfused.bench import graph_timer
     from kfused.cli.bench import environment
-    from kfused.triton_kernels import krona_linear as kl
 
     timer = timer or graph_timer
     name = name or torch.cuda.get_device_name(dev)
     t_end = time.monotonic() + time_limit
-    rows, entries = [], []
-    for T, a_out, a_in, b_out, b_in in shapes(which):
-        if time.monotonic() > t_end:
-            print(f"time limit: T={T} A{a_out}x{a_in} B{b_out}x{b_in} and later not tuned")
-            break
-        gen = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(T, a_in * b_in, device=dev, dtype=torch.bfloat16, generator=gen)
-        g = torch.randn(T, a_out * b_out, device=dev, dtype=torch.bfloat16, generator=gen)
-        A = torch.randn(a_out, a_in, device=dev, dtype=torch.bfloat16, generator=gen)
-        B = torch.randn(b_out, b_in, device=dev, dtype=torch.bfloat16, generator=gen)
-        ks = kernel_side(a_out, a_in, b_out, b_in)
-        cands = kl.grad_candidates(T, *ks)
-        us, ref = {}, None
-        for c in cands:
-            run = lambda c=c: kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False,  # noqa
-                                                   config=c)
-            try:
-                got = run()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                if ref is None:
-                    ref = got
-                else:   # every candidate computes the same sums (same order within a
-                    # program, programs summed in a fixed order): report a difference
-                    for r, v in zip(ref[1:], got[1:]):
-                        d = (r.float() - v.float()).abs().max().item()
-                        s = r.float().abs().max().item()
-                        if d > 1e-2 * max(s, 1e-6):
-                            print(f"  {label(c)}: differs from {label(cands[0])} by {d:.3g}"
-                                  f" (max {s:.3g})")
-                us[label(c)] = timer(run, dev, reps_ms)[1] * 1e3
-            except Exception as exc:   # a config this GPU cannot launch: not a candidate
-                us[label(c)] = None
-                print(f"  {label(c)}: {type(exc).__name__}: {str(exc)[:120]}")
-        timed = [(v, c) for c in cands for k, v in us.items() if k == label(c) and v]
-        if not timed:
-            continue
-        best_us, best = min(timed, key=lambda vc: vc[0])
-        rule_us = us.get(label(cands[0]))
-        print(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}: " + ", ".join(
-            f"{k} {v:.1f}" if v else f"{k} -" for k, v in us.items())
-            + f" us -> {label(best)}" + (f" ({rule_us / best_us:.2f}x the rule's)"
-                                         if rule_us else ""), flush=True)
-        key = kl.grad_tuning_key(*ks, 2)
-        entries.append({"key": key, "T": T, "config": dict(best),
-                        "us": {k: (round(v, 2) if v else None) for k, v in us.items()}})
-        rows.append({"T": T, "A": [a_out, a_in], "B": [b_out, b_in], "kernel_side": list(ks),
-                     "us": us, "best": label(best), "rule": label(cands[0])})
+    rows, entries = [], {}
+    for kind in kernels:
+        for job in JOBS[kind](which, dev):
+            if time.monotonic() > t_end:
+                print(f"time limit: {job.kernel} {job.text} and later not tuned")
+                break
+            us, ref = {}, None
+            for c in job.candidates:
+                run = lambda c=c: job.run(c)  # noqa: E731
+                try:
+                    got = run()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    if ref is None:
+                        ref = got
+                    else:   # every candidate computes the same sums (in another order):
+                        # report a difference
+                        for r, v in zip(ref, got):
+                            if r.shape != v.shape:   # token-split partials: their sums
+                                r, v = r.sum(0), v.sum(0)
+                            d = (r.float() - v.float()).abs().max().item()
+                            sc = r.float().abs().max().item()
+                            if d > 1e-2 * max(sc, 1e-6):
+                                print(f"  {label(c)}: differs from {label(job.candidates[0])}"
+                                      f" by {d:.3g} (max {sc:.3g})")
+                    us[label(c)] = timer(run, dev, reps_ms)[1] * 1e3
+                except Exception as exc:   # a config this GPU cannot launch: not a candidate
+                    us[label(c)] = None
+                    print(f"  {label(c)}: {type(exc).__name__}: {str(exc)[:120]}")
+            timed = [(us[label(c)], c) for c in job.candidates if us.get(label(c))]
+            if not timed:
+                continue
+            best_us, best = min(timed, key=lambda vc: vc[0])
+            rule_us = us.get(label(job.candidates[0]))
+            print(f"{job.kernel} {job.text}: " + ", ".join(
+                f"{k} {v:.1f}" if v else f"{k} -" for k, v in us.items())
+                + f" us -> {label(best)}" + (f" ({rule_us / best_us:.2f}x the rule's)"
+                                             if rule_us else ""), flush=True)
+            entries.setdefault(job.kernel, []).append(
+                {"key": job.key, "T": job.T, "config": dict(best),
+                 "us": {k: (round(v, 2) if v else None) for k, v in us.items()}})
+            rows.append({"kernel": job.kernel, "case": job.text, "T": job.T, "key": job.key,
+                         "us": us, "best": label(best), "rule": label(job.candidates[0])})
     meta = environment(dev)
-    if entries:
-        tuning.merge(table, name, KERNEL, entries,
-                     extra={"commits": {**(tuning.load(table).get("commits", {})
-                                           if os.path.exists(table) else {}),
-                                        name: meta["git_commit"]}})
+    for kernel, es in entries.items():
+        commits = tuning.load(table).get("commits", {}) if os.path.exists(table) else {}
+        tuning.merge(table, name, kernel, es,
+                     extra={"commits": {**commits, name: meta["git_commit"]}})
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump({"meta": meta, "kernel": KERNEL, "rows": rows}, f, indent=1)
-    print(f"{len(entries)} shapes tuned; table {table}")
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{sum(len(v) for v in entries.values())} shapes tuned; table {table}")
     return 0
 
 
@@ -210,17 +298,23 @@ def main(argv=None) -> int:
                    "candidate once, untimed")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--limit", type=int, default=0, help="--compile-only: the first N shapes")
+    p.add_argument("--kernels", default="krona,rank", help="comma list of krona (KronA's "
+                   "factor-gradient pass), rank (the headwise rank pass)")
     a = p.parse_args(argv)
+    kernels = tuple(k for k in a.kernels.split(",") if k)
+    bad = [k for k in kernels if k not in JOBS]
+    if bad:
+        p.error(f"--kernels: unknown {bad}; expected some of {sorted(JOBS)}")
     if a.compile_only:
         if os.environ.get("TRITON_INTERPRET"):
             raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
-        return compile_only(a.shapes, a.arch, a.limit)
+        return compile_only(a.shapes, a.arch, a.limit, kernels)
     if not torch.cuda.is_available():
         print("tune_kernels: no CUDA device (use --compile-only on a CPU)", file=sys.stderr)
         return 2
     if a.warm_only:
-        return warm(a.shapes)
-    return tune(a.shapes, a.table, a.out, a.reps_ms, a.time_limit)
+        return warm(a.shapes, kernels)
+    return tune(a.shapes, a.table, a.out, a.reps_ms, a.time_limit, kernels=kernels)
 
 
 if __name__ == "__main__":

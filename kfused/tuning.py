@@ -38,14 +38,18 @@ class TuningError(ValueError):
     """A tuning table that cannot be read or does not have the documented form."""
 
 
-def table_path() -> Optional[str]:
-    """The table in use: ``KFUSED_KERNEL_TUNING``, else the package's file if present."""
-    path = os.environ.get(TUNING_ENV, "").strip()
-    if path:
-        return path
+@functools.lru_cache(maxsize=None)
+def _package_table() -> Optional[str]:
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                         "kernel_tuning.json")
     return here if os.path.exists(here) else None
+
+
+def table_path() -> Optional[str]:
+    """The table in use: ``KFUSED_KERNEL_TUNING``, else the package's file if present (looked
+    up once per process)."""
+    path = os.environ.get(TUNING_ENV, "").strip()
+    return path or _package_table()
 
 
 def _valid_entry(e) -> bool:
@@ -99,17 +103,34 @@ def pick(entries, key: dict, T: int) -> Optional[dict]:
     return None if best is None else {k: best["config"][k] for k in best["config"]}
 
 
+_LOOKUPS: dict = {}
+
+
 def lookup(kernel: str, device: torch.device, key: dict, T: int) -> Optional[dict]:
     """The measured config of ``kernel`` for this device and shape, or None (no table, another
-    GPU model, a shape not timed, or not a CUDA device)."""
+    GPU model, a shape not timed, or not a CUDA device). Remembered per (kernel, device,
+    key, T, table): host code may ask on every call."""
     name = device_name(device)
     if name is None:
         return None
     path = table_path()
     if path is None:
         return None
-    entries = load(path)["devices"].get(name, {}).get(kernel, [])
-    return pick(entries, key, T)
+    memo = (kernel, name, json.dumps(key, sort_keys=True), int(T), path)
+    try:
+        hit = _LOOKUPS[memo]
+    except KeyError:
+        if len(_LOOKUPS) >= 4096:
+            _LOOKUPS.clear()
+        entries = load(path)["devices"].get(name, {}).get(kernel, [])
+        hit = _LOOKUPS[memo] = pick(entries, key, T)
+    return dict(hit) if hit is not None else None
+
+
+def forget() -> None:
+    """Drop what was read and looked up (a table rewritten, tests)."""
+    load.cache_clear()
+    _LOOKUPS.clear()
 
 
 def merge(path: str, device: str, kernel: str, entries, extra: Optional[dict] = None) -> dict:
@@ -131,5 +152,5 @@ def merge(path: str, device: str, kernel: str, entries, extra: Optional[dict] = 
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
-    load.cache_clear()
+    forget()
     return data

@@ -32,7 +32,7 @@ def table(tmp_path, monkeypatch):
     kl._grad_config.cache_clear()
     yield path
     kl._grad_config.cache_clear()
-    tuning.load.cache_clear()
+    tuning.forget()
 
 
 def test_measured_config_applies_to_its_gpu_shape_and_tokens(table):
@@ -135,8 +135,13 @@ def test_candidates_compile_for_sm90_without_spills():
                         "--compile-only", "--limit", "1"], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    from kfused.triton_kernels import _headwise_common as hc
+
     lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
-    assert len(lines) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
+    grad = [ln for ln in lines if ln.startswith("_kron_grad_kernel")]
+    rank = [ln for ln in lines if ln.startswith("_lr_rank_bwd_kernel")]
+    assert len(grad) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
+    assert len(rank) == len(hc.rank_candidates())
     assert all("spill 0 B" in ln for ln in lines)
 
 
@@ -160,7 +165,8 @@ def test_tune_script_records_the_fastest_candidate(tmp_path, monkeypatch):
 
     table, out = tmp_path / "t.json", tmp_path / "tune.json"
     assert tune_kernels.tune("targets", str(table), str(out), 1.0, 60.0,
-                             dev=torch.device(DEVICE), timer=timer, name=GPU) == 0
+                             dev=torch.device(DEVICE), timer=timer, name=GPU,
+                             kernels=("krona",)) == 0
     data = json.loads(table.read_text())
     (e,) = data["devices"][GPU]["_kron_grad_kernel"]
     assert e["key"] == kl.grad_tuning_key(16, 24, 32, 16, 2) and e["T"] == 37
@@ -169,3 +175,53 @@ def test_tune_script_records_the_fastest_candidate(tmp_path, monkeypatch):
     rule = kl.grad_candidates(37, 16, 24, 32, 16)[0]
     assert rows[0]["best"] == "BT8-w8-s3" and rows[0]["rule"] == tune_kernels.label(rule)
     assert None not in rows[0]["us"].values()
+
+
+def test_rank_pass_config_from_the_table(table):
+    from kfused.triton_kernels import _headwise_common as hc
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    key = {"sections": [[6, 34, 2, True], [6, 34, 2, True]], "BN": 128, "elem_bytes": 2}
+    tuning.merge(str(table), GPU, "_lr_rank_bwd_kernel",
+                 [_entry(key, 16384, BT=128, num_warps=8, num_stages=2)])
+    rule = {"BT": 64, "num_warps": 8}
+    assert hc.rank_config(cuda, torch.bfloat16, 16384, lambda: key) == {
+        "BT": 128, "num_warps": 8, "num_stages": 2}
+    other = dict(key, BN=64)
+    assert hc.rank_config(cuda, torch.bfloat16, 16384, lambda: other) == rule
+    assert hc.rank_config(cuda, torch.bfloat16, 1000, lambda: key) == rule
+    assert hc.rank_config(cuda, torch.float32, 16384, lambda: key) == {"BT": 32,
+                                                                        "num_warps": 8}
+    assert hc.rank_config(cpu, torch.float16, 16384, lambda: key) == {"BT": 32,
+                                                                       "num_warps": 4}
+    # a given config wins, and no table is asked
+    asked = []
+    assert hc.rank_config(cuda, torch.bfloat16, 16384, lambda: asked.append(1) or key,
+                          {"BT": 32, "num_stages": 4}) == {"BT": 32, "num_warps": 8,
+                                                           "num_stages": 4}
+    assert asked == []
+    assert hc.rank_candidates()[0] == {"BT": 64, "num_warps": 8, "num_stages": 3}
+
+
+def test_every_rank_candidate_computes_the_same_sums():
+    """The rank pass on the sections a real (CPU-sized) q|k|v backward hands it: every
+    candidate writes the same dZ and the same token sums (float32, another order)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import tune_kernels
+    finally:
+        sys.path.pop(0)
+    jobs = list(tune_kernels.rank_jobs("all", torch.device(DEVICE)))
+    assert jobs and all(j.kernel == "_lr_rank_bwd_kernel" for j in jobs)
+    for job in jobs[:2]:
+        ref = None
+        for c in job.candidates:
+            got = [t.sum(0) for t in job.run(c)]
+            dz = [it[2].clone() for it in job.items]
+            if ref is None:
+                ref = (got, dz)
+                continue
+            for r, v in zip(ref[0], got):
+                torch.testing.assert_close(v, r, rtol=1e-5, atol=1e-5)
+            for r, v in zip(ref[1], dz):
+                assert torch.equal(r, v)

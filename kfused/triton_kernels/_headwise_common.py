@@ -79,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kfused import _alloc
+from kfused import _alloc, tuning
 from kfused.triton_kernels._common import (_AOT_TARGET, _INTERPRETED, _blk, _grouped_tile, _mm,
                                            _rblk, _row_block_sum, _splits, F32, cdiv,
                                            dot_precision, targets_gpu)
@@ -491,19 +491,65 @@ def _lr_rank_bwd_kernel(T, T_PER,
                       B_SH_SCALE, B_ONES)
 
 
-def lr_rank_backward_sections(items) -> list:
+# Candidates of the rank pass timed by benchmarks/tune_kernels.py on a GPU (16-bit): (tokens
+# per step, warps, stages), the rule's first. sm_90 (triton 3.6, GPT-2 small q|k|v,
+# Kernel-mix qvo-intermediate: RB 32 and 64, BN 128): none spills; 8 warps 172-188
+# registers (1 CTA per SM), 4 warps 220-255 (2 CTAs per SM at 2 stages, 1 at 128 tokens and
+# 3-4 stages). The H100 of 2026-11-27 ran the rule's (64, 8, 3) at 92.5 µs against 30.4 µs
+# predicted (before its loop lost its two reductions): one CTA of 8 warps per SM and a
+# dependent chain per step, which more tokens per step or more stages in flight may hide.
+RANK_CANDIDATES = ((64, 8, 3), (64, 8, 4), (128, 8, 2), (128, 8, 3), (64, 4, 2), (32, 4, 4))
+_RANK_TUNE_MIN_T = 2048
+
+
+def rank_tuning_key(items, elem_bytes: int) -> dict:
+    """The shape key of the rank pass's entries in a tuning table: per section its tiles,
+    slots, shared rows and whether they are scaled, the tile width, the element size."""
+    return {"sections": [[lr.U.shape[0], lr.W, lr.RS, bool(lr.scaled)] for _, lr, _ in items],
+            "BN": int(items[0][1].U.shape[2]), "elem_bytes": int(elem_bytes)}
+
+
+def rank_config(dev: torch.device, dtype: torch.dtype, T: int, key, config=None) -> dict:
+    """The rank pass's launch configuration ({"BT", "num_warps"[, "num_stages"]}): the rule's
+    (sm_90: 4 warps spilled at RB = 32; float32, CUDA-core dots, takes the smaller token
+    tile), ``config`` over it, else on a CUDA device (16-bit, T >= _RANK_TUNE_MIN_T) the
+    measured one of a tuning table for the sections ``key()`` names."""
+    gpu = targets_gpu(dev)
+    cfg = {"BT": 64 if gpu and dtype != F32 else 32, "num_warps": 8 if gpu else 4}
+    if (config is None and dev.type == "cuda" and T >= _RANK_TUNE_MIN_T
+            and dtype in (torch.float16, torch.bfloat16)):
+        config = tuning.lookup("_lr_rank_bwd_kernel", dev, key(), T)
+    if config:
+        cfg.update({k: int(v) for k, v in config.items()
+                    if k in ("BT", "num_warps", "num_stages")})
+    return cfg
+
+
+def rank_candidates() -> list:
+    """The rank pass's launch configurations a GPU run times ({"BT", "num_warps",
+    "num_stages"}), the rule's first."""
+    return [{"BT": bt, "num_warps": w, "num_stages": st} for bt, w, st in RANK_CANDIDATES]
+
+
+def lr_rank_backward_sections(items, config: Optional[dict] = None) -> list:
     """The rank pass of one or two sections in one launch. items: per section (g, lr, dz):
     g (T, N) view of the section's output gradient, its LowRankTiles (lr.z: the forward's Z,
     or :func:`rank_space` of X after a folded forward), dz (T, L·W) view to fill. Returns
     per section the float32 token-split partials (dU (S, L, RB, BN), dzb (S, L, RB),
-    db (S, N)) with RB = lr.RB (slots past W zero), S shared."""
+    db (S, N)) with RB = lr.RB (slots past W zero), S shared.
+
+    ``config`` ({"BT", "num_warps", "num_stages"}, e.g. one of :func:`rank_candidates`):
+    launch with it; otherwise, 16-bit on a CUDA device with T >= _RANK_TUNE_MIN_T, the
+    configuration this GPU model timed fastest for these sections (:mod:`kfused.tuning`,
+    benchmarks/tune_kernels.py), else the rule's."""
     assert 1 <= len(items) <= 2
     T = items[0][0].shape[0]
     g0 = items[0][0]
     dev = g0.device
     Ls = [lr.U.shape[0] for _, lr, _ in items]
-    # sm_90: 4 warps spilled at RB = 32; float32 (CUDA-core dots) needs the smaller token tile.
-    BT = 64 if targets_gpu(dev) and g0.dtype != F32 else 32
+    cfg = rank_config(dev, g0.dtype, T, lambda: rank_tuning_key(items, g0.element_size()),
+                      config)
+    BT = cfg.pop("BT")
     S = _splits(dev, T, sum(Ls), BT // 4)
     T_PER = cdiv(cdiv(max(T, 1), S), BT) * BT
     S = max(1, cdiv(T, T_PER))
@@ -529,7 +575,7 @@ def lr_rank_backward_sections(items) -> list:
         T, T_PER, *args[0], *args[1], BT=BT, BN=items[0][1].U.shape[2],
         A_RB=meta[0][0], B_RB=meta[1][0], PREC=dot_precision(g0.dtype),
         A_SH_SCALE=meta[0][1], B_SH_SCALE=meta[1][1], A_ONES=meta[0][2], B_ONES=meta[1][2],
-        num_warps=8 if targets_gpu(dev) else 4)
+        **cfg)
     return outs
 
 
