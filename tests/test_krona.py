@@ -207,6 +207,41 @@ def test_krona_linear_triton(shape, dtype):
         grad_names=["x", "A", "B"])
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
+    """The exact path's forward and dx as three torch GEMMs (cuBLAS on a GPU: 16-bit, from
+    COMPOSE_MIN_TOKENS tokens), forced here at any size: y and every gradient within
+    docs/math.md §4 in float16, both product orders (X Bᵀ first or A X first), with and
+    without a bias; _krona_fwd_kernel is not launched, the factor gradients still are."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    monkeypatch.setattr(kl, "exact_composes", lambda device, dtype, T: True)
+    fwd = launches(kl, "_krona_fwd_kernel")
+    grad = launches(kl, "_kron_grad_kernel")
+    a_out, a_in, b_out, b_in = shape
+    x, A, B = _factors(shape, lead=(random.randint(1, 70),))
+    W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / (a_in * b_in) ** 0.5
+    inputs = {"x": x, "weight": W, "A": A, "B": B,
+              "bias": torch.randn(a_out * b_out, dtype=torch.float64) if with_bias else None}
+    assert_against_reference(
+        lambda **kw: krona_linear(**kw, scale=0.5, backend="triton", exact=True),
+        lambda **kw: krona_linear_ref(**kw, scale=0.5), inputs, torch.float16, DEVICE,
+        grad_names=["x", "A", "B"])
+    assert not fwd and grad
+
+
+def test_exact_composition_applies_to_16_bit_gpu_batches():
+    from kfused.triton_kernels import krona_linear as kl
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    n = kl.COMPOSE_MIN_TOKENS
+    assert kl.exact_composes(cuda, torch.bfloat16, n) and kl.exact_composes(cuda, torch.float16, n)
+    assert not kl.exact_composes(cuda, torch.bfloat16, n - 1)     # decode: one kernel launch
+    assert not kl.exact_composes(cuda, torch.float32, 1 << 20)    # IEEE dots, never TF32
+    assert not kl.exact_composes(cpu, torch.float16, 1 << 20)     # the interpreter's kernel
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_krona_linear_folded_triton(shape, dtype):

@@ -22,7 +22,8 @@ from kfused.perf.compile import Launch, recording
 _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
          "_local_scalar_dense", "detach", "detach_", "lift_fresh", "alias", "_to_copy_meta", "set_",
          "resize_", "_unsafe_view", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
-_MATMUL = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm"}
+_MATMUL = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm", "addmm_",
+           "baddbmm_"}
 
 
 @dataclasses.dataclass
@@ -35,7 +36,13 @@ class GlueOp:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes a kernel moves for ``t``: its elements, counting a broadcast (stride-0) dim once
+    (an expanded factor of a batched GEMM is read once, not once per batch)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
 
 
 class _Glue(TorchDispatchMode):
@@ -75,7 +82,8 @@ class _Glue(TorchDispatchMode):
                 nb = sum(_nbytes(t) for t in ins)           # src read, dst written (not read)
             flops = 0.0
             if short in _MATMUL and outs:
-                k = ins[-1].shape[-2] if short in ("mm", "bmm", "addmm", "baddbmm") else \
+                k = ins[-1].shape[-2] if short in ("mm", "bmm", "addmm", "baddbmm", "addmm_",
+                                                   "baddbmm_") else \
                     ins[0].shape[-1]
                 flops = 2.0 * outs[0].numel() * k
             self.ops.append(GlueOp(short, float(nb), flops, [tuple(t.shape) for t in ins]))
@@ -134,8 +142,9 @@ def _gpu_dispatch(launches: List[Launch]):
     * ``_headwise_common._launch`` records one launch per autotuning config while compiling
       for a GPU; those launches share an ``alt`` id so the report keeps only the fastest
       predicted one.
-    * ``headwise_qkv``'s ``_fold_mode`` (how ``exact`` applies the update) is evaluated as
-      for a CUDA device.
+    * ``headwise_qkv``'s ``_fold_mode`` (how ``exact`` applies the update) and
+      ``krona_linear``'s ``exact_composes`` (the exact path's cuBLAS composition) are
+      evaluated as for a CUDA device.
 
     Each name is replaced in every headwise kernel module that looks it up as a global.
     """
@@ -176,9 +185,17 @@ def _gpu_dispatch(launches: List[Launch]):
             return torch.addmm(bias, a, b, out=out)
         return orig["frozen_gemm"](a, b, out, bias=bias)
 
+    import kfused.triton_kernels.krona_linear as kl
+
+    composes = kl.exact_composes
+
+    def exact_composes(device, dtype, T):
+        return composes(torch.device("cuda"), dtype, T)
+
     patched = dict(reduce_tokens=reduce_tokens, _thin=frozen_gemm, _launch=_launch,
-                   _fold_mode=_fold_mode, frozen_gemm=frozen_gemm)
-    saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho, ops_qkv) for k in patched
+                   _fold_mode=_fold_mode, frozen_gemm=frozen_gemm,
+                   exact_composes=exact_composes)
+    saved = [(m, k, getattr(m, k)) for m in (hc, hq, ho, ops_qkv, kl) for k in patched
              if hasattr(m, k)]
     for m, k, _ in saved:
         setattr(m, k, patched[k])

@@ -7,7 +7,9 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     only this pass per direction plus the factor-gradient pass below.
 
 ``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program — the exact
-    factored path (``exact=True``, float32, small T; kron_matvec always).
+    factored path (``exact=True``, float32, small T; kron_matvec always). On a GPU, 16-bit,
+    from ``COMPOSE_MIN_TOKENS`` tokens the exact forward and dx are three cuBLAS calls
+    instead (:func:`_compose_exact`: this kernel ran at 16-26x its predicted time there).
     The output tile is a (BI × BJ) block of the (i, j) grid of output features
     o = i·b_out + j (BJ a power of two; a partial last j-block is masked), so the Kronecker term of the tile is
     ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
@@ -697,6 +699,8 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
+    if T and weight is not None and exact_composes(x.device, x.dtype, T):
+        return _compose_exact(x, weight, bias, A, B, scale)
     y = _alloc.empty(T, a_out * b_out, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
@@ -713,6 +717,57 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
         ACC=acc_dtype(x.dtype), IDT=inter_dtype(x.dtype),
         SPLIT=x.dtype in (torch.float16, torch.bfloat16), **cfg)
     return y
+
+
+# The exact path's y = x Wᵀ + b + s·(A ⊗ B) x (and its dx = dy W + s·(Aᵀ ⊗ Bᵀ) dy) on a GPU,
+# 16-bit, from COMPOSE_MIN_TOKENS tokens: three cuBLAS calls instead of _krona_fwd_kernel —
+# the Kronecker term as a plain GEMM over the token rows' factor axis (X Bᵀ as one
+# (T·a_in × b_in) by (b_in × b_out) product, or U Bᵀ) and a batched one with the other factor
+# broadcast (A V[t], or A X[t]), the bias and s in its epilogue, then the frozen GEMM added in
+# place (beta = 1). The adapter term is never rounded into a weight (what exact promises);
+# y is rounded three times (V, the scaled term plus bias, y), the same-precision torch path
+# five. Why: the H100 of 2026-11-27 ran _krona_fwd_kernel at 693 µs a launch (T = 16384,
+# 768², 24×24 / 32×32; 1387 µs for y and dx) against 44 µs predicted — 16-26x at every shape
+# (benchmarks/results/h100/proof-2026-11-27), while the composition is three calls at cuBLAS
+# speed (PREDICTED by kfused perf: see the exact cases of benchmarks/results/predicted).
+# Below COMPOSE_MIN_TOKENS (decode, small batches) one kernel launch beats three calls;
+# float32 keeps the kernel (its IEEE dots: cuBLAS would follow torch's TF32 switch).
+COMPOSE_MIN_TOKENS = 1024
+
+
+def exact_composes(device: torch.device, dtype: torch.dtype, T: int) -> bool:
+    """Whether the exact path's forward / dx runs as the cuBLAS composition
+    (:func:`_compose_exact`) rather than _krona_fwd_kernel. (kfused.perf's trace evaluates it
+    as for a CUDA device.)"""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and T >= COMPOSE_MIN_TOKENS)
+
+
+def _compose_exact(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """x Wᵀ + b + scale·(A ⊗ B) x by torch's GEMMs (cuBLAS on a GPU): x (T, a_in·b_in) with
+    unit inner stride, weight (a_out·b_out, a_in·b_in) any strides. Returns (T, d_out)
+    contiguous in x's dtype. The order with the smaller per-token intermediate: X Bᵀ
+    (a_in × b_out) then A·, or A X (a_out × b_in) then ·Bᵀ."""
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    dt = x.dtype
+    A, B = A.to(dt), B.to(dt)
+    X3 = x.view(T, a_in, b_in)
+    # the bias rides in the batched GEMM's epilogue (beta = 1; none: beta = 0, which never
+    # reads its input: an unfilled one, no launch)
+    b3 = bias.to(dt).view(1, a_out, b_out) if bias is not None else x.new_empty(1, 1, 1)
+    beta = 1.0 if bias is not None else 0.0
+    if a_in * b_out <= a_out * b_in:
+        V = torch.matmul(X3, B.t())                                  # (T, a_in, b_out)
+        K = torch.baddbmm(b3, A.expand(T, a_out, a_in), V, beta=beta, alpha=float(scale))
+    else:
+        U = torch.matmul(A.expand(T, a_out, a_in), X3)               # (T, a_out, b_in)
+        K = torch.baddbmm(b3, U, B.t().expand(T, b_in, b_out), beta=beta,
+                          alpha=float(scale))
+    y = K.view(T, a_out * b_out)
+    return y.addmm_(x, weight.t())
 
 
 def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
