@@ -229,6 +229,10 @@ def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
         lambda **kw: krona_linear_ref(**kw, scale=0.5), inputs, torch.float16, DEVICE,
         grad_names=["x", "A", "B"])
     assert not fwd and grad
+    # kron_matvec's forward (no frozen weight): the Kronecker term alone, two calls
+    assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                             kron_matvec_ref, {"x": x, "A": A, "B": B}, torch.float16, DEVICE)
+    assert not fwd
 
 
 def test_exact_composition_applies_to_16_bit_gpu_batches():

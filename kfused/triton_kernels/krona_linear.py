@@ -699,7 +699,7 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
-    if T and weight is not None and exact_composes(x.device, x.dtype, T):
+    if T and exact_composes(x.device, x.dtype, T):
         return _compose_exact(x, weight, bias, A, B, scale)
     y = _alloc.empty(T, a_out * b_out, dtype=x.dtype, device=x.device)
     if T == 0:
@@ -719,8 +719,9 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
     return y
 
 
-# The exact path's y = x Wᵀ + b + s·(A ⊗ B) x (and its dx = dy W + s·(Aᵀ ⊗ Bᵀ) dy) on a GPU,
-# 16-bit, from COMPOSE_MIN_TOKENS tokens: three cuBLAS calls instead of _krona_fwd_kernel —
+# The exact path's y = x Wᵀ + b + s·(A ⊗ B) x (and its dx = dy W + s·(Aᵀ ⊗ Bᵀ) dy; and
+# kron_matvec's forward, without W) on a GPU, 16-bit, from COMPOSE_MIN_TOKENS tokens: three
+# cuBLAS calls (two without W) instead of _krona_fwd_kernel —
 # the Kronecker term as a plain GEMM over the token rows' factor axis (X Bᵀ as one
 # (T·a_in × b_in) by (b_in × b_out) product, or U Bᵀ) and a batched one with the other factor
 # broadcast (A V[t], or A X[t]), the bias and s in its epilogue, then the frozen GEMM added in
@@ -743,12 +744,14 @@ def exact_composes(device: torch.device, dtype: torch.dtype, T: int) -> bool:
             and T >= COMPOSE_MIN_TOKENS)
 
 
-def _compose_exact(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+def _compose_exact(x: torch.Tensor, weight: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
+                   scale: float) -> torch.Tensor:
     """x Wᵀ + b + scale·(A ⊗ B) x by torch's GEMMs (cuBLAS on a GPU): x (T, a_in·b_in) with
-    unit inner stride, weight (a_out·b_out, a_in·b_in) any strides. Returns (T, d_out)
-    contiguous in x's dtype. The order with the smaller per-token intermediate: X Bᵀ
-    (a_in × b_out) then A·, or A X (a_out × b_in) then ·Bᵀ."""
+    unit inner stride, weight (a_out·b_out, a_in·b_in) any strides or None (kron_matvec: the
+    Kronecker term alone, two calls). Returns (T, d_out) contiguous in x's dtype. The order
+    with the smaller per-token intermediate: X Bᵀ (a_in × b_out) then A·, or A X
+    (a_out × b_in) then ·Bᵀ."""
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
@@ -767,7 +770,7 @@ def _compose_exact(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         K = torch.baddbmm(b3, U, B.t().expand(T, b_in, b_out), beta=beta,
                           alpha=float(scale))
     y = K.view(T, a_out * b_out)
-    return y.addmm_(x, weight.t())
+    return y.addmm_(x, weight.t()) if weight is not None else y
 
 
 def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
