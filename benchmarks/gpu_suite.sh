@@ -164,7 +164,7 @@ for stage in "${LIST[@]}"; do
         fi ) &
       # the factor-gradient candidates compiled and launched once beside the tests (untimed:
       # the tune step of phase 2 then only times them, from Triton's cache)
-      ( timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only >"$WORK/tune_warm.log" 2>&1
+      ( PYTHONPATH=$PWD timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only >"$WORK/tune_warm.log" 2>&1
         echo "warm rc=$?" >>"$WORK/tune_warm.log" ) &
       popts=()   # the device image has pytest-xdist and pytest-timeout; elsewhere they may lack
       python3 -c "import xdist" 2>/dev/null && popts+=(-n "${TEST_JOBS:-8}")
@@ -199,7 +199,7 @@ for stage in "${LIST[@]}"; do
       # the benchmarks use its table
       tune_s=${PROOF_TUNE_S:-50}
       if [ "$tune_s" -gt 0 ]; then
-        timeout "$tune_s" python3 benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" \
+        PYTHONPATH=$PWD timeout "$tune_s" python3 benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" \
           --out "$WORK/tune.json" --time-limit $(( tune_s - 15 )) >"$WORK/tune.log" 2>&1
         rc=$?
         [ -f "$WORK/kernel_tuning.json" ] && export KFUSED_KERNEL_TUNING=$WORK/kernel_tuning.json
@@ -260,7 +260,7 @@ for stage in "${LIST[@]}"; do
       # pass, timed (device time, CUDA graphs): the fastest per shape into
       # WORK/kernel_tuning.json; copy it to kfused/data/kernel_tuning.json to commit it (the
       # library reads that file, or the one KFUSED_KERNEL_TUNING names)
-      py benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" --out "$WORK/tune.json" \
+      PYTHONPATH=$PWD py benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" --out "$WORK/tune.json" \
         --shapes "${TUNE_SHAPES:-targets}" --time-limit "$BENCH_LIMIT" >"$WORK/tune.log" 2>&1 \
         || status=1
       tail -20 "$WORK/tune.log" ;;
