@@ -225,3 +225,20 @@ def test_every_rank_candidate_computes_the_same_sums():
                 torch.testing.assert_close(v, r, rtol=1e-5, atol=1e-5)
             for r, v in zip(ref[1], dz):
                 assert torch.equal(r, v)
+
+
+def test_info_names_the_tuning_table(table, capsys):
+    """`kfused info` says which measured choices apply: the tuning table in use (or none) and
+    a broken one as an error line, not a crash."""
+    from kfused.cli.main import _info
+
+    tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                 [_entry(kl.grad_tuning_key(24, 24, 32, 32, 2), 16384, BT=8, num_warps=8,
+                         num_stages=3)])
+    assert _info() == 0
+    out = capsys.readouterr().out
+    assert f"kernel tuning table: {table}" in out and "backend preferences:" in out
+    table.write_text("{not json")
+    tuning.forget()
+    assert _info() == 0
+    assert "cannot be read" in capsys.readouterr().out

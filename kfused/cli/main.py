@@ -74,7 +74,33 @@ def _info() -> int:
             f"{k}: {'yes' if v is None else why(v)}" for k, v in status.items()))
     for i, reason in enumerate(reasons, 1):
         print(f"  [{i}] {reason}")
+    _info_measured(dev)
     return 0
+
+
+def _info_measured(dev: str) -> None:
+    """Which measured choices apply here: the backend preferences and the kernel tuning table
+    (their files, and how many entries they hold for this GPU model)."""
+    import torch
+
+    from kfused import backends, tuning
+
+    name = torch.cuda.get_device_name() if dev == "cuda" else None
+    for what, path, load, key in (
+            ("backend preferences", backends.prefs_path(), backends.load_prefs, "devices"),
+            ("kernel tuning table", tuning.table_path(), tuning.load, "devices")):
+        if path is None:
+            print(f"{what}: none (the defaults)")
+            continue
+        try:
+            data = load(path)
+            mine = data[key].get(name, {}) if name else {}
+        except Exception as exc:   # a broken file is reported, not raised, by info
+            print(f"{what}: {path}: {exc}")
+            continue
+        n = sum(len(v) for v in mine.values())
+        print(f"{what}: {path} ({n} entr{'y' if n == 1 else 'ies'} for "
+              f"{name or 'this CPU: none apply'})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
