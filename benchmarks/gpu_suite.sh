@@ -177,7 +177,7 @@ for stage in "${LIST[@]}"; do
       PYTHONPATH=$PWD timeout "$p1" python3 -m pytest -v --tb=short "${popts[@]}" -p no:cacheprovider \
         ${PROOF_TESTS:-tests/test_krona.py tests/test_headwise_ops.py \
         tests/test_inducer.py tests/test_inducer_varlen.py tests/test_inducer_decode.py \
-        tests/test_gpu_configs.py tests/test_cuda_ext.py} >"$WORK/pytest.log" 2>&1
+        tests/test_gpu_configs.py tests/test_cuda_ext.py tests/test_tuning.py} >"$WORK/pytest.log" 2>&1
       echo "pytest rc=$? (124: cut at the phase's end)" >>"$WORK/pytest.log"
       wait
       # nothing of phase 1 may share the GPU with the timings (xdist workers, nvcc, check)

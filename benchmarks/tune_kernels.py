@@ -114,7 +114,7 @@ def rank_jobs(which: str, dev: torch.device):
     from kfused.triton_kernels import headwise_qkv as hq
 
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
-    for case in bench_cases("headwise", dev, dt, quick=dev.type != "cuda"):
+    for case in bench_cases("headwise", dev, dt, quick=which == "quick" or dev.type != "cuda"):
         if case.op != "headwise_qkv" or (which == "targets"
                                          and case.shape.get("width") != "gpt2-small"):
             continue
