@@ -244,3 +244,37 @@ def test_info_names_the_tuning_table(table, capsys):
     tuning.forget()
     assert _info() == 0
     assert "cannot be read" in capsys.readouterr().out
+
+
+def test_persistent_grid_takes_the_resident_ctas(monkeypatch):
+    """_kron_grad_kernel's persistent grid: as many programs per SM as the compiled kernel
+    lets reside (remembered after its first launch on a GPU), 4 before that."""
+    from kfused.triton_kernels import _common as cm
+
+    # the rule kfused.perf's occupancy uses too (sm_90): the 32×32-factor step (90 registers,
+    # 36 KB shared, 4 warps) fits 5 CTAs; the rank pass's (172 registers, 8 warps) 1
+    assert cm.ctas_per_sm(90, 36864, 4) == 5 and cm.ctas_per_sm(172, 73728, 8) == 1
+    assert cm.ctas_per_sm(64, 240000, 4) == 0                    # over a block's shared memory
+
+    class Compiled:
+        n_regs = 90
+
+        class metadata:
+            shared, num_warps = 36864, 4
+    assert cm.resident_ctas(torch.device("cpu"), Compiled()) is None
+    assert cm.resident_ctas(torch.device("cuda"), object()) is None
+
+    asked = []
+    real = kl.grid_programs
+    monkeypatch.setattr(kl, "grid_programs",
+                        lambda dev, blocks, per_sm=4: asked.append(per_sm) or real(dev, blocks))
+    dt = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    args = [torch.randn(40, n, dtype=dt).to(DEVICE) for n in (24 * 32, 24 * 32)]
+    A, B = (torch.randn(24, 24, dtype=dt).to(DEVICE), torch.randn(32, 32, dtype=dt).to(DEVICE))
+    kl.kron_factor_grads(args[0], args[1], A, B, compute_dx=False)
+    dev = args[0].device
+    cfg = kl._grad_config(40, 24, 24, 32, 32, dev, 2)
+    key = (dev, dt, False, True, tuple(sorted(cfg.items())))
+    monkeypatch.setitem(kl._GRAD_RESIDENT, key, 7)
+    kl.kron_factor_grads(args[0], args[1], A, B, compute_dx=False)
+    assert asked[-1] == 7 and (DEVICE == "cuda" or asked[0] == 4)

@@ -50,16 +50,15 @@ SM_LIMITS = {
 
 def occupancy(regs: int, shared: int, num_warps: int, arch: int) -> int:
     """CTAs per SM from registers (allocated per warp in units of 256), shared memory (plus the
-    1 KB the driver reserves per CTA) and threads."""
+    1 KB the driver reserves per CTA) and threads (the rule the runtime sizes persistent grids
+    with: kfused.triton_kernels._common.ctas_per_sm)."""
+    from kfused.triton_kernels._common import ctas_per_sm
+
     lim = SM_LIMITS[arch]
-    threads = 32 * num_warps
-    regs_per_warp = ((max(regs, 1) * 32 + 255) // 256) * 256
-    by_regs = lim["regs"] // (regs_per_warp * num_warps)
-    by_threads = lim["threads"] // threads
-    by_smem = (lim["smem"] // (shared + lim["reserved_smem"])) if shared else lim["ctas"]
-    if shared > lim["smem_per_block"]:
-        by_smem = 0
-    return int(max(0, min(by_regs, by_threads, by_smem, lim["ctas"])))
+    return ctas_per_sm(regs, shared, num_warps, sm_regs=lim["regs"], sm_smem=lim["smem"],
+                       sm_threads=lim["threads"], max_ctas=lim["ctas"],
+                       smem_per_block=lim["smem_per_block"],
+                       reserved_smem=lim["reserved_smem"])
 
 
 # ------------------------------------------------------------------------------------------

@@ -176,6 +176,51 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def ctas_per_sm(regs: int, shared: int, num_warps: int, sm_regs: int = 65536,
+                sm_smem: int = 233472, sm_threads: int = 2048, max_ctas: int = 32,
+                smem_per_block: int = 232448, reserved_smem: int = 1024) -> int:
+    """CTAs of a compiled kernel resident on one SM at once: registers (allocated per warp in
+    units of 256), shared memory (plus the 1 KB the driver reserves per CTA), threads. The
+    defaults are sm_90's (the CUDA C Programming Guide's table); kfused.perf uses the same
+    rule with each architecture's limits."""
+    regs_per_warp = ((max(regs, 1) * 32 + 255) // 256) * 256
+    by_regs = sm_regs // (regs_per_warp * num_warps)
+    by_threads = sm_threads // (32 * num_warps)
+    by_smem = (sm_smem // (shared + reserved_smem)) if shared else max_ctas
+    if shared > smem_per_block:
+        by_smem = 0
+    return int(max(0, min(by_regs, by_threads, by_smem, max_ctas)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_limits(index: int) -> dict:
+    p = torch.cuda.get_device_properties(index)
+    out = {}
+    for key, attr in (("sm_regs", "regs_per_multiprocessor"),
+                      ("sm_smem", "shared_memory_per_multiprocessor"),
+                      ("sm_threads", "max_threads_per_multi_processor"),
+                      ("smem_per_block", "shared_memory_per_block_optin")):
+        v = getattr(p, attr, None)
+        if isinstance(v, int) and v > 0:
+            out[key] = v
+    return out
+
+
+def resident_ctas(device: torch.device, compiled) -> Optional[int]:
+    """CTAs per SM of a compiled Triton kernel (what its launch returned) on this CUDA device,
+    or None where the compiled object does not say (the interpreter, another Triton)."""
+    try:
+        regs = int(compiled.n_regs)
+        shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+        warps = int(compiled.metadata.num_warps)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if regs <= 0 or device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return ctas_per_sm(regs, shared, warps, **_sm_limits(idx)) or None
+
+
 def grid_programs(device: torch.device, blocks: int, per_sm: int = 4, interp_cap: int = 4) -> int:
     """Programs for a persistent (grid-stride) kernel: a few per SM on a GPU, few on the CPU."""
     if device.type == "cuda":

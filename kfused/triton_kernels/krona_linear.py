@@ -112,7 +112,8 @@ from triton.runtime.errors import OutOfResources
 from kfused import _alloc, tuning
 from kfused.triton_kernels._common import (_grouped_tile, _mm, _row_block_sum, acc_dtype, cdiv,
                                            dot_precision, grid_programs, host_config,
-                                           inter_dtype, next_pow2, targets_gpu, use_dot)
+                                           inter_dtype, next_pow2, resident_ctas, targets_gpu,
+                                           use_dot)
 
 
 @triton.jit
@@ -956,16 +957,20 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     if key in _GRAD_NO_LAUNCH:
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     n_blocks = cdiv(T, cfg["BT"])
-    n_prog = grid_programs(x.device, n_blocks)
+    # a persistent grid of as many programs as the GPU holds at once: the CTAs per SM the
+    # compiled kernel allows (asked after its first launch), 4 until then
+    n_prog = grid_programs(x.device, n_blocks, per_sm=_GRAD_RESIDENT.get(key, 4))
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     try:
-        _kron_grad_kernel[(n_prog,)](
+        compiled = _kron_grad_kernel[(n_prog,)](
             x, g, A, B, dx if dx is not None else x, dab,
             T, a_out, a_in, b_out, b_in,
             x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
             A.stride(0), A.stride(1), B.stride(0), B.stride(1),
             float(scale), n_blocks,
             COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype), **cfg)
+        if key not in _GRAD_RESIDENT and x.device.type == "cuda":
+            _GRAD_RESIDENT[key] = resident_ctas(x.device, compiled) or 4
     except OutOfResources:
         # raised when the GPU loads the kernel, before it runs (nothing written): factor
         # shapes whose per-token tiles need more shared memory than an SM has, in either
@@ -985,6 +990,15 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
 # (sm_90 compile, kfused perf's representative launches)
 _GRAD_TILE_LIMIT = 64 * 64
 _GRAD_NO_LAUNCH: set = set()     # configurations the GPU refused (OutOfResources)
+# CTAs per SM of _kron_grad_kernel's compiled configurations (key as _GRAD_NO_LAUNCH's): the
+# persistent grid's programs per SM. The H100 of 2026-11-27 ran its steps at a near-constant
+# 2.3-2.8 µs each whatever the tile (T = 4096-65536; 24×24 / 32×32 and 48×24 / 64×32 factor
+# pairs: 43.0 µs for 15.5 steps a program, 145.2 for 62, 82.9 for 2 × 15.5 at 2 CTAs per SM),
+# a latency chain per step, so its time is the steps each SM runs one after another: blocks
+# per SM over the programs resident on it. At 32×32 factors (90 registers, 36 KB shared) an
+# SM holds 5 CTAs, and 4 programs per SM left one slot empty: PREDICTED from those step times
+# 43 → ~35 µs at T = 16384, 768².
+_GRAD_RESIDENT: dict = {}
 
 
 @host_config
