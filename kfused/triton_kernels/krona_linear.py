@@ -868,9 +868,12 @@ def _grad_rule(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
 # registers and 200 KB of shared memory) and at 64x64 (4096-element tiles: 1 token 4 warps
 # 153 registers; 2 tokens 8 warps 134; 4 tokens 8 warps 2 stages 157); triton 3.6, sm_90,
 # `python3 benchmarks/tune_kernels.py --compile-only`. The H100 of 2026-11-27 measured the
-# first (the rule's choice at 32x32) at 2.1x its predicted time: a short dependent chain per
-# step (4 dots, 3 waited on) that more tokens per step amortise.
-_GRAD_CANDIDATE_TILES = ((2048, 4, 3), (4096, 4, 3), (4096, 8, 3), (8192, 8, 3), (16384, 8, 2))
+# rule's choice at 32x32 (2 tokens, 4 warps, 3 stages) at 2.1x its predicted time, each step
+# taking 2.3-2.8 µs whatever the tile (see _GRAD_RESIDENT): a dependent chain per step (4
+# dots, 3 waited on) and at most two steps' loads in flight per program. A fourth stage keeps
+# three in flight (2 tokens, 4 warps: 45 KB shared, still 5 CTAs per SM).
+_GRAD_CANDIDATE_TILES = ((2048, 4, 4), (4096, 4, 3), (4096, 8, 3), (4096, 8, 4), (8192, 8, 3),
+                         (16384, 8, 2))
 _TUNE_MIN_T = 2048      # below this the rule's config (few steps per program either way)
 
 
