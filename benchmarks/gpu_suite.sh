@@ -164,8 +164,11 @@ for stage in "${LIST[@]}"; do
         fi ) &
       # the factor-gradient candidates compiled and launched once beside the tests (untimed:
       # the tune step of phase 2 then only times them, from Triton's cache)
-      ( PYTHONPATH=$PWD timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only >"$WORK/tune_warm.log" 2>&1
-        echo "warm rc=$?" >>"$WORK/tune_warm.log" ) &
+      for k in krona rank; do   # one process per kernel: their compilations in parallel
+        ( PYTHONPATH=$PWD timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only \
+            --kernels "$k" >"$WORK/tune_warm_$k.log" 2>&1
+          echo "warm rc=$?" >>"$WORK/tune_warm_$k.log" ) &
+      done
       popts=()   # the device image has pytest-xdist and pytest-timeout; elsewhere they may lack
       python3 -c "import xdist" 2>/dev/null && popts+=(-n "${TEST_JOBS:-8}")
       python3 -c "import pytest_timeout" 2>/dev/null && popts+=(--timeout 150)
