@@ -84,6 +84,25 @@ def _driver() -> Optional[str]:
         return None
 
 
+def _tuning_meta(device: torch.device) -> Dict[str, object]:
+    """The kernel tuning table a run used (kfused.tuning): its path and its entries for this
+    GPU model per kernel (the measured launch configurations the numbers depend on)."""
+    from kfused import tuning
+
+    path = tuning.table_path()
+    out: Dict[str, object] = {"path": path}
+    if path is None or device.type != "cuda":
+        return out
+    try:
+        mine = tuning.load(path)["devices"].get(torch.cuda.get_device_name(device), {})
+    except tuning.TuningError as exc:
+        out["error"] = str(exc)
+        return out
+    out["entries"] = {k: [dict(key=e["key"], T=e["T"], config=e["config"]) for e in v]
+                      for k, v in mine.items()}
+    return out
+
+
 def environment(device: torch.device) -> Dict[str, object]:
     meta: Dict[str, object] = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -101,6 +120,7 @@ def environment(device: torch.device) -> Dict[str, object]:
         meta["triton"] = triton.__version__
     except Exception:
         meta["triton"] = None
+    meta["kernel_tuning"] = _tuning_meta(device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         meta.update(device=props.name, sm_count=props.multi_processor_count,
