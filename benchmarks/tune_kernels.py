@@ -13,8 +13,9 @@ for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape)
 - ``krona``: ``_kron_grad_kernel``, the factor-gradient pass of KronA's folded backward (dA,
   dB from one read of x and dy): 43.0 µs on the H100 of 2026-11-27 (T = 16384, 768², 24×24 /
   32×32) against 20.9 predicted, with the rule's 2 tokens per step
-  (:func:`kfused.triton_kernels.krona_linear.grad_candidates`); shapes: the benchmark's
-  factor shapes on the tensor-core path.
+  (:func:`kfused.triton_kernels.krona_linear.grad_candidates`, including the block-diagonal
+  form of the step, ``_kron_grad_bd_kernel``, label suffix ``-bd``); shapes: the
+  benchmark's factor shapes on the tensor-core path.
 - ``rank``: ``_lr_rank_bwd_kernel``, the rank pass of the headwise q|k|v backward: 92.5 µs
   against 30.4 predicted (GPT-2 small, Kernel-mix qvo-intermediate; one 8-warp CTA per SM)
   (:data:`kfused.triton_kernels._headwise_common.RANK_CANDIDATES`); shapes: the sections a
@@ -73,7 +74,8 @@ def kernel_side(a_out, a_in, b_out, b_in):
 
 
 def label(c: dict) -> str:
-    return f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
+    return (f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
+            + ("-bd" if c.get("BD") else ""))
 
 
 class Job:
@@ -181,7 +183,7 @@ def compile_only(which: str, arch: int, limit: int = 0, kernels=("krona", "rank"
                 B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
                 with recording() as launches:
                     kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
-                (L,) = [L for L in launches if L.name == KERNEL]
+                (L,) = [L for L in launches if L.name in (KERNEL, "_kron_grad_bd_kernel")]
                 report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
     if "rank" in kernels:
         from kfused.perf.cases import all_cases

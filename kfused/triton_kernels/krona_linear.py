@@ -448,6 +448,91 @@ def _kron_grad_kernel(
 
 
 @triton.jit
+def _blockdiag(F, stride_r, stride_c, n_r, n_c, BT: tl.constexpr, RP: tl.constexpr,
+               CP: tl.constexpr, dt):
+    """(BT·RP × BT·CP): F (n_r × n_c, strides) in every diagonal block (t, t), zeros off it
+    and in the padding — one factor applied to BT tokens by a single product."""
+    r = tl.arange(0, BT * RP)
+    c = tl.arange(0, BT * CP)
+    rt, ri = r // RP, r % RP
+    ct, ci = c // CP, c % CP
+    ok = ((rt[:, None] == ct[None, :]) & (ri < n_r)[:, None] & (ci < n_c)[None, :])
+    return tl.load(F + ri[:, None] * stride_r + ci[None, :] * stride_c, mask=ok,
+                   other=0.0).to(dt)
+
+
+@triton.jit
+def _kron_grad_bd_kernel(
+    X, G, A, B, DAB,
+    T, a_out, a_in, b_out, b_in,
+    stride_xt, stride_gt, stride_ai, stride_ak, stride_bj, stride_bl,
+    scale, n_blocks,
+    BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
+    BIP: tl.constexpr, IDT: tl.constexpr,
+):
+    """dA, dB of ``_kron_grad_kernel`` (16-bit inputs, every padded factor dim >= 16) with
+    every operand in the layout its product wants, straight from memory — no register
+    permutes. Per step of BT tokens:
+
+        W1ᵀ-major  P = G_p · blockdiag(B)       G_p = G as [i, (t, j)]      (AOP × BT·BIP)
+        dA        += P_hi · X_q + P_lo · X_q     X_q = X as [(t, l), k]
+        Vᵀ-major  Q = X_p · blockdiag(Aᵀ)      X_p = X as [l, (t, k)]      (BIP × BT·AOP)
+        dBᵀ       += Q_hi · G_q + Q_lo · G_q     G_q = G as [(t, i), j]
+
+    P[i, (t, l)] = (G[t] B)[i, l] and Q[l, (t, i)] = (A X[t])[i, l]: the block-diagonal
+    factor (one copy of B, or Aᵀ, per token of the step, loaded once) turns the per-token
+    products into one dot each, whose outputs are already the left operands of the token
+    sums (accumulator → dot operand in registers, as flash attention's P·V). The hi/lo pair
+    of each float32 product goes through the sums as in _dab_step (W1 and V to ~2^-22). G and
+    X are read in two layouts each: the second read hits L1/L2. The block-diagonal products
+    issue BT× the FLOPs of the per-token ones (tensor cores, idle in this memory-bound pass);
+    the sm_90 SASS of _kron_grad_kernel's step has ~100 shared-memory stores and 16 barriers
+    for its permutes and stacks (nvdisasm, triton 3.6), which this form avoids."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    bblk = _blockdiag(B, stride_bj, stride_bl, b_out, b_in, BT, BOP, BIP, IDT)
+    ablk = _blockdiag(A, stride_ak, stride_ai, a_in, a_out, BT, AIP, AOP, IDT)
+    io = tl.arange(0, AOP)
+    lo_ = tl.arange(0, BIP)
+    cg = tl.arange(0, BT * BOP)          # (t, j) columns of G_p
+    cx = tl.arange(0, BT * AIP)          # (t, k) columns of X_p
+    rx = tl.arange(0, BT * BIP)          # (t, l) rows of X_q
+    ki = tl.arange(0, AIP)
+    jo = tl.arange(0, BOP)
+    rg = tl.arange(0, BT * AOP)          # (t, i) rows of G_q
+    da = tl.zeros((AOP, AIP), dtype=tl.float32)
+    dbt = tl.zeros((BIP, BOP), dtype=tl.float32)
+    for blk in range(pid, n_blocks, n_prog):
+        t0 = blk * BT
+        tg = t0 + cg // BOP
+        gp = tl.load(G + tg[None, :] * stride_gt + io[:, None] * b_out + (cg % BOP)[None, :],
+                     mask=(tg < T)[None, :] & (io < a_out)[:, None] & ((cg % BOP) < b_out)[None, :],
+                     other=0.0)
+        tq = t0 + rx // BIP
+        xq = tl.load(X + tq[:, None] * stride_xt + ki[None, :] * b_in + (rx % BIP)[:, None],
+                     mask=(tq < T)[:, None] & (ki < a_in)[None, :] & ((rx % BIP) < b_in)[:, None],
+                     other=0.0)
+        tx = t0 + cx // AIP
+        xp = tl.load(X + tx[None, :] * stride_xt + (cx % AIP)[None, :] * b_in + lo_[:, None],
+                     mask=(tx < T)[None, :] & ((cx % AIP) < a_in)[None, :] & (lo_ < b_in)[:, None],
+                     other=0.0)
+        tr = t0 + rg // AOP
+        gq = tl.load(G + tr[:, None] * stride_gt + (rg % AOP)[:, None] * b_out + jo[None, :],
+                     mask=(tr < T)[:, None] & ((rg % AOP) < a_out)[:, None] & (jo < b_out)[None, :],
+                     other=0.0)
+        pf = tl.dot(gp, bblk, out_dtype=tl.float32)              # (AOP, BT·BIP)
+        ph = pf.to(IDT)
+        da = tl.dot(ph, xq, da, out_dtype=tl.float32)
+        da = tl.dot((pf - ph.to(tl.float32)).to(IDT), xq, da, out_dtype=tl.float32)
+        qf = tl.dot(xp, ablk, out_dtype=tl.float32)              # (BIP, BT·AOP)
+        qh = qf.to(IDT)
+        dbt = tl.dot(qh, gq, dbt, out_dtype=tl.float32)
+        dbt = tl.dot((qf - qh.to(tl.float32)).to(IDT), gq, dbt, out_dtype=tl.float32)
+    _store_factor_partials(DAB, pid, da, tl.trans(dbt), scale, a_out, a_in, b_out, b_in,
+                           AOP, AIP, BOP, BIP)
+
+
+@triton.jit
 def _kron_dx_grad_kernel(
     G, WF, X, DX, A, B, DAB,
     T, a_out, a_in, b_out, b_in,
@@ -885,10 +970,11 @@ def grad_tuning_key(a_out: int, a_in: int, b_out: int, b_in: int, elem_bytes: in
 
 
 def with_grad_config(cfg: dict, over: dict) -> dict:
-    """``cfg`` (a :func:`_grad_config`) with tokens per step, warps and stages from ``over``;
-    the product flags recomputed for the new step."""
+    """``cfg`` (a :func:`_grad_config`) with tokens per step, warps, stages and the step's
+    form (``BD`` 1: :func:`_kron_grad_bd_kernel`) from ``over``; the product flags
+    recomputed for the new step."""
     cfg = dict(cfg)
-    for k in ("BT", "num_warps", "num_stages"):
+    for k in ("BT", "num_warps", "num_stages", "BD"):
         if k in over:
             cfg[k] = int(over[k])
     bt, AOP, AIP, BOP, BIP = (cfg[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
@@ -916,7 +1002,22 @@ def grad_candidates(T: int, a_out: int, a_in: int, b_out: int, b_in: int) -> lis
         c = {"BT": bt, "num_warps": warps, "num_stages": stages}
         if c not in out:
             out.append(c)
+    # the block-diagonal form (_kron_grad_bd_kernel): its factor blocks hold BT copies of a
+    # factor (BT·BOP × BT·BIP), so few tokens per step
+    for bt, warps, stages in _GRAD_BD_CANDIDATES:
+        if bt <= max(1, next_pow2(T)) and bt * max(BOP * BIP, AIP * AOP) <= _GRAD_BD_BLOCK:
+            out.append({"BT": bt, "num_warps": warps, "num_stages": stages, "BD": 1})
     return out
+
+
+# (tokens per step, warps, stages) of the block-diagonal form's candidates, and the largest
+# block-diagonal factor (elements of one of its BT diagonal blocks times BT) they may hold
+# sm_90 (triton 3.6), 24×24 / 32×32 at 2 tokens, 4 warps: mma.sync (M = 32 rows), 187
+# registers (its two block-diagonal factors stay in registers: 2 CTAs per SM against the
+# standard step's 5), 7 barriers and 48 shared stores in the kernel against 16 and 88; at 4
+# tokens 255 registers, so not a candidate
+_GRAD_BD_CANDIDATES = ((2, 4, 3),)
+_GRAD_BD_BLOCK = 4096
 
 
 def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -956,6 +1057,12 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
                                                         x.element_size())
     if config is not None:
         cfg = with_grad_config(cfg, config)
+    # the block-diagonal form (a launch choice, not a result's): 16-bit tensor-core steps of
+    # the factor gradients alone; elsewhere the standard kernel computes the same sums
+    if (cfg.pop("BD", 0) and not compute_dx and compute_dab
+            and x.dtype in (torch.float16, torch.bfloat16)
+            and all(cfg[k] for k in ("DOT_W1", "DOT_DA", "DOT_V", "DOT_DB"))):
+        return None, *_factor_grads_bd(g, x, A, B, scale, cfg)
     key = (x.device, x.dtype, compute_dx, compute_dab, tuple(sorted(cfg.items())))
     if key in _GRAD_NO_LAUNCH:
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
@@ -1010,6 +1117,27 @@ def _swap_factors(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
     tile = max(2, next_pow2(a_out)) * max(2, next_pow2(b_in))
     swapped = max(2, next_pow2(b_out)) * max(2, next_pow2(a_in))
     return tile > _GRAD_TILE_LIMIT and swapped < tile
+
+
+def _factor_grads_bd(g, x, A, B, scale, cfg):
+    """dA, dB by :func:`_kron_grad_bd_kernel` (its persistent grid as _kron_grad_kernel's)."""
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    n_blocks = cdiv(T, cfg["BT"])
+    key = ("bd", x.device, x.dtype, tuple(sorted(cfg.items())))
+    n_prog = grid_programs(x.device, n_blocks, per_sm=_GRAD_RESIDENT.get(key, 4))
+    dab = _factor_partials(n_prog, A, B, x.dtype)
+    launch = {k: cfg[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP", "num_warps")}
+    if "num_stages" in cfg:
+        launch["num_stages"] = cfg["num_stages"]
+    compiled = _kron_grad_bd_kernel[(n_prog,)](
+        x, g, A, B, dab, T, a_out, a_in, b_out, b_in, x.stride(0), g.stride(0),
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), n_blocks,
+        IDT=inter_dtype(x.dtype), **launch)
+    if key not in _GRAD_RESIDENT and x.device.type == "cuda":
+        _GRAD_RESIDENT[key] = resident_ctas(x.device, compiled) or 4
+    return _sum_factor_partials(dab, A, B)
 
 
 def _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab):
