@@ -434,13 +434,23 @@ def _lr_rank_tile(l, s, g_ptr, s_gm, s_gn, N, z_ptr, s_zm, u_ptr, dz_ptr, s_dzm,
     db = tl.zeros((BN,), dtype=tl.float32)
     t_lo = s * T_PER
     t_hi = tl.minimum(t_lo + T_PER, T)
+    # Z's tile columns start at l·W, W any slot count: the compiler cannot prove them aligned,
+    # so Z's loads are element-wise and outside Triton's asynchronous pipeline (sm_90 TTGIR:
+    # a plain tt.load with sizePerThread [1, 1], against dY's 16-byte async copies) — a DRAM
+    # round trip inside every step. Each step's Z is loaded one step ahead instead
+    # (registers), so that round trip overlaps the step before.
+    bt = tl.arange(0, BT)
+    z_next = tl.load(z_ptr + (t_lo + bt)[:, None] * s_zm + l * W + rr[None, :],
+                     mask=((t_lo + bt) < t_hi)[:, None] & wmask[None, :], other=0.0)
     for t0 in range(t_lo, t_hi, BT):
-        rt = t0 + tl.arange(0, BT)
+        rt = t0 + bt
         tmask = rt < t_hi
+        z = z_next
+        rt_n = rt + BT
+        z_next = tl.load(z_ptr + rt_n[:, None] * s_zm + l * W + rr[None, :],
+                         mask=(rt_n < t_hi)[:, None] & wmask[None, :], other=0.0)
         g = tl.load(g_ptr + rt[:, None] * s_gm + rn[None, :] * s_gn,
                     mask=tmask[:, None] & nmask[None, :], other=0.0)
-        z = tl.load(z_ptr + rt[:, None] * s_zm + l * W + rr[None, :],
-                    mask=tmask[:, None] & wmask[None, :], other=0.0)
         if ONES:
             z = tl.where((rr == W)[None, :], 1.0, z).to(g.dtype)
         dz = _mm(g, ut, True, PREC)

@@ -254,10 +254,17 @@ def _krona_fwd_kernel(
 
 
 @triton.jit
-def _g_rows(G, t0, t_end, stride_gt, a_out, b_out, rg_t, rg_i, jo):
-    """G[t] for the BT tokens from t0 (below t_end): rows (t, i), cols j, zero-padded."""
-    g_ok = ((t0 + rg_t) < t_end)[:, None] & (rg_i < a_out)[:, None] & (jo < b_out)[None, :]
-    return tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * b_out + jo[None, :],
+def _g_rows(G, t0, t_end, stride_gt, a_out, b_out, rg_t, rg_i, jo, VG: tl.constexpr = 1):
+    """G[t] for the BT tokens from t0 (below t_end): rows (t, i), cols j, zero-padded.
+
+    VG: b_out is a multiple of VG (host-checked). The row offsets i·b_out are then written
+    i·((b_out // VG)·VG), which tells the compiler they are VG-aligned: with VG 16 bytes the
+    loads become 16-byte vectors and asynchronous copies (pipelined). Triton only knows an
+    integer argument's divisibility by 16, so b_out = 24 (the GLUE factor pairs) left them
+    element-wise loads that every step waited on."""
+    row = (b_out // VG) * VG       # = b_out; also in the mask, whose runs then align too
+    g_ok = ((t0 + rg_t) < t_end)[:, None] & (rg_i < a_out)[:, None] & (jo < row)[None, :]
+    return tl.load(G + (t0 + rg_t)[:, None] * stride_gt + rg_i[:, None] * row + jo[None, :],
                    mask=g_ok, other=0.0)
 
 
@@ -302,7 +309,7 @@ def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t,
               BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BIP: tl.constexpr,
               DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
               PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr, IDT: tl.constexpr,
-              SPLIT: tl.constexpr):
+              SPLIT: tl.constexpr, VX: tl.constexpr = 1):
     """One token block's share of dA = Σ_t W1[t] X[t]ᵀ and dB = Σ_t G[t]ᵀ (A X[t]), given
     G[t] (g2, rows (t, i)) and W1[t] = G[t] B (w1f float32, w1 rounded to IDT), into the
     accumulators of :func:`_dab_zeros`.
@@ -316,8 +323,10 @@ def _dab_step(da, db, X, g2, w1f, w1, a, t0, t_end, stride_xt, a_in, b_in, rx_t,
     M = 64 one a wgmma with its A operand in registers (the sm_90 TTGIR shows both). A
     product on the CUDA cores (a factor dim < 16, ``_mm``'s broadcast path) takes the float32
     W1 / V as they are: no split, one product instead of two."""
-    x_ok = ((t0 + rx_t) < t_end)[:, None] & (rx_k < a_in)[:, None] & (li < b_in)[None, :]
-    x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * b_in + li[None, :],
+    # (b_in a multiple of VX: aligned rows and mask runs, as _g_rows' VG)
+    xrow = (b_in // VX) * VX
+    x_ok = ((t0 + rx_t) < t_end)[:, None] & (rx_k < a_in)[:, None] & (li < xrow)[None, :]
+    x2 = tl.load(X + (t0 + rx_t)[:, None] * stride_xt + rx_k[:, None] * xrow + li[None, :],
                  mask=x_ok, other=0.0)
     xp = tl.reshape(tl.permute(tl.reshape(x2, (BT, AIP, BIP)), (0, 2, 1)),
                     (BT * BIP, AIP))                                # rows (t, l), cols k
@@ -410,7 +419,7 @@ def _kron_grad_kernel(
     BIP: tl.constexpr,
     DOT_W1: tl.constexpr, DOT_DA: tl.constexpr, DOT_V: tl.constexpr, DOT_DB: tl.constexpr,
     DOT_DX: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr,
-    IDT: tl.constexpr, SPLIT: tl.constexpr,
+    IDT: tl.constexpr, SPLIT: tl.constexpr, VG: tl.constexpr = 1, VX: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -423,7 +432,7 @@ def _kron_grad_kernel(
     da, db = _dab_zeros(AOP, AIP, BOP, BIP, DOT_DA, DOT_DB, SPLIT, RACC)
     for blk in range(pid, n_blocks, n_prog):
         t0 = blk * BT
-        g2 = _g_rows(G, t0, T, stride_gt, a_out, b_out, rg_t, rg_i, jo)
+        g2 = _g_rows(G, t0, T, stride_gt, a_out, b_out, rg_t, rg_i, jo, VG)
         # W1[t] = G[t] B : rows (t, i), cols l
         w1f = _mm(g2, b, DOT_W1, PREC, ACC)
         w1 = w1f.to(IDT)
@@ -440,7 +449,7 @@ def _kron_grad_kernel(
         if COMPUTE_DAB:
             da, db = _dab_step(da, db, X, g2, w1f, w1, a, t0, T, stride_xt, a_in, b_in,
                                rx_t, rx_k, li, BT, AOP, AIP, BIP, DOT_DA, DOT_V, DOT_DB, PREC,
-                               ACC, RACC, IDT, SPLIT)
+                               ACC, RACC, IDT, SPLIT, VX)
     if COMPUTE_DAB:
         da, db = _dab_final(da, db, AOP, AIP, BOP, BIP, DOT_DA, DOT_DB, SPLIT)
         _store_factor_partials(DAB, pid, da, db, scale, a_out, a_in, b_out, b_in,
@@ -468,7 +477,7 @@ def _kron_grad_bd_kernel(
     stride_xt, stride_gt, stride_ai, stride_ak, stride_bj, stride_bl,
     scale, n_blocks,
     BT: tl.constexpr, AOP: tl.constexpr, AIP: tl.constexpr, BOP: tl.constexpr,
-    BIP: tl.constexpr, IDT: tl.constexpr,
+    BIP: tl.constexpr, IDT: tl.constexpr, VG: tl.constexpr = 1, VX: tl.constexpr = 1,
 ):
     """dA, dB of ``_kron_grad_kernel`` (16-bit inputs, every padded factor dim >= 16) with
     every operand in the layout its product wants, straight from memory — no register
@@ -502,23 +511,25 @@ def _kron_grad_bd_kernel(
     rg = tl.arange(0, BT * AOP)          # (t, i) rows of G_q
     da = tl.zeros((AOP, AIP), dtype=tl.float32)
     dbt = tl.zeros((BIP, BOP), dtype=tl.float32)
+    gw = (b_out // VG) * VG              # = b_out, = b_in: aligned rows (see _g_rows)
+    xw = (b_in // VX) * VX
     for blk in range(pid, n_blocks, n_prog):
         t0 = blk * BT
         tg = t0 + cg // BOP
-        gp = tl.load(G + tg[None, :] * stride_gt + io[:, None] * b_out + (cg % BOP)[None, :],
-                     mask=(tg < T)[None, :] & (io < a_out)[:, None] & ((cg % BOP) < b_out)[None, :],
+        gp = tl.load(G + tg[None, :] * stride_gt + io[:, None] * gw + (cg % BOP)[None, :],
+                     mask=(tg < T)[None, :] & (io < a_out)[:, None] & ((cg % BOP) < gw)[None, :],
                      other=0.0)
         tq = t0 + rx // BIP
-        xq = tl.load(X + tq[:, None] * stride_xt + ki[None, :] * b_in + (rx % BIP)[:, None],
-                     mask=(tq < T)[:, None] & (ki < a_in)[None, :] & ((rx % BIP) < b_in)[:, None],
+        xq = tl.load(X + tq[:, None] * stride_xt + ki[None, :] * xw + (rx % BIP)[:, None],
+                     mask=(tq < T)[:, None] & (ki < a_in)[None, :] & ((rx % BIP) < xw)[:, None],
                      other=0.0)
         tx = t0 + cx // AIP
-        xp = tl.load(X + tx[None, :] * stride_xt + (cx % AIP)[None, :] * b_in + lo_[:, None],
-                     mask=(tx < T)[None, :] & ((cx % AIP) < a_in)[None, :] & (lo_ < b_in)[:, None],
+        xp = tl.load(X + tx[None, :] * stride_xt + (cx % AIP)[None, :] * xw + lo_[:, None],
+                     mask=(tx < T)[None, :] & ((cx % AIP) < a_in)[None, :] & (lo_ < xw)[:, None],
                      other=0.0)
         tr = t0 + rg // AOP
-        gq = tl.load(G + tr[:, None] * stride_gt + (rg % AOP)[:, None] * b_out + jo[None, :],
-                     mask=(tr < T)[:, None] & ((rg % AOP) < a_out)[:, None] & (jo < b_out)[None, :],
+        gq = tl.load(G + tr[:, None] * stride_gt + (rg % AOP)[:, None] * gw + jo[None, :],
+                     mask=(tr < T)[:, None] & ((rg % AOP) < a_out)[:, None] & (jo < gw)[None, :],
                      other=0.0)
         pf = tl.dot(gp, bblk, out_dtype=tl.float32)              # (AOP, BT·BIP)
         ph = pf.to(IDT)
@@ -1078,7 +1089,8 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
             x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0,
             A.stride(0), A.stride(1), B.stride(0), B.stride(1),
             float(scale), n_blocks,
-            COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype), **cfg)
+            COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype),
+            **_row_vectors(x, b_out, b_in), **cfg)
         if key not in _GRAD_RESIDENT and x.device.type == "cuda":
             _GRAD_RESIDENT[key] = resident_ctas(x.device, compiled) or 4
     except OutOfResources:
@@ -1119,6 +1131,13 @@ def _swap_factors(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
     return tile > _GRAD_TILE_LIMIT and swapped < tile
 
 
+def _row_vectors(x: torch.Tensor, b_out: int, b_in: int) -> dict:
+    """VG, VX of the factor-gradient kernels: the elements of a 16-byte vector where b_out
+    (G's factor rows) or b_in (X's) is a multiple of it, else 1 (see :func:`_g_rows`)."""
+    v = max(1, 16 // x.element_size())
+    return dict(VG=v if b_out % v == 0 else 1, VX=v if b_in % v == 0 else 1)
+
+
 def _factor_grads_bd(g, x, A, B, scale, cfg):
     """dA, dB by :func:`_kron_grad_bd_kernel` (its persistent grid as _kron_grad_kernel's)."""
     T = x.shape[0]
@@ -1134,7 +1153,7 @@ def _factor_grads_bd(g, x, A, B, scale, cfg):
     compiled = _kron_grad_bd_kernel[(n_prog,)](
         x, g, A, B, dab, T, a_out, a_in, b_out, b_in, x.stride(0), g.stride(0),
         A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), n_blocks,
-        IDT=inter_dtype(x.dtype), **launch)
+        IDT=inter_dtype(x.dtype), **_row_vectors(x, b_out, b_in), **launch)
     if key not in _GRAD_RESIDENT and x.device.type == "cuda":
         _GRAD_RESIDENT[key] = resident_ctas(x.device, compiled) or 4
     return _sum_factor_partials(dab, A, B)
