@@ -69,10 +69,16 @@ def _row_block_sum(acc, ptr, n_rows, row_stride, cols, c_ok, BR: tl.constexpr):
     in acc's dtype. One row per load would make the sum a chain of n_rows dependent loads
     (the latency-bound reductions of partials the H100 showed on 2026-11-27)."""
     rb = tl.arange(0, BR)
+    # each block loaded one block ahead: these loads feed no dot, so Triton does not pipeline
+    # them, and a warp issues in order (a load placed after the previous block's sum waits a
+    # DRAM round trip per block)
+    v_n = tl.load(ptr + rb[:, None] * row_stride + cols[None, :],
+                  mask=(rb < n_rows)[:, None] & c_ok[None, :], other=0.0)
     for r0 in range(0, n_rows, BR):
-        rows = r0 + rb
-        v = tl.load(ptr + rows[:, None] * row_stride + cols[None, :],
-                    mask=(rows < n_rows)[:, None] & c_ok[None, :], other=0.0)
+        v = v_n
+        rows = r0 + BR + rb
+        v_n = tl.load(ptr + rows[:, None] * row_stride + cols[None, :],
+                      mask=(rows < n_rows)[:, None] & c_ok[None, :], other=0.0)
         acc += tl.sum(v.to(acc.dtype), axis=0)
     return acc
 
