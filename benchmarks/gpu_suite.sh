@@ -243,12 +243,14 @@ for stage in "${LIST[@]}"; do
       if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
     ncu)
       # Nsight Compute on the kernels the model misjudged most on the H100 of 2026-11-27
-      # (measured / predicted: _krona_fwd_kernel 16-26x, _kron_grad_kernel 1.8-4.5x (the
-      # folded backward's factor pass since then), _lr_rank_bwd_kernel 4-5.7x,
+      # (measured / predicted: _krona_fwd_kernel 16-26x — on a GPU at T >= 1024 the exact
+      # path runs cuBLAS since, _kron_grad_kernel 1.8-4.5x (the folded backward's factor
+      # pass), _lr_rank_bwd_kernel 4-5.7x, the section kernels 3.2-3.7x,
       # _inducer_attn_bwd_dq_kernel 1.9-4.6x): one launch each after warm-up, the details
-      # page as text (NCU_KERNELS overrides the regex)
+      # page as text (NCU_KERNELS overrides the regex). Stop 41 changed the rank pass's and the
+      # section kernels' loads (issued a step ahead): their stall reasons say whether it held.
       if command -v ncu >/dev/null; then
-        re=${NCU_KERNELS:-_krona_fwd_kernel|_kron_grad_kernel|_lr_rank_bwd_kernel}
+        re=${NCU_KERNELS:-_kron_grad_kernel|_lr_rank_bwd_kernel|_section_bwd_kernel}
         PYTHONPATH=$PWD timeout "$LIMIT" ncu --set full -k "regex:$re" --launch-skip 6 \
           --launch-count 3 --page details --csv python3 benchmarks/host_profile.py \
           --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:" \
