@@ -1092,7 +1092,7 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
             COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype),
             **_row_vectors(x, b_out, b_in), **cfg)
         if key not in _GRAD_RESIDENT and x.device.type == "cuda":
-            _GRAD_RESIDENT[key] = resident_ctas(x.device, compiled) or 4
+            _GRAD_RESIDENT[key] = min(_GRAD_MAX_PER_SM, resident_ctas(x.device, compiled) or 4)
     except OutOfResources:
         # raised when the GPU loads the kernel, before it runs (nothing written): factor
         # shapes whose per-token tiles need more shared memory than an SM has, in either
@@ -1121,6 +1121,9 @@ _GRAD_NO_LAUNCH: set = set()     # configurations the GPU refused (OutOfResource
 # SM holds 5 CTAs, and 4 programs per SM left one slot empty: PREDICTED from those step times
 # 43 → ~35 µs at T = 16384, 768².
 _GRAD_RESIDENT: dict = {}
+# at most this many programs per SM: each writes a row of float32 partials that the sum reads
+# (small-factor configurations could reside 16 to an SM: 2112 rows on an H100)
+_GRAD_MAX_PER_SM = 8
 
 
 @host_config
@@ -1155,7 +1158,7 @@ def _factor_grads_bd(g, x, A, B, scale, cfg):
         A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), n_blocks,
         IDT=inter_dtype(x.dtype), **_row_vectors(x, b_out, b_in), **launch)
     if key not in _GRAD_RESIDENT and x.device.type == "cuda":
-        _GRAD_RESIDENT[key] = resident_ctas(x.device, compiled) or 4
+        _GRAD_RESIDENT[key] = min(_GRAD_MAX_PER_SM, resident_ctas(x.device, compiled) or 4)
     return _sum_factor_partials(dab, A, B)
 
 
