@@ -210,8 +210,8 @@ def test_krona_linear_triton(shape, dtype):
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
-    """The exact path's forward and dx as three torch GEMMs (cuBLAS on a GPU: 16-bit, from
-    COMPOSE_MIN_TOKENS tokens), forced here at any size: y and every gradient within
+    """The exact path's forward and dx as three torch GEMMs (cuBLAS on a GPU, 16-bit), forced
+    here on the CPU: y and every gradient within
     docs/math.md §4 in float16, both product orders (X Bᵀ first or A X first), with and
     without a bias; _krona_fwd_kernel is not launched, the factor gradients still are."""
     from kfused.triton_kernels import krona_linear as kl
@@ -241,7 +241,8 @@ def test_exact_composition_applies_to_16_bit_gpu_batches():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     n = kl.COMPOSE_MIN_TOKENS
     assert kl.exact_composes(cuda, torch.bfloat16, n) and kl.exact_composes(cuda, torch.float16, n)
-    assert not kl.exact_composes(cuda, torch.bfloat16, n - 1)     # decode: one kernel launch
+    assert kl.exact_composes(cuda, torch.bfloat16, 1)             # decode too (60 µs a
+    assert not kl.exact_composes(cuda, torch.bfloat16, 0)         # kernel program on the H100)
     assert not kl.exact_composes(cuda, torch.float32, 1 << 20)    # IEEE dots, never TF32
     assert not kl.exact_composes(cpu, torch.float16, 1 << 20)     # the interpreter's kernel
 
@@ -337,6 +338,8 @@ def test_exact_kron_term_orders_are_exact_on_integers(shape, orders, dtype, monk
             return run
 
     monkeypatch.setattr(kl, "_krona_fwd_kernel", Spy())
+    # the kernel itself (a GPU composes 16-bit exact products on cuBLAS instead)
+    monkeypatch.setattr(kl, "exact_composes", lambda device, dtype, T: False)
     cast = lambda t: t.to(dtype).to(DEVICE)  # noqa: E731
     xc = cast(x).requires_grad_()
     y = krona_linear(xc, cast(W), None, cast(A), cast(B), 0.5, backend="triton", exact=True)

@@ -7,9 +7,10 @@ The same kernels serve ``kron_matvec`` (no frozen weight; see kron_matvec.py).
     only this pass per direction plus the factor-gradient pass below.
 
 ``_krona_fwd_kernel``  y = [x Wᵀ + b] + s · (A ⊗ B) x, one output tile per program — the exact
-    factored path (``exact=True``, float32, small T; kron_matvec always). On a GPU, 16-bit,
-    from ``COMPOSE_MIN_TOKENS`` tokens the exact forward and dx are three cuBLAS calls
-    instead (:func:`_compose_exact`: this kernel ran at 16-26x its predicted time there).
+    factored path (``exact=True``, float32, small T; kron_matvec always). On a GPU with
+    16-bit inputs the exact forward and dx are three cuBLAS calls instead
+    (:func:`_compose_exact`: this kernel ran at 16-26x its predicted time there); it runs
+    there for float32, and everywhere in the CPU interpreter.
     The output tile is a (BI × BJ) block of the (i, j) grid of output features
     o = i·b_out + j (BJ a power of two; a partial last j-block is masked), so the Kronecker term of the tile is
     ``A[i-block] · X[t] · B[j-block]ᵀ`` — two small products per token block, computed from the
@@ -817,7 +818,7 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
 
 
 # The exact path's y = x Wᵀ + b + s·(A ⊗ B) x (and its dx = dy W + s·(Aᵀ ⊗ Bᵀ) dy; and
-# kron_matvec's forward, without W) on a GPU, 16-bit, from COMPOSE_MIN_TOKENS tokens: three
+# kron_matvec's forward, without W) on a GPU, 16-bit, at every token count: three
 # cuBLAS calls (two without W) instead of _krona_fwd_kernel —
 # the Kronecker term as a plain GEMM over the token rows' factor axis (X Bᵀ as one
 # (T·a_in × b_in) by (b_in × b_out) product, or U Bᵀ) and a batched one with the other factor
@@ -828,9 +829,11 @@ def krona_linear_forward(x: torch.Tensor, weight: Optional[torch.Tensor],
 # 768², 24×24 / 32×32; 1387 µs for y and dx) against 44 µs predicted — 16-26x at every shape
 # (benchmarks/results/h100/proof-2026-11-27), while the composition is three calls at cuBLAS
 # speed (PREDICTED by kfused perf: see the exact cases of benchmarks/results/predicted).
-# Below COMPOSE_MIN_TOKENS (decode, small batches) one kernel launch beats three calls;
+# At any token count: that run's 693 µs was 1536 programs (64 tokens × a 256-column tile
+# each) in ~12 waves of 132, ~60 µs a program, so even one token's forward (6 programs, one
+# wave) takes about that long, against three small cuBLAS calls of a few µs each.
 # float32 keeps the kernel (its IEEE dots: cuBLAS would follow torch's TF32 switch).
-COMPOSE_MIN_TOKENS = 1024
+COMPOSE_MIN_TOKENS = 1
 
 
 def exact_composes(device: torch.device, dtype: torch.dtype, T: int) -> bool:
