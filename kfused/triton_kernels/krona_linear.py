@@ -849,28 +849,36 @@ def _compose_exact(x: torch.Tensor, weight: Optional[torch.Tensor],
                    scale: float) -> torch.Tensor:
     """x Wᵀ + b + scale·(A ⊗ B) x by torch's GEMMs (cuBLAS on a GPU): x (T, a_in·b_in) with
     unit inner stride, weight (a_out·b_out, a_in·b_in) any strides or None (kron_matvec: the
-    Kronecker term alone, two calls). Returns (T, d_out) contiguous in x's dtype. The order
-    with the smaller per-token intermediate: X Bᵀ (a_in × b_out) then A·, or A X
-    (a_out × b_in) then ·Bᵀ."""
+    Kronecker term alone, two calls). Returns (T, d_out) contiguous in x's dtype. The frozen
+    GEMM first (bias in its epilogue), then the Kronecker term in the order with the smaller
+    per-token intermediate — X Bᵀ (a_in × b_out) then A·, or A X (a_out × b_in) then ·Bᵀ —
+    its batched GEMM adding into y."""
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
     dt = x.dtype
     A, B = A.to(dt), B.to(dt)
     X3 = x.view(T, a_in, b_in)
-    # the bias rides in the batched GEMM's epilogue (beta = 1; none: beta = 0, which never
-    # reads its input: an unfilled one, no launch)
-    b3 = bias.to(dt).view(1, a_out, b_out) if bias is not None else x.new_empty(1, 1, 1)
-    beta = 1.0 if bias is not None else 0.0
+    if weight is not None:
+        # y1 = x Wᵀ + b rounded once, as the torch path rounds it; then the Kronecker term
+        # added to it in the batched GEMM's epilogue (beta = 1), rounded once more. Not the
+        # bias inside the Kronecker GEMM: where b and the term cancel x Wᵀ, rounding their
+        # sum first at its own (larger) scale cost 2.6 ulp of y (float16, 1×1 factors, §4
+        # bound 2.5 ulp there; test_exact_path_cublas_composition)
+        y = (torch.addmm(bias.to(dt), x, weight.t()) if bias is not None
+             else torch.mm(x, weight.t()))
+        Y3, beta = y.view(T, a_out, b_out), 1.0
+    else:
+        y = _alloc.empty(T, a_out * b_out, dtype=dt, device=x.device)
+        Y3, beta = y.view(T, a_out, b_out), 0.0     # beta = 0: Y3's contents never read
     if a_in * b_out <= a_out * b_in:
         V = torch.matmul(X3, B.t())                                  # (T, a_in, b_out)
-        K = torch.baddbmm(b3, A.expand(T, a_out, a_in), V, beta=beta, alpha=float(scale))
+        torch.baddbmm(Y3, A.expand(T, a_out, a_in), V, beta=beta, alpha=float(scale), out=Y3)
     else:
         U = torch.matmul(A.expand(T, a_out, a_in), X3)               # (T, a_out, b_in)
-        K = torch.baddbmm(b3, U, B.t().expand(T, b_in, b_out), beta=beta,
-                          alpha=float(scale))
-    y = K.view(T, a_out * b_out)
-    return y.addmm_(x, weight.t()) if weight is not None else y
+        torch.baddbmm(Y3, U, B.t().expand(T, b_in, b_out), beta=beta, alpha=float(scale),
+                      out=Y3)
+    return y
 
 
 def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor,
