@@ -230,3 +230,65 @@ def test_sass(built, src):
             if not _VEC_LOAD.search(text):
                 problems.append(f"{n}: no 128-bit global load (LDG.E.128 / LDGSTS .128)")
     assert not problems, f"{rel}:\n" + "\n".join(problems)
+
+
+# The prefill key loop of the inducer tensor-core kernel (csrc/inducer/inducer_mma.cuh), per
+# stage of BN = 64 keys: SASS instructions per HMMA at most (padded head width D -> bound).
+# Measured on sm_90 (nvcc 13) when the loop was redesigned: D = 32: 12.8 (two 16-row tiles per
+# warp), 64: 7.3 (two tiles), 96: 7.0, 128: 5.8 (one tile); the design before it (one tile per
+# warp, every score masked and scaled, exp2f's range fix-up) ran 15.3 at D = 64 and 8.7 at 128.
+# On the H100 that design ran at 137 TFLOP/s (p = 64, n = 16384, 2026-11-27) against the Triton
+# kernel's 334: issue-bound, which the loop's length is the static measure of.
+_PREFILL_INSTR_PER_HMMA = {32: 14.0, 64: 8.0, 96: 7.7, 128: 6.4}
+_MMA_NAME = re.compile(r"inducer_mma_kernelI\w+?ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)EEEv")
+
+
+def _key_loop(text, hmma_per_stage):
+    """The innermost loop (backward branch) of a kernel's SASS that holds one stage's HMMAs:
+    the list of its instructions, or None."""
+    ins = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    best = None
+    for addr, op in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", op)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
+        if sum("HMMA" in o for o in body) == hmma_per_stage and (
+                best is None or len(body) < len(best)):
+            best = body
+    return best
+
+
+@pytest.mark.parametrize("src", ["inducer/inducer_mma_f16.cu", "inducer/inducer_mma_bf16.cu"])
+def test_inducer_prefill_key_loop_is_short(built, src):
+    """Each prefill instantiation's key loop: two 16-row tiles per warp up to D = 64 (each K / V
+    fragment read from shared memory feeds both: at most one ldmatrix per 4 HMMA), one SFU exp2
+    per score and per row rescale (no exp2f range fix-up), the mask only in the stages that
+    need it, and at most the instructions per HMMA above."""
+    rc, log, sass, _, _ = built[os.path.join(CSRC, src)]
+    assert rc == 0, log[-2000:]
+    seen = set()
+    for name, text in _functions(sass).items():
+        m = _MMA_NAME.search(name)
+        if not m:
+            continue
+        D, BN, RW, KW, MR = (int(v) for v in m.groups())
+        if KW != 1:
+            continue                      # the decode schedule
+        seen.add(D)
+        assert MR == (2 if D <= 64 else 1), (name, MR)
+        per_stage = MR * 2 * D * BN // 128
+        loop = _key_loop(text, per_stage)
+        assert loop is not None, f"{name}: no loop with {per_stage} HMMA"
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for o in loop]
+        ldsm = sum(o.startswith("LDSM") for o in ops)
+        mufu = sum(o.startswith("MUFU") for o in ops)
+        assert ldsm * 4 <= per_stage * (2 if MR == 1 else 1), (name, ldsm, per_stage)
+        assert mufu == MR * (BN // 8 * 4 + 2), (name, mufu)        # scores + 2 rescales per tile
+        assert len(ops) / per_stage <= _PREFILL_INSTR_PER_HMMA[D], \
+            (name, len(ops), per_stage, round(len(ops) / per_stage, 2))
+    assert seen == {32, 64, 96, 128}, seen

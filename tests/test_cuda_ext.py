@@ -551,6 +551,10 @@ INDUCER_CASES = [  # B, H, n_q, n_k, p, l, causal, lens
     (1, 2, 70, 90, 40, 0, False, None),           # p = 40 (padded to 64)
     (2, 2, 9, 50, 17, 3, True, [50, 20]),         # p % 8 != 0: scalar loads
     (1, 1, 130, 130, 128, 0, True, None),         # 3 row tiles, few blocks: key splits in prefill
+    # p <= 64: 128-row prefill blocks (two 16-row tiles per warp), stages with and without masks
+    (8, 16, 200, 260, 64, 0, True, None),         # 2 row tiles x 128 blocks: no key split
+    (1, 3, 300, 300, 32, 2, True, [300]),         # D = 32, prefix, few blocks: key splits
+    (2, 2, 129, 700, 64, 0, False, [700, 333]),   # a full tile and one row; kend mid-stage
 ]
 
 

@@ -158,8 +158,9 @@ def test_kron_factor_steps_instruction_rule():
 def test_cuda_inducer_model_follows_the_csrc_host():
     """The Python replica of inducer_attention_fwd's launch decision (kfused.perf.cases) uses
     the tile constants csrc/inducer/inducer.cuh defines, and splits the keys the way the
-    host does: prefill fills the GPU with 64-row blocks (no split); decode with few blocks
-    splits the keys (at most 64 splits, at least one stage each), else not."""
+    host does: prefill fills the GPU with 128-row (p <= 64) or 64-row blocks (no split);
+    decode with few blocks splits the keys (at most 64 splits, at least one stage each), else
+    not."""
     import pathlib
     import re
 
@@ -173,6 +174,10 @@ def test_cuda_inducer_model_follows_the_csrc_host():
                                           C._CU_DECODE_KW)
     decode, BM, SK, row_tiles, nsplit, per, gpack = C._cuda_inducer_grid(8, 16, 2048, 2048)
     assert (decode, BM, SK, row_tiles, nsplit, gpack) == (False, 64, 64, 32, 1, 1)
+    # two 16-row tiles per warp up to a padded head width of 64 (inducer.cuh prefill_rows)
+    assert re.search(r"kPrefillMrMaxD = (\d+);", src).group(1) == str(C._CU_PREFILL_MR_MAX_D)
+    for p, rows in ((16, 128), (32, 128), (64, 128), (65, 64), (96, 64), (128, 64)):
+        assert C._cuda_inducer_grid(8, 16, 2048, 2048, p=p)[1:4] == (rows, 64, 2048 // rows), p
     decode, BM, SK, row_tiles, nsplit, per, gpack = C._cuda_inducer_grid(1, 8, 1, 16384)
     assert decode and (BM, SK, row_tiles, gpack) == (16, 64, 1, 1)
     # min(cdiv(2·132, 8) = 33, 256 stages, 64) splits of cdiv(256, 33) = 8 stages -> 32
@@ -192,6 +197,7 @@ def test_cuda_inducer_model_follows_the_csrc_host():
     host = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "inducer" /
             "inducer_attention_fwd.cu").read_text()
     assert "if (group % d == 0 && d * n_q <= rows_blk) {" in host
+    assert "rows_blk = decode ? 16 : prefill_rows(static_cast<int>(ceil_div(p, 32)) * 32);" in host
     # the host's limit on the in-kernel MLP (kfused.ops refuses wider MLPs for "cuda")
     from kfused.ops.inducer_attention import CUDA_MLP_MAX_COLS
     assert int(re.search(r"kMlpMaxCols = (\d+)", src).group(1)) == CUDA_MLP_MAX_COLS

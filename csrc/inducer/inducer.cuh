@@ -20,6 +20,13 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Tile shapes of the two tensor-core schedules (a GPU session tunes them here).
 constexpr int kPrefillBN = 64, kPrefillRW = 4;
 constexpr int kDecodeBN = 16, kDecodeKW = 4;
+// Prefill row tiles of 16 per warp: 2 up to D = 64 (each K / V fragment from shared memory
+// feeds two products; 248 registers at D = 64, no spill), 1 above (sm_90 ptxas: D = 96 spills
+// 824 bytes and D = 128 72 bytes with two tiles, even with Q re-read from shared memory).
+constexpr int kPrefillMrMaxD = 64;
+constexpr int prefill_mr(int D) { return D <= kPrefillMrMaxD ? 2 : 1; }
+// Query rows per prefill block for padded head width D (host and kernel agree through this).
+constexpr int prefill_rows(int D) { return 16 * kPrefillRW * prefill_mr(D); }
 
 struct InducerParams {
   const void* q;

@@ -418,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   at::Tensor s0f = has_s0 ? s0_opt->to(at::kFloat).contiguous() : at::Tensor();
 
   const int64_t sms = sm_count();
-  // float16 / bfloat16: tensor-core kernel (prefill: 64 rows per block; decode, n_q <= 16:
+  // float16 / bfloat16: tensor-core kernel (prefill: 128 or 64 rows per block; decode, n_q <= 16:
   // 16 rows, 4 warps splitting each stage's keys). float32: the CUDA-core kernel (tensor
   // cores would need TF32, which fails the docs/math.md §4 rule): 16 rows per block, or 4 rows with
   // the warps splitting the keys (ksplit = 4) for decode / few blocks.
@@ -427,7 +427,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> inducer_attention_fwd
   int ksplit = 1, rows_blk = 0;
   int64_t stage_keys = kBK, min_steps = 1;
   if (tc) {
-    rows_blk = decode ? 16 : 16 * kPrefillRW;
+    // prefill: 128 rows per block up to p = 64 (two 16-row tiles per warp), 64 above
+    rows_blk = decode ? 16 : prefill_rows(static_cast<int>(ceil_div(p, 32)) * 32);
     stage_keys = decode ? kDecodeBN * kDecodeKW : kPrefillBN;
   } else {
     const int64_t blocks1 = ceil_div(n_q, kWarps * kRowsPerWarp) * Bn * H;

@@ -12,26 +12,32 @@ namespace inducer {
 // Tensor-core path (float16 / bfloat16): flash attention on mma.sync m16n8k16
 // ------------------------------------------------------------------------------------------
 //
-// A block has RW x KW warps. Warp (rw, kw) owns query rows [16 rw, 16 rw + 16) of the block's
-// BM = 16 RW rows and key tile kw of every stage; a stage is KW tiles of BN keys (SK keys),
+// A block has RW x KW warps. Warp (rw, kw) owns MR row tiles of 16 query rows, rows
+// [16 MR rw, 16 MR (rw + 1)) of the block's BM = 16 MR RW rows, and key tile kw of every
+// stage; a stage is KW tiles of BN keys (SK keys),
 // staged for the whole block in shared memory by 16-byte cp.async copies, double buffered
 // (stage i + 1 is in flight while stage i is consumed). Two instantiation families:
-//   prefill: RW = 4, KW = 1, BN = 64   (64 rows per block; every warp walks every key tile)
-//   decode : RW = 1, KW = 4, BN = 16   (16 rows per block, n_q <= 16; the 4 warps split the
-//                                       keys of a stage and merge their states at the end)
+//   prefill: RW = 4, KW = 1, BN = 64, MR = prefill_mr(D) (2 for D <= 64: 128 rows per block,
+//            32 per warp; 1 above: 64 rows); every warp walks every key tile
+//   decode : RW = 1, KW = 4, BN = 16, MR = 1 (16 rows per block, n_q <= 16; the 4 warps split
+//            the keys of a stage and merge their states at the end)
 // plus the flash-decoding split over blocks (nsplit, float32 workspace) when the (row tile,
 // head, batch) blocks cannot fill the device; the last block of a tile to finish merges the
 // splits (arrival counter, InducerParams::count), so decode stays one launch.
-// Per warp and key tile: S = Q K^T (16 x BN, float accumulators; Q fragments stay in
+// Per warp and key tile: S = Q K^T (16 MR x BN, float accumulators; Q fragments stay in
 // registers for the whole kernel, K fragments by ldmatrix from rows of pitch D + 8, which
-// is conflict-free), masking and the online softmax in the log2 domain on the accumulator
-// registers (a row lives in the 4 lanes of a quad), then O += P V with P re-packed from the
-// accumulators into A fragments (rounded to the input dtype, as the reference's P is) and V
-// fragments by ldmatrix.trans. The head width is padded with zeros to D (32, 64, 96, 128).
-template <typename T, int D, int BN, int RW, int KW>
+// is conflict-free; each K or V fragment feeds the MR row tiles' products, so shared-memory
+// traffic per product falls by MR), masking only in the stages that need it (the key range
+// crosses kend, or the causal diagonal of one of the thread's rows), the online softmax in
+// the log2 domain on the raw accumulators (the scale folded into the exponent's FFMA; a row
+// lives in the 4 lanes of a quad), then O += P V with P re-packed from the accumulators into
+// A fragments (rounded to the input dtype, as the reference's P is) and V fragments by
+// ldmatrix.trans. The head width is padded with zeros to D (32, 64, 96, 128).
+template <typename T, int D, int BN, int RW, int KW, int MR>
 struct InducerMmaCfg {
   static constexpr int kThreads = 32 * RW * KW;
-  static constexpr int kBM = 16 * RW;
+  static constexpr int kBM = 16 * RW * MR;
+  static_assert(KW == 1 || MR == 1, "the key-split schedule merges 16-row warp states");
   static constexpr int kSK = BN * KW;
   static constexpr int kPitch = mma::pitch_for(D);
   static_assert(D % 32 == 0 && BN % 16 == 0, "tile shapes");
@@ -41,6 +47,15 @@ struct InducerMmaCfg {
   static constexpr size_t kSmem = sizeof(T) * size_t(kBM) * kPitch +
                                   (KW > 1 && kMergeBytes > kKvBytes ? kMergeBytes : kKvBytes);
 };
+
+// 2^x by the SFU alone (ex2.approx.ftz: relative error below 2^-22, results below 2^-126
+// flushed to zero, 2^-inf = 0), as Triton's exp2 and FlashAttention's fast-math build compile
+// it; exp2f adds a range test and two multiplies around the same instruction.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -116,10 +131,10 @@ __device__ __forceinline__ void stage_mlp_weights(const InducerParams& P, int h,
   }
 }
 
-template <typename T, int D, int BN, int RW, int KW>
+template <typename T, int D, int BN, int RW, int KW, int MR>
 __global__ void __launch_bounds__(32 * RW * KW, 1)
     inducer_mma_kernel(const InducerParams P) {
-  using Cfg = InducerMmaCfg<T, D, BN, RW, KW>;
+  using Cfg = InducerMmaCfg<T, D, BN, RW, KW, MR>;
   constexpr int NT = Cfg::kThreads, BM = Cfg::kBM, SK = Cfg::kSK, PITCH = Cfg::kPitch;
   constexpr int NJ = BN / 8;  // n8 score tiles per warp and key tile
   constexpr int ND = D / 8;   // n8 output tiles
@@ -234,28 +249,45 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     }
   };
 
-  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
-  float o[ND][4];
+  // Thread state of its 2 MR rows: row tile mi, rows rbase + 16 mi + g (e = 0, 1 of the
+  // accumulators) and + 8 (e = 2, 3), block rows; packed rows row0 + those.
+  const int rbase = rw * 16 * MR;
+  float m_r[MR][2], l_r[MR][2];
+  float o[MR][ND][4];
+  int qi[MR][2];   // the rows' query indices
+  int khi[MR][2];  // the rows' last visible key (prefix keys count; below l: none of the sequence)
+  const int diag = P.n_k - P.n_q;  // causal: sequence key j visible to row i iff j <= diag + i
+  int qmin = 0x7fffffff;           // the least of them: a stage below its diagonal needs no mask
 #pragma unroll
-  for (int j = 0; j < ND; ++j)
+  for (int mi = 0; mi < MR; ++mi)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
-  uint32_t qf[D / 16][4];
-  const int rowA = row0 + rw * 16 + g;  // this thread's (packed) rows: rowA and rowA + 8
-  const int diag = P.n_k - P.n_q;       // causal: sequence key j visible to row i iff j <= diag + i
-  int qi[2];                            // their query indices
+    for (int i = 0; i < 2; ++i) {
+      m_r[mi][i] = -INFINITY;
+      l_r[mi][i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    int hh;
-    packed_row(P, hb, rowA + 8 * i < NR ? rowA + 8 * i : row0, hh, qi[i]);
-  }
+      for (int j = 0; j < ND; ++j) {
+        o[mi][j][2 * i] = 0.f;
+        o[mi][j][2 * i + 1] = 0.f;
+      }
+      const int R = row0 + rbase + 16 * mi + g + 8 * i;
+      int hh;
+      packed_row(P, hb, R < NR ? R : row0, hh, qi[mi][i]);
+      qmin = qi[mi][i] < qmin ? qi[mi][i] : qmin;
+      const int lim = P.causal ? l + diag + qi[mi][i] : kend - 1;
+      khi[mi][i] = lim < kend - 1 ? lim : kend - 1;
+    }
+  uint32_t qf[MR][D / 16][4];  // Q's A fragments, in registers for the whole kernel
+
 
   if (nsteps > 0) load_stage(st_beg, 0);
   mma::cp_async_commit();  // group 1: the first key stage (empty when nsteps == 0)
   mma::cp_async_wait<1>();
   __syncthreads();         // Q (and the MLP weights) in shared memory
 #pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) mma::load_a_kmajor<T>(qf[kc], Qs, PITCH, rw * 16, kc * 16);
+  for (int mi = 0; mi < MR; ++mi)
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc)
+      mma::load_a_kmajor<T>(qf[mi][kc], Qs, PITCH, rbase + 16 * mi, kc * 16);
   if (mlp) {
     // One product per query head of the block (packed rows: each head's own weights, staged
     // in turn; a row keeps its head's products).
@@ -267,46 +299,50 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
       }
       if (kw == 0) {
         const T* Wc = Ks + SK * PITCH;
-        bool mine[2];  // rows rw * 16 + g (+ 8) belong to head hm
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          int hh, ii;
-          packed_row(P, hb, rowA + 8 * i, hh, ii);
-          mine[i] = hh == hm;
-        }
-        for (int np = 0; np < P.ncp / 16; ++np) {
-          float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int mi = 0; mi < MR; ++mi) {
+          const int rt = rbase + 16 * mi;  // the row tile's first block row
+          bool mine[2];                    // rows rt + g (+ 8) belong to head hm
 #pragma unroll
-          for (int kc = 0; kc < D / 16; ++kc) {
-            uint32_t bf[4];
-            mma::load_b2_kmajor<T>(bf, Wc, PITCH, np * 16, kc * 16);
-            mma::mma16816<T>(c0, qf[kc], bf[0], bf[1]);
-            mma::mma16816<T>(c1, qf[kc], bf[2], bf[3]);
+          for (int i = 0; i < 2; ++i) {
+            int hh, ii;
+            packed_row(P, hb, row0 + rt + g + 8 * i, hh, ii);
+            mine[i] = hh == hm;
           }
+          for (int np = 0; np < P.ncp / 16; ++np) {
+            float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int rr = rw * 16 + g + 8 * (e >> 1), cc = np * 16 + 2 * qd + (e & 1);
-            if (!mine[e >> 1]) continue;
-            Ms[rr * mpitch + cc] = c0[e];
-            Ms[rr * mpitch + cc + 8] = c1[e];
+            for (int kc = 0; kc < D / 16; ++kc) {
+              uint32_t bf[4];
+              mma::load_b2_kmajor<T>(bf, Wc, PITCH, np * 16, kc * 16);
+              mma::mma16816<T>(c0, qf[mi][kc], bf[0], bf[1]);
+              mma::mma16816<T>(c1, qf[mi][kc], bf[2], bf[3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int rr = rt + g + 8 * (e >> 1), cc = np * 16 + 2 * qd + (e & 1);
+              if (!mine[e >> 1]) continue;
+              Ms[rr * mpitch + cc] = c0[e];
+              Ms[rr * mpitch + cc + 8] = c1[e];
+            }
           }
-        }
-        if (hm != h_lo) continue;  // |q|^2 once
-        // |q|^2 of rows g and g + 8 from the A fragments (a[0], a[2]: row g; a[1], a[3]: row
-        // g + 8; zero padding beyond p and n_q)
-        float ss[2] = {0.f, 0.f};
+          if (hm != h_lo) continue;  // |q|^2 once
+          // |q|^2 of rows g and g + 8 from the A fragments (a[0], a[2]: row g; a[1], a[3]: row
+          // g + 8; zero padding beyond p and n_q)
+          float ss[2] = {0.f, 0.f};
 #pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc)
+          for (int kc = 0; kc < D / 16; ++kc)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 x = mma::unpack2<T>(qf[kc][i]);
-            ss[i & 1] += x.x * x.x + x.y * x.y;
+            for (int i = 0; i < 4; ++i) {
+              const float2 x = mma::unpack2<T>(qf[mi][kc][i]);
+              ss[i & 1] += x.x * x.x + x.y * x.y;
+            }
+          ss[0] = quad_sum(ss[0]);
+          ss[1] = quad_sum(ss[1]);
+          if (qd == 0) {
+            S0s[rt + g] = ss[0];
+            S0s[rt + g + 8] = ss[1];
           }
-        ss[0] = quad_sum(ss[0]);
-        ss[1] = quad_sum(ss[1]);
-        if (qd == 0) {
-          S0s[rw * 16 + g] = ss[0];
-          S0s[rw * 16 + g + 8] = ss[1];
         }
       }
     }
@@ -346,74 +382,101 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     const T* vs = Vs + ((it & 1) * SK + kw * BN) * PITCH;
     const int key0 = (st_beg + it) * SK + kw * BN;
 
-    float s[NJ][4];
+    float s[MR][NJ][4];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j)
+    for (int mi = 0; mi < MR; ++mi)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
 #pragma unroll
       for (int np = 0; np < NJ / 2; ++np) {
         uint32_t bf[4];
         mma::load_b2_kmajor<T>(bf, ks, PITCH, np * 16, kc * 16);
-        mma::mma16816<T>(s[2 * np], qf[kc], bf[0], bf[1]);
-        mma::mma16816<T>(s[2 * np + 1], qf[kc], bf[2], bf[3]);
+#pragma unroll
+        for (int mi = 0; mi < MR; ++mi) {
+          mma::mma16816<T>(s[mi][2 * np], qf[mi][kc], bf[0], bf[1]);
+          mma::mma16816<T>(s[mi][2 * np + 1], qf[mi][kc], bf[2], bf[3]);
+        }
       }
     }
-    // Scale, mask, online softmax (rows rowA (e = 0, 1) and rowA + 8 (e = 2, 3)).
+    // Mask where the stage needs it: keys [key0, key0 + BN) all prefix keys, or all below kend
+    // and (causal) at or below the diagonal of the thread's first query: nothing to mask.
+    const int klast = key0 + BN - 1;
+    const bool full = klast < l || (klast < kend && (!P.causal || klast - l <= diag + qmin));
+    if (!full) {
 #pragma unroll
-    for (int j = 0; j < NJ; ++j)
+      for (int mi = 0; mi < MR; ++mi)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + 8 * j + 2 * qd + (e & 1);
-        const bool vis =
-            key < l || (key < kend && (!P.causal || key - l <= diag + qi[e >> 1]));
-        s[j][e] = vis ? s[j][e] * P.scale_log2 : -INFINITY;
-      }
+        for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
-      const float m_new = fmaxf(m_r[i], quad_max(mx));
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_r[i] - m_use);
-      m_r[i] = m_new;
-      float rs = 0.f;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        s[j][2 * i] = exp2f(s[j][2 * i] - m_use);
-        s[j][2 * i + 1] = exp2f(s[j][2 * i + 1] - m_use);
-        rs += s[j][2 * i] + s[j][2 * i + 1];
-      }
-      l_r[i] = l_r[i] * alpha + rs;
-#pragma unroll
-      for (int j = 0; j < ND; ++j) {
-        o[j][2 * i] *= alpha;
-        o[j][2 * i + 1] *= alpha;
-      }
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + 8 * j + 2 * qd + (e & 1);
+            // prefix keys always; sequence keys up to the row's last visible key
+            const bool vis = (key < l) | (key <= khi[mi][e >> 1]);
+            s[mi][j][e] = vis ? s[mi][j][e] : -INFINITY;
+          }
     }
+    // Online softmax on the raw scores: the scale is positive, so the row max of the scaled
+    // scores is the scaled raw max; each probability is one FFMA and one SFU exp2.
+    const float sl2 = P.scale_log2;
+#pragma unroll
+    for (int mi = 0; mi < MR; ++mi)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * i], s[mi][j][2 * i + 1]));
+        const float m_new = fmaxf(m_r[mi][i], quad_max(mx) * sl2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = fast_exp2(m_r[mi][i] - m_use);
+        m_r[mi][i] = m_new;
+        float rs = 0.f;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          s[mi][j][2 * i] = fast_exp2(fmaf(s[mi][j][2 * i], sl2, -m_use));
+          s[mi][j][2 * i + 1] = fast_exp2(fmaf(s[mi][j][2 * i + 1], sl2, -m_use));
+          rs += s[mi][j][2 * i] + s[mi][j][2 * i + 1];
+        }
+        l_r[mi][i] = l_r[mi][i] * alpha + rs;
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {
+          o[mi][j][2 * i] *= alpha;
+          o[mi][j][2 * i + 1] *= alpha;
+        }
+      }
     // O += P V.
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
-      const uint32_t a[4] = {mma::pack2<T>(s[2 * kc][0], s[2 * kc][1]),
-                             mma::pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                             mma::pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                             mma::pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+      uint32_t a[MR][4];
+#pragma unroll
+      for (int mi = 0; mi < MR; ++mi) {
+        a[mi][0] = mma::pack2<T>(s[mi][2 * kc][0], s[mi][2 * kc][1]);
+        a[mi][1] = mma::pack2<T>(s[mi][2 * kc][2], s[mi][2 * kc][3]);
+        a[mi][2] = mma::pack2<T>(s[mi][2 * kc + 1][0], s[mi][2 * kc + 1][1]);
+        a[mi][3] = mma::pack2<T>(s[mi][2 * kc + 1][2], s[mi][2 * kc + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < ND / 2; ++dp) {
         uint32_t bf[4];
         mma::load_b2_mnmajor<T>(bf, vs, PITCH, dp * 16, kc * 16);
-        mma::mma16816<T>(o[2 * dp], a, bf[0], bf[1]);
-        mma::mma16816<T>(o[2 * dp + 1], a, bf[2], bf[3]);
+#pragma unroll
+        for (int mi = 0; mi < MR; ++mi) {
+          mma::mma16816<T>(o[mi][2 * dp], a[mi], bf[0], bf[1]);
+          mma::mma16816<T>(o[mi][2 * dp + 1], a[mi], bf[2], bf[3]);
+        }
       }
     }
     __syncthreads();  // buffer (it & 1) is refilled by iteration it + 1
   }
   mma::cp_async_wait<0>();  // nothing may still be landing in shared memory (nsteps == 0)
-  l_r[0] = quad_sum(l_r[0]);
-  l_r[1] = quad_sum(l_r[1]);
+#pragma unroll
+  for (int mi = 0; mi < MR; ++mi) {
+    l_r[mi][0] = quad_sum(l_r[mi][0]);
+    l_r[mi][1] = quad_sum(l_r[mi][1]);
+  }
 
   // s0 of global row ridx (block row lr): in-kernel MLP, given, or none (no inducer)
   auto row_s0 = [&](int64_t ridx, int lr) -> float {
@@ -421,28 +484,31 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   };
   if constexpr (KW == 1) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = rowA + 8 * i, lr = rw * 16 + g + 8 * i;
-      if (row >= NR) continue;
-      const int64_t ridx = ridx_of(row);
-      const float s0 = row_s0(ridx, lr);
+    for (int mi = 0; mi < MR; ++mi)
 #pragma unroll
-      for (int j = 0; j < ND; ++j) {
-        const int col = 8 * j + 2 * qd;
-        store_row_state<T>(P, ridx, split, col, o[j][2 * i], j == 0 && qd == 0, m_r[i],
-                           l_r[i], s0);
-        store_row_state<T>(P, ridx, split, col + 1, o[j][2 * i + 1], false, m_r[i],
-                           l_r[i], s0);
+      for (int i = 0; i < 2; ++i) {
+        const int lr = rbase + 16 * mi + g + 8 * i, row = row0 + lr;
+        if (row >= NR) continue;
+        const int64_t ridx = ridx_of(row);
+        const float s0 = row_s0(ridx, lr);
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {
+          const int col = 8 * j + 2 * qd;
+          store_row_state<T>(P, ridx, split, col, o[mi][j][2 * i], j == 0 && qd == 0,
+                             m_r[mi][i], l_r[mi][i], s0);
+          store_row_state<T>(P, ridx, split, col + 1, o[mi][j][2 * i + 1], false, m_r[mi][i],
+                             l_r[mi][i], s0);
+        }
+        if (P.L > 0 && P.nsplit == 1) {  // u = lam tanh(q W1 + b1), the row's quad over j
+          // (nsplit == 1: this block is key split 0, which ran the MLP)
+          const float lam = sigmoid_of(s0 - row_lse(m_r[mi][i], l_r[mi][i]));
+          for (int j = qd; j < P.r; j += 4)
+            store_u<T>(P, ridx, j, lam * Ms[lr * mpitch + P.L + j]);
+        }
       }
-      if (P.L > 0 && P.nsplit == 1) {  // u = lam tanh(q W1 + b1), the row's quad over j
-        // (nsplit == 1: this block is key split 0, which ran the MLP)
-        const float lam = sigmoid_of(s0 - row_lse(m_r[i], l_r[i]));
-        for (int j = qd; j < P.r; j += 4)
-          store_u<T>(P, ridx, j, lam * Ms[lr * mpitch + P.L + j]);
-      }
-    }
   } else {
-    // Merge the KW warps' states of the same 16 rows through shared memory (fixed order).
+    // Merge the KW warps' states of the same 16 rows through shared memory (fixed order;
+    // MR == 1 here).
     __syncthreads();
     float* Ob = reinterpret_cast<float*>(Ks);  // (KW, 16, D)
     float* Mb = Ob + KW * 16 * D;              // (KW, 16)
@@ -452,12 +518,12 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
       const int r = g + 8 * i;
 #pragma unroll
       for (int j = 0; j < ND; ++j) {
-        Ob[(kw * 16 + r) * D + 8 * j + 2 * qd] = o[j][2 * i];
-        Ob[(kw * 16 + r) * D + 8 * j + 2 * qd + 1] = o[j][2 * i + 1];
+        Ob[(kw * 16 + r) * D + 8 * j + 2 * qd] = o[0][j][2 * i];
+        Ob[(kw * 16 + r) * D + 8 * j + 2 * qd + 1] = o[0][j][2 * i + 1];
       }
       if (qd == 0) {
-        Mb[kw * 16 + r] = m_r[i];
-        Lb[kw * 16 + r] = l_r[i];
+        Mb[kw * 16 + r] = m_r[0][i];
+        Lb[kw * 16 + r] = l_r[0][i];
       }
     }
     __syncthreads();
@@ -519,10 +585,10 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   }
 }
 
-template <typename T, int D, int BN, int RW, int KW>
+template <typename T, int D, int BN, int RW, int KW, int MR>
 void launch_inducer_mma(const InducerParams& P, dim3 grid, cudaStream_t stream) {
-  using Cfg = InducerMmaCfg<T, D, BN, RW, KW>;
-  auto kernel = inducer_mma_kernel<T, D, BN, RW, KW>;
+  using Cfg = InducerMmaCfg<T, D, BN, RW, KW, MR>;
+  auto kernel = inducer_mma_kernel<T, D, BN, RW, KW, MR>;
   const size_t smem = Cfg::kSmem + (P.L > 0 ? mlp_smem_bytes(Cfg::kBM, P.ncp) : 0);
   set_smem(kernel, smem, "inducer_mma_kernel");
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(P);
@@ -539,9 +605,9 @@ void launch_inducer_mma(const InducerParams& P, dim3 grid, cudaStream_t stream) 
 template <typename T, int D>
 void launch_inducer_mma_d(const InducerParams& P, bool decode, dim3 grid, cudaStream_t stream) {
   if (decode)
-    launch_inducer_mma<T, D, kDecodeBN, 1, kDecodeKW>(P, grid, stream);
+    launch_inducer_mma<T, D, kDecodeBN, 1, kDecodeKW, 1>(P, grid, stream);
   else
-    launch_inducer_mma<T, D, kPrefillBN, kPrefillRW, 1>(P, grid, stream);
+    launch_inducer_mma<T, D, kPrefillBN, kPrefillRW, 1, prefill_mr(D)>(P, grid, stream);
 }
 
 template <typename T>

@@ -780,21 +780,29 @@ def _traced_torch(prefix: str, run: Callable[[], None]) -> List[dict]:
 
 
 # --- the CUDA C++ inference kernel of inducer attention (issue 15) --------------------------
-# csrc/inducer/inducer.cuh: prefill blocks of 16·RW rows walk stages of BN keys; decode blocks
-# (n_q <= 16) of 16 rows split each stage of BN·KW keys over their KW warps. mma.sync m16n8k16.
+# csrc/inducer/inducer.cuh: prefill blocks of 16·MR·RW rows (MR = 2 row tiles per warp up to a
+# padded head width of 64, else 1) walk stages of BN keys; decode blocks (n_q <= 16) of 16 rows
+# split each stage of BN·KW keys over their KW warps. mma.sync m16n8k16.
 _CU_PREFILL_BN, _CU_PREFILL_RW, _CU_DECODE_BN, _CU_DECODE_KW = 64, 4, 16, 4
+_CU_PREFILL_MR_MAX_D = 64
 _CU_SMEM_PER_SM = 227 * 1024            # sm_90 shared memory a CTA set may use
 
 
+def _cu_prefill_rows(p: int) -> int:
+    """Rows per prefill block of head width p (inducer.cuh ``prefill_rows``)."""
+    D = cdiv(p, 32) * 32
+    return 16 * _CU_PREFILL_RW * (2 if D <= _CU_PREFILL_MR_MAX_D else 1)
+
+
 def _cuda_inducer_grid(B: int, H: int, n_q: int, n_k: int, l: int = 0,
-                       Hkv: Optional[int] = None):
+                       Hkv: Optional[int] = None, p: int = 128):
     """(decode?, rows per block, keys per stage, row tiles, nsplit, stages per split, query
     heads per block): the host decision of inducer_attention_fwd
-    (csrc/inducer/inducer_attention_fwd.cu, 16-bit). Grouped-query decode without a prefix
-    packs query heads of one kv head into a block: the most that divide H / Hkv and whose
-    rows fit one tile."""
+    (csrc/inducer/inducer_attention_fwd.cu, 16-bit) for head width ``p``. Grouped-query decode
+    without a prefix packs query heads of one kv head into a block: the most that divide
+    H / Hkv and whose rows fit one tile."""
     decode = n_q <= 16
-    BM = 16 if decode else 16 * _CU_PREFILL_RW
+    BM = 16 if decode else _cu_prefill_rows(p)
     SK = _CU_DECODE_BN * _CU_DECODE_KW if decode else _CU_PREFILL_BN
     group = H // (Hkv or H)
     gpack = 1
@@ -828,22 +836,34 @@ def _cuda_inducer(name: str, B: int, H: int, n_q: int, n_k: int, p: int, causal:
     (``Hkv`` kv heads): K and V read once per kv head (packed decode blocks read them once
     for all their query heads; otherwise L2 holds them across the group's adjacent blocks)."""
     Hkv = Hkv or H
-    decode, BM, SK, row_tiles, nsplit, per, gpack = _cuda_inducer_grid(B, H, n_q, n_k, l, Hkv)
+    decode, BM, SK, row_tiles, nsplit, per, gpack = _cuda_inducer_grid(B, H, n_q, n_k, l, Hkv,
+                                                                        p=p)
     ncp = cdiv(2 * L_KEY + R_VALUE + 1, 16) * 16        # [Ak | W1 | Bkᵀ | ck] padded
     D = cdiv(p, 32) * 32
     NR = gpack * n_q                                    # packed rows per head block
-    stages = 0
+    stages = masked = 0
     for rt in range(row_tiles):
         r0, r1 = rt * BM, min((rt + 1) * BM, NR) - 1
         last = r1 if gpack == 1 else (n_q - 1 if r0 // n_q != r1 // n_q else r1 % n_q)
+        first = r0 if gpack == 1 else 0
         end = min(n_k, n_k - n_q + last + 1) if causal else n_k
-        stages += cdiv(l + max(end, 0), SK)
+        st = cdiv(l + max(end, 0), SK)
+        stages += st
+        # stages that mask: the one crossing the key end, and (causal) those crossing the
+        # diagonal between the tile's first and last row
+        diag_lo = l + n_k - n_q + first
+        crossing = cdiv(max(0, l + max(end, 0) - max(diag_lo, 0)), SK) if causal else 0
+        masked += min(st, 1 + crossing)
     stages *= B * (H // gpack)
+    masked *= B * (H // gpack)
     rows = B * H * n_q
     work = _work()
     work["dot16_flops"] = stages * 2 * 2.0 * BM * SK * D
     work["sfu_ops"] = stages * BM * SK
-    work["alu_ops"] = stages * (BM * SK * 8 + BM * D)
+    # per score: the row max, the exponent's FFMA, the row sum, half a pack (sm_90 SASS of the
+    # key loop: 933 instructions per 128 HMMA at D = 64, MR = 2), and the rescale of O; the
+    # stages that mask add a compare and a select per score
+    work["alu_ops"] = stages * (BM * SK * 4 + BM * D) + masked * BM * SK * 2
     work["hbm_bytes"] = (el * B * (2 * H * n_q * p + 2 * Hkv * n_k * p) + 2 * el * H * l * p
                          + rows * 4 * 2 + (rows * nsplit * (p + 2) * 4 if nsplit > 1 else 0))
     # the MLP, once per row tile (key split 0): Q·C on the tensor cores (a packed block: once
