@@ -132,6 +132,13 @@ def test_regimes():
     assert krona_regime(16384, torch.float32, None) == "exact"          # float32 never folds
     assert krona_regime(16384, torch.bfloat16, True) == "exact"
     assert krona_regime(16384, torch.bfloat16, None, on_cuda=False) == "exact"
+    # the benchmark's factor shapes: the CUDA factor kernel's tensor-core path or not
+    assert regime_of("krona_linear", {"T": 16384, "A": [24, 24], "B": [32, 32]}) == "folded"
+    assert regime_of("krona_linear", {"T": 16384, "A": [2, 384], "B": [384, 2]}) == \
+        "folded-narrow"
+    assert regime_of("krona_linear", {"T": 16384, "A": [8, 384], "B": [384, 2]}) == \
+        "folded-narrow"
+    assert regime_of("krona_linear", {"T": 64, "A": [384, 2], "B": [2, 384]}) == "exact-narrow"
     assert regime_of("headwise_qkv", {"tokens": 16384}) is None
 
 
@@ -209,7 +216,8 @@ def test_cuda_is_unfit_for_a_gpu_the_extension_was_not_built_for(monkeypatch, ca
 
 def test_krona_auto_follows_the_measured_order_of_its_regime(prefs, monkeypatch):
     """krona_linear's auto takes the backend measured faster for the call's regime on this
-    GPU model: folded (16-bit, FOLD_MIN_TOKENS tokens and more) or exact."""
+    GPU model: folded (16-bit, FOLD_MIN_TOKENS tokens and more) or exact, each "-narrow" for
+    factors the CUDA extension's factor kernel cannot put on the tensor cores."""
     import importlib
 
     kl = importlib.import_module("kfused.ops.krona_linear")      # the module, not the op
@@ -219,13 +227,21 @@ def test_krona_auto_follows_the_measured_order_of_its_regime(prefs, monkeypatch)
         seen.append(kw.get("regime"))
         return "reference"
     monkeypatch.setattr(kl, "select_backend", pick)
-    x = torch.randn(3, 5, 6)
-    A, B, W = torch.randn(2, 2), torch.randn(4, 3), torch.randn(8, 6)
+    x = torch.randn(3, 5, 32 * 16)
+    A, B, W = torch.randn(24, 32), torch.randn(32, 16), torch.randn(24 * 32, 32 * 16)
     kl.krona_linear(x, W, None, A, B)
     assert seen == ["exact"]                                # CPU, float32: never folds
     monkeypatch.setattr(kl, "fold_decision", lambda dtype, tokens, exact, on_cuda: tokens >= 15)
     kl.krona_linear(x, W, None, A, B)
     assert seen[-1] == "folded"                             # 15 token rows
+    # factors whose 16-padding the CUDA factor kernel refuses (its CUDA-core kernel runs):
+    # a regime of their own, so balanced factors' measurements do not decide for them
+    x6, A2, B2, W2 = torch.randn(3, 5, 6), torch.randn(2, 2), torch.randn(4, 3), torch.randn(8, 6)
+    kl.krona_linear(x6, W2, None, A2, B2)
+    assert seen[-1] == "folded-narrow"
+    x768 = torch.randn(15, 768)
+    kl.krona_linear(x768, torch.randn(768, 768), None, torch.randn(2, 384), torch.randn(384, 2))
+    assert seen[-1] == "folded-narrow"                      # the paper's GLUE factors
     # and select_backend itself walks the measured order for that regime
     monkeypatch.setattr(backends, "cuda_unfit", lambda device, dtype, op: None)
     monkeypatch.setattr(backends, "triton_unfit", lambda device, dtype: None)

@@ -82,5 +82,8 @@ def regime_of(op: str, shape: Mapping[str, object]) -> Optional[str]:
         from kfused.ops.krona_linear import regime as krona_regime
 
         # the benchmark's calls: bfloat16 on a GPU, exact=None (kfused.cases.krona)
-        return krona_regime(int(shape["T"]), torch.bfloat16, None)
+        factors = None
+        if "A" in shape and "B" in shape:
+            factors = (*(int(v) for v in shape["A"]), *(int(v) for v in shape["B"]))
+        return krona_regime(int(shape["T"]), torch.bfloat16, None, True, factors)
     return None

@@ -27,6 +27,29 @@ def check_factors(x: torch.Tensor, A, B, x_name: str = "x") -> Tuple[int, int, i
     return a_out, a_in, b_out, b_in
 
 
+# csrc/krona/kron_matvec.cu kTcMaxWaste: the CUDA extension's factor kernels run on the tensor
+# cores unless padding every factor side to 16 multiplies their products' MACs by more.
+CUDA_TC_MAX_WASTE = 4.0
+
+
+def _kron_bwd_macs(ao: int, ai: int, bo: int, bi: int, need_dx: bool = True) -> int:
+    """MACs per token of kron_matvec_bwd: W = G B, V = A X, dX = Aᵀ W, dA, dB."""
+    return ao * bo * bi + ao * ai * bi + (ai * ao * bi if need_dx else 0) + ao * ai * bi \
+        + bo * ao * bi
+
+
+def cuda_factor_kernel(a_out: int, a_in: int, b_out: int, b_in: int) -> str:
+    """Which kernel the CUDA extension's kron_matvec_bwd runs for these factors on 16-bit
+    inputs (kron_matvec.cu ``kron_tc_pays``): "tensor-core", or "cuda-core" where padding
+    every factor side to 16 would multiply the MACs by more than CUDA_TC_MAX_WASTE — the
+    paper's 2×384 / 384×2 factors (64×), which the H100 of 2026-11-27 measured at 753 µs for
+    the CUDA-core kernel against 68 µs for the Triton factor kernel (T = 16384, 768×768)."""
+    pad = [-(-v // 16) * 16 for v in (a_out, a_in, b_out, b_in)]
+    waste_ok = _kron_bwd_macs(*pad) <= CUDA_TC_MAX_WASTE * _kron_bwd_macs(a_out, a_in, b_out,
+                                                                          b_in)
+    return "tensor-core" if waste_ok else "cuda-core"
+
+
 def rows(x: torch.Tensor) -> torch.Tensor:
     """x as (T, d) rows with unit inner stride (no copy when it has one): the layout every
     KronA kernel reads (any row stride, 0 included)."""

@@ -9,7 +9,7 @@ extension, its factor gradients from the extension's kron_matvec backward).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -17,7 +17,8 @@ from kfused import _validate, cuda
 from kfused.backends import select_backend
 from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import FOLD_MIN_TOKENS, check_exact, fold_decision  # noqa: F401
-from kfused.ops._krona_common import check_factors, dense, no_double_backward, rows
+from kfused.ops._krona_common import (check_factors, cuda_factor_kernel, dense,
+                                      no_double_backward, rows)
 from kfused.reference.krona import krona_linear_ref
 
 
@@ -228,12 +229,20 @@ def check_scale(scale) -> float:
     return _validate.check_real("scale", scale)
 
 
-def regime(tokens: int, dtype: torch.dtype, exact: Optional[bool], on_cuda: bool = True) -> str:
+def regime(tokens: int, dtype: torch.dtype, exact: Optional[bool], on_cuda: bool = True,
+           factors: Optional[Tuple[int, int, int, int]] = None) -> str:
     """The regime a call is in for measured backend preferences (kfused.backends
     .measured_order): "folded" where it folds the adapter into the weight
     (:func:`kfused.ops._fold.fold_decision`; both backends then run cuBLAS on W'), else
-    "exact"."""
-    return "folded" if fold_decision(dtype, tokens, exact, on_cuda) else "exact"
+    "exact"; with ``factors`` (a_out, a_in, b_out, b_in), "-narrow" appended where the CUDA
+    extension's factor kernel is its CUDA-core one (:func:`cuda_factor_kernel`: the paper's
+    2×384 / 384×2 factors), so that a preference measured on balanced factors (where the two
+    backends ran 798 µs and 1382 µs wall on the H100) never sends the paper's factors to the
+    CUDA path (3807 µs against 1559 µs at 768→3072 there)."""
+    base = "folded" if fold_decision(dtype, tokens, exact, on_cuda) else "exact"
+    if factors is not None and cuda_factor_kernel(*factors) == "cuda-core":
+        return base + "-narrow"
+    return base
 
 
 def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
@@ -285,7 +294,8 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     check_exact(exact)
     tokens = x.numel() // max(1, x.shape[-1])
     be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton", "cuda"),
-                        regime=regime(tokens, x.dtype, exact, x.device.type == "cuda"))
+                        regime=regime(tokens, x.dtype, exact, x.device.type == "cuda",
+                                      (a_out, a_in, b_out, b_in)))
     if be == "reference":
         return krona_linear_ref(x, weight, bias, A, B, scale)
     lead = x.shape[:-1]

@@ -942,22 +942,14 @@ def _block_mma_rate() -> float:
     return min(R.MMA_RATE, feed)
 
 
-_CU_KRON_TC_MAX_WASTE = 4.0            # kron_matvec.cu kTcMaxWaste
-
-
-def _kron_bwd_macs(ao, ai, bo, bi, need_dx=True):
-    """MACs per token of kron_matvec_bwd: W = G B, V = A X, dX = Aᵀ W, dA, dB."""
-    return ao * bo * bi + ao * ai * bi + (ai * ao * bi if need_dx else 0) + ao * ai * bi \
-        + bo * ao * bi
+from kfused.ops._krona_common import CUDA_TC_MAX_WASTE as _CU_KRON_TC_MAX_WASTE  # noqa: E402
+from kfused.ops._krona_common import _kron_bwd_macs, cuda_factor_kernel  # noqa: E402
 
 
 def _cuda_kron_tc_pays(A_shape, B_shape) -> bool:
     """kron_matvec.cu kron_tc_pays (backward): the tensor-core kernel unless padding every
     factor side to 16 multiplies the MACs by more than kTcMaxWaste."""
-    (a_out, a_in), (b_out, b_in) = A_shape, B_shape
-    pad = [cdiv(v, 16) * 16 for v in (a_out, a_in, b_out, b_in)]
-    return _kron_bwd_macs(*pad) <= _CU_KRON_TC_MAX_WASTE * _kron_bwd_macs(a_out, a_in, b_out,
-                                                                          b_in)
+    return cuda_factor_kernel(*A_shape, *B_shape) == "tensor-core"
 
 
 def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int = 2) -> List[dict]:
