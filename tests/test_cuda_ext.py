@@ -123,6 +123,14 @@ KRON_SHAPES = [  # a_out, a_in, b_out, b_in
     (48, 48, 64, 64),   # 3072
     (1, 1, 1, 1),
     (20, 10, 10, 20),   # d = 200
+    # two small factor sides: kron_narrow_bwd_kernel (a block per token), each tier and both
+    # orientations; rows that are not 16-byte multiples take its scalar staging
+    (384, 2, 2, 384),   # the paper's pair the other way round (transposed tokens)
+    (8, 384, 384, 2),   # the paper's 768 -> 3072 choice: 8 x 2 intermediates
+    (5, 40, 30, 2),     # odd sides; d_out = 150: scalar staging
+    (2, 3, 7, 8),       # n = 8 (tier 2x8)
+    (30, 2, 2, 40),     # odd, transposed
+    (2, 600, 300, 2),   # K = 600 > 512: the wide tier
 ]
 
 

@@ -229,7 +229,25 @@ def test_cuda_krona_model_follows_the_csrc_host():
     assert float(re.search(r"kTcMaxWaste = ([\d.]+);", src).group(1)) == C._CU_KRON_TC_MAX_WASTE
     assert C._cuda_kron_tc_pays((24, 24), (32, 32)) and C._cuda_kron_tc_pays((48, 24), (64, 32))
     assert not C._cuda_kron_tc_pays((2, 384), (384, 2))          # 64x padding waste
-    assert "CUDA cores" in C._cuda_kron_bwd("x", 4096, (2, 384), (384, 2), False)[0]["name"]
+    # the narrow kernel's tiers (kron_matvec.cu kNarrowTiers, 256 threads) and its plan
+    from kfused.ops import _krona_common as KC
+
+    tiers = re.search(r"kNarrowTiers\[\] = \{(.*?)\};", src, re.S).group(1)
+    assert tuple(tuple(int(v) for v in t.split(",")) for t in
+                 re.findall(r"\{([\d, ]+)\}", tiers)) == KC.CUDA_NARROW_TIERS
+    assert int(re.search(r"constexpr int kThreads = (\d+);", src).group(1)) == \
+        KC.CUDA_NARROW_THREADS
+    assert KC.cuda_narrow_plan(2, 384, 384, 2) == (0, False, 2, 2, 384, 384)
+    assert KC.cuda_narrow_plan(384, 2, 2, 384) == (0, True, 2, 2, 384, 384)
+    assert KC.cuda_narrow_plan(8, 384, 384, 2)[:2] == (1, False)
+    assert KC.cuda_narrow_plan(2, 1536, 384, 2)[:2] == (3, False)
+    assert KC.cuda_narrow_plan(3, 5, 7, 11) is None                  # block_gemm kernel
+    assert KC.cuda_factor_kernel(2, 384, 384, 2) == "narrow"
+    assert KC.cuda_factor_kernel(3, 5, 7, 11) == "cuda-core"
+    assert KC.cuda_factor_kernel(24, 24, 32, 32) == "tensor-core"
+    assert "kron_narrow_bwd_kernel" in C._cuda_kron_bwd("x", 4096, (2, 384), (384, 2),
+                                                         False)[0]["name"]
+    assert "CUDA cores" in C._cuda_kron_bwd("x", 4096, (3, 5), (7, 11), False)[0]["name"]
     with_dx = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=True)
     without = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=False)
     assert with_dx[0]["flops"] > without[0]["flops"] and with_dx[0]["t"] > without[0]["t"]

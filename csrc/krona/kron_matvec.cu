@@ -241,6 +241,250 @@ __global__ void __launch_bounds__(kThreads) kron_bwd_kernel(const KronBwdParams 
 }
 
 // ------------------------------------------------------------------------------------------
+// Narrow factors (two small sides, the paper's 2 x 384 / 384 x 2): a block per token
+// ------------------------------------------------------------------------------------------
+//
+// Written for one orientation, A' (m x K), B' (J x n) with m and n small, X'[t] (K x n),
+// G'[t] (m x J); the other orientation (a_in and b_out small) is the same computation on the
+// transposed tokens, Y[t]^T = B X[t]^T A^T: A' = B, B' = A, X' = X^T, G' = G^T (strides only).
+// Every token's intermediates V = A' X' and W = G' B' are m x n values, each a dot product over
+// K or J, and the rest are rank-m / rank-n updates:
+//   dX'[k][l] = sum_i A'[i][k] W[i][l],  dA'[i][k] += sum_l W[i][l] X'[k][l],
+//   dB'[j][l] += sum_i G'[i][j] V[i][l]   (V, W rounded to the input dtype, as everywhere).
+// A block walks tokens (persistent); a token's rows x[t] and g[t] are staged in shared memory
+// by 16-byte cp.async, double buffered (the next token lands while this one is computed).
+// Thread c holds the big indices k = c + kThreads u (u < KC) and j = c + kThreads u (u < JC):
+// V and W are per-thread partial sums reduced over the block (shuffles, then the warps' sums
+// in a fixed order), the weight gradients accumulate in the thread's registers — every (i, k)
+// and (j, l) belongs to one thread of the block, so the block's partial row is written without
+// any reduction: deterministic. A' and B'^T (float, zero-padded to M rows / N columns) are
+// staged in shared memory once. The tensor-core kernel would pad both small sides to 16 (64x
+// the MACs at 2 x 384 / 384 x 2), and block_gemm parallelises over the m x n outputs of V and
+// W only (the H100 ran that kernel at 753 us for T = 16384 at 768 x 768, against 68 us for
+// the Triton factor kernel); here x and g are read once and the work spreads over K and J.
+struct KronNarrowParams {
+  const void* x;
+  const void* g;
+  void* dx;
+  const void* A;  // A' (m x K): element (i, k) at A[i * sai + k * sak]
+  const void* B;  // B' (J x n): element (j, l) at B[j * sbj + l * sbl]
+  int64_t sai, sak, sbj, sbl;
+  int64_t T;
+  int d_in, d_out;
+  int xk, xl;  // X'[t] element (k, l) at x[t * d_in + k * xk + l * xl] (dx likewise)
+  int gi, gj;  // G'[t] element (i, j) at g[t * d_out + i * gi + j * gj]
+  int m, n, K, J;
+  int rx, rg;   // a token buffer's x and g rows (d_in, d_out rounded up to 16 bytes)
+  float* part;  // (gridDim.x, nAB): dA'-grad at offA (m x K), dB'-grad at offB (J x n)
+  int64_t nAB, offA, offB;
+  bool vec;  // 16-byte rows (d_in, d_out multiples of 16 bytes, aligned x and g): cp.async
+  bool need_dx;
+  float scale;
+};
+
+constexpr int kNarrowWarps = kThreads / 32;
+
+// Shared memory (bytes) of the narrow kernel: A' (M x K) and B'^T (N x J) float, the warps'
+// partial sums and the block's V and W (floats), then two token buffers (x and g rows).
+inline int64_t narrow_smem_bytes(int M, int N, int K, int J, int rx, int rg, int elem_bytes) {
+  const int64_t floats = int64_t(M) * K + int64_t(N) * J + (kNarrowWarps + 1) * 2 * M * N;
+  return (4 * floats + 15) / 16 * 16 + 2 * int64_t(rx + rg) * elem_bytes;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One row of n elements from global src into shared dst by the block: 16-byte cp.async chunks
+// where vec, else element by element (visible after the next __syncthreads either way).
+template <typename T>
+__device__ __forceinline__ void narrow_stage_row(T* dst, const T* src, int n, bool vec) {
+  constexpr int E = 16 / sizeof(T);  // elements per 16-byte chunk
+  if (vec) {
+    for (int c = threadIdx.x * E; c < n; c += kThreads * E) mma::cp_async16(dst + c, src + c, true);
+  } else {
+    for (int c = threadIdx.x; c < n; c += kThreads) dst[c] = src[c];
+  }
+}
+
+template <typename T, int M, int N, int KC, int JC>
+__global__ void __launch_bounds__(kThreads, 1) kron_narrow_bwd_kernel(const KronNarrowParams P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int m = P.m, n = P.n, K = P.K, J = P.J;
+  float* As = reinterpret_cast<float*>(smem_raw);  // (M, K): rows >= m zero
+  float* Bt = As + M * K;                          // (N, J): B'^T, rows >= n zero
+  float* Red = Bt + N * J;                         // (warps, 2 M N) partial sums
+  float* VW = Red + kNarrowWarps * 2 * M * N;      // (2 M N) the token's V, W
+  const int64_t fbytes =
+      (4 * (int64_t(M) * K + int64_t(N) * J + (kNarrowWarps + 1) * 2 * M * N) + 15) / 16 * 16;
+  T* buf = reinterpret_cast<T*>(smem_raw + fbytes);  // 2 x (x row, g row)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const T* A = static_cast<const T*>(P.A);
+  const T* B = static_cast<const T*>(P.B);
+  for (int e = tid; e < M * K; e += kThreads) {
+    const int i = e / K, k = e - i * K;
+    As[e] = i < m ? to_float(A[i * P.sai + k * P.sak]) : 0.f;
+  }
+  for (int e = tid; e < N * J; e += kThreads) {
+    const int l = e / J, j = e - l * J;
+    Bt[e] = l < n ? to_float(B[j * P.sbj + l * P.sbl]) : 0.f;
+  }
+  float accA[M][KC], accB[JC][N];
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int u = 0; u < KC; ++u) accA[i][u] = 0.f;
+#pragma unroll
+  for (int u = 0; u < JC; ++u)
+#pragma unroll
+    for (int l = 0; l < N; ++l) accB[u][l] = 0.f;
+  const T* x = static_cast<const T*>(P.x);
+  const T* g = static_cast<const T*>(P.g);
+  T* dx = static_cast<T*>(P.dx);
+  auto stage = [&](int64_t t, int b) {
+    T* xs = buf + b * (P.rx + P.rg);
+    narrow_stage_row<T>(xs, x + t * P.d_in, P.d_in, P.vec);
+    narrow_stage_row<T>(xs + P.rx, g + t * P.d_out, P.d_out, P.vec);
+  };
+  if (blockIdx.x < P.T) stage(blockIdx.x, 0);
+  mma::cp_async_commit();
+  int it = 0;
+  for (int64_t t = blockIdx.x; t < P.T; t += gridDim.x, ++it) {
+    if (t + gridDim.x < P.T) {
+      stage(t + gridDim.x, (it + 1) & 1);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();  // token t's rows (and, the first time, A' and B'^T) in shared memory
+    const T* xt = buf + (it & 1) * (P.rx + P.rg);
+    const T* gt = xt + P.rx;
+    // V = A' X', W = G' B': the thread's partial sums over its k and j (an index out of range
+    // is clamped to 0 and its value selected away: no branch)
+    float V[M][N], W[M][N];
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+      for (int l = 0; l < N; ++l) V[i][l] = W[i][l] = 0.f;
+#pragma unroll
+    for (int u = 0; u < KC; ++u) {
+      const int k = tid + kThreads * u;
+      const bool kok = k < K;
+      const int kc = kok ? k : 0;
+#pragma unroll
+      for (int l = 0; l < N; ++l) {
+        const float v = to_float(xt[kc * P.xk + (l < n ? l : 0) * P.xl]);
+        const float xv = kok && l < n ? v : 0.f;
+#pragma unroll
+        for (int i = 0; i < M; ++i) V[i][l] = fmaf(As[i * K + kc], xv, V[i][l]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < JC; ++u) {
+      const int j = tid + kThreads * u;
+      const bool jok = j < J;
+      const int jc = jok ? j : 0;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const float v = to_float(gt[(i < m ? i : 0) * P.gi + jc * P.gj]);
+        const float gv = jok && i < m ? v : 0.f;
+#pragma unroll
+        for (int l = 0; l < N; ++l) W[i][l] = fmaf(gv, Bt[l * J + jc], W[i][l]);
+      }
+    }
+    // block sums: each warp's by shuffles, then the warps' in order by the first 2 M N threads
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+      for (int l = 0; l < N; ++l) {
+        const float sv = warp_sum(V[i][l]), sw = warp_sum(W[i][l]);
+        if (lane == 0) {
+          Red[warp * 2 * M * N + i * N + l] = sv;
+          Red[warp * 2 * M * N + M * N + i * N + l] = sw;
+        }
+      }
+    __syncthreads();
+    if (tid < 2 * M * N) {
+      float a = 0.f;
+      for (int w = 0; w < kNarrowWarps; ++w) a += Red[w * 2 * M * N + tid];
+      VW[tid] = round_to<T>(a);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+      for (int l = 0; l < N; ++l) {
+        V[i][l] = VW[i * N + l];
+        W[i][l] = VW[M * N + i * N + l];
+      }
+    // dA' += W X'^T and dX' = A'^T W (the thread's k); out-of-range threads add zeros to
+    // accumulators that are never stored
+#pragma unroll
+    for (int u = 0; u < KC; ++u) {
+      const int k = tid + kThreads * u;
+      const bool kok = k < K;
+      const int kc = kok ? k : 0;
+#pragma unroll
+      for (int l = 0; l < N; ++l) {
+        const bool ok = kok && l < n;
+        const int off = kc * P.xk + (l < n ? l : 0) * P.xl;
+        const float v = to_float(xt[off]);
+        const float xv = ok ? v : 0.f;
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          accA[i][u] = fmaf(W[i][l], xv, accA[i][u]);
+          d = fmaf(As[i * K + kc], W[i][l], d);
+        }
+        if (P.need_dx && ok) dx[t * P.d_in + off] = static_cast<T>(d * P.scale);
+      }
+    }
+    // dB' += G'^T V (the thread's j)
+#pragma unroll
+    for (int u = 0; u < JC; ++u) {
+      const int j = tid + kThreads * u;
+      const bool jok = j < J;
+      const int jc = jok ? j : 0;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const float v = to_float(gt[(i < m ? i : 0) * P.gi + jc * P.gj]);
+        const float gv = jok && i < m ? v : 0.f;
+#pragma unroll
+        for (int l = 0; l < N; ++l) accB[u][l] = fmaf(gv, V[i][l], accB[u][l]);
+      }
+    }
+    __syncthreads();  // buffer (it & 1) and VW are reused by the next token
+  }
+  mma::cp_async_wait<0>();
+  // The block's partial row: every (i, k) and (j, l) is this thread's alone.
+  float* row = P.part + static_cast<int64_t>(blockIdx.x) * P.nAB;
+#pragma unroll
+  for (int u = 0; u < KC; ++u) {
+    const int k = tid + kThreads * u;
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+      if (i < m && k < K) row[P.offA + static_cast<int64_t>(i) * K + k] = accA[i][u];
+  }
+#pragma unroll
+  for (int u = 0; u < JC; ++u) {
+    const int j = tid + kThreads * u;
+#pragma unroll
+    for (int l = 0; l < N; ++l)
+      if (l < n && j < J) row[P.offB + static_cast<int64_t>(j) * n + l] = accB[u][l];
+  }
+}
+
+// The narrow kernel's tiers: (M, N) bound the small sides, kThreads KC and kThreads JC the big
+// ones (accumulators M KC + JC N floats per thread).
+struct NarrowTier {
+  int M, N, KC, JC;
+};
+constexpr NarrowTier kNarrowTiers[] = {{2, 2, 2, 2}, {8, 2, 2, 2}, {2, 8, 2, 2}, {2, 2, 8, 8}};
+
+// ------------------------------------------------------------------------------------------
 // Tensor-core path (float16 / bfloat16): the same products on mma.sync m16n8k16
 // ------------------------------------------------------------------------------------------
 //
@@ -565,6 +809,57 @@ inline unsigned persistent_grid(Kernel kernel, size_t smem, int64_t ntiles) {
   return static_cast<unsigned>(std::min<int64_t>(ntiles, int64_t(per_sm) * sm_count()));
 }
 
+// Host side of the narrow kernel: the orientation and register tier the factors fit, if any.
+struct NarrowPlan {
+  int tier;  // index into kNarrowTiers, -1: none fits
+  bool swap;  // the transposed orientation (a_in and b_out are the small sides)
+  int m, n, K, J;
+};
+
+inline NarrowPlan narrow_plan(const KronShape& s, int64_t elem_bytes, int64_t optin) {
+  const int64_t E = 16 / elem_bytes;
+  const int rx = static_cast<int>(ceil_div(int64_t(s.a_in) * s.b_in, E) * E);
+  const int rg = static_cast<int>(ceil_div(int64_t(s.a_out) * s.b_out, E) * E);
+  for (int o = 0; o < 2; ++o) {
+    const int m = o ? s.b_out : s.a_out, n = o ? s.a_in : s.b_in;
+    const int K = o ? s.b_in : s.a_in, J = o ? s.a_out : s.b_out;
+    for (int i = 0; i < int(sizeof(kNarrowTiers) / sizeof(kNarrowTiers[0])); ++i) {
+      const NarrowTier& q = kNarrowTiers[i];
+      if (m <= q.M && n <= q.N && K <= kThreads * q.KC && J <= kThreads * q.JC &&
+          narrow_smem_bytes(q.M, q.N, K, J, rx, rg, static_cast<int>(elem_bytes)) <= optin)
+        return {i, o == 1, m, n, K, J};
+    }
+  }
+  return {-1, false, 0, 0, 0, 0};
+}
+
+template <typename T, int M, int N, int KC, int JC>
+void launch_narrow_tier(KronNarrowParams P, at::Tensor& dA, at::Tensor& dB, int64_t nA,
+                        const at::Tensor& like, cudaStream_t stream) {
+  auto kernel = kron_narrow_bwd_kernel<T, M, N, KC, JC>;
+  const size_t smem =
+      static_cast<size_t>(narrow_smem_bytes(M, N, P.K, P.J, P.rx, P.rg, sizeof(T)));
+  set_smem(kernel, smem, "kron_narrow_bwd_kernel");
+  const unsigned grid = persistent_grid(kernel, smem, P.T);
+  at::Tensor part = at::empty({int64_t(grid), P.nAB}, like.options().dtype(at::kFloat));
+  P.part = part.data_ptr<float>();
+  kernel<<<grid, kThreads, smem, stream>>>(P);
+  check_launch("kron_narrow_bwd_kernel");
+  reduce_partials<T>(P.part, grid, P.nAB, nA, dA.data_ptr<T>(), dB.data_ptr<T>(), stream,
+                     P.scale);
+}
+
+template <typename T>
+void launch_kron_narrow(const KronNarrowParams& P, int tier, at::Tensor& dA, at::Tensor& dB,
+                        int64_t nA, const at::Tensor& like, cudaStream_t stream) {
+  switch (tier) {
+    case 0: launch_narrow_tier<T, 2, 2, 2, 2>(P, dA, dB, nA, like, stream); break;
+    case 1: launch_narrow_tier<T, 8, 2, 2, 2>(P, dA, dB, nA, like, stream); break;
+    case 2: launch_narrow_tier<T, 2, 8, 2, 2>(P, dA, dB, nA, like, stream); break;
+    default: launch_narrow_tier<T, 2, 2, 8, 8>(P, dA, dB, nA, like, stream); break;
+  }
+}
+
 // Host side: the factor pointers, strides, token count and shape every kron kernel reads.
 template <typename Params>
 void set_factor_params(Params& P, const at::Tensor& A, const at::Tensor& B, int64_t T,
@@ -779,6 +1074,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   }
 
   const int64_t nA = int64_t(s.a_out) * s.a_in, nB = int64_t(s.b_out) * s.b_in;
+  const NarrowPlan np = narrow_plan(s, x.element_size(), optin);
+  if (np.tier >= 0) {
+    // Two small factor sides (the paper's 2 x 384 / 384 x 2): a warp per token.
+    KronNarrowParams P{};
+    P.x = x.data_ptr();
+    P.g = g.data_ptr();
+    P.dx = dx.data_ptr();
+    P.T = T;
+    P.d_in = int64_t(s.a_in) * s.b_in;
+    P.d_out = int64_t(s.a_out) * s.b_out;
+    P.m = np.m;
+    P.n = np.n;
+    P.K = np.K;
+    P.J = np.J;
+    P.nAB = nA + nB;
+    P.need_dx = need_dx;
+    P.scale = scale;
+    const int E = 16 / static_cast<int>(x.element_size());  // elements per 16 bytes
+    P.rx = static_cast<int>(ceil_div(P.d_in, E) * E);
+    P.rg = static_cast<int>(ceil_div(P.d_out, E) * E);
+    P.vec = P.d_in % E == 0 && P.d_out % E == 0 && mma_aligned(x.data_ptr()) &&
+            mma_aligned(g.data_ptr());
+    if (!np.swap) {  // A' = A, B' = B, X' = X, G' = G
+      P.A = A.data_ptr();
+      P.B = B.data_ptr();
+      P.sai = A.stride(0), P.sak = A.stride(1), P.sbj = B.stride(0), P.sbl = B.stride(1);
+      P.xk = s.b_in, P.xl = 1, P.gi = s.b_out, P.gj = 1;
+      P.offA = 0, P.offB = nA;
+    } else {  // A' = B, B' = A, X' = X^T, G' = G^T
+      P.A = B.data_ptr();
+      P.B = A.data_ptr();
+      P.sai = B.stride(0), P.sak = B.stride(1), P.sbj = A.stride(0), P.sbl = A.stride(1);
+      P.xk = 1, P.xl = s.b_in, P.gi = 1, P.gj = s.b_out;
+      P.offA = nA, P.offB = 0;
+    }
+    KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_bwd", [&] {
+      launch_kron_narrow<scalar_t>(P, np.tier, dA, dB, nA, x, stream);
+    });
+    return {dx, dA, dB};
+  }
   const int64_t pX = odd_pitch(s.b_in);
   const int64_t fixed_stage = nA + int64_t(s.b_out) * odd_pitch(s.b_in);
   const int64_t fixed_acc = nA + nB;

@@ -235,12 +235,13 @@ def regime(tokens: int, dtype: torch.dtype, exact: Optional[bool], on_cuda: bool
     .measured_order): "folded" where it folds the adapter into the weight
     (:func:`kfused.ops._fold.fold_decision`; both backends then run cuBLAS on W'), else
     "exact"; with ``factors`` (a_out, a_in, b_out, b_in), "-narrow" appended where the CUDA
-    extension's factor kernel is its CUDA-core one (:func:`cuda_factor_kernel`: the paper's
-    2×384 / 384×2 factors), so that a preference measured on balanced factors (where the two
-    backends ran 798 µs and 1382 µs wall on the H100) never sends the paper's factors to the
-    CUDA path (3807 µs against 1559 µs at 768→3072 there)."""
+    extension's factor kernel is not its tensor-core one (:func:`cuda_factor_kernel`: the
+    paper's 2×384 / 384×2 factors), so that a preference measured on balanced factors (where
+    the two backends ran 798 µs and 1382 µs wall on the H100) never decides for the paper's
+    factors (whose CUDA path ran 3807 µs against Triton's 1559 µs at 768→3072 there, before
+    the narrow kernel): they are measured in their own regime."""
     base = "folded" if fold_decision(dtype, tokens, exact, on_cuda) else "exact"
-    if factors is not None and cuda_factor_kernel(*factors) == "cuda-core":
+    if factors is not None and cuda_factor_kernel(*factors) != "tensor-core":
         return base + "-narrow"
     return base
 

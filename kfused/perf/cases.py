@@ -943,7 +943,15 @@ def _block_mma_rate() -> float:
 
 
 from kfused.ops._krona_common import CUDA_TC_MAX_WASTE as _CU_KRON_TC_MAX_WASTE  # noqa: E402
-from kfused.ops._krona_common import _kron_bwd_macs, cuda_factor_kernel  # noqa: E402
+from kfused.ops._krona_common import (  # noqa: E402
+    CUDA_NARROW_THREADS, CUDA_NARROW_TIERS, _kron_bwd_macs, cuda_factor_kernel, cuda_narrow_plan)
+
+
+# sm_90 registers of kron_narrow_bwd_kernel per tier (16-bit; ptxas -v, nvcc 13): they set the
+# blocks per SM (256 threads each); and the cycles of one token's dependent chain (PREDICTED
+# from its structure: 5 shuffles per value, two shared-memory reductions, three barriers)
+_CU_NARROW_REGS = {0: 64, 1: 151, 2: 128, 3: 126}
+_CU_NARROW_TOKEN_CLK = 750
 
 
 def _cuda_kron_tc_pays(A_shape, B_shape) -> bool:
@@ -959,6 +967,37 @@ def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int =
     FMA rate; up to 2 blocks per SM)."""
     (a_out, a_in), (b_out, b_in) = A_shape, B_shape
     nAB = a_out * a_in + b_out * b_in
+    plan = None if _cuda_kron_tc_pays(A_shape, B_shape) else \
+        cuda_narrow_plan(a_out, a_in, b_out, b_in)
+    if plan is not None:
+        # kron_narrow_bwd_kernel: a block per token (persistent), x and g rows staged by
+        # cp.async, V and W as per-thread partial sums reduced over the block (5 shuffles a
+        # value per warp, the warps' sums by 2·M·N threads, 2 barriers), the rank-m / rank-n
+        # updates on the CUDA cores with operands from shared memory
+        tier, _, m, n, K, J = plan
+        M, N = CUDA_NARROW_TIERS[tier][:2]
+        macs = _kron_bwd_macs(a_out, a_in, b_out, b_in, need_dx)
+        w = _work()
+        # FMAs over the padded small sides: V, W, dA', dB' (and dX'), operands from shared
+        # memory (about half the FMA rate)
+        w["fma32_flops"] = T * 2.0 * M * N * ((3 if need_dx else 2) * K + 2 * J) * 2
+        # shared-memory operand loads (x', g' twice, A', B'^T once a pass) and the block
+        # reduction: 2·M·N values, 5 shuffles in each of the 8 warps (32 lanes each)
+        w["alu_ops"] = T * (2 * (K * N + M * J) + 2 * (M * K + N * J)
+                            + 2 * M * N * 8 * 5 * 32)
+        per_sm = max(1, min(2048 // CUDA_NARROW_THREADS,
+                            65536 // (_CU_NARROW_REGS[tier] * CUDA_NARROW_THREADS)))
+        grid = min(T, per_sm * R.SMS)
+        w["hbm_bytes"] = (el * T * (a_out * b_out + a_in * b_in * (2 if need_dx else 1))
+                          + grid * nAB * 4)
+        t = R.predict(w, {}, grid, per_sm)["t"]
+        # a token's latency chain (shuffles, two reductions through shared memory, three
+        # block barriers: ~750 cycles, the next token's rows landing meanwhile), the block's
+        # tokens one after another: per_sm tokens in flight per SM
+        t = max(t, cdiv(T, grid) * _CU_NARROW_TOKEN_CLK / 1.98e9 + R.KERNEL_OVERHEAD_S)
+        out = [dict(name=f"{name}: kron_narrow_bwd_kernel (tier {tier}, {grid} blocks)",
+                    t=t, flops=T * 2.0 * macs)]
+        return out + [_reduce_partials(name, grid, nAB, el)]
     if not _cuda_kron_tc_pays(A_shape, B_shape):
         w = _work()
         macs = _kron_bwd_macs(a_out, a_in, b_out, b_in, need_dx)

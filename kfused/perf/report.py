@@ -30,10 +30,12 @@ LABEL = "PREDICTED (static model, no GPU): kfused.perf"   # the first field of e
 
 # CUDA C++ kernels that are matrix products (must issue HMMA/HGMMA): every 16-bit (Half /
 # BFloat16 template) instantiation in csrc/ except those whose name contains one of these
-# fragments (pure reductions, the split-KV merge, the element-wise KronA weight fold). float32
-# instantiations compute in IEEE float32 (docs/math.md §4) and are not required to use tensor
-# cores.
-CSRC_NOT_GEMM = ("reduce", "merge", "krona_fold")
+# fragments (pure reductions, the split-KV merge, the element-wise KronA weight fold, and
+# KronA's narrow-factor backward, whose products have two sides of at most 8 — the host runs it
+# only where padding them to 16 for mma.sync would multiply the MACs by more than kTcMaxWaste;
+# it is memory-bound on the CUDA cores). float32 instantiations compute in IEEE float32
+# (docs/math.md §4) and are not required to use tensor cores.
+CSRC_NOT_GEMM = ("reduce", "merge", "krona_fold", "kron_narrow")
 CSRC_16BIT = ("Half", "BFloat16")
 
 
