@@ -99,6 +99,9 @@ def test_factor_gradients_of_wide_pairs_launch_on_the_gpu(monkeypatch):
                     raise OutOfResources(262144, 232448, "shared memory")
             return launch
 
+    # (the standard kernel's launches: the narrow kernel, which takes these small-sided pairs
+    # now, is off here; test_narrow_factor_gradients covers it)
+    monkeypatch.setattr(kl, "narrow_grad_plan", lambda *factors: None)
     for a_out, a_in, b_out, b_in in PAPER_PAIR + [(128, 32, 32, 128)]:
         kernel = Kernel(refuse=False)
         monkeypatch.setattr(kl, "_kron_grad_kernel", kernel)
@@ -120,6 +123,50 @@ def test_factor_gradients_of_wide_pairs_launch_on_the_gpu(monkeypatch):
     xf, Af, Bf = (t.float().to(DEVICE).requires_grad_(True) for t in (x, A, B))
     kron_matvec(xf, Af, Bf, backend="triton").sum().backward()
     assert len(kernel.calls) == n and Af.grad is not None    # then torch directly
+
+
+# Factor pairs with two small sides: the narrow factor-gradient kernel, in both orientations
+# (the swapped one by transposed token strides, no copies), every small-side width it pads
+# (1 -> 2, 3 -> 4, 5 -> 8), a big side above 512, and T across block edges.
+NARROW_SHAPES = [(2, 128, 128, 2), (128, 2, 2, 128), (3, 5, 7, 2), (8, 40, 30, 2),
+                 (2, 3, 7, 8), (30, 2, 2, 40), (1, 1, 1, 1), (5, 3, 1, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NARROW_SHAPES, ids=str)
+def test_narrow_factor_gradients(shape, dtype, monkeypatch):
+    """kron_matvec's backward on factors with two small sides runs the narrow kernel (never the
+    standard one), with the swapped orientation's strides and no transposed copies, and meets
+    §4 for dx, dA and dB; with dx not asked, dA and dB alone."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    plan = kl.narrow_grad_plan(*shape)
+    assert plan is not None, shape
+    standard = []
+    real = kl._kron_grad_kernel
+    monkeypatch.setattr(kl, "_kron_grad_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (standard.append(grid), real[grid])[1]})())
+    x, A, B = _factors(shape, lead=(random.randint(1, 40),))
+    assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                             kron_matvec_ref, {"x": x, "A": A, "B": B}, dtype, DEVICE)
+    assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                             kron_matvec_ref, {"x": x, "A": A, "B": B}, dtype, DEVICE,
+                             grad_names=["A", "B"])
+    assert standard == []
+
+
+def test_narrow_plan_orientations():
+    """The narrow kernel's orientation: unswapped where a_out and b_in are the small sides,
+    swapped (b_out, a_in small) otherwise; balanced or all-wide factors keep the standard
+    kernel (its tensor-core steps where every padded dim is >= 16)."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    assert kl.narrow_grad_plan(2, 384, 384, 2)[:2] == (0, False)
+    assert kl.narrow_grad_plan(384, 2, 2, 384)[:2] == (0, True)
+    assert kl.narrow_grad_plan(8, 384, 384, 2)[:2] == (1, False)
+    assert kl.narrow_grad_plan(24, 24, 32, 32) is None
+    assert kl.narrow_grad_plan(32, 16, 2, 64) is None       # 32 x 64 small sides: standard
+    assert kl.narrow_grad_plan(9, 3, 3, 5) is None
 
 
 def _factors(shape, lead=(3, 11), dtype=torch.float64):
@@ -219,6 +266,7 @@ def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
     monkeypatch.setattr(kl, "exact_composes", lambda device, dtype, T: True)
     fwd = launches(kl, "_krona_fwd_kernel")
     grad = launches(kl, "_kron_grad_kernel")
+    narrow = launches(kl, "_kron_narrow_grad_kernel")      # two small factor sides
     a_out, a_in, b_out, b_in = shape
     x, A, B = _factors(shape, lead=(random.randint(1, 70),))
     W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / (a_in * b_in) ** 0.5
@@ -228,7 +276,8 @@ def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
         lambda **kw: krona_linear(**kw, scale=0.5, backend="triton", exact=True),
         lambda **kw: krona_linear_ref(**kw, scale=0.5), inputs, torch.float16, DEVICE,
         grad_names=["x", "A", "B"])
-    assert not fwd and grad
+    assert not fwd and (grad or narrow)
+    assert bool(narrow) == (kl.narrow_grad_plan(*shape) is not None)
     # kron_matvec's forward (no frozen weight): the Kronecker term alone, two calls
     assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
                              kron_matvec_ref, {"x": x, "A": A, "B": B}, torch.float16, DEVICE)

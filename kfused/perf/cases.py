@@ -170,6 +170,38 @@ def _m_kron_grad(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_kron_narrow_grad_kernel")
+def _m_kron_narrow_grad(L) -> Dict[str, float]:
+    """Factor gradients for two small factor sides: per block of BT tokens, broadcast
+    products on the CUDA cores over the padded small sides (M, N) and the padded big ones
+    (BK, BJ) — W (over J), V (over K), dA (over the tokens), dB (over M and the tokens), dX
+    (over M) for each of the N columns — in float32 (float64 products for float32 inputs); x,
+    dy once, dx once, the per-program partials. The padded lanes count: their products issue."""
+    a = L.bound()
+    X = a["X"]
+    x16 = _is16(X)
+    M, N, BT, BK, BJ = (a[k] for k in ("M", "N", "BT", "BK", "BJ"))
+    blocks = float(a["n_blocks"])
+    per_col = BT * M * BJ                                   # W_l
+    if a["COMPUTE_DAB"]:
+        per_col += BT * M * BK * 2 + BT * M * BJ            # V_l, dA, dB_l
+    if a["COMPUTE_DX"]:
+        per_col += BT * M * BK                              # dX_l
+    w = _work()
+    w["fma64_flops" if not x16 else "fma32_flops"] = blocks * N * per_col * 2.0
+    # conversions of the loaded tiles; picking column l of the (BT, N, BK) x tile and of B'ᵀ
+    w["alu_ops"] = blocks * (BT * (N * BK + M * BJ) + N * (BT * N * BK + N * BJ))
+    el = _el(X)
+    T, m, n, K, J = a["T"], a["m"], a["n"], a["K"], a["J"]
+    by = T * (m * J + K * n) * el                           # dy, x (read once)
+    if a["COMPUTE_DX"]:
+        by += T * K * n * el
+    if a["COMPUTE_DAB"]:
+        by += a["DAB"].element_size() * L.programs() * a["nAB"]
+    w["hbm_bytes"] = by
+    return w
+
+
 @kernel("_kron_dx_grad_kernel")
 def _m_kron_dx_grad(L) -> Dict[str, float]:
     """The folded backward in one pass: a (BM × BN) tile of dx = dy W' per program (K = d_out

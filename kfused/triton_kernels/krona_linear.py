@@ -1059,6 +1059,9 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
+    narrow = narrow_grad_plan(a_out, a_in, b_out, b_in) if config is None else None
+    if T > 0 and narrow is not None:
+        return _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, narrow)
     if T > 0 and _swap_factors(a_out, a_in, b_out, b_in):
         # (A ⊗ B) vec(X) = vec(A X Bᵀ), whose transpose B Xᵀ Aᵀ is (B ⊗ A) on vec(Xᵀ): the
         # same gradients with the factors' roles swapped, on x and g with their factor axes
@@ -1108,6 +1111,155 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
         # raised when the GPU loads the kernel, before it runs (nothing written): factor
         # shapes whose per-token tiles need more shared memory than an SM has, in either
         # orientation (e.g. A 64×256, B 256×64 on sm_90); remembered, so asked once
+        _GRAD_NO_LAUNCH.add(key)
+        return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
+    if not compute_dab:
+        return dx, None, None
+    return (dx, *_sum_factor_partials(dab, A, B))
+
+
+@triton.jit
+def _kron_narrow_grad_kernel(
+    X, G, A, B, DX, DAB,
+    T, m, n, K, J,
+    stride_xt, stride_gt, stride_dxt, xk, xl, gi, gj,
+    sai, sak, sbj, sbl, offA, offB, nAB,
+    scale, n_blocks,
+    COMPUTE_DX: tl.constexpr, COMPUTE_DAB: tl.constexpr,
+    M: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr,
+    ACC: tl.constexpr, RACC: tl.constexpr,
+):
+    """Factor gradients (and dx) for two small factor sides: A' (m × K), B' (J × n) with m ≤ M,
+    n ≤ N small (the paper's 2×384 / 384×2; the other orientation is the same sums on the
+    transposed tokens: A' = B, B' = A, X' = Xᵀ, G' = Gᵀ, by strides), X'[t] (K × n) at
+    t·stride_xt + k·xk + l·xl, G'[t] (m × J) at t·stride_gt + i·gi + j·gj. Per token the
+    intermediates V = A' X'[t] and W = G'[t] B' are m × n values, each a dot over K or J, and
+    the rest are rank-m / rank-n updates:
+        dA'[i, k] += Σ_l W[i, l] X'[k, l],  dB'[j, l] += Σ_i G'[i, j] V[i, l],
+        dX'[k, l] = scale · Σ_i A'[i, k] W[i, l].
+    A program walks blocks of BT tokens (persistent); each block is a handful of (BT × M × BK)
+    broadcast products reduced over K, J or the tokens: no per-token tile padded to 16 and no
+    dot chain. V and W stay in the accumulator (not rounded to the input dtype), as the
+    standard kernel's hi/lo split keeps them. The program's dA' and dB' (scaled) are its row
+    of DAB at offA (m × K) and offB (J × n)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rt = tl.arange(0, BT)
+    rm = tl.arange(0, M)
+    rn = tl.arange(0, N)
+    rk = tl.arange(0, BK)
+    rj = tl.arange(0, BJ)
+    m_ok = rm < m
+    n_ok = rn < n
+    k_ok = rk < K
+    j_ok = rj < J
+    a = tl.load(A + rm[:, None] * sai + rk[None, :] * sak, mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0).to(ACC)                                               # (M, BK)
+    bt = tl.load(B + rj[None, :] * sbj + rn[:, None] * sbl, mask=n_ok[:, None] & j_ok[None, :],
+                 other=0.0).to(ACC)                                              # (N, BJ)
+    da = tl.zeros((M, BK), dtype=RACC)
+    db = tl.zeros((N, BJ), dtype=RACC)
+    kn_ok = n_ok[:, None] & k_ok[None, :]
+    mj_ok = m_ok[:, None] & j_ok[None, :]
+    # each block's tiles are loaded one block ahead: these loads feed no dot, so Triton does
+    # not pipeline them, and a step that waited on its own loads would be a DRAM round trip
+    t = pid * BT + rt
+    x3_n = tl.load(X + t[:, None, None] * stride_xt + rn[None, :, None] * xl
+                   + rk[None, None, :] * xk, mask=(t < T)[:, None, None] & kn_ok[None, :, :],
+                   other=0.0)                                                    # (BT, N, BK)
+    g3_n = tl.load(G + t[:, None, None] * stride_gt + rm[None, :, None] * gi
+                   + rj[None, None, :] * gj, mask=(t < T)[:, None, None] & mj_ok[None, :, :],
+                   other=0.0)                                                    # (BT, M, BJ)
+    for blk in range(pid, n_blocks, nprog):
+        t = blk * BT + rt
+        t_ok = t < T
+        x3 = x3_n.to(ACC)
+        g3 = g3_n.to(ACC)
+        t_n = (blk + nprog) * BT + rt
+        x3_n = tl.load(X + t_n[:, None, None] * stride_xt + rn[None, :, None] * xl
+                       + rk[None, None, :] * xk,
+                       mask=(t_n < T)[:, None, None] & kn_ok[None, :, :], other=0.0)
+        g3_n = tl.load(G + t_n[:, None, None] * stride_gt + rm[None, :, None] * gi
+                       + rj[None, None, :] * gj,
+                       mask=(t_n < T)[:, None, None] & mj_ok[None, :, :], other=0.0)
+        for l in tl.static_range(N):
+            x_l = tl.sum(tl.where(rn[None, :, None] == l, x3, 0.0), axis=1)     # (BT, BK)
+            b_l = tl.sum(tl.where(rn[:, None] == l, bt, 0.0), axis=0)           # (BJ,)
+            w_l = tl.sum(g3 * b_l[None, None, :], axis=2)                        # (BT, M)
+            if COMPUTE_DAB:
+                v_l = tl.sum(x_l[:, None, :] * a[None, :, :], axis=2)            # (BT, M)
+                da += tl.sum(w_l[:, :, None] * x_l[:, None, :], axis=0).to(RACC)
+                db_l = tl.sum(tl.sum(g3 * v_l[:, :, None], axis=1), axis=0)     # (BJ,)
+                db += tl.where(rn[:, None] == l, db_l[None, :], 0.0).to(RACC)
+            if COMPUTE_DX:
+                l_ok = tl.full((1, 1), l, tl.int32) < n       # (n may arrive as a constexpr)
+                dx_l = tl.sum(w_l[:, :, None] * a[None, :, :], axis=1)           # (BT, BK)
+                tl.store(DX + t[:, None] * stride_dxt + rk[None, :] * xk + l * xl,
+                         (dx_l * scale).to(DX.dtype.element_ty),
+                         mask=t_ok[:, None] & k_ok[None, :] & l_ok)
+    if COMPUTE_DAB:
+        base = DAB + pid * nAB
+        tl.store(base + offA + rm[:, None] * K + rk[None, :], da * scale,
+                 mask=m_ok[:, None] & k_ok[None, :])
+        tl.store(base + offB + rj[None, :] * n + rn[:, None], db * scale,
+                 mask=n_ok[:, None] & j_ok[None, :])
+
+
+def narrow_grad_plan(a_out: int, a_in: int, b_out: int, b_in: int):
+    """The narrow factor-gradient kernel's orientation for these factors, or None where the
+    standard kernel runs: two small factor sides (the CUDA extension's narrow plan,
+    :func:`kfused.ops._krona_common.cuda_narrow_plan`) and some padded factor dim below 16
+    (the standard kernel then runs broadcast products per token; with every dim >= 16 its
+    steps are tensor-core dots)."""
+    from kfused.ops._krona_common import cuda_narrow_plan
+
+    if min(next_pow2(v) for v in (a_out, a_in, b_out, b_in)) >= 16:
+        return None
+    return cuda_narrow_plan(a_out, a_in, b_out, b_in)
+
+
+# elements of one (BT × M × max(BK, BJ)) broadcast product of the narrow kernel on a GPU (8
+# warps: 16 per thread; the next block's x and dy tiles are held too); the interpreter 16x
+_NARROW_GPU_TILE = 4096
+
+
+def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan):
+    """kron_factor_grads by :func:`_kron_narrow_grad_kernel` (``plan``: narrow_grad_plan)."""
+    T = x.shape[0]
+    a_out, a_in = A.shape
+    b_out, b_in = B.shape
+    _, swapped, m, n, K, J = plan
+    M, N = max(2, next_pow2(m)), max(2, next_pow2(n))
+    BK, BJ = max(2, next_pow2(K)), max(2, next_pow2(J))
+    gpu = targets_gpu(x.device)
+    tile = _NARROW_GPU_TILE if gpu else 16 * _NARROW_GPU_TILE
+    BT = max(1, min(32, tile // (M * max(BK, BJ))))
+    BT = 1 << (BT.bit_length() - 1)
+    n_blocks = cdiv(T, BT)
+    n_prog = grid_programs(x.device, n_blocks, per_sm=4)
+    dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
+    nA = a_out * a_in
+    if swapped:   # A' = B, B' = A, X' = Xᵀ, G' = Gᵀ: dA' is dB (after dA), dB' is dA
+        fa, fb = B, A
+        xk, xl, gi, gj, offA, offB = 1, b_in, 1, b_out, nA, 0
+    else:
+        fa, fb = A, B
+        xk, xl, gi, gj, offA, offB = b_in, 1, b_out, 1, 0, nA
+    dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
+    num = _grad_numerics(x.dtype)
+    key = ("narrow", x.device, x.dtype, compute_dx, compute_dab, M, N, BT, BK, BJ)
+    if key in _GRAD_NO_LAUNCH:
+        return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
+    try:
+        _kron_narrow_grad_kernel[(n_prog,)](
+            x, g, fa, fb, dx if dx is not None else x, dab,
+            T, m, n, K, J,
+            x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0, xk, xl, gi, gj,
+            fa.stride(0), fa.stride(1), fb.stride(0), fb.stride(1), offA, offB,
+            A.numel() + B.numel(), float(scale), n_blocks,
+            COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, M=M, N=N, BT=BT, BK=BK, BJ=BJ,
+            ACC=num["ACC"], RACC=num["RACC"], num_warps=8 if gpu else 4)
+    except OutOfResources:   # as the standard kernel: remembered, torch computes the same
         _GRAD_NO_LAUNCH.add(key)
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     if not compute_dab:
