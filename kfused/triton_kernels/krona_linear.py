@@ -1094,7 +1094,7 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     n_blocks = cdiv(T, cfg["BT"])
     # a persistent grid of as many programs as the GPU holds at once: the CTAs per SM the
     # compiled kernel allows (asked after its first launch), 4 until then
-    n_prog = grid_programs(x.device, n_blocks, per_sm=_GRAD_RESIDENT.get(key, 4))
+    n_prog = _grid_for(key, x.device, n_blocks)
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     try:
         compiled = _kron_grad_kernel[(n_prog,)](
@@ -1105,8 +1105,7 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
             float(scale), n_blocks,
             COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, **_grad_numerics(x.dtype),
             **_row_vectors(x, b_out, b_in), **cfg)
-        if key not in _GRAD_RESIDENT and x.device.type == "cuda":
-            _GRAD_RESIDENT[key] = min(_GRAD_MAX_PER_SM, resident_ctas(x.device, compiled) or 4)
+        _note_residency(key, x.device, compiled)
     except OutOfResources:
         # raised when the GPU loads the kernel, before it runs (nothing written): factor
         # shapes whose per-token tiles need more shared memory than an SM has, in either
@@ -1236,7 +1235,8 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan):
     BT = max(1, min(32, tile // (M * max(BK, BJ))))
     BT = 1 << (BT.bit_length() - 1)
     n_blocks = cdiv(T, BT)
-    n_prog = grid_programs(x.device, n_blocks, per_sm=4)
+    key = ("narrow", x.device, x.dtype, compute_dx, compute_dab, M, N, BT, BK, BJ)
+    n_prog = _grid_for(key, x.device, n_blocks)
     dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
     nA = a_out * a_in
     if swapped:   # A' = B, B' = A, X' = Xᵀ, G' = Gᵀ: dA' is dB (after dA), dB' is dA
@@ -1247,11 +1247,10 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan):
         xk, xl, gi, gj, offA, offB = b_in, 1, b_out, 1, 0, nA
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     num = _grad_numerics(x.dtype)
-    key = ("narrow", x.device, x.dtype, compute_dx, compute_dab, M, N, BT, BK, BJ)
     if key in _GRAD_NO_LAUNCH:
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     try:
-        _kron_narrow_grad_kernel[(n_prog,)](
+        compiled = _kron_narrow_grad_kernel[(n_prog,)](
             x, g, fa, fb, dx if dx is not None else x, dab,
             T, m, n, K, J,
             x.stride(0), g.stride(0), dx.stride(0) if dx is not None else 0, xk, xl, gi, gj,
@@ -1259,6 +1258,7 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan):
             A.numel() + B.numel(), float(scale), n_blocks,
             COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, M=M, N=N, BT=BT, BK=BK, BJ=BJ,
             ACC=num["ACC"], RACC=num["RACC"], num_warps=8 if gpu else 4)
+        _note_residency(key, x.device, compiled)
     except OutOfResources:   # as the standard kernel: remembered, torch computes the same
         _GRAD_NO_LAUNCH.add(key)
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
@@ -1289,6 +1289,18 @@ _GRAD_RESIDENT: dict = {}
 _GRAD_MAX_PER_SM = 8
 
 
+def _grid_for(key, device: torch.device, n_blocks: int) -> int:
+    """Programs of a persistent factor-gradient grid: as many as the GPU holds at once (the
+    CTAs per SM the compiled kernel allows, recorded by :func:`_note_residency` after its
+    first launch; 4 until then), at most one per block."""
+    return grid_programs(device, n_blocks, per_sm=_GRAD_RESIDENT.get(key, 4))
+
+
+def _note_residency(key, device: torch.device, compiled) -> None:
+    if key not in _GRAD_RESIDENT and device.type == "cuda":
+        _GRAD_RESIDENT[key] = min(_GRAD_MAX_PER_SM, resident_ctas(device, compiled) or 4)
+
+
 @host_config
 def _swap_factors(a_out: int, a_in: int, b_out: int, b_in: int) -> bool:
     """Whether kron_factor_grads runs the kernel on the swapped factors (B, A)."""
@@ -1311,7 +1323,7 @@ def _factor_grads_bd(g, x, A, B, scale, cfg):
     b_out, b_in = B.shape
     n_blocks = cdiv(T, cfg["BT"])
     key = ("bd", x.device, x.dtype, tuple(sorted(cfg.items())))
-    n_prog = grid_programs(x.device, n_blocks, per_sm=_GRAD_RESIDENT.get(key, 4))
+    n_prog = _grid_for(key, x.device, n_blocks)
     dab = _factor_partials(n_prog, A, B, x.dtype)
     launch = {k: cfg[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP", "num_warps")}
     if "num_stages" in cfg:
@@ -1320,8 +1332,7 @@ def _factor_grads_bd(g, x, A, B, scale, cfg):
         x, g, A, B, dab, T, a_out, a_in, b_out, b_in, x.stride(0), g.stride(0),
         A.stride(0), A.stride(1), B.stride(0), B.stride(1), float(scale), n_blocks,
         IDT=inter_dtype(x.dtype), **_row_vectors(x, b_out, b_in), **launch)
-    if key not in _GRAD_RESIDENT and x.device.type == "cuda":
-        _GRAD_RESIDENT[key] = min(_GRAD_MAX_PER_SM, resident_ctas(x.device, compiled) or 4)
+    _note_residency(key, x.device, compiled)
     return _sum_factor_partials(dab, A, B)
 
 
