@@ -2,7 +2,7 @@
 
     python3 benchmarks/tune_kernels.py [--table kfused/data/kernel_tuning.json]
                                        [--out tune.json] [--shapes targets|all] [--reps-ms 30]
-                                       [--kernels krona,rank]
+                                       [--kernels krona,narrow,rank]
     python3 benchmarks/tune_kernels.py --compile-only      # any machine: compile for sm_90
     python3 benchmarks/tune_kernels.py --warm-only         # GPU: compile + launch, untimed
 
@@ -16,6 +16,12 @@ for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape)
   (:func:`kfused.triton_kernels.krona_linear.grad_candidates`, including the block-diagonal
   form of the step, ``_kron_grad_bd_kernel``, label suffix ``-bd``); shapes: the
   benchmark's factor shapes on the tensor-core path.
+- ``narrow``: ``_kron_narrow_grad_kernel``, the factor-gradient pass for factor pairs with
+  two small sides (the paper's 2×384 / 384×2, 8×384 / 384×2): not yet measured; the standard
+  kernel it replaced there ran 68.0 µs against 20.9 predicted at T = 16384, 768², and its own
+  step has 12 block-wide reductions the roofline does not price
+  (:data:`kfused.triton_kernels.krona_linear.NARROW_CANDIDATES`: tile and warps); shapes: the
+  benchmark's "paper2" factor shapes.
 - ``rank``: ``_lr_rank_bwd_kernel``, the rank pass of the headwise q|k|v backward: 92.5 µs
   against 30.4 predicted (GPT-2 small, Kernel-mix qvo-intermediate; one 8-warp CTA per SM)
   (:data:`kfused.triton_kernels._headwise_common.RANK_CANDIDATES`); shapes: the sections a
@@ -74,8 +80,27 @@ def kernel_side(a_out, a_in, b_out, b_in):
 
 
 def label(c: dict) -> str:
+    if c.get("NARROW"):
+        return f"tile{c['TILE']}-w{c['num_warps']}"
     return (f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
             + ("-bd" if c.get("BD") else ""))
+
+
+def narrow_shapes(which: str):
+    """(T, a_out, a_in, b_out, b_in) of the benchmark's factor pairs that take the narrow
+    factor-gradient kernel (the "paper2" factors)."""
+    from kfused.cases import krona as kc
+    from kfused.triton_kernels import krona_linear as kl
+
+    widths = kc.QUICK_WIDTHS if which == "targets" else kc.WIDTHS
+    tokens = [16384] if which == "targets" else kc.TOKENS
+    out = []
+    for d_in, d_out in widths:
+        fs = kc.factor_shapes(d_in, d_out, "paper2")
+        if fs is None or kl.narrow_grad_plan(*fs[0], *fs[1]) is None:
+            continue
+        out += [(T, *fs[0], *fs[1]) for T in tokens]
+    return out
 
 
 class Job:
@@ -104,6 +129,25 @@ def krona_jobs(which: str, dev: torch.device):
             return kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)[1:]
         yield Job(KERNEL, f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}",
                   kl.grad_tuning_key(*ks, 2), T, kl.grad_candidates(T, *ks), run)
+
+
+def narrow_jobs(which: str, dev: torch.device):
+    """_kron_narrow_grad_kernel on the benchmark's narrow factor pairs (as krona_jobs)."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    for T, a_out, a_in, b_out, b_in in narrow_shapes(which):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(T, a_in * b_in, device=dev, dtype=dt, generator=gen)
+        g = torch.randn(T, a_out * b_out, device=dev, dtype=dt, generator=gen)
+        A = torch.randn(a_out, a_in, device=dev, dtype=dt, generator=gen)
+        B = torch.randn(b_out, b_in, device=dev, dtype=dt, generator=gen)
+        _, _, m, n, K, J = kl.narrow_grad_plan(a_out, a_in, b_out, b_in)
+
+        def run(c, g=g, x=x, A=A, B=B):
+            return kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)[1:]
+        yield Job("_kron_narrow_grad_kernel", f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}",
+                  kl.narrow_tuning_key(m, n, K, J, 2), T, list(kl.NARROW_CANDIDATES), run)
 
 
 def rank_jobs(which: str, dev: torch.device):
@@ -148,10 +192,11 @@ def rank_jobs(which: str, dev: torch.device):
         yield job
 
 
-JOBS = {"krona": krona_jobs, "rank": rank_jobs}
+JOBS = {"krona": krona_jobs, "narrow": narrow_jobs, "rank": rank_jobs}
 
 
-def compile_only(which: str, arch: int, limit: int = 0, kernels=("krona", "rank")) -> int:
+def compile_only(which: str, arch: int, limit: int = 0,
+                 kernels=("krona", "narrow", "rank")) -> int:
     """Compile every candidate of every shape for sm_<arch> on CPU stand-ins; print registers,
     spills and shared memory; nonzero when one spills or cannot launch."""
     from kfused.perf.compile import compile_launch, jit_spec, launch_error, recording
@@ -185,6 +230,18 @@ def compile_only(which: str, arch: int, limit: int = 0, kernels=("krona", "rank"
                     kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
                 (L,) = [L for L in launches if L.name in (KERNEL, "_kron_grad_bd_kernel")]
                 report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
+    if "narrow" in kernels:
+        todo = narrow_shapes(which)
+        for T, a_out, a_in, b_out, b_in in (todo[:limit] if limit else todo):
+            for c in kl.NARROW_CANDIDATES:
+                x = torch.empty(T, a_in * b_in, dtype=torch.bfloat16)
+                g = torch.empty(T, a_out * b_out, dtype=torch.bfloat16)
+                A = torch.empty(a_out, a_in, dtype=torch.bfloat16)
+                B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
+                with recording() as launches:
+                    kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
+                (L,) = [L for L in launches if L.name == "_kron_narrow_grad_kernel"]
+                report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
     if "rank" in kernels:
         from kfused.perf.cases import all_cases
         from kfused.perf.trace import trace
@@ -200,7 +257,7 @@ def compile_only(which: str, arch: int, limit: int = 0, kernels=("krona", "rank"
     return 1 if bad else 0
 
 
-def warm(which: str, kernels=("krona", "rank")) -> int:
+def warm(which: str, kernels=("krona", "narrow", "rank")) -> int:
     """Compile and launch every candidate once on the GPU, untimed (the Triton cache on disk
     then holds them: the proof runs this beside its tests, and the timed run later loads)."""
     dev = torch.device("cuda")
@@ -221,7 +278,7 @@ def warm(which: str, kernels=("krona", "rank")) -> int:
 
 def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
          dev: torch.device = torch.device("cuda"), timer=None, name: str = "",
-         kernels=("krona", "rank")) -> int:
+         kernels=("krona", "narrow", "rank")) -> int:
     """Time every candidate per shape (``timer(fn, dev, reps_ms)`` -> (p20, p50, p80) ms,
     default ``kfused.bench.graph_timer``), merge the fastest into ``table``, write ``out``."""
     from kfused import tuning
@@ -300,8 +357,9 @@ def main(argv=None) -> int:
                    "candidate once, untimed")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--limit", type=int, default=0, help="--compile-only: the first N shapes")
-    p.add_argument("--kernels", default="krona,rank", help="comma list of krona (KronA's "
-                   "factor-gradient pass), rank (the headwise rank pass)")
+    p.add_argument("--kernels", default="krona,narrow,rank", help="comma list of krona "
+                   "(KronA's factor-gradient pass), narrow (its narrow-factor form), rank (the "
+                   "headwise rank pass)")
     a = p.parse_args(argv)
     kernels = tuple(k for k in a.kernels.split(",") if k)
     bad = [k for k in kernels if k not in JOBS]

@@ -139,8 +139,10 @@ def test_candidates_compile_for_sm90_without_spills():
 
     lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
     grad = [ln for ln in lines if ln.startswith("_kron_grad")]
+    narrow = [ln for ln in lines if ln.startswith("_kron_narrow_grad_kernel")]
     rank = [ln for ln in lines if ln.startswith("_lr_rank_bwd_kernel")]
     assert len(grad) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
+    assert len(narrow) == len(kl.NARROW_CANDIDATES)
     assert len(rank) == len(hc.rank_candidates())
     assert all("spill 0 B" in ln for ln in lines)
 
@@ -278,3 +280,40 @@ def test_persistent_grid_takes_the_resident_ctas(monkeypatch):
     monkeypatch.setitem(kl._GRAD_RESIDENT, key, 7)
     kl.kron_factor_grads(args[0], args[1], A, B, compute_dx=False)
     assert asked[-1] == 7 and (DEVICE == "cuda" or asked[0] == 4)
+
+
+def test_every_narrow_candidate_computes_the_same_sums():
+    """The narrow factor-gradient kernel's candidates (tile, warps) on the paper's pair (its
+    CPU stand-in, both orientations): the same dA and dB to float32 rounding (other token
+    blocks, other summation orders), and the rule is the first."""
+    assert kl.NARROW_CANDIDATES[0]["TILE"] == kl._NARROW_GPU_TILE
+    gen = torch.Generator().manual_seed(5)
+    for a_out, a_in, b_out, b_in in ((2, 128, 128, 2), (128, 2, 2, 128)):
+        assert kl.narrow_grad_plan(a_out, a_in, b_out, b_in) is not None
+        T = 45
+        x = torch.randn(T, a_in * b_in, generator=gen).to(DEVICE)
+        g = torch.randn(T, a_out * b_out, generator=gen).to(DEVICE)
+        A = torch.randn(a_out, a_in, generator=gen).to(DEVICE)
+        B = torch.randn(b_out, b_in, generator=gen).to(DEVICE)
+        ref = None
+        for c in kl.NARROW_CANDIDATES:
+            got = kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)[1:]
+            if ref is None:
+                ref = got
+            for r, v in zip(ref, got):
+                torch.testing.assert_close(v, r, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_config_from_the_table(table):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    plan = kl.narrow_grad_plan(2, 384, 384, 2)
+    key = kl.narrow_tuning_key(2, 2, 384, 384, 2)
+    tuning.merge(str(table), GPU, "_kron_narrow_grad_kernel",
+                 [_entry(key, 16384, NARROW=1, TILE=2048, num_warps=4)])
+    rule = dict(kl.NARROW_CANDIDATES[0])
+    assert kl.narrow_config(16384, plan, cuda, 2) == dict(rule, TILE=2048, num_warps=4)
+    assert kl.narrow_config(1000, plan, cuda, 2) == rule                 # below _TUNE_MIN_T
+    assert kl.narrow_config(16384, plan, cuda, 4) == rule                 # float32
+    other = kl.narrow_grad_plan(8, 384, 384, 2)
+    assert kl.narrow_config(16384, other, cuda, 2) == rule                # another shape
+    assert kl.narrow_config(16384, plan, cpu, 2)["TILE"] == 16 * kl._NARROW_GPU_TILE

@@ -1059,9 +1059,14 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
-    narrow = narrow_grad_plan(a_out, a_in, b_out, b_in) if config is None else None
+    # the narrow kernel for two small factor sides, unless a config of the standard kernel
+    # is asked for (tuning, tests); a NARROW config is one of its own candidates
+    narrow = None
+    if config is None or config.get("NARROW"):
+        narrow = narrow_grad_plan(a_out, a_in, b_out, b_in)
     if T > 0 and narrow is not None:
-        return _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, narrow)
+        return _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, narrow,
+                                    config)
     if T > 0 and _swap_factors(a_out, a_in, b_out, b_in):
         # (A ⊗ B) vec(X) = vec(A X Bᵀ), whose transpose B Xᵀ Aᵀ is (B ⊗ A) on vec(Xᵀ): the
         # same gradients with the factors' roles swapped, on x and g with their factor axes
@@ -1220,22 +1225,52 @@ def narrow_grad_plan(a_out: int, a_in: int, b_out: int, b_in: int):
 # elements of one (BT × M × max(BK, BJ)) broadcast product of the narrow kernel on a GPU (8
 # warps: 16 per thread; the next block's x and dy tiles are held too); the interpreter 16x
 _NARROW_GPU_TILE = 4096
+# Launch candidates of the narrow kernel timed by benchmarks/tune_kernels.py on a GPU (tile
+# elements per broadcast product, warps), the rule's first. Its roofline time (memory-bound)
+# does not count its 12 block-wide reductions a step, each across the warps that hold the
+# big side: fewer warps or more tokens per step trade them against registers and residency.
+NARROW_CANDIDATES = tuple({"NARROW": 1, "TILE": t, "num_warps": w}
+                          for t, w in ((_NARROW_GPU_TILE, 8), (2048, 4), (4096, 4), (8192, 8),
+                                       (1024, 2)))
 
 
-def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan):
-    """kron_factor_grads by :func:`_kron_narrow_grad_kernel` (``plan``: narrow_grad_plan)."""
+def narrow_tuning_key(m: int, n: int, K: int, J: int, elem_bytes: int) -> dict:
+    """The shape key of _kron_narrow_grad_kernel's entries in a tuning table (its
+    orientation's small sides m, n and big sides K, J)."""
+    return {"m": m, "n": n, "K": K, "J": J, "elem_bytes": elem_bytes}
+
+
+def narrow_config(T: int, plan, device: torch.device, elem_bytes: int) -> dict:
+    """The narrow kernel's launch: the rule's (NARROW_CANDIDATES[0]; a 16x tile in the
+    interpreter), or on a CUDA device the candidate this GPU model timed fastest for the
+    shape (16-bit, T >= _TUNE_MIN_T; :mod:`kfused.tuning`)."""
+    cfg = dict(NARROW_CANDIDATES[0])
+    if not targets_gpu(device):
+        cfg["TILE"] = 16 * _NARROW_GPU_TILE
+    if elem_bytes == 2 and T >= _TUNE_MIN_T and device.type == "cuda":
+        _, _, m, n, K, J = plan
+        tuned = tuning.lookup("_kron_narrow_grad_kernel", device,
+                              narrow_tuning_key(m, n, K, J, elem_bytes), T)
+        if tuned is not None:
+            cfg.update({k: v for k, v in tuned.items() if k in ("TILE", "num_warps")})
+    return cfg
+
+
+def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan, config=None):
+    """kron_factor_grads by :func:`_kron_narrow_grad_kernel` (``plan``: narrow_grad_plan;
+    ``config``: one of NARROW_CANDIDATES, else :func:`narrow_config`)."""
     T = x.shape[0]
     a_out, a_in = A.shape
     b_out, b_in = B.shape
     _, swapped, m, n, K, J = plan
     M, N = max(2, next_pow2(m)), max(2, next_pow2(n))
     BK, BJ = max(2, next_pow2(K)), max(2, next_pow2(J))
-    gpu = targets_gpu(x.device)
-    tile = _NARROW_GPU_TILE if gpu else 16 * _NARROW_GPU_TILE
+    cfg = config or narrow_config(T, plan, x.device, x.element_size())
+    tile, warps = cfg["TILE"], cfg["num_warps"]
     BT = max(1, min(32, tile // (M * max(BK, BJ))))
     BT = 1 << (BT.bit_length() - 1)
     n_blocks = cdiv(T, BT)
-    key = ("narrow", x.device, x.dtype, compute_dx, compute_dab, M, N, BT, BK, BJ)
+    key = ("narrow", x.device, x.dtype, compute_dx, compute_dab, M, N, BT, BK, BJ, warps)
     n_prog = _grid_for(key, x.device, n_blocks)
     dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
     nA = a_out * a_in
@@ -1257,7 +1292,7 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan):
             fa.stride(0), fa.stride(1), fb.stride(0), fb.stride(1), offA, offB,
             A.numel() + B.numel(), float(scale), n_blocks,
             COMPUTE_DX=compute_dx, COMPUTE_DAB=compute_dab, M=M, N=N, BT=BT, BK=BK, BJ=BJ,
-            ACC=num["ACC"], RACC=num["RACC"], num_warps=8 if gpu else 4)
+            ACC=num["ACC"], RACC=num["RACC"], num_warps=warps)
         _note_residency(key, x.device, compiled)
     except OutOfResources:   # as the standard kernel: remembered, torch computes the same
         _GRAD_NO_LAUNCH.add(key)
