@@ -123,7 +123,7 @@ KRON_SHAPES = [  # a_out, a_in, b_out, b_in
     (48, 48, 64, 64),   # 3072
     (1, 1, 1, 1),
     (20, 10, 10, 20),   # d = 200
-    # two small factor sides: kron_narrow_bwd_kernel (a block per token), each tier and both
+    # two small factor sides: kron_narrow_kernel (a block per token), each tier and both
     # orientations; rows that are not 16-byte multiples take its scalar staging
     (384, 2, 2, 384),   # the paper's pair the other way round (transposed tokens)
     (8, 384, 384, 2),   # the paper's 768 -> 3072 choice: 8 x 2 intermediates

@@ -245,7 +245,7 @@ def test_cuda_krona_model_follows_the_csrc_host():
     assert KC.cuda_factor_kernel(2, 384, 384, 2) == "narrow"
     assert KC.cuda_factor_kernel(3, 5, 7, 11) == "cuda-core"
     assert KC.cuda_factor_kernel(24, 24, 32, 32) == "tensor-core"
-    assert "kron_narrow_bwd_kernel" in C._cuda_kron_bwd("x", 4096, (2, 384), (384, 2),
+    assert "kron_narrow_kernel" in C._cuda_kron_bwd("x", 4096, (2, 384), (384, 2),
                                                          False)[0]["name"]
     assert "CUDA cores" in C._cuda_kron_bwd("x", 4096, (3, 5), (7, 11), False)[0]["name"]
     with_dx = C._cuda_kron_bwd("x", 16384, (24, 24), (32, 32), need_dx=True)

@@ -262,9 +262,12 @@ __global__ void __launch_bounds__(kThreads) kron_bwd_kernel(const KronBwdParams 
 // the MACs at 2 x 384 / 384 x 2), and block_gemm parallelises over the m x n outputs of V and
 // W only (the H100 ran that kernel at 753 us for T = 16384 at 768 x 768, against 68 us for
 // the Triton factor kernel); here x and g are read once and the work spreads over K and J.
+// FWD (kron_matvec's forward on the same factors): Y'[t] = V B'^T written at G'[t]'s layout
+// (y in place of g), from x's rows alone; no weight gradients.
 struct KronNarrowParams {
   const void* x;
-  const void* g;
+  const void* g;  // dy (backward)
+  void* y;        // y (FWD), at G'[t]'s layout
   void* dx;
   const void* A;  // A' (m x K): element (i, k) at A[i * sai + k * sak]
   const void* B;  // B' (J x n): element (j, l) at B[j * sbj + l * sbl]
@@ -309,8 +312,13 @@ __device__ __forceinline__ void narrow_stage_row(T* dst, const T* src, int n, bo
   }
 }
 
-template <typename T, int M, int N, int KC, int JC>
-__global__ void __launch_bounds__(kThreads, 1) kron_narrow_bwd_kernel(const KronNarrowParams P) {
+// (the 2 x 2 tier in 64 registers: 4 blocks per SM; the wider tiers take what they need)
+template <int M, int N, int KC, int JC>
+constexpr int narrow_min_blocks() { return M * N <= 4 && KC <= 2 && JC <= 2 ? 4 : 1; }
+
+template <typename T, int M, int N, int KC, int JC, bool FWD>
+__global__ void __launch_bounds__(kThreads, narrow_min_blocks<M, N, KC, JC>())
+    kron_narrow_kernel(const KronNarrowParams P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int m = P.m, n = P.n, K = P.K, J = P.J;
   float* As = reinterpret_cast<float*>(smem_raw);  // (M, K): rows >= m zero
@@ -346,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) kron_narrow_bwd_kernel(const Kron
   auto stage = [&](int64_t t, int b) {
     T* xs = buf + b * (P.rx + P.rg);
     narrow_stage_row<T>(xs, x + t * P.d_in, P.d_in, P.vec);
-    narrow_stage_row<T>(xs + P.rx, g + t * P.d_out, P.d_out, P.vec);
+    if constexpr (!FWD) narrow_stage_row<T>(xs + P.rx, g + t * P.d_out, P.d_out, P.vec);
   };
   if (blockIdx.x < P.T) stage(blockIdx.x, 0);
   mma::cp_async_commit();
@@ -384,6 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) kron_narrow_bwd_kernel(const Kron
     }
 #pragma unroll
     for (int u = 0; u < JC; ++u) {
+      if constexpr (FWD) break;
       const int j = tid + kThreads * u;
       const bool jok = j < J;
       const int jc = jok ? j : 0;
@@ -420,6 +429,24 @@ __global__ void __launch_bounds__(kThreads, 1) kron_narrow_bwd_kernel(const Kron
         V[i][l] = VW[i * N + l];
         W[i][l] = VW[M * N + i * N + l];
       }
+    if constexpr (FWD) {
+      // Y'[t][i][j] = sum_l V[i][l] B'[j][l] (the thread's j), written straight to y
+      T* yt = static_cast<T*>(P.y) + t * P.d_out;
+#pragma unroll
+      for (int u = 0; u < JC; ++u) {
+        const int j = tid + kThreads * u;
+        const int jc = j < J ? j : 0;
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          float yv = 0.f;
+#pragma unroll
+          for (int l = 0; l < N; ++l) yv = fmaf(V[i][l], Bt[l * J + jc], yv);
+          if (i < m && j < J) yt[i * P.gi + j * P.gj] = static_cast<T>(yv);
+        }
+      }
+      __syncthreads();  // buffer (it & 1) and VW are reused by the next token
+      continue;
+    }
     // dA' += W X'^T and dX' = A'^T W (the thread's k); out-of-range threads add zeros to
     // accumulators that are never stored
 #pragma unroll
@@ -459,6 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) kron_narrow_bwd_kernel(const Kron
     __syncthreads();  // buffer (it & 1) and VW are reused by the next token
   }
   mma::cp_async_wait<0>();
+  if constexpr (FWD) return;
   // The block's partial row: every (i, k) and (j, l) is this thread's alone.
   float* row = P.part + static_cast<int64_t>(blockIdx.x) * P.nAB;
 #pragma unroll
@@ -833,31 +861,75 @@ inline NarrowPlan narrow_plan(const KronShape& s, int64_t elem_bytes, int64_t op
   return {-1, false, 0, 0, 0, 0};
 }
 
-template <typename T, int M, int N, int KC, int JC>
-void launch_narrow_tier(KronNarrowParams P, at::Tensor& dA, at::Tensor& dB, int64_t nA,
+// One tier's launch; FWD: y written (no partials), else dA, dB reduced from the partials.
+template <typename T, int M, int N, int KC, int JC, bool FWD>
+void launch_narrow_tier(KronNarrowParams P, at::Tensor* dA, at::Tensor* dB, int64_t nA,
                         const at::Tensor& like, cudaStream_t stream) {
-  auto kernel = kron_narrow_bwd_kernel<T, M, N, KC, JC>;
-  const size_t smem =
-      static_cast<size_t>(narrow_smem_bytes(M, N, P.K, P.J, P.rx, P.rg, sizeof(T)));
-  set_smem(kernel, smem, "kron_narrow_bwd_kernel");
+  auto kernel = kron_narrow_kernel<T, M, N, KC, JC, FWD>;
+  const size_t smem = static_cast<size_t>(
+      narrow_smem_bytes(M, N, P.K, P.J, P.rx, FWD ? 0 : P.rg, sizeof(T)));
+  set_smem(kernel, smem, "kron_narrow_kernel");
   const unsigned grid = persistent_grid(kernel, smem, P.T);
-  at::Tensor part = at::empty({int64_t(grid), P.nAB}, like.options().dtype(at::kFloat));
-  P.part = part.data_ptr<float>();
+  at::Tensor part;
+  if (!FWD) {
+    part = at::empty({int64_t(grid), P.nAB}, like.options().dtype(at::kFloat));
+    P.part = part.data_ptr<float>();
+  }
+  if (FWD) P.rg = 0;  // (no g row staged)
   kernel<<<grid, kThreads, smem, stream>>>(P);
-  check_launch("kron_narrow_bwd_kernel");
-  reduce_partials<T>(P.part, grid, P.nAB, nA, dA.data_ptr<T>(), dB.data_ptr<T>(), stream,
-                     P.scale);
+  check_launch("kron_narrow_kernel");
+  if (!FWD)
+    reduce_partials<T>(P.part, grid, P.nAB, nA, dA->data_ptr<T>(), dB->data_ptr<T>(), stream,
+                       P.scale);
 }
 
-template <typename T>
-void launch_kron_narrow(const KronNarrowParams& P, int tier, at::Tensor& dA, at::Tensor& dB,
+template <typename T, bool FWD>
+void launch_kron_narrow(const KronNarrowParams& P, int tier, at::Tensor* dA, at::Tensor* dB,
                         int64_t nA, const at::Tensor& like, cudaStream_t stream) {
   switch (tier) {
-    case 0: launch_narrow_tier<T, 2, 2, 2, 2>(P, dA, dB, nA, like, stream); break;
-    case 1: launch_narrow_tier<T, 8, 2, 2, 2>(P, dA, dB, nA, like, stream); break;
-    case 2: launch_narrow_tier<T, 2, 8, 2, 2>(P, dA, dB, nA, like, stream); break;
-    default: launch_narrow_tier<T, 2, 2, 8, 8>(P, dA, dB, nA, like, stream); break;
+    case 0: launch_narrow_tier<T, 2, 2, 2, 2, FWD>(P, dA, dB, nA, like, stream); break;
+    case 1: launch_narrow_tier<T, 8, 2, 2, 2, FWD>(P, dA, dB, nA, like, stream); break;
+    case 2: launch_narrow_tier<T, 2, 8, 2, 2, FWD>(P, dA, dB, nA, like, stream); break;
+    default: launch_narrow_tier<T, 2, 2, 8, 8, FWD>(P, dA, dB, nA, like, stream); break;
   }
+}
+
+// The narrow kernel's parameters for x, its partner row tensor (g, or y for the forward) and
+// the factors, in the orientation of ``np`` (the transposed one by strides).
+KronNarrowParams narrow_params(const NarrowPlan& np, const KronShape& s, const at::Tensor& x,
+                               const at::Tensor& other, const at::Tensor& A,
+                               const at::Tensor& B) {
+  KronNarrowParams P{};
+  P.x = x.data_ptr();
+  P.g = other.data_ptr();
+  P.T = x.size(0);
+  P.d_in = s.a_in * s.b_in;
+  P.d_out = s.a_out * s.b_out;
+  P.m = np.m;
+  P.n = np.n;
+  P.K = np.K;
+  P.J = np.J;
+  const int64_t nA = int64_t(s.a_out) * s.a_in;
+  P.nAB = nA + int64_t(s.b_out) * s.b_in;
+  const int E = 16 / static_cast<int>(x.element_size());  // elements per 16 bytes
+  P.rx = static_cast<int>(ceil_div(P.d_in, E) * E);
+  P.rg = static_cast<int>(ceil_div(P.d_out, E) * E);
+  P.vec = P.d_in % E == 0 && P.d_out % E == 0 && mma_aligned(x.data_ptr()) &&
+          mma_aligned(other.data_ptr());
+  if (!np.swap) {  // A' = A, B' = B, X' = X, G' = G
+    P.A = A.data_ptr();
+    P.B = B.data_ptr();
+    P.sai = A.stride(0), P.sak = A.stride(1), P.sbj = B.stride(0), P.sbl = B.stride(1);
+    P.xk = s.b_in, P.xl = 1, P.gi = s.b_out, P.gj = 1;
+    P.offA = 0, P.offB = nA;
+  } else {  // A' = B, B' = A, X' = X^T, G' = G^T
+    P.A = B.data_ptr();
+    P.B = A.data_ptr();
+    P.sai = B.stride(0), P.sak = B.stride(1), P.sbj = A.stride(0), P.sbl = A.stride(1);
+    P.xk = 1, P.xl = s.b_in, P.gi = 1, P.gj = s.b_out;
+    P.offA = nA, P.offB = 0;
+  }
+  return P;
 }
 
 // Host side: the factor pointers, strides, token count and shape every kron kernel reads.
@@ -971,6 +1043,18 @@ at::Tensor kron_matvec_fwd(const at::Tensor& x, const at::Tensor& A, const at::T
     }
   }
 
+  // Two small factor sides: the narrow kernel's forward (a block per token).
+  const NarrowPlan np = narrow_plan(s, x.element_size(), optin);
+  if (np.tier >= 0) {
+    KronNarrowParams P = narrow_params(np, s, x, y, A, B);
+    P.g = nullptr;
+    P.y = y.data_ptr();
+    P.scale = 1.f;
+    KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_fwd", [&] {
+      launch_kron_narrow<scalar_t, true>(P, np.tier, nullptr, nullptr, 0, x, stream);
+    });
+    return y;
+  }
   const int64_t d_in = int64_t(s.a_in) * s.b_in;
   const int64_t fixed = int64_t(s.a_out) * s.a_in + int64_t(s.b_out) * odd_pitch(s.b_in);
   const int64_t per_token = d_in + int64_t(s.a_out) * s.b_in;
@@ -1076,41 +1160,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kron_matvec_bwd(const at::Tensor&
   const int64_t nA = int64_t(s.a_out) * s.a_in, nB = int64_t(s.b_out) * s.b_in;
   const NarrowPlan np = narrow_plan(s, x.element_size(), optin);
   if (np.tier >= 0) {
-    // Two small factor sides (the paper's 2 x 384 / 384 x 2): a warp per token.
-    KronNarrowParams P{};
-    P.x = x.data_ptr();
-    P.g = g.data_ptr();
+    // Two small factor sides (the paper's 2 x 384 / 384 x 2): a block per token.
+    KronNarrowParams P = narrow_params(np, s, x, g, A, B);
     P.dx = dx.data_ptr();
-    P.T = T;
-    P.d_in = int64_t(s.a_in) * s.b_in;
-    P.d_out = int64_t(s.a_out) * s.b_out;
-    P.m = np.m;
-    P.n = np.n;
-    P.K = np.K;
-    P.J = np.J;
-    P.nAB = nA + nB;
     P.need_dx = need_dx;
     P.scale = scale;
-    const int E = 16 / static_cast<int>(x.element_size());  // elements per 16 bytes
-    P.rx = static_cast<int>(ceil_div(P.d_in, E) * E);
-    P.rg = static_cast<int>(ceil_div(P.d_out, E) * E);
-    P.vec = P.d_in % E == 0 && P.d_out % E == 0 && mma_aligned(x.data_ptr()) &&
-            mma_aligned(g.data_ptr());
-    if (!np.swap) {  // A' = A, B' = B, X' = X, G' = G
-      P.A = A.data_ptr();
-      P.B = B.data_ptr();
-      P.sai = A.stride(0), P.sak = A.stride(1), P.sbj = B.stride(0), P.sbl = B.stride(1);
-      P.xk = s.b_in, P.xl = 1, P.gi = s.b_out, P.gj = 1;
-      P.offA = 0, P.offB = nA;
-    } else {  // A' = B, B' = A, X' = X^T, G' = G^T
-      P.A = B.data_ptr();
-      P.B = A.data_ptr();
-      P.sai = B.stride(0), P.sak = B.stride(1), P.sbj = A.stride(0), P.sbl = A.stride(1);
-      P.xk = 1, P.xl = s.b_in, P.gi = 1, P.gj = s.b_out;
-      P.offA = nA, P.offB = 0;
-    }
     KFUSED_DISPATCH_FLOAT(x.scalar_type(), "kron_matvec_bwd", [&] {
-      launch_kron_narrow<scalar_t>(P, np.tier, dA, dB, nA, x, stream);
+      launch_kron_narrow<scalar_t, false>(P, np.tier, &dA, &dB, nA, x, stream);
     });
     return {dx, dA, dB};
   }

@@ -194,7 +194,7 @@ def check_cases(device: torch.device) -> List[CheckCase]:
     # tests failed on the H100 of 2026-11-27 (fp16 and bf16; float32 and the interpreter
     # passed; the reports were lost): `kfused check` prints every tensor's error for them
     # (384, 2, 2, 384), (8, 384, 384, 2): the narrow-factor kernels' other orientation and
-    # 8 x 2 tier (Triton _kron_narrow_grad_kernel, CUDA kron_narrow_bwd_kernel; not yet run on
+    # 8 x 2 tier (Triton _kron_narrow_grad_kernel, CUDA kron_narrow_kernel; not yet run on
     # a GPU)
     for shape in [(24, 24, 32, 32), (32, 24, 24, 32), (2, 384, 384, 2), (3, 5, 7, 2),
                   (9, 3, 3, 5), (1, 10, 5, 5), (32, 16, 2, 64), (384, 2, 2, 384),

@@ -52,7 +52,7 @@ def cuda_factor_kernel(a_out: int, a_in: int, b_out: int, b_in: int) -> str:
     return "narrow" if cuda_narrow_plan(a_out, a_in, b_out, b_in) is not None else "cuda-core"
 
 
-# csrc/krona/kron_matvec.cu kNarrowTiers: (M, N, KC, JC) of kron_narrow_bwd_kernel, the CUDA
+# csrc/krona/kron_matvec.cu kNarrowTiers: (M, N, KC, JC) of kron_narrow_kernel, the CUDA
 # extension's factor-gradient kernel for two small factor sides (kThreads = 256 per block).
 CUDA_NARROW_TIERS = ((2, 2, 2, 2), (8, 2, 2, 2), (2, 8, 2, 2), (2, 2, 8, 8))
 CUDA_NARROW_THREADS = 256

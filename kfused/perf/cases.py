@@ -979,10 +979,10 @@ from kfused.ops._krona_common import (  # noqa: E402
     CUDA_NARROW_THREADS, CUDA_NARROW_TIERS, _kron_bwd_macs, cuda_factor_kernel, cuda_narrow_plan)
 
 
-# sm_90 registers of kron_narrow_bwd_kernel per tier (16-bit; ptxas -v, nvcc 13): they set the
+# sm_90 registers of kron_narrow_kernel per tier (16-bit; ptxas -v, nvcc 13): they set the
 # blocks per SM (256 threads each); and the cycles of one token's dependent chain (PREDICTED
 # from its structure: 5 shuffles per value, two shared-memory reductions, three barriers)
-_CU_NARROW_REGS = {0: 64, 1: 151, 2: 128, 3: 126}
+_CU_NARROW_REGS = {0: 56, 1: 151, 2: 151, 3: 151}
 _CU_NARROW_TOKEN_CLK = 750
 
 
@@ -1002,7 +1002,7 @@ def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int =
     plan = None if _cuda_kron_tc_pays(A_shape, B_shape) else \
         cuda_narrow_plan(a_out, a_in, b_out, b_in)
     if plan is not None:
-        # kron_narrow_bwd_kernel: a block per token (persistent), x and g rows staged by
+        # kron_narrow_kernel: a block per token (persistent), x and g rows staged by
         # cp.async, V and W as per-thread partial sums reduced over the block (5 shuffles a
         # value per warp, the warps' sums by 2·M·N threads, 2 barriers), the rank-m / rank-n
         # updates on the CUDA cores with operands from shared memory
@@ -1027,7 +1027,7 @@ def _cuda_kron_bwd(name: str, T: int, A_shape, B_shape, need_dx: bool, el: int =
         # block barriers: ~750 cycles, the next token's rows landing meanwhile), the block's
         # tokens one after another: per_sm tokens in flight per SM
         t = max(t, cdiv(T, grid) * _CU_NARROW_TOKEN_CLK / 1.98e9 + R.KERNEL_OVERHEAD_S)
-        out = [dict(name=f"{name}: kron_narrow_bwd_kernel (tier {tier}, {grid} blocks)",
+        out = [dict(name=f"{name}: kron_narrow_kernel (tier {tier}, {grid} blocks)",
                     t=t, flops=T * 2.0 * macs)]
         return out + [_reduce_partials(name, grid, nAB, el)]
     if not _cuda_kron_tc_pays(A_shape, B_shape):
