@@ -111,18 +111,25 @@ class Job:
         self.candidates, self.run = candidates, run
 
 
+def _factor_inputs(dev: torch.device, T: int, a_out: int, a_in: int, b_out: int, b_in: int):
+    """dy, x, A, B of a factor-gradient call (bf16 on a GPU, float16 elsewhere: the
+    interpreter mishandles bfloat16), seeded."""
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, a_in * b_in, device=dev, dtype=dt, generator=gen)
+    g = torch.randn(T, a_out * b_out, device=dev, dtype=dt, generator=gen)
+    A = torch.randn(a_out, a_in, device=dev, dtype=dt, generator=gen)
+    B = torch.randn(b_out, b_in, device=dev, dtype=dt, generator=gen)
+    return g, x, A, B
+
+
 def krona_jobs(which: str, dev: torch.device):
     """_kron_grad_kernel on the benchmark's tensor-core factor shapes (bf16 on a GPU, float16
     elsewhere: the interpreter mishandles bfloat16)."""
     from kfused.triton_kernels import krona_linear as kl
 
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
     for T, a_out, a_in, b_out, b_in in shapes(which):
-        gen = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(T, a_in * b_in, device=dev, dtype=dt, generator=gen)
-        g = torch.randn(T, a_out * b_out, device=dev, dtype=dt, generator=gen)
-        A = torch.randn(a_out, a_in, device=dev, dtype=dt, generator=gen)
-        B = torch.randn(b_out, b_in, device=dev, dtype=dt, generator=gen)
+        g, x, A, B = _factor_inputs(dev, T, a_out, a_in, b_out, b_in)
         ks = kernel_side(a_out, a_in, b_out, b_in)
 
         def run(c, g=g, x=x, A=A, B=B):
@@ -135,13 +142,8 @@ def narrow_jobs(which: str, dev: torch.device):
     """_kron_narrow_grad_kernel on the benchmark's narrow factor pairs (as krona_jobs)."""
     from kfused.triton_kernels import krona_linear as kl
 
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
     for T, a_out, a_in, b_out, b_in in narrow_shapes(which):
-        gen = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(T, a_in * b_in, device=dev, dtype=dt, generator=gen)
-        g = torch.randn(T, a_out * b_out, device=dev, dtype=dt, generator=gen)
-        A = torch.randn(a_out, a_in, device=dev, dtype=dt, generator=gen)
-        B = torch.randn(b_out, b_in, device=dev, dtype=dt, generator=gen)
+        g, x, A, B = _factor_inputs(dev, T, a_out, a_in, b_out, b_in)
         _, _, m, n, K, J = kl.narrow_grad_plan(a_out, a_in, b_out, b_in)
 
         def run(c, g=g, x=x, A=A, B=B):
@@ -217,31 +219,26 @@ def compile_only(which: str, arch: int, limit: int = 0,
               f"shared {st['shared_bytes']} B ctas/SM {st['ctas_per_sm']}"
               + ("" if ok else f"  <- {err or 'spills'}"), flush=True)
 
+    def factor_launches(todo, candidates, names):
+        """Each candidate's launch of a factor-gradient kernel, on CPU stand-ins."""
+        for T, a_out, a_in, b_out, b_in in (todo[:limit] if limit else todo):
+            for c in candidates(T, a_out, a_in, b_out, b_in):
+                x = torch.empty(T, a_in * b_in, dtype=torch.bfloat16)
+                g = torch.empty(T, a_out * b_out, dtype=torch.bfloat16)
+                A = torch.empty(a_out, a_in, dtype=torch.bfloat16)
+                B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
+                with recording() as launches:
+                    kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
+                (L,) = [L for L in launches if L.name in names]
+                report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
+
     if "krona" in kernels:
-        todo = shapes(which)
-        for T, a_out, a_in, b_out, b_in in (todo[:limit] if limit else todo):
-            ks = kernel_side(a_out, a_in, b_out, b_in)
-            for c in kl.grad_candidates(T, *ks):
-                x = torch.empty(T, a_in * b_in, dtype=torch.bfloat16)
-                g = torch.empty(T, a_out * b_out, dtype=torch.bfloat16)
-                A = torch.empty(a_out, a_in, dtype=torch.bfloat16)
-                B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
-                with recording() as launches:
-                    kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
-                (L,) = [L for L in launches if L.name in (KERNEL, "_kron_grad_bd_kernel")]
-                report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
+        factor_launches(shapes(which),
+                        lambda T, *f: kl.grad_candidates(T, *kernel_side(*f)),
+                        (KERNEL, "_kron_grad_bd_kernel"))
     if "narrow" in kernels:
-        todo = narrow_shapes(which)
-        for T, a_out, a_in, b_out, b_in in (todo[:limit] if limit else todo):
-            for c in kl.NARROW_CANDIDATES:
-                x = torch.empty(T, a_in * b_in, dtype=torch.bfloat16)
-                g = torch.empty(T, a_out * b_out, dtype=torch.bfloat16)
-                A = torch.empty(a_out, a_in, dtype=torch.bfloat16)
-                B = torch.empty(b_out, b_in, dtype=torch.bfloat16)
-                with recording() as launches:
-                    kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)
-                (L,) = [L for L in launches if L.name == "_kron_narrow_grad_kernel"]
-                report(f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}", c, L, False)
+        factor_launches(narrow_shapes(which), lambda T, *f: kl.NARROW_CANDIDATES,
+                        ("_kron_narrow_grad_kernel",))
     if "rank" in kernels:
         from kfused.perf.cases import all_cases
         from kfused.perf.trace import trace

@@ -370,8 +370,24 @@ __global__ void __launch_bounds__(kThreads, narrow_min_blocks<M, N, KC, JC>())
     __syncthreads();  // token t's rows (and, the first time, A' and B'^T) in shared memory
     const T* xt = buf + (it & 1) * (P.rx + P.rg);
     const T* gt = xt + P.rx;
-    // V = A' X', W = G' B': the thread's partial sums over its k and j (an index out of range
-    // is clamped to 0 and its value selected away: no branch)
+    // The thread's values of X'[t] at (k = tid + kThreads u, l) and of G'[t] at (i, j = tid +
+    // kThreads u), zero out of range: the index is clamped to 0 (a valid address) and the
+    // value selected away — no branch. x_off is the (clamped) offset, also dX's.
+    auto x_off = [&](int u, int l) {
+      const int k = tid + kThreads * u;
+      return (k < K ? k : 0) * P.xk + (l < n ? l : 0) * P.xl;
+    };
+    auto x_in = [&](int u, int l) { return tid + kThreads * u < K && l < n; };
+    auto x_at = [&](int u, int l) -> float {
+      const float v = to_float(xt[x_off(u, l)]);
+      return x_in(u, l) ? v : 0.f;
+    };
+    auto g_at = [&](int u, int i) -> float {
+      const int j = tid + kThreads * u;
+      const float v = to_float(gt[(i < m ? i : 0) * P.gi + (j < J ? j : 0) * P.gj]);
+      return j < J && i < m ? v : 0.f;
+    };
+    // V = A' X', W = G' B': the thread's partial sums over its k and j (likewise clamped)
     float V[M][N], W[M][N];
 #pragma unroll
     for (int i = 0; i < M; ++i)
@@ -379,13 +395,10 @@ __global__ void __launch_bounds__(kThreads, narrow_min_blocks<M, N, KC, JC>())
       for (int l = 0; l < N; ++l) V[i][l] = W[i][l] = 0.f;
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
-      const int k = tid + kThreads * u;
-      const bool kok = k < K;
-      const int kc = kok ? k : 0;
+      const int k = tid + kThreads * u, kc = k < K ? k : 0;
 #pragma unroll
       for (int l = 0; l < N; ++l) {
-        const float v = to_float(xt[kc * P.xk + (l < n ? l : 0) * P.xl]);
-        const float xv = kok && l < n ? v : 0.f;
+        const float xv = x_at(u, l);
 #pragma unroll
         for (int i = 0; i < M; ++i) V[i][l] = fmaf(As[i * K + kc], xv, V[i][l]);
       }
@@ -393,13 +406,10 @@ __global__ void __launch_bounds__(kThreads, narrow_min_blocks<M, N, KC, JC>())
 #pragma unroll
     for (int u = 0; u < JC; ++u) {
       if constexpr (FWD) break;
-      const int j = tid + kThreads * u;
-      const bool jok = j < J;
-      const int jc = jok ? j : 0;
+      const int j = tid + kThreads * u, jc = j < J ? j : 0;
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        const float v = to_float(gt[(i < m ? i : 0) * P.gi + jc * P.gj]);
-        const float gv = jok && i < m ? v : 0.f;
+        const float gv = g_at(u, i);
 #pragma unroll
         for (int l = 0; l < N; ++l) W[i][l] = fmaf(gv, Bt[l * J + jc], W[i][l]);
       }
@@ -451,38 +461,28 @@ __global__ void __launch_bounds__(kThreads, narrow_min_blocks<M, N, KC, JC>())
     // accumulators that are never stored
 #pragma unroll
     for (int u = 0; u < KC; ++u) {
-      const int k = tid + kThreads * u;
-      const bool kok = k < K;
-      const int kc = kok ? k : 0;
+      const int k = tid + kThreads * u, kc = k < K ? k : 0;
 #pragma unroll
       for (int l = 0; l < N; ++l) {
-        const bool ok = kok && l < n;
-        const int off = kc * P.xk + (l < n ? l : 0) * P.xl;
-        const float v = to_float(xt[off]);
-        const float xv = ok ? v : 0.f;
+        const float xv = x_at(u, l);
         float d = 0.f;
 #pragma unroll
         for (int i = 0; i < M; ++i) {
           accA[i][u] = fmaf(W[i][l], xv, accA[i][u]);
           d = fmaf(As[i * K + kc], W[i][l], d);
         }
-        if (P.need_dx && ok) dx[t * P.d_in + off] = static_cast<T>(d * P.scale);
+        if (P.need_dx && x_in(u, l)) dx[t * P.d_in + x_off(u, l)] = static_cast<T>(d * P.scale);
       }
     }
     // dB' += G'^T V (the thread's j)
 #pragma unroll
-    for (int u = 0; u < JC; ++u) {
-      const int j = tid + kThreads * u;
-      const bool jok = j < J;
-      const int jc = jok ? j : 0;
+    for (int u = 0; u < JC; ++u)
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        const float v = to_float(gt[(i < m ? i : 0) * P.gi + jc * P.gj]);
-        const float gv = jok && i < m ? v : 0.f;
+        const float gv = g_at(u, i);
 #pragma unroll
         for (int l = 0; l < N; ++l) accB[u][l] = fmaf(gv, V[i][l], accB[u][l]);
       }
-    }
     __syncthreads();  // buffer (it & 1) and VW are reused by the next token
   }
   mma::cp_async_wait<0>();

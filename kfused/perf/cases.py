@@ -982,7 +982,7 @@ from kfused.ops._krona_common import (  # noqa: E402
 # sm_90 registers of kron_narrow_kernel per tier (16-bit; ptxas -v, nvcc 13): they set the
 # blocks per SM (256 threads each); and the cycles of one token's dependent chain (PREDICTED
 # from its structure: 5 shuffles per value, two shared-memory reductions, three barriers)
-_CU_NARROW_REGS = {0: 56, 1: 151, 2: 151, 3: 151}
+_CU_NARROW_REGS = {0: 56, 1: 149, 2: 159, 3: 138}
 _CU_NARROW_TOKEN_CLK = 750
 
 
