@@ -164,7 +164,7 @@ for stage in "${LIST[@]}"; do
         fi ) &
       # the factor-gradient candidates compiled and launched once beside the tests (untimed:
       # the tune step of phase 2 then only times them, from Triton's cache)
-      for k in krona narrow rank; do   # one process per kernel: compilations in parallel
+      for k in krona rank narrow; do   # one process per kernel: compilations in parallel
         ( PYTHONPATH=$PWD timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only \
             --kernels "$k" >"$WORK/tune_warm_$k.log" 2>&1
           echo "warm rc=$?" >>"$WORK/tune_warm_$k.log" ) &

@@ -2,7 +2,7 @@
 
     python3 benchmarks/tune_kernels.py [--table kfused/data/kernel_tuning.json]
                                        [--out tune.json] [--shapes targets|all] [--reps-ms 30]
-                                       [--kernels krona,narrow,rank]
+                                       [--kernels krona,rank,narrow]
     python3 benchmarks/tune_kernels.py --compile-only      # any machine: compile for sm_90
     python3 benchmarks/tune_kernels.py --warm-only         # GPU: compile + launch, untimed
 
@@ -198,7 +198,7 @@ JOBS = {"krona": krona_jobs, "narrow": narrow_jobs, "rank": rank_jobs}
 
 
 def compile_only(which: str, arch: int, limit: int = 0,
-                 kernels=("krona", "narrow", "rank")) -> int:
+                 kernels=("krona", "rank", "narrow")) -> int:
     """Compile every candidate of every shape for sm_<arch> on CPU stand-ins; print registers,
     spills and shared memory; nonzero when one spills or cannot launch."""
     from kfused.perf.compile import compile_launch, jit_spec, launch_error, recording
@@ -254,7 +254,7 @@ def compile_only(which: str, arch: int, limit: int = 0,
     return 1 if bad else 0
 
 
-def warm(which: str, kernels=("krona", "narrow", "rank")) -> int:
+def warm(which: str, kernels=("krona", "rank", "narrow")) -> int:
     """Compile and launch every candidate once on the GPU, untimed (the Triton cache on disk
     then holds them: the proof runs this beside its tests, and the timed run later loads)."""
     dev = torch.device("cuda")
@@ -275,7 +275,7 @@ def warm(which: str, kernels=("krona", "narrow", "rank")) -> int:
 
 def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
          dev: torch.device = torch.device("cuda"), timer=None, name: str = "",
-         kernels=("krona", "narrow", "rank")) -> int:
+         kernels=("krona", "rank", "narrow")) -> int:
     """Time every candidate per shape (``timer(fn, dev, reps_ms)`` -> (p20, p50, p80) ms,
     default ``kfused.bench.graph_timer``), merge the fastest into ``table``, write ``out``."""
     from kfused import tuning
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
                    "candidate once, untimed")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--limit", type=int, default=0, help="--compile-only: the first N shapes")
-    p.add_argument("--kernels", default="krona,narrow,rank", help="comma list of krona "
+    p.add_argument("--kernels", default="krona,rank,narrow", help="comma list of krona "
                    "(KronA's factor-gradient pass), narrow (its narrow-factor form), rank (the "
                    "headwise rank pass)")
     a = p.parse_args(argv)
