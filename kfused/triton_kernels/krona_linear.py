@@ -1209,6 +1209,7 @@ def _kron_narrow_grad_kernel(
                  mask=n_ok[:, None] & j_ok[None, :])
 
 
+@host_config
 def narrow_grad_plan(a_out: int, a_in: int, b_out: int, b_in: int):
     """The narrow factor-gradient kernel's orientation for these factors, or None where the
     standard kernel runs: two small factor sides (the CUDA extension's narrow plan,
@@ -1271,6 +1272,8 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan, confi
     BT = 1 << (BT.bit_length() - 1)
     n_blocks = cdiv(T, BT)
     key = ("narrow", x.device, x.dtype, compute_dx, compute_dab, M, N, BT, BK, BJ, warps)
+    if key in _GRAD_NO_LAUNCH:
+        return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     n_prog = _grid_for(key, x.device, n_blocks)
     dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
     nA = a_out * a_in
@@ -1282,8 +1285,6 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan, confi
         xk, xl, gi, gj, offA, offB = b_in, 1, b_out, 1, 0, nA
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     num = _grad_numerics(x.dtype)
-    if key in _GRAD_NO_LAUNCH:
-        return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     try:
         compiled = _kron_narrow_grad_kernel[(n_prog,)](
             x, g, fa, fb, dx if dx is not None else x, dab,
