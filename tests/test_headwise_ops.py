@@ -422,21 +422,53 @@ def test_oproj_exact_must_be_bool_or_none():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(QKV_CASES)))
-def test_qkv_folded(dtype, case, launches, rank_space):
+def test_qkv_folded(dtype, case, launches, rank_space, monkeypatch):
     """exact=False: the forward folds the q and v updates and every bias into a copy of the
     frozen weights (W' = [W_q + U·D; W_k; W_v + U·D], b' = b + c + U·zb; one launch,
     rounded once) and runs Y = X W'ᵀ + b'; the backward recomputes Z from X in the rank
-    pass, folds again and runs dX = dY W'. Same docs/math.md §4 rule for the outputs and
-    every gradient; float32 never folds."""
+    pass and runs dX = dY W' with the forward's W' where it was kept (no larger than the Z
+    not stored), else folding again. Same docs/math.md §4 rule for the outputs and every
+    gradient; float32 never folds."""
     from kfused.triton_kernels import _headwise_common as hc
+    from kfused.triton_kernels import headwise_qkv as tk
 
     inputs, run = _qkv_case_inputs(case, random.choice([40, 56]), random.choice([48, 80]),
                                    random.choice([19, 37]))
     folds = launches(hc, "_qkv_fold_kernel")
+    kept = []
+    real = tk.keeps_fold
+    monkeypatch.setattr(tk, "keeps_fold", lambda *a: kept.append(real(*a)) or kept[-1])
     assert_against_reference(run("triton", exact=False), run("reference"), inputs, dtype,
                              DEVICE, grad_names=[k for k in inputs if not k.startswith("w_")],
                              out_names=["Q", "K", "V"])
-    assert len(folds) == (0 if dtype == torch.float32 else 2)      # forward, backward
+    assert len(kept) == (0 if dtype == torch.float32 else 1)
+    # forward, and the backward unless it had the forward's W'
+    assert len(folds) == (0 if dtype == torch.float32 else 1 if kept[0] else 2)
+
+
+@pytest.mark.parametrize("case", range(len(QKV_CASES)))
+def test_qkv_folded_kept_weight_is_the_refolded_one(case, monkeypatch):
+    """The W' a folded forward keeps for dX (its fold also forms b') is the W' the backward
+    folds otherwise: Q, K, V and every gradient bit for bit the same either way, float16."""
+    from kfused.testing import run_with_grads
+    from kfused.triton_kernels import headwise_qkv as tk
+
+    inputs, run = _qkv_case_inputs(case, random.choice([40, 56]), random.choice([48, 80]),
+                                   random.choice([19, 37]))
+    args = {k: (v.to(DEVICE, torch.float16) if isinstance(v, torch.Tensor) else v)
+            for k, v in inputs.items()}
+    names = [k for k in args if not k.startswith("w_")]
+    fn = run("triton", exact=False)
+    gouts = [torch.randn_like(o) for o in fn(**args)]
+    got = []
+    for keep in (True, False):
+        monkeypatch.setattr(tk, "keeps_fold", lambda *a, keep=keep: keep)
+        got.append(run_with_grads(fn, args, gouts, names))
+    for a, b in zip(got[0][0], got[1][0]):
+        assert torch.equal(a, b)
+    assert got[0][1].keys() == got[1][1].keys() == set(names)
+    for k in got[0][1]:
+        assert torch.equal(got[0][1][k], got[1][1][k]), k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -683,7 +715,8 @@ def test_opcheck_qkv():
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_fwd.default,
                           args + (0.5, 1.0, _t(H * p, grad=True), _t(Hkv * p, grad=True)))
     det = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    Y, Z = torch.ops.kfused.headwise_qkv_triton_fwd(*det)
+    Y, Z, W_kept = torch.ops.kfused.headwise_qkv_triton_fwd(*det)
+    assert W_kept.numel() == 0                     # exact: nothing folded
     bargs = (torch.randn_like(Y), det[0], det[1], det[2], det[3], det[7], det[9], det[10],
              det[11], det[12], det[14], None, None, Z, p, True, True)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default, bargs)
@@ -697,12 +730,22 @@ def test_opcheck_qkv():
     fargs = tuple(hargs) + (0.5, 1.0, None, None, 2)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_fwd.default, fargs)
     fdet = [a.detach() if isinstance(a, torch.Tensor) else a for a in fargs]
-    Yf, Zf = torch.ops.kfused.headwise_qkv_triton_fwd(*fdet)
+    Yf, Zf, Wf = torch.ops.kfused.headwise_qkv_triton_fwd(*fdet)
     assert Zf.shape == (T, 0)
+    # W' (40 × 20) is larger than the Z the fold did not store (9 × 24): not kept
+    assert Wf.shape == (0,)
     fb = (torch.randn_like(Yf), fdet[0], fdet[1], fdet[2], fdet[3], fdet[7], fdet[9],
           fdet[10], fdet[11], fdet[12], fdet[14], None, None, Zf, p, True, True, 0.5, 1.0,
           None, None, 2)
     torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default, fb)
+    # 40 tokens: Z would be 40 × 24, W' is kept and handed to the backward
+    long = (_t(40, d, grad=True).half(),) + tuple(fargs[1:])
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_fwd.default, long)
+    ldet = [a.detach() if isinstance(a, torch.Tensor) else a for a in long]
+    Yl, Zl, Wl = torch.ops.kfused.headwise_qkv_triton_fwd(*ldet)
+    assert Zl.shape == (40, 0) and Wl.shape == (H * p + 2 * Hkv * p, d)
+    lb = (torch.randn_like(Yl), ldet[0]) + fb[2:13] + (Zl,) + fb[14:] + (Wl,)
+    torch.library.opcheck(torch.ops.kfused.headwise_qkv_triton_bwd.default, lb)
 
 
 def test_opcheck_oproj():
@@ -1354,8 +1397,8 @@ def test_triton_custom_ops_take_any_layout():
     bq, bk, bv = _t(2 * Hh * pp)[::2], _t(1).expand(Hh * pp), None
     cq = _t(Hh * pp, 2)[:, 1]
     none5 = (None,) * 5
-    Y, _ = torch.ops.kfused.headwise_qkv_triton_fwd(x, w, w, w, bq, bk, bv, *none5, *none5, pp,
-                                                    1.0, 1.0, cq, None)
+    Y = torch.ops.kfused.headwise_qkv_triton_fwd(x, w, w, w, bq, bk, bv, *none5, *none5, pp,
+                                                 1.0, 1.0, cq, None)[0]
     want = torch.cat([x @ w.t() + bq + cq, x @ w.t() + bk, x @ w.t()], -1)
     torch.testing.assert_close(Y, want, rtol=1e-5, atol=1e-5)
 

@@ -569,27 +569,27 @@ def aot_launches() -> None:
         v = SectionFactors(e(Hkv, 10, d, dtype=f32), e(Hkv, 10, dtype=f32),
                            e(Hkv, p, 10, dtype=f32), e(8, d, dtype=f32),
                            e(Hkv * p, 8, dtype=f32))
-        Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, q, v, p)
+        Y, Z, _ = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, q, v, p)
         headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, q, v, Z, p)
         # factors as the ops pass them now: Kernel-wise + shared in the activation dtype, no
         # zb, the shared scale folded by the pack/unpack kernels
         qa = SectionFactors(e(H, 3, d), None, e(H, p, 3), e(12, d), e(H * p, 12), 0.5)
-        Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, qa, v, p)
+        Y, Z, _ = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, qa, v, p)
         headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, qa, v, Z, p)
         # folded (exact=False; 16-bit only, float32 takes the exact path): W' and b' (lite zb,
         # per-head biases c; the shared scale on one section) in one launch, the rank pass
         # recomputing Z from X
         for qf in (q, qa):
-            Y, Z = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, qf, v, p, e(H * p),
-                                        e(Hkv * p), fold=2)
+            Y, Z, _ = headwise_qkv_forward(x, wq, wk, wv, bq, bk, bv, qf, v, p, e(H * p),
+                                           e(Hkv * p), fold=2)
             headwise_qkv_backward(e(T, Y.shape[1]), x, wq, wk, wv, qf, v, Z, p, fold=2)
         # single adapted projection (q slot only), Conv1D-style strided weight, no bias;
         # exact and folded
         none = SectionFactors()
         wt = e(d, H * p).t()
         for fold in (0, 2):
-            Y, Z = headwise_qkv_forward(x, wt, e(0, d), e(0, d), None, None, None, q, none, p,
-                                        fold=fold)
+            Y, Z, _ = headwise_qkv_forward(x, wt, e(0, d), e(0, d), None, None, None, q, none,
+                                           p, fold=fold)
             headwise_qkv_backward(e(T, H * p), x, wt, e(0, d), e(0, d), q, none, Z, p,
                                   fold=fold)
         # output projection: Kernel-wise 8 + shared 8

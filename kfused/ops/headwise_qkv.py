@@ -53,9 +53,11 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
              v_sup: Optional[torch.Tensor], head_dim: int, q_scale: float = 1.0,
              v_scale: float = 1.0, q_c: Optional[torch.Tensor] = None,
              v_c: Optional[torch.Tensor] = None,
-             fold: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+             fold: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fold: 0 exact, 1 fold where the roofline says it pays, 2 fold (16-bit; see
-    # kfused.triton_kernels.headwise_qkv), the same for the backward (saved by _qkv_setup)
+    # kfused.triton_kernels.headwise_qkv), the same for the backward (saved by _qkv_setup).
+    # Returns [Q | K | V], the rank-space Z and the folded W' the backward reuses (empty
+    # where it folds again: kfused.triton_kernels.headwise_qkv.qkv_fold_kept)
     k = _tk()
     q = k.SectionFactors(q_down, q_zb, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, v_zb, v_up, v_sdown, v_sup, v_scale)
@@ -64,15 +66,25 @@ def _qkv_fwd(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.T
                                   head_dim, _dense(q_c), _dense(v_c), fold)
 
 
+def _ranks(q_down, q_sdown, v_down, v_sdown):
+    return ((q_down.shape[1] if q_down is not None else 0,
+             q_sdown.shape[0] if q_sdown is not None else 0),
+            (v_down.shape[1] if v_down is not None else 0,
+             v_sdown.shape[0] if v_sdown is not None else 0))
+
+
 def _zwidth(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device, fold=0, T=0, K=0,
             N=0, dtype=torch.float32):
     """Width of the packed rank-space buffer (see kfused.triton_kernels.headwise_qkv)."""
-    rq = q_down.shape[1] if q_down is not None else 0
-    rsq = q_sdown.shape[0] if q_sdown is not None else 0
-    rv = v_down.shape[1] if v_down is not None else 0
-    rsv = v_sdown.shape[0] if v_sdown is not None else 0
-    return _tk().qkv_zwidth(HQ, HV, head_dim, (rq, rsq), (rv, rsv), device, fold, T, K, N,
-                            dtype)
+    return _tk().qkv_zwidth(HQ, HV, head_dim, *_ranks(q_down, q_sdown, v_down, v_sdown),
+                            device, fold, T, K, N, dtype)
+
+
+def _fold_kept(HQ, HV, head_dim, q_down, q_sdown, v_down, v_sdown, device, fold, T, K, N,
+               dtype):
+    """Whether the forward returns its folded W' for the backward (qkv_fold_kept)."""
+    return _tk().qkv_fold_kept(HQ, HV, head_dim, *_ranks(q_down, q_sdown, v_down, v_sdown),
+                               device, fold, T, K, N, dtype)
 
 
 @_qkv_fwd.register_fake
@@ -83,7 +95,11 @@ def _(x, w_q, w_k, w_v, b_q, b_k, b_v, q_down, q_zb, q_up, q_sdown, q_sup,
     N = w_q.shape[0] + w_k.shape[0] + w_v.shape[0]
     M = _zwidth(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim, q_down, q_sdown,
                 v_down, v_sdown, x.device, fold, T, x.shape[1], N, x.dtype)
-    return (x.new_empty(T, w_q.shape[0] + w_k.shape[0] + w_v.shape[0]), x.new_empty(T, M))
+    kept = T and N and _fold_kept(w_q.shape[0] // head_dim, w_v.shape[0] // head_dim, head_dim,
+                                  q_down, q_sdown, v_down, v_sdown, x.device, fold, T,
+                                  x.shape[1], N, x.dtype)
+    return (x.new_empty(T, N), x.new_empty(T, M),
+            x.new_empty(N, x.shape[1]) if kept else x.new_empty(0))
 
 
 @custom_op("kfused::headwise_qkv_triton_bwd")
@@ -96,14 +112,16 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
              z: torch.Tensor, head_dim: int, need_dx: bool,
              need_factors: bool, q_scale: float = 1.0,
              v_scale: float = 1.0, q_db_dtype: Optional[torch.dtype] = None,
-             v_db_dtype: Optional[torch.dtype] = None, fold: int = 0) -> List[torch.Tensor]:
+             v_db_dtype: Optional[torch.dtype] = None, fold: int = 0,
+             w_fold: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     # *_db_dtype: the dtype of the section's column sums db (None: float32); fold: the
-    # forward's (kfused.triton_kernels.headwise_qkv.headwise_qkv_backward)
+    # forward's, w_fold its kept W' (kfused.triton_kernels.headwise_qkv.headwise_qkv_backward)
     k = _tk()
     q = k.SectionFactors(q_down, None, q_up, q_sdown, q_sup, q_scale)
     v = k.SectionFactors(v_down, None, v_up, v_sdown, v_sup, v_scale)
     dx, gq, gv = k.headwise_qkv_backward(g, x, w_q, w_k, w_v, q, v, z, head_dim, need_dx,
-                                         need_factors, (q_db_dtype, v_db_dtype), fold)
+                                         need_factors, (q_db_dtype, v_db_dtype), fold,
+                                         w_fold)
     out = [dx if dx is not None else _empty(x)]
     for grads in (gq, gv):
         for key in _SEC_KEYS + ("db",):
@@ -115,7 +133,7 @@ def _qkv_bwd(g: torch.Tensor, x: torch.Tensor,
 @_qkv_bwd.register_fake
 def _(g, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
       v_sup, z, head_dim, need_dx, need_factors, q_scale=1.0, v_scale=1.0, q_db_dtype=None,
-      v_db_dtype=None, fold=0):
+      v_db_dtype=None, fold=0, w_fold=None):
     out = [torch.empty_like(x) if need_dx else x.new_empty(0)]
     for down, up, sdown, sup, w, db_dt in ((q_down, q_up, q_sdown, q_sup, w_q, q_db_dtype),
                                            (v_down, v_up, v_sdown, v_sup, w_v, v_db_dtype)):
@@ -140,22 +158,23 @@ def _qkv_setup(ctx, inputs, output):
      v_down, v_zb, v_up, v_sdown, v_sup, head_dim, *rest) = inputs
     q_scale, v_scale, q_c, v_c, fold = tuple(rest) + (1.0, 1.0, None, None, 0)[len(rest):]
     ctx.save_for_backward(x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
-                          v_down, v_up, v_sdown, v_sup, output[1])
+                          v_down, v_up, v_sdown, v_sup, output[1], output[2])
     ctx.head_dim = head_dim
     ctx.scales = (q_scale, v_scale)
     ctx.fold = fold
     ctx.has_b = (b_q is not None, b_k is not None, b_v is not None)
     ctx.b_dtypes = tuple(b.dtype if b is not None else None for b in (b_q, b_k, b_v))
     ctx.c_dtypes = tuple(c.dtype if c is not None else None for c in (q_c, v_c))
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)    # no zero (T, M) gradient for the rank-space output
+    ctx.mark_non_differentiable(output[1], output[2])
+    # no zero gradients for the rank-space output and the kept W'
+    ctx.set_materialize_grads(False)
 
 
-def _qkv_backward(ctx, gY, gZ):
+def _qkv_backward(ctx, gY, gZ, gW=None):
     if gY is None:
         return (None,) * 23
     (x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup,
-     v_down, v_up, v_sdown, v_sup, z) = ctx.saved_tensors
+     v_down, v_up, v_sdown, v_sup, z, w_fold) = ctx.saved_tensors
     need = ctx.needs_input_grad
     nx = need[0]
     need_f = any(need[7:17])
@@ -171,7 +190,7 @@ def _qkv_backward(ctx, gY, gZ):
     res = kops.headwise_qkv_triton_bwd(
         gY, x, w_q, w_k, w_v, q_down, q_up, q_sdown, q_sup, v_down, v_up, v_sdown,
         v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales,
-        db_dtype(0, 0), db_dtype(2, 1), ctx.fold)
+        db_dtype(0, 0), db_dtype(2, 1), ctx.fold, w_fold)
     dx = res[0]
     gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
     gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
@@ -320,9 +339,9 @@ def _qkv_call(x, w_q, w_k, w_v, b_q, b_k, b_v, H, Hkv, p, q, v, key=None, exact=
     qf, dcq, sq, lq = _section(q, H, Hk, p, d, kw, kb, x.dtype)
     vf, dcv, sv, lv = _section(v, Hkv, Hk, p, d, kw, kb, x.dtype)
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    Y, _ = kops.headwise_qkv_triton_fwd(
+    Y = kops.headwise_qkv_triton_fwd(
         x2, w_q, w_k, w_v, c(b_q), c(b_k), c(b_v), *qf, *vf, p, sq, sv, c(dcq), c(dcv),
-        _fold_mode(x2.dtype, x2.shape[0], exact, x2.device))
+        _fold_mode(x2.dtype, x2.shape[0], exact, x2.device))[0]
     for lite, c0 in ((lq, 0), (lv, w_q.shape[0] + w_k.shape[0])):
         if lite is not None and lite[0].requires_grad and torch.is_grad_enabled():
             Y = LiteKeyGrad.apply(Y, lite[0], lite[1], x2.detach(), kw.detach(),

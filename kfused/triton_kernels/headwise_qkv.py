@@ -44,6 +44,31 @@ def qkv_zwidth(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int
     return M
 
 
+def keeps_fold(N: int, K: int, T: int, M: int) -> bool:
+    """Whether a folded forward keeps its W' (N × K) for the backward's dX = dY·W' (one fold
+    launch and one N × K pass per step instead of two): when W' is no larger than the
+    rank-space buffer Z (T × M) that the exact path saves and the folded forward does not, so
+    that the folded path never saves more for its backward than the exact one. The benchmark
+    presets keep it at GPT-2 small and medium widths (W' 0.28–0.38 of Z at T = 16384) and
+    fold again at Llama-7B's (W' 2.2–4.8 × Z)."""
+    return N * K <= T * M
+
+
+def qkv_fold_kept(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
+                  device: torch.device, fold: int, T: int, K: int, N: int,
+                  dtype: torch.dtype) -> bool:
+    """Whether :func:`headwise_qkv_forward` returns its folded W' (arguments as
+    :func:`qkv_zwidth`'s): the forward folds and :func:`keeps_fold`."""
+    if not fold:
+        return False
+    packs, _, M = qkv_packings(int(HQ), int(HV), int(P), tuple(map(int, rq)),
+                               tuple(map(int, rv)), device)
+    # (T stays symbolic under dynamic-shape tracing: a guard on the comparison, no
+    # specialisation on the token count)
+    return bool(fold_plan(fold, packs, T, int(K), int(N), dtype)[0]) and bool(keeps_fold(
+        int(N), int(K), T, M))
+
+
 def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
                  device: torch.device):
     """Packings of the q and v sections (None when not adapted), the column offsets of their
@@ -74,9 +99,10 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     forward, Y = X W'ᵀ + b' with the updates and the biases folded (:func:`fold_qkv`, one
     launch; cuBLAS on a GPU) and no Z is stored (the backward computes it again by one GEMM).
 
-    Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype and the rank-space
+    Returns the fused output [Q | K | V] (T, Nq + Nk + Nv) in x.dtype, the rank-space
     buffer Z (T, M) in x.dtype (packed layout of :func:`qkv_packings`; (T, 0) when folded)
-    for the backward.
+    for the backward, and the folded W' (Nq + Nk + Nv, d) where the backward's dX may reuse
+    it (:func:`qkv_fold_kept`; else an empty tensor).
     """
     T, D = x.shape
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
@@ -86,8 +112,9 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     folded = fold_plan(fold, (pq, pv), T, D, N, x.dtype)[0]
     Y = _alloc.empty(T, N, dtype=x.dtype, device=dev)
     Z = _alloc.empty(T, 0 if folded else M, dtype=x.dtype, device=dev)
+    none = x.new_empty(0)
     if T == 0 or Y.shape[1] == 0:
-        return Y, Z
+        return Y, Z, none
     if M:
         Dp, zbp, Up, _ = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
     if folded:
@@ -95,7 +122,7 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
                ((pq, oq, q), (pv, ov, v))]
         wf, bf = fold_qkv((wq, wk, wv), lrs, D, x.dtype, biases=(bq, bk, bv), cs=(cq, cv))
         frozen_gemm(x, wf.t(), Y, bias=bf)
-        return Y, Z
+        return Y, Z, (wf if keeps_fold(N, D, T, M) else none)
     col = 0
     for w, b, c, pk, off, f in ((wq, bq, cq, pq, oq, q), (wk, bk, None, None, 0, None),
                                 (wv, bv, cv, pv, ov, v)):
@@ -109,7 +136,7 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
                                   Up[s].view(L, W, pk.BN), Z[:, s], f.scale, pk.RS)
             gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr, bias2=c)
         col += n
-    return Y, Z
+    return Y, Z, none
 
 
 def _tiles(pk, off: int, f: SectionFactors, Dp, zbp, Up, Z, K: int):
@@ -128,7 +155,7 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
                           Z: torch.Tensor, P: int, need_dx: bool = True,
                           need_factors: bool = True,
                           db_dtypes: Tuple[Optional[torch.dtype], ...] = (None, None),
-                          fold: int = 0):
+                          fold: int = 0, w_fold: Optional[torch.Tensor] = None):
     """Gradients of :func:`headwise_qkv_forward`; g (T, Nq + Nk + Nv), any strides.
 
     fold (16-bit only; float32 ignores it), the forward's: 0 dx = [dY | dZ]·
@@ -137,7 +164,8 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     W' = [W'_q; W_k; W'_v] folded again (the updates rounded once into the frozen weights:
     the part below half an ulp of W is lost in Y and dx; the factor gradients are
     unchanged); 1 what :func:`fold_plan` decides
-    from the roofline: both folds, dx's alone (the forward exact), or neither.
+    from the roofline: both folds, dx's alone (the forward exact), or neither. ``w_fold``:
+    the forward's W' where it kept it (:func:`qkv_fold_kept`; None or empty: fold again).
 
     Returns dx and, per section q and v, a dict with the gradients of down, zb, up, sdown,
     sup (each in its factor's dtype; zb's in float32) and of the section's bias (``db``, the
@@ -185,7 +213,9 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     if need_dx:
         dx = _alloc.empty(T, D, dtype=x.dtype, device=dev)
         if dx_fold:   # dx = dY·W', frozen-shaped (one fold launch, then cuBLAS on a GPU)
-            frozen_gemm(g, fold_qkv((wq, wk, wv), lrs, D, x.dtype)[0], dx)
+            if w_fold is None or w_fold.numel() == 0:
+                w_fold = fold_qkv((wq, wk, wv), lrs, D, x.dtype)[0]
+            frozen_gemm(g, w_fold, dx)
         else:
             segs = [(g[:, c0:c0 + n], w_) for c0, n, w_ in ((0, Nq, wq), (Nq, Nk, wk),
                                                               (Nq + Nk, Nv, wv)) if n]
