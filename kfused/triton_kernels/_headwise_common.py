@@ -1219,8 +1219,10 @@ _PACKED_MAX = 8
 def _operand_key(t: Optional[torch.Tensor]):
     """What identifies a packed operand's contents (see _PACKED); raises RuntimeError for an
     inference tensor (``torch.inference_mode``), which has no version counter."""
-    return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride(),
-                                   t.dtype, str(t.device))
+    # (torch.Size and torch.device hash as they are: half the cost of tuple() and str(), and
+    # the key is built for every factor on every call)
+    return None if t is None else (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype,
+                                   t.device)
 
 
 def _pack_key(fs: Sequence["SectionFactors"], dtype: torch.dtype, BN: int):
