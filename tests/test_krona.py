@@ -1210,3 +1210,17 @@ def test_factor_partials_sum_exactly_in_fixed_order(rows, dtype):
     assert torch.equal(dB.cpu().double(), tot[15:].view(7, 4))
     again = _sum_factor_partials(dab, A, B)
     assert torch.equal(again[0], dA) and torch.equal(again[1], dB)
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(528, 24 * 24 + 32 * 32), (132, 2 * 384 + 384 * 2),
+                                           (264, 48 * 24 + 64 * 32), (660, 8 * 384 + 384 * 2)])
+def test_factor_partials_sum_spreads_over_the_gpu(n_rows, n_cols):
+    """The GPU tiles of the partial sum (the benchmark's factor pairs; rows: the grad kernels'
+    persistent grids, 1-5 CTAs on 132 SMs): at least 64 programs and at most 3 dependent
+    row-block loads each — the sum was 25 programs of 9 loads, a latency chain."""
+    from kfused.triton_kernels.krona_linear import _sum_partials_tiles
+
+    BR, BC = _sum_partials_tiles(n_rows, gpu=True)
+    assert -(-n_cols // BC) >= 64, (BR, BC)
+    assert -(-n_rows // BR) <= 3, (BR, BC)
+    assert BC * 4 >= 64      # float32 rows: whole 32-byte sectors, 16-byte vector loads

@@ -1444,11 +1444,22 @@ def _sum_factor_partials(dab: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
     dA = _alloc.empty(A.shape, dtype=A.dtype, device=A.device)
     dB = _alloc.empty(B.shape, dtype=B.dtype, device=B.device)
     n_rows, n_cols = dab.shape
-    BC = 64 if targets_gpu(dab.device) else 32
+    BR, BC = _sum_partials_tiles(n_rows, targets_gpu(dab.device))
     _sum_partials_kernel[(cdiv(n_cols, BC),)](dab, n_rows, n_cols, A.numel(), dA, dB,
-                                             BR=64 if targets_gpu(dab.device) else 8, BC=BC,
-                                             num_warps=4)
+                                             BR=BR, BC=BC, num_warps=4)
     return dA, dB
+
+
+def _sum_partials_tiles(n_rows: int, gpu: bool) -> Tuple[int, int]:
+    """(BR, BC) of :func:`_sum_partials_kernel`. On a GPU 16 columns (64 B of float32 per row,
+    two sectors) per program and up to 256 rows per load: the grad kernels' 132–660 partial
+    rows in 1–3 dependent loads per program and 100–200 programs (T = 16384, 768², 24×24 /
+    32×32: 528 × 1600 partials; was 64 columns × 64 rows: 25 programs, each a chain of 9
+    row-block loads holding 0.8 MB in flight on 25 SMs). In the interpreter 8 × 32, so the
+    small test shapes cross several row and column blocks."""
+    if not gpu:
+        return 8, 32
+    return min(256, max(16, triton.next_power_of_2(n_rows))), 16
 
 
 @host_config
