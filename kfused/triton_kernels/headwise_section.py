@@ -111,18 +111,23 @@ def _section_fwd_kernel(wa_ptr, s_wah, s_war, s_wad, wb_ptr, s_wbh, s_wbp, s_wbr
 def _section_bwd_kernel(dd_ptr, dzb_ptr, du_ptr, wk_ptr, s_wkn, s_wkd, bk_ptr,
                         dwa_ptr, dwb_ptr, dla_ptr, dlb_ptr, K, P, RW, RL, R, G,
                         SPLIT: tl.constexpr, HAS_BK: tl.constexpr, NEED_LA: tl.constexpr,
-                        RWP: tl.constexpr, RLP: tl.constexpr, PP: tl.constexpr,
+                        RWP: tl.constexpr, RLP: tl.constexpr, PB: tl.constexpr,
                         BD: tl.constexpr, BDC: tl.constexpr):
-    # grid (H, max(RW, RL, 1)). Program (h, j): the wise down row j (j < RW, a copy in the
-    # factor's dtype), the lite factor row dA_h[j, :] = Σ_d dD[basis row j, d] W_k^h[:, d]
-    # + dzb[basis row j]·b_k^h (j < RL, NEED_LA; the basis gradient is read from the lo row
-    # when split: hi is a constant rounding of the basis, see _section); program (h, 0) also
-    # the up-projection gradients (lite: the sum of its two copies when split). Inputs
-    # contiguous float32 (H, R, K), (H, R), (H, P, R); outputs contiguous in their dtypes.
+    # grid (H, max(RW, RL, 1), cdiv(P, PB)). Program (h, j, i) owns the kernel positions
+    # p in [i·PB, (i+1)·PB): the lite factor entries dA_h[j, p] = Σ_d dD[basis row j, d]
+    # W_k^h[p, d] + dzb[basis row j]·b_k^h[p] (j < RL, NEED_LA; the basis gradient is read
+    # from the lo row when split: hi is a constant rounding of the basis, see _section) and,
+    # for j = 0, the up-projection gradients' rows p (lite: the sum of its two copies when
+    # split); the wise down row j (j < RW, a copy in the factor's dtype) is copied in
+    # BDC-column chunks spread over the i programs. Every output element has one owner: no
+    # cross-program sums. Inputs contiguous float32 (H, R, K), (H, R), (H, P, R); outputs
+    # contiguous in their dtypes.
     h = tl.program_id(0)
     j = tl.program_id(1)
+    i = tl.program_id(2)
+    n_pb = tl.num_programs(2)
     kh = h // G
-    pp = tl.arange(0, PP)
+    pp = i * PB + tl.arange(0, PB)
     pmask = pp < P
     # Scalar conditions enter the vector masks as limits (the interpreter mishandles
     # scalar & vector masks).
@@ -131,7 +136,7 @@ def _section_bwd_kernel(dd_ptr, dzb_ptr, du_ptr, wk_ptr, s_wkn, s_wkd, bk_ptr,
     # K = 768; the H100 ran this kernel at 13.5 µs against 4.0 predicted). The copy takes
     # BDC columns a step (the whole row at K <= 1024), the lite product loads one step ahead.
     k_w = tl.where(j < RW, K, 0)
-    for d0 in range(0, K, BDC):
+    for d0 in range(i * BDC, K, n_pb * BDC):
         dc = d0 + tl.arange(0, BDC)
         v = tl.load(dd_ptr + (h * R + j) * K + dc, mask=dc < k_w, other=0.0)
         tl.store(dwa_ptr + (h * RW + j) * K + dc, v.to(dwa_ptr.dtype.element_ty), mask=dc < k_w)
@@ -141,7 +146,7 @@ def _section_bwd_kernel(dd_ptr, dzb_ptr, du_ptr, wk_ptr, s_wkn, s_wkd, bk_ptr,
         row = RW + jr
         if SPLIT:
             row += RL
-        acc = tl.zeros((PP, BD), dtype=tl.float32)
+        acc = tl.zeros((PB, BD), dtype=tl.float32)
         db = tl.arange(0, BD)
         g_n = tl.load(dd_ptr + (h * R + row) * K + db, mask=db < K, other=0.0)
         w_n = tl.load(wk_ptr + (kh * P + pp[:, None]) * s_wkn + db[None, :] * s_wkd,
@@ -230,11 +235,33 @@ def section_backward(d_down: torch.Tensor, d_zb: torch.Tensor, d_up: torch.Tenso
     dla = _alloc.empty(H, RL, P, dtype=lite_A.dtype, device=dev) if need_lite_A else d_down
     dlb = _alloc.empty(H, P, RL, dtype=lite_B.dtype, device=dev)
     bk = b_k.contiguous() if b_k is not None else d_down
-    BD = _blk(K, 16, 64 if targets_gpu(dev) else 32)
-    _section_bwd_kernel[(H, max(RW, RL, 1))](
+    J = max(RW, RL, 1)
+    PB, BD = section_bwd_tiles(H * J, P, K, targets_gpu(dev))
+    _section_bwd_kernel[(H, J, cdiv(P, PB))](
         d_down, d_zb, d_up, w_k, *w_k.stride(), bk, dwa, dwb, dla, dlb,
         K, P, RW, RL, R, H // Hk,
         SPLIT=split, HAS_BK=b_k is not None, NEED_LA=need_lite_A,
-        RWP=next_pow2(RW), RLP=next_pow2(RL), PP=next_pow2(P), BD=BD,
+        RWP=next_pow2(RW), RLP=next_pow2(RL), PB=PB, BD=BD,
         BDC=_blk(K, 16, 1024 if targets_gpu(dev) else 32), num_warps=4)
     return (dwa if RW else None, dwb if RW else None, dla if need_lite_A else None, dlb)
+
+
+# programs :func:`section_bwd_tiles` aims the backward's grid at: about one per SM (132 on an
+# H100) once the kernel positions are split
+SECTION_BWD_PROGRAMS = 128
+
+
+def section_bwd_tiles(rows: int, P: int, K: int, gpu: bool) -> Tuple[int, int]:
+    """(PB, BD) of :func:`_section_bwd_kernel` for ``rows`` = H·max(RW, RL, 1) programs per
+    kernel-position block: on a GPU the p positions split into blocks until the grid has
+    about ``SECTION_BWD_PROGRAMS`` programs (at least 8 positions a block), and the product's
+    (PB × BD) tile kept at about 4K elements. One program per (head, row) was 8–16 programs at
+    the lite-qv-small presets' v section (one lite row), each reading its head's whole
+    p × d slice of W_k — at Llama-7B's GQA (8 key heads, p = 128, d = 4096) 27.6 µs of
+    PREDICTED memory time on 8 SMs. In the interpreter 4 positions a block and 32 columns,
+    so the small test shapes cross several blocks both ways."""
+    PP = next_pow2(P)
+    if not gpu:
+        return min(PP, 4), _blk(K, 16, 32)
+    PB = min(PP, max(8, next_pow2(cdiv(P, cdiv(SECTION_BWD_PROGRAMS, max(1, rows))))))
+    return PB, _blk(K, 16, max(64, 4096 // PB))
