@@ -76,6 +76,30 @@ def test_violation_rules():
     # float32 launches are not required to use tensor cores (IEEE dots by docs/math.md §4)
     st = dict(spill_bytes=0, dots=dict(dot_f32_ieee=2), sass={})
     assert R.launch_violations(st, ["fp32"]) == []
+    # a float32 dot on TF32 tensor cores is a defect in any launch
+    for dtypes in (["fp32"], ["bf16"]):
+        st = dict(spill_bytes=0, dots=dict(dot16=1, dot_tf32=1), sass=dict(hmma=3))
+        what = {v["what"]: v["value"] for v in R.launch_violations(st, dtypes)}
+        assert what["tf32_dot"] == 1
+
+
+def test_ttir_dots_tell_tf32_from_ieee():
+    """The TTIR printer omits a dot's default (IEEE) precision; only a line naming TF32 is a
+    TF32 dot — as Triton 3.6's combine pass printed the broadcast products it rewrote."""
+    from kfused.perf.compile import _ttir_dots
+
+    ttir = "\n".join([
+        "%4 = tt.dot %0, %1, %3 : tensor<128x64xf32> * tensor<64x8xf32> -> tensor<128x8xf32>",
+        "%5 = tt.dot %0, %1, %3, inputPrecision = ieee : tensor<16x16xf32> * tensor<16x16xf32>"
+        " -> tensor<16x16xf32>",
+        "%6 = tt.dot %0, %1, %3, inputPrecision = tf32 : tensor<128x4xf32> * tensor<4x16xf32>"
+        " -> tensor<128x16xf32>",
+        "%7 = tt.dot %q, %k, %c, inputPrecision = tf32 : tensor<128x64xbf16> * "
+        "tensor<64x64xbf16> -> tensor<128x64xf32>",
+        "%8 = tt.dot %a, %b, %c : tensor<16x16xf64> * tensor<16x16xf64> -> tensor<16x16xf64>",
+    ])
+    assert _ttir_dots(ttir) == {"dot16": 1, "dot_f32_ieee": 2, "dot_tf32": 1, "dot_f64": 1,
+                                "dot_other": 0}
 
 
 def test_update_known_refused_after_compile_failures(tmp_path, monkeypatch):

@@ -219,6 +219,12 @@ def _jsonable(v):
     return str(v)
 
 
+# Bumped when the statistics recorded per compile change meaning (2: "dot_tf32" counts only
+# float32 dots that name TF32; IEEE float32 dots, whose precision the TTIR omits, are
+# "dot_f32_ieee"), so that no cache or seed entry of the old meaning is reused.
+STATS_VERSION = 2
+
+
 def spec_key(fn, spec, arch: int) -> str:
     import triton
 
@@ -231,7 +237,8 @@ def spec_key(fn, spec, arch: int) -> str:
                        sorted((str(k), _jsonable(v)) for k, v in attrs.items()),
                        _jsonable(keep), arch, triton.__version__,
                        # unset = enabled in Triton <= 3.9 (options carry the effective flag)
-                       os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") or "1"], sort_keys=True)
+                       os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") or "1",
+                       STATS_VERSION], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -420,9 +427,12 @@ def write_seed(path: str, names: Sequence[str]) -> int:
 
 def _ttir_dots(ttir: str) -> Dict[str, int]:
     """tt.dot ops in the TTIR by operand element type (f16/bf16 -> tensor-core able;
-    f32 / f64 -> CUDA cores unless TF32). "dot_f32_ieee" counts lines that print "ieee";
-    the TTIR printer may omit a default precision, so "dot_tf32" holds the other float32
-    dots (kfused requests IEEE for every float32 dot; see report.launch_violations)."""
+    f32 / f64 -> CUDA cores unless TF32). A float32 dot counts as "dot_tf32" only when its
+    line names a TF32 precision (``inputPrecision = tf32`` / ``tf32x3``): IEEE is the op's
+    default, which the printer omits. kfused requests IEEE for every float32 dot, so a
+    "dot_tf32" is a defect (report.launch_violations): Triton <= 3.6's combine pass turned
+    plain broadcast-and-sum products into TF32 dots (see
+    kfused.triton_kernels._common._bcast_mm), which the CPU interpreter never shows."""
     out = {"dot16": 0, "dot_f32_ieee": 0, "dot_tf32": 0, "dot_f64": 0, "dot_other": 0}
     for line in ttir.splitlines():
         if "tt.dot " not in line and "tt.dot\t" not in line:
@@ -432,7 +442,8 @@ def _ttir_dots(ttir: str) -> Dict[str, int]:
         if ety in ("f16", "bf16"):
             out["dot16"] += 1
         elif ety == "f32":
-            out["dot_f32_ieee" if "ieee" in line else "dot_tf32"] += 1
+            tf32 = re.search(r"inputPrecision\s*=\s*tf32", line)
+            out["dot_tf32" if tf32 else "dot_f32_ieee"] += 1
         elif ety == "f64":
             out["dot_f64"] += 1
         else:

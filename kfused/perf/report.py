@@ -118,12 +118,15 @@ def launch_violations(stats: dict, dtypes: List[str]) -> List[dict]:
     dots = stats.get("dots", {})
     n_dots = sum(dots.values()) if dots else 0
     sass = stats.get("sass", {})
+    # a float32 dot on TF32 tensor cores: kfused never asks for one (docs/math.md §4 wants
+    # IEEE float32), so the compiler made it (Triton <= 3.6 rewrote broadcast-and-sum
+    # products into TF32 dots: kfused.triton_kernels._common._bcast_mm) — any dtype
+    if dots.get("dot_tf32", 0):
+        v.append(dict(what="tf32_dot", value=int(dots["dot_tf32"])))
     if sixteen and n_dots:
         if not (sass.get("hgmma", 0) or sass.get("hmma", 0)):
             v.append(dict(what="no_tensor_core", value=1))
-        # float32/float64 operand dots run on CUDA cores (kfused never requests TF32: docs/math.md §4
-        # asks IEEE float32; the TTIR printer omits the default precision, so both float32
-        # buckets count here)
+        # float32/float64 operand dots run on CUDA cores
         cc = dots.get("dot_f32_ieee", 0) + dots.get("dot_tf32", 0) + dots.get("dot_f64", 0)
         if cc:
             v.append(dict(what="cuda_core_dots", value=int(cc)))

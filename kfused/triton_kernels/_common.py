@@ -41,15 +41,34 @@ def _mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr = tl.
         if PREC == "ieee":
             # float32/float64 inputs: float64 products are exact for float32 operands, so
             # this path matches an IEEE FMA dot
-            prod = a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :]
+            return _bcast_mm(a.to(tl.float64), b.to(tl.float64)).to(ACC)
         else:
             # 16-bit inputs (PREC "tf32"): float32 products and sums — exact products of
             # 16-bit operands, one rounding for a float32 operand (a float32 sum carried
             # into the next product), so at least as accurate as the tensor-core dot, which
             # accumulates in float32 too; float64 here cost the CUDA cores 2x (sm_90 DFMA
             # rate) for no accuracy the 16-bit result can keep
-            prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-        return tl.sum(prod, axis=1).to(ACC)
+            return _bcast_mm(a.to(tl.float32), b.to(tl.float32)).to(ACC)
+
+
+@triton.jit
+def _bcast_mm(a, b):
+    """a (M, K) @ b (K, N) as broadcast products summed over K on the CUDA cores, in the
+    operands' (float32 / float64) dtype: every product exact, one FMA chain.
+
+    Written plainly (``tl.sum(a[:, :, None] * b[None, :, :], 1)``) the float32 product is
+    rewritten by Triton's combine pass into a ``tt.dot``, which Triton 3.6 (the GPU machine's)
+    gives TF32 precision (upstream fix triton-lang/triton#9831; Triton 3.9 makes it IEEE):
+    a tensor-core ``mma.sync.m16n8k8 ... tf32`` even at K = 2 or 4, and float32 operands cut to
+    10 mantissa bits — neither of which the CPU interpreter (it ignores dot precision) shows.
+    Compiled with Triton 3.6 for sm_90, the KronA factor-gradient kernel of exactly the three
+    factor shapes the H100 failed on (9×3/3×5, 32×16/2×64, 1×10/5×5; K = 4, 2, 2) had such a
+    dot, and of none of the seven shapes that passed. The + 0.0 on b's expanded operand
+    (exact: x + 0 = x but for the sign of a zero) puts an op between the expansion and the
+    broadcast, which that pattern requires to be adjacent; a Triton that still folds the
+    product makes an IEEE dot (FMA), the same numbers. tests/test_kernel_source_rules.py keeps
+    every such product in the kernels on this helper."""
+    return tl.sum(a[:, :, None] * (b[None, :, :] + 0.0), axis=1)
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import cdiv, F32, _blk, next_pow2, targets_gpu, tl_dtype
+from kfused.triton_kernels._common import (cdiv, F32, _bcast_mm, _blk, next_pow2,
+                                           targets_gpu, tl_dtype)
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _section_fwd_kernel(wa_ptr, s_wah, s_war, s_wad, wb_ptr, s_wbh, s_wbp, s_wbr
                       mask=lmask[:, None] & (ps < P)[None, :], other=0.0)
         w_n = tl.load(wk_ptr + (kh * P + ps[:, None]) * s_wkn + ds[None, :] * s_wkd,
                       mask=(ps < P)[:, None] & dmask[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        acc += _bcast_mm(a.to(tl.float32), w.to(tl.float32))     # (no TF32: see _bcast_mm)
     rows = down_ptr + (h * R + RW + jl[:, None]) * K + ds[None, :]
     m2 = lmask[:, None] & dmask[None, :]
     if SPLIT:

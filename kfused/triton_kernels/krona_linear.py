@@ -111,7 +111,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kfused import _alloc, tuning
-from kfused.triton_kernels._common import (_grouped_tile, _mm, _row_block_sum, acc_dtype, cdiv,
+from kfused.triton_kernels._common import (_bcast_mm, _grouped_tile, _mm, _row_block_sum, acc_dtype, cdiv,
                                            dot_precision, grid_programs, host_config,
                                            inter_dtype, next_pow2, resident_ctas, targets_gpu,
                                            use_dot)
@@ -1197,7 +1197,7 @@ def _kron_narrow_grad_kernel(
                 db += tl.where(rn[:, None] == l, db_l[None, :], 0.0).to(RACC)
             if COMPUTE_DX:
                 l_ok = tl.full((1, 1), l, tl.int32) < n       # (n may arrive as a constexpr)
-                dx_l = tl.sum(w_l[:, :, None] * a[None, :, :], axis=1)           # (BT, BK)
+                dx_l = _bcast_mm(w_l, a)                     # (BT, BK); no TF32: see _bcast_mm
                 tl.store(DX + t[:, None] * stride_dxt + rk[None, :] * xk + l * xl,
                          (dx_l * scale).to(DX.dtype.element_ty),
                          mask=t_ok[:, None] & k_ok[None, :] & l_ok)
