@@ -51,11 +51,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")
+    # FMA contraction as kfused perf compiles (Triton 3.9 warns when unset; 3.10 flips it)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.compiler import ASTSource
 
     from kfused.perf.cases import all_cases
-    from kfused.perf.compile import _target, cubin_stats, jit_spec
+    from kfused.perf.compile import _target, _ttir_dots, cubin_stats, jit_spec
     from kfused.perf.trace import trace
 
     case = next((c for c in all_cases() if args.case in c.label), None)
@@ -86,6 +88,9 @@ def main(argv=None) -> int:
         print(f"   registers {st.get('regs')}, spill {st.get('local', 0)} B, shared "
               f"{getattr(k.metadata, 'shared', 0)} B, warps {k.metadata.num_warps}, "
               f"stages {k.metadata.num_stages}; {loop_summary(k.asm['ttgir'])}; {stem}.*")
+        dots = {n: c for n, c in _ttir_dots(k.asm["ttir"]).items() if c}
+        print(f"   dots {dots or 'none'}" + ("  <- float32 TF32 dot (see _common._bcast_mm)"
+                                           if dots.get("dot_tf32") else ""))
     return 0
 
 
