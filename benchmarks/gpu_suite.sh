@@ -27,13 +27,15 @@
 #   check         python -m kfused.cli.main check (every kernel vs the float64 reference)
 #   quick         every benchmark family with --quick, quick cases first
 #   bench:<op>    one benchmark family in full (krona, headwise, inducer, e2e)
-#   perf          the performance model's predicted table and JSON for this commit, to set
-#                 beside the measured benchmark JSON (RESULTS.md: predicted vs measured)
+#   perf          the performance model's predicted table and JSON for this commit and this
+#                 GPU (kfused perf --device: h100, h200), to set beside the measured benchmark
+#                 JSON (RESULTS.md: predicted vs measured)
 #   results       RESULTS.md in WORK from every bench JSON of the run: measured ratio against
 #                 each issue's target, met or not, the predicted ratio and time beside it, per
 #                 case and per kernel (python -m kfused.cli.main results; the prediction is
 #                 perf_predicted.json when the perf stage ran, else the committed
-#                 benchmarks/results/predicted/perf-latest.json, whose commit it names)
+#                 benchmarks/results/predicted/perf-latest.json — perf-h200.json on an H200 —
+#                 whose commit it names)
 #   demo          the main job with --runs both: fused kernels vs the unfused reference on the
 #                 same data order (loss curves overlaid, largest loss difference, tokens/s, peak
 #                 memory; issue 18 item 3); DEMO_ARGS adds options (e.g. "--steps 8")
@@ -73,6 +75,13 @@ export PYTHONUNBUFFERED=1
 status=0
 py() { timeout "$LIMIT" python3 "$@"; }
 note() { echo "$*" | tee -a "$WORK/summary.txt"; }
+# the performance model's key for this GPU (kfused.perf.roofline.DEVICES; h100 when unknown)
+model_device() {
+  local name
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) || true
+  python3 -c "import sys; from kfused.perf.roofline import device_key
+print(device_key(sys.argv[1]) or 'h100')" "$name" 2>/dev/null || echo h100
+}
 
 {
   echo "== $(date -u +%FT%TZ) stages: $STAGES"
@@ -298,8 +307,8 @@ for stage in "${LIST[@]}"; do
       grep -v "^bench " "$WORK/bench_$op.log" | tail -40 ;;
     perf)
       if python3 -c "import kfused.perf" 2>/dev/null; then
-        py -m kfused.cli.main perf --arch 90 --json "$WORK/perf_predicted.json" \
-          >"$WORK/perf.log" 2>&1 || status=1
+        py -m kfused.cli.main perf --arch 90 --device "$(model_device)" \
+          --json "$WORK/perf_predicted.json" >"$WORK/perf.log" 2>&1 || status=1
         tail -40 "$WORK/perf.log"
       else
         echo "perf: no performance model in this checkout" | tee "$WORK/perf.log"
@@ -307,7 +316,10 @@ for stage in "${LIST[@]}"; do
     results)
       # the prediction of this run's commit (perf stage), else the committed one (the model
       # needs no GPU: regenerate it on a CPU rather than spend device time on it)
+      # (an H200: the committed H200 prediction, the same model with HBM3e bandwidth)
       pred=(--predicted benchmarks/results/predicted/perf-latest.json)
+      [ "$(model_device)" = h200 ] && [ -f benchmarks/results/predicted/perf-h200.json ] && \
+        pred=(--predicted benchmarks/results/predicted/perf-h200.json)
       [ -f "$WORK/perf_predicted.json" ] && pred=(--predicted "$WORK/perf_predicted.json")
       py -m kfused.cli.main results "$WORK/bench" "${pred[@]}" --out "$WORK/RESULTS.md" \
         >"$WORK/results.log" 2>&1 || status=1

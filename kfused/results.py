@@ -224,6 +224,7 @@ class Prediction:
 
     cases: Dict[tuple, List[dict]]
     commit: Optional[str] = None
+    device: str = "h100"      # the GPU the model predicted for (kfused perf --device)
 
 
 def load_predicted(path) -> Prediction:
@@ -240,7 +241,8 @@ def load_predicted(path) -> Prediction:
         k = case_key(c["op"], c["shape"], "kfused-triton")
         if k is not None:
             out.setdefault(k, []).append(c)
-    return Prediction(out, (data.get("versions") or {}).get("commit"))
+    return Prediction(out, (data.get("versions") or {}).get("commit"),
+                      str((data.get("constants") or {}).get("DEVICE", "h100")))
 
 
 def _pred_case(pred: Optional[Prediction], op: str, shape: dict, subject: str,
@@ -334,6 +336,17 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                      f"{f'{cp:.0f}' if cp else '—'} | {f'{mm:.0f}' if mm else '—'} | "
                      f"{m.get('quick', False)} | {m.get('complete', True)} |")
     lines.append("")
+    if pred is not None:
+        from kfused.perf.roofline import DEVICES, device_key
+        other = sorted({str(r["meta"].get("device")) for r in runs
+                        if r["meta"].get("device_type", "cuda") == "cuda"
+                        and device_key(str(r["meta"].get("device"))) != pred.device})
+        if other:
+            lines += [f"**The prediction models an {DEVICES.get(pred.device, {}).get('NAME', pred.device)}"
+                      f"; measured on {', '.join(other)}:** predicted against measured "
+                      "compares different devices (regenerate it with `kfused perf --device "
+                      "<key>` where the model knows the device: "
+                      f"{', '.join(sorted(DEVICES))}).", ""]
     cpu = [Path(r["path"]).name for r in runs if r["meta"].get("device_type", "cuda") != "cuda"]
     if cpu:
         lines += [f"**Not a GPU run ({', '.join(cpu)}): the Triton kernels ran in the "

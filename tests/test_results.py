@@ -145,6 +145,42 @@ def test_render_puts_predicted_beside_measured_from_the_model_json():
     assert line.endswith("| **NO** | — |") or "| **NO** | " in line
 
 
+def test_a_run_on_another_device_than_the_model_says_so():
+    """The committed prediction models an H100; a run measured on an H200 gets a line saying
+    predicted against measured compares different devices; an H100 run does not."""
+    pred = results.load_predicted(PERF_LATEST)
+    assert pred.device == "h100"
+    h200 = dict(META, device="NVIDIA H200")
+    text = results.render([{"path": "/x/k.json", "meta": h200, "rows": _rows()}], pred, "p.json")
+    assert "**The prediction models an H100 SXM5; measured on NVIDIA H200:**" in text
+    assert "kfused perf --device" in text
+    text = results.render([{"path": "/x/k.json", "meta": META, "rows": _rows()}], pred, "p.json")
+    assert "The prediction models" not in text
+    pred.device = "h200"
+    text = results.render([{"path": "/x/k.json", "meta": h200, "rows": _rows()}], pred, "p.json")
+    assert "The prediction models" not in text
+
+
+def test_the_model_predicts_memory_bound_work_faster_on_an_h200():
+    from kfused.perf import roofline as R
+
+    assert R.device_key("NVIDIA H200") == "h200" and R.device_key("NVIDIA H100 80GB HBM3") \
+        == "h100" and R.device_key("NVIDIA A100-SXM4-80GB") is None
+    work = {"hbm_bytes": 3e9}
+    try:
+        t100 = R.predict(work, {}, 1000, 2)["t"]
+        R.use_device("h200")
+        assert R.CONSTANTS["DEVICE"] == "h200" and R.HBM_BW == 4.3e12
+        t200 = R.predict(work, {}, 1000, 2)["t"]
+        assert t200 < t100 and abs((t100 - R.KERNEL_OVERHEAD_S) / (t200 - R.KERNEL_OVERHEAD_S)
+                                   - 4.3 / 3.0) < 1e-9
+        with pytest.raises(ValueError, match="h100, h200"):
+            R.use_device("a100")
+    finally:
+        R.use_device("h100")
+    assert R.HBM_BW == 3.0e12 and R.CONSTANTS["DEVICE"] == "h100"
+
+
 def test_cli_writes_refuses_foreign_files_and_replaces_its_own(tmp_path, capsys):
     bench = tmp_path / "bench"
     bench.mkdir()

@@ -206,15 +206,20 @@ def load_known() -> List[dict]:
 
 
 def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=True,
-            with_representative=True, structure_only=False) -> dict:
+            with_representative=True, structure_only=False, device="h100") -> dict:
     from kfused.perf import cases as C
     from kfused.perf import roofline as R
     from kfused.perf.compile import (compile_many, constexpr_summary, csrc_stats, jit_spec,
                                      spec_dtypes)
 
     t0 = time.time()
+    # traced first, on the H100 profile: the ops' own roofline choices at run time (the
+    # per-head fold plans) read the H100 constants on every GPU, so the launches predicted for
+    # another device are the ones that run there
+    R.use_device("h100")
     traced = collect(ops)
     rep = representative_launches(ops) if with_representative else []
+    R.use_device(device)
     all_launches = [L for _, ls, _ in traced for L in ls] + [L for _, ls in rep for L in ls]
     items, _ = _spec_items(all_launches, archs)
     results = compile_many(items, jobs=jobs)
@@ -229,7 +234,7 @@ def analyse(ops=None, archs=(90, 80), jobs=2, with_csrc=True, with_grounding=Tru
 
     report = dict(label=LABEL, versions=_versions(),
                   date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
-                  constants=R.CONSTANTS, archs=list(archs), cases=[], launches=[],
+                  constants=dict(R.CONSTANTS), archs=list(archs), cases=[], launches=[],
                   failures=[], violations=[])
     seen_launch = set()
     for case, launches, glue in traced:
@@ -379,7 +384,10 @@ def _fmt_t(t: float) -> str:
 
 
 def table(report: dict) -> str:
-    out = ["PREDICTED (static roofline model of an H100 SXM5; nothing here was measured)", ""]
+    dev = (report.get("constants") or {}).get("DEVICE", "h100")
+    from kfused.perf import roofline as R
+    name = R.DEVICES.get(dev, {}).get("NAME", dev)
+    out = [f"PREDICTED (static roofline model of an {name}; nothing here was measured)", ""]
     out.append(f"{'case':<80} {'kfused':>11} {'min':>10} | target (issue)"
                f"{'':<38} {'pred. ratio':>11} {'limit':>6}  met")
     for c in report["cases"]:
@@ -516,6 +524,11 @@ def _archs(text: str) -> tuple:
     return archs
 
 
+def _devices():
+    from kfused.perf import roofline as R
+    return R.DEVICES
+
+
 def run(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -546,6 +559,9 @@ def run(argv=None) -> int:
                    help="rewrite kfused/perf/known_violations.json from this run (sm_90)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 on compile failures or violations beyond the known list")
+    p.add_argument("--device", choices=sorted(_devices()), default="h100",
+                   help="the GPU the model predicts for (default h100; h200: the same "
+                   "compute with HBM3e bandwidth)")
     a = p.parse_args(argv)
     ops = [o for o in a.ops.split(",") if o] or None
     # every refusal before the compile run (up to half an hour cold), none after it
@@ -593,7 +609,7 @@ def run(argv=None) -> int:
     report = analyse(ops, a.arch, a.jobs, with_csrc=not a.no_csrc,
                      with_grounding=not a.no_grounding,
                      with_representative=not a.no_representative,
-                     structure_only=a.structure_only)
+                     structure_only=a.structure_only, device=a.device)
     if path:  # replaced whole or not at all (kfused._files), like the other commands' reports
         def dump(tmp: str) -> None:
             with open(tmp, "w") as f:

@@ -81,6 +81,39 @@ CONSTANTS = {k: v for k, v in dict(
     L2_BW=L2_BW, SM_MEM_BW=SM_MEM_BW).items()}
 
 
+# The devices the model knows: what differs from the H100 SXM5 above. H200 SXM (datasheet):
+# the same GH100 compute (132 SMs, 989 TFLOP/s dense 16-bit, 50 MB L2) with HBM3e at 4.8 TB/s;
+# its achievable copy bandwidth is ASSUMED at the H100's 90 % of peak (4.3 TB/s) and its GEMM
+# ceiling at the H100's until a run measures them (bench JSON: "ceilings").
+DEVICES = {
+    "h100": dict(PEAK_HBM=3.35e12, HBM_BW=3.0e12, NAME="H100 SXM5"),
+    "h200": dict(PEAK_HBM=4.8e12, HBM_BW=4.3e12, NAME="H200 SXM"),
+}
+DEVICE = "h100"
+CONSTANTS["DEVICE"] = DEVICE
+
+
+def device_key(name: str):
+    """The model's key for a device name as torch reports it ("NVIDIA H200" -> "h200"), or
+    None for a device the model does not know."""
+    low = (name or "").lower()
+    for key in DEVICES:
+        if key in low:
+            return key
+    return None
+
+
+def use_device(key: str) -> None:
+    """Predict for device ``key`` (a key of DEVICES) from now on in this process: the module's
+    bandwidth constants (read at call time by every model) and CONSTANTS are replaced."""
+    global PEAK_HBM, HBM_BW, DEVICE
+    if key not in DEVICES:
+        raise ValueError(f"device {key!r}: the performance model knows {', '.join(DEVICES)}")
+    d = DEVICES[key]
+    PEAK_HBM, HBM_BW, DEVICE = d["PEAK_HBM"], d["HBM_BW"], key
+    CONSTANTS.update(PEAK_HBM=PEAK_HBM, HBM_BW=HBM_BW, DEVICE=key)
+
+
 def reread_bytes(size: float, passes: float) -> float:
     """HBM bytes for an operand of ``size`` bytes read in ``passes`` passes (L2 rule above)."""
     if passes <= 1:
