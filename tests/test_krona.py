@@ -170,12 +170,13 @@ def test_narrow_plan_orientations():
 
 
 # The 16-bit shapes the H100 run of 2026-11-27 failed (kron_matvec, krona_linear and its
-# folded path; the reports were lost with the phase's cut), unexplained since: none fails in
-# the interpreter with GPU block sizes (KFUSED_GPU_CONFIGS=1, that run's seed), and two of
-# them take no tensor-core product in the factor-gradient kernel (every padded dim of a
-# product below 16 except the 16 itself). Their factor gradients under several launch
-# configurations of the standard kernel: a failing configuration names the tokens per step
-# and warps that break, which is what the next GPU run should say.
+# folded path; the reports were lost with the phase's cut): none fails in the interpreter
+# with GPU block sizes (KFUSED_GPU_CONFIGS=1, that run's seed). Compiled with that machine's
+# Triton 3.6, the factor-gradient kernel of exactly these shapes had a float32 broadcast
+# product rewritten into a TF32 tensor-core dot with K = 2 or 4 (see _common._bcast_mm, now
+# used for every such product; tests/test_kernel_source_rules.py). Their factor gradients
+# under several launch configurations of the standard kernel, so that the next GPU run shows
+# the fix under each (a failing configuration names its tokens per step and warps).
 SWEEP_SHAPES = [(9, 3, 3, 5), (32, 16, 2, 64), (1, 10, 5, 5)]
 SWEEP_CONFIGS = [None, {"BT": 1, "num_warps": 1}, {"BT": 1, "num_warps": 4},
                  {"BT": 4, "num_warps": 4}, {"BT": 16, "num_warps": 8}]
