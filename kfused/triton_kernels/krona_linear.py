@@ -111,10 +111,10 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from kfused import _alloc, tuning
-from kfused.triton_kernels._common import (_bcast_mm, _grouped_tile, _mm, _row_block_sum, acc_dtype, cdiv,
-                                           dot_precision, grid_programs, host_config,
-                                           inter_dtype, next_pow2, resident_ctas, targets_gpu,
-                                           use_dot)
+from kfused.triton_kernels._common import (_bcast_mm, _blk, _grouped_tile, _mm, _row_block_sum,
+                                           acc_dtype, cdiv, dot_precision, grid_programs,
+                                           host_config, inter_dtype, next_pow2, resident_ctas,
+                                           targets_gpu, use_dot)
 
 
 @triton.jit
@@ -1459,7 +1459,7 @@ def _sum_partials_tiles(n_rows: int, gpu: bool) -> Tuple[int, int]:
     small test shapes cross several row and column blocks."""
     if not gpu:
         return 8, 32
-    return min(256, max(16, triton.next_power_of_2(n_rows))), 16
+    return _blk(n_rows, 16, 256), 16
 
 
 @host_config
