@@ -342,9 +342,10 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                         if r["meta"].get("device_type", "cuda") == "cuda"
                         and device_key(str(r["meta"].get("device"))) != pred.device})
         if other:
-            lines += [f"**The prediction models an {DEVICES.get(pred.device, {}).get('NAME', pred.device)}"
-                      f"; measured on {', '.join(other)}:** predicted against measured "
-                      "compares different devices (regenerate it with `kfused perf --device "
+            modelled = DEVICES.get(pred.device, {}).get("NAME", pred.device)
+            lines += [f"**The prediction models an {modelled}; measured on "
+                      f"{', '.join(other)}:** predicted against measured compares different "
+                      "devices (regenerate it with `kfused perf --device "
                       "<key>` where the model knows the device: "
                       f"{', '.join(sorted(DEVICES))}).", ""]
     cpu = [Path(r["path"]).name for r in runs if r["meta"].get("device_type", "cuda") != "cuda"]
