@@ -874,6 +874,18 @@ def test_bad_inputs():
     from kfused.backends import BackendError
     with pytest.raises(BackendError):
         headwise_lowrank(x.double(), A.double(), B.double(), backend="triton")
+    # rank 0 (hostile probe, 2026-11-28): the Triton backward left lowrank's bias.grad unset
+    # and crashed inside the q|k|v unpack kernel; refused on every backend
+    with pytest.raises(ValueError, match="rank r = 0"):
+        headwise_lowrank(x, A[:, :0], B[:, :, :0], torch.randn(H, p))
+    for part in ("wise", "lite", "shared"):
+        if part == "shared":
+            f = HeadFactors(shared_A=torch.randn(0, d), shared_B=torch.randn(H * p, 0))
+        else:
+            f = HeadFactors(**{f"{part}_A": torch.randn(H, 0, d if part == "wise" else p),
+                               f"{part}_B": torch.randn(H, p, 0)})
+        with pytest.raises(ValueError, match=rf"q.{part}_A has shape .*rank 0"):
+            headwise_qkv(x, w, w, w, n_heads=H, q=f)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -341,6 +341,49 @@ def test_fully_masked_rows_finite():
     assert torch.all(o[0, 0, :5] == 0) and torch.isfinite(o).all()
 
 
+def test_empty_rows_have_lambda_exactly_one():
+    """A row with no visible key has s0 − LSE = +inf: λ = 1 and 1 − λ = 0 exactly. The
+    forward clamped s0 − LSE to ±88, so 1 − λ was 6e-39 and the key MLP's gradients (through
+    ds0 = dλ λ (1 − λ)) ~1e-38 where the float64 reference's are 0; with large scores
+    (s0 − LSE > 88) the gate's dk, dv were ~1e-37 against ~1e-56."""
+    B, H, p = 2, 2, 32
+    X = {k_: t.float().to(DEVICE) for k_, t in _qkv(B, H, 5, p, n_k=6).items()}
+    P = {k_: t.float().to(DEVICE) for k_, t in _params(H, p).items()}
+    mask = torch.zeros(B, 6, dtype=torch.bool, device=DEVICE)
+    kern = lambda **a: inducer_attention(**a, key_padding_mask=mask, backend="triton")  # noqa: E731
+    ref = lambda **a: inducer_attention_ref(**a, key_padding_mask=mask)  # noqa: E731
+    assert_against_reference(kern, ref, {**X, **P}, torch.float32, DEVICE)
+    leaves = {k_: P[k_].clone().requires_grad_(True) for k_ in ("Ak", "ak", "Bk", "ck")}
+    out, u = kern(**X, **{**P, **leaves})
+    grads = torch.autograd.grad(out.sum() + u.sum(), list(leaves.values()))
+    assert all(torch.all(g == 0) for g in grads)
+    # scores far above the inducer column (gate: f weighted by 1 − λ ≈ e^-65)
+    X = {k_: t.float().to(DEVICE) for k_, t in _qkv(B, H, 6, p, n_k=9).items()}
+    X["q"] = X["q"] * 6
+    P = {k_: t.float().to(DEVICE) for k_, t in _params(H, p, composition="gate").items()}
+    kern = lambda **a: inducer_attention(**a, composition="gate", causal=True,  # noqa: E731
+                                         backend="triton")[0]
+    ref = lambda **a: inducer_attention_ref(**a, composition="gate", causal=True)[0]  # noqa: E731
+    assert_against_reference(kern, ref, {**X, **P}, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_double_backward_says_it_is_unsupported(varlen):
+    """torch's generic "no autograd formula was registered" reached the user before."""
+    q, k, v = (torch.randn(1, 2, 4, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    if varlen:
+        from kfused.ops import inducer_attention_varlen
+        cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+        f, _ = inducer_attention_varlen(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu,
+                                        backend="triton")
+    else:
+        f, _ = inducer_attention(q, k, v, backend="triton")
+    (gq,) = torch.autograd.grad(f.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"double backward is not supported by "
+                                           r"kfused\.inducer_attention"):
+        torch.autograd.grad(gq.sum(), q)
+
+
 def test_prefix_len_zero_is_plain_attention():
     X = {k_: t.float().to(DEVICE) for k_, t in _qkv(1, 2, 20, 32).items()}
     empty = torch.zeros(2, 0, 32, device=DEVICE)

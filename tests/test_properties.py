@@ -797,6 +797,22 @@ def test_spec4_infinite_torch_error_fails():
             assert not r.ok and "not finite" in r.detail, r
 
 
+def test_spec4_reference_below_float32_range():
+    """A reference whose every element rounds to 0 in float32 (~1e-52: an inducer gate's
+    gradient through 1 − λ ~ 1e-65) has no float32 answer but 0, whose relative error is 1:
+    the relative clause failed the correctly rounded kernel. It still fails a kernel off by
+    more than the absolute clause allows, and the relative clause still holds elsewhere."""
+    from kfused.testing import compare
+
+    ref = torch.tensor([1.7e-52, -3.0e-53, 0.0], dtype=F64)
+    zero = torch.zeros(3, dtype=torch.float32)
+    assert compare("t", zero, ref, zero, torch.float32).ok
+    assert not compare("t", torch.full((3,), 1e-38), ref, zero, torch.float32).ok
+    big = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
+    off = big.float() * (1 + 3e-4)
+    assert not compare("t", off, big, off, torch.float32).ok    # rel 3e-4 ≥ 1e-4
+
+
 def test_check_against_reference_compares_every_output():
     """A kernel returning fewer (or more) outputs than the reference, or out_names naming fewer,
     was compared on the common prefix only (zip) and passed."""

@@ -139,20 +139,31 @@ def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
         raise ValueError(f"{name}: wise_c needs wise_A and wise_B")
     if f.lite_c is not None and f.lite_A is None:
         raise ValueError(f"{name}: lite_c needs lite_A and lite_B")
+    def rank(attr, r):
+        # a rank-0 part is no update, and the Triton backward cannot take it (a rank-0 wise
+        # part crashed inside the unpack kernel)
+        if r == 0:
+            raise ValueError(f"{name}.{attr} has shape {tuple(getattr(f, attr).shape)}: rank 0 "
+                             f"is no update; pass {attr} = None (and its partner) to leave that "
+                             "part out")
+
     if f.shared_A is not None:
         _validate.check_tensor(f"{name}.shared_A", f.shared_A, ndim=2)
         rs = f.shared_A.shape[0]
+        rank("shared_A", rs)
         chk("shared_A", (rs, d), "(r_s, d_in)")
         chk("shared_B", (H * p, rs), "(H·p, r_s)")
     if f.wise_A is not None:
         _validate.check_tensor(f"{name}.wise_A", f.wise_A, ndim=3)
         r = f.wise_A.shape[1]
+        rank("wise_A", r)
         chk("wise_A", (H, r, d), "(H, r, d_in)")
         chk("wise_B", (H, p, r), "(H, p, r)")
         chk("wise_c", (H, p), "(H, p)")
     if f.lite_A is not None:
         _validate.check_tensor(f"{name}.lite_A", f.lite_A, ndim=3)
         r = f.lite_A.shape[1]
+        rank("lite_A", r)
         chk("lite_A", (H, r, p), "(H, r, p): lite uses the p-wide key head as basis")
         chk("lite_B", (H, p, r), "(H, p, r)")
         chk("lite_c", (H, p), "(H, p)")

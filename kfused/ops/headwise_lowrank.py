@@ -212,6 +212,10 @@ def headwise_lowrank(basis: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     _validate.check_tensor("A", A, ndim=3)
     _validate.check_tensor("B", B, ndim=3)
     H, r, db_ = A.shape
+    if r == 0:
+        # (the Triton backward's bias sum ran no program at r = 0: bias.grad came back unset)
+        raise ValueError(f"A has shape {tuple(A.shape)}: rank r = 0 is no update; r must be "
+                         ">= 1 (leave the adapter out instead)")
     if bias is not None:
         _validate.check_tensor("bias", bias, ndim=2)
     _validate.check_same("basis", basis, A=A, B=B, bias=bias)

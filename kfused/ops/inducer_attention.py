@@ -32,7 +32,7 @@ from torch import Tensor
 from kfused import _validate, cuda
 from kfused._memo import LastResult
 from kfused.backends import select_backend
-from kfused.ops._common import custom_op, kops, register_autograd
+from kfused.ops._common import custom_op, kops, no_double_backward, register_autograd
 from kfused.reference.inducer import check_seq_lens, inducer_attention_ref
 
 OP_NAME = "inducer_attention"
@@ -171,6 +171,7 @@ def _backward(ctx, dout, du, dlse, dlam, dstats, dout_lo):
 
 
 register_autograd(_triton_fwd, _backward, setup_context=_setup_context)
+register_autograd(_triton_bwd, no_double_backward("inducer_attention"))
 
 
 # ------------------------------------------------------------------------------------------

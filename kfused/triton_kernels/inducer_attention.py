@@ -387,13 +387,17 @@ def _fwd_rows(
     tl.store(STATS + N_ROWS + row, tl.where(has, 1.0 / l_safe, 0.0), mask=m_ok)
     if HAS_MLP:
         # epilogue: λ and 1 − λ both as sigmoids (1 − λ formed by subtraction loses its digits
-        # as λ → 1); |s0 − LSE| clamped to 88 (σ(±88) is already 1 / ~0), NaN kept
+        # as λ → 1), from e = exp(−|s0 − LSE|) ∈ [0, 1]: no overflow, σ(−x) = e / (1 + e)
+        # underflows as float32 does (exactly 0 for a row with no visible key, where
+        # s0 − LSE = +inf; a clamp of x to ±88 had left 1 − λ at 6e-39 there), NaN kept
         x_raw = s0 - lse
-        x = tl.minimum(tl.maximum(x_raw, -88.0), 88.0)
+        e = tl.exp(-tl.abs(x_raw))
         is_nan = x_raw != x_raw
-        lam = tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(-x)))
+        big = 1.0 / (1.0 + e)
+        small = e / (1.0 + e)
+        lam = tl.where(is_nan, x_raw, tl.where(x_raw >= 0, big, small))
         tl.store(LAM + row, lam, mask=m_ok)
-        tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, 1.0 / (1.0 + tl.exp(x))),
+        tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, tl.where(x_raw >= 0, small, big)),
                  mask=m_ok)
         offs_r = tl.arange(0, R_PAD)
         hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
