@@ -706,3 +706,14 @@ def test_directory_must_be_a_path(fn):
     args = (None,) if fn is read_checkpoint_config else (tiny(), None)
     with pytest.raises(TypeError, match="directory must be a path"):
         fn(*args)
+
+
+@pytest.mark.parametrize("fn", [save, load, read_checkpoint_config])
+def test_empty_directory_names_no_folder(fn, tmp_path, monkeypatch):
+    # save(model, '') wrote the checkpoint into the working directory (abspath('') is the cwd)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_notes.txt").write_text("user file")
+    args = ("",) if fn is read_checkpoint_config else (tiny(), "")
+    with pytest.raises(ValueError, match=f"{fn.__name__}: directory '' names no folder"):
+        fn(*args)
+    assert os.listdir(tmp_path) == ["my_notes.txt"]

@@ -622,3 +622,51 @@ def test_demo_fused_backend_that_cannot_run_is_a_usage_error(backend, text, tmp_
     err = capsys.readouterr().err
     assert f"--fused-backend {backend}" in err and text in err, err
     assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def test_out_with_a_checkpoint_save_would_refuse_is_refused_before_any_work(
+        tmp_path, monkeypatch, capsys):
+    # adapter_<m>/ holding a kfused_checkpoint.json kfused did not write passed the --out
+    # check: the run trained, then died in save() with a CheckpointError traceback
+    from kfused.cli import demo
+
+    def no_work(*a, **k):
+        raise AssertionError("started working with an --out it cannot write")
+
+    monkeypatch.setattr(demo, "_build_model", no_work)
+    ckpt = tmp_path / "adapter_lora"
+    ckpt.mkdir()
+    (ckpt / "kfused_checkpoint.json").write_text('{"format": "not-kfused"}')
+    assert run_demo(TINY + ["--steps", "1", "--methods", "lora", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the lora adapter checkpoint: cannot save to" in err and "not written by kfused" in err
+    assert (ckpt / "kfused_checkpoint.json").read_text() == '{"format": "not-kfused"}'
+    assert sorted(os.listdir(tmp_path)) == ["adapter_lora"]
+    (tmp_path / "adapter_krona").write_text("mine")  # a file where the checkpoint goes
+    assert run_demo(TINY + ["--steps", "1", "--methods", "krona", "--out", str(tmp_path)]) == 2
+    assert "adapter_krona: it exists and is a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("methods", [",", "", " , "])
+def test_methods_naming_no_method_is_a_usage_error(methods, tmp_path, capsys):
+    # --methods ',' ran the frozen base alone and wrote a report with no adapter rows (exit 0)
+    assert run_demo(TINY + ["--steps", "1", "--methods", methods, "--out",
+                            str(tmp_path / "o")]) == 2
+    assert "names no method" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_max_positions_of_a_model_numbering_positions_after_the_padding_index():
+    # RoBERTa numbers positions from padding_idx + 1: --seq-len was cut to
+    # max_position_embeddings, and the longest batch indexed past the position table
+    from kfused.cli.demo import _max_positions
+    from kfused.integration.models import tiny_model
+
+    torch.manual_seed(0)
+    rob = tiny_model("roberta", d_model=16, n_layers=1, n_heads=2, max_len=40).eval()
+    n = _max_positions(rob)
+    assert n == 40  # max_position_embeddings 42 - padding_idx 1 - 1
+    with torch.no_grad():
+        rob(input_ids=torch.randint(3, 100, (1, n)))
+    assert _max_positions(tiny_model("gpt2", d_model=16, n_layers=1, n_heads=2,
+                                     max_len=40)) == 40

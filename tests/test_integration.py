@@ -627,3 +627,141 @@ def test_inducer_prefix_refuse_attention_softcapping_at_inject(method):
     model = gemma2(None)
     inject(model, AdapterConfig(method=method, r=2, init=init, backend="reference"))
     assert model(input_ids=torch.randint(3, 64, (1, 5))).logits.isfinite().all()
+
+
+# ------------------------------------------------------------------------------------------
+# a probe of the integration layer: merge with mixed dtypes and all or nothing, options and
+# ranks checked by name, set_backend checked where given
+
+
+@pytest.mark.parametrize("base_dtype,adapter_dtype", [(torch.bfloat16, "float32"),
+                                                      (torch.float32, "bfloat16")])
+@pytest.mark.parametrize("method", ["kernel_wise_lite", "kernel_mix_lite"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_lite_merge_on_a_base_of_another_dtype(arch, method, base_dtype, adapter_dtype):
+    # merge() of the lite methods failed ("expected m1 and m2 to have the same dtype"): the
+    # frozen W_k in the base dtype met the adapter's factors in one einsum
+    model = make(arch).to(base_dtype).eval()
+    inject(model, AdapterConfig(method=method, backend="reference", init="random",
+                                adapter_dtype=adapter_dtype))
+    inputs = {"input_ids": batch(arch)["input_ids"]}
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        y0 = model(**inputs).logits.float()
+        merge(model)
+        y1 = model(**inputs).logits.float()
+        unmerge(model)
+    torch.testing.assert_close(y1, y0, rtol=0.05, atol=0.05)
+    after = model.state_dict()
+    assert all(torch.allclose(after[k].float(), v.float(), atol=0.02) for k, v in frozen.items())
+
+
+@pytest.mark.parametrize("unload", [False, True])
+def test_merge_is_all_or_nothing(unload, monkeypatch):
+    # a module failing to merge left the modules before it merged (merge_and_unload: folded
+    # and swapped out for their base layers, the adapter lost while kfused_state listed it)
+    from kfused.integration import adapter_modules, merge_and_unload, merged_modules
+
+    model = make("llama")  # 2 layers x (q, v): the third module fails
+    inject(model, AdapterConfig(method="lora", backend="reference", init="random"))
+    mods = list(adapter_modules(model).values())
+
+    def fail():
+        raise RuntimeError("simulated merge failure")
+
+    monkeypatch.setattr(mods[2], "merge", fail)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="simulated merge failure"):
+        (merge_and_unload if unload else merge)(model)
+    assert merged_modules(model) == []
+    assert [type(m) for m in adapter_modules(model).values()] == [LoRALinear] * 4
+    after = model.state_dict()  # (unmerge is exact up to the rounding of the add / subtract)
+    assert set(after) == set(weights)
+    assert all(torch.allclose(after[k], v, rtol=0, atol=1e-6) for k, v in weights.items())
+    monkeypatch.undo()
+    (merge_and_unload if unload else merge)(model)  # and it merges once the failure is gone
+    assert (get_state(model, required=False) is None) if unload else merged_modules(model)
+
+
+@pytest.mark.parametrize("shapes,exc,match", [
+    ([1, 2], TypeError, r"options\['krona_shapes'\] must be a dict"),
+    ({"transformer.h.0.attn.c_attn": 5}, ValueError,
+     r"options\['krona_shapes'\]\['transformer.h.0.attn.c_attn'\] must be \[a_shape, b_shape\]"),
+    ({"transformer.h.0.attn.c_attn": [[2, 4], [48]]}, ValueError, r"must be \[a_shape"),
+    ({"transformer.h.0.attn.c_atn": [[2, 4], [48, 8]]}, ValueError,
+     r"options\['krona_shapes'\] names \['transformer.h.0.attn.c_atn'\], which match no"),
+])
+def test_krona_shapes_option_is_checked(shapes, exc, match):
+    # a list gave an AttributeError, a bad entry "'int' object is not subscriptable", and a
+    # misspelt module name was dropped (its module took the default shapes)
+    model = make("gpt2", n_layers=1)
+    before = _model_fingerprint(model)
+    with pytest.raises(exc, match=match):
+        inject(model, AdapterConfig(method="krona", backend="reference",
+                                    options={"krona_shapes": shapes}))
+    assert _model_fingerprint(model) == before and get_state(model, required=False) is None
+    inject(model, AdapterConfig(method="krona", backend="reference", options={
+        "krona_shapes": {"transformer.h.0.attn.c_attn": [[2, 4], [48, 8]]}}))
+    assert model.transformer.h[0].attn.c_attn.A.shape == (2, 4)
+
+
+def test_a_parts_own_ranks_keys_are_checked():
+    # options[part]['ranks'] keys that match none of the part's targets were dropped silently
+    # (the same key in AdapterConfig.ranks is refused)
+    model = make("llama")
+    with pytest.raises(ValueError, match=r"options\['lora'\]\['ranks'\] keys \['vv'\] match no"):
+        inject(model, AdapterConfig(method="inducer_lora", backend="reference",
+                                    options={"lora": {"ranks": {"q": 2, "vv": 5}}}))
+    assert get_state(model, required=False) is None
+    inject(model, AdapterConfig(method="inducer_lora", backend="reference",
+                                options={"lora": {"ranks": {"q": 2, "v": 5}}}))
+    assert model.model.layers[0].self_attn.v_proj.r == 5
+
+
+@pytest.mark.parametrize("config,exc,match", [
+    (dict(method="lora", ranks={"qkv": (2, 3)}), ValueError,
+     r"ranks\['qkv'\] = \(2, 3\): method 'lora' takes one rank per target"),
+    (dict(method="parallel_adapter", ranks={"ffn": (2, 3)}), ValueError,
+     r"ranks\['ffn'\] = \(2, 3\): method 'parallel_adapter' takes one rank"),
+    (dict(method="kernel_wise", ranks={"q": (2, 3)}), ValueError,
+     r"ranks\['q'\] = \(2, 3\): method 'kernel_wise' takes one rank"),
+    (dict(method="mam", options={"prefix": {"options": [1]}}), TypeError,
+     r"options\['prefix'\]\['options'\] holds part 'prefix'.* must be a dict, got list"),
+])
+def test_rank_tuples_and_part_options_are_refused_by_name(config, exc, match):
+    # Python's bare "int() argument must be ..." / "'list' object is not a mapping"
+    model = make("gpt2")
+    before = _model_fingerprint(model)
+    with pytest.raises(exc, match=match):
+        inject(model, AdapterConfig(backend="reference", **config))
+    assert _model_fingerprint(model) == before and get_state(model, required=False) is None
+
+
+def test_set_backend_refuses_a_name_that_is_no_backend():
+    # set_backend(model, "bogus") was accepted and every later forward failed
+    from kfused.backends import BackendError
+
+    model = make("gpt2")
+    inject(model, AdapterConfig(method="krona", backend="reference"))
+    with pytest.raises(BackendError, match="backend='bogus' is not a backend"):
+        set_backend(model, "bogus")
+    assert model.transformer.h[0].attn.c_attn.backend == "reference"
+    set_backend(model, "Reference")
+    model(**batch("gpt2"))
+
+
+def test_prefix_position_offset_must_leave_a_learned_position():
+    # an offset at or past GPT-2's n_positions was accepted; every forward then failed inside
+    # torch.embedding
+    model = make("gpt2", max_len=32)
+    with pytest.raises(ValueError, match=r"options\['position_offset'\]=32 is at or past the "
+                                         r"end of this 'gpt2' model's 32 learned positions"):
+        inject(model, AdapterConfig(method="prefix", r=2, backend="reference",
+                                    options={"position_offset": 32}))
+    assert get_state(model, required=False) is None
+    inject(model, AdapterConfig(method="prefix", r=2, backend="reference",
+                                options={"position_offset": 20}))
+    assert model(input_ids=batch("gpt2")["input_ids"]).logits.isfinite().all()
+    llama = make("llama", max_len=32)  # rotary positions: no table to run past
+    inject(llama, AdapterConfig(method="prefix", r=2, backend="reference",
+                                options={"position_offset": 40}))

@@ -801,3 +801,24 @@ def test_lokr_per_module_factor_shapes_round_trip(tmp_path):
     back = PeftModel.from_pretrained(make("llama", d_ff=96), out).eval()
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, want)
+
+
+def test_path_arguments_say_what_is_wrong_with_them(tmp_path, monkeypatch):
+    # to_peft(m, None) gave os.fspath's "expected str, bytes or os.PathLike object", '<file>/sub'
+    # a bare FileExistsError from os.makedirs, and from_peft(model, <file>) "does not exist"
+    kf = kfused.inject(make("llama"), AdapterConfig(method="lora", backend="reference"))
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(TypeError, match=r"to_peft: path must be a path \(str or os.PathLike\), "
+                                        r"got NoneType None"):
+        kfused.to_peft(kf, None)
+    with pytest.raises(ValueError, match=r"to_peft: path .*afile/sub.* cannot take the export: "
+                                         r".*afile is not a directory"):
+        kfused.to_peft(kf, afile / "sub")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="to_peft: path '' names no folder"):
+        kfused.to_peft(kf, "")
+    with pytest.raises(NotADirectoryError, match=r"from_peft: PEFT adapter folder .*afile' is a "
+                                                 r"file, not a folder"):
+        kfused.from_peft(make("llama"), str(afile))
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and afile.read_text() == "mine"

@@ -435,3 +435,37 @@ def test_bench_skip_records_the_providers_not_run(tmp_path, monkeypatch, capsys)
     rows = json.loads(path.read_text())["rows"]
     assert [r["skipped"] for r in rows if r["provider"] == "eager"] == ["not run: --skip"]
     assert any("ms_p50" in r for r in rows if r["provider"] == "floor")
+
+
+def test_bench_skip_refuses_a_name_no_selected_family_provides(tmp_path, monkeypatch, capsys):
+    """`kfused bench --skip <misspelt>` was silently ignored and every provider ran: a usage
+    error (exit 2) naming the known providers, before anything runs; a provider of any
+    selected family is accepted."""
+    import kfused.cases
+    from kfused.cli import bench
+
+    real = kfused.cases.bench_cases
+    cases = {op: real(op, "cpu", torch.float32, quick=True) for op in ("krona", "headwise")}
+    monkeypatch.setattr(kfused.cases, "bench_cases", lambda op, *a, **k: cases[op][:1])
+
+    def no_run(*a, **k):
+        raise AssertionError("reached the measurements")
+
+    monkeypatch.setattr(bench, "device_ceilings", no_run)
+    with pytest.raises(SystemExit) as exc:
+        bench.run(["krona", "--device", "cpu", "--no-plot", "--skip", "eagr",
+                   "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --skip: no provider named eagr in krona; expected any of" in err
+    assert "eager" in err and "kfused-triton" in err
+    assert os.listdir(tmp_path) == []
+    # a provider of either selected family is accepted (the run then reaches the device
+    # ceilings, stopped there)
+    krona, headwise = ({p.name for c in cases[op] for p in c.providers}
+                       for op in ("krona", "headwise"))
+    names = sorted(krona - headwise)[:1] + sorted(headwise - krona)[:1]
+    assert len(names) == 2
+    with pytest.raises(AssertionError, match="reached the measurements"):
+        bench.run(["krona", "headwise", "--device", "cpu", "--no-plot", "--out",
+                   str(tmp_path), "--skip", ",".join(names)])

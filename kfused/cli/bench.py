@@ -303,6 +303,17 @@ def run(argv: Optional[List[str]] = None) -> int:
     unusable = folder_refusal(out_dir)  # a file, under one, not writable: before any case runs
     if unusable:
         p.error(f"argument --out: {unusable}")
+    # every op's cases (providers are built lazily: no tensor yet), so that --skip is checked
+    # against the providers of the selected families before anything runs
+    case_lists = {op: targets_first(bench_cases(op, device, DTYPES[args.dtype],
+                                                quick=args.quick)) for op in ops}
+    skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+    known = sorted({prov.name for cases in case_lists.values() for case in cases
+                    for prov in case.providers})
+    unknown = sorted(skip - set(known))
+    if unknown:
+        p.error(f"argument --skip: no provider named {', '.join(unknown)} in "
+                f"{', '.join(ops)}; expected any of {', '.join(known)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     rep = args.rep_ms if args.rep_ms is not None else (200 if device.type == "cuda" else 50)
     if device.type != "cuda":
@@ -324,8 +335,7 @@ def run(argv: Optional[List[str]] = None) -> int:
     t_end = None if args.time_limit is None else time.monotonic() + args.time_limit
     for op in ops:
         rows: List[dict] = []
-        case_list = targets_first(bench_cases(op, device, DTYPES[args.dtype], quick=args.quick))
-        skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+        case_list = case_lists[op]
         for case in case_list:
             for prov in case.providers:
                 if prov.name in skip and not prov.skip_reason:

@@ -194,9 +194,19 @@ def _inject_refusal(model, cfg) -> None:
     inject(probe, cfg)
 
 
+# model types that number positions from padding_idx + 1 (create_position_ids_from_input_ids):
+# the first padding_idx + 1 rows of their position table are never a token's
+_PADDING_OFFSET_POSITIONS = ("roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl",
+                             "camembert", "data2vec-text")
+
+
 def _max_positions(model) -> int:
+    """The longest sequence the model's positions allow."""
     cfg = model.config
-    return int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
+    n = int(getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings"))
+    if getattr(cfg, "model_type", None) in _PADDING_OFFSET_POSITIONS:
+        n -= int(getattr(cfg, "pad_token_id", None) or 0) + 1
+    return n
 
 
 def _adapter_config(name: str, args, backend: str):
@@ -473,10 +483,14 @@ def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
         if not _ours(report):  # the plot is ours when the report beside it is
             return (f"{path} exists and was not written by '{WRITER}' (no report of an "
                     f"earlier run beside it); not overwriting it")
-    for m in methods:
+    from kfused.integration.checkpoint import CheckpointError, _check_target
+
+    for m in methods:  # what kfused.save would refuse after the training
         ckpt = os.path.join(out, f"adapter_{m}")
-        if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
-            return f"{ckpt} (the {m} adapter checkpoint) exists and is not a directory"
+        try:
+            _check_target(ckpt)
+        except CheckpointError as exc:
+            return f"the {m} adapter checkpoint: {exc}"
     return None
 
 
@@ -602,6 +616,10 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.method or args.preset:
         methods = [args.preset or args.method]
+    if not methods:  # the frozen base alone, a report with no adapter rows
+        print(f"kfused demo: --methods {args.methods!r} names no method; give a comma list "
+              f"of presets or methods, e.g. {DEFAULT_METHODS}", file=sys.stderr)
+        return 2
     runs_wanted = args.runs
     notes: List[str] = []
     if runs_wanted == "auto":

@@ -426,10 +426,15 @@ def _describe(model: nn.Module) -> Dict[str, object]:
             "arch": state.arch, **model_dims(m)}
 
 
-def _path_arg(directory, fn: str) -> str:
+def _path_arg(directory, fn: str, arg: str = "directory") -> str:
+    """The folder argument ``arg`` of ``fn`` as an absolute path; '' is refused (it names no
+    folder: os.path.abspath('') is the working directory, kfused._files.folder_refusal)."""
     if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"{fn}: directory must be a path (str or os.PathLike), got "
+        raise TypeError(f"{fn}: {arg} must be a path (str or os.PathLike), got "
                         f"{type(directory).__name__} {directory!r}")
+    if not os.fspath(directory):
+        raise ValueError(f"{fn}: {arg} '' names no folder; pass a folder path (e.g. '.' for "
+                         "the working directory)")
     return os.path.abspath(os.fspath(directory))
 
 

@@ -157,25 +157,32 @@ class AdapterConfig:
                              "method's default); "
                              + "; ".join(f"{k!r} ({v})" for k, v in INITS.items()))
 
-    def rank_for(self, role: Optional[str], name: str = "") -> Rank:
+    def rank_for(self, role: Optional[str], name: str = "", single: bool = False) -> Rank:
         """The rank for one target: ``ranks[role]``, else a ranks key that is a suffix of the
-        module name, else ``r``."""
+        module name, else ``r``. ``single``: the method takes one rank per target, and a
+        tuple is refused (ValueError naming the key)."""
         if role is not None and role in self.ranks:
-            return self._used(role)
+            return self._used(role, single)
         for k in self.ranks:
             if name == k or name.endswith("." + k):
-                return self._used(k)
+                return self._used(k, single)
         return self.r
 
-    def rank_of(self, key: str) -> Rank:
+    def rank_of(self, key: str, single: bool = False) -> Rank:
         """``ranks[key]`` if given, else ``r`` (methods that look ranks up by their own keys,
-        e.g. the per-head projections q, v, o)."""
-        return self._used(key) if key in self.ranks else self.r
+        e.g. the per-head projections q, v, o); ``single`` as for :meth:`rank_for`."""
+        return self._used(key, single) if key in self.ranks else self.r
 
-    def _used(self, key: str) -> Rank:
+    def _used(self, key: str, single: bool = False) -> Rank:
         for used in _RANK_KEYS_USED:  # inject() checks that every ranks key was used
             used.add(key)
-        return self.ranks[key]
+        value = self.ranks[key]
+        if single and not _is_int(value):
+            raise ValueError(f"AdapterConfig.ranks[{key!r}] = {value!r}: method "
+                             f"{self.method!r} takes one rank per target, an integer; tuples "
+                             "are for methods with several ranks per projection (Kernel-mix: "
+                             "(wise, shared))")
+        return value
 
     def replace(self, **changes) -> "AdapterConfig":
         return dataclasses.replace(self, **changes)

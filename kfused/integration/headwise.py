@@ -104,7 +104,7 @@ def headwise_config(cfg: AdapterConfig) -> HeadwiseConfig:
         lite_projs |= set(targets)
     ranks: Dict[str, ProjRanks] = {}
     for proj in targets:
-        value = cfg.rank_of(proj)
+        value = cfg.rank_of(proj, single=method == "lora" or method.startswith("kernel_wise"))
         if method == "lora":
             ranks[proj] = ProjRanks(shared=int(value))
             continue

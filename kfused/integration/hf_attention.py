@@ -575,16 +575,29 @@ def set_implementation(model: nn.Module) -> None:
 # A forward pre-hook on the model gives kfused's prefix model the same positions. Only for models
 # whose default positions are ``arange(past, past + n)`` (GPT-2 and Llama-style causal LMs).
 POSITION_OFFSET_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+# those whose positions index a learned table of config.max_position_embeddings rows (the
+# rotary ones have no table to run past)
+LEARNED_POSITION_MODEL_TYPES = ("gpt2",)
 
 
-def check_position_offset(mt: Optional[str], offset: int) -> None:
-    """ValueError unless positions of model type ``mt`` can be shifted by ``offset``."""
+def check_position_offset(mt: Optional[str], offset: int, config=None) -> None:
+    """ValueError unless positions of model type ``mt`` can be shifted by ``offset``; with the
+    model's ``config``, also unless the shifted first position is inside a learned position
+    table (GPT-2: ``n_positions``)."""
     if offset < 0:
         raise ValueError(f"options['position_offset'] must be >= 0, got {offset}")
     if mt not in POSITION_OFFSET_MODEL_TYPES:
         raise ValueError(f"options['position_offset'] is supported for model types "
                          f"{POSITION_OFFSET_MODEL_TYPES} (positions arange(past, past + n)); "
                          f"this model is {mt!r}")
+    limit = (getattr(config, "max_position_embeddings", None)
+             if mt in LEARNED_POSITION_MODEL_TYPES else None)
+    if isinstance(limit, int) and offset >= limit:
+        raise ValueError(f"options['position_offset']={offset} is at or past the end of this "
+                         f"{mt!r} model's {limit} learned positions "
+                         f"(config.max_position_embeddings): every token would index past the "
+                         f"position table; it must be < {limit} (and offset + sequence length "
+                         f"<= {limit})")
 
 
 class _PositionOffset:
@@ -627,4 +640,5 @@ __all__ = ["ATTN_IMPLEMENTATION", "register", "add_inducers", "attach_inducer",
            "attach_inducer_block", "unsupported_reason", "check_supported",
            "self_attention_blocks", "attention_layers", "set_implementation",
            "kfused_inducer_attention_forward", "kfused_inducer_mask", "add_position_offset",
-           "check_position_offset", "POSITION_OFFSET_MODEL_TYPES"]
+           "check_position_offset", "POSITION_OFFSET_MODEL_TYPES",
+           "LEARNED_POSITION_MODEL_TYPES"]

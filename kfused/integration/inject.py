@@ -198,11 +198,16 @@ def _expand(spec: MethodSpec, cfg: AdapterConfig) -> List[Tuple[MethodSpec, Adap
             raise ValueError(f"method {spec.name!r}: options[{part!r}] overrides part {part!r}'s "
                              f"AdapterConfig fields; {bad} are not among them "
                              f"({', '.join(sorted(fields))})")
+        own = over.pop("options", {})
+        if not isinstance(own, dict):
+            raise TypeError(f"method {spec.name!r}: options[{part!r}]['options'] holds part "
+                            f"{part!r}'s own options and must be a dict, got "
+                            f"{type(own).__name__} {own!r}")
         reads = get_method(part).options
         # each part gets the shared keys it reads (all of them if it does not declare)
         shared = {k: v for k, v in shared_opts.items() if reads is None or k in reads}
         sub = cfg.replace(method=part, targets=over.pop("targets", part_targets),
-                          options={**shared, **over.pop("options", {})})
+                          options={**shared, **own})
         if over:
             sub = sub.replace(**over)
         plan.extend(_expand(get_method(part), sub))
@@ -317,11 +322,12 @@ def _follow_mode(model: nn.Module, adapted: List[str], old_modules: set) -> None
                 sub.training = mode
 
 
-def _check_ranks_used(config: AdapterConfig, used: set, adapted: List[str]) -> None:
-    unused = sorted(set(config.ranks) - used)
+def _check_ranks_used(ranks, used: set, adapted: List[str],
+                      where: str = "AdapterConfig.ranks") -> None:
+    unused = sorted(set(ranks) - used)
     if unused:
         raise ValueError(
-            f"AdapterConfig.ranks keys {unused} match no adapted target: a key is a role of the "
+            f"{where} keys {unused} match no adapted target: a key is a role of the "
             "target (e.g. 'qkv' for GPT-2's fused c_attn, 'q'/'v'/'o' for the per-head methods) "
             f"or a module-name suffix; adapted here: {adapted[:6]}"
             + (" ..." if len(adapted) > 6 else ""))
@@ -383,8 +389,8 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     used: set = set()
     _RANK_KEYS_USED.append(used)
     try:
-        adapted = _place(target_model, plan, arch, dims, before, adapter_dtype)
-        _check_ranks_used(config, used, adapted)
+        adapted = _place(target_model, plan, arch, dims, before, adapter_dtype, config)
+        _check_ranks_used(config.ranks, used, adapted)
         _follow_mode(target_model, adapted, old_modules)
     except BaseException:
         restore(snap)  # a failed inject leaves the model as it was
@@ -403,39 +409,61 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     return model
 
 
-def _place(target_model, plan, arch, dims, before, adapter_dtype) -> List[str]:
-    """Place every part's adapters; returns the adapted module names, in order."""
+def _place(target_model, plan, arch, dims, before, adapter_dtype,
+           config: AdapterConfig) -> List[str]:
+    """Place every part's adapters; returns the adapted module names, in order. A part's own
+    ranks keys (a composite's ``options[part]['ranks']``) must each match one of its targets,
+    as ``config.ranks``' keys must match one of any part's (checked by inject)."""
     adapted: List[str] = []
     for part, cfg in plan:
-        if part.site in ("attention", "model"):
-            adapted.extend(_apply_whole(target_model, part, cfg, arch, dims, before,
-                                        adapter_dtype, cfg.exclude))
-            continue
-        targets = cfg.targets if cfg.targets is not None else part.targets_for(arch)
-        if targets is None:
-            raise ValueError(f"method {part.name!r} has no default targets for this model "
-                             f"(model_type={model_type_of(target_model)!r}); pass targets=[...]")
-        for name, module, role in _match_targets(target_model, targets, arch, cfg.exclude,
-                                                 part.name):
-            if any(name == a or name.startswith(a + ".") for a in adapted):
-                continue  # inside an adapter already placed (e.g. its frozen base)
-            target = _target(target_model, name, role, part.site, arch, dims)
-            ref = next(iter(module.parameters()), None)
-            if part.site == "linear":
-                if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
-                    raise ValueError(
-                        f"method {part.name!r} adapts linear layers, but target {name!r} is a "
-                        f"{type(module).__name__}; choose nn.Linear / Conv1D targets")
-                target.d_in, target.d_out = linear_dims(module)
-            if part.site == "block" and arch is not None and arch.ffn_kind == "bert_output" \
-                    and role == "ffn":
-                new = _BertOutputParallel(module, part.wrap(_ZeroBlock(), target, cfg))
-            else:
-                new = part.wrap(module, target, cfg)
-            _place_new_params(new, before, adapter_dtype, ref)
-            _set_submodule(target_model, name, new)
-            adapted.append(name)
+        used: set = set()  # the ranks keys this part looks up
+        _RANK_KEYS_USED.append(used)
+        try:
+            names = _place_part(target_model, part, cfg, arch, dims, before, adapter_dtype,
+                                adapted)
+        finally:
+            _RANK_KEYS_USED.remove(used)
+        _check_ranks_used(set(cfg.ranks) - set(config.ranks), used, names,
+                          f"AdapterConfig.options[{part.name!r}]['ranks']")
+        adapted.extend(names)
     return adapted
+
+
+def _place_part(target_model, part, cfg, arch, dims, before, adapter_dtype,
+                adapted: List[str]) -> List[str]:
+    """Place one part's adapters (``adapted``: the modules earlier parts placed); returns the
+    names of the modules it placed, in order."""
+    if part.site in ("attention", "model"):
+        return _apply_whole(target_model, part, cfg, arch, dims, before, adapter_dtype,
+                            cfg.exclude)
+    names: List[str] = []
+    targets = cfg.targets if cfg.targets is not None else part.targets_for(arch)
+    if targets is None:
+        raise ValueError(f"method {part.name!r} has no default targets for this model "
+                         f"(model_type={model_type_of(target_model)!r}); pass targets=[...]")
+    for name, module, role in _match_targets(target_model, targets, arch, cfg.exclude,
+                                             part.name):
+        if any(name == a or name.startswith(a + ".") for a in adapted + names):
+            continue  # inside an adapter already placed (e.g. its frozen base)
+        target = _target(target_model, name, role, part.site, arch, dims)
+        ref = next(iter(module.parameters()), None)
+        if part.site == "linear":
+            if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+                raise ValueError(
+                    f"method {part.name!r} adapts linear layers, but target {name!r} is a "
+                    f"{type(module).__name__}; choose nn.Linear / Conv1D targets")
+            target.d_in, target.d_out = linear_dims(module)
+        if part.site == "block" and arch is not None and arch.ffn_kind == "bert_output" \
+                and role == "ffn":
+            new = _BertOutputParallel(module, part.wrap(_ZeroBlock(), target, cfg))
+        else:
+            new = part.wrap(module, target, cfg)
+        _place_new_params(new, before, adapter_dtype, ref)
+        _set_submodule(target_model, name, new)
+        names.append(name)
+    if part.finish is not None:
+        part.finish(target_model, cfg)
+    return names
 
 
 def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -445,7 +473,12 @@ def adapter_modules(model: nn.Module) -> Dict[str, nn.Module]:
 
 
 def set_backend(model: nn.Module, backend: Optional[str]) -> None:
-    """Point every adapter module (and submodule with a ``backend`` field) at ``backend``."""
+    """Point every adapter module (and submodule with a ``backend`` field) at ``backend``
+    (None, "auto" or a backend name; any other name is refused here, not at the next
+    forward)."""
+    from kfused.modules._linear import check_backend_name
+
+    check_backend_name(backend)
     for mod in adapter_modules(model).values():
         for sub in mod.modules():
             if hasattr(sub, "backend") and not isinstance(getattr(type(sub), "backend", None),
@@ -590,13 +623,28 @@ def _guard_hook(module, args, output):
     return wrap(output)
 
 
+def _merge_all(mods: Dict[str, nn.Module]) -> None:
+    """merge() every module, all or nothing: when one fails, the modules this call merged are
+    unmerged again (in reverse order) and the error re-raised, so the model is as before."""
+    done = []
+    try:
+        for m in mods.values():
+            if getattr(m, "merged", False) is not True:  # already merged: not this call's
+                m.merge()
+                done.append(m)
+    except BaseException:
+        for m in reversed(done):
+            m.unmerge()
+        raise
+
+
 def merge(model: nn.Module) -> nn.Module:
     """Fold every adapter into its frozen weight (mergeable methods only); forward then runs
-    the base layers alone. Idempotent. Training a merged model raises a RuntimeError saying so
-    at backward (in train mode); :func:`unmerge` first."""
+    the base layers alone. Idempotent. All or nothing: when a module fails to merge, the ones
+    merged before it are unmerged again and the error is re-raised. Training a merged model
+    raises a RuntimeError saying so at backward (in train mode); :func:`unmerge` first."""
     mods = _merge_check(model, "merge")
-    for m in mods.values():
-        m.merge()
+    _merge_all(mods)
     target = unwrap(model)
     if not getattr(target, "_kfused_merge_guards", None):
         target._kfused_merge_guards = [m.register_forward_hook(_guard_hook)
@@ -618,7 +666,9 @@ def unmerge(model: nn.Module) -> nn.Module:
 def merge_and_unload(model: nn.Module) -> nn.Module:
     """Merge, then put the plain base layers back in place of the adapter wrappers: the result
     is the original architecture (its ``state_dict`` keys and ``save_pretrained`` output are
-    those of an unadapted model) with the updates folded in. Mergeable methods only."""
+    those of an unadapted model) with the updates folded in. Mergeable methods only. All or
+    nothing: every module is merged (as :func:`merge`, undone if one fails) before any is
+    swapped out."""
     mods = _merge_check(model, "merge")
     m = unwrap(model)
     bases = {}
@@ -631,8 +681,8 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
         if not isinstance(base, nn.Module):
             raise ValueError(f"cannot unload {name}: {type(mod).__name__} has no .base layer")
         bases[name] = base
-    for name, mod in mods.items():
-        mod.merge()
+    _merge_all(mods)
+    for name in mods:
         _set_submodule(m, name, bases[name])
     for h in getattr(m, "_kfused_merge_guards", None) or []:
         h.remove()

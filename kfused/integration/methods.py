@@ -31,19 +31,53 @@ from kfused.modules.parallel_adapter import ScaledParallelAdapter
 
 
 def _lora(module: nn.Module, target: Target, cfg: AdapterConfig) -> nn.Module:
-    r = cfg.rank_for(target.role, target.name)
+    r = cfg.rank_for(target.role, target.name, single=True)
     return LoRALinear(module, r=int(r), alpha=cfg.alpha, dropout=cfg.dropout, init=cfg.init,
                       backend=cfg.backend)
 
 
+def _krona_shapes(cfg: AdapterConfig) -> dict:
+    """``options["krona_shapes"]``: per-module factor shapes, {module name: [a_shape,
+    b_shape]} (e.g. from kfused.from_peft), each shape (out, in) of positive integers; as
+    {name: ((a_out, a_in), (b_out, b_in))}, else TypeError / ValueError naming the option."""
+    shapes = cfg.options.get("krona_shapes")
+    if shapes is None:
+        return {}
+    if not isinstance(shapes, dict):
+        raise TypeError(f"{cfg.method}: options['krona_shapes'] must be a dict of module name "
+                        f"-> [a_shape, b_shape], got {type(shapes).__name__} {shapes!r}")
+    out = {}
+    for name, pair in shapes.items():
+        ok = (isinstance(name, str) and isinstance(pair, (list, tuple)) and len(pair) == 2
+              and all(isinstance(s, (list, tuple)) and len(s) == 2
+                      and all(is_int(x) and x >= 1 for x in s) for s in pair))
+        if not ok:
+            raise ValueError(f"{cfg.method}: options['krona_shapes'][{name!r}] must be "
+                             f"[a_shape, b_shape], each (out, in) of positive integers, e.g. "
+                             f"[[2, 4], [48, 8]], got {pair!r}")
+        out[name] = tuple((int(s[0]), int(s[1])) for s in pair)
+    return out
+
+
 def _krona(module: nn.Module, target: Target, cfg: AdapterConfig) -> nn.Module:
     a_shape, b_shape = cfg.a_shape, cfg.b_shape
-    # per-module factor shapes, {module name: [a_shape, b_shape]} (e.g. from kfused.from_peft)
-    per_module = (cfg.options.get("krona_shapes") or {}).get(target.name)
+    per_module = _krona_shapes(cfg).get(target.name)
     if per_module is not None:
-        a_shape, b_shape = tuple(per_module[0]), tuple(per_module[1])
+        a_shape, b_shape = per_module
     return KronALinear(module, a_shape=a_shape, b_shape=b_shape, scale=cfg.scale,
                        init=cfg.init, backend=cfg.backend)
+
+
+def _krona_finish(model: nn.Module, cfg: AdapterConfig) -> None:
+    """Every ``options["krona_shapes"]`` name is a module this inject adapted: a misspelt or
+    untargeted name would silently leave its module with the default shapes."""
+    placed = {n for n, m in model.named_modules() if isinstance(m, KronALinear)}
+    unmatched = sorted(n for n in _krona_shapes(cfg) if n not in placed)
+    if unmatched:
+        raise ValueError(f"{cfg.method}: options['krona_shapes'] names {unmatched}, which match "
+                         f"no adapted module; its keys are the full names of targeted modules, "
+                         f"adapted here: {sorted(placed)[:6]}"
+                         + (" ..." if len(placed) > 6 else ""))
 
 
 # ------------------------------------------------------------------------------------------
@@ -68,7 +102,7 @@ def _krona_b_res(module: nn.Module, target: Target, cfg: AdapterConfig):
 
 
 def _parallel_adapter(module: nn.Module, target: Target, cfg: AdapterConfig):
-    r = cfg.rank_for(target.role, target.name)
+    r = cfg.rank_for(target.role, target.name, single=True)
     return ScaledParallelAdapter(module, _block_dims(target), r=int(r), scale=cfg.scale,
                                  init=cfg.init, backend=cfg.backend)
 
@@ -117,7 +151,8 @@ def _inducer_wrap(inducer: bool):
                              "a prefix-tuning model (method 'prefix'); the inducer does not use "
                              f"it, got {offset}")
         if offset:
-            check_position_offset(getattr(target.model_config, "model_type", None), offset)
+            check_position_offset(getattr(target.model_config, "model_type", None), offset,
+                                  target.model_config)
         if block.cross:
             return []
         register_attention()
@@ -161,6 +196,7 @@ register_method("lora", site="linear", wrap=_lora, default_targets=QV, mergeable
                 description="LoRA: x Wᵀ + b + (alpha/r)·(x Aᵀ) Bᵀ", paper="004")
 register_method("krona", site="linear", wrap=_krona, default_targets=QV, mergeable=True,
                 inits=KronALinear.INITS, options=("krona_shapes",), dropout=False,
+                finish=_krona_finish,
                 description="KronA: x Wᵀ + b + s·(A ⊗ B) x (fused with the frozen GEMM)",
                 paper="003")
 register_method("krona_b", site="block", wrap=_krona_b, default_targets=FFN,

@@ -71,7 +71,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from kfused.integration.checkpoint import _dist_rank, _full, _share_outcome
+from kfused._files import folder_refusal
+from kfused.integration.checkpoint import _dist_rank, _full, _path_arg, _share_outcome
 from kfused.integration.config import AdapterConfig
 from kfused.integration.inject import (adapter_modules, get_state, inject, refuse_wrapped,
                                        restore, snapshot, unwrap)
@@ -474,6 +475,11 @@ def _refuse_kfused_checkpoint(folder: str) -> None:
 def _prevalidate_folder(model: nn.Module, folder: str) -> None:
     """Checks on an adapter folder before PeftModel.from_pretrained changes the model."""
     peft = _peft()
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        kind = "a file" if os.path.isfile(folder) else "a special file"
+        raise NotADirectoryError(f"from_peft: PEFT adapter folder {folder!r} is {kind}, not a "
+                                 f"folder (a PEFT adapter folder holds {PEFT_CONFIG} and "
+                                 f"{PEFT_WEIGHTS})")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"PEFT adapter folder {folder!r} does not exist")
     _refuse_kfused_checkpoint(folder)
@@ -594,6 +600,7 @@ def from_peft(model: nn.Module, adapter: Optional[str] = None, *,
             a folder, the model is restored as it was and the error says so.
         TypeError: wrong argument types.
         ValueError: ``model`` is already wrapped by DDP / FSDP2 (convert before wrapping).
+        FileNotFoundError / NotADirectoryError: the adapter folder does not exist / is a file.
     """
     _peft()
     if adapter is None:
@@ -670,6 +677,9 @@ def _check_target_folder(path: str) -> None:
         raise FileExistsError(f"to_peft: {path!r} exists and is not a folder; refusing to "
                               "replace it")
     if not os.path.isdir(path):
+        unusable = folder_refusal(path)  # under a file, or in a folder that cannot be written
+        if unusable:
+            raise ValueError(f"to_peft: path {path!r} cannot take the export: {unusable}")
         return
     entries = set(os.listdir(path))
     if not entries:
@@ -912,13 +922,15 @@ def to_peft(model: nn.Module, path: str, *, task_type: Optional[str] = None) -> 
     Raises:
         PeftConversionError: a method or layout PEFT has no equivalent for (nothing is written).
         FileExistsError: ``path`` is a file, or a folder with files to_peft did not write.
-        ValueError: ``path`` is a symbolic link (nothing is written).
+        TypeError: ``path`` is not a str / os.PathLike.
+        ValueError: ``path`` is '', a symbolic link, or cannot be made (under a file, in a
+            folder that cannot be written); nothing is written.
         OSError: writing or renaming failed; the previous export, if any, is kept complete.
     Under torch.distributed every rank calls it (FSDP2's sharded adapters are gathered) and
     rank 0 writes; when rank 0 fails the other ranks raise a RuntimeError quoting its error.
     """
+    path = _path_arg(path, "to_peft", "path")
     cfg, tensors = _peft_config(model, task_type)
-    path = os.path.abspath(os.fspath(path))
     tensors = {k: _full(v) for k, v in tensors.items()}  # FSDP2: a collective, every rank
     failure = None
     if _dist_rank() == 0:  # under torch.distributed rank 0 writes, every rank learns how it went

@@ -26,7 +26,9 @@ Sites:
                 head width, cross-attention) and a Target with the block's name, changes the
                 block in place and returns the adapter modules it placed (a list; may be
                 empty for a block the method leaves alone). ``finish(model, cfg)``, if given,
-                runs once after every block (e.g. to switch the attention implementation).
+                runs once after every block (e.g. to switch the attention implementation);
+                on the linear and block sites, once after every target is wrapped (e.g. to
+                check an option that names modules).
     "model"     the whole model, for third-party methods with their own attach function.
                 ``wrap`` gets the model, a Target with ``name=""`` and the config, changes the
                 model in place and returns the adapter modules it placed, as ``{name: module}``
@@ -88,7 +90,7 @@ class MethodSpec:
     # a composite honours the values every part honours, and each part resolves None itself
     inits: Tuple[str, ...] = tuple(INITS)
     default_init: Optional[str] = "zero"
-    # attention site: finish(model, cfg) runs once after wrap has seen every block
+    # finish(model, cfg) runs once after wrap has seen every block / target (not "model")
     finish: Optional[Callable[[nn.Module, AdapterConfig], None]] = None
     # check(model, arch) raises ValueError if the method cannot run on this model; inject calls
     # it for every part before changing the model (so a refused composite leaves no residue)
@@ -148,7 +150,8 @@ def register_method(name: str, *, site: str, wrap: Optional[WrapFn] = None,
         inits: the init values (:mod:`kfused.modules._init`) the method honours; default_init:
             the one ``init=None`` means. Composites: both derived (the values every part
             honours; each part resolves None to its own default).
-        finish: attention site only: ``finish(model, cfg)`` after every block is adapted.
+        finish: ``finish(model, cfg)`` after every attention block / linear or block target
+            is adapted (not for the "model" site); raising there undoes the inject.
         check: ``check(model, arch)`` raising ValueError (with the reason) when the method
             cannot run on ``model``; called by inject before any part changes the model.
         default_init_for: ``default_init_for(cfg)``, the init ``init=None`` means for a

@@ -166,6 +166,17 @@ def _add_to_weight(mod: nn.Module, dW: torch.Tensor, rows: slice = slice(None)) 
         mod.weight.data[rows] += dW.to(mod.weight.dtype)
 
 
+def _key_for(f: HeadFactors, wk: Optional[torch.Tensor], bk: Optional[torch.Tensor]):
+    """The frozen key weight and bias in the dtype of the lite factors of ``f``: a merge
+    computes the update in the adapter's dtype, as LoRA's and KronA's ``delta_weight`` do
+    (the add casts it to the frozen weight's); float32 factors on a bfloat16 base, the default
+    ``adapter_dtype``, had met a bfloat16 W_k in one einsum."""
+    if f.lite_A is None:
+        return wk, bk
+    dt = f.lite_A.dtype
+    return tuple(t if t is None or t.dtype == dt else t.to(dt) for t in (wk, bk))
+
+
 class _QVFactors(nn.Module):
     """Parameters of one q/v projection's update (H heads of width p, input width d)."""
 
@@ -309,9 +320,9 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
 
     def delta_weight(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Dense (ΔW (out, in), Δb (out,) or None) of the update, in float64-safe torch ops."""
-        wk, bk = self._kw()
-        return projection_delta_weight(self.adapter.factors(), self.n_heads, wk, bk,
-                                       self.n_key_heads)
+        f = self.adapter.factors()
+        wk, bk = _key_for(f, *self._kw())
+        return projection_delta_weight(f, self.n_heads, wk, bk, self.n_key_heads)
 
     def _active(self) -> bool:
         return self.adapter.ranks.active
@@ -442,7 +453,8 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
         for ad, Hs, sl in ((self.q_adapter, self.n_heads, sq), (self.v_adapter, self.n_kv_heads,
                                                                    sv)):
             if ad.ranks.active:
-                dW, db = projection_delta_weight(ad.factors(), Hs, wk, bk, self.n_kv_heads)
+                f = ad.factors()
+                dW, db = projection_delta_weight(f, Hs, *_key_for(f, wk, bk), self.n_kv_heads)
                 out.append((dW, db, sl, ad))
         return out
 
