@@ -705,6 +705,26 @@ def test_krona_shapes_option_is_checked(shapes, exc, match):
     assert model.transformer.h[0].attn.c_attn.A.shape == (2, 4)
 
 
+def test_krona_lora_rank_budget():
+    """options['lora_rank_budget'] = r: each layer's factor shapes with at most the parameters
+    of a rank-r LoRA there (the demo's KronA row)."""
+    model = make("gpt2", n_layers=1)
+    inject(model, AdapterConfig(method="krona", backend="reference",
+                                options={"lora_rank_budget": 2}))
+    m = model.transformer.h[0].attn.c_attn
+    d_in, d_out = 32, 96
+    assert m.A.numel() + m.B.numel() <= 2 * (d_in + d_out)
+    assert m.A.shape[0] * m.B.shape[0] == d_out and m.A.shape[1] * m.B.shape[1] == d_in
+    for opts, kw, match in (({"lora_rank_budget": 0}, {}, "integer rank >= 1"),
+                            ({"lora_rank_budget": 2.5}, {}, "integer rank >= 1"),
+                            ({"lora_rank_budget": 2}, dict(a_shape=(2, 2), b_shape=(48, 16)),
+                             "not both")):
+        fresh = make("gpt2", n_layers=1)
+        with pytest.raises(ValueError, match=match):
+            inject(fresh, AdapterConfig(method="krona", backend="reference", options=opts, **kw))
+        assert get_state(fresh, required=False) is None
+
+
 def test_a_parts_own_ranks_keys_are_checked():
     # options[part]['ranks'] keys that match none of the part's targets were dropped silently
     # (the same key in AdapterConfig.ranks is refused)

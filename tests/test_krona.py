@@ -834,6 +834,31 @@ def test_factorize():
     assert factorize(13) == (1, 13)
 
 
+def test_factors_for_budget():
+    from kfused.modules.krona import factors_for_budget
+
+    # the paper's GLUE pairs: 768² at a rank-1 LoRA's 1,536 parameters
+    assert factors_for_budget(768, 768, 1536) == ((32, 24), (24, 32))
+    # GPT-2's fused c_attn of the demo's base (384 × 128) at rank 8 (4,096): 3,088
+    assert factors_for_budget(384, 128, 8 * 512) == ((4, 4), (96, 32))
+    for d_out, d_in, budget in ((384, 128, 4096), (768, 3072, 3840), (97, 12, 200),
+                                (5, 7, 1000)):
+        (ao, ai), (bo, bi) = factors_for_budget(d_out, d_in, budget)
+        assert ao * bo == d_out and ai * bi == d_in
+        n = ao * ai + bo * bi
+        assert n <= budget
+        # no factor pair with more parameters fits
+        for a in range(1, d_out + 1):
+            for b in range(1, d_in + 1):
+                if d_out % a == 0 and d_in % b == 0:
+                    m = a * b + (d_out // a) * (d_in // b)
+                    assert not n < m <= budget
+    # nothing fits: the fewest parameters (a 1,536-parameter floor at 768²)
+    assert factors_for_budget(768, 768, 10) == ((32, 24), (24, 32))
+    with pytest.raises(ValueError, match="budget"):
+        factors_for_budget(8, 8, 0)
+
+
 def _conv1d(d_in, d_out):
     from transformers.pytorch_utils import Conv1D
 

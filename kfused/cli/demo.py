@@ -50,7 +50,9 @@ from kfused._files import folder_refusal, replace_atomically
 # --methods is a preset name (kfused.integration.PRESETS) or a registered method.
 METHODS: Dict[str, Tuple[str, dict]] = {
     "lora": ("LoRA", dict(method="lora", r=8)),
-    "krona": ("KronA", dict(method="krona")),
+    # KronA at LoRA's trainable-parameter budget (the paper's comparison): per layer the
+    # factor shapes with at most the parameters of a rank-8 LoRA there (--rank sets the rank)
+    "krona": ("KronA", dict(method="krona", options={"lora_rank_budget": 8})),
     "kernel_mix": ("Kernel-mix", dict(method="kernel_mix", targets=["q", "v", "o"], r=4)),
     "inducer_lora": ("inducer+LoRA", dict(method="inducer_lora", r=8)),
 }
@@ -78,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated roles/regexes for every row (default: each method's)")
     p.add_argument("--rank", type=positive_int, default=None,
                    help="rank r for every row that has one (default: each row's, 8 for "
-                   "LoRA); KronA has none: its size is its factor shapes")
+                   "LoRA); KronA's factor shapes take the parameters of a rank-r LoRA")
     p.add_argument("--scale", type=finite_float, default=None,
                    help="adapter output scale s (KronA, Kernel-wise / Kernel-mix; LoRA "
                    "scales by alpha / r instead)")
@@ -221,6 +223,8 @@ def _adapter_config(name: str, args, backend: str):
         return preset(name, backend=backend, **over)
     kw = dict(METHODS[name][1]) if name in METHODS else {"method": name, "r": 8}
     get_method(kw["method"])  # unknown / not installed: a clear error now
+    if args.rank is not None and "lora_rank_budget" in kw.get("options", {}):
+        kw["options"] = {**kw["options"], "lora_rank_budget": args.rank}
     kw.update(over)
     return AdapterConfig(backend=backend, **kw)
 

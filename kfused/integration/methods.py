@@ -9,6 +9,8 @@ Each method's ``inits`` are what its modules honour (see :mod:`kfused.modules._i
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from kfused.integration.arch import AttentionBlock
@@ -22,7 +24,7 @@ from kfused.integration.hf_attention import (add_position_offset, attach_inducer
 from kfused.integration.registry import Target, register_method
 from kfused.modules.headwise import INITS as HEADWISE_INITS
 from kfused.modules.inducer import InducerAttention
-from kfused.modules.krona import KronABlock, KronALinear
+from kfused.modules.krona import KronABlock, KronALinear, factors_for_budget
 from kfused.modules.lora import LoRALinear
 from kfused.modules.parallel_adapter import ScaledParallelAdapter
 
@@ -59,8 +61,28 @@ def _krona_shapes(cfg: AdapterConfig) -> dict:
     return out
 
 
+def _krona_budget(cfg: AdapterConfig) -> Optional[int]:
+    """``options["lora_rank_budget"]``: r, for factor shapes per layer with at most the
+    parameters of a rank-r LoRA on that layer (:func:`kfused.modules.krona.factors_for_budget`;
+    the KronA paper's comparison at equal trainable parameters). Not with a_shape / b_shape."""
+    r = cfg.options.get("lora_rank_budget")
+    if r is None:
+        return None
+    if not is_int(r) or r < 1:
+        raise ValueError(f"{cfg.method}: options['lora_rank_budget'] must be an integer rank "
+                         f">= 1, got {r!r}")
+    if cfg.a_shape is not None or cfg.b_shape is not None:
+        raise ValueError(f"{cfg.method}: options['lora_rank_budget'] chooses the factor shapes; "
+                         f"give it or a_shape / b_shape, not both")
+    return int(r)
+
+
 def _krona(module: nn.Module, target: Target, cfg: AdapterConfig) -> nn.Module:
     a_shape, b_shape = cfg.a_shape, cfg.b_shape
+    r = _krona_budget(cfg)
+    if r is not None:
+        a_shape, b_shape = factors_for_budget(target.d_out, target.d_in,
+                                              r * (target.d_in + target.d_out))
     per_module = _krona_shapes(cfg).get(target.name)
     if per_module is not None:
         a_shape, b_shape = per_module
@@ -195,7 +217,7 @@ register_method("lora", site="linear", wrap=_lora, default_targets=QV, mergeable
                 inits=LoRALinear.INITS, options=(), dropout=True,
                 description="LoRA: x Wᵀ + b + (alpha/r)·(x Aᵀ) Bᵀ", paper="004")
 register_method("krona", site="linear", wrap=_krona, default_targets=QV, mergeable=True,
-                inits=KronALinear.INITS, options=("krona_shapes",), dropout=False,
+                inits=KronALinear.INITS, options=("krona_shapes", "lora_rank_budget"), dropout=False,
                 finish=_krona_finish,
                 description="KronA: x Wᵀ + b + s·(A ⊗ B) x (fused with the frozen GEMM)",
                 paper="003")

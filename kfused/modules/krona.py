@@ -18,7 +18,7 @@ from kfused.modules._linear import (WrappedLinear, autocast_input, check_backend
 from kfused.ops import check_scale, kron_matvec, krona_linear
 from kfused.reference.krona import kron_delta_weight
 
-__all__ = ["KronALinear", "KronABlock", "factorize"]
+__all__ = ["KronALinear", "KronABlock", "factorize", "factors_for_budget"]
 
 
 def factorize(d: int) -> Tuple[int, int]:
@@ -35,6 +35,33 @@ def factorize(d: int) -> Tuple[int, int]:
     while d % a:
         a -= 1
     return a, d // a
+
+
+def factors_for_budget(d_out: int, d_in: int, budget: int
+                       ) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """KronA factor shapes ``(a_shape, b_shape)`` for a ``d_out × d_in`` layer with as many
+    parameters as fit in ``budget`` (``a_out·a_in + b_out·b_in``; the KronA paper compares
+    it with LoRA at equal trainable parameters: a rank-r LoRA has ``r·(d_in + d_out)``).
+
+    Among the factor pairs at the largest count ≤ ``budget``, A is the squarest; with no pair
+    that small, the pair with the fewest parameters. 384×128 at a rank-8 budget (4,096):
+    A 4×4, B 96×32 (3,088 parameters)."""
+    d_out = _check_width("d_out", d_out)
+    d_in = _check_width("d_in", d_in)
+    budget = _check_width("budget", budget)
+
+    def divisors(n):
+        return [a for a in range(1, n + 1) if n % a == 0]
+
+    best = None
+    for ao in divisors(d_out):
+        for ai in divisors(d_in):
+            n = ao * ai + (d_out // ao) * (d_in // ai)
+            fits = n <= budget
+            key = (fits, n if fits else -n, -abs(math.log(ao / ai)), -ao)
+            if best is None or key > best[0]:
+                best = (key, (ao, ai), (d_out // ao, d_in // ai))
+    return best[1], best[2]
 
 
 def _check_width(name: str, d) -> int:
