@@ -96,3 +96,14 @@ def test_compile_and_fake_tensors_take_the_custom_op():
         assert not _common._plain_eager((x,))
     assert _common._plain_eager((torch.empty(2),))
     assert not _common._plain_eager((torch.empty(2, device="meta"),))
+
+
+def test_every_op_is_a_kops_attribute_from_import():
+    """torch.compile of the lite modules failed (Dynamo RecursionError) in a process where
+    the section backward op had not run eagerly yet: Dynamo traced kops' first lookup of it
+    through __getattr__. Every registered op is now an attribute from registration on (the
+    test file passed only when an earlier test had run the op)."""
+    import kfused.ops  # noqa: F401  (registers every op)
+    from kfused.ops import _common
+
+    assert set(_common._OPS) <= set(vars(_common.kops))

@@ -67,7 +67,12 @@ def custom_op(name: str):
     implementation for :data:`kops`' eager fast path."""
     def deco(fn):
         op = torch.library.custom_op(name, mutates_args=())(fn)
-        _OPS[name.split("::", 1)[1]] = _Op(name, fn, op)
+        short = name.split("::", 1)[1]
+        _OPS[short] = _Op(name, fn, op)
+        # an attribute from the start: Dynamo tracing a first ``kops.<name>`` lookup through
+        # __getattr__ (whose setattr caches it) recursed until RecursionError, so
+        # torch.compile of a module whose op had not yet run eagerly in the process failed
+        setattr(kops, short, functools.partial(run_op, short))
         return op
     return deco
 
