@@ -152,6 +152,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, **kwargs) -> nn.Module:
     """DistributedDataParallel over the model's trainable (adapter) parameters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    _check_same_adapters(model, "wrap_ddp")
     ids = [device.index] if device.type == "cuda" else None
     return DDP(model, device_ids=ids, output_device=ids[0] if ids else None, **kwargs)
 
@@ -170,6 +171,11 @@ def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[tor
 
     mp_dtype: parameter dtype for compute (bf16/fp16 mixed precision; gradients reduce in
     float32 and the sharded adapter weights stay float32).
+
+    Every rank starts from rank 0's trainable parameters (broadcast before sharding, as DDP
+    does). 0-d parameters (KronA^B_res's s_res), which fully_shard refuses, stay whole plain
+    tensors on every rank with their gradients averaged over the ranks; a gradient clip over
+    them and the DTensors together takes ``foreach=True``.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -182,10 +188,74 @@ def wrap_fsdp2(model: nn.Module, device: torch.device, *, mp_dtype: Optional[tor
         except ImportError:  # pragma: no cover
             from torch.distributed._composable.fsdp import MixedPrecisionPolicy
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+    _check_same_adapters(model, "wrap_fsdp2")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # each rank shards its own values: start every rank from rank 0's adapters, as DDP does
+    # (a per-rank seed made a mixture of rank 0's and rank 1's shards)
+    _broadcast_from_rank_0(trainable, device)
+    # fully_shard refuses 0-d parameters (KronA^B_res's s_res): they stay whole on every rank,
+    # outside FSDP2, and their gradients are averaged over the ranks here as FSDP2 averages
+    # the others'
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    if scalars:
+        kw["ignored_params"] = scalars
+        for p in scalars:
+            p.data = p.data.to(device)  # fully_shard moves only the parameters it manages
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_average_grad)
     for blk in transformer_blocks(model).values():
         fully_shard(blk, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def _average_grad(p: torch.Tensor) -> None:
+    # linear: an accumulated gradient (already averaged) plus this step's is averaged alike
+    dist.all_reduce(p.grad)
+    p.grad.div_(world_size())
+
+
+def _broadcast_from_rank_0(params, device: torch.device) -> None:
+    """Copy rank 0's values into ``params`` on every rank (one broadcast per dtype)."""
+    by_dtype: Dict[torch.dtype, list] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    with torch.no_grad():
+        for ps in by_dtype.values():
+            flat = torch.cat([p.detach().reshape(-1).to(device) for p in ps])
+            dist.broadcast(flat, 0)
+            for p, t in zip(ps, flat.split([p.numel() for p in ps])):
+                p.copy_(t.view_as(p))
+
+
+def _check_same_adapters(model: nn.Module, fn: str) -> None:
+    """ValueError naming the ranks whose kfused adapter config differs from rank 0's (one
+    all_gather_object): a wrapper synchronises parameters, never e.g. LoRA's alpha."""
+    import json
+
+    from kfused.integration import get_state
+
+    state = get_state(model, required=False)
+    mine = None if state is None else json.dumps(state.config.to_dict(), sort_keys=True,
+                                                 default=str)
+    every = [None] * world_size()
+    dist.all_gather_object(every, mine)
+    differ = [r for r, c in enumerate(every) if c != every[0]]
+    if not differ:
+        return
+
+    lines = []
+    for r in differ:
+        if None in (every[0], every[r]):
+            lines.append(f"rank {0 if every[0] is None else r} has no kfused adapters")
+            continue
+        first, got = json.loads(every[0]), json.loads(every[r])
+        diff = [f"{k} {first.get(k)!r} on rank 0 but {got.get(k)!r} on rank {r}"
+                for k in sorted(set(first) | set(got)) if first.get(k) != got.get(k)]
+        lines.append(", ".join(diff))
+    raise ValueError(f"{fn}: the kfused adapter config differs between ranks (ranks {differ} "
+                     f"differ from rank 0): " + "; ".join(lines) + ". Every rank must inject "
+                     "the same config (the wrapper synchronises parameters only).")
 
 
 def wrap_model(model: nn.Module, mode: str, device: torch.device, **kwargs) -> nn.Module:
@@ -216,12 +286,16 @@ def shard_batch(batch: Dict[str, torch.Tensor], rank_: Optional[int] = None,
                 world: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """This rank's contiguous slice of a global batch (dim 0 must divide by the world size).
 
-    rank_ / world default to the process group's; given while it is initialized, world must
-    be its size. A rank outside [0, world) or a value that is not a tensor with a batch
-    dimension is an error (it would have given this rank an empty or wrong slice)."""
+    rank_ / world default to the process group's; given while it is initialized, they must
+    be this process's rank and the group's size. A rank outside [0, world) or a value that
+    is not a tensor with a batch dimension is an error (it would have given this rank an empty
+    or wrong slice)."""
     if world is not None and is_distributed() and world != world_size():
         raise ValueError(f"shard_batch: world={world!r} but the process group has "
                          f"{world_size()} ranks")
+    if rank_ is not None and is_distributed() and rank_ != rank():
+        raise ValueError(f"shard_batch: rank_={rank_!r} but this process is rank {rank()} of "
+                         "the process group (each rank takes its own slice; leave rank_ out)")
     rank_ = rank() if rank_ is None else rank_
     world = world_size() if world is None else world
     for name, n in (("world", world), ("rank_", rank_)):

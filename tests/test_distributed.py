@@ -2,6 +2,7 @@
 single-process run on the same global batch: gradients, trained adapter weights, checkpoints."""
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -37,7 +38,11 @@ def _global_batch():
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _run(mode, rank=0, world=1, ckpt_dir=None):
+# method -> targets of the runs compared with one process (krona_b_res: 0-d s_res parameters)
+RUN_TARGETS = {"krona": ["qkv", "ffn_out"], "krona_b_res": None}
+
+
+def _run(mode, rank=0, world=1, ckpt_dir=None, method="krona"):
     """Train STEPS steps; return (first-step adapter grads, final adapter weights)."""
     _setup_paths()
     from _hf_helpers import make
@@ -46,7 +51,7 @@ def _run(mode, rank=0, world=1, ckpt_dir=None):
     from kfused.integration import AdapterConfig, adapter_state_dict, inject, save, unwrap
 
     model = make("gpt2")
-    inject(model, AdapterConfig(method="krona", targets=["qkv", "ffn_out"], init="random",
+    inject(model, AdapterConfig(method=method, targets=RUN_TARGETS[method], init="random",
                                 backend="reference"))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     model = kd.wrap_model(model, mode, torch.device("cpu"))
@@ -73,7 +78,7 @@ def _run(mode, rank=0, world=1, ckpt_dir=None):
             from kfused.integration import load
 
             fresh = make("gpt2", seed=7)
-            inject(fresh, AdapterConfig(method="krona", targets=["qkv", "ffn_out"],
+            inject(fresh, AdapterConfig(method=method, targets=RUN_TARGETS[method],
                                         backend="reference"))
             fresh = kd.wrap_model(fresh, mode, torch.device("cpu"))
             load(fresh, ckpt_dir)
@@ -96,12 +101,26 @@ def _worker(rank, world, port, out_dir):
             except Exception as exc:  # reported to the test, which decides
                 results[mode] = f"{type(exc).__name__}: {exc}"
             dist.barrier()
+        torch.manual_seed(0)
+        try:  # fully_shard refused KronA^B_res's 0-d s_res
+            results["fsdp2_krona_b_res"] = _run("fsdp2", rank, world, method="krona_b_res",
+                                                ckpt_dir=os.path.join(out_dir, "fsdp2_b_res"))
+        except Exception as exc:
+            results["fsdp2_krona_b_res"] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
         from kfused import distributed as kd
         try:  # a world that is not the process group's would give each rank a wrong slice
             kd.shard_batch(_global_batch(), rank, 2 * world)
             results["shard_world_mismatch"] = "no error"
         except ValueError as exc:
             results["shard_world_mismatch"] = str(exc)
+        try:  # so would another rank's index (both ranks took the same half)
+            kd.shard_batch(_global_batch(), (rank + 1) % world, world)
+            results["shard_rank_mismatch"] = "no error"
+        except ValueError as exc:
+            results["shard_rank_mismatch"] = str(exc)
+        results["ranks_differ"] = _ranks_differ(rank)
+        results["merge_lite_fsdp2"] = _merge_lite_fsdp2()
         results["wrap_twice"] = _wrap_twice()
         for mode in ("ddp", "fsdp2"):
             results[f"to_peft_{mode}"] = _to_peft(mode, out_dir)
@@ -142,6 +161,65 @@ def _adapt_a_wrapped_model(mode, out_dir):
         if get_state(model, required=False) is not None:  # a refused call changes nothing
             got += " [model changed]"
         out.append(got)
+    return out
+
+
+def _ranks_differ(rank):
+    """(a) LoRA's alpha differs between ranks: wrap_model refused? (b) a per-rank seed before
+    inject(init="random"): does every rank start from rank 0's adapters (FSDP2 kept a mixture
+    of the ranks' shards)?"""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, adapter_state_dict, inject
+
+    out = {}
+    for mode in ("ddp", "fsdp2"):
+        model = inject(make("gpt2"), AdapterConfig(method="lora", targets=["qkv"],
+                                                   alpha=4 if rank == 0 else 64,
+                                                   backend="reference"))
+        try:
+            kd.wrap_model(model, mode, torch.device("cpu"))
+            out["alpha", mode] = "no error"
+        except ValueError as exc:
+            out["alpha", mode] = str(exc)
+        model = make("gpt2")
+        torch.manual_seed(100 + rank)
+        inject(model, AdapterConfig(method="lora", targets=["qkv"], init="random",
+                                    backend="reference"))
+        mine = adapter_state_dict(model)
+        got = adapter_state_dict(kd.wrap_model(model, mode, torch.device("cpu")))
+        theirs = [None] * dist.get_world_size()
+        dist.all_gather_object(theirs, mine)
+        differed = any(not torch.equal(theirs[0][k], theirs[1][k]) for k in mine)
+        out["seed", mode] = differed, all(torch.equal(got[k], theirs[0][k]) for k in mine)
+    return out
+
+
+def _merge_lite_fsdp2():
+    """Max |logits merged - unmerged| of the lite methods under FSDP2 (merge had failed:
+    'aten.index_select.default got mixed torch.Tensor and DTensor')."""
+    _setup_paths()
+    from _hf_helpers import make
+
+    from kfused import distributed as kd
+    from kfused.integration import AdapterConfig, inject, merge
+
+    out = {}
+    for method in ("kernel_wise_lite", "kernel_mix_lite"):
+        torch.manual_seed(0)
+        model = inject(make("gpt2"), AdapterConfig(method=method, init="random",
+                                                   backend="reference"))
+        model = kd.wrap_model(model, "fsdp2", torch.device("cpu")).eval()
+        ids = _global_batch()["input_ids"][:1]
+        try:
+            with torch.no_grad():
+                y0 = model(input_ids=ids).logits
+                merge(model)
+                out[method] = (model(input_ids=ids).logits - y0).abs().max().item()
+        except Exception as exc:
+            out[method] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -268,6 +346,51 @@ def test_shard_batch_refuses_a_world_other_than_the_process_groups(multi):
     assert "the process group has 2 ranks" in multi[1]["shard_world_mismatch"]
 
 
+def test_shard_batch_refuses_a_rank_other_than_this_processs(multi):
+    # rank 0 passed rank_=1 (was: rank 1's slice, and no rank trained on rank 0's)
+    got = multi[1]["shard_rank_mismatch"]
+    assert got.startswith("shard_batch: rank_=1 but this process is rank 0"), got
+
+
+@pytest.fixture(scope="module")
+def single_b_res():
+    torch.manual_seed(0)
+    return _run("none", method="krona_b_res")
+
+
+def test_fsdp2_krona_b_res_matches_single_process(multi, single_b_res):
+    """KronA^B_res's 0-d s_res: fully_shard refused it ('doesn't support scalar
+    parameters'); it now stays whole on each rank with its gradient averaged, and the FSDP2
+    checkpoint reloads (in _run)."""
+    res = multi[1]["fsdp2_krona_b_res"]
+    assert not isinstance(res, str), res
+    assert any(k.endswith("res_scale") and v.dim() == 0 for k, v in res[1].items())
+    _compare(res, single_b_res)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_wrap_model_refuses_adapter_configs_that_differ_between_ranks(multi, mode):
+    got = multi[1]["ranks_differ"]["alpha", mode]
+    assert got.startswith(f"wrap_{mode}: the kfused adapter config differs between ranks "
+                          "(ranks [1] differ from rank 0)"), got
+    assert "alpha 4 on rank 0 but 64 on rank 1" in got, got
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_every_rank_starts_from_rank_0s_adapters(multi, mode):
+    """A per-rank seed before inject(init="random"): FSDP2 sharded each rank's own values (a
+    mixture no rank initialised); both wrappers now start from rank 0's."""
+    differed, from_rank_0 = multi[1]["ranks_differ"]["seed", mode]
+    assert differed and from_rank_0
+
+
+@pytest.mark.parametrize("method", ["kernel_wise_lite", "kernel_mix_lite"])
+def test_fsdp2_merge_of_a_lite_method(multi, method):
+    got = multi[1]["merge_lite_fsdp2"][method]
+    assert not isinstance(got, str), got
+    assert got < 1e-4, got
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_inject_or_load_into_a_wrapped_model_is_refused(multi, mode):
     inj, ld, peft = multi[1][f"inject_after_{mode}"]
@@ -378,3 +501,30 @@ def test_demo_torchrun_ddp(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ddp x 2" in proc.stdout
     assert os.path.exists(tmp_path / "demo.json")
+
+
+def test_demo_ddp_trains_on_the_single_process_loss(tmp_path):
+    """Each rank's loss was the mean over its own target tokens and DDP averaged the means:
+    halves of the global batch with different token counts trained on another loss than
+    one process (step 1's loss and the eval loss differed)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    args = ["--steps", "2", "--base", "random", "--methods", "lora", "--gen-examples", "0",
+            "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "160",
+            "--batch-size", "4", "--warmup", "1", "--no-progress", "--lr", "0.05"]
+    runs = {}
+    for how, launch in (("single", []), ("ddp", ["-m", "torch.distributed.run",
+                                                 "--nproc-per-node", "2", "--master-port",
+                                                 str(_free_port())])):
+        out = tmp_path / how
+        cmd = [sys.executable, *launch, "-m", "kfused.cli.demo", *args, "--out", str(out)]
+        if how == "ddp":
+            cmd += ["--distributed", "ddp"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(out / "demo.json") as f:
+            runs[how] = json.load(f)["runs"]["lora"]["reference"]
+    s, d = runs["single"], runs["ddp"]
+    torch.testing.assert_close(d["losses"], s["losses"], rtol=1e-5, atol=1e-5)
+    assert abs(d["eval_loss"] - s["eval_loss"]) < 1e-5, (d["eval_loss"], s["eval_loss"])

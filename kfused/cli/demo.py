@@ -395,7 +395,10 @@ def _train_run(name, backend, method, args, data, eval_data, device, dtype, voca
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with _autocast(device, dtype):
-            loss = step_fn(**batch).loss
+            if args.distributed == "none":
+                loss = step_fn(**batch).loss
+            else:  # the model's loss would be a mean over this rank's tokens alone
+                loss = _share_of_global_token_mean(step_fn, batch)
         loss.backward()
         opt.step()
         if device.type == "cuda":
@@ -422,6 +425,23 @@ def _train_run(name, backend, method, args, data, eval_data, device, dtype, voca
         "train_s": time.perf_counter() - t_run,
         **mem, "losses": losses, "_model": model,
     }
+
+
+def _share_of_global_token_mean(step_fn, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's term of the global batch's mean loss per target token: its summed token
+    loss times the world size over the target tokens of every rank. DDP / FSDP2 average the
+    ranks' gradients, which then equal one process's on the global batch, and the mean of
+    the ranks' terms is the global mean loss (per-rank means weighed each rank alike)."""
+    from kfused import distributed as kd
+
+    logits = step_fn(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    lab = batch["labels"][:, 1:]
+    count = (lab != -100).sum()
+    torch.distributed.all_reduce(count)
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), lab.reshape(-1),
+        ignore_index=-100, reduction="sum")
+    return nll * (kd.world_size() / count)
 
 
 def _checkpoint_roundtrip(model, method, args, vocab, device, out_dir, eval_data):

@@ -214,6 +214,11 @@ def projection_delta_weight(f: HeadFactors, H: int, w_k: Optional[torch.Tensor] 
                              f"expected (H_kv·p, d) with p = {p} and H_kv dividing H = {H}"
                              + (f" (n_kv_heads={n_kv_heads})" if n_kv_heads else ""))
         g = kv_group_index(H, Hkv, f.lite_A.device)
+        if hasattr(w_k, "device_mesh"):  # FSDP2's sharded W_k (a DTensor) takes a DTensor index
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mesh = w_k.device_mesh
+            g = DTensor.from_local(g, mesh, [Replicate()] * mesh.ndim, run_check=False)
         wk = w_k.reshape(Hkv, p, -1).index_select(0, g)           # (H, p, d)
         BA = torch.einsum("hpr,hrk->hpk", f.lite_B, f.lite_A)     # (H, p, p)
         dW = add(dW, torch.einsum("hpk,hkd->hpd", BA, wk).flatten(0, 1))
