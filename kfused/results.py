@@ -108,28 +108,97 @@ TIMED_ONLY = {(_KRONA, "kfused-triton-exact")}
 # reading
 
 
-def load_runs(paths: Iterable) -> List[dict]:
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _need(ok: bool, where: str, v, want: str) -> None:
+    """Raise ValueError naming ``where``, what it holds and what was expected, unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{where} is {json.dumps(v)[:80]}, expected {want}")
+
+
+_TIME = "a finite positive time (ms)"
+
+
+def _check_shape(where: str, op: str, shape: dict) -> None:
+    """The fields of a case's shape this module reads: JSON scalars or lists of them; the
+    inducer's n a number and lens a list, KronA's factor shapes A and B lists."""
+    def scalar(x) -> bool:
+        return x is None or isinstance(x, (str, int, float, bool))
+
+    for k, v in shape.items():
+        _need(scalar(v) or isinstance(v, list) and all(map(scalar, v)), f"{where}.{k}", v,
+              "a number, string or list of them")
+    lists = {_IND: ("lens",), _KRONA: ("A", "B")}.get(op, ())
+    for k in lists:
+        _need(shape.get(k) is None or isinstance(shape[k], list), f"{where}.{k}", shape.get(k),
+              "a list")
+    if op == _IND and "n" in shape:
+        _need(_number(shape["n"]), f"{where}.n", shape["n"], "a number")
+
+
+def _check_row(where: str, r: dict) -> None:
+    """A `kfused bench` row's times (a measured row, any mode but "all", has its median
+    ``ms_p50``), its shape and its per-kernel times."""
+    _check_shape(f"{where} shape", r["op"], r["shape"])
+    if r["mode"] != "all" and "ms_p50" not in r:
+        raise ValueError(f"{where} has no ms_p50: a measured row holds {_TIME}")
+    if "ms_p50" in r:
+        _need(_number(r.get("ms_p50")) and r["ms_p50"] > 0, f"{where} ms_p50",
+              r.get("ms_p50"), _TIME)
+    if "graph_ms_p50" in r:
+        _need(_number(r["graph_ms_p50"]) and r["graph_ms_p50"] > 0, f"{where} graph_ms_p50",
+              r["graph_ms_p50"], _TIME)
+    kernels = r.get("kernels")
+    _need(kernels is None or isinstance(kernels, dict), f"{where} kernels", kernels,
+          "an object (kernel name -> launches, us)")
+    for name, m in (kernels or {}).items():
+        _need(isinstance(m, dict) and all(_number(m.get(k)) and m[k] >= 0
+                                          for k in ("launches", "us")),
+              f"{where} kernels.{name}", m, "an object with numbers launches and us")
+
+
+def load_runs(paths: Iterable, skipped: Optional[List[str]] = None) -> List[dict]:
     """The ``kfused bench`` JSON files among ``paths`` (files, or folders searched for
-    ``*.json``); each {"path", "meta", "rows"}. Other JSON (a performance-model file, backend
-    preferences) is passed over; a path that does not exist raises FileNotFoundError."""
+    ``*.json``); each {"path", "meta", "rows"}, each file once however often it is named.
+    Other JSON (a performance-model file, backend preferences) is passed over, as is a file
+    found in a folder that is not readable JSON (said in ``skipped``, where given); a named
+    file that is not readable JSON, a malformed bench row or meta field raises ValueError
+    naming the file and field; a path that does not exist raises FileNotFoundError."""
     runs = []
+    seen = set()
     for p in paths:
         p = Path(p)
         if not p.exists():
             raise FileNotFoundError(f"{p} does not exist")
         for f in (sorted(p.rglob("*.json")) if p.is_dir() else [p]):
+            if f.resolve() in seen:
+                continue
             try:
                 data = json.loads(f.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError) as exc:
+                why = f"{f} is not readable JSON ({type(exc).__name__}: {exc})"
+                if not p.is_dir():
+                    raise ValueError(why) from None
+                if skipped is not None:
+                    skipped.append(why)
                 continue
+            seen.add(f.resolve())
             if isinstance(data, dict) and isinstance(data.get("rows"), list) and \
                     isinstance(data.get("meta"), dict):
                 for i, r in enumerate(data["rows"]):
                     bad = not isinstance(r, dict) or not isinstance(r.get("shape"), dict) or \
                         any(not isinstance(r.get(k), str) for k in ("op", "provider", "mode"))
-                    if bad or ("ms_p50" in r and not isinstance(r["ms_p50"], (int, float))):
+                    if bad:
                         raise ValueError(f"{f}: row {i} is not a `kfused bench` row (op, "
                                          f"shape, provider, mode, ms_p50): {str(r)[:200]}")
+                    _check_row(f"{f}: row {i} ({r['op']}, {r['provider']}, {r['mode']})", r)
+                c = data["meta"].get("ceilings")
+                _need(c is None or isinstance(c, dict), f"{f}: meta.ceilings", c,
+                      "an object (ceiling -> number)")
+                for k, v in (c or {}).items():
+                    _need(v is None or _number(v), f"{f}: meta.ceilings.{k}", v, "a number")
                 runs.append({"path": str(f), "meta": data["meta"], "rows": data["rows"]})
     return runs
 
@@ -197,7 +266,9 @@ def case_key(op: str, shape: dict, subject: str) -> Optional[tuple]:
     """A key that a bench case and the performance-model case of the same shape share (None
     for cases the model does not cover). krona: the model's fold+cuBLAS path is the
     ``kfused-triton`` provider on a GPU, its exact path ``kfused-triton-exact``."""
-    g = shape.get
+    def g(k, default=None):
+        v = shape.get(k, default)
+        return tuple(v) if isinstance(v, list) else v    # a key: hashable
     if op == _KRONA:
         path = g("path")
         if path is not None:      # a model case
@@ -238,11 +309,46 @@ def load_predicted(path) -> Prediction:
                 not isinstance(c.get("shape"), dict):
             raise ValueError(f"{path}: case {i} has no op and shape: not a `kfused perf "
                              "--json` file")
+        _check_case(f"{path}: case {i} ({c['op']})", c)
         k = case_key(c["op"], c["shape"], "kfused-triton")
         if k is not None:
             out.setdefault(k, []).append(c)
-    return Prediction(out, (data.get("versions") or {}).get("commit"),
-                      str((data.get("constants") or {}).get("DEVICE", "h100")))
+    for k in ("versions", "constants"):
+        _need(data.get(k) is None or isinstance(data[k], dict), f"{path}: {k}", data.get(k),
+              "an object")
+    commit = (data.get("versions") or {}).get("commit")
+    _need(commit is None or isinstance(commit, str), f"{path}: versions.commit", commit,
+          "a string")
+    return Prediction(out, commit, str((data.get("constants") or {}).get("DEVICE", "h100")))
+
+
+def _check_case(where: str, c: dict) -> None:
+    """The fields of a ``kfused perf --json`` case this module reads."""
+    _check_shape(f"{where} shape", c["op"], c["shape"])
+    t = c.get("predicted_t_s")
+    _need(t is None or _number(t) and t >= 0, f"{where} predicted_t_s", t,
+          "a finite time (s)")
+    _need(isinstance(c.get("targets", []), list), f"{where} targets", c.get("targets"),
+          "a list")
+    for j, tg in enumerate(c.get("targets", [])):
+        _need(isinstance(tg, dict) and isinstance(tg.get("issue"), int)
+              and isinstance(tg.get("baseline"), str) and _number(tg.get("predicted_ratio")),
+              f"{where} targets[{j}]", tg, "an object with issue, baseline, predicted_ratio")
+    base = c.get("baselines")
+    _need(base is None or isinstance(base, dict), f"{where} baselines", base, "an object")
+    for k, b in (base or {}).items():
+        _need(isinstance(b, dict) and (b.get("t") is None or _number(b["t"]) and b["t"] >= 0),
+              f"{where} baselines.{k}", b, "an object with a finite time t (s)")
+    _need(isinstance(c.get("kernels", []), list), f"{where} kernels", c.get("kernels"),
+          "a list")
+    for j, k in enumerate(c.get("kernels", [])):
+        _need(isinstance(k, dict) and isinstance(k.get("kernel"), str)
+              and isinstance(k.get("predicted"), dict) and _number(k["predicted"].get("t")),
+              f"{where} kernels[{j}]", k, "an object with kernel and predicted.t")
+    glue = c.get("glue")
+    _need(glue is None or isinstance(glue, dict) and all(
+        _number(glue.get(k, 0)) for k in ("n_ops", "t_s")), f"{where} glue", glue,
+        "an object with numbers n_ops and t_s")
 
 
 def _pred_case(pred: Optional[Prediction], op: str, shape: dict, subject: str,
@@ -311,8 +417,9 @@ def _fmt_ms(ms: Optional[float]) -> str:
 
 
 def render(runs: List[dict], pred: Optional[Prediction] = None,
-           pred_source: Optional[str] = None) -> str:
-    """RESULTS.md text for ``runs`` (:func:`load_runs`) and the optional prediction."""
+           pred_source: Optional[str] = None, skipped: Iterable[str] = ()) -> str:
+    """RESULTS.md text for ``runs`` (:func:`load_runs`) and the optional prediction;
+    ``skipped``: the files :func:`load_runs` passed over, said in the report."""
     lines = [MARKER, "", "# Measured results", ""]
     if not runs:
         lines.append("No `kfused bench` JSON was given: nothing measured.")
@@ -336,6 +443,8 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                      f"{f'{cp:.0f}' if cp else '—'} | {f'{mm:.0f}' if mm else '—'} | "
                      f"{m.get('quick', False)} | {m.get('complete', True)} |")
     lines.append("")
+    for why in skipped:
+        lines += [f"**Passed over: {why}.**", ""]
     if pred is not None:
         from kfused.perf.roofline import DEVICES, device_key
         other = sorted({str(r["meta"].get("device")) for r in runs

@@ -209,7 +209,8 @@ def test_cli_writes_refuses_foreign_files_and_replaces_its_own(tmp_path, capsys)
                       ([str(bench), "--predicted", str(cases)], "case 0 has no op and shape"),
                       ([str(bench), "--out", str(tmp_path)], "is a directory"),
                       ([str(tmp_path / "missing")], "does not exist"),
-                      ([str(tmp_path / "RESULTS.md")], "no `kfused bench` JSON"),
+                      ([str(bench / "backend_prefs.json")], "no `kfused bench` JSON"),
+                      ([str(tmp_path / "RESULTS.md")], "RESULTS.md is not readable JSON"),
                       ([str(bench), "--predicted", str(bench / "headwise_x.json")],
                        "not a `kfused perf --json` file")):
         with pytest.raises(SystemExit):
@@ -469,3 +470,92 @@ def test_bench_skip_refuses_a_name_no_selected_family_provides(tmp_path, monkeyp
     with pytest.raises(AssertionError, match="reached the measurements"):
         bench.run(["krona", "headwise", "--device", "cpu", "--no-plot", "--out",
                    str(tmp_path), "--skip", ",".join(names)])
+
+
+def _bench_file(path, rows, meta=META):
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    return str(path)
+
+
+def _usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.run(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_time_that_is_not_finite_and_positive_is_refused(tmp_path, capsys):
+    """ms_p50 / graph_ms_p50 of 0, < 0, inf or NaN were taken as measurements (a
+    ZeroDivisionError, or a target 'met' at -0.05x): the file and row are named, exit 2."""
+    for i, (field, ms) in enumerate([("ms_p50", 0.0), ("ms_p50", -1.0),
+                                     ("ms_p50", math.inf), ("ms_p50", math.nan),
+                                     ("graph_ms_p50", 0.0)]):
+        floor = _row("krona_linear", KRONA, "floor", "fwd+bwd", 0.06)
+        floor[field] = ms
+        f = _bench_file(tmp_path / f"t{i}.json", [
+            _row("krona_linear", KRONA, "kfused-triton", "fwd+bwd", 0.05), floor])
+        err = _usage_error([f], capsys)
+        assert f"{f}: row 1 (krona_linear, floor, fwd+bwd) {field} is " in err, err
+        assert "expected a finite positive time (ms)" in err
+
+
+def test_malformed_bench_and_perf_fields_are_usage_errors(tmp_path, capsys):
+    """A missing or mistyped field of a bench or perf JSON gave a traceback: each is a usage
+    error naming the file and the field."""
+    good = _bench_file(tmp_path / "good.json", [
+        _row("krona_linear", KRONA, "floor", "fwd+bwd", 1.0),
+        _row("krona_linear", KRONA, "kfused-triton", "fwd+bwd", 0.5)])
+    no_ms = _row("krona_linear", KRONA, "kfused-triton", "fwd+bwd", 0.5)
+    del no_ms["ms_p50"]
+    ind = {"n": "big"}
+    bench = {
+        "row 0 (krona_linear, kfused-triton, fwd+bwd) has no ms_p50": ([no_ms], META),
+        "meta.ceilings is [1, 2]": ([], {**META, "ceilings": [1, 2]}),
+        "meta.ceilings.d2d_copy_GBps is \"fast\"": ([], {"ceilings": {"d2d_copy_GBps": "fast"}}),
+        "graph_ms_p50 is \"x\"": ([{**no_ms, "ms_p50": 1.0, "graph_ms_p50": "x"}], META),
+        "shape.n is \"big\", expected a number": (
+            [_row("inducer_attention", ind, "sdpa", "fwd+bwd", 1.0)], META),
+    }
+    for i, (msg, (rows, meta)) in enumerate(bench.items()):
+        f = _bench_file(tmp_path / f"b{i}.json", rows, meta)
+        assert f"{f}: " in (err := _usage_error([f], capsys)) and msg in err, err
+    case = {"op": "krona_linear", "shape": KRONA}
+    perf = {"versions is [\"x\"]": {"cases": [], "versions": ["x"]},
+            "versions.commit is 12345": {"cases": [], "versions": {"commit": 12345}},
+            "case 0 (krona_linear) targets[0] is {\"issue\": 11}": {
+                "cases": [{**case, "targets": [{"issue": 11}]}]}}
+    for i, (msg, obj) in enumerate(perf.items()):
+        f = tmp_path / f"p{i}.json"
+        f.write_text(json.dumps(obj))
+        err = _usage_error([good, "--predicted", str(f)], capsys)
+        assert f"argument --predicted: {f}: {msg}" in err, err
+
+
+def test_a_named_input_that_is_not_json_is_an_error_one_in_a_folder_is_said(tmp_path,
+                                                                             capsys):
+    """A bench JSON named on the command line that cannot be parsed was dropped without a
+    word: a usage error naming it; one found in a folder is passed over, and the report and
+    stderr say so."""
+    text = json.dumps({"meta": META, "rows": _rows()})
+    good = _bench_file(tmp_path / "a.json", _rows())
+    (tmp_path / "b.json").write_text(text[: len(text) // 2])
+    err = _usage_error([good, str(tmp_path / "b.json")], capsys)
+    assert f"argument inputs: {tmp_path / 'b.json'} is not readable JSON" in err
+    assert cli.run([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"**Passed over: {tmp_path / 'b.json'} is not readable JSON" in out
+    assert f"passed over {tmp_path / 'b.json'} is not readable JSON" in err
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, capsys):
+    """DIR and DIR/run.json (or one file twice) read the file twice, every target counted
+    twice: each file is read once (by its resolved path)."""
+    f = _bench_file(tmp_path / "run.json", _rows())
+    assert [r["path"] for r in results.load_runs([tmp_path, f, str(tmp_path / ".." /
+                                                   tmp_path.name / "run.json")])] == [f]
+    cli.run([str(tmp_path)])
+    once = capsys.readouterr().out
+    cli.run([str(tmp_path), f, f])
+    assert capsys.readouterr().out == once

@@ -33,8 +33,9 @@ def run(argv: Optional[List[str]] = None) -> int:
 
     p = build_parser()
     args = p.parse_args(argv)
+    skipped: List[str] = []
     try:
-        runs = results.load_runs(args.inputs)
+        runs = results.load_runs(args.inputs, skipped)
     except (FileNotFoundError, ValueError) as exc:
         p.error(f"argument inputs: {exc}")
     if not runs:
@@ -46,7 +47,9 @@ def run(argv: Optional[List[str]] = None) -> int:
             pred = results.load_predicted(args.predicted)
         except (OSError, ValueError) as exc:
             p.error(f"argument --predicted: {exc}")
-    text = results.render(runs, pred, args.predicted)
+    for why in skipped:
+        print(f"kfused results: passed over {why}", file=sys.stderr)
+    text = results.render(runs, pred, args.predicted, skipped)
     if args.out is None:
         print(text)
         return 0
