@@ -413,8 +413,8 @@ def test_help_says_each_default_once():
         assert "(default: 0)" in text                    # --seed's default is still shown
     demo_help = " ".join(demo.build_parser().format_help().split())
     assert "(default: each method's) --rank" in demo_help
-    assert "(default: each row's, 8 for LoRA); KronA has none: its size is its factor shapes " \
-        "--scale" in demo_help
+    assert "(default: each row's, 8 for LoRA); KronA's factor shapes take the parameters of a " \
+        "rank-r LoRA --scale" in demo_help
 
 
 def test_perf_default_report_of_an_installed_package_goes_to_the_working_folder(tmp_path,

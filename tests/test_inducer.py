@@ -364,7 +364,12 @@ def test_empty_rows_have_lambda_exactly_one():
     kern = lambda **a: inducer_attention(**a, composition="gate", causal=True,  # noqa: E731
                                          backend="triton")[0]
     ref = lambda **a: inducer_attention_ref(**a, composition="gate", causal=True)[0]  # noqa: E731
-    assert_against_reference(kern, ref, {**X, **P}, torch.float32, DEVICE)
+    # (not the key MLP's gradients here: ds0 = dλ·λ(1 − λ) ≈ e^-x, and the float64 oracle's
+    # softmax backward forms it as g0 − (λ g0 + Σ w g), which cancels to exactly 0 once λ
+    # rounds to 1, where the kernel keeps ~1e-38 — more accurate than the oracle, so §4's
+    # zero bound cannot judge it; the fully masked rows above check them exactly)
+    assert_against_reference(kern, ref, {**X, **P}, torch.float32, DEVICE,
+                             grad_names=["q", "k", "v", "W1", "b1", "W2", "b2"])
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -808,6 +808,8 @@ def test_spec4_reference_below_float32_range():
     zero = torch.zeros(3, dtype=torch.float32)
     assert compare("t", zero, ref, zero, torch.float32).ok
     assert not compare("t", torch.full((3,), 1e-38), ref, zero, torch.float32).ok
+    sub = torch.tensor([7.231e-45, 0.0, -1.4e-45], dtype=F64)      # float32 subnormals
+    assert compare("t", zero, sub, zero, torch.float32).ok
     big = torch.tensor([1.0, 2.0, 3.0], dtype=F64)
     off = big.float() * (1 + 3e-4)
     assert not compare("t", off, big, off, torch.float32).ok    # rel 3e-4 ≥ 1e-4

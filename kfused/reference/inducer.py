@@ -148,13 +148,17 @@ def inducer_attention_ref(
         s0 = inducer_key_logit(q, Ak, ak, Bk, ck, scale)
         # The released code's way: the virtual column joins the softmax; λ is its weight.
         ext = torch.cat([s0.unsqueeze(-1), S_masked], dim=-1)
-        lam = torch.softmax(ext, dim=-1)[..., 0]
+        w = torch.softmax(ext, dim=-1)
+        lam = w[..., 0]
         hidden = inducer_value_hidden(q, W1, b1)
         if composition == "add":
             u = lam.unsqueeze(-1) * hidden
         elif composition == "gate":
             pv = torch.matmul(hidden, W2) + b2[:, None, :]
-            out = (1 - lam).unsqueeze(-1) * f + lam.unsqueeze(-1) * pv
+            # 1 − λ as the keys' own weights: formed as 1 − lam it is 0 once λ rounds to 1
+            # (s0 − LSE > 37 in float64, > 17 in float32), where the kernels keep e^(LSE − s0)
+            lam_c = w[..., 1:].sum(-1)
+            out = lam_c.unsqueeze(-1) * f + lam.unsqueeze(-1) * pv
         else:
             raise ValueError(f"composition must be 'add' or 'gate', got {composition!r}")
     if upcast:
