@@ -143,14 +143,11 @@ def run_op(name: str, *args):
 
 
 class _Kops:
-    """``kops.<name>(*args)``: :func:`run_op` for ``kfused::<name>``."""
+    """``kops.<name>(*args)``: :func:`run_op` for ``kfused::<name>`` (each an attribute set
+    by :func:`custom_op` when the op is registered)."""
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name not in _OPS:
-            raise AttributeError(name)
-        fn = functools.partial(run_op, name)
-        setattr(self, name, fn)
-        return fn
+        raise AttributeError(f"kops.{name}: no kfused custom op {name!r} is registered")
 
 
 kops = _Kops()
