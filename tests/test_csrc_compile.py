@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+from kfused.perf.compile import find_nvcc
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 SOURCES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True)
@@ -33,19 +35,6 @@ TIMEOUT_S = 900  # per compile; a loaded shared 2-core machine is several times 
 # ``compiled`` fixture built in this session: test_csrc_sass disassembles these objects instead
 # of compiling the device code a second time (about a minute of CI).
 DEVICE_OBJECTS = {}
-
-
-def _find_nvcc():
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        home = os.environ.get(env)
-        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
-            return os.path.join(home, "bin", "nvcc")
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    if os.path.isfile("/usr/local/cuda/bin/nvcc"):
-        return "/usr/local/cuda/bin/nvcc"
-    return None
 
 
 def _cuda_include(nvcc):
@@ -112,7 +101,7 @@ def _compile_one(cmd):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    nvcc = _find_nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH): "
                     "csrc/ compile check skipped")

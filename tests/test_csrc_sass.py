@@ -180,7 +180,7 @@ def _spills(log):
 
 @pytest.fixture(scope="module")
 def built():
-    nvcc = _cc._find_nvcc()
+    nvcc = _cc.find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found: SASS check skipped")
     dump = _cuobjdump()
