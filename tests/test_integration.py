@@ -785,3 +785,14 @@ def test_prefix_position_offset_must_leave_a_learned_position():
     llama = make("llama", max_len=32)  # rotary positions: no table to run past
     inject(llama, AdapterConfig(method="prefix", r=2, backend="reference",
                                 options={"position_offset": 40}))
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("method", ["inducer", "inducer_lora", "kernel_mix", "parallel_adapter"])
+def test_every_placed_module_takes_the_model_mode(method, training):
+    # the inducer's adapter sits inside a wrapper inject itself placed (the output projection's
+    # InducerOutputProjection): both took that new wrapper's default training mode, so an
+    # eval-mode model came back with them in training mode
+    model = make("roberta").train(training)
+    inject(model, AdapterConfig(method=method, backend="reference"))
+    assert {n for n, m in model.named_modules() if m.training != training} == set()

@@ -147,6 +147,23 @@ def test_set_replaces_and_unknown_model_has_none():
     assert attention_blocks(nn.Sequential(nn.Linear(4, 4))) == []
 
 
+@pytest.mark.parametrize("method", ["kernel_mix", "inducer", "prefix"])
+def test_an_explicit_arch_the_model_lacks_is_refused_by_name(method):
+    # OPT's attention blocks match the Llama-style block pattern but keep their output
+    # projection as out_proj: arch="llama" failed inside torch (AttributeError: OPTAttention has
+    # no attribute `o_proj`)
+    model = t.OPTForCausalLM(t.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                         num_attention_heads=4, vocab_size=40,
+                                         max_position_embeddings=20, word_embed_proj_dim=32))
+    before = [(n, type(m).__name__) for n, m in model.named_modules()]
+    with pytest.raises(ValueError, match=r"'model\.decoder\.layers\.0\.self_attn' "
+                                         r"\(OPTAttention\) has no 'o_proj', where the "
+                                         r"Llama-style layout \(arch 'llama'\) keeps its 'o'"):
+        inject(model, AdapterConfig(method=method, arch="llama", backend="reference"))
+    assert [(n, type(m).__name__) for n, m in model.named_modules()] == before
+    assert get_state(model, required=False) is None
+
+
 # ------------------------------------------------------------------------------------------
 # the init vocabulary
 

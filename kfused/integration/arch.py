@@ -280,10 +280,23 @@ def attention_blocks(model: nn.Module, arch: Optional[ArchSpec] = None
     layout = arch.attention
     block_rx = re.compile(layout.block)
     cross_rx = re.compile(layout.cross) if layout.cross else None
-    return [AttentionBlock(name=name, module=mod, layout=layout, n_heads=H, n_kv_heads=Hkv,
-                           head_dim=p, cross=bool(cross_rx and cross_rx.fullmatch(name)),
-                           score_bias=arch.score_bias)
-            for name, mod in model.named_modules() if block_rx.fullmatch(name)]
+    blocks = [AttentionBlock(name=name, module=mod, layout=layout, n_heads=H, n_kv_heads=Hkv,
+                             head_dim=p, cross=bool(cross_rx and cross_rx.fullmatch(name)),
+                             score_bias=arch.score_bias)
+              for name, mod in model.named_modules() if block_rx.fullmatch(name)]
+    for b in blocks:  # a block of another layout (an explicit arch= that does not fit)
+        for role in ATTENTION_ROLES:
+            path = layout.path(role)
+            try:
+                if path:
+                    b.module.get_submodule(path)
+            except AttributeError:
+                raise ValueError(
+                    f"{type(model).__name__} (model_type={model_type_of(model)!r}): attention "
+                    f"block {b.name!r} ({type(b.module).__name__}) has no {path!r}, where the "
+                    f"{arch.title or arch.name} layout (arch {arch.name!r}) keeps its {role!r} "
+                    "projection; this model does not have that layout") from None
+    return blocks
 
 
 def describe_archs() -> str:

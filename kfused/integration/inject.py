@@ -310,16 +310,18 @@ def restore(snap) -> None:
         p.requires_grad_(flag)
 
 
-def _follow_mode(model: nn.Module, adapted: List[str], old_modules: set) -> None:
-    """New modules start in training mode (nn.Module's default): the modules of each placed
-    adapter take the mode of the module it sits in, so an eval-mode model stays in eval mode
-    (its adapters' dropout off) and a training one trains."""
-    for name in adapted:
-        parent = name.rpartition(".")[0]
-        mode = (model.get_submodule(parent) if parent else model).training
-        for sub in model.get_submodule(name).modules():
-            if id(sub) not in old_modules:
-                sub.training = mode
+def _follow_mode(model: nn.Module, old_modules: set) -> None:
+    """New modules start in training mode (nn.Module's default): every module inject placed
+    (the adapters and any wrapper around them, e.g. the inducer's output-projection wrapper)
+    takes the mode of the nearest enclosing module that was there before, so an eval-mode
+    model stays in eval mode (its adapters' dropout off) and a training one trains."""
+    mode = {"": model.training}
+    for name, sub in model.named_modules():
+        if name:
+            if id(sub) in old_modules:
+                mode[name] = sub.training
+            else:
+                mode[name] = sub.training = mode[name.rpartition(".")[0]]
 
 
 def _check_ranks_used(ranks, used: set, adapted: List[str],
@@ -391,7 +393,7 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
     try:
         adapted = _place(target_model, plan, arch, dims, before, adapter_dtype, config)
         _check_ranks_used(config.ranks, used, adapted)
-        _follow_mode(target_model, adapted, old_modules)
+        _follow_mode(target_model, old_modules)
     except BaseException:
         restore(snap)  # a failed inject leaves the model as it was
         raise

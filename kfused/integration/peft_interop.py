@@ -883,6 +883,14 @@ def _prefix_peft_config(m: nn.Module, state, task_type: Optional[str]):
                                   f"{offset}, prefix length {l}: {_PREFIX_REASON}")
     mods = list(adapter_modules(m).values())
     H, p = mods[0].num_heads, mods[0].head_dim
+    from kfused.integration.arch import model_dims
+
+    kv_heads = model_dims(m)["n_kv_heads"]
+    if kv_heads != H:
+        raise PeftConversionError(
+            f"to_peft: this kfused prefix adapter is on a grouped-query model ({kv_heads} "
+            f"key/value heads for {H} query heads): kfused keeps one prefix per query head, PEFT "
+            f"one per key/value head ({kv_heads}), so PEFT could not load it")
     cfg = peft.PrefixTuningConfig(num_virtual_tokens=l, task_type=task_type or "CAUSAL_LM",
                                   num_layers=len(mods), token_dim=H * p, num_attention_heads=H,
                                   encoder_hidden_size=H * p, prefix_projection=False,
