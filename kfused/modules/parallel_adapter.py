@@ -58,7 +58,11 @@ class ScaledParallelAdapter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_pair_(self.down, self.up, self.init)
+        # the biases too (zero): after the meta-device recipe (to_empty, reset_parameters())
+        # they held uninitialised memory
+        init_pair_(self.down, self.up, self.init, bias=self.up_bias)
+        with torch.no_grad():
+            self.down_bias.zero_()
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         params = (self.down, self.down_bias, self.up, self.up_bias)
