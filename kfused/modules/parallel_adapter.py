@@ -72,6 +72,7 @@ class ScaledParallelAdapter(nn.Module):
         return self.scale * F.linear(F.relu(F.linear(x, wd, bd)), wu, bu)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        _validate.check_tensor("x", x, min_ndim=1)   # (a 0-d x raised IndexError)
         if x.shape[-1] != self.d_model:
             raise ValueError(f"ScaledParallelAdapter: x has shape {tuple(x.shape)}, expected a "
                              f"last dimension of d_model={self.d_model}")
