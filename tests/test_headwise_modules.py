@@ -432,3 +432,35 @@ def test_modules_float32_factors_on_half_base_outside_autocast(backend):
         finally:
             for base in (q, k, v, o):
                 base.float()
+
+
+@pytest.mark.parametrize("kind", ["proj", "out", "qkv"])
+def test_refused_merge_leaves_the_module_unchanged(kind):
+    # Probe: a per-head bias c on a frozen projection without bias cannot be merged; the
+    # refusal came after ΔW had been added to the frozen weight, so the (still unmerged)
+    # module applied the update twice from then on.
+    d, H = 12, 3
+    lin = lambda: nn.Linear(d, d, bias=False).double()  # noqa: E731
+    if kind == "proj":
+        m = HeadwiseProjection(lin(), H, ProjRanks(wise=2, shared=1), head_bias=True,
+                               init="random")
+    elif kind == "out":
+        m = HeadwiseOutput(lin(), H, ProjRanks(wise=2, shared=1), head_bias=True,
+                           init="random")
+    else:      # q (no bias term) folds first, then v's c is refused
+        m = HeadwiseQKV(q=lin(), k=lin(), v=lin(), n_heads=H, q_ranks=ProjRanks(shared=2),
+                        v_ranks=ProjRanks(wise=2), head_bias=True, init="random")
+    m.double()
+    with torch.no_grad():
+        for t in m.parameters():
+            if t.requires_grad:
+                t.normal_()
+    x = torch.randn(4, d, dtype=torch.float64)
+    y0 = m(x, backend="reference")
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    with pytest.raises(ValueError, match="the frozen projection has no bias"):
+        m.merge()
+    assert not m.merged
+    for n, t in m.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    torch.testing.assert_close(m(x, backend="reference"), y0, rtol=0, atol=0)

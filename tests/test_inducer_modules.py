@@ -427,6 +427,50 @@ def test_output_projection_wrapper_checks_its_input():
         gate(x)
 
 
+@pytest.mark.parametrize("kind", ["lora", "krona", "headwise"])
+@pytest.mark.parametrize("d", [8, 10])
+def test_output_projection_wrapper_over_an_adapted_projection(kind, d):
+    # Probe: a base that is not a bare nn.Linear (an adapter on the output projection) was
+    # read as a Conv1D weight: square (d = H·p) it was applied transposed and without its
+    # update, silently; otherwise refused with a Conv1D shape error. It now runs the base's
+    # forward on f and W2 on u beside it.
+    from torch.func import functional_call
+
+    from kfused.modules import HeadwiseOutput, KronALinear, LoRALinear, ProjRanks
+    from kfused.testing import assert_against_reference
+
+    H, p, r, T = 2, 4, 3, 6
+    lin = torch.nn.Linear(H * p, d)
+    base = (LoRALinear(lin, r=2, init="random") if kind == "lora" else
+            KronALinear(lin, a_shape=(2, 2), init="random", backend="reference")
+            if kind == "krona" else
+            HeadwiseOutput(lin, H, ProjRanks(wise=2, shared=1), init="random"))
+    ad = InducerAttention(H, p, d_model=d, value_bottleneck=r)
+    wrap = InducerOutputProjection(base, ad)
+    names = [n for n, _ in wrap.named_parameters()]
+    keys = {n: "p_" + n.replace(".", "_") for n in names}
+    inputs = {"x": torch.randn(T, H * (p + r), dtype=torch.float64)}
+    inputs.update({keys[n]: t.detach().double() for n, t in wrap.named_parameters()})
+    trained = ["x"] + [keys[n] for n, t in wrap.named_parameters() if t.requires_grad]
+
+    def kernel(x, **ps):
+        return functional_call(wrap, {n: ps[keys[n]] for n in names}, (x,))
+
+    def ref(x, **ps):
+        rows = x.reshape(T, H, p + r)
+        f, u = rows[..., :p].reshape(T, H * p), rows[..., p:]
+        params = {n: ps[keys[n]] for n in names if n.startswith("base.")}
+        y = functional_call(wrap, params, (f,))     # the plain width runs the base alone
+        return (y + torch.einsum("thr,hrd->td", u, ps[keys["adapter.W2"]])
+                + ps[keys["adapter.b2"]])
+
+    assert_against_reference(kernel, ref, inputs, torch.float32, grad_names=trained)
+    with torch.no_grad():
+        want = ref(**{k: v.float() for k, v in inputs.items()})
+    base.merge()
+    torch.testing.assert_close(wrap(inputs["x"].float()), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name,value", [("softcap", 50.0), ("s_aux", torch.zeros(2))])
 def test_attention_refuses_score_changes_it_cannot_apply(name, value):
     """Gemma-2 passes its logit soft-capping and gpt-oss its attention sinks to the attention

@@ -262,6 +262,34 @@ def test_reset_parameters_repeats_the_modules_init():
     assert not out.wise_B.any() and not out.shared_B.any()
 
 
+
+@pytest.mark.parametrize("kind", ["krona_b", "krona_b_res", "parallel_adapter"])
+def test_reset_parameters_sets_every_block_adapter_tensor(kind):
+    # Probe: KronABlock's output bias and s_res and the parallel adapter's two biases were
+    # set in __init__ only; after the meta-device recipe (to_empty, reset_parameters()) they
+    # held uninitialised memory: a "zero" adapter did not start at the frozen block.
+    from kfused.modules import KronABlock, ScaledParallelAdapter
+
+    with torch.device("meta"):
+        m = (ScaledParallelAdapter(nn.Linear(D, D), D, r=3, init="zero")
+             if kind == "parallel_adapter" else
+             KronABlock(nn.Linear(D, D), d_in=D, bias=True, residual=kind == "krona_b_res"))
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in m.parameters():
+            t.fill_(float("nan"))      # what uninitialised memory may hold
+    m.apply(lambda s: s.reset_parameters() if hasattr(s, "reset_parameters") else None)
+    for n, t in m.named_parameters():
+        assert torch.isfinite(t).all(), n
+    if kind == "parallel_adapter":
+        x = torch.randn(4, D)
+        torch.testing.assert_close(m(x), m.block(x), rtol=0, atol=0)   # exact start
+        assert not m.down_bias.any() and not m.up_bias.any()
+    else:
+        assert not m.bias.any()
+        if kind == "krona_b_res":
+            assert m.res_scale.item() == 1.0
+
 def _inducer_logits_module():
     """A module (ids[, mask]) -> logits around a tiny injected inducer Llama in eval."""
     from kfused.integration import AdapterConfig, inject

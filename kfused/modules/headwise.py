@@ -232,6 +232,7 @@ class _FoldsIntoBase(MergedState):
     def _fold(self, sign: float) -> None:
         if self._active():
             dW, db = self.delta_weight()
+            _check_bias_target(self.base, db)   # before any weight changes
             _add_to_weight(self.base, sign * dW)
             _add_bias(self.base, sign * db if db is not None else None)
 
@@ -328,13 +329,20 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
         return self.adapter.ranks.active
 
 
-def _add_bias(mod: nn.Module, db: Optional[torch.Tensor], rows: slice = slice(None)) -> None:
-    if db is None:
-        return
-    if getattr(mod, "bias", None) is None:
+def _check_bias_target(mod: nn.Module, db: Optional[torch.Tensor]) -> None:
+    """A bias update needs a frozen bias to fold into (ValueError otherwise). Checked before a
+    merge changes any weight: a refused merge had already added ΔW, leaving an unmerged
+    module whose frozen weight held the update (applied twice from then on)."""
+    if db is not None and getattr(mod, "bias", None) is None:
         raise ValueError("this update has a bias term but the frozen projection has no bias; "
                          "construct the adapter with head_bias=False or merge into a biased "
                          "projection")
+
+
+def _add_bias(mod: nn.Module, db: Optional[torch.Tensor], rows: slice = slice(None)) -> None:
+    if db is None:
+        return
+    _check_bias_target(mod, db)
     mod.bias.data[rows] += db.to(mod.bias.dtype)
 
 
@@ -461,9 +469,12 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
     @torch.no_grad()
     def _fold(self, sign: float) -> None:
         deltas = self.delta_weights()  # computed before any weight changes (W_k is untouched)
-        for dW, db, sl, ad in deltas:
-            mod = self.fused if self.fused is not None else (self.q if ad is self.q_adapter
-                                                              else self.v)
+        mods = [self.fused if self.fused is not None else (self.q if ad is self.q_adapter
+                                                           else self.v)
+                for _, _, _, ad in deltas]
+        for (_, db, _, _), mod in zip(deltas, mods):
+            _check_bias_target(mod, db)       # every section before any weight changes
+        for (dW, db, sl, ad), mod in zip(deltas, mods):
             rows = sl if self.fused is not None else slice(None)
             _add_to_weight(mod, sign * dW, rows)
             _add_bias(mod, sign * db if db is not None else None, rows)

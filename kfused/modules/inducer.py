@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from kfused import _validate
 from kfused.modules._init import check_init, paper_
-from kfused.modules._linear import autocast_input
+from kfused.modules._linear import autocast_input, is_conv1d
 from kfused.ops.inducer_attention import (COMPOSITIONS, inducer_attention,
                                           inducer_attention_varlen)
 from kfused.ops.inducer_output_projection import inducer_output_projection
@@ -257,13 +257,20 @@ class InducerOutputProjection(nn.Module):
     """Wraps a frozen output projection (nn.Linear or GPT-2 Conv1D) so that it also accepts
     per-head ``[f_h | u_h]`` rows of width ``H·(p + r)`` (what the ``kfused_inducer``
     attention implementation returns for composition "add") and maps both in one GEMM.
-    Inputs of the original width pass straight to the base layer."""
+    Inputs of the original width pass straight to the base layer. A base that is itself an
+    adapter around the projection (LoRALinear, KronALinear, HeadwiseOutput, ...) maps f with
+    its own forward and u with W2 beside it (two GEMMs)."""
 
     def __init__(self, base: nn.Module, adapter: InducerAttention):
         super().__init__()
         self.base = base
         self.adapter = adapter
-        self.layout = "linear" if isinstance(base, nn.Linear) else "conv1d"
+        # None: the base is not a bare layer (an adapter around the projection, e.g.
+        # LoRALinear, KronALinear, HeadwiseOutput): its weight alone is not the map it
+        # computes, so f goes through its forward and u through W2 beside it. (Read as
+        # "conv1d", a square wrapped nn.Linear was applied transposed and without its update.)
+        self.layout = ("linear" if isinstance(base, nn.Linear) else
+                       "conv1d" if is_conv1d(base) else None)
 
     def forward(self, x: Tensor) -> Tensor:
         a = self.adapter
@@ -272,20 +279,40 @@ class InducerOutputProjection(nn.Module):
         plain = a.num_heads * a.head_dim
         if x.shape[-1] == plain:
             return self.base(x)
-        W, b = a.fused_output_weight(self.base.weight, self.base.bias, layout=self.layout)
-        if x.shape[-1] != W.shape[0]:
-            fused = (f" or H·(p + r) = {W.shape[0]} (per-head [f_h | u_h] rows of the "
-                     f"'add' inducer, r = {a.value_bottleneck})" if W.shape[0] != plain else
+        adds_u = a.inducer and a.composition == "add"
+        width = a.num_heads * (a.head_dim + a.value_bottleneck) if adds_u else plain
+        if x.shape[-1] != width:
+            fused = (f" or H·(p + r) = {width} (per-head [f_h | u_h] rows of the "
+                     f"'add' inducer, r = {a.value_bottleneck})" if adds_u else
                      f" (this adapter, composition {a.composition!r}, inducer={a.inducer}, "
                      f"adds no u columns)")
             raise ValueError(f"output projection input x has shape {tuple(x.shape)}: width "
                              f"{x.shape[-1]}, expected H·p = {plain} ({a.num_heads} heads of "
                              f"width {a.head_dim}){fused}")
+        if self.layout is None:
+            return self._wrapped(x)
+        W, b = a.fused_output_weight(self.base.weight, self.base.bias, layout=self.layout)
         if x.device != W.device:
             raise ValueError(f"output projection input x is on {x.device} but the projection's "
                              f"weight is on {W.device}")
         y = torch.matmul(x, W.to(x.dtype))
         return y if b is None else y + b.to(x.dtype)
+
+    def _wrapped(self, x: Tensor) -> Tensor:
+        """``base(concat_h f_h) + Σ_h u_h W2_h + b2`` for a base that is not a bare layer."""
+        a = self.adapter
+        H, p = a.num_heads, a.head_dim
+        rows = x.reshape(*x.shape[:-1], H, p + a.value_bottleneck)
+        f = rows[..., :p].reshape(*x.shape[:-1], H * p)
+        u = rows[..., p:].reshape(*x.shape[:-1], -1)
+        y = self.base(f)
+        if not isinstance(y, Tensor) or y.shape[-1] != a.d_model:
+            got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"the output projection {type(self.base).__name__} returned "
+                             f"{got} for f of shape {tuple(f.shape)}, but the adapter's W2 "
+                             f"maps to d_model={a.d_model}")
+        W2 = a.W2.reshape(-1, a.d_model).to(y.dtype)
+        return y + (torch.matmul(u.to(y.dtype), W2) + a.b2.to(y.dtype))
 
 
 __all__ = ["InducerAttention", "InducerOutputProjection"]

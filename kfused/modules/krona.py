@@ -243,6 +243,17 @@ class KronABlock(_KronFactors, nn.Module):
         self.res_scale = (nn.Parameter(torch.ones((), dtype=dtype, device=device))
                           if residual else None)
 
+    def reset_parameters(self) -> None:
+        """A, B by the module's init, the output bias 0 and s_res 1 (as constructed; after the
+        meta-device recipe, to_empty then reset_parameters(), these two held uninitialised
+        memory)."""
+        super().reset_parameters()
+        with torch.no_grad():
+            if getattr(self, "bias", None) is not None:
+                self.bias.zero_()
+            if getattr(self, "res_scale", None) is not None:
+                self.res_scale.fill_(1.0)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.block(x, *args, **kwargs)
         if not isinstance(y, torch.Tensor):

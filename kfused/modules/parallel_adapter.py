@@ -58,7 +58,11 @@ class ScaledParallelAdapter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_pair_(self.down, self.up, self.init)
+        # the biases too (zero): after the meta-device recipe (to_empty, reset_parameters())
+        # they held uninitialised memory
+        init_pair_(self.down, self.up, self.init, bias=self.up_bias)
+        with torch.no_grad():
+            self.down_bias.zero_()
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         params = (self.down, self.down_bias, self.up, self.up_bias)
@@ -68,6 +72,7 @@ class ScaledParallelAdapter(nn.Module):
         return self.scale * F.linear(F.relu(F.linear(x, wd, bd)), wu, bu)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        _validate.check_tensor("x", x, min_ndim=1)   # (a 0-d x raised IndexError)
         if x.shape[-1] != self.d_model:
             raise ValueError(f"ScaledParallelAdapter: x has shape {tuple(x.shape)}, expected a "
                              f"last dimension of d_model={self.d_model}")
