@@ -464,3 +464,30 @@ def test_refused_merge_leaves_the_module_unchanged(kind):
     for n, t in m.state_dict().items():
         assert torch.equal(t, before[n]), n
     torch.testing.assert_close(m(x, backend="reference"), y0, rtol=0, atol=0)
+
+
+def test_modules_freeze_the_projections_they_wrap():
+    """As KronALinear and LoRALinear: optimizer(module.parameters()) trains the adapter alone
+    (the headwise modules left their wrapped projections trainable); the flag can be set back
+    by hand, and the projection then gets its gradient."""
+    d, H = 12, 3
+    key = nn.Linear(d, d)
+    mods = {"proj": HeadwiseProjection(nn.Linear(d, d), H, ProjRanks(wise=1, lite=1, shared=1),
+                                       key=key, init="random"),
+            "out": HeadwiseOutput(nn.Linear(d, d), H, ProjRanks(wise=1, shared=1),
+                                  init="random"),
+            "qkv_fused": HeadwiseQKV(fused=nn.Linear(d, 3 * d), n_heads=H,
+                                     q_ranks=ProjRanks(wise=1), v_ranks=ProjRanks(shared=1)),
+            "qkv_split": HeadwiseQKV(q=nn.Linear(d, d), k=nn.Linear(d, d), v=nn.Linear(d, d),
+                                     n_heads=H, q_ranks=ProjRanks(lite=1))}
+    for name, m in mods.items():
+        frozen = {n for n, _ in m.named_parameters()
+                  if n.startswith(("base.", "fused.", "q.", "k.", "v."))}
+        assert frozen, name
+        for n, prm in m.named_parameters():
+            assert prm.requires_grad == (n not in frozen), (name, n)
+    assert key.weight.requires_grad        # not the module's: left as the caller made it
+    m = mods["out"]
+    m.base.weight.requires_grad_(True)
+    m(torch.randn(2, d)).sum().backward()
+    assert m.base.weight.grad is not None and m.base.bias.grad is None

@@ -228,6 +228,17 @@ class _FoldsIntoBase(MergedState):
     def _active(self) -> bool:
         raise NotImplementedError
 
+    def _freeze_base(self) -> None:
+        """The wrapped projections are frozen (``requires_grad=False``), as KronALinear and
+        LoRALinear freeze theirs, so ``optimizer(module.parameters())`` trains the adapter
+        alone; set ``requires_grad`` back on a projection to train it too (its gradient is
+        exact either way)."""
+        for child in self._frozen_children():
+            mod = getattr(self, child, None)
+            if isinstance(mod, nn.Module):
+                for prm in mod.parameters():
+                    prm.requires_grad_(False)
+
     @torch.no_grad()
     def _fold(self, sign: float) -> None:
         if self._active():
@@ -297,6 +308,7 @@ class HeadwiseProjection(_FoldsIntoBase, nn.Module):
         self.adapter = _QVFactors(ranks, n_heads, p, d, scale=scale, head_bias=head_bias,
                                   init=init, dtype=w.dtype, device=w.device)
         self.merged = False
+        self._freeze_base()
 
     @property
     def key(self) -> Optional[nn.Module]:
@@ -404,6 +416,7 @@ class HeadwiseQKV(_FoldsIntoBase, nn.Module):
         self.q_adapter = mk(q_ranks, H)
         self.v_adapter = mk(v_ranks, Hkv)
         self.merged = False
+        self._freeze_base()
 
     def _frozen_children(self) -> Tuple[str, ...]:
         return ("fused",) if self.fused is not None else ("q", "k", "v")
@@ -522,6 +535,7 @@ class HeadwiseOutput(_FoldsIntoBase, nn.Module):
         self.shared_B = P(dout, rs) if rs else None
         self.reset_parameters(init)
         self.merged = False
+        self._freeze_base()
 
     def reset_parameters(self, init: Optional[str] = None) -> None:
         """As :meth:`_QVFactors.reset_parameters` (None: the module's own init)."""
