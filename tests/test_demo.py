@@ -670,3 +670,15 @@ def test_max_positions_of_a_model_numbering_positions_after_the_padding_index():
         rob(input_ids=torch.randint(3, 100, (1, n)))
     assert _max_positions(tiny_model("gpt2", d_model=16, n_layers=1, n_heads=2,
                                      max_len=40)) == 40
+
+
+def test_demo_comparison_line_with_no_timed_step_says_so(tmp_path, capsys):
+    # --warmup covering every step times none: the fused-vs-reference line printed
+    # "tokens/s nan vs nan"; it shows "-" as the table does, beside the note that says why
+    rc = run_demo(TINY + ["--steps", "1", "--warmup", "1", "--loss", "all", "--methods", "lora",
+                          "--runs", "both", "--gen-examples", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "largest |fused - reference|" in ln)
+    assert "nan" not in line and "tokens/s - vs -" in line, line
+    assert "no step is timed (no tokens/s)" in out

@@ -860,8 +860,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                 mem = c["peak_memory_bytes"]
                 print(f"  {_label(m):<14} largest |fused - reference| loss difference "
                       f"{c['max_abs_loss_difference']:.3e} (final {c['final_loss_difference']:.3e})"
-                      f"; tokens/s {c['tokens_per_s']['fused']:.0f} vs "
-                      f"{c['tokens_per_s']['reference']:.0f}; peak memory "
+                      f"; tokens/s {_fmt(c['tokens_per_s']['fused'], '.0f', 0)} vs "
+                      f"{_fmt(c['tokens_per_s']['reference'], '.0f', 0)}; peak memory "
                       f"{mem['fused'] / 2**20:.1f} vs {mem['reference'] / 2**20:.1f} MiB")
         elif fused_skip:
             print(f"fused vs reference: fused run skipped: {fused_skip}")
