@@ -796,3 +796,14 @@ def test_every_placed_module_takes_the_model_mode(method, training):
     model = make("roberta").train(training)
     inject(model, AdapterConfig(method=method, backend="reference"))
     assert {n for n, m in model.named_modules() if m.training != training} == set()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_add_inducers_placed_modules_take_the_model_mode(training):
+    # add_inducers (the lower-level entry point) left its wrappers and adapters in nn.Module's
+    # default training mode on an eval-mode model, unlike inject
+    from kfused.integration.hf_attention import add_inducers
+
+    model = make("gpt2").train(training)
+    add_inducers(model)
+    assert {n for n, m in model.named_modules() if m.training != training} == set()

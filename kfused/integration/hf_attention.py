@@ -537,9 +537,11 @@ def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck:
                          f"layer in {type(model).__name__}")
     check_init(init, InducerAttention.inits_for(inducer, prefix_len), "add_inducers")
     register()
-    from kfused.integration.inject import restore, snapshot  # inject imports this module
+    from kfused.integration.inject import _follow_mode, restore, snapshot  # (inject imports
+    # this module)
 
     snap = snapshot(model)
+    old_modules = {id(m) for m in model.modules()}
     try:  # an argument the adapter refuses (e.g. key_bottleneck=0) leaves the model as it was
         if freeze_base:
             for p in model.parameters():
@@ -549,6 +551,9 @@ def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck:
                                          composition=composition, prefix_len=prefix_len,
                                          inducer=inducer, init=init)
                     for b in blocks]
+        # the placed modules take the mode of the module they sit in, as inject's do (an
+        # eval-mode model kept its new wrappers and adapters in training mode)
+        _follow_mode(model, old_modules)
     except BaseException:
         restore(snap)
         raise
