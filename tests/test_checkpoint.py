@@ -717,3 +717,15 @@ def test_empty_directory_names_no_folder(fn, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"{fn.__name__}: directory '' names no folder"):
         fn(*args)
     assert os.listdir(tmp_path) == ["my_notes.txt"]
+
+
+def test_width_mismatch_names_both_models(tmp_path):
+    """A checkpoint from a d_model = 32 model loaded into a d_model = 48 one: the refusal
+    gives both widths (it named the saved one only)."""
+    pytest.importorskip("transformers")
+    src = make("gpt2", d_model=32)
+    inject(src, AdapterConfig(method="lora", backend="reference"))
+    save(src, str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match=r"d_model=32; this model: GPT2LMHeadModel "
+                                              r"d_model=48"):
+        load(make("gpt2", d_model=48), str(tmp_path / "c"))

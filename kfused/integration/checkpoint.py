@@ -732,9 +732,16 @@ def _fill(m: nn.Module, state, saved: dict, tensors: Dict[str, torch.Tensor], di
             lines.append(f"shape mismatch ({len(bad_shapes)}): {bad_shapes[:5]}")
         if bad_kinds:
             lines.append(f"dtype mismatch ({len(bad_kinds)}): {bad_kinds[:5]}")
+        from kfused.integration.arch import model_dims
+
+        try:
+            here = model_dims(m).get("d_model")
+        except Exception:  # noqa: BLE001 (only the message's detail)
+            here = None
         raise CheckpointError(f"checkpoint {directory} does not fit this model "
-                              f"({base.get('model_class')} d_model={base.get('d_model')} -> "
-                              f"{here_class}): " + "; ".join(lines))
+                              f"(saved from {base.get('model_class')} d_model="
+                              f"{base.get('d_model')}; this model: {here_class} d_model={here}): "
+                              + "; ".join(lines))
     with torch.no_grad():
         for n, dst in expected.items():
             src = tensors[n]
