@@ -826,3 +826,23 @@ def test_path_arguments_say_what_is_wrong_with_them(tmp_path, monkeypatch):
                                                  r"file, not a folder"):
         kfused.from_peft(make("llama"), str(afile))
     assert sorted(os.listdir(tmp_path)) == ["afile"] and afile.read_text() == "mine"
+
+
+def test_from_peft_folder_with_saved_layer_weights_says_what_they_are(tmp_path):
+    """A PEFT folder that also holds a whole layer's weights (as PEFT saves for a LoRA on a
+    tied lm_head, e.g. Gemma's: ``lm_head.base_layer.weight``) is refused, and the message says
+    what the tensor is and what to do (it said only 'not a lora factor kfused can convert')."""
+    from safetensors.torch import load_file, save_file
+
+    _peft_model("llama", _lora_cfg("llama")).save_pretrained(tmp_path / "a")
+    path = str(tmp_path / "a" / "adapter_model.safetensors")
+    tensors = load_file(path)
+    tensors["base_model.model.lm_head.base_layer.weight"] = torch.zeros(128, 32)
+    save_file(tensors, path)
+    model = make("llama")
+    before = _state(model)
+    with pytest.raises(kfused.integration.peft_interop.PeftConversionError,
+                       match=r"lm_head.base_layer.weight.*whole layer's weight PEFT saved"
+                             r".*save_embedding_layers=False"):
+        kfused.from_peft(model, str(tmp_path / "a"))
+    _assert_unchanged(model, before)
