@@ -159,8 +159,9 @@ def attach_headwise(model: nn.Module, config: HeadwiseConfig,
     """Replace the attention projections of every attention block of ``model`` by headwise
     adapter modules (see the module docstring); ``arch`` defaults to the detected one.
 
-    Returns {qualified name: new module}. Parameters of the frozen model are not touched;
-    call :func:`mark_only_adapters_trainable` to freeze everything else.
+    Returns {qualified name: new module}. The projections the new modules wrap are frozen
+    (``requires_grad=False``, as LoRALinear and KronALinear freeze theirs); the model's other
+    parameters are not touched: call :func:`mark_only_adapters_trainable` to freeze them.
     """
     replaced: Dict[str, nn.Module] = {}
     for block in attention_blocks(model, arch):
