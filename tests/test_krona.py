@@ -1175,7 +1175,6 @@ def test_lora_and_parallel_adapter_constructor_arguments_are_checked():
         ScaledParallelAdapter(nn.Identity(), 8.0)
 
 
-
 def test_parallel_adapter_names_a_bad_input():
     # Probe: a 0-d x raised IndexError ("tuple index out of range") and a list AttributeError.
     from kfused.modules import ScaledParallelAdapter
@@ -1187,6 +1186,7 @@ def test_parallel_adapter_names_a_bad_input():
         m([1.0, 2.0, 3.0, 4.0])
     with pytest.raises(ValueError, match="expected a last dimension of d_model=4"):
         m(torch.randn(2, 5))
+
 
 def test_krona_block_output_width_is_checked():
     # Probe: KronABlock(nn.Linear(24, 20), 24, 24) failed at forward with torch's broadcast

@@ -262,7 +262,6 @@ def test_reset_parameters_repeats_the_modules_init():
     assert not out.wise_B.any() and not out.shared_B.any()
 
 
-
 @pytest.mark.parametrize("kind", ["krona_b", "krona_b_res", "parallel_adapter"])
 def test_reset_parameters_sets_every_block_adapter_tensor(kind):
     # Probe: KronABlock's output bias and s_res and the parallel adapter's two biases were
@@ -289,6 +288,7 @@ def test_reset_parameters_sets_every_block_adapter_tensor(kind):
         assert not m.bias.any()
         if kind == "krona_b_res":
             assert m.res_scale.item() == 1.0
+
 
 def _inducer_logits_module():
     """A module (ids[, mask]) -> logits around a tiny injected inducer Llama in eval."""
