@@ -807,3 +807,42 @@ def test_add_inducers_placed_modules_take_the_model_mode(training):
     model = make("gpt2").train(training)
     add_inducers(model)
     assert {n for n, m in model.named_modules() if m.training != training} == set()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_inducer_composite_with_lora_on_the_output_projection(arch, tmp_path):
+    # inducer_lora with the LoRA part on o as well: the inducer's wrapper of o then holds a
+    # LoRALinear, which attach_inducer_block refused ("expected nn.Linear or transformers
+    # Conv1D, got LoRALinear"); the wrapper maps f through the adapted o, u through W2
+    from kfused.integration.hf_attention import InducerOutputProjection
+
+    model = make(arch).eval()
+    inject(model, AdapterConfig(method="inducer_lora", backend="reference",
+                                options={"lora": {"targets": ["q", "v", "o"]}}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(std=0.1)
+    ids = batch(arch)["input_ids"]
+    got = model(ids).logits
+    wrappers = [m for m in model.modules() if isinstance(m, InducerOutputProjection)]
+    assert wrappers and all(isinstance(w.base, LoRALinear) for w in wrappers)
+    got.sum().backward()
+    idle = [n for n, p in model.named_parameters() if p.requires_grad
+            and (p.grad is None or not p.grad.any())]
+    assert idle == [], idle
+    save(model, str(tmp_path / "c"))
+    fresh = make(arch).eval()
+    load(fresh, str(tmp_path / "c"))
+    assert torch.equal(fresh(ids).logits, got)
+    # the o LoRA's update is in the output: with B = 0 the model equals the one whose wrapper
+    # holds the bare projection (the fused single-GEMM path)
+    with torch.no_grad():
+        for w in wrappers:
+            w.base.B.zero_()
+        off = model(ids).logits
+        assert not torch.equal(off, got)
+        for w in wrappers:
+            w.base = w.base.base
+            w.layout = "linear" if isinstance(w.base, nn.Linear) else "conv1d"
+        torch.testing.assert_close(model(ids).logits, off, rtol=1e-5, atol=1e-6)

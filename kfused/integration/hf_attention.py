@@ -45,7 +45,7 @@ from kfused._memo import LastResult
 from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_archs,
                                      detect_arch, model_type_of)
 from kfused.modules._init import check_init
-from kfused.modules._linear import linear_dims
+from kfused.modules._linear import is_conv1d, linear_dims
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.ops import inducer_attention, inducer_attention_varlen
 
@@ -459,6 +459,12 @@ def attach_inducer_block(block: AttentionBlock, *, key_bottleneck: int = 4,
                          "replace it. Add inducers once per model")
     o = block.get("o")
     if isinstance(o, InducerOutputProjection):
+        o = o.base
+    # an output projection another part of a composite already adapted (LoRA, KronA, Kernel-
+    # mix on o): the frozen layer is its base; InducerOutputProjection maps f through the
+    # adapted projection and u through W2 beside it
+    while not isinstance(o, nn.Linear) and not is_conv1d(o) and isinstance(
+            getattr(o, "base", None), nn.Module):
         o = o.base
     d_out = linear_dims(o)[1]
     ad = InducerAttention(block.n_heads, block.head_dim, d_model=d_out,
