@@ -846,3 +846,20 @@ def test_inducer_composite_with_lora_on_the_output_projection(arch, tmp_path):
             w.base = w.base.base
             w.layout = "linear" if isinstance(w.base, nn.Linear) else "conv1d"
         torch.testing.assert_close(model(ids).logits, off, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch,parts", [
+    ("llama", [("lora", ["q"]), ("krona", ["q"])]),
+    ("gpt2", [("lora", ["q"]), ("krona", ["v"])]),      # q and v are one module, c_attn
+    ("roberta", [("parallel_adapter", ["ffn"]), ("krona_b", ["ffn"])])])
+def test_composite_parts_on_the_same_module_are_refused(arch, parts):
+    # a later part whose target an earlier part already wrapped was skipped without a word:
+    # inject succeeded with that part missing from the model
+    name = "probe_same_" + "_".join(p for p, _ in parts)
+    register_method(name, site="composite", parts=parts)
+    model = make(arch)
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match=rf"method '{parts[1][0]}': target '.*' \(role "
+                                         r"'\w+'\) is already adapted by an earlier part"):
+        inject(model, AdapterConfig(method=name, backend="reference"))
+    assert get_state(model, required=False) is None and set(model.state_dict()) == keys

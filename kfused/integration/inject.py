@@ -445,7 +445,15 @@ def _place_part(target_model, part, cfg, arch, dims, before, adapter_dtype,
                          f"(model_type={model_type_of(target_model)!r}); pass targets=[...]")
     for name, module, role in _match_targets(target_model, targets, arch, cfg.exclude,
                                              part.name):
-        if any(name == a or name.startswith(a + ".") for a in adapted + names):
+        if name in adapted:
+            # an earlier part of the composite wrapped this very module: skipping it left this
+            # part out of the model without a word
+            raise ValueError(
+                f"method {part.name!r}: target {name!r}" + (f" (role {role!r})" if role else "")
+                + f" is already adapted by an earlier part of this composite (it is a "
+                f"{type(module).__name__} now); two parts cannot wrap the same module. Give "
+                f"the parts disjoint targets (on GPT-2, q, k and v are one module, c_attn)")
+        if any(name.startswith(a + ".") for a in adapted + names):
             continue  # inside an adapter already placed (e.g. its frozen base)
         target = _target(target_model, name, role, part.site, arch, dims)
         ref = next(iter(module.parameters()), None)
