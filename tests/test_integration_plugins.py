@@ -103,3 +103,19 @@ def test_per_head_part_on_an_adapted_projection_is_refused(arch, parts, role, he
         inject(model, AdapterConfig(method=name, backend="reference"))
     assert get_state(model, required=False) is None
     assert model.state_dict().keys() == before.keys()
+
+
+@pytest.mark.parametrize("arch,role,held", [("gpt2", "qkv", "HeadwiseQKV"),
+                                            ("llama", "q", "HeadwiseProjection")])
+def test_second_per_head_part_on_the_same_projection_is_refused(arch, role, held):
+    # Kernel-mix on q, then Kernel-wise on q and v: the second part skipped q without a word
+    # (on Llama only its v was placed; on GPT-2 "placed no adapter in this model")
+    from kfused.integration import register_method
+
+    register_method("probe_kmix_q_kwise_qv", site="composite",
+                    parts=[("kernel_mix", ["q"]), ("kernel_wise", ["q", "v"])])
+    model = make(arch)
+    with pytest.raises(ValueError, match=rf"the {role} projection is already a {held} \(an "
+                                         r"earlier per-head part\)"):
+        inject(model, AdapterConfig(method="probe_kmix_q_kwise_qv", backend="reference"))
+    assert get_state(model, required=False) is None

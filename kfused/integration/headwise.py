@@ -141,6 +141,11 @@ def attach_headwise_block(block: AttentionBlock, config: HeadwiseConfig) -> Dict
         # per-head module would read alone: that adapter's update silently left the forward
         if isinstance(base, nn.Linear) or is_conv1d(base):
             return base
+        if isinstance(base, HEADWISE_MODULES):  # skipping it left this part out silently
+            raise ValueError(f"{block.qualified(role)}: the {role} projection is already a "
+                             f"{type(base).__name__} (an earlier per-head part); one per-head "
+                             f"module per projection: give every per-head rank of q, v and o "
+                             f"in one Kernel-wise/-mix part")
         order = (" (list the Kernel-wise/-mix part before the inducer: the inducer then wraps "
                  "the adapted projection)" if type(base).__name__ == "InducerOutputProjection"
                  else "")
@@ -153,9 +158,9 @@ def attach_headwise_block(block: AttentionBlock, config: HeadwiseConfig) -> Dict
 
     if block.fused_qkv:
         fused = block.get("qkv")
-        if (config.q.active or config.v.active) and not isinstance(fused, HeadwiseQKV):
-            put("qkv", HeadwiseQKV(fused=frozen("qkv", fused), n_heads=H, n_kv_heads=Hkv, q_ranks=config.q,
-                                   v_ranks=config.v, **kw))
+        if config.q.active or config.v.active:
+            put("qkv", HeadwiseQKV(fused=frozen("qkv", fused), n_heads=H, n_kv_heads=Hkv,
+                                   q_ranks=config.q, v_ranks=config.v, **kw))
     else:
         q_ranks = config.q
         if block.cross and q_ranks.lite:  # no K^h for decoder tokens (module docstring)
@@ -163,10 +168,11 @@ def attach_headwise_block(block: AttentionBlock, config: HeadwiseConfig) -> Dict
         key = block.get("k")
         for role, ranks, heads in (("q", q_ranks, H), ("v", config.v, Hkv)):
             base = block.get(role)
-            if ranks.active and not isinstance(base, HeadwiseProjection):
-                put(role, HeadwiseProjection(frozen(role, base), heads, ranks, key=key, n_key_heads=Hkv, **kw))
+            if ranks.active:
+                put(role, HeadwiseProjection(frozen(role, base), heads, ranks, key=key,
+                                             n_key_heads=Hkv, **kw))
     o = block.get("o")
-    if config.o.active and not isinstance(o, HeadwiseOutput):
+    if config.o.active:
         put("o", HeadwiseOutput(frozen("o", o), H, config.o, **kw))
     return placed
 
