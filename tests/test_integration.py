@@ -883,3 +883,20 @@ def test_add_inducers_on_an_injected_model_is_refused(arch, cfg):
         add_inducers(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
     assert set(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("arch,cfg", [("gpt2", dict(method="lora")),
+                                      ("roberta", dict(method="krona", targets=["o"]))])
+def test_inject_on_a_model_with_add_inducers_adapters_is_refused(arch, cfg):
+    # inject after add_inducers froze the inducers with the base and left them out of the
+    # record save reads: the saved adapter, loaded into a fresh model, gave another model
+    from kfused.integration.hf_attention import add_inducers
+
+    model = make(arch)
+    add_inducers(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with pytest.raises(ValueError, match=r"inject: .* already has an inducer/prefix adapter "
+                                         r"placed by add_inducers \(2 layer\(s\)\)"):
+        inject(model, AdapterConfig(backend="reference", **cfg))
+    assert get_state(model, required=False) is None
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable

@@ -371,6 +371,19 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
         raise ValueError("model already has kfused adapters; inject once per model "
                          "(use a composite method to combine adapters)")
     refuse_wrapped(model)
+    from kfused.integration.hf_attention import ADAPTER_ATTR
+
+    added = [n for n, m in target_model.named_modules()
+             if getattr(m, ADAPTER_ATTR, None) is not None]
+    if added:
+        # inject would freeze them with the base, and save (which reads inject's record) would
+        # leave them out: a loaded model lacked them
+        raise ValueError(f"inject: {added[0]} already has an inducer/prefix adapter placed "
+                         f"by add_inducers ({len(added)} layer(s)), outside kfused's record of "
+                         "adapters: inject would freeze it and save / load would leave it out. "
+                         "Inject one config with an inducer part instead: method "
+                         "'inducer_lora' / 'mam_inducer', or a composite registered with "
+                         "parts=[(method, targets), ('inducer', None)]")
     spec = get_method(config.method)
     arch = detect_arch(target_model, config.arch)
     dims = model_dims(target_model)
