@@ -846,3 +846,57 @@ def test_inducer_composite_with_lora_on_the_output_projection(arch, tmp_path):
             w.base = w.base.base
             w.layout = "linear" if isinstance(w.base, nn.Linear) else "conv1d"
         torch.testing.assert_close(model(ids).logits, off, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch,parts", [
+    ("llama", [("lora", ["q"]), ("krona", ["q"])]),
+    ("gpt2", [("lora", ["q"]), ("krona", ["v"])]),      # q and v are one module, c_attn
+    ("roberta", [("parallel_adapter", ["ffn"]), ("krona_b", ["ffn"])])])
+def test_composite_parts_on_the_same_module_are_refused(arch, parts):
+    # a later part whose target an earlier part already wrapped was skipped without a word:
+    # inject succeeded with that part missing from the model
+    name = "probe_same_" + "_".join(p for p, _ in parts)
+    register_method(name, site="composite", parts=parts)
+    model = make(arch)
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match=rf"method '{parts[1][0]}': target '.*' \(role "
+                                         r"'\w+'\) is already adapted by an earlier part"):
+        inject(model, AdapterConfig(method=name, backend="reference"))
+    assert get_state(model, required=False) is None and set(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("arch,cfg", [("gpt2", dict(method="lora")),
+                                      ("llama", dict(method="lora", targets=["o"])),
+                                      ("roberta", dict(method="kernel_mix", targets=["o"]))])
+def test_add_inducers_on_an_injected_model_is_refused(arch, cfg):
+    # add_inducers after inject froze the injected adapters (freeze_base) and left the
+    # inducers out of the record save reads: save dropped them, or, with o adapted and wrapped
+    # again, failed with "InducerOutputProjection has no attribute `A`"
+    from kfused.integration.hf_attention import add_inducers
+
+    model = make(arch)
+    inject(model, AdapterConfig(backend="reference", **cfg))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match=rf"add_inducers: this model already has kfused "
+                                         rf"adapters \(method '{cfg['method']}'"):
+        add_inducers(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    assert set(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("arch,cfg", [("gpt2", dict(method="lora")),
+                                      ("roberta", dict(method="krona", targets=["o"]))])
+def test_inject_on_a_model_with_add_inducers_adapters_is_refused(arch, cfg):
+    # inject after add_inducers froze the inducers with the base and left them out of the
+    # record save reads: the saved adapter, loaded into a fresh model, gave another model
+    from kfused.integration.hf_attention import add_inducers
+
+    model = make(arch)
+    add_inducers(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with pytest.raises(ValueError, match=r"inject: .* already has an inducer/prefix adapter "
+                                         r"placed by add_inducers \(2 layer\(s\)\)"):
+        inject(model, AdapterConfig(backend="reference", **cfg))
+    assert get_state(model, required=False) is None
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable

@@ -78,3 +78,44 @@ def test_plugin_fused_matches_reference_spec4(arch, name, device):
     emb = torch.randn(2, 9, 64, dtype=torch.float64)
     assert_against_reference(lambda emb: run(emb, "triton"), lambda emb: run(emb, "reference"),
                              {"emb": emb}, torch.float32, device)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "roberta"])
+@pytest.mark.parametrize("parts,role,held", [
+    ([("lora", ["q", "v"]), ("kernel_mix", ["q", "v"])], "q", "LoRALinear"),
+    ([("lora", ["o"]), ("kernel_mix", ["o"])], "o", "LoRALinear"),
+    ([("krona", ["o"]), ("kernel_mix", ["q", "v", "o"])], "o", "KronALinear"),
+    ([("inducer", None), ("kernel_mix", ["o"])], "o", "InducerOutputProjection")])
+def test_per_head_part_on_an_adapted_projection_is_refused(arch, parts, role, held):
+    # a composite whose Kernel-wise/-mix part targets a projection an earlier part adapted:
+    # the per-head module read the wrapper's frozen weight alone, so the LoRA / KronA update
+    # left the forward (its factors trainable, saved, never given a gradient; on GPT-2 a
+    # message about heads), and an inducer's output projection raised a raw AttributeError
+    from kfused.integration import register_method
+
+    name = "probe_" + "_".join(p for p, _ in parts)
+    register_method(name, site="composite", parts=parts)
+    model = make(arch)
+    before = copy.deepcopy(model.state_dict())
+    role = "qkv" if arch == "gpt2" and role == "q" else role
+    with pytest.raises(ValueError, match=rf"the {role} projection is a {held}, expected "
+                                         r"nn.Linear or transformers Conv1D"):
+        inject(model, AdapterConfig(method=name, backend="reference"))
+    assert get_state(model, required=False) is None
+    assert model.state_dict().keys() == before.keys()
+
+
+@pytest.mark.parametrize("arch,role,held", [("gpt2", "qkv", "HeadwiseQKV"),
+                                            ("llama", "q", "HeadwiseProjection")])
+def test_second_per_head_part_on_the_same_projection_is_refused(arch, role, held):
+    # Kernel-mix on q, then Kernel-wise on q and v: the second part skipped q without a word
+    # (on Llama only its v was placed; on GPT-2 "placed no adapter in this model")
+    from kfused.integration import register_method
+
+    register_method("probe_kmix_q_kwise_qv", site="composite",
+                    parts=[("kernel_mix", ["q"]), ("kernel_wise", ["q", "v"])])
+    model = make(arch)
+    with pytest.raises(ValueError, match=rf"the {role} projection is already a {held} \(an "
+                                         r"earlier per-head part\)"):
+        inject(model, AdapterConfig(method="probe_kmix_q_kwise_qv", backend="reference"))
+    assert get_state(model, required=False) is None

@@ -48,6 +48,7 @@ from torch import nn
 from kfused.integration.arch import (ArchSpec, AttentionBlock, attention_blocks,
                                      describe_archs)
 from kfused.integration.config import AdapterConfig, preset
+from kfused.modules._linear import is_conv1d
 from kfused.modules.headwise import (HEADWISE_MODULES, HeadwiseConfig, HeadwiseOutput,
                                      HeadwiseProjection, HeadwiseQKV, ProjRanks)
 
@@ -134,11 +135,32 @@ def attach_headwise_block(block: AttentionBlock, config: HeadwiseConfig) -> Dict
     def put(role: str, new: nn.Module) -> None:
         placed[block.set(role, new)] = new
 
+    def frozen(role: str, base: nn.Module) -> nn.Module:
+        # a projection another adapter already wraps (an earlier part of a composite: LoRA,
+        # KronA, the inducer's output projection) exposes its frozen layer's weight, which the
+        # per-head module would read alone: that adapter's update silently left the forward
+        if isinstance(base, nn.Linear) or is_conv1d(base):
+            return base
+        if isinstance(base, HEADWISE_MODULES):  # skipping it left this part out silently
+            raise ValueError(f"{block.qualified(role)}: the {role} projection is already a "
+                             f"{type(base).__name__} (an earlier per-head part); one per-head "
+                             f"module per projection: give every per-head rank of q, v and o "
+                             f"in one Kernel-wise/-mix part")
+        order = (" (list the Kernel-wise/-mix part before the inducer: the inducer then wraps "
+                 "the adapted projection)" if type(base).__name__ == "InducerOutputProjection"
+                 else "")
+        raise ValueError(f"{block.qualified(role)}: the {role} projection is a "
+                         f"{type(base).__name__}, expected nn.Linear or transformers Conv1D: "
+                         f"another adapter already wraps it, and a Kernel-wise/-mix module "
+                         f"would run its frozen weight alone, dropping that adapter's update. "
+                         f"Adapt each projection with one linear-site or per-head method"
+                         f"{order}")
+
     if block.fused_qkv:
         fused = block.get("qkv")
-        if (config.q.active or config.v.active) and not isinstance(fused, HeadwiseQKV):
-            put("qkv", HeadwiseQKV(fused=fused, n_heads=H, n_kv_heads=Hkv, q_ranks=config.q,
-                                   v_ranks=config.v, **kw))
+        if config.q.active or config.v.active:
+            put("qkv", HeadwiseQKV(fused=frozen("qkv", fused), n_heads=H, n_kv_heads=Hkv,
+                                   q_ranks=config.q, v_ranks=config.v, **kw))
     else:
         q_ranks = config.q
         if block.cross and q_ranks.lite:  # no K^h for decoder tokens (module docstring)
@@ -146,11 +168,12 @@ def attach_headwise_block(block: AttentionBlock, config: HeadwiseConfig) -> Dict
         key = block.get("k")
         for role, ranks, heads in (("q", q_ranks, H), ("v", config.v, Hkv)):
             base = block.get(role)
-            if ranks.active and not isinstance(base, HeadwiseProjection):
-                put(role, HeadwiseProjection(base, heads, ranks, key=key, n_key_heads=Hkv, **kw))
+            if ranks.active:
+                put(role, HeadwiseProjection(frozen(role, base), heads, ranks, key=key,
+                                             n_key_heads=Hkv, **kw))
     o = block.get("o")
-    if config.o.active and not isinstance(o, HeadwiseOutput):
-        put("o", HeadwiseOutput(o, H, config.o, **kw))
+    if config.o.active:
+        put("o", HeadwiseOutput(frozen("o", o), H, config.o, **kw))
     return placed
 
 

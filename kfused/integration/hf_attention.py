@@ -537,14 +537,26 @@ def add_inducers(model: nn.Module, *, key_bottleneck: int = 4, value_bottleneck:
     self-attention block of a known architecture.
     """
     check_supported(model)
+    from kfused.integration.inject import _follow_mode, get_state, restore, snapshot  # (inject
+    # imports this module)
+
+    state = get_state(model, required=False)
+    if state is not None:
+        # the injected adapters would be frozen with the base (freeze_base), and the inducers,
+        # outside the record of what inject placed, left out of save / load (an adapted output
+        # projection, wrapped again, made save fail on its attributes)
+        raise ValueError(f"add_inducers: this model already has kfused adapters (method "
+                         f"{state.config.method!r}, placed by inject / load / from_peft); "
+                         "inducers added now would not be saved with them and freeze_base "
+                         "would freeze them. Inject one config with an inducer part instead: "
+                         "method 'inducer_lora' / 'mam_inducer', or a composite registered with "
+                         "parts=[(method, targets), ('inducer', None)]")
     blocks = self_attention_blocks(model)
     if not blocks:
         raise ValueError(f"{ATTN_IMPLEMENTATION}: found no {describe_archs()} self-attention "
                          f"layer in {type(model).__name__}")
     check_init(init, InducerAttention.inits_for(inducer, prefix_len), "add_inducers")
     register()
-    from kfused.integration.inject import _follow_mode, restore, snapshot  # (inject imports
-    # this module)
 
     snap = snapshot(model)
     old_modules = {id(m) for m in model.modules()}

@@ -371,6 +371,19 @@ def inject(model: nn.Module, config: Union[AdapterConfig, str, None] = None, **f
         raise ValueError("model already has kfused adapters; inject once per model "
                          "(use a composite method to combine adapters)")
     refuse_wrapped(model)
+    from kfused.integration.hf_attention import ADAPTER_ATTR
+
+    added = [n for n, m in target_model.named_modules()
+             if getattr(m, ADAPTER_ATTR, None) is not None]
+    if added:
+        # inject would freeze them with the base, and save (which reads inject's record) would
+        # leave them out: a loaded model lacked them
+        raise ValueError(f"inject: {added[0]} already has an inducer/prefix adapter placed "
+                         f"by add_inducers ({len(added)} layer(s)), outside kfused's record of "
+                         "adapters: inject would freeze it and save / load would leave it out. "
+                         "Inject one config with an inducer part instead: method "
+                         "'inducer_lora' / 'mam_inducer', or a composite registered with "
+                         "parts=[(method, targets), ('inducer', None)]")
     spec = get_method(config.method)
     arch = detect_arch(target_model, config.arch)
     dims = model_dims(target_model)
@@ -445,7 +458,15 @@ def _place_part(target_model, part, cfg, arch, dims, before, adapter_dtype,
                          f"(model_type={model_type_of(target_model)!r}); pass targets=[...]")
     for name, module, role in _match_targets(target_model, targets, arch, cfg.exclude,
                                              part.name):
-        if any(name == a or name.startswith(a + ".") for a in adapted + names):
+        if name in adapted:
+            # an earlier part of the composite wrapped this very module: skipping it left this
+            # part out of the model without a word
+            raise ValueError(
+                f"method {part.name!r}: target {name!r}" + (f" (role {role!r})" if role else "")
+                + f" is already adapted by an earlier part of this composite (it is a "
+                f"{type(module).__name__} now); two parts cannot wrap the same module. Give "
+                f"the parts disjoint targets (on GPT-2, q, k and v are one module, c_attn)")
+        if any(name.startswith(a + ".") for a in adapted + names):
             continue  # inside an adapter already placed (e.g. its frozen base)
         target = _target(target_model, name, role, part.site, arch, dims)
         ref = next(iter(module.parameters()), None)
