@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--quick", action="store_true",
-                   help="fewer, smaller shapes (on a CPU: tiny float32 cases, about a minute)")
+                   help="fewer, smaller shapes (on a CPU: tiny float32 cases, 20-30 s on 2 cores)")
     p.add_argument("--device", type=device,
                    default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
