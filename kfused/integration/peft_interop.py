@@ -511,13 +511,13 @@ def _prevalidate_folder(model: nn.Module, folder: str) -> None:
             if m is None:
                 raise PeftConversionError(
                     f"{folder!r}: tensor {k!r} is not a {method} factor kfused can convert"
-                    + ("; it is a whole layer's weight PEFT saved beside the adapter "
-                       "(modules_to_save, or the embedding weights it saves for an adapter on "
-                       "a tied embedding / lm_head), which kfused does not load: convert the "
-                       "PeftModel in memory (from_peft(peft_model)), or save the adapter "
-                       "without them (save_pretrained(..., save_embedding_layers=False))"
-                       if re.search(r"(^|\.)(base_layer|modules_to_save|original_module)\.|"
-                                    r"(embed|wte|lm_head)[^.]*\.weight$", k) else ""))
+                    + ("; it is a whole layer's weight PEFT saved beside the adapter (the "
+                       "embedding weights it saves for an adapter on a tied embedding / "
+                       "lm_head), which kfused does not load: convert the PeftModel in memory "
+                       "(from_peft(peft_model)), or save the adapter without them "
+                       "(save_pretrained(..., save_embedding_layers=False))"
+                       if re.search(r"\.base_layer\.|(embed|wte|lm_head)[^.]*\.weight$", k)
+                       else ""))
             factors[k[:m.start()]][k[m.start() + 1:]] = tuple(f.get_slice(k).get_shape())
     for n in sorted(factors):
         shapes = factors[n]
