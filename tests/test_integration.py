@@ -683,6 +683,34 @@ def test_merge_is_all_or_nothing(unload, monkeypatch):
     assert (get_state(model, required=False) is None) if unload else merged_modules(model)
 
 
+@pytest.mark.parametrize("unload", [False, True])
+@pytest.mark.parametrize("k_method", ["lora", "krona"])
+def test_merge_of_a_lite_part_whose_key_projection_another_part_adapts(k_method, unload):
+    # Kernel-wise-lite's update of v reads the frozen key projection (W_v += W_k A B), which
+    # an earlier part of a composite adapted (LoRA / KronA on k): merged in injection order,
+    # the k part folded its update into W_k first and the lite part then folded W_k + dW_k
+    # (merged logits 0.16 off the unmerged ones), and unmerge left every v weight changed
+    from kfused.integration import merge_and_unload
+
+    register_method(f"{k_method}_k_lite_v", site="composite", replace=True,
+                    parts=[(k_method, ["k"]), ("kernel_wise_lite", ["v"])])
+    model = make("llama").eval()
+    inject(model, AdapterConfig(method=f"{k_method}_k_lite_v", r=2, init="random",
+                                backend="reference"))
+    ids = batch("llama")["input_ids"]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        (merge_and_unload if unload else merge)(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        if unload:
+            return
+        unmerge(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    after = model.state_dict()
+    assert all(torch.allclose(after[k], v, rtol=0, atol=1e-6) for k, v in weights.items())
+
+
 @pytest.mark.parametrize("shapes,exc,match", [
     ([1, 2], TypeError, r"options\['krona_shapes'\] must be a dict"),
     ({"transformer.h.0.attn.c_attn": 5}, ValueError,
