@@ -601,6 +601,30 @@ def test_inducer_prefix_refuse_another_attention_implementation(arch, method, im
         assert torch.equal(model(input_ids=inputs["input_ids"]).logits, want)
 
 
+@pytest.mark.parametrize("method", ["inducer", "prefix"])
+def test_attention_layers_left_unadapted_take_the_configs_backend(method, monkeypatch):
+    # inject switches every attention layer to kfused_inducer; a layer left without an
+    # adapter (exclude) ran "auto" whatever AdapterConfig.backend said, and set_backend did
+    # not reach it (on a GPU, backend="reference" still ran the fused kernel there)
+    from kfused.integration import hf_attention
+
+    model = make("llama").eval()
+    inject(model, AdapterConfig(method=method, r=2, backend="reference",
+                                exclude=[r"model\.layers\.1\..*"]))
+    assert [n.split(".")[2] for n in get_state(model).adapter_modules] == ["0"]
+    seen = []
+    real = hf_attention.inducer_attention
+    monkeypatch.setattr(hf_attention, "inducer_attention",
+                        lambda *a, **k: seen.append(k.get("backend")) or real(*a, **k))
+    ids = batch("llama", n=5)["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids)
+        assert seen == ["reference"]                 # the unadapted layer 1
+        set_backend(model, "auto")
+        model(input_ids=ids)
+    assert seen == ["reference", "auto"]
+
+
 @pytest.mark.parametrize("method", ["inducer", "prefix", "mam"])
 def test_inducer_prefix_refuse_attention_softcapping_at_inject(method):
     # a Gemma-2 model (Llama-style layout, attention logit soft-capping) took the adapter,
