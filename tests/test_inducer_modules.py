@@ -530,6 +530,38 @@ def test_output_projections_run_in_the_autocast_dtype():
         torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("method", ["inducer", "prefix"])
+def test_hf_llama_attention_runs_under_autocast(method):
+    """Under autocast a Llama-style model's rotary embedding hands the attention a float32 q
+    and k (its float32 cos/sin) beside a float16 v; SDPA and eager run it in the autocast
+    dtype, and kfused_inducer refused the mixed dtypes (TypeError) at every forward, so an
+    inducer / prefix model could neither train nor generate under autocast."""
+    import copy
+
+    from kfused.integration import AdapterConfig, inject
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(_tiny("llama").config).eval()
+    model = copy.deepcopy(base)
+    init = "zero" if method == "inducer" else None
+    inject(model, AdapterConfig(method=method, r=2, init=init, backend="reference"))
+    ids = torch.randint(3, 50, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = base(input_ids=ids, attention_mask=mask).logits
+        cached = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                                do_sample=False, pad_token_id=0)
+        uncached = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                                  do_sample=False, pad_token_id=0, use_cache=False)
+    assert got.dtype == want.dtype == torch.float16
+    assert torch.equal(cached, uncached)
+    if method == "inducer":                       # an exact start: the frozen model's logits
+        keep = mask.bool()
+        torch.testing.assert_close(got[keep], want[keep], rtol=1e-3, atol=1e-3)
+
+
 def test_transformers_4_mask_interface_is_refused_by_name(monkeypatch):
     """transformers 4.x hands the mask interface cache_position instead of q_length, so the
     kfused_inducer mask function failed inside transformers with a bare TypeError (and, with

@@ -601,6 +601,30 @@ def test_inducer_prefix_refuse_another_attention_implementation(arch, method, im
         assert torch.equal(model(input_ids=inputs["input_ids"]).logits, want)
 
 
+@pytest.mark.parametrize("method", ["inducer", "prefix"])
+def test_attention_layers_left_unadapted_take_the_configs_backend(method, monkeypatch):
+    # inject switches every attention layer to kfused_inducer; a layer left without an
+    # adapter (exclude) ran "auto" whatever AdapterConfig.backend said, and set_backend did
+    # not reach it (on a GPU, backend="reference" still ran the fused kernel there)
+    from kfused.integration import hf_attention
+
+    model = make("llama").eval()
+    inject(model, AdapterConfig(method=method, r=2, backend="reference",
+                                exclude=[r"model\.layers\.1\..*"]))
+    assert [n.split(".")[2] for n in get_state(model).adapter_modules] == ["0"]
+    seen = []
+    real = hf_attention.inducer_attention
+    monkeypatch.setattr(hf_attention, "inducer_attention",
+                        lambda *a, **k: seen.append(k.get("backend")) or real(*a, **k))
+    ids = batch("llama", n=5)["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids)
+        assert seen == ["reference"]                 # the unadapted layer 1
+        set_backend(model, "auto")
+        model(input_ids=ids)
+    assert seen == ["reference", "auto"]
+
+
 @pytest.mark.parametrize("method", ["inducer", "prefix", "mam"])
 def test_inducer_prefix_refuse_attention_softcapping_at_inject(method):
     # a Gemma-2 model (Llama-style layout, attention logit soft-capping) took the adapter,
@@ -681,6 +705,34 @@ def test_merge_is_all_or_nothing(unload, monkeypatch):
     monkeypatch.undo()
     (merge_and_unload if unload else merge)(model)  # and it merges once the failure is gone
     assert (get_state(model, required=False) is None) if unload else merged_modules(model)
+
+
+@pytest.mark.parametrize("unload", [False, True])
+@pytest.mark.parametrize("k_method", ["lora", "krona"])
+def test_merge_of_a_lite_part_whose_key_projection_another_part_adapts(k_method, unload):
+    # Kernel-wise-lite's update of v reads the frozen key projection (W_v += W_k A B), which
+    # an earlier part of a composite adapted (LoRA / KronA on k): merged in injection order,
+    # the k part folded its update into W_k first and the lite part then folded W_k + dW_k
+    # (merged logits 0.16 off the unmerged ones), and unmerge left every v weight changed
+    from kfused.integration import merge_and_unload
+
+    register_method(f"{k_method}_k_lite_v", site="composite", replace=True,
+                    parts=[(k_method, ["k"]), ("kernel_wise_lite", ["v"])])
+    model = make("llama").eval()
+    inject(model, AdapterConfig(method=f"{k_method}_k_lite_v", r=2, init="random",
+                                backend="reference"))
+    ids = batch("llama")["input_ids"]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        (merge_and_unload if unload else merge)(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        if unload:
+            return
+        unmerge(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    after = model.state_dict()
+    assert all(torch.allclose(after[k], v, rtol=0, atol=1e-6) for k, v in weights.items())
 
 
 @pytest.mark.parametrize("shapes,exc,match", [

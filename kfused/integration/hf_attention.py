@@ -45,7 +45,7 @@ from kfused._memo import LastResult
 from kfused.integration.arch import (AttentionBlock, attention_blocks, describe_archs,
                                      detect_arch, model_type_of)
 from kfused.modules._init import check_init
-from kfused.modules._linear import is_conv1d, linear_dims
+from kfused.modules._linear import autocast_input, is_conv1d, linear_dims
 from kfused.modules.inducer import InducerAttention, InducerOutputProjection
 from kfused.ops import inducer_attention, inducer_attention_varlen
 
@@ -216,6 +216,10 @@ def kfused_inducer_attention_forward(module: nn.Module, query: torch.Tensor, key
             raise NotImplementedError(
                 f"{ATTN_IMPLEMENTATION} does not support {name} ({what}): the kernel would drop "
                 "it and give a wrong result, so it is refused")
+    # under autocast the attention runs in the autocast dtype, as SDPA's and eager's matmuls
+    # do: the kernels are opaque to autocast, and Llama-style rotary embeddings hand a float32
+    # q and k beside a half-precision v (refused as mixed dtypes)
+    query, key, value = (autocast_input(t) for t in (query, key, value))
     key_padding_mask = None
     packed = None
     if kwargs.get("cu_seq_lens_q") is not None:                # flash-attention's varlen kwargs

@@ -648,10 +648,15 @@ def _guard_hook(module, args, output):
 
 def _merge_all(mods: Dict[str, nn.Module]) -> None:
     """merge() every module, all or nothing: when one fails, the modules this call merged are
-    unmerged again (in reverse order) and the error re-raised, so the model is as before."""
+    unmerged again (in reverse order) and the error re-raised, so the model is as before.
+
+    Modules merge in reverse injection order (:func:`unmerge` goes in injection order): a
+    later part of a composite may read an earlier part's frozen weight (Kernel-wise-lite's
+    key projection, adapted by a LoRA / KronA part on k), so it folds its update in while
+    that weight is still frozen, and takes it out after that weight is frozen again."""
     done = []
     try:
-        for m in mods.values():
+        for m in reversed(list(mods.values())):
             if getattr(m, "merged", False) is not True:  # already merged: not this call's
                 m.merge()
                 done.append(m)

@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch import nn
 
-from kfused.integration.arch import AttentionBlock
+from kfused.integration.arch import AttentionBlock, attention_blocks
 from kfused._validate import is_int
 from kfused.integration.config import AdapterConfig
 from kfused.integration.headwise import attach_headwise_block, headwise_config, use_module_backend
@@ -185,7 +185,18 @@ def _inducer_wrap(inducer: bool):
     return wrap
 
 
+def _unadapted_attention_backend(model: nn.Module, cfg: AdapterConfig) -> None:
+    """The model now runs every attention layer through "kfused_inducer", also those left
+    without an adapter (``exclude``, cross-attention): they take the config's backend as the
+    adapted ones do (they ran "auto" whatever the config said, and set_backend missed them)."""
+    for block in attention_blocks(model):
+        attn = block.get("attn")
+        if not hasattr(attn, "kfused_backend"):
+            attn.kfused_backend = cfg.backend
+
+
 def _inducer_finish(model: nn.Module, cfg: AdapterConfig) -> None:
+    _unadapted_attention_backend(model, cfg)
     set_implementation(model)
 
 
@@ -193,6 +204,7 @@ def _prefix_finish(model: nn.Module, cfg: AdapterConfig) -> None:
     """``options["position_offset"]`` (GPT-2 / Llama-style models; checked by the wrap before
     any block changes) shifts the token positions by that many, as PEFT's prefix tuning does
     (see :func:`add_position_offset`)."""
+    _unadapted_attention_backend(model, cfg)
     set_implementation(model)
     offset = _int_option(cfg, "position_offset", 0, 0)
     if offset:
