@@ -615,6 +615,31 @@ def test_load_with_another_config_is_refused(tmp_path):
     torch.testing.assert_close(same(x), src(x), rtol=0, atol=0)
 
 
+def test_load_with_another_krona_scale_is_refused(tmp_path):
+    """KronA's scale (not LoRA's alpha) carries its update's size: the same factor tensors
+    loaded into a model injected with another scale would act differently, so load refuses
+    and names the field (the check covered alpha alone; a field list without "scale" loaded
+    s = 2 factors into an s = 1 model silently)."""
+    d = tmp_path / "k"
+    torch.manual_seed(0)
+    src = Tiny()
+    inject(src, AdapterConfig(method="krona", targets=["fc1", "fc2"], scale=2.0,
+                              init="random", backend="reference"))
+    save(src, str(d))
+    torch.manual_seed(0)
+    dst = Tiny()
+    inject(dst, AdapterConfig(method="krona", targets=["fc1", "fc2"], backend="reference"))
+    before = adapter_state_dict(dst)
+    with pytest.raises(CheckpointError, match="scale: checkpoint 2.0, model 1.0"):
+        load(dst, str(d))
+    assert states_equal(adapter_state_dict(dst), before)
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    fresh = Tiny()
+    load(fresh, str(d))
+    torch.testing.assert_close(fresh(x), src(x), rtol=0, atol=0)
+
+
 def test_load_takes_alpha_none_and_alpha_r_as_one_scale(tmp_path):
     """alpha=None means alpha = r (scale 1): a checkpoint saved either way loads into a model
     injected the other way; another alpha is refused (None is compared as r)."""
