@@ -640,6 +640,25 @@ def test_load_with_another_krona_scale_is_refused(tmp_path):
     torch.testing.assert_close(fresh(x), src(x), rtol=0, atol=0)
 
 
+def test_load_backend_argument_overrides_the_saved_backend(tmp_path):
+    """load(backend=...) injects with that kernel backend instead of the saved config's (the
+    argument was ignored unnoticed: every test loaded with the saved backend)."""
+    d = tmp_path / "b"
+    src = tiny()                                   # saved with backend="reference"
+    save(src, str(d))
+    torch.manual_seed(0)
+    fresh = Tiny()
+    load(fresh, str(d), backend="triton")
+    assert get_state(fresh).config.backend == "triton"
+    mods = adapter_modules(fresh)
+    assert mods and all(m.backend == "triton" for m in mods.values())
+    assert states_equal(adapter_state_dict(fresh), adapter_state_dict(src))
+    torch.manual_seed(0)
+    plain = Tiny()
+    load(plain, str(d))
+    assert all(m.backend == "reference" for m in adapter_modules(plain).values())
+
+
 def test_load_takes_alpha_none_and_alpha_r_as_one_scale(tmp_path):
     """alpha=None means alpha = r (scale 1): a checkpoint saved either way loads into a model
     injected the other way; another alpha is refused (None is compared as r)."""
