@@ -545,6 +545,20 @@ def test_training_a_merged_model_says_so():
     assert all(m.get_parameter(n).grad is not None for n in get_state(m).param_names)
 
 
+def test_unmerge_removes_the_training_guards():
+    # merge() registers one guard hook per adapter module and unmerge() removes them: an
+    # unmerge that only forgot the handles left the hooks on every module, and each further
+    # merge added one more (a forward hook per module per merge/unmerge cycle, for good)
+    m = _gpt2(seed_fill=1)
+    mods = adapter_modules(m)
+    before = {n: len(mod._forward_hooks) for n, mod in mods.items()}
+    for _ in range(3):
+        merge(m)
+        assert all(len(mod._forward_hooks) == before[n] + 1 for n, mod in mods.items())
+        unmerge(m)
+        assert {n: len(mod._forward_hooks) for n, mod in mods.items()} == before
+
+
 # ------------------------------------------------------------------------------------------
 # a hostile probe's findings (stop 29)
 
