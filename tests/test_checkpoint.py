@@ -545,6 +545,20 @@ def test_training_a_merged_model_says_so():
     assert all(m.get_parameter(n).grad is not None for n in get_state(m).param_names)
 
 
+def test_unmerge_removes_the_training_guards():
+    # merge() registers one guard hook per adapter module and unmerge() removes them: an
+    # unmerge that only forgot the handles left the hooks on every module, and each further
+    # merge added one more (a forward hook per module per merge/unmerge cycle, for good)
+    m = _gpt2(seed_fill=1)
+    mods = adapter_modules(m)
+    before = {n: len(mod._forward_hooks) for n, mod in mods.items()}
+    for _ in range(3):
+        merge(m)
+        assert all(len(mod._forward_hooks) == before[n] + 1 for n, mod in mods.items())
+        unmerge(m)
+        assert {n: len(mod._forward_hooks) for n, mod in mods.items()} == before
+
+
 # ------------------------------------------------------------------------------------------
 # a hostile probe's findings (stop 29)
 
@@ -613,6 +627,50 @@ def test_load_with_another_config_is_refused(tmp_path):
                                backend="reference"))
     load(same, str(d))
     torch.testing.assert_close(same(x), src(x), rtol=0, atol=0)
+
+
+def test_load_with_another_krona_scale_is_refused(tmp_path):
+    """KronA's scale (not LoRA's alpha) carries its update's size: the same factor tensors
+    loaded into a model injected with another scale would act differently, so load refuses
+    and names the field (the check covered alpha alone; a field list without "scale" loaded
+    s = 2 factors into an s = 1 model silently)."""
+    d = tmp_path / "k"
+    torch.manual_seed(0)
+    src = Tiny()
+    inject(src, AdapterConfig(method="krona", targets=["fc1", "fc2"], scale=2.0,
+                              init="random", backend="reference"))
+    save(src, str(d))
+    torch.manual_seed(0)
+    dst = Tiny()
+    inject(dst, AdapterConfig(method="krona", targets=["fc1", "fc2"], backend="reference"))
+    before = adapter_state_dict(dst)
+    with pytest.raises(CheckpointError, match="scale: checkpoint 2.0, model 1.0"):
+        load(dst, str(d))
+    assert states_equal(adapter_state_dict(dst), before)
+    x = torch.randn(3, 16)
+    torch.manual_seed(0)
+    fresh = Tiny()
+    load(fresh, str(d))
+    torch.testing.assert_close(fresh(x), src(x), rtol=0, atol=0)
+
+
+def test_load_backend_argument_overrides_the_saved_backend(tmp_path):
+    """load(backend=...) injects with that kernel backend instead of the saved config's (the
+    argument was ignored unnoticed: every test loaded with the saved backend)."""
+    d = tmp_path / "b"
+    src = tiny()                                   # saved with backend="reference"
+    save(src, str(d))
+    torch.manual_seed(0)
+    fresh = Tiny()
+    load(fresh, str(d), backend="triton")
+    assert get_state(fresh).config.backend == "triton"
+    mods = adapter_modules(fresh)
+    assert mods and all(m.backend == "triton" for m in mods.values())
+    assert states_equal(adapter_state_dict(fresh), adapter_state_dict(src))
+    torch.manual_seed(0)
+    plain = Tiny()
+    load(plain, str(d))
+    assert all(m.backend == "reference" for m in adapter_modules(plain).values())
 
 
 def test_load_takes_alpha_none_and_alpha_r_as_one_scale(tmp_path):

@@ -296,9 +296,15 @@ def test_kernel_grouped_query(dtype):
     _assert_spec(kern, ref, {**X, **P, **_mask_with_empty_row(2, 45, "mask")}, dtype)
 
 
-def test_kernel_cross_lengths_causal():
-    """n_q != n_k (KV-cache prefill continuation): bottom-right causal alignment."""
-    X = _qkv(1, 2, 17, 32, n_k=50)
+@pytest.mark.parametrize("n_q,n_k", [(17, 50), (96, 97)])
+def test_kernel_cross_lengths_causal(n_q, n_k):
+    """n_q != n_k (KV-cache prefill continuation): bottom-right causal alignment. (96, 97):
+    a causal offset of 1 over several key tiles, where a tile's last query row (i = BLOCK_M - 1,
+    every block size) sees the next key tile's first key (j = i + 1): the forward's key-loop
+    end and the dK/dV kernel's first query tile both sit exactly on that boundary (an
+    off-by-one in either, e.g. first query row start_n - causal_off + 1, passed the one
+    50-key tile of (17, 50))."""
+    X = _qkv(1, 2, n_q, 32, n_k=n_k)
     P = _params(2, 32, l=1)
     kern, ref = _fns("add", True, False)
     assert_against_reference(kern, ref, {**X, **P}, torch.float32, DEVICE)

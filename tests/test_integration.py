@@ -218,6 +218,29 @@ def test_presets():
     assert AdapterConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
+@pytest.mark.parametrize("method,scale,bias", [
+    ("krona_b", 16.0, True), ("krona_b", 0.5, False), ("krona_b_res", 2.0, True),
+    ("parallel_adapter", 2.0, False), ("parallel_adapter", 1.0, False)])
+def test_block_methods_take_scale_and_bias_from_the_config(method, scale, bias):
+    # The block methods' wraps pass AdapterConfig.scale and .bias on to their modules: a wrap
+    # that dropped them left the module's own defaults (KronA^B without its output bias, the
+    # parallel adapter at its 4.0) and nothing noticed, since the modules then still train.
+    from kfused.modules.krona import KronABlock
+    from kfused.modules.parallel_adapter import ScaledParallelAdapter
+
+    model = make("llama")
+    inject(model, AdapterConfig(method=method, scale=scale, bias=bias, init="random",
+                                backend="reference"))
+    kind = ScaledParallelAdapter if method == "parallel_adapter" else KronABlock
+    mods = [m for m in model.modules() if isinstance(m, kind)]
+    assert mods
+    for m in mods:
+        assert m.scale == scale
+        if kind is KronABlock:
+            assert (m.bias is not None) == bias
+            assert (m.res_scale is not None) == (method == "krona_b_res")
+
+
 class _Scaled(nn.Module):  # a toy third-party method: y = base(x) * (1 + g)
     def __init__(self, base):
         super().__init__()

@@ -238,3 +238,21 @@ def test_inducer_with_prefix_columns_defaults_to_an_init_it_honours(method, opti
         inject(model, AdapterConfig(method="inducer", r=2, init="zero",
                                     options={"prefix_len": 2}))
     assert get_state(model, required=False) is None
+
+
+@pytest.mark.parametrize("method", ["inducer", "inducer_lora", "mam_inducer"])
+def test_inducer_without_prefix_columns_defaults_to_an_exact_start(method):
+    # the other half of the default: with no prefix columns init=None is "zero", W2 = b2 = 0,
+    # so the injected model starts exactly at the frozen one (a default that always chose
+    # "paper" passed every test: none looked at the init a plain inducer got by default)
+    from _hf_helpers import batch
+
+    model = make("llama").eval()
+    inputs = batch("llama")
+    with torch.no_grad():
+        frozen = model(**inputs).logits
+    inject(model, AdapterConfig(method=method, r=2, backend="reference"))
+    inducers = [m for m in model.modules() if type(m).__name__ == "InducerAttention"]
+    assert inducers and all(m.init == "zero" and m.prefix_len == 0 for m in inducers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, frozen, rtol=0, atol=0)
