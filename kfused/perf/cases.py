@@ -756,12 +756,8 @@ def _fa2_varlen(name, lens, H, p, causal, bwd, el=2, Hkv=None):
     prods = 5 if bwd else 2
     # forward: q, O (H heads), k, v (Hkv); backward main kernel: q, dO read (D precomputed,
     # O not read), k, v read, dk, dv written, dQ added into its float32 accumulator
-    # element-wise work per score as kfused's kernels are charged (_m_ind_fwd: 8 per score and
-    # the rescale of the (128 × p) accumulator per key tile: p / BN per score, BN = 128 keys
-    # for p <= 64, 64 for p = 128; the backward rescales nothing)
-    bn_fwd = 128 if p <= 64 else 64
     work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
-                alu_ops=scores * (12 if bwd else 8 + p / bn_fwd),
+                alu_ops=scores * (12 if bwd else 8),
                 hbm_bytes=el * T * p * (H * 2 + Hkv * (4 if bwd else 2))
                 + (T * H * p * 4 * 2 if bwd else 0))
     programs = H * sum(cdiv(m, 128) for m in lens)
