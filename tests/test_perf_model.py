@@ -331,35 +331,6 @@ def test_fa2_baseline_counts_the_causal_diagonal_tiles():
     assert var[0]["flops"] == H * (1 + 6) * 128 * 128 * 2 * 2.0 * p
 
 
-def test_fa2_backward_is_pytorchs_three_launches():
-    """SDPA's flash backward (PyTorch's FlashAttention-2, run_flash_bwd_seqk_parallel) is three
-    launches: flash_bwd_dot_do_o_kernel (D = rowsum(dO∘O); with Clear_dQaccum it also
-    zero-fills the float32 dQ accumulator, which mha_bwd allocates empty), the main kernel (dQ
-    added into the accumulator), flash_bwd_convert_dq_kernel (accumulator read, dQ written).
-    The baseline had the first without the fill and no conversion: 114.8 us too fast at
-    B = 8, H = 32, n = 2048, p = 64 (T·H·p = 2^25 elements)."""
-    from kfused.perf import cases as C
-
-    B, H, n, p, el = 8, 32, 2048, 64, 2
-    E, rows = B * n * H * p, B * n * H
-    parts = C._fa2("b", B, H, n, p, True, True)
-    assert len(parts) == 3
-    assert math.isclose(parts[1]["t"], (el * 2 * E + 4 * rows + 4 * E) / R.HBM_BW
-                        + R.KERNEL_OVERHEAD_S)
-    assert math.isclose(parts[2]["t"], (4 + el) * E / R.HBM_BW + R.KERNEL_OVERHEAD_S)
-    # the whole SDPA baseline of that case (causal) by hand: 136 tiles of 128 × 128 per head,
-    # 4096 programs of one CTA on 132 SMs (32 waves, 0.97 of the last full), mma.sync rate
-    scores = B * H * 136 * 128 * 128
-    eff = 4096 / (32 * 132)
-    fwd = (scores * 4 * p / R.MMA_RATE + scores / R.SFU_RATE + 8 * scores / R.ALU32_RATE) / eff
-    bwd = (scores * 10 * p / R.MMA_RATE + scores / R.SFU_RATE + 12 * scores / R.ALU32_RATE) / eff
-    streams = (el * 2 * E + 4 * rows + 4 * E + (4 + el) * E) / R.HBM_BW
-    t = fwd + bwd + streams + 4 * R.KERNEL_OVERHEAD_S
-    case = [c for c in C._inducer_cases() if c.label == "B=8 H=32 n=2048 p=64 causal"][0]
-    got = sum(part["t"] for part in case.baselines["sdpa"]())
-    assert math.isclose(got, t, rel_tol=1e-9) and abs(got - 1954.9e-6) < 0.1e-6, got
-
-
 def test_headwise_lora_baseline_has_the_same_parameter_budget():
     """The peft-LoRA baseline of a headwise_qkv case has the rank whose q (d -> H·p) and v
     (d -> Hkv·p) LoRA pair holds the preset's trainable q/v parameters (per-head biases

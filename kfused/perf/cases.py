@@ -754,24 +754,15 @@ def _fa2_varlen(name, lens, H, p, causal, bwd, el=2, Hkv=None):
     scores = sum(H * _attn_tiles(m, m, 128, 128, causal, 0) * 128 * 128 for m in lens)
     T = sum(lens)
     prods = 5 if bwd else 2
-    # forward: q, O (H heads), k, v (Hkv); backward main kernel: q, dO read (D precomputed,
-    # O not read), k, v read, dk, dv written, dQ added into its float32 accumulator
     work = dict(dot16_flops=scores * prods * 2.0 * p, sfu_ops=scores,
                 alu_ops=scores * (12 if bwd else 8),
-                hbm_bytes=el * T * p * (H * 2 + Hkv * (4 if bwd else 2))
+                hbm_bytes=el * T * p * (H * (4 if bwd else 2) + Hkv * (4 if bwd else 2))
                 + (T * H * p * 4 * 2 if bwd else 0))
     programs = H * sum(cdiv(m, 128) for m in lens)
     pr = R.predict(work, {"hmma": 1}, programs, 1)
     out = [dict(name=name, t=pr["t"], flops=work["dot16_flops"])]
     if bwd:
-        # PyTorch's FA2 backward is three launches (run_flash_bwd_seqk_parallel,
-        # flash_bwd_launch_template.h; mha_bwd allocates the float32 dQ accumulator empty):
-        # flash_bwd_dot_do_o_kernel<Clear_dQaccum=true> (D = rowsum(dO∘O), and it zero-fills
-        # the accumulator), the main kernel, flash_bwd_convert_dq_kernel (accumulator read,
-        # dQ written in the input dtype)
-        out.append(_stream(name + ":rowsum(dO*O), clear dQaccum",
-                           el * 2 * T * H * p + 4 * T * H + 4 * T * H * p))
-        out.append(_stream(name + ":convert dQaccum -> dQ", (4 + el) * T * H * p))
+        out.append(_stream(name + ":rowsum(dO*O)", el * 2 * T * H * p + 4 * T * H))
     return out
 
 
