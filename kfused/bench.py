@@ -18,6 +18,11 @@ import torch
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
+# The backend the inducer benchmark's "sdpa" provider is pinned to (its "sdpa-default" runs
+# torch's own choice); bench JSON records it as meta["sdpa_pinned"]. Runs without that key
+# timed "sdpa" on torch's choice (kfused.results says so beside their verdicts).
+SDPA_PINNED = "flash"
+
 
 @dataclasses.dataclass
 class Provider:

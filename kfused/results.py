@@ -457,6 +457,17 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                       "devices (regenerate it with `kfused perf --device "
                       "<key>` where the model knows the device: "
                       f"{', '.join(sorted(DEVICES))}).", ""]
+    unpinned = [Path(r["path"]).name for r in runs if "sdpa_pinned" not in r["meta"]
+                and any(x["op"] == _IND and x["provider"] == "sdpa" for x in r["rows"])]
+    if unpinned:
+        lines += [f"**{', '.join(unpinned)}: its `sdpa` rows timed SDPA on the backend torch "
+                  "chose, not pinned to the flash backend the inducer targets name** (the run "
+                  "predates the bench's `sdpa_pinned` meta). With torch ≥ 2.11 and cuDNN > "
+                  "9.15 on an H100/H200, torch tries cuDNN attention first "
+                  "(check_prefer_cudnn_attention), so those verdicts likely compare kfused "
+                  "with a faster baseline than the target's, and the performance model "
+                  "(FlashAttention-2) does not price it. Runs since time `sdpa` on the flash "
+                  "backend and torch's choice as `sdpa-default`.", ""]
     cpu = [Path(r["path"]).name for r in runs if r["meta"].get("device_type", "cuda") != "cuda"]
     if cpu:
         lines += [f"**Not a GPU run ({', '.join(cpu)}): the Triton kernels ran in the "

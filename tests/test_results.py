@@ -559,3 +559,55 @@ def test_a_file_named_twice_is_read_once(tmp_path, capsys):
     once = capsys.readouterr().out
     cli.run([str(tmp_path), f, f])
     assert capsys.readouterr().out == once
+
+
+def test_a_run_whose_sdpa_was_not_pinned_to_flash_says_so():
+    """The H100 run of 2026-11-27 timed "sdpa" on torch's own backend choice (cuDNN attention
+    first on Hopper with torch 2.11 / cuDNN 9.19), not the flash backend the inducer targets
+    name: a run without the bench's sdpa_pinned meta gets that said beside its verdicts; a
+    run that has it, or has no sdpa rows, does not."""
+    text = results.render([{"path": "/x/ind.json", "meta": META, "rows": _rows()}])
+    assert "**ind.json: its `sdpa` rows timed SDPA on the backend torch chose" in text
+    pinned = dict(META, sdpa_pinned="flash")
+    text = results.render([{"path": "/x/ind.json", "meta": pinned, "rows": _rows()}])
+    assert "backend torch chose" not in text
+    no_sdpa = [r for r in _rows() if r["provider"] != "sdpa"]
+    text = results.render([{"path": "/x/ind.json", "meta": META, "rows": no_sdpa}])
+    assert "backend torch chose" not in text
+
+
+def test_the_bench_pins_sdpa_to_the_flash_backend_and_records_it(monkeypatch):
+    """Every inducer case's "sdpa" provider runs SDPA's flash backend (the baseline the
+    targets and the performance model name) whatever torch would pick, "sdpa-default" runs
+    torch's choice, and the bench JSON's meta says which backend "sdpa" was."""
+    import kfused.cases
+    from kfused.bench import SDPA_PINNED
+    from kfused.cli.bench import environment
+
+    assert environment(torch.device("cpu"))["sdpa_pinned"] == SDPA_PINNED == "flash"
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **k):        # the backends SDPA may choose from at the call
+        seen.append((torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled(),
+                     torch.backends.cuda.math_sdp_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    cases = [c for c in kfused.cases.bench_cases("inducer", "cpu", torch.float32, quick=True)
+             if any(p.name == "sdpa" for p in c.providers)]
+    assert len(cases) >= 5                                  # prefill (causal or not) + decode
+    for case in cases:
+        provs = {p.name: p for p in case.providers}
+        assert "sdpa-default" in provs
+        for name, want in (("sdpa", (True, False, False, False)), ("sdpa-default", None)):
+            fn, _ = provs[name].make()
+            seen.clear()
+            fn()
+            assert len(seen) == 1
+            if want is not None:
+                assert seen[0] == want, (case.shape, name, seen)
+            else:
+                assert seen[0] != (True, False, False, False), (case.shape, name)

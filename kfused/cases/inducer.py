@@ -5,7 +5,13 @@ Benchmark providers per case (forward, and forward+backward through the harness)
     kfused-triton  the flash-style kernel with the inducer ("add": f and u)
     kfused-cuda    the CUDA C++ inference kernel with the same inducer (forward only: timed in
                    "fwd" mode, beside kfused-triton's "fwd"; grouped-query k/v too)
-    sdpa           torch scaled_dot_product_attention without an inducer (the ceiling)
+    sdpa           torch scaled_dot_product_attention without an inducer, pinned to its flash
+                   backend (FlashAttention-2): the baseline issue 14's targets name and the
+                   performance model prices (kfused.perf.cases._fa2)
+    sdpa-default   the same call on the backend torch picks itself: what a user gets (torch
+                   >= 2.11 with cuDNN > 9.15 prefers cuDNN attention on H100/H200, its
+                   check_prefer_cudnn_attention); the kernels profiled name it. Shown, no
+                   target holds it
     flex           FlexAttention with return_lse plus the λ / u epilogue in PyTorch (CUDA only)
     eager          the materialised reference (O(n²) memory)
     compile        torch.compile of the reference
@@ -22,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kfused.backends import available_backends
-from kfused.bench import BenchCase, Provider, allow_backward_replay
+from kfused.bench import SDPA_PINNED, BenchCase, Provider, allow_backward_replay
 from kfused.cases import CheckCase
 from kfused.ops import inducer_attention, inducer_attention_varlen
 from kfused.reference.inducer import (inducer_attention_ref, inducer_key_logit,
@@ -42,6 +48,21 @@ def _make_inputs(B, H, n, p, device, dtype, grad=True):
     params = dict(Ak=t(H, p, L_KEY, s=0.01), ak=t(H, L_KEY, s=0.01), Bk=t(H, L_KEY, p, s=0.01),
                   ck=t(H, p, s=0.01), W1=t(H, p, R_VALUE, s=0.01), b1=t(H, R_VALUE, s=0.01))
     return q, k, v, params
+
+
+def _sdpa_fn(q, k, v, pinned: bool, **kw):
+    """SDPA without an inducer: on the backend SDPA_PINNED names (``pinned``), else on
+    torch's choice. The backward runs the backend the forward chose."""
+    if not pinned:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kw)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION}[SDPA_PINNED]
+
+    def fn():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return fn
 
 
 def _leaves(q, k, v, params):
@@ -113,11 +134,9 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
                                                  backend="cuda")
                     return fn, []
 
-                def mk_sdpa(B=B, H=H_, n=n, p=p, causal=causal):
+                def mk_sdpa(pinned, B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, _ = _make_inputs(B, H, n, p, device, dtype)
-                    def fn():
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    return fn, [q, k, v]
+                    return _sdpa_fn(q, k, v, pinned, is_causal=causal), [q, k, v]
 
                 def mk_flex(B=B, H=H_, n=n, p=p, causal=causal):
                     q, k, v, params = _make_inputs(B, H, n, p, device, dtype)
@@ -143,7 +162,8 @@ def bench_cases(device, dtype=torch.bfloat16, quick: bool = False) -> List[Bench
                 no_cuda = None if device.type == "cuda" else "FlexAttention needs CUDA"
                 provs = [Provider("kfused-triton", mk_kfused, skip_reason=triton_reason),
                          Provider("kfused-cuda", mk_cuda, skip_reason=cuda_reason),
-                         Provider("sdpa", mk_sdpa),
+                         Provider("sdpa", lambda mk=mk_sdpa: mk(True)),
+                         Provider("sdpa-default", lambda mk=mk_sdpa: mk(False)),
                          Provider("flex", mk_flex, skip_reason=no_cuda),
                          Provider("eager", mk_eager, skip_reason=too_big),
                          Provider("compile", mk_compile, skip_reason=too_big)]
@@ -186,10 +206,10 @@ def _decode_cases(device, dtype, quick, triton_reason, cuda_reason=None) -> List
             q, k, v, params = inputs()
             return (lambda: inducer_attention(q, k, v, **params, backend="cuda")), []
 
-        def mk_sdpa(inputs=inputs, gqa=Hkv != H):
+        def mk_sdpa(pinned, inputs=inputs, gqa=Hkv != H):
             q, k, v, _ = inputs()
             kw = {"enable_gqa": True} if gqa else {}
-            return (lambda: F.scaled_dot_product_attention(q, k, v, **kw)), []
+            return _sdpa_fn(q, k, v, pinned, **kw), []
 
         out.append(BenchCase(
             op=OP, shape={"B": B, "H": H, "H_kv": Hkv, "n_q": 1, "n_k": n_k, "p": p,
@@ -200,7 +220,8 @@ def _decode_cases(device, dtype, quick, triton_reason, cuda_reason=None) -> List
                        Provider("kfused-triton-plain", lambda mk=mk_kfused: mk(False),
                                 skip_reason=triton_reason),
                        Provider("kfused-cuda", mk_cuda, skip_reason=cuda_reason),
-                       Provider("sdpa", mk_sdpa)],
+                       Provider("sdpa", lambda mk=mk_sdpa: mk(True)),
+                       Provider("sdpa-default", lambda mk=mk_sdpa: mk(False))],
             flops_fwd=4.0 * B * H * n_k * p, bytes_fwd=float(2 * B * Hkv * n_k * p * el)))
     return out
 

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kfused._files import folder_refusal, new_results_file, replace_atomically
+from kfused.bench import SDPA_PINNED
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -121,6 +122,7 @@ def environment(device: torch.device) -> Dict[str, object]:
     except Exception:
         meta["triton"] = None
     meta["kernel_tuning"] = _tuning_meta(device)
+    meta["sdpa_pinned"] = SDPA_PINNED      # the inducer cases' "sdpa" provider's backend
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         meta.update(device=props.name, sm_count=props.multi_processor_count,
