@@ -120,6 +120,30 @@ def allow_backward_replay() -> None:
         cfg.donated_buffer = False
 
 
+# What measure() does about torch.compile baselines; bench JSON records it as
+# meta["compile_cache"]. Before it, a family's compiled baselines shared one Dynamo cache per
+# function across cases: flex_attention hit Dynamo's recompile limit (8) after three cases of
+# the 2026-11-27 H100 run, and every later flex row timed the unfused eager fallback (36-99 ms
+# where the fused kernel takes ~3-5), silently.
+COMPILE_CACHE = "fresh per case; the recompile limit hit is an error"
+
+
+def _fresh_compile_cache():
+    """Dynamo's caches emptied (each case's torch.compile baselines compile for its own
+    shapes, as a user's one model would) and a context in which reaching the recompile limit
+    raises instead of running the function uncompiled."""
+    import contextlib
+
+    try:
+        import torch._dynamo as dyn
+    except ImportError:             # a torch without Dynamo compiles nothing
+        return contextlib.nullcontext()
+    dyn.reset()
+    if hasattr(dyn.config, "fail_on_recompile_limit_hit"):
+        return dyn.config.patch(fail_on_recompile_limit_hit=True)
+    return dyn.config.patch(fail_on_cache_limit_hit=True)
+
+
 def fwdbwd_step(provider) -> Callable[[], None]:
     """One forward and backward of a benchmark provider, as a no-argument call: its outputs'
     gradients (random, drawn once) taken with respect to its leaves."""
@@ -191,6 +215,11 @@ def measure(case: BenchCase, device: Union[str, torch.device], *, rep_ms: float 
     capture failure is recorded in ``graph_error``)."""
     device = torch.device(device)
     allow_backward_replay()
+    with _fresh_compile_cache():
+        return _measure(case, device, rep_ms, warmup_ms, modes, kernels, graphs)
+
+
+def _measure(case, device, rep_ms, warmup_ms, modes, kernels, graphs) -> List[dict]:
     rows = []
     for prov in case.providers:
         base = {"op": case.op, "shape": dict(case.shape), "dtype": str(case.dtype).replace("torch.", ""),

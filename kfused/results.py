@@ -468,6 +468,17 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                   "with a faster baseline than the target's, and the performance model "
                   "(FlashAttention-2) does not price it. Runs since time `sdpa` on the flash "
                   "backend and torch's choice as `sdpa-default`.", ""]
+    shared = [Path(r["path"]).name for r in runs if "compile_cache" not in r["meta"]
+              and any(x["provider"] in ("flex", "compile") and "ms_p50" in x
+                      for x in r["rows"])]
+    if shared:
+        lines += [f"**{', '.join(shared)}: torch.compile baselines (`flex`, `compile`) "
+                  "shared one Dynamo cache across cases** (before the bench's "
+                  "`compile_cache` meta): once a function reached Dynamo's recompile limit "
+                  "(8), later rows timed it uncompiled. The 2026-11-27 inducer run hit it "
+                  "after three cases (its log: flex_attention, recompile_limit (8)): every "
+                  "`flex` row after them is the unfused eager fallback, and a verdict against "
+                  "it says nothing about FlexAttention.", ""]
     cpu = [Path(r["path"]).name for r in runs if r["meta"].get("device_type", "cuda") != "cuda"]
     if cpu:
         lines += [f"**Not a GPU run ({', '.join(cpu)}): the Triton kernels ran in the "

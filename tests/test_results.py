@@ -584,7 +584,11 @@ def test_the_bench_pins_sdpa_to_the_flash_backend_and_records_it(monkeypatch):
     from kfused.bench import SDPA_PINNED
     from kfused.cli.bench import environment
 
-    assert environment(torch.device("cpu"))["sdpa_pinned"] == SDPA_PINNED == "flash"
+    from kfused.bench import COMPILE_CACHE
+
+    meta = environment(torch.device("cpu"))
+    assert meta["sdpa_pinned"] == SDPA_PINNED == "flash"
+    assert meta["compile_cache"] == COMPILE_CACHE
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -611,3 +615,65 @@ def test_the_bench_pins_sdpa_to_the_flash_backend_and_records_it(monkeypatch):
                 assert seen[0] == want, (case.shape, name, seen)
             else:
                 assert seen[0] != (True, False, False, False), (case.shape, name)
+
+
+def _compiled_cases(f, n):
+    from kfused.bench import BenchCase, Provider
+
+    def case(i):
+        def mk(i=i):
+            x = torch.randn(i + 1, 3)
+            return (lambda: f(x)), []
+        return BenchCase(op="t", shape={"i": i}, dtype=torch.float32,
+                         providers=[Provider("compile", mk)])
+    return [case(i) for i in range(n)]
+
+
+def test_compiled_baselines_compile_for_every_case_not_past_dynamos_limit():
+    """The 2026-11-27 H100 run's flex rows after its third inducer case timed the unfused eager
+    fallback (flex_attention had hit Dynamo's recompile limit of 8 across cases: 36-99 ms for
+    a ~3-5 ms kernel). Each measured case now starts from empty Dynamo caches: a function
+    compiled once (static shapes) and timed over twelve shapes is compiled for every one."""
+    import torch._dynamo.testing
+
+    from kfused.bench import measure
+
+    cnt = torch._dynamo.testing.CompileCounter()
+    f = torch.compile(lambda x: x * 2 + 1, backend=cnt, dynamic=False)
+    rows = [r for c in _compiled_cases(f, 12)
+            for r in measure(c, "cpu", rep_ms=1, warmup_ms=1, modes=("fwd",))]
+    assert [r.get("error") for r in rows] == [None] * 12
+    assert cnt.frame_count >= 12          # stopped at 8 before: the rest ran uncompiled
+
+
+def test_a_case_that_reaches_the_recompile_limit_is_an_error_not_an_eager_timing():
+    """Within one case, a compiled baseline that Dynamo would stop compiling (the limit hit)
+    fails its row, where it used to be timed running uncompiled."""
+    from kfused.bench import BenchCase, Provider, measure
+
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+
+    def mk():
+        xs = [torch.randn(i + 1, 3) for i in range(12)]
+        return (lambda: [f(x) for x in xs][-1]), []
+
+    rows = measure(BenchCase(op="t", shape={}, dtype=torch.float32,
+                             providers=[Provider("compile", mk)]),
+                   "cpu", rep_ms=1, warmup_ms=1, modes=("fwd",))
+    assert len(rows) == 1 and "error" in rows[0], rows
+    assert "limit" in rows[0]["error"].lower(), rows[0]["error"]
+
+
+def test_a_run_whose_compiled_baselines_shared_a_cache_says_so():
+    """A run without the bench's compile_cache meta that timed flex or compile rows gets the
+    warning that later rows may be the uncompiled fallback; with the meta, or with no such
+    rows, it does not."""
+    rows = _rows()
+    text = results.render([{"path": "/x/ind.json", "meta": META, "rows": rows}])
+    assert "**ind.json: torch.compile baselines (`flex`, `compile`) shared" in text
+    meta = dict(META, compile_cache="fresh per case; the recompile limit hit is an error")
+    assert "shared one Dynamo cache" not in results.render(
+        [{"path": "/x/ind.json", "meta": meta, "rows": rows}])
+    plain = [r for r in rows if r["provider"] not in ("flex", "compile")]
+    assert "shared one Dynamo cache" not in results.render(
+        [{"path": "/x/ind.json", "meta": META, "rows": plain}])

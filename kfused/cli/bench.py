@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kfused._files import folder_refusal, new_results_file, replace_atomically
-from kfused.bench import SDPA_PINNED
+from kfused.bench import COMPILE_CACHE, SDPA_PINNED
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -123,6 +123,7 @@ def environment(device: torch.device) -> Dict[str, object]:
         meta["triton"] = None
     meta["kernel_tuning"] = _tuning_meta(device)
     meta["sdpa_pinned"] = SDPA_PINNED      # the inducer cases' "sdpa" provider's backend
+    meta["compile_cache"] = COMPILE_CACHE  # torch.compile baselines: see kfused.bench
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         meta.update(device=props.name, sm_count=props.multi_processor_count,
