@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from triton.compiler import ASTSource
 
     from kfused.perf.cases import all_cases
-    from kfused.perf.compile import _target, _ttir_dots, cubin_stats, jit_spec
+    from kfused.perf.compile import _target, _ttir_dots, cubin_stats, jit_spec, spill_bytes
     from kfused.perf.trace import trace
 
     case = next((c for c in all_cases() if args.case in c.label), None)
@@ -85,7 +85,9 @@ def main(argv=None) -> int:
         st = next(iter(cubin_stats(k.asm["cubin"]).values()), {})
         const = {n: v for n, v in L.kwargs.items() if not hasattr(v, "data_ptr")}
         print(f"#{i} grid {L.grid} {const}")
-        print(f"   registers {st.get('regs')}, spill {st.get('local', 0)} B, shared "
+        sass = st.get("sass") or {}
+        print(f"   registers {st.get('regs')}, spill {spill_bytes(st)} B (stack "
+              f"{st.get('stack', 0)} B, {sass.get('stl', 0)} STL / {sass.get('ldl', 0)} LDL), shared "
               f"{getattr(k.metadata, 'shared', 0)} B, warps {k.metadata.num_warps}, "
               f"stages {k.metadata.num_stages}; {loop_summary(k.asm['ttgir'])}; {stem}.*")
         dots = {n: c for n, c in _ttir_dots(k.asm["ttir"]).items() if c}

@@ -222,7 +222,7 @@ def _jsonable(v):
 # Bumped when the statistics recorded per compile change meaning (2: "dot_tf32" counts only
 # float32 dots that name TF32; IEEE float32 dots, whose precision the TTIR omits, are
 # "dot_f32_ieee"), so that no cache or seed entry of the old meaning is reused.
-STATS_VERSION = 2
+STATS_VERSION = 3       # 3: spill_bytes from the stack frame where SASS has LDL/STL
 
 
 def spec_key(fn, spec, arch: int) -> str:
@@ -287,7 +287,7 @@ def classify_sass(opcodes: Sequence[str]) -> Dict[str, int]:
     """Static instruction mix. Counts are instructions in the code, not executions."""
     mix = dict(hgmma=0, hmma=0, dmma=0, ffma=0, fmul_fadd=0, dfma=0, hfma2=0, mufu=0,
                ldg128=0, ldg64=0, ldg_narrow=0, ldgsts128=0, ldgsts_narrow=0, tma_load=0,
-               stg128=0, stg_narrow=0, total=0)
+               stg128=0, stg_narrow=0, ldl=0, stl=0, total=0)
     for op in opcodes:
         mix["total"] += 1
         head = op.split(".")[0]
@@ -316,7 +316,29 @@ def classify_sass(opcodes: Sequence[str]) -> Dict[str, int]:
             mix["tma_load"] += 1
         elif head == "STG":
             mix["stg128" if ".128" in op else "stg_narrow"] += 1
+        elif head == "LDL":                 # local (thread-private) memory: register spills
+            mix["ldl"] += 1
+        elif head == "STL":
+            mix["stl"] += 1
     return mix
+
+
+def spill_bytes(st: Dict[str, object]) -> int:
+    """Per-thread local memory a kernel spills to, from ``cuobjdump -res-usage`` and its SASS.
+
+    ptxas puts spilled registers in the thread's stack frame: cuobjdump reports them as
+    STACK, not LOCAL (LOCAL is only .local variables, which neither Triton nor csrc/ declare).
+    A test kernel nvcc spills (``-maxrregcount=32``; ptxas -v: "9888 bytes stack frame, 10000
+    bytes spill stores") reads ``REG:32 STACK:9888 LOCAL:0``, and Triton's inducer dQ kernel
+    (ptxas -v: 2024 bytes spill stores, 2052 loads) ``REG:255 STACK:1552 LOCAL:0``: reading
+    LOCAL, the tool saw no spill in either (before STATS_VERSION 3). A stack frame is also
+    used without spilling (a call's frame), so it counts as spill where the SASS stores to or
+    loads from local memory (STL / LDL)."""
+    local = int(st.get("local", 0) or 0)
+    sass = st.get("sass") or {}
+    if sass.get("stl", 0) or sass.get("ldl", 0):
+        return max(local, int(st.get("stack", 0) or 0), 1)
+    return local
 
 
 def cubin_stats(cubin: bytes) -> Dict[str, Dict[str, object]]:
@@ -472,7 +494,7 @@ def compile_launch(fn, spec, arch: int = 90, use_cache: bool = True) -> Dict[str
     warps = int(getattr(k.metadata, "num_warps", opts.get("num_warps", 4)))
     regs = int(st.get("regs", 0))
     info = dict(kernel=fn.__name__, arch=arch, regs=regs,
-                spill_bytes=int(st.get("local", 0) or 0), stack_bytes=int(st.get("stack", 0)),
+                spill_bytes=spill_bytes(st), stack_bytes=int(st.get("stack", 0)),
                 shared_bytes=shared, num_warps=warps,
                 num_stages=int(getattr(k.metadata, "num_stages", opts.get("num_stages", 3))),
                 ctas_per_sm=occupancy(regs, shared, warps, arch),
@@ -583,7 +605,7 @@ def csrc_object_stats(obj: str, arch: int = 90) -> Dict[str, Dict[str, object]]:
     out = {}
     for name, st in file_stats(obj).items():
         out[name] = dict(kernel=name, arch=arch, regs=int(st.get("regs", 0)),
-                         spill_bytes=int(st.get("local", 0) or 0),
+                         spill_bytes=spill_bytes(st),
                          stack_bytes=int(st.get("stack", 0)),
                          shared_bytes=int(st.get("shared_static", 0)), sass=st.get("sass", {}))
     return out
@@ -596,7 +618,8 @@ def csrc_stats(archs: Sequence[int] = (90,), jobs: int = 2) -> Dict[str, object]
     if nvcc is None:
         return {"skipped": "nvcc not found"}
     ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    vhash = hashlib.sha256((ver + csrc_sources_hash()).encode()).hexdigest()[:24]
+    vhash = hashlib.sha256((ver + csrc_sources_hash() + f"stats{STATS_VERSION}").encode()
+                           ).hexdigest()[:24]
     out_dir = os.path.join(cache_dir(), f"csrc-{vhash}")
     os.makedirs(out_dir, exist_ok=True)
     try:
