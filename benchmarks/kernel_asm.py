@@ -87,8 +87,8 @@ def main(argv=None) -> int:
         print(f"#{i} grid {L.grid} {const}")
         sass = st.get("sass") or {}
         print(f"   registers {st.get('regs')}, spill {spill_bytes(st)} B (stack "
-              f"{st.get('stack', 0)} B, {sass.get('stl', 0)} STL / {sass.get('ldl', 0)} LDL), shared "
-              f"{getattr(k.metadata, 'shared', 0)} B, warps {k.metadata.num_warps}, "
+              f"{st.get('stack', 0)} B, {sass.get('stl', 0)} STL / {sass.get('ldl', 0)} LDL), "
+              f"shared {getattr(k.metadata, 'shared', 0)} B, warps {k.metadata.num_warps}, "
               f"stages {k.metadata.num_stages}; {loop_summary(k.asm['ttgir'])}; {stem}.*")
         dots = {n: c for n, c in _ttir_dots(k.asm["ttir"]).items() if c}
         print(f"   dots {dots or 'none'}" + ("  <- float32 TF32 dot (see _common._bcast_mm)"
