@@ -190,7 +190,8 @@ def test_bench_cases_build():
 
     cs = cases("cpu", torch.float32, quick=True)
     assert cs and {p.name for p in cs[0].providers} == {"kfused-triton", "kfused-cuda", "sdpa",
-                                                         "flex", "eager", "compile"}
+                                                         "sdpa-default", "flex", "eager",
+                                                         "compile"}
     # the CUDA C++ provider is skipped with its reason where the extension is not built
     cu = next(p for p in cs[0].providers if p.name == "kfused-cuda")
     assert (cu.skip_reason is None) == (available_backends("inducer_attention", "cpu",
