@@ -139,9 +139,7 @@ def _fresh_compile_cache():
     except ImportError:             # a torch without Dynamo compiles nothing
         return contextlib.nullcontext()
     dyn.reset()
-    if hasattr(dyn.config, "fail_on_recompile_limit_hit"):
-        return dyn.config.patch(fail_on_recompile_limit_hit=True)
-    return dyn.config.patch(fail_on_cache_limit_hit=True)
+    return dyn.config.patch(fail_on_recompile_limit_hit=True)   # torch 2.11 and 2.13 name it
 
 
 def fwdbwd_step(provider) -> Callable[[], None]:
