@@ -497,7 +497,9 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
               "|---" * 7 + "|"]
     per_kernel = ["## Predicted against measured per kernel", "",
                   "Device time per call (torch.profiler) of the provider held to the target, "
-                  "kernel by kernel, against the model's prediction for that launch.", ""]
+                  "kernel by kernel, against the model's prediction for that launch. A kernel "
+                  "predicted but \"not run\" was not launched in the measured run (a kernel "
+                  "its commit did not have).", ""]
     timed, profiled = set(), set()
 
     def note(run, op, shape, mode, prov, p_s, ms, kernels=None, case=None):
@@ -516,6 +518,11 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                                "predicted | measured | measured / predicted |",
                                "|---" * 6 + "|"])
             for name, lp, lm, tp, tm in kernel_rows(case, kernels):
+                if lp and not lm:
+                    # predicted, never launched in the measured run: a kernel the measured
+                    # commit did not have (or that case did not reach), not a 0 µs kernel
+                    per_kernel.append(f"| {name} | {lp:g} | 0 | {tp:.1f} µs | not run | — |")
+                    continue
                 ratio = f"{tm / tp:.2f}" if tp else "—"
                 per_kernel.append(f"| {name} | {lp:g} | {lm:g} | {tp:.1f} µs | "
                                   f"{tm:.1f} µs | {ratio} |")

@@ -301,6 +301,12 @@ def test_per_kernel_device_times_against_the_model():
     line = next(ln for ln in sec.splitlines() if ln.startswith("| _gemm_kernel |"))
     assert line == (f"| _gemm_kernel | 2 | 2 | {gemm_pred:.1f} µs | 64.0 µs | "
                     f"{64.0 / gemm_pred:.2f} |")
+    # predicted but never launched in the measured run (the pack kernel is not in k): "not
+    # run", not a 0 µs kernel with a 0.00 ratio
+    pack_pred = sum(x["predicted"]["t"] for x in case["kernels"]
+                    if x["kernel"] == "_oproj_pack_kernel") * 1e6
+    line = next(ln for ln in sec.splitlines() if ln.startswith("| _oproj_pack_kernel |"))
+    assert line.endswith(f"| 0 | {pack_pred:.1f} µs | not run | — |"), line
 
 
 def test_bench_time_limit_keeps_every_measured_case_and_says_which_did_not_run(

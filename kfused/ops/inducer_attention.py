@@ -15,8 +15,8 @@ with three optional additions, all O(n) memory on the Triton backend:
 
 Layers: the attention core is the custom op ``kfused::inducer_attention_triton_fwd`` (flash
 forward with the per-row inducer MLP in its prologue and epilogue: f, u, LSE, λ) whose autograd
-calls ``kfused::inducer_attention_triton_bwd`` (flash backward with ``D − dLSE``, the MLP
-gradients in the dQ kernel; docs/math.md §3). ``"gate"`` composes ``(1 − λ) f + u W2 + λ b2`` in
+calls ``kfused::inducer_attention_triton_bwd`` (the MLP gradients in a kernel of their own,
+then the flash dQ and dK/dV kernels with ``D − dLSE``; docs/math.md §3). ``"gate"`` composes ``(1 − λ) f + u W2 + λ b2`` in
 PyTorch (O(n·r·p), autograd).
 """
 

@@ -536,7 +536,7 @@ def _spans(L, a, heads_of_grid: int) -> List[Tuple[int, int, int, int]]:
 def _live_programs(spans, BM: int) -> int:
     """Query-tile programs that have rows: the whole grid for a batched launch; for a packed
     one (VARLEN) each sequence's cdiv(n_q, BM) tiles, since a tile past its sequence's end
-    returns at once (in the dQ kernel after writing zeros into its MLP partials)."""
+    returns at once."""
     return sum(c * cdiv(nq, BM) for c, nq, _, _ in spans)
 
 
@@ -641,17 +641,58 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_inducer_attn_bwd_mlp_kernel")
+def _m_ind_mlp(L) -> Dict[str, float]:
+    """The backward's inducer rows, before the dQ kernel: per BLOCK_M-row step, the MLP rows
+    recomputed from q (q W1, q Ak, q Bkᵀ), dλ, ds0, −dLSE, the MLP's share of dq (float32,
+    written) and the parameter-gradient products (qᵀ dz1, qᵀ dz, cgᵀ q), accumulated over a
+    program's CHUNK rows and written once per program. float32 FMA dots in every dtype."""
+    a = L.bound()
+    q = a["Q"]
+    BM, DP, LP, RP = a["BLOCK_M"], a["D_PAD"], a["L_PAD"], a["R_PAD"]
+    chunk = a["CHUNK"]
+    if a.get("VARLEN"):
+        cq = a["CU_Q"].tolist()
+        lens = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
+    else:
+        lens = [a["N_Q"]] * (L.grid[1] // a["H"])
+    heads = a["H"]
+    rows = heads * sum(lens)
+    steps = heads * sum(cdiv(min(chunk, n - c * chunk), BM) for n in lens
+                        for c in range(cdiv(n, chunk)))
+    w = _work()
+    # products contracting over L or r (their share of dq) are widened to 16 by zero
+    # columns when the padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt)
+    _mlp_units(steps, BM, DP, LP, 2 + 2, w)                      # g, t; dAk, dBk
+    _mlp_units(steps, BM, DP, max(16, LP), 2, w)                 # key share of dq
+    if a["HAS_DU"]:
+        _mlp_units(steps, BM, DP, RP, 1 + 1, w)                  # hidden; dW1
+        _mlp_units(steps, BM, DP, max(16, RP), 1, w)             # value share of dq
+    w["sfu_ops"] = steps * BM * 2 * (LP + RP)
+    w["alu_ops"] = steps * BM * (6 * DP + 8 * (LP + RP))
+    pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
+    part = 2 * hd * pL + hd * pR + hd + pL + pR                      # unpadded
+    by = rows * hd * (_el(q) + 4) + rows * 4 * 3                     # q, DQM; λ ×2, ADJ
+    by += L.programs() * part * 4                                    # the partials
+    if a["HAS_DU"]:
+        by += rows * pR * _el(a["DU"])
+    if a["HAS_DLAM"]:
+        by += rows * 4 * 2
+    if a["HAS_DLSE"]:
+        by += rows * 4
+    w["hbm_bytes"] = by
+    return w
+
+
 @kernel("_inducer_attn_bwd_dq_kernel")
 def _m_ind_dq(L) -> Dict[str, float]:
-    """Per query tile: prologue (tanh(q W1 + b1) -> dλ, ds0, −dLSE, the value MLP's share of
-    dq and this tile's dW1, db1 partials; 16-bit: D_i = ⟨dO, O_hi + O_lo⟩), then per visited
-    key tile S = QKᵀ, dP = dO Vᵀ, dQ += dS K (3 products; float32 EXACT_DELTA: a first pass
-    forming D_i from P and dP adds 2 more), epilogue: the key MLP's share of dq and this
-    tile's float32 partials of dAk, dBk, dck, dak (written per tile, summed on the host)."""
+    """Per query tile: 16-bit D_i = ⟨dO, O_hi + O_lo⟩, then per visited key tile S = QKᵀ,
+    dP = dO Vᵀ, dQ += dS K (3 products; float32 EXACT_DELTA: a first pass forming D_i from P
+    and dP adds 2 more); with an inducer, −dLSE and the MLP's float32 share of dq are read
+    (written by the MLP kernel, :func:`_m_ind_mlp`)."""
     a = L.bound()
     q, x16, BM, BN, DP, causal = _attn_common(a)
     spans = _spans(L, a, a["H"])
-    progs = _live_programs(spans, BM)
     tiles = sum(c * (_attn_tiles(nq, nk, BM, BN, causal, off)
                      + (cdiv(a["N_PREFIX"], BN) * cdiv(nq, BM) if a["HAS_PREFIX"] else 0))
                 for c, nq, nk, off in spans)
@@ -661,25 +702,11 @@ def _m_ind_dq(L) -> Dict[str, float]:
     w["sfu_ops"] = tiles * BM * BN * (2 if a["EXACT_DELTA"] else 1)
     w["alu_ops"] = tiles * BM * BN * 8 * passes
     el = _el(q)
-    by = q.numel() * el * 3 + a["K"].numel() * el * 2 + a["N_ROWS"] * 4 * 9
+    by = q.numel() * el * 3 + a["K"].numel() * el * 2 + a["N_ROWS"] * 4 * 4
     if not a["EXACT_DELTA"]:                                         # O (+ O_lo) for D_i
         by += q.numel() * el * (2 if a["HAS_LO"] else 1)
     if a["HAS_MLP"]:
-        LP, RP = a["L_PAD"], a["R_PAD"]
-        # products contracting over L or r (their share of dq) are widened to 16 by zero
-        # columns when the padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt)
-        _mlp_units(progs, BM, DP, LP, 2 + 2, w)                 # key rows g, t; dAk, dBk
-        _mlp_units(progs, BM, DP, max(16, LP), 2, w)            # key share of dq
-        if a["HAS_DU"]:
-            _mlp_units(progs, BM, DP, RP, 1 + 1, w)             # hidden (prologue); dW1
-            _mlp_units(progs, BM, DP, max(16, RP), 1, w)        # value share of dq
-        w["sfu_ops"] += progs * BM * 2 * (LP + RP)
-        w["alu_ops"] += progs * BM * (6 * DP + 8 * (LP + RP))
-        pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
-        part = 2 * hd * pL + hd * pR + hd + pL + pR                  # unpadded
-        by += L.programs() * part * 4           # per-tile MLP partials (zeros past the end)
-        if a["HAS_DU"]:
-            by += a["N_ROWS"] * a["R"] * _el(a["DU"])
+        by += a["N_ROWS"] * a["HEAD_DIM"] * 4                        # the MLP's dq share
     w["hbm_bytes"] = by
     return w
 

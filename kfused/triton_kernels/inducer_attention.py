@@ -24,21 +24,24 @@ Backward (docs/math.md §3): the ordinary flash backward with ``D_i`` replaced b
 ``dS_ij = P_ij ((dP_ij − D_i) + dLSE_i)``: dLSE is usually far smaller than D, and folding it
 into D first would round it away (a row with one visible column has dP − D = 0 exactly and
 dS = P·dLSE). ``P = 2^(s·log2 e − m) / l`` is recomputed from q, k and the saved row max and
-row sum. The dQ kernel runs first; its prologue recomputes the row's MLP from the q tile,
-forms dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient), ds0 = dλ λ (1 − λ), −dLSE and
-D_i and stores the two per-row numbers the dK/dV kernel needs. 16-bit: D_i = ⟨dO_i, O_i⟩
-with O the stored output plus its rounding residue (``O_lo``, written by the forward when a
-backward will follow): from the rounded output alone D cancelled against dP to 1.4 % in
-float16 prefix gradients (rows with few columns); hi + lo is float32-accurate for one extra
-16-bit read per element. float32: D_i = Σ_j P_ij dP_ij from the same dP values
-(``EXACT_DELTA``, two more products per key tile), so that a row with a single visible column
-gets dP − D = 0 exactly, as the float64 rule of docs/math.md §4 needs there. Its prologue also
-starts dq with the value MLP's share and writes this tile's partial sums of dW1, db1; its
-epilogue adds the key MLP's share of dq and writes those of dAk, dak, dBk, dck (summed over
-tiles on the host in a fixed order: deterministic). The dK/dV kernel walks query
-tiles per key tile, over every query head of its kv head (grouped-query attention). The
-prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed on the host.
-Extra memory is O(n) per head.
+row sum. Three kernels, in order. The MLP kernel (per chunk of query rows) recomputes the
+row's MLP from q, forms dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient), ds0 = dλ λ (1 − λ)
+and −dLSE (stored per row), the MLP's whole share of dq (float32, rows × p) and its chunk's
+partial sums of dAk, dak, dBk, dck, dW1, db1 (summed on the host in a fixed order:
+deterministic). The dQ kernel is then a plain flash dQ: D_i, the key loop, and the MLP's dq
+share added before its one rounding (16-bit: D_i = ⟨dO_i, O_i⟩ with O the stored output plus
+its rounding residue (``O_lo``, written by the forward when a backward will follow): from the
+rounded output alone D cancelled against dP to 1.4 % in float16 prefix gradients (rows with
+few columns); hi + lo is float32-accurate for one extra 16-bit read per element. float32:
+D_i = Σ_j P_ij dP_ij from the same dP values (``EXACT_DELTA``, two more products per key
+tile), so that a row with a single visible column gets dP − D = 0 exactly, as the float64
+rule of docs/math.md §4 needs there). Until 2026-11-28 the MLP work sat in the dQ kernel's
+prologue and epilogue, which took it to 255 registers and a 1.5-2 KB per-thread spill on
+sm_90; split, the dQ kernel compiles to 160 registers and no spill (p = 64, bf16). The dK/dV
+kernel walks query tiles per key tile, over every query head of its kv head (grouped-query
+attention). The prefix tiles' dK/dV are written per batch element (B·H·l·p floats) and summed
+on the host. Extra memory is O(n) per head: a few floats per row, and with an inducer the
+MLP's float32 dq share (4·p bytes per row, as FlashAttention-2's float32 dq accumulator).
 
 The MLP's products run on the CUDA cores as float32 FMA dots in every dtype (exact 16-bit
 products, nothing rounded to 16 bits between MLP stages), L and r padded to powers of two
@@ -228,15 +231,6 @@ def _query_tile(pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_
     if VARLEN:
         causal_off = n_k - n_q
     return b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off
-
-
-@triton.jit
-def _zero_fill(base, size, CHUNK: tl.constexpr):
-    """size float32 zeros from ``base`` (a past-the-end dQ tile's MLP partials: the host sums
-    every tile's)."""
-    offs = tl.arange(0, CHUNK)
-    for s in range(0, size, CHUNK):
-        tl.store(base + s + offs, tl.zeros([CHUNK], dtype=tl.float32), mask=s + offs < size)
 
 
 # ------------------------------------------------------------------------------------------
@@ -747,9 +741,119 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
 
 
 @triton.jit
+def _inducer_attn_bwd_mlp_kernel(
+    Q, LAM, DU, DLAM, DLSE, AK, AKB, BK, CK, W1, B1, N_ROWS, ADJ, DQM, PART, CU_Q,
+    ROW_SB, ROW_SH, stride_qb, stride_qh, stride_qn, stride_qd,
+    H, N_Q, L, R, scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr, HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """The inducer's backward apart from the attention, for the CHUNK query rows
+    ``pid_m·CHUNK + [0, CHUNK)`` of head h of batch element b in BLOCK_M-row steps: the MLP
+    rows recomputed from q, dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient),
+    ds0 = dλ λ (1 − λ), ADJ = −dLSE = ds0 − dlse, the MLP's share of dq (DQM, float32,
+    rows × HEAD_DIM: the dQ kernel adds it before its one rounding), and this program's
+    partial sums of dAk (p, L), dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r),
+    accumulated over its steps in registers and written once, unpadded (zeros for a chunk
+    past its sequence's end; the host sums the programs' partials in a fixed order).
+
+    A kernel of its own, launched before the dQ kernel: in the dQ kernel's prologue and
+    epilogue these float32 FMA products (contracting over the head width or the tile's rows)
+    took it to 255 registers and a 1.5-2 KB per-thread spill on sm_90 (kfused perf, every
+    training case), paid by every query tile on top of its key loop."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    offs_d = tl.arange(0, D_PAD)
+    offs_l = tl.arange(0, L_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    d_ok = offs_d < HEAD_DIM
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+    ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM, L_PAD)
+    if HAS_DU:
+        w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
+                     mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+        b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    d_ak = tl.zeros([D_PAD, L_PAD], dtype=tl.float32)
+    d_bk = tl.zeros([L_PAD, D_PAD], dtype=tl.float32)
+    d_ck = tl.zeros([D_PAD], dtype=tl.float32)
+    d_akb = tl.zeros([L_PAD], dtype=tl.float32)
+    d_w1 = tl.zeros([D_PAD, R_PAD], dtype=tl.float32)
+    d_b1 = tl.zeros([R_PAD], dtype=tl.float32)
+    lo = pid_m * CHUNK
+    hi = tl.minimum(n_q, lo + CHUNK)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < hi
+        io_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
+                    + offs_d[None, :] * stride_qd, mask=io_mask, other=0.0)
+        qf = q.to(tl.float32)
+        row = b * ROW_SB + h * ROW_SH + q0 + offs_m
+        lam = tl.load(LAM + row, mask=m_ok, other=0.0)
+        lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
+        dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_DU:
+            hid, hs = _tanh(_mlp_dot(q, w1) + b1[None, :])
+            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
+                         mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            dlam += tl.sum(du * hid, 1)
+            dz1 = (lam[:, None] * du) * hs
+            dqm = _mlp_dot_nt(dz1, w1)
+            d_b1 += tl.sum(dz1, 0)
+            d_w1 += _mlp_dot(tl.trans(qf), dz1)
+        else:
+            dqm = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        if HAS_DLAM:
+            dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
+                     - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
+        ds0 = dlam * (lam * lam_c)
+        adj = ds0
+        if HAS_DLSE:
+            adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+        tl.store(ADJ + row, adj, mask=m_ok)
+        # the key MLP: d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
+        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
+        c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
+        cg = c[:, None] * g
+        dz = c[:, None] * t * gs
+        dqm += c[:, None] * (2.0 * qf + ck[None, :])
+        dqm += _mlp_dot_nt(cg, bk_t)
+        dqm += _mlp_dot_nt(dz, ak_w)
+        tl.store(DQM + row[:, None] * HEAD_DIM + offs_d[None, :], dqm, mask=io_mask)
+        d_ak += _mlp_dot(tl.trans(qf), dz)
+        d_bk += _mlp_dot(tl.trans(cg), qf)
+        d_ck += tl.sum(c[:, None] * qf, 0)
+        d_akb += tl.sum(dz, 0)
+    # this program's partials, unpadded (padding lanes are never stored): dAk (p, L),
+    # dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r)
+    base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * (
+        2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
+    tl.store(base + offs_d[:, None] * L + offs_l[None, :], d_ak,
+             mask=d_ok[:, None] & l_ok[None, :])
+    base += HEAD_DIM * L
+    tl.store(base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], d_bk,
+             mask=l_ok[:, None] & d_ok[None, :])
+    base += HEAD_DIM * L
+    tl.store(base + offs_d, d_ck, mask=d_ok)
+    base += HEAD_DIM
+    tl.store(base + offs_l, d_akb, mask=l_ok)
+    base += L
+    tl.store(base + offs_r, d_b1, mask=r_ok)
+    base += R
+    tl.store(base + offs_d[:, None] * R + offs_r[None, :], d_w1,
+             mask=d_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
 def _inducer_attn_bwd_dq_kernel(
-    Q, K, V, PK, PV, KMASK, DO, O, OLO, STATS, LAM, DU, DLAM, DLSE,
-    AK, AKB, BK, CK, W1, B1, N_ROWS, DQ, DELTA, ADJ, PART, CU_Q, CU_K, ROW_SB, ROW_SH,
+    Q, K, V, PK, PV, KMASK, DO, O, OLO, STATS, DLSE, DQM,
+    N_ROWS, DQ, DELTA, ADJ, CU_Q, CU_K, ROW_SB, ROW_SH,
     stride_dqb, stride_dqh, stride_dqn,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -759,30 +863,25 @@ def _inducer_attn_bwd_dq_kernel(
     stride_mb,
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_ob, stride_oh, stride_on, stride_od,
-    H, GROUP, N_Q, N_K, N_PREFIX, L, R, causal_off, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    H, GROUP, N_Q, N_K, N_PREFIX, causal_off, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    HAS_MLP: tl.constexpr, HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr,
-    HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr, HAS_LO: tl.constexpr,
-    PREC: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_MLP: tl.constexpr, HAS_DLSE: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    HAS_LO: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """dQ for one query tile, with the per-row preprocessing in its prologue (−dLSE from the
-    recomputed MLP, D_i) and the MLP gradients in its epilogue (see the module docstring).
-    Writes DELTA and ADJ (= −dLSE) for the dK/dV kernel; PART gets this tile's partial sums
-    of dAk (D_PAD, L_PAD), dBk (L_PAD, D_PAD), dW1 (D_PAD, R_PAD), dck, dak, db1 (zeros
-    for a tile past its sequence's end). Rows, VARLEN: as in the forward; DQ through its
-    strides (unit along HEAD_DIM)."""
+    """dQ for one query tile: D_i (16-bit: ⟨dO, O_hi + O_lo⟩; float32: a first pass over the
+    key tiles) stored in DELTA for the dK/dV kernel, then dQ over the key tiles. HAS_MLP:
+    ADJ (−dLSE, the inducer's share included) was written by
+    :func:`_inducer_attn_bwd_mlp_kernel`, and its float32 share of dq (DQM, rows × HEAD_DIM)
+    is added before the one rounding to DQ's dtype; else this kernel writes ADJ from DLSE (or
+    0). Rows, VARLEN: as in the forward; DQ through its strides (unit along HEAD_DIM)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off = _query_tile(
         pid_m, pid_bh, H, GROUP, CU_Q, CU_K, N_Q, N_K, N_PREFIX, causal_off, BLOCK_M, VARLEN)
-    part_size = 2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R    # this tile's partials
-    part_base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * part_size
     if VARLEN:
         if pid_m * BLOCK_M >= n_q:              # past its sequence's end: no rows
-            if HAS_MLP:
-                _zero_fill(part_base, part_size, 1024)
             return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
@@ -796,45 +895,14 @@ def _inducer_attn_bwd_dq_kernel(
     row = b * ROW_SB + h * ROW_SH + q0 + offs_m
     mrow = tl.load(STATS + row, mask=m_ok, other=0.0)
     inv_l = tl.load(STATS + N_ROWS + row, mask=m_ok, other=0.0)
-
-    # prologue: −dLSE = ds0 − dlse, ds0 = dλ λ (1 − λ), dλ = ⟨du, tanh(q W1 + b1)⟩ + dlam
-    adj = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_DLSE:
-        adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
     if HAS_MLP:
-        offs_r = tl.arange(0, R_PAD)
-        lam = tl.load(LAM + row, mask=m_ok, other=0.0)
-        lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
-        r_ok = offs_r < R
-        dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
-        # the value MLP's gradients, all here (its hidden rows are not needed later): its
-        # share of dq starts the accumulator (÷ scale: dq is scaled after the key loop), and
-        # this tile's db1, dW1 partials are written at once
-        vbase = part_base + 2 * HEAD_DIM * L + HEAD_DIM + L
-        if HAS_DU:
-            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
-            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
-                         mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            dlam += tl.sum(du * hid, 1)
-            dz1 = (lam[:, None] * du) * hs
-            dq = _mlp_dot_nt(dz1, w1) * (1.0 / scale)
-            tl.store(vbase + offs_r, tl.sum(dz1, 0), mask=r_ok)                        # db1
-            tl.store(vbase + R + offs_d[:, None] * R + offs_r[None, :],
-                     _mlp_dot(tl.trans(q), dz1), mask=d_ok[:, None] & r_ok[None, :])  # dW1
-        else:
-            dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-            tl.store(vbase + offs_r, tl.zeros([R_PAD], dtype=tl.float32), mask=r_ok)
-            tl.store(vbase + R + offs_d[:, None] * R + offs_r[None, :],
-                     tl.zeros([D_PAD, R_PAD], dtype=tl.float32),
-                     mask=d_ok[:, None] & r_ok[None, :])
-        if HAS_DLAM:
-            dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
-                     - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
-        ds0 = dlam * (lam * lam_c)
-        adj += ds0
+        adj = tl.load(ADJ + row, mask=m_ok, other=0.0)
     else:
-        dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    tl.store(ADJ + row, adj, mask=m_ok)
+        adj = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_DLSE:
+            adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+        tl.store(ADJ + row, adj, mask=m_ok)
+    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
     kmask_base = KMASK + b * stride_mb
     k_base = K + b * stride_kb + hk * stride_kh + k0 * stride_kn
@@ -872,35 +940,7 @@ def _inducer_attn_bwd_dq_kernel(
                    qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, HAS_KMASK, PREC)
     dq = dq * scale
     if HAS_MLP:
-        # epilogue: the MLP's share of dq and this tile's parameter-gradient partial sums.
-        # The MLP rows are recomputed here (weights reloaded) rather than kept live through
-        # the key loop: registers there belong to the attention tiles.
-        ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
-                                            L_PAD)
-        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
-        c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
-        qf = q.to(tl.float32)
-        cg = c[:, None] * g
-        dz = c[:, None] * t * gs
-        # d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
-        dq += c[:, None] * (2.0 * qf + ck[None, :])
-        dq += _mlp_dot_nt(cg, bk_t)
-        dq += _mlp_dot_nt(dz, ak_w)
-        # the partials unpadded (HEAD_DIM, L, R: padding lanes are never stored, so the
-        # host sums only real entries): dAk (p, L), dBk (L, p), dck (p), dak (L), then db1
-        # (R), dW1 (p, R) (written in the prologue)
-        base = part_base
-        offs_l = tl.arange(0, L_PAD)
-        l_ok = offs_l < L
-        tl.store(base + offs_d[:, None] * L + offs_l[None, :],
-                 _mlp_dot(tl.trans(q), dz), mask=d_ok[:, None] & l_ok[None, :])  # dAk
-        base += HEAD_DIM * L
-        tl.store(base + offs_l[:, None] * HEAD_DIM + offs_d[None, :],
-                 _mlp_dot(tl.trans(cg), q), mask=l_ok[:, None] & d_ok[None, :])  # dBk
-        base += HEAD_DIM * L
-        tl.store(base + offs_d, tl.sum(c[:, None] * qf, 0), mask=d_ok)                 # dck
-        base += HEAD_DIM
-        tl.store(base + offs_l, tl.sum(dz, 0), mask=l_ok)                              # dak
+        dq += tl.load(DQM + row[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + (q0 + offs_m)[:, None] * stride_dqn
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -1016,6 +1056,20 @@ def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int, int],
     if d_pad <= 64:
         return (64, 64, 4), (64, 64, 4), 2
     return (64, 32, 8), (64, 64, 8), 2
+
+
+def _mlp_bwd_config(d_pad: int) -> Tuple[int, int, int]:
+    """(rows per step, rows per program, num_warps) of the backward's MLP kernel: a few
+    float32 FMA products per row (p·(2L + r) MACs each) and one pass over q, a streaming
+    kernel. Programs take CHUNK rows in BLOCK_M-row steps, so that the parameter partials
+    they write (2pL + pr + p + L + r floats) stay small next to q. sm_90 compile (bf16,
+    L = 4, r = 8; regs / spill bytes per thread): 16 rows on 8 warps p = 64 221 / 0, p = 128
+    255 / 120; on 4 warps 247 / 0 and 255 / 384; 32 rows on 8 warps 255 / 8 and 255 / 288;
+    16 rows on 16 warps 128 / 232 and 64 / 1112. The small-N FMA dots (N = L_PAD, R_PAD)
+    replicate their operands across the threads, so fewer rows per step is what helps."""
+    if triton_interpret():
+        return 16, 32, 4               # several steps per program even on test shapes
+    return 16, 256, 8
 
 
 def _key_mask_u8(key_mask: Optional[torch.Tensor], q: torch.Tensor):
@@ -1237,10 +1291,6 @@ def inducer_attention_backward(
     dq = _alloc.empty(*lay.token_shape(H, n_q, q.shape[0]), dtype=q.dtype, device=q.device)
     dk = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=k.dtype, device=q.device)
     dv = _alloc.empty(*lay.token_shape(h_kv, n_k, k.shape[0]), dtype=v.dtype, device=q.device)
-    grid_m = cdiv(n_q, BM)
-    part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the dQ kernel)
-    part = (_alloc.empty(grid_m * B, H, part_size, dtype=torch.float32, device=q.device)
-            if has_mlp else lse)
     dpk_part = dpv_part = None
     if has_prefix:
         dpk_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
@@ -1249,18 +1299,30 @@ def inducer_attention_backward(
     kw = dict(HEAD_DIM=p, D_PAD=d_pad, CAUSAL=bool(causal), HAS_KMASK=has_km,
               EXACT_DELTA=exact_delta, PREC=prec, VARLEN=lay.varlen, num_stages=stages)
     kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, num_warps=warps_kv, **kw)
+    part = dqm = lse
+    if has_mlp:
+        # the inducer's rows first (ADJ, its float32 share of dq, the parameter partials)
+        mlp_bm, chunk, mlp_warps = _mlp_bwd_config(d_pad)
+        grid_c = cdiv(n_q, chunk)
+        part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the kernel)
+        part = _alloc.empty(grid_c * B, H, part_size, dtype=torch.float32, device=q.device)
+        dqm = _alloc.empty(lay.n_rows, p, dtype=torch.float32, device=q.device)
+        if B * H * grid_c > 0:
+            _inducer_attn_bwd_mlp_kernel[(grid_c, B * H)](
+                q, lam, du, dlam, dlse, ak_w, ak_b, bk_w, ck, w1, b1, lay.n_rows, adj, dqm,
+                part, lay.cu_q, *lay.row_strides, *lay.strides(q), H, lay.bounds[0], L, r,
+                float(scale), HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad,
+                BLOCK_M=mlp_bm, CHUNK=chunk, HAS_DU=has_du, HAS_DLAM=has_dlam,
+                HAS_DLSE=has_dlse, VARLEN=lay.varlen, num_warps=mlp_warps, num_stages=1)
     if B * H * n_q > 0:
-        _inducer_attn_bwd_dq_kernel[(grid_m, B * H)](
-            q, k, v, pk, pv, km, dout, out, out_lo if has_lo else out, stats,
-            lam if has_mlp else lse, du, dlam, dlse,
-            ak_w, ak_b, bk_w, ck, w1, b1, lay.n_rows, dq, delta, adj, part, *lay.args(),
+        _inducer_attn_bwd_dq_kernel[(cdiv(n_q, BM), B * H)](
+            q, k, v, pk, pv, km, dout, out, out_lo if has_lo else out, stats, dlse, dqm,
+            lay.n_rows, dq, delta, adj, *lay.args(),
             *lay.strides(dq)[:3], *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk,
             *spv, smb, *lay.strides(dout), *lay.strides(out), H, group, *lay.bounds, n_prefix,
-            L, r, n_k - n_q, float(scale), float(scale) * LOG2E, L_PAD=l_pad, R_PAD=r_pad,
-            HAS_PREFIX=has_prefix, HAS_MLP=has_mlp, HAS_DU=has_du, HAS_DLAM=has_dlam,
-            HAS_DLSE=has_dlse, HAS_LO=has_lo,
-            BLOCK_M=BM, BLOCK_N=BN,
-            num_warps=warps, **kw)
+            n_k - n_q, float(scale), float(scale) * LOG2E,
+            HAS_PREFIX=has_prefix, HAS_MLP=has_mlp, HAS_DLSE=has_dlse, HAS_LO=has_lo,
+            BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, **kw)
     if B * h_kv * n_k > 0:
         _inducer_attn_bwd_dkdv_kernel[(cdiv(n_k, BN_KV), B * h_kv)](
             q, k, v, km, dout, stats, lay.n_rows, delta, adj, dk, dv, *lay.args(),
