@@ -155,34 +155,29 @@ res = {}
 for l in L:
     a = l.bound()
     w, modelled = C.model_launch(l)
-    if l.name == "_inducer_attn_bwd_mlp_kernel":
-        # the inducer rows of the backward: BLOCK_M-row steps over each program's CHUNK
-        # rows; float32 FMA products, L = 4 and r = 8 padded to 8, a product contracting over
-        # the padded width widened to 16: key rows g, t, dAk, dBk at 8, the key share of dq
-        # 2 × 16; value hidden once, dW1 at 8, its share of dq at 16
+    if l.name in ("_inducer_fwd_mlp_kernel", "_inducer_attn_bwd_mlp_kernel"):
+        # the inducer rows: BLOCK_M-row steps over each program's CHUNK rows; float32 FMA
+        # products, L = 4 and r = 8 padded to 8, a product contracting over the padded width
+        # widened to 16. Forward: q Ak, q Bkᵀ, q W1 at 8. Backward: key rows g, t, dAk, dBk
+        # at 8, the key share of dq 2 × 16; value hidden once, dW1 at 8, its share of dq at 16
         BM, DP, CH = a["BLOCK_M"], a["D_PAD"], a["CHUNK"]
         steps = Bq * H * sum(cd(min(CH, n - c * CH), BM) for c in range(cd(n, CH)))
+        units = (3 * 8 if l.name == "_inducer_fwd_mlp_kernel"
+                 else 4 * 8 + 2 * 16 + 2 * 8 + 16)
         res[l.name] = dict(model=w["dot16_flops"], hand=0, modelled=modelled,
-                           model_fma=w["fma32_flops"],
-                           hand_fma=steps * 2 * BM * DP * (4 * 8 + 2 * 16 + 2 * 8 + 16))
+                           model_fma=w["fma32_flops"], hand_fma=steps * 2 * BM * DP * units)
         continue
     BM, BN, DP = a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"]
     # causal visits: query tile i sees key columns < (i + 1)·BM (n_q = n_k: offset 0)
+    # the MLP's rows come from the MLP-rows kernels: no MLP product in the attention kernels
+    hand_fma = 0
     if l.name == "_inducer_attn_bwd_dkdv_kernel":
         tiles = sum(cd(n - (j * BN) // BM * BM, BM) for j in range(cd(n, BN)))
         hand = Bq * H * tiles * 4 * 2 * BM * BN * DP
-        hand_fma = 0
-    else:
+    else:   # forward: S, PV; dQ: 3 flash products (D_i = ⟨dO, O_hi + O_lo⟩ is no product)
         tiles = sum(cd(min(n, (i + 1) * BM), BN) for i in range(cd(n, BM)))
-        P = cd(n, BM) * Bq * H
-        # the MLP's products are float32 FMA dots in every dtype (no hi/lo split), L = 4 and
-        # r = 8 padded to 8
-        if l.name == "_inducer_attn_fwd_kernel":
-            hand = Bq * H * tiles * 2 * 2 * BM * BN * DP
-            hand_fma = P * 2 * BM * DP * (2 * 8 + 8)             # q Ak, q Bkᵀ; q W1
-        else:   # 3 flash products (D_i = ⟨dO, O_hi + O_lo⟩ is no product), no MLP product
-            hand = Bq * H * tiles * 3 * 2 * BM * BN * DP
-            hand_fma = 0
+        products = 2 if l.name == "_inducer_attn_fwd_kernel" else 3
+        hand = Bq * H * tiles * products * 2 * BM * BN * DP
     res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled,
                        model_fma=w["fma32_flops"], hand_fma=hand_fma)
 out["inducer"] = res
@@ -271,8 +266,9 @@ def test_krona_trace_follows_gpu_dispatch(counts):
 
 def test_inducer_models(counts):
     res = counts["inducer"]
-    assert set(res) == {"_inducer_attn_fwd_kernel", "_inducer_attn_bwd_mlp_kernel",
-                        "_inducer_attn_bwd_dq_kernel", "_inducer_attn_bwd_dkdv_kernel"}
+    assert set(res) == {"_inducer_fwd_mlp_kernel", "_inducer_attn_fwd_kernel",
+                        "_inducer_attn_bwd_mlp_kernel", "_inducer_attn_bwd_dq_kernel",
+                        "_inducer_attn_bwd_dkdv_kernel"}
     for name, r in res.items():
         assert r["modelled"] and r["model"] == r["hand"], name
         assert r["model_fma"] == r["hand_fma"], name

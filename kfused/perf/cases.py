@@ -564,7 +564,9 @@ def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int,
 def _m_ind_fwd(L) -> Dict[str, float]:
     """Per query tile: prologue q·Ak, q·Bkᵀ (the virtual key's logit, L padded to L_PAD), the
     online softmax in base 2 over the visited key tiles (causal: tiles above the diagonal are
-    skipped, see _attn_tiles), epilogue λ, 1 − λ and u = λ tanh(q W1 + b1) (R_PAD).
+    skipped, see _attn_tiles), epilogue λ, 1 − λ and u = λ tanh(q W1 + b1) (R_PAD). MLP_ROWS
+    (prefill): s0 and the hidden units are read from the MLP-rows kernel's float32 rows
+    (:func:`_m_ind_fwd_mlp`), no MLP product here.
 
     SPLIT_KV (decode, one launch): grid (key chunks, B·H_kv); each program runs S = QKᵀ and PV
     over its chunk's key tiles for the SPLIT_M GQA-packed rows of its kv head (the cache read
@@ -598,7 +600,12 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     w["sfu_ops"] += tiles * BM * BN                                  # exp2 per score
     w["alu_ops"] += tiles * (BM * BN * 8 + BM * DP)                  # scale, mask, max, sub,
     merge_alu = 0.0                                                  # sum, cvt; acc rescale
-    if a["HAS_MLP"]:
+    mlp_rows = bool(a.get("MLP_ROWS", False))
+    if a["HAS_MLP"] and mlp_rows:          # s0 and the hidden units read from MROWS
+        w["sfu_ops"] += progs * BM * 4                               # σ twice
+        merge_alu = progs * BM * (a["R_PAD"] + 16)                   # σ, u
+        w["alu_ops"] += merge_alu
+    elif a["HAS_MLP"]:
         LP, RP = a["L_PAD"], a["R_PAD"]
         _mlp_units(progs, BM, DP, LP, 2, w)                     # q Ak, q Bkᵀ
         _mlp_units(progs, BM, DP, RP, 1, w)                     # q W1
@@ -611,7 +618,8 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     u = a["U"]
     out_bytes = (q.numel() * el * (3 if a["SAVE_LO"] else 2)         # q, O (+ O_lo)
                  + a["N_ROWS"] * 4 * 5                               # lse, stats ×2, λ ×2
-                 + (u.numel() * _el(u) if a["HAS_MLP"] else 0))
+                 + (u.numel() * _el(u) if a["HAS_MLP"] else 0)
+                 + (a["N_ROWS"] * (a["R"] + 1) * 4 if a["HAS_MLP"] and mlp_rows else 0))
     w["hbm_bytes"] = out_bytes
     if split:
         row = (DP + 2) * 4
@@ -641,6 +649,38 @@ def _m_ind_fwd(L) -> Dict[str, float]:
     return w
 
 
+def _mlp_row_steps(L, a) -> Tuple[int, int]:
+    """(rows, BLOCK_M-row steps) of an MLP-rows launch: each program takes CHUNK rows of one
+    head's sequence in BLOCK_M-row steps (the last step of a chunk may be partial)."""
+    if a.get("VARLEN"):
+        cq = a["CU_Q"].tolist()
+        lens = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
+    else:
+        lens = [a["N_Q"]] * (L.grid[1] // a["H"])
+    chunk, BM = a["CHUNK"], a["BLOCK_M"]
+    steps = a["H"] * sum(cdiv(min(chunk, n - c * chunk), BM) for n in lens
+                         for c in range(cdiv(n, chunk)))
+    return a["H"] * sum(lens), steps
+
+
+@kernel("_inducer_fwd_mlp_kernel")
+def _m_ind_fwd_mlp(L) -> Dict[str, float]:
+    """The forward's inducer rows (prefill), before the attention kernel: per BLOCK_M-row
+    step q Ak, q Bkᵀ, q W1 (float32 FMA dots, L and r padded), the logit and the hidden
+    units, written as float32 rows of 1 + r."""
+    a = L.bound()
+    q = a["Q"]
+    BM, DP, LP, RP = a["BLOCK_M"], a["D_PAD"], a["L_PAD"], a["R_PAD"]
+    rows, steps = _mlp_row_steps(L, a)
+    w = _work()
+    _mlp_units(steps, BM, DP, LP, 2, w)                          # q Ak, q Bkᵀ
+    _mlp_units(steps, BM, DP, RP, 1, w)                          # q W1
+    w["sfu_ops"] = steps * BM * 2 * (LP + RP)                        # tanh (ex2 + rcp)
+    w["alu_ops"] = steps * BM * (3 * DP + 4 * (LP + RP))             # logit dot, tanh
+    w["hbm_bytes"] = rows * (a["HEAD_DIM"] * _el(q) + (a["R"] + 1) * 4)
+    return w
+
+
 @kernel("_inducer_attn_bwd_mlp_kernel")
 def _m_ind_mlp(L) -> Dict[str, float]:
     """The backward's inducer rows, before the dQ kernel: per BLOCK_M-row step, the MLP rows
@@ -650,16 +690,7 @@ def _m_ind_mlp(L) -> Dict[str, float]:
     a = L.bound()
     q = a["Q"]
     BM, DP, LP, RP = a["BLOCK_M"], a["D_PAD"], a["L_PAD"], a["R_PAD"]
-    chunk = a["CHUNK"]
-    if a.get("VARLEN"):
-        cq = a["CU_Q"].tolist()
-        lens = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
-    else:
-        lens = [a["N_Q"]] * (L.grid[1] // a["H"])
-    heads = a["H"]
-    rows = heads * sum(lens)
-    steps = heads * sum(cdiv(min(chunk, n - c * chunk), BM) for n in lens
-                        for c in range(cdiv(n, chunk)))
+    rows, steps = _mlp_row_steps(L, a)
     w = _work()
     # products contracting over L or r (their share of dq) are widened to 16 by zero
     # columns when the padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt)

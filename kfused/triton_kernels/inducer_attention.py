@@ -1,15 +1,20 @@
 """Flash-style Triton kernels for inducer attention and prefix tuning (docs/math.md §3).
 
 Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores).
-The prologue runs the inducer's key MLP on the query tile already in registers,
-``s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩``, and the value bottleneck ``tanh(q W1 + b1)``
-(L, r ≤ 16 padded to 16 for the tensor cores); then an online softmax in base 2 (log2 e folded
+The inducer's per-row MLP — the virtual key's logit ``s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩``
+and the value bottleneck ``tanh(q W1 + b1)`` (float32 FMA products, L and r padded) — runs in
+a streaming kernel of its own first (prefill: :func:`_inducer_fwd_mlp_kernel`, float32 rows
+of 1 + r), or, on the decode path (a few rows per head: one launch per token), in the
+attention kernel's prologue and epilogue. Then an online softmax in base 2 (log2 e folded
 into the scale) over the l prefix columns (never masked) and the sequence key tiles: interior
 tiles load and compute without any mask, only the last (ragged) tile checks bounds and only
 tiles that straddle the causal diagonal compare positions; tiles wholly above it are never
 visited. The epilogue gives f (ordinary attention over the real columns), LSE over the real
-columns, λ = sigmoid(s0 − LSE) and 1 − λ, and u = λ · tanh(q W1 + b1). Nothing of the MLP
-touches HBM except its O(H·p·(L + r)) weights and the (n, r) output u.
+columns, λ = sigmoid(s0 − LSE) and 1 − λ, and u = λ · tanh(q W1 + b1). Of the MLP only its
+O(H·p·(L + r)) weights, the (n, 1 + r) float32 rows (prefill) and the (n, r) output u touch
+HBM. With the MLP inside, the prefill kernel compiled to 255 registers and spilled on sm_90
+(24 B per thread at p = 64, 672 B at p = 128; kfused perf); split, 149 / 173 registers and
+no spill.
 
 The virtual column is one more term of the softmax; it joins in the epilogue instead of
 seeding the running max/sum, because ``f`` is normalised over the real columns only: seeding
@@ -160,16 +165,36 @@ def _key_logit(q, g, t, ck, scale):
 
 
 @triton.jit
-def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr):
-    """tanh(q W1 + b1) and its slope (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0)
-    and W1 (D_PAD, R_PAD) of head h (contiguous (H, p, r), (H, r))."""
+def _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr):
+    """Head h's value-MLP weights (contiguous (H, p, r), (H, r)) zero-padded: W1
+    (D_PAD, R_PAD), b1 (R_PAD,) float32."""
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R
     w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
                  mask=d_ok[:, None] & r_ok[None, :], other=0.0)
     b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    return w1, b1
+
+
+@triton.jit
+def _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr):
+    """tanh(q W1 + b1) and its slope (BLOCK_M, R_PAD) float32 (padding columns tanh(0) = 0)
+    and W1 (D_PAD, R_PAD) of head h."""
+    w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
     hid, hs = _tanh(_mlp_dot(q, w1) + b1[None, :])
     return hid, hs, w1
+
+
+@triton.jit
+def _row_chunk(H, CU_Q, N_Q, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
+    """An MLP-rows program's work: batch element b, head h, its sequence's first token q0
+    and the row range [lo, hi) of chunk ``program_id(0)`` (empty past the sequence's end)."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    lo = tl.program_id(0) * CHUNK
+    return b, h, q0, lo, tl.minimum(n_q, lo + CHUNK)
 
 
 @triton.jit
@@ -279,7 +304,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 @triton.jit
 def _fwd_rows(
     pid_m, b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off,
-    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
+    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, MROWS, O, OLO, U, LSE, LAM, STATS, N_ROWS,
     ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, WS_BASE, NUM_SPLITS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -293,13 +318,15 @@ def _fwd_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
-    MERGE: tl.constexpr, SPLIT_M: tl.constexpr,
+    MERGE: tl.constexpr, SPLIT_M: tl.constexpr, MLP_ROWS: tl.constexpr,
 ):
     """Query tile ``pid_m`` of head h of batch element b (kv head hk; queries q0 + [0, n_q),
     keys k0 + [0, n_k)): prologue (the key MLP's logit), the prefix tiles, the key loop —
     or, MERGE, the NUM_SPLITS partial (acc, m, l) slots of the split-KV workspace from row
     WS_BASE — and the epilogue
-    (f, O_lo, LSE, row statistics, λ, 1 − λ, u)."""
+    (f, O_lo, LSE, row statistics, λ, 1 − λ, u). MLP_ROWS: the rows' s0 and hidden units
+    were computed by :func:`_inducer_fwd_mlp_kernel` (MROWS, float32 rows of 1 + R): no MLP
+    product in this kernel, the epilogue reads them."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_ok = offs_m < n_q
@@ -307,7 +334,7 @@ def _fwd_rows(
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if HAS_MLP:
+    if HAS_MLP and not MLP_ROWS:
         # prologue: the virtual key's logit from the q tile in registers (one float per row
         # stays live through the key loop)
         ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
@@ -384,6 +411,9 @@ def _fwd_rows(
         # as λ → 1), from e = exp(−|s0 − LSE|) ∈ [0, 1]: no overflow, σ(−x) = e / (1 + e)
         # underflows as float32 does (exactly 0 for a row with no visible key, where
         # s0 − LSE = +inf; a clamp of x to ±88 had left 1 − λ at 6e-39 there), NaN kept
+        offs_r = tl.arange(0, R_PAD)
+        if MLP_ROWS:
+            s0 = tl.load(MROWS + row * (R + 1), mask=m_ok, other=0.0)
         x_raw = s0 - lse
         e = tl.exp(-tl.abs(x_raw))
         is_nan = x_raw != x_raw
@@ -393,8 +423,11 @@ def _fwd_rows(
         tl.store(LAM + row, lam, mask=m_ok)
         tl.store(LAM + N_ROWS + row, tl.where(is_nan, x_raw, tl.where(x_raw >= 0, small, big)),
                  mask=m_ok)
-        offs_r = tl.arange(0, R_PAD)
-        hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
+        if MLP_ROWS:
+            hid = tl.load(MROWS + row[:, None] * (R + 1) + 1 + offs_r[None, :],
+                          mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0)
+        else:
+            hid, hs, w1 = _value_hidden(q, W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
         u = lam[:, None] * hid
         tl.store(U + row[:, None] * R + offs_r[None, :], u.to(U.dtype.element_ty),
                  mask=m_ok[:, None] & (offs_r < R)[None, :])
@@ -467,7 +500,7 @@ def _split_chunk(Q, K, V, KMASK, WS_ACC, WS_ML, N_WS, pid_s, pid_bk, b, hk, NUM_
 
 @triton.jit
 def _inducer_attn_fwd_kernel(
-    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS, N_ROWS,
+    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, MROWS, O, OLO, U, LSE, LAM, STATS, N_ROWS,
     CU_Q, CU_K, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, COUNT, CHUNK,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -482,12 +515,14 @@ def _inducer_attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_MLP: tl.constexpr, SAVE_LO: tl.constexpr, PREC: tl.constexpr,
     VARLEN: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_M: tl.constexpr,
+    MLP_ROWS: tl.constexpr,
 ):
     """Rows of the per-row outputs (LSE, STATS, LAM, U, OLO) are ``b·ROW_SB + h·ROW_SH + i``
     ((B, H, n_q) or, packed, (H, total_q)); O is written through its strides. VARLEN: batch
     element b is sequence b of a packed batch (CU_Q, CU_K cumulative lengths; q, k, v, O with
     batch stride 0; N_Q, N_K the token counts of q and k, to which every span is clamped:
     :func:`_seq_span`); tiles past the sequence's end return at once (:func:`_query_tile`).
+    MLP_ROWS (not with SPLIT_KV): the inducer MLP's rows come from MROWS (:func:`_fwd_rows`).
 
     SPLIT_KV (the decode path, flash-decoding in one launch): grid (key chunks, B·H_kv); each
     program reduces its chunk of CHUNK keys for the GQA-packed rows of its kv head
@@ -533,8 +568,8 @@ def _inducer_attn_fwd_kernel(
             for g in range(0, GROUP):
                 _fwd_rows(
                     0, b, hk * GROUP + g, hk, 0, N_Q, 0, N_K, N_PREFIX, causal_off,
-                    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM,
-                    STATS, N_ROWS, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, base, 1,
+                    Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, MROWS, O, OLO, U, LSE,
+                    LAM, STATS, N_ROWS, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, base, 1,
                     stride_qb, stride_qh, stride_qn, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -543,7 +578,7 @@ def _inducer_attn_fwd_kernel(
                     stride_mb, stride_ob, stride_oh, stride_on, stride_od,
                     H, GROUP, N_Q, L, R, scale, qk_scale,
                     HEAD_DIM, D_PAD, L_PAD, R_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_KMASK,
-                    HAS_PREFIX, HAS_MLP, SAVE_LO, PREC, True, SPLIT_M)
+                    HAS_PREFIX, HAS_MLP, SAVE_LO, PREC, True, SPLIT_M, False)
             tl.atomic_xchg(COUNT + pid_bk, 0, sem="relaxed", scope="gpu")
     else:
         pid_m = tl.program_id(0)
@@ -556,8 +591,8 @@ def _inducer_attn_fwd_kernel(
                 return
         _fwd_rows(
             pid_m, b, h, hk, q0, n_q, k0, n_k, n_prefix, causal_off,
-            Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, O, OLO, U, LSE, LAM, STATS,
-            N_ROWS, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, 0, 1,
+            Q, K, V, PK, PV, KMASK, AK, AKB, BK, CK, W1, B1, MROWS, O, OLO, U, LSE, LAM,
+            STATS, N_ROWS, ROW_SB, ROW_SH, WS_ACC, WS_ML, N_WS, 0, 1,
             stride_qb, stride_qh, stride_qn, stride_qd,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
@@ -566,7 +601,42 @@ def _inducer_attn_fwd_kernel(
             stride_mb, stride_ob, stride_oh, stride_on, stride_od,
             H, GROUP, N_Q, L, R, scale, qk_scale,
             HEAD_DIM, D_PAD, L_PAD, R_PAD, BLOCK_M, BLOCK_N, CAUSAL, HAS_KMASK,
-            HAS_PREFIX, HAS_MLP, SAVE_LO, PREC, False, SPLIT_M)
+            HAS_PREFIX, HAS_MLP, SAVE_LO, PREC, False, SPLIT_M, MLP_ROWS)
+
+
+@triton.jit
+def _inducer_fwd_mlp_kernel(
+    Q, AK, AKB, BK, CK, W1, B1, MROWS, CU_Q, ROW_SB, ROW_SH,
+    stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, L, R, scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """The inducer MLP's rows for the forward (prefill), before the attention kernel: for
+    the CHUNK query rows of chunk ``program_id(0)`` of head h of batch element b, in
+    BLOCK_M-row steps, the virtual key's logit s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩ and
+    the hidden units tanh(q W1 + b1), as float32 rows of 1 + R in MROWS (s0, then the R
+    units). In the attention kernel's prologue and epilogue these float32 FMA products took
+    it to 255 registers and a 0.7 KB per-thread spill at p = 128 on sm_90 (135 / 174
+    registers and no spill without them at p = 64 / 128)."""
+    b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
+    offs_d = tl.arange(0, D_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    d_ok = offs_d < HEAD_DIM
+    r_ok = offs_r < R
+    ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM, L_PAD)
+    w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < hi
+        q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
+                    + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        row = b * ROW_SB + h * ROW_SH + q0 + offs_m
+        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
+        tl.store(MROWS + row * (R + 1), _key_logit(q, g, t, ck, scale), mask=m_ok)
+        hid, hs = _tanh(_mlp_dot(q, w1) + b1[None, :])
+        tl.store(MROWS + row[:, None] * (R + 1) + 1 + offs_r[None, :], hid,
+                 mask=m_ok[:, None] & r_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------
@@ -763,11 +833,7 @@ def _inducer_attn_bwd_mlp_kernel(
     epilogue these float32 FMA products (contracting over the head width or the tile's rows)
     took it to 255 registers and a 1.5-2 KB per-thread spill on sm_90 (kfused perf, every
     training case), paid by every query tile on top of its key loop."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    q0, n_q = _seq_span(CU_Q, b, N_Q, VARLEN)
+    b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
     offs_d = tl.arange(0, D_PAD)
     offs_l = tl.arange(0, L_PAD)
     offs_r = tl.arange(0, R_PAD)
@@ -776,17 +842,13 @@ def _inducer_attn_bwd_mlp_kernel(
     r_ok = offs_r < R
     ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM, L_PAD)
     if HAS_DU:
-        w1 = tl.load(W1 + h * HEAD_DIM * R + offs_d[:, None] * R + offs_r[None, :],
-                     mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-        b1 = tl.load(B1 + h * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
     d_ak = tl.zeros([D_PAD, L_PAD], dtype=tl.float32)
     d_bk = tl.zeros([L_PAD, D_PAD], dtype=tl.float32)
     d_ck = tl.zeros([D_PAD], dtype=tl.float32)
     d_akb = tl.zeros([L_PAD], dtype=tl.float32)
     d_w1 = tl.zeros([D_PAD, R_PAD], dtype=tl.float32)
     d_b1 = tl.zeros([R_PAD], dtype=tl.float32)
-    lo = pid_m * CHUNK
-    hi = tl.minimum(n_q, lo + CHUNK)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < hi
@@ -832,7 +894,7 @@ def _inducer_attn_bwd_mlp_kernel(
         d_akb += tl.sum(dz, 0)
     # this program's partials, unpadded (padding lanes are never stored): dAk (p, L),
     # dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r)
-    base = PART + (pid_m * tl.num_programs(1) + pid_bh).to(tl.int64) * (
+    base = PART + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (
         2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
     tl.store(base + offs_d[:, None] * L + offs_l[None, :], d_ak,
              mask=d_ok[:, None] & l_ok[None, :])
@@ -1058,15 +1120,17 @@ def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int, int],
     return (64, 32, 8), (64, 64, 8), 2
 
 
-def _mlp_bwd_config(d_pad: int) -> Tuple[int, int, int]:
-    """(rows per step, rows per program, num_warps) of the backward's MLP kernel: a few
-    float32 FMA products per row (p·(2L + r) MACs each) and one pass over q, a streaming
-    kernel. Programs take CHUNK rows in BLOCK_M-row steps, so that the parameter partials
-    they write (2pL + pr + p + L + r floats) stay small next to q. sm_90 compile (bf16,
-    L = 4, r = 8; regs / spill bytes per thread): 16 rows on 8 warps p = 64 221 / 0, p = 128
-    255 / 120; on 4 warps 247 / 0 and 255 / 384; 32 rows on 8 warps 255 / 8 and 255 / 288;
-    16 rows on 16 warps 128 / 232 and 64 / 1112. The small-N FMA dots (N = L_PAD, R_PAD)
-    replicate their operands across the threads, so fewer rows per step is what helps."""
+def _mlp_rows_config(d_pad: int) -> Tuple[int, int, int]:
+    """(rows per step, rows per program, num_warps) of the MLP-rows kernels (forward and
+    backward): a few float32 FMA products per row (p·(2L + r) MACs each) and one pass over
+    q, streaming kernels. Programs take CHUNK rows in BLOCK_M-row steps, so that the
+    backward's parameter partials (2pL + pr + p + L + r floats per program) stay small next
+    to q. sm_90 compile of the backward's (bf16, L = 4, r = 8; regs / spill bytes per
+    thread): 16 rows on 8 warps p = 64 221 / 0, p = 128 255 / 120; on 4 warps 247 / 0 and
+    255 / 384; 32 rows on 8 warps 255 / 8 and 255 / 288; 16 rows on 16 warps 128 / 232 and
+    64 / 1112 (the forward's, 16 rows on 8 warps: 124 / 0 and 201 / 0). The small-N FMA dots
+    (N = L_PAD, R_PAD) replicate their operands across the threads, so fewer rows per step is
+    what helps."""
     if triton_interpret():
         return 16, 32, 4               # several steps per program even on test shapes
     return 16, 256, 8
@@ -1212,10 +1276,21 @@ def inducer_attention_forward(
     elif decode and not _DecodePlan.applies(lay):
         raise ValueError(f"the decode path takes at most {DECODE_MAX_QUERIES} queries and "
                          f"{DECODE_MAX_ROWS} query rows per kv head, no packed batch")
-    ws_acc = ws_ml = count = lse
+    ws_acc = ws_ml = count = mrows = lse
     n_ws = chunk = 0
     split_m = 16
     grid = (cdiv(n_q, BM), B * H)
+    # prefill: the MLP's rows in a kernel of their own first (the decode path, a few rows
+    # per head, keeps them in its prologue/epilogue: no second launch per token)
+    mlp_rows = has_mlp and not decode
+    if mlp_rows and B * H * n_q > 0:
+        mlp_bm, mlp_chunk, mlp_warps = _mlp_rows_config(d_pad)
+        mrows = _alloc.empty(lay.n_rows, r + 1, **f32)
+        _inducer_fwd_mlp_kernel[(cdiv(n_q, mlp_chunk), B * H)](
+            q, ak_w, ak_b, bk_w, ck, w1, b1, mrows, lay.cu_q, *lay.row_strides,
+            *lay.strides(q), H, lay.bounds[0], L, r, float(scale), HEAD_DIM=p, D_PAD=d_pad,
+            L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=mlp_bm, CHUNK=mlp_chunk, VARLEN=lay.varlen,
+            num_warps=mlp_warps, num_stages=1)
     if decode and B * H * n_q > 0:
         plan = _DecodePlan(lay, q.device, decode_chunk)
         BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
@@ -1230,7 +1305,8 @@ def inducer_attention_forward(
         grid = (plan.splits, B * h_kv)
     if B * H * n_q > 0:
         _inducer_attn_fwd_kernel[grid](
-            q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, out, out_lo if save_lo else out,
+            q, k, v, pk, pv, km, ak_w, ak_b, bk_w, ck, w1, b1, mrows, out,
+            out_lo if save_lo else out,
             u if has_mlp else lse, lse, lam if has_mlp else lse, stats, lay.n_rows, *lay.args(),
             ws_acc, ws_ml, n_ws, count, chunk,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *spk, *spv, smb,
@@ -1239,7 +1315,8 @@ def inducer_attention_forward(
             HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=BM, BLOCK_N=BN,
             CAUSAL=bool(causal), HAS_KMASK=has_km, HAS_PREFIX=has_prefix, HAS_MLP=has_mlp,
             SAVE_LO=save_lo, PREC=dot_precision(q.dtype), VARLEN=lay.varlen,
-            SPLIT_KV=bool(decode), SPLIT_M=split_m, num_warps=warps, num_stages=stages)
+            SPLIT_KV=bool(decode), SPLIT_M=split_m, MLP_ROWS=mlp_rows, num_warps=warps,
+            num_stages=stages)
     return out, u, lse, lam, stats, out_lo
 
 
@@ -1302,7 +1379,7 @@ def inducer_attention_backward(
     part = dqm = lse
     if has_mlp:
         # the inducer's rows first (ADJ, its float32 share of dq, the parameter partials)
-        mlp_bm, chunk, mlp_warps = _mlp_bwd_config(d_pad)
+        mlp_bm, chunk, mlp_warps = _mlp_rows_config(d_pad)
         grid_c = cdiv(n_q, chunk)
         part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the kernel)
         part = _alloc.empty(grid_c * B, H, part_size, dtype=torch.float32, device=q.device)
