@@ -159,11 +159,12 @@ for l in L:
         # the inducer rows: BLOCK_M-row steps over each program's CHUNK rows; float32 FMA
         # products, L = 4 and r = 8 padded to 8, a product contracting over the padded width
         # widened to 16. Forward: q Ak, q Bkᵀ, q W1 at 8. Backward: key rows g, t, dAk, dBk
-        # at 8, the key share of dq 2 × 16; value hidden once, dW1 at 8, its share of dq at 16
+        # at 8, the key share of dq one product over the 16 interleaved columns of cg and dz;
+        # value hidden once, dW1 at 8, its share of dq at 16
         BM, DP, CH = a["BLOCK_M"], a["D_PAD"], a["CHUNK"]
         steps = Bq * H * sum(cd(min(CH, n - c * CH), BM) for c in range(cd(n, CH)))
         units = (3 * 8 if l.name == "_inducer_fwd_mlp_kernel"
-                 else 4 * 8 + 2 * 16 + 2 * 8 + 16)
+                 else 4 * 8 + 16 + 2 * 8 + 16)
         res[l.name] = dict(model=w["dot16_flops"], hand=0, modelled=modelled,
                            model_fma=w["fma32_flops"], hand_fma=steps * 2 * BM * DP * units)
         continue

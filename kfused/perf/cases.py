@@ -692,10 +692,11 @@ def _m_ind_mlp(L) -> Dict[str, float]:
     BM, DP, LP, RP = a["BLOCK_M"], a["D_PAD"], a["L_PAD"], a["R_PAD"]
     rows, steps = _mlp_row_steps(L, a)
     w = _work()
-    # products contracting over L or r (their share of dq) are widened to 16 by zero
-    # columns when the padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt)
+    # the value share of dq (contracting over r) is widened to 16 by zero columns when the
+    # padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt); the key share is one product
+    # over the 2·L_PAD interleaved columns of cg and dz (_mlp_dot_nt2)
     _mlp_units(steps, BM, DP, LP, 2 + 2, w)                      # g, t; dAk, dBk
-    _mlp_units(steps, BM, DP, max(16, LP), 2, w)                 # key share of dq
+    _mlp_units(steps, BM, DP, 2 * LP, 1, w)                      # key share of dq (cg|dz)
     if a["HAS_DU"]:
         _mlp_units(steps, BM, DP, RP, 1 + 1, w)                  # hidden; dW1
         _mlp_units(steps, BM, DP, max(16, RP), 1, w)             # value share of dq

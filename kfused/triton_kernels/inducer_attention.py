@@ -132,6 +132,16 @@ def _mlp_dot_nt(a, w):
 
 
 @triton.jit
+def _mlp_dot_nt2(a1, w1, a2, w2):
+    """a1 @ w1ᵀ + a2 @ w2ᵀ (a1, a2 (M, K); w1, w2 (N, K); K = L_PAD ≥ 8) as one product over
+    the 2K interleaved columns: no zero widening at K = 8, half the FMA work of two
+    :func:`_mlp_dot_nt` calls there."""
+    a = tl.reshape(tl.join(a1, a2), (a1.shape[0], 2 * a1.shape[1]))
+    w = tl.reshape(tl.join(w1, w2), (w1.shape[0], 2 * w1.shape[1]))
+    return _mlp_dot(a, tl.trans(w))
+
+
+@triton.jit
 def _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM: tl.constexpr,
                  L_PAD: tl.constexpr):
     """Head h's key-MLP weights (contiguous (H, p, L), (H, L), (H, L, p), (H, p)) zero-padded:
@@ -885,8 +895,7 @@ def _inducer_attn_bwd_mlp_kernel(
         cg = c[:, None] * g
         dz = c[:, None] * t * gs
         dqm += c[:, None] * (2.0 * qf + ck[None, :])
-        dqm += _mlp_dot_nt(cg, bk_t)
-        dqm += _mlp_dot_nt(dz, ak_w)
+        dqm += _mlp_dot_nt2(cg, bk_t, dz, ak_w)
         tl.store(DQM + row[:, None] * HEAD_DIM + offs_d[None, :], dqm, mask=io_mask)
         d_ak += _mlp_dot(tl.trans(qf), dz)
         d_bk += _mlp_dot(tl.trans(cg), qf)
