@@ -1135,7 +1135,8 @@ def _mlp_rows_config(d_pad: int) -> Tuple[int, int, int]:
     q, streaming kernels. Programs take CHUNK rows in BLOCK_M-row steps, so that the
     backward's parameter partials (2pL + pr + p + L + r floats per program) stay small next
     to q. sm_90 compile of the backward's (bf16, L = 4, r = 8; regs / spill bytes per
-    thread): 16 rows on 8 warps p = 64 221 / 0, p = 128 255 / 120; on 4 warps 247 / 0 and
+    thread, before its key share of dq became one product): 16 rows on 8 warps p = 64
+    221 / 0, p = 128 255 / 120 (217 / 0 and 255 / 112 since); on 4 warps 247 / 0 and
     255 / 384; 32 rows on 8 warps 255 / 8 and 255 / 288; 16 rows on 16 warps 128 / 232 and
     64 / 1112 (the forward's, 16 rows on 8 warps: 124 / 0 and 201 / 0). The small-N FMA dots
     (N = L_PAD, R_PAD) replicate their operands across the threads, so fewer rows per step is
