@@ -144,9 +144,12 @@ def _fresh_compile_cache():
 
 def fwdbwd_step(provider) -> Callable[[], None]:
     """One forward and backward of a benchmark provider, as a no-argument call: its outputs'
-    gradients (random, drawn once) taken with respect to its leaves."""
+    gradients (random, drawn once) taken with respect to its leaves. A forward-only case
+    (decode: no leaves, or no output that needs a gradient) is its forward alone."""
     fn, leaves = provider.make()
     outs = _as_tuple(fn())
+    if not leaves or not any(o.requires_grad for o in outs):
+        return lambda: fn()
     gouts = [torch.randn_like(o) for o in outs]
 
     def step():

@@ -10,7 +10,7 @@ once: the cases must build and run, their timings mean nothing there.
 import pytest
 import torch
 
-from kfused.bench import allow_backward_replay
+from kfused.bench import allow_backward_replay, fwdbwd_step
 from kfused.cases import BENCH_FAMILIES, bench_cases
 
 allow_backward_replay()   # as kfused bench does: one process may run both (see its docstring)
@@ -34,18 +34,12 @@ def _params():
 def test_bench(benchmark, case, provider):
     if provider.skip_reason:
         pytest.skip(provider.skip_reason)
-    fn, leaves = provider.make()
-    outs = fn()
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    grads = [torch.randn_like(o) for o in outs]
+    # the step host_overhead.py and host_profile.py time: fwd+bwd, or the forward alone of a
+    # forward-only (decode) case
+    fwdbwd = fwdbwd_step(provider)
 
     def step():
-        o = fn()
-        o = o if isinstance(o, tuple) else (o,)
-        pairs = [(a, g) for a, g in zip(o, grads) if a.requires_grad]
-        if pairs and leaves:
-            torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
-                                allow_unused=True)
+        fwdbwd()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 

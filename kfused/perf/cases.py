@@ -480,6 +480,9 @@ def _m_hw_lowrank_bwd(L) -> Dict[str, float]:
 
 @kernel("_atb_kernel")
 def _m_atb(L) -> Dict[str, float]:
+    """Batched token reduction C[b] = A[b]ᵀ B[b]: TC (a 16-bit operand) on the tensor cores,
+    a float32 operand split into 16-bit high and low parts (two products); else float32 IEEE
+    dots on the CUDA cores."""
     a = L.bound()
     A, B = a["a_ptr"], a["b_ptr"]
     T, M, N, N2, NB = a["T"], a["M"], a["N"], a["N2"], a["NB"]
@@ -489,7 +492,12 @@ def _m_atb(L) -> Dict[str, float]:
     progs0 = L.grid[0]
     w = _work()
     cols = BN + (BN2 if a["HAS_B2"] else 0)
-    w["fma32_flops"] += progs0 * 2.0 * Tp * BM * cols                 # float32 IEEE dots
+    flops = progs0 * 2.0 * Tp * BM * cols
+    if a.get("TC"):
+        w["dot16_flops"] += flops * (1 if _is16(A) and _is16(B) else 2)
+        w["alu_ops"] += progs0 * Tp * (BM if not _is16(A) else cols) * 3   # the split
+    else:
+        w["fma32_flops"] += flops                                      # float32 IEEE dots
     if str(a["RACC"]).endswith("float64") or "fp64" in str(a["RACC"]):
         w["fma64_flops"] += progs0 * (Tp / BT) * BM * cols            # float64 accumulation
     m_blocks, n_blocks = cdiv(M, BM), cdiv(N, BN)

@@ -82,6 +82,22 @@ def _dot_f32_by16(a, b):
 
 
 @triton.jit
+def _dot_tc(a, b):
+    """a (M × K) @ b (K × N) -> float32 on the tensor cores, at least one operand 16-bit:
+    16-bit @ 16-bit is one product (exact products, float32 sums); a float32 operand is
+    split into its 16-bit high and low parts (:func:`_dot_f32_by16`: two products, ~16
+    mantissa bits of it kept). Every dim >= 16."""
+    if a.dtype == tl.float32:
+        return _dot_f32_by16(a, b)
+    elif b.dtype == tl.float32:
+        b_hi = b.to(a.dtype)
+        b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
+        return tl.dot(a, b_hi, out_dtype=tl.float32) + tl.dot(a, b_lo, out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
 def _row_block_sum(acc, ptr, n_rows, row_stride, cols, c_ok, BR: tl.constexpr):
     """acc (C,) + Σ_r ptr[r·row_stride + cols] over the n_rows rows, BR rows per load (a
     (BR, C) block reduced over its rows, the blocks in order: a fixed order, deterministic),
@@ -290,10 +306,13 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
                 c_ptr, c2_ptr, cs_ptr,
                 T, M, N, N2, NB, T_PER,
                 BT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                HAS_B2: tl.constexpr, COLSUM: tl.constexpr, RACC: tl.constexpr):
+                HAS_B2: tl.constexpr, COLSUM: tl.constexpr, RACC: tl.constexpr,
+                TC: tl.constexpr):
     # grid: (NB * cdiv(M, BM) * cdiv(N, BN), S). Split s reduces tokens
     # [s*T_PER, (s+1)*T_PER) and writes float32 partials c[s, b]; the host sums over s.
     # C2 and the column sums are produced by the programs of the first N-block.
+    # TC (a 16-bit operand, every tile dim >= 16): the products on the tensor cores
+    # (_dot_tc); else IEEE float32 dots on the CUDA cores.
     pid = tl.program_id(0)
     s = tl.program_id(1)
     n_mb = tl.cdiv(M, BM)
@@ -318,15 +337,23 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
         rt = t0 + rt0
         tmask = rt < t_hi
         a = tl.load(a_ptr + b * s_ab + rt[:, None] * s_at + rm[None, :] * s_am,
-                    mask=tmask[:, None] & mmask[None, :], other=0.0).to(tl.float32)
+                    mask=tmask[:, None] & mmask[None, :], other=0.0)
         bt = tl.load(b_ptr + b * s_bb + rt[:, None] * s_bt + rn[None, :] * s_bn,
-                     mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-        at = tl.trans(a)
-        acc += _mm(at, bt, True, "ieee").to(RACC)
+                     mask=tmask[:, None] & nmask[None, :], other=0.0)
+        if TC:
+            at = tl.trans(a)
+            acc += _dot_tc(at, bt).to(RACC)
+        else:
+            a = a.to(tl.float32)
+            at = tl.trans(a)
+            acc += _mm(at, bt.to(tl.float32), True, "ieee").to(RACC)
         if HAS_B2:
             b2 = tl.load(b2_ptr + b * s_b2b + rt[:, None] * s_b2t + rn2[None, :] * s_b2n,
-                         mask=tmask[:, None] & (rn2[None, :] < N2), other=0.0).to(tl.float32)
-            acc2 += _mm(at, b2, True, "ieee").to(RACC)
+                         mask=tmask[:, None] & (rn2[None, :] < N2), other=0.0)
+            if TC:
+                acc2 += _dot_tc(at, b2).to(RACC)
+            else:
+                acc2 += _mm(at, b2.to(tl.float32), True, "ieee").to(RACC)
         if COLSUM:
             cs += tl.sum(a.to(RACC), axis=0)
     base = (s * NB + b) * M
@@ -347,7 +374,10 @@ def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
 
     a (T, NB, M); b (T, NB or 1, N); b2 (T, NB or 1, N2) with N2 <= 128; any strides (a
     size-1 batch dim of b/b2 is broadcast). Returns C (NB, M, N), C2 (NB, M, N2) or None and
-    colsum_t a (NB, M) or None, in ``out_dtype``. Accumulates in float32 (IEEE dots).
+    colsum_t a (NB, M) or None, in ``out_dtype``. Accumulates in float32: on the tensor cores
+    when an operand is 16-bit (the other, if float32, split into 16-bit high and low parts:
+    ~16 of its mantissa bits kept, as the headwise_lowrank kernels keep Z and dZ), else IEEE
+    dots on the CUDA cores.
     """
     T, NB, M = a.shape
     N = b.shape[2]
@@ -366,6 +396,9 @@ def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
     T_PER = max(BT, cdiv(cdiv(max(T, 1), S), BT) * BT)
     S = max(1, cdiv(T, T_PER))
     racc = F32
+    dts = {t.dtype for t in (a, b, b2) if t is not None} - {F32}
+    # one 16-bit dtype among the operands (the rest float32): tensor-core products
+    tc = len(dts) == 1 and dts <= {torch.float16, torch.bfloat16}
     c = _alloc.empty(S, NB, M, N, dtype=racc, device=dev)
     c2 = _alloc.empty(S, NB, M, N2, dtype=racc, device=dev) if b2 is not None else c
     cs = _alloc.empty(S, NB, M, dtype=racc, device=dev) if colsum else c
@@ -377,7 +410,7 @@ def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
         bb2, bb2.stride(0), sb(bb2), bb2.stride(2),
         c, c2, cs, T, M, N, N2, NB, T_PER,
         BT=BT, BM=BM, BN=BN, BN2=BN2, HAS_B2=b2 is not None, COLSUM=colsum,
-        RACC=tl.float32, num_warps=_NW)
+        RACC=tl.float32, TC=tc, num_warps=_NW)
     C = c.sum(0).to(out_dtype)
     C2 = c2.sum(0).to(out_dtype) if b2 is not None else None
     CS = cs.sum(0).to(out_dtype) if colsum else None

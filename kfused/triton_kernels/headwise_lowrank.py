@@ -161,8 +161,13 @@ def headwise_lowrank_backward(g: torch.Tensor, basis: torch.Tensor, A: torch.Ten
             IS16=g.dtype in (torch.float16, torch.bfloat16), num_warps=_NW)
     dA = dB = db = None
     if need_factors:
-        bview = basis if per_head else basis.unsqueeze(1)
-        dA, _, _ = _atb(dz, bview, out_dtype=A.dtype)
+        if per_head:
+            dA, _, _ = _atb(dz, basis, out_dtype=A.dtype)
+        else:
+            # a shared basis: every head's dZ columns against it in one product
+            # (M = H·r rows: the basis read once per row block, not once per head)
+            dA, _, _ = _atb(dz.view(T, 1, H * R), basis.unsqueeze(1), out_dtype=A.dtype)
+            dA = dA.view(H, R, DB)
         dB, _, db = _atb(g, z, colsum=has_bias, out_dtype=B.dtype)
         if db is not None:
             db = db.to(dt)

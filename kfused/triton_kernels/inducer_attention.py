@@ -831,13 +831,14 @@ def _inducer_attn_bwd_mlp_kernel(
     VARLEN: tl.constexpr,
 ):
     """The inducer's backward apart from the attention, for the CHUNK query rows
-    ``pid_m·CHUNK + [0, CHUNK)`` of head h of batch element b in BLOCK_M-row steps: the MLP
-    rows recomputed from q, dλ = ⟨du, tanh(q W1 + b1)⟩ (+ a direct λ gradient),
-    ds0 = dλ λ (1 − λ), ADJ = −dLSE = ds0 − dlse, the MLP's share of dq (DQM, float32,
-    rows × HEAD_DIM: the dQ kernel adds it before its one rounding), and this program's
-    partial sums of dAk (p, L), dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r),
-    accumulated over its steps in registers and written once, unpadded (zeros for a chunk
-    past its sequence's end; the host sums the programs' partials in a fixed order).
+    ``program_id(0)·CHUNK + [0, CHUNK)`` of head h of batch element b (:func:`_row_chunk`)
+    in BLOCK_M-row steps: the MLP rows recomputed from q, dλ = ⟨du, tanh(q W1 + b1)⟩
+    (+ a direct λ gradient), ds0 = dλ λ (1 − λ), ADJ = −dLSE = ds0 − dlse, the MLP's share
+    of dq (DQM, float32, rows × HEAD_DIM: the dQ kernel adds it before its one rounding),
+    and this program's partial sums of dAk (p, L), dBk (L, p), dck (p), dak (L), db1 (r),
+    dW1 (p, r), accumulated over its steps in registers and written once, unpadded (zeros
+    for a chunk past its sequence's end; the host sums the programs' partials in a fixed
+    order).
 
     A kernel of its own, launched before the dQ kernel: in the dQ kernel's prologue and
     epilogue these float32 FMA products (contracting over the head width or the tile's rows)
