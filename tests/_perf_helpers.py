@@ -38,20 +38,28 @@ STRUCTURE_ARGS = ["--structure-only", "--arch", "90", "--no-csrc", "--jobs", "2"
 _run = {}   # the background run: proc, tmp (TemporaryDirectory), out, log, t0
 
 
-# Runs kfused.perf.report, and ends it with its workers (its process group) as soon as the
-# pytest process that started it is gone: a session killed by a signal (a CI timeout, `kill`)
-# runs no pytest_sessionfinish, and the compile run would otherwise go on for minutes.
+# Runs a module as __main__ (kfused.perf.report; pytest for tests/_background.py), and ends
+# it with its workers (its process group) as soon as the pytest process that started it is
+# gone: a session killed by a signal (a CI timeout, `kill`) runs no pytest_sessionfinish, and
+# the background run would otherwise go on for minutes.
 _EXIT_WITH_PARENT = """
 import os, runpy, signal, sys, threading, time
 parent = int(sys.argv.pop(1))
+module = sys.argv.pop(1)
 def watch():
     while os.getppid() == parent:
         time.sleep(0.5)
     os.killpg(0, signal.SIGKILL)
 threading.Thread(target=watch, daemon=True).start()
-sys.argv[0] = "kfused.perf.report"
-runpy.run_module("kfused.perf.report", run_name="__main__", alter_sys=True)
+sys.argv[0] = module
+runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
+
+
+def exit_with_parent(module: str, args) -> list:
+    """The command that runs ``python -m module *args`` and ends with this process (start it
+    with ``start_new_session=True``: the watchdog kills its own process group)."""
+    return [sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()), module, *args]
 
 
 def _env(cache: str = None) -> dict:
@@ -74,8 +82,8 @@ def start_structure_report() -> None:
     tmp = tempfile.TemporaryDirectory()
     out = os.path.join(tmp.name, "structure.json")
     log = open(os.path.join(tmp.name, "structure.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "-c", _EXIT_WITH_PARENT, str(os.getpid()),
-                             *STRUCTURE_ARGS, "--json", out],
+    proc = subprocess.Popen(exit_with_parent("kfused.perf.report",
+                                             [*STRUCTURE_ARGS, "--json", out]),
                             stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)   # its own group: _kill ends the workers too
     _run.update(proc=proc, tmp=tmp, out=out, log=log, t0=time.perf_counter())

@@ -89,10 +89,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 _STRUCTURE_TESTS = ("test_perf_structure.py", "test_triton_sm90_compile.py")
 
 
+# The kernel files under the GPU's block sizes (tests/test_gpu_configs.py), about 13 minutes of
+# child pytest runs: started at collection too, one after another beside the main run.
+_GPU_CONFIG_TEST = "test_kernel_tests_pass_with_gpu_block_sizes"
+
+
+def _start_gpu_config_runs(items) -> None:
+    # (a pytest-xdist worker collects every test but runs a share: its tests run their own)
+    if torch.cuda.is_available() or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    runs = [(item.callspec.params["name"], seed_for(item.nodeid)) for item in items
+            if getattr(item, "originalname", None) == _GPU_CONFIG_TEST
+            and os.path.basename(str(item.fspath)) == "test_gpu_configs.py"]
+    if runs:
+        from tests import _background
+
+        _background.start(runs)
+
+
 @pytest.hookimpl(trylast=True)        # after -k / -m deselection
 def pytest_collection_modifyitems(session, config, items):
-    if config.option.collectonly or not any(
-            os.path.basename(str(item.fspath)) in _STRUCTURE_TESTS for item in items):
+    if config.option.collectonly:
+        return
+    _start_gpu_config_runs(items)
+    if not any(os.path.basename(str(item.fspath)) in _STRUCTURE_TESTS for item in items):
         return
     try:
         import triton.backends.nvidia  # noqa: F401  (the tests skip without it)
@@ -107,6 +127,9 @@ def pytest_sessionfinish(session, exitstatus):
     helpers = sys.modules.get("tests._perf_helpers")
     if helpers is not None:
         helpers.stop_structure_report()
+    background = sys.modules.get("tests._background")
+    if background is not None:
+        background.stop()
 
 
 @pytest.fixture

@@ -4,17 +4,14 @@ see tests/conftest.py): in the interpreter the host functions otherwise pick sma
 splits), so the GPU's tile shapes — 128-column tiles and their packing, 64-token rank-pass
 steps, the SM-count grids and splits — were only ever compiled by CI, never run. Each file
 runs in its own pytest process (the switch must be set before the kernels are first used),
-with this run's seed; a failure shows the child's report."""
-
-import os
-import pathlib
-import subprocess
-import sys
+with this run's seed; a failure shows the child's report. They start in the background as
+soon as they are collected (tests/_background.py)."""
 
 import pytest
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
+from tests import _background
+
 FILES = ["test_headwise_ops.py", "test_headwise_section.py", "test_krona.py",
          "test_inducer.py", "test_inducer_decode.py", "test_inducer_varlen.py"]
 
@@ -23,12 +20,8 @@ FILES = ["test_headwise_ops.py", "test_headwise_section.py", "test_krona.py",
                     reason="on a GPU the kernel tests run with the GPU's block sizes anyway")
 @pytest.mark.parametrize("name", FILES)
 def test_kernel_tests_pass_with_gpu_block_sizes(name, seed):
-    env = dict(os.environ, KFUSED_GPU_CONFIGS="1", TRITON_INTERPRET="1",
-               KFUSED_TEST_SEED=str(seed))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider",
-                        str(HERE / name)], cwd=HERE.parent, env=env,
-                       capture_output=True, text=True, timeout=1200)
-    out = r.stdout + r.stderr
+    # run in the background from collection on (conftest.py, tests/_background.py)
+    rc, out = _background.result(name, seed)
     # the child really ran with the GPU's block sizes (its pytest header says so)
     assert "GPU block sizes (KFUSED_GPU_CONFIGS=1)" in out, out[-3000:]
-    assert r.returncode == 0, out[-6000:]
+    assert rc == 0, out[-6000:]
