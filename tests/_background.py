@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
-import sys
 import threading
 
 from tests._perf_helpers import _kill, exit_with_parent
@@ -89,7 +88,3 @@ def stop() -> None:
         proc = job.get("proc")
         if proc is not None and proc.poll() is None:
             _kill(proc)
-
-
-if __name__ == "__main__":
-    sys.exit("not a script: see tests/test_gpu_configs.py")
