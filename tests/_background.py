@@ -30,8 +30,12 @@ def _command(name: str):
 
 
 def _env(seed: int) -> dict:
-    return dict(os.environ, KFUSED_GPU_CONFIGS="1", TRITON_INTERPRET="1",
-                KFUSED_TEST_SEED=str(seed))
+    # one intra-op thread: the run shares the 2 cores with the main session, where a pool of
+    # two waits at every parallel region for a thread that has no core
+    env = dict(os.environ, KFUSED_GPU_CONFIGS="1", TRITON_INTERPRET="1",
+               KFUSED_TEST_SEED=str(seed))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def _run(name: str, seed: int, job: dict = None):
@@ -79,6 +83,12 @@ def result(name: str, seed: int):
     if "result" not in job:          # the session is ending
         return _run(name, seed)
     return job["result"]
+
+
+def running() -> bool:
+    """Whether a background run is under way now."""
+    return any(job.get("proc") is not None and job["proc"].poll() is None
+               for job in _jobs.values())
 
 
 def stop() -> None:

@@ -65,6 +65,7 @@ def exit_with_parent(module: str, args) -> list:
 def _env(cache: str = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")     # a background run beside the main session
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if os.path.exists(SEED):
         env["KFUSED_CACHE_SEED"] = SEED + (os.pathsep + env["KFUSED_CACHE_SEED"]
@@ -95,6 +96,12 @@ def _kill(proc) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def structure_running() -> bool:
+    """Whether the background structural compile run is under way now."""
+    proc = _run.get("proc")
+    return proc is not None and proc.poll() is None
 
 
 def stop_structure_report() -> None:

@@ -50,6 +50,30 @@ def _seed_and_poison(request):
     _alloc.set_poisoning(old)
 
 
+_TORCH_THREADS = torch.get_num_threads()
+
+
+def _background_busy() -> bool:
+    """A background run (the GPU-config files, the structural compile run) holds a core."""
+    bg = sys.modules.get("tests._background")
+    helpers = sys.modules.get("tests._perf_helpers")
+    return bool((bg is not None and bg.running())
+                or (helpers is not None and helpers.structure_running()))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    # While a background run holds one of CI's 2 cores, torch's pool of two intra-op threads
+    # waits at every parallel region for the thread that has no core: a test of many small
+    # CPU ops ran 10 s alone and 155 s beside the background runs. One thread then; torch's
+    # default again once they are done. (Each test starts from the count chosen here, also
+    # when an earlier one changed it.)
+    want = 1 if _background_busy() else _TORCH_THREADS
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+    yield
+
+
 @pytest.fixture
 def seed(request):
     """This test's seed (for generators and hypothesis); replayed by KFUSED_TEST_SEED."""
