@@ -10,24 +10,36 @@ import torch
 
 def _state(t: torch.Tensor):
     """What must be unchanged for a remembered result to still hold: the version counter
-    (in-place writes through autograd-visible ops), the data pointer and the shape (a
-    ``t.data = other`` swap keeps the version). None when it cannot be read: inference
+    (in-place writes through autograd-visible ops), the data pointer, the shape and the
+    strides (a ``t.data = other`` swap keeps the version), with the storage itself, which the
+    memo holds while it remembers (so no later storage can take its memory: after any number
+    of ``.data`` swaps the data pointer differs). None when it cannot be read: inference
     tensors (``torch.inference_mode``) have no version counter, tensors without storage no
     data pointer."""
     try:
         if t.is_inference():
             return None
-        return t._version, t.data_ptr(), tuple(t.shape)
+        return t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.untyped_storage()
     except Exception:                           # noqa: BLE001 (no storage, a subclass, ...)
         return None
+
+
+def _same(a, b) -> bool:
+    """Two states from :func:`_state` are equal (the storages compared by identity of their
+    memory: a storage object is made anew on every ``untyped_storage()`` call)."""
+    return a[:4] == b[:4] and a[4].data_ptr() == b[4].data_ptr() and \
+        a[4].nbytes() == b[4].nbytes()
 
 
 class LastResult:
     """``memo(tensors, compute)`` returns ``compute()``, remembered for the last ``tensors``
     asked: the very same objects (or None), none changed in place since (their version
-    counters, data pointers and shapes). Every layer of one forward passes the same tensors,
-    so a host read or check done for the first layer serves the rest. Nothing is kept alive
-    but the result.
+    counters, data pointers, shapes and strides). Every layer of one forward passes the same
+    tensors, so a host read or check done for the first layer serves the rest. What is kept
+    alive: the result and the storages of the remembered tensors (small ones here: lengths,
+    positions), so that their memory goes to no other tensor while remembered — a tensor
+    given new storage by ``t.data = other``, even twice over with the allocator handing back
+    the first address, then always shows another data pointer.
 
     Not seen: writes that bypass the version counter (``t.data[i] = x``, a write through
     ``t.numpy()`` or through a view taken under ``torch.no_grad`` of ``t.data``); the
@@ -51,7 +63,7 @@ class LastResult:
         if entry is not None:
             refs, old, value = entry
             if len(refs) == len(tensors) and all(
-                    (r is None and t is None) or (r is not None and r() is t and s == o)
+                    (r is None and t is None) or (r is not None and r() is t and _same(s, o))
                     for r, o, s, t in zip(refs, old, states, tensors)):
                 return value
         value = compute()                       # raises: the memo keeps what it had

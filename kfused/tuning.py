@@ -52,11 +52,21 @@ def table_path() -> Optional[str]:
     return path or _package_table()
 
 
+_GENERATION = [0]       # how often forget() ran: part of what cached choices depend on
+
+
+def state() -> tuple:
+    """What a choice made from the table depends on: the table in use and how often
+    :func:`forget` ran (host code that caches a looked-up configuration keys it on this)."""
+    return table_path(), _GENERATION[0]
+
+
 def _valid_entry(e) -> bool:
     return (isinstance(e, dict) and isinstance(e.get("key"), dict)
-            and isinstance(e.get("T"), int) and e["T"] > 0
+            and isinstance(e.get("T"), int) and not isinstance(e["T"], bool) and e["T"] > 0
             and isinstance(e.get("config"), dict)
-            and all(isinstance(v, int) and v > 0 for v in e["config"].values()))
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                    for v in e["config"].values()))
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,10 +116,17 @@ def pick(entries, key: dict, T: int) -> Optional[dict]:
 _LOOKUPS: dict = {}
 
 
-def lookup(kernel: str, device: torch.device, key: dict, T: int) -> Optional[dict]:
+def lookup(kernel: str, device: torch.device, key: dict, T: int,
+           candidates=None) -> Optional[dict]:
     """The measured config of ``kernel`` for this device and shape, or None (no table, another
     GPU model, a shape not timed, or not a CUDA device). Remembered per (kernel, device,
-    key, T, table): host code may ask on every call."""
+    key, T, table): host code may ask on every call.
+
+    ``candidates``: the configurations benchmarks/tune_kernels.py times for this kernel and
+    shape (each tested for correctness); a table entry that is none of them is refused
+    (:class:`TuningError` naming the table, the kernel and the entry): a table chooses among
+    tested configurations, and one it invented (e.g. 2 tokens per step where the kernel needs
+    at least 4) could fail inside the kernel or compute on a path no test covers."""
     name = device_name(device)
     if name is None:
         return None
@@ -123,14 +140,23 @@ def lookup(kernel: str, device: torch.device, key: dict, T: int) -> Optional[dic
         if len(_LOOKUPS) >= 4096:
             _LOOKUPS.clear()
         entries = load(path)["devices"].get(name, {}).get(kernel, [])
-        hit = _LOOKUPS[memo] = pick(entries, key, T)
+        hit = pick(entries, key, T)
+        if hit is not None and candidates is not None and hit not in list(candidates):
+            raise TuningError(
+                f"kernel tuning table {path}: the entry for {kernel} on {name} at key {key} "
+                f"has config {hit}, which is not one of the configurations "
+                f"benchmarks/tune_kernels.py times for it ({list(candidates)}); rewrite the "
+                f"table with benchmarks/tune_kernels.py or remove the entry")
+        _LOOKUPS[memo] = hit
     return dict(hit) if hit is not None else None
 
 
 def forget() -> None:
-    """Drop what was read and looked up (a table rewritten, tests)."""
+    """Drop what was read and looked up (a table rewritten, tests), and every configuration
+    host code cached from it (they are keyed on :func:`state`)."""
     load.cache_clear()
     _LOOKUPS.clear()
+    _GENERATION[0] += 1
 
 
 def merge(path: str, device: str, kernel: str, entries, extra: Optional[dict] = None) -> dict:

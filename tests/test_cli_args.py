@@ -149,6 +149,24 @@ def test_command_help_exits_0_without_running(cmd, no_run, capsys):
     assert capsys.readouterr().out.startswith(f"usage: kfused {cmd}")
 
 
+def test_bench_list_with_ops_is_refused(no_run, capsys):
+    # it listed every op, exit 0, and ignored the ops given
+    err = _usage_error(["bench", "--list", "nosuchop"], capsys)
+    assert "argument --list" in err and "nosuchop" in err
+
+
+def test_info_names_a_default_backend_every_call_would_refuse(monkeypatch, capsys):
+    # KFUSED_BACKEND=bogus: info printed its tables, exit 0, and never said that every op
+    # call without backend= raises
+    monkeypatch.setenv("KFUSED_BACKEND", "bogus")
+    assert cli_main.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "default backend: KFUSED_BACKEND='bogus' is not a backend" in out
+    monkeypatch.delenv("KFUSED_BACKEND")
+    assert cli_main.main(["info"]) == 0
+    assert "default backend: auto (KFUSED_BACKEND)" in capsys.readouterr().out
+
+
 def test_info_bogus_real_entry_point():
     out = subprocess.run([sys.executable, "-m", "kfused.cli.main", "info", "--bogus"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -312,6 +330,8 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
             (["--check", "--arch", "80"], "--check", "--arch must include 90"),
             (["--arch", "80"], "--arch", "include 90, or pass --structure-only"),
             (["--ops", "krona,bogus"], "--ops", "bogus is no prefix of an op"),
+            # no op named: it started the full compile run of every op
+            (["--ops", ","], "--ops", "no op named"), (["--ops", ""], "--ops", "no op named"),
             (["--json", str(tmp_path / "no" / "r.json")], "--json", "does not exist"),
             (["--json", str(tmp_path)], "--json", "is a folder"),
             # an empty name (an unset variable) passed every check: nothing written after the run

@@ -322,9 +322,35 @@ def test_packed_kwargs_converted_once_per_forward():
     cu = torch.tensor([0, 3, 7])                                   # int64, as a collator may give
     a = hf_attention._packed_from_kwargs(cu, cu, 4)
     assert a[0].dtype == torch.int32 and a[0].tolist() == [0, 3, 7] and a[1] == 4
-    assert hf_attention._packed_from_kwargs(cu, cu, 4) is a
+    assert hf_attention._packed_from_kwargs(cu, cu, 4)[0] is a[0]
     with pytest.raises(ValueError, match="cu_seq_lens_k != cu_seq_lens_q"):
         hf_attention._packed_from_kwargs(torch.tensor([0, 3, 7]), torch.tensor([0, 2, 7]), 4)
+
+
+def test_packed_kwargs_max_length_is_each_calls_own():
+    """The remembered conversion is keyed on the lengths tensors; max_length_q is not one of
+    them and is each call's own (a call with a corrected max_length_q got the first call's
+    value back: after a too-small one, every retry failed; after a right one, a too-small one
+    passed)."""
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    assert hf_attention._packed_from_kwargs(cu, cu, 2)[1] == 2
+    assert hf_attention._packed_from_kwargs(cu, cu, 4)[1] == 4
+    assert hf_attention._packed_from_kwargs(cu, cu, None)[1] is None
+    q = torch.randn(1, 2, 6, 16)
+    m = torch.nn.Module()
+    m.is_causal, m.kfused_backend = True, "reference"
+
+    def call(max_q):
+        return hf_attention.kfused_inducer_attention_forward(
+            m, q, q, q, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_q,
+            max_length_k=max_q)
+
+    with pytest.raises(ValueError, match="shorter than the longest sequence"):
+        call(2)
+    call(4)
+    call(None)
+    with pytest.raises(ValueError, match="shorter than the longest sequence"):
+        call(2)
 
 
 def test_packed_kwargs_under_inference_mode():

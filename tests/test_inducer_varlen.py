@@ -258,6 +258,39 @@ def test_memo_bypasses_inference_tensors_and_is_never_half_updated():
     assert memo((a,), compute("swapped")) == "swapped"
 
 
+def test_memo_sees_data_swaps_that_land_on_the_remembered_address():
+    """Two ``.data`` swaps between calls: the allocator may hand the second new storage the
+    freed remembered block (same object, version, pointer, shape). The memo holds the
+    remembered storage, so that cannot happen; before, the stale lengths came back within a
+    few tries and the op sized its grid from them (rows of a longer sequence not computed)."""
+    from kfused._memo import LastResult
+
+    memo = LastResult()
+    n = 1024
+    for attempt in range(100):
+        cu = torch.arange(n, dtype=torch.int64)
+        assert memo((cu,), lambda: ("old", attempt)) == ("old", attempt)
+        p0 = cu.data_ptr()
+        cu.data = torch.zeros(n, dtype=torch.int64)           # frees the first storage...
+        cu.data = torch.ones(n, dtype=torch.int64)            # ...which this one may take
+        assert cu.data_ptr() != p0, "a new storage on the remembered address"
+        assert memo((cu,), lambda: ("new", attempt)) == ("new", attempt)
+
+
+def test_memo_sees_a_view_with_other_strides():
+    """Same storage, pointer and shape, other strides (a ``.data`` swap to a strided view):
+    other values, so not the remembered result."""
+    from kfused._memo import LastResult
+
+    memo = LastResult()
+    base = torch.arange(8)
+    t = base[:4].clone()
+    t.data = base[:4]
+    assert memo((t,), lambda: t.tolist()) == [0, 1, 2, 3]
+    t.data = base.as_strided((4,), (2,))                       # same pointer and shape
+    assert memo((t,), lambda: t.tolist()) == [0, 2, 4, 6]
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_inference_mode_lengths_leave_later_calls_working(backend):
     """A packed call under torch.inference_mode (the lengths an inference tensor) works, and

@@ -302,6 +302,25 @@ def test_bench_write_prefs_folder_is_checked_before_the_run(tmp_path):
     assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "new").exists()
 
 
+def test_bench_write_prefs_body_is_checked_before_the_run(tmp_path):
+    # a file of ours with a body that is not preferences passed the pre-run check and failed
+    # in write_prefs after every case (a BackendError traceback, the measurements lost)
+    import json
+    from pathlib import Path
+
+    from kfused.backends import PREFS_WRITER
+    from kfused.cli import bench
+
+    path = Path(tmp_path / "prefs.json")
+    body = json.dumps({"written_by": PREFS_WRITER, "devices": {"GPU": {"op": {"r": ["TRITON"]}}}})
+    path.write_text(body)
+    with pytest.raises(SystemExit, match=r"--write-prefs .*prefs\.json: backend preferences"):
+        bench._check_prefs_target(path)
+    assert path.read_text() == body
+    path.write_text(json.dumps({"written_by": PREFS_WRITER, "devices": {}}))
+    bench._check_prefs_target(path)                                  # a good one: fine
+
+
 def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):
     # benchmarks/bench_e2e.py wrote e2e_<device>.json over whatever was in --out
     import kfused.cases.e2e as be

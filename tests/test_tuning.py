@@ -95,6 +95,58 @@ def test_malformed_table_is_an_error_naming_the_file(table):
     assert table.read_text() == before
 
 
+def test_an_entry_that_is_no_candidate_is_refused(table):
+    """A table chooses among the tested candidates: an invented config (2 tokens per step for
+    the rank pass, whose split rule divides BT by 4; 3 for the factor-gradient kernel, whose
+    step must be a power of two) was handed to the launch and failed inside it
+    (ZeroDivisionError, "arange's range must be a power of 2")."""
+    from kfused.triton_kernels import _headwise_common as hc
+
+    cuda = torch.device("cuda")
+    key = kl.grad_tuning_key(24, 24, 32, 32, 2)
+    tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=3, num_warps=8, num_stages=3)])
+    with pytest.raises(tuning.TuningError, match=r"tuning\.json.*_kron_grad_kernel.*'BT': 3"):
+        kl._grad_config(16384, 24, 24, 32, 32, cuda, 2)
+    rkey = {"sections": [[12, 24, 8, False]], "BN": 128, "elem_bytes": 2}
+    tuning.merge(str(table), GPU, "_lr_rank_bwd_kernel",
+                 [_entry(rkey, 16384, BT=2, num_warps=8, num_stages=3)])
+    with pytest.raises(tuning.TuningError, match="_lr_rank_bwd_kernel"):
+        hc.rank_config(cuda, torch.bfloat16, 16384, lambda: rkey)
+    nkey = kl.narrow_tuning_key(2, 2, 384, 384, 2)
+    tuning.merge(str(table), GPU, "_kron_narrow_grad_kernel",
+                 [_entry(nkey, 16384, NARROW=1, TILE=3000, num_warps=3)])
+    with pytest.raises(tuning.TuningError, match="_kron_narrow_grad_kernel"):
+        kl.narrow_config(16384, (None, False, 2, 2, 384, 384), cuda, 2)
+    # a candidate is taken
+    c = hc.rank_candidates()[2]
+    tuning.merge(str(table), GPU, "_lr_rank_bwd_kernel", [_entry(rkey, 16384, **c)])
+    tuning.forget()
+    assert hc.rank_config(cuda, torch.bfloat16, 16384, lambda: rkey) == c
+
+
+def test_another_table_or_forget_reaches_the_cached_config(table, tmp_path, monkeypatch):
+    """_grad_config caches its choice per shape; switching KFUSED_KERNEL_TUNING to another
+    table, or rewriting the table and calling tuning.forget(), must reach the next call (the
+    cache kept the first table's choice)."""
+    cuda = torch.device("cuda")
+    key = kl.grad_tuning_key(24, 24, 32, 32, 2)
+    tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=8, num_warps=8, num_stages=3)])
+    assert kl._grad_config(16384, 24, 24, 32, 32, cuda, 2)["BT"] == 8
+    other = tmp_path / "other.json"
+    tuning.merge(str(other), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=16, num_warps=8, num_stages=2)])
+    monkeypatch.setenv(tuning.TUNING_ENV, str(other))
+    assert kl._grad_config(16384, 24, 24, 32, 32, cuda, 2)["BT"] == 16
+    monkeypatch.setenv(tuning.TUNING_ENV, str(table))
+    assert kl._grad_config(16384, 24, 24, 32, 32, cuda, 2)["BT"] == 8
+    tuning.merge(str(table), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=4, num_warps=8, num_stages=3)])
+    tuning.forget()
+    assert kl._grad_config(16384, 24, 24, 32, 32, cuda, 2)["BT"] == 4
+
+
 def test_candidates_start_with_the_rule_and_cover_larger_steps():
     c = kl.grad_candidates(16384, 24, 24, 32, 32)
     assert c[0] == {"BT": 2, "num_warps": 4, "num_stages": 3}

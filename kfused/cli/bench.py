@@ -287,6 +287,9 @@ def run(argv: Optional[List[str]] = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.list:
+        if args.ops:       # (it listed every op and ignored them)
+            p.error(f"argument --list: lists every op and runs nothing; not with ops "
+                    f"({' '.join(args.ops)})")
         print("\n".join(available_ops()))
         return 0
     ops = args.ops or available_ops()
@@ -410,8 +413,9 @@ def targets_first(cases: list) -> list:
 
 def _check_prefs_target(path: Path) -> None:
     """kfused never overwrites a file it did not write: an existing PATH must be a
-    preferences file written by ``kfused bench --write-prefs``."""
-    from kfused.backends import PREFS_WRITER
+    preferences file written by ``kfused bench --write-prefs``, with a body this run can merge
+    into."""
+    from kfused.backends import PREFS_WRITER, BackendError, load_prefs
 
     unusable = folder_refusal(path.parent)  # else found by mkdir after the whole GPU run
     if unusable:
@@ -427,6 +431,13 @@ def _check_prefs_target(path: Path) -> None:
         if not mine:
             raise SystemExit(f"kfused bench: {path} exists and was not written by "
                              f"'{PREFS_WRITER}'; not overwriting it")
+        # the run merges into it: a body that does not parse as preferences is refused now,
+        # not after the whole GPU run (its measured preferences lost to a traceback)
+        try:
+            load_prefs(str(path))
+        except BackendError as exc:
+            raise SystemExit(f"kfused bench: --write-prefs {path}: {exc}; not merging into it "
+                             "(move it aside to start a new file)") from None
 
 
 def write_prefs(path: Path, device_name: str, rows: List[dict],

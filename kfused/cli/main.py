@@ -74,6 +74,11 @@ def _info() -> int:
             f"{k}: {'yes' if v is None else why(v)}" for k, v in status.items()))
     for i, reason in enumerate(reasons, 1):
         print(f"  [{i}] {reason}")
+    try:
+        print(f"default backend: {backends.default_backend()} ({backends.ENV_VAR})")
+    except backends.BackendError as exc:   # reported, not raised: every op call will raise it
+        print(f"default backend: {exc}; every kfused op called without backend= will raise "
+              "this")
     _info_measured(dev)
     return 0
 

@@ -119,8 +119,10 @@ def _packed_from_kwargs(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], max_q
             raise ValueError(f"{ATTN_IMPLEMENTATION}: packed sequences with different query "
                              "and key lengths (cu_seq_lens_k != cu_seq_lens_q) are not "
                              "supported")
-        return cu_q.to(torch.int32), None if max_q is None else int(max_q)
-    return _from_kwargs((cu_q, cu_k), packed)
+        return cu_q.to(torch.int32)
+    # max_q outside the memo: it is not one of the remembered tensors (a call with a corrected
+    # max_length_q got the first call's value back)
+    return _from_kwargs((cu_q, cu_k), packed), None if max_q is None else int(max_q)
 
 
 _from_kwargs = LastResult()

@@ -542,7 +542,7 @@ def run(argv=None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     p = argparse.ArgumentParser(prog="kfused perf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="", help="comma-separated op prefixes (krona,headwise,"
+    p.add_argument("--ops", default=None, help="comma-separated op prefixes (krona,headwise,"
                    "inducer); default all")
     p.add_argument("--arch", type=_archs, default=(90, 80),
                    help="comma-separated SM versions (default 90,80)")
@@ -566,8 +566,11 @@ def run(argv=None) -> int:
                    help="the GPU the model predicts for (default h100; h200: the same "
                    "compute with HBM3e bandwidth)")
     a = p.parse_args(argv)
-    ops = [o for o in a.ops.split(",") if o] or None
+    ops = [o for o in a.ops.split(",") if o] if a.ops is not None else None
     # every refusal before the compile run (up to half an hour cold), none after it
+    if ops == []:       # "--ops ," or "--ops ''": no op named (it ran every op)
+        p.error(f"argument --ops: no op named in {a.ops!r}; give comma-separated op "
+                "prefixes (krona,headwise,inducer), or leave --ops out for every op")
     if ops:
         known_ops = sorted({c.op for c in _cases_for(None)})
         unknown = [o for o in ops if not any(k.startswith(o) for k in known_ops)]

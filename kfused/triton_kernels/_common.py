@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kfused import _alloc
+from kfused import _alloc, tuning
 from kfused.backends import triton_interpret
 
 F32 = torch.float32
@@ -163,13 +163,15 @@ def host_config(fn):
     bools) and ``_AOT_TARGET`` state: block sizes are chosen once per shape, not on every call
     (the launch path is host-bound at the benchmark shapes: see kfused.ops._common). A dict
     result is handed out as a copy (callers may edit theirs). At most 4096 entries (a run
-    with ever-new token counts restarts the cache rather than grow it)."""
+    with ever-new token counts restarts the cache rather than grow it). Keyed on the tuning
+    table in use too (:func:`kfused.tuning.state`): a choice may come from it, and another
+    table or ``tuning.forget()`` must reach the next call."""
     cache: dict = {}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         key = (args, tuple(kwargs.items()) if kwargs else (), _AOT_TARGET["on"],
-               _AOT_TARGET["sms"])
+               _AOT_TARGET["sms"], tuning.state())
         try:
             hit = cache[key]
         except KeyError:

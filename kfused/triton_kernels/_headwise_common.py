@@ -528,7 +528,7 @@ def rank_config(dev: torch.device, dtype: torch.dtype, T: int, key, config=None)
     cfg = {"BT": 64 if gpu and dtype != F32 else 32, "num_warps": 8 if gpu else 4}
     if (config is None and dev.type == "cuda" and T >= _RANK_TUNE_MIN_T
             and dtype in (torch.float16, torch.bfloat16)):
-        config = tuning.lookup("_lr_rank_bwd_kernel", dev, key(), T)
+        config = tuning.lookup("_lr_rank_bwd_kernel", dev, key(), T, rank_candidates())
     if config:
         cfg.update({k: int(v) for k, v in config.items()
                     if k in ("BT", "num_warps", "num_stages")})

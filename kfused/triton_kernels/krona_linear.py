@@ -916,7 +916,8 @@ def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
     if (elem_bytes == 2 and T >= _TUNE_MIN_T and device.type == "cuda"
             and all(cfg[k] for k in ("DOT_W1", "DOT_DA", "DOT_V", "DOT_DB"))):
         tuned = tuning.lookup("_kron_grad_kernel", device,
-                              grad_tuning_key(a_out, a_in, b_out, b_in, elem_bytes), T)
+                              grad_tuning_key(a_out, a_in, b_out, b_in, elem_bytes), T,
+                              grad_candidates(T, a_out, a_in, b_out, b_in))
         if tuned is not None:
             cfg = with_grad_config(cfg, tuned)
     return cfg
@@ -1252,7 +1253,8 @@ def narrow_config(T: int, plan, device: torch.device, elem_bytes: int) -> dict:
     if elem_bytes == 2 and T >= _TUNE_MIN_T and device.type == "cuda":
         _, _, m, n, K, J = plan
         tuned = tuning.lookup("_kron_narrow_grad_kernel", device,
-                              narrow_tuning_key(m, n, K, J, elem_bytes), T)
+                              narrow_tuning_key(m, n, K, J, elem_bytes), T,
+                              NARROW_CANDIDATES)
         if tuned is not None:
             cfg.update({k: v for k, v in tuned.items() if k in ("TILE", "num_warps")})
     return cfg
