@@ -158,20 +158,24 @@ def tl_dtype(dtype: torch.dtype):
             torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}[dtype]
 
 
-def host_config(fn):
+def host_config(fn=None, *, tuned: bool = False):
     """Remember a host configuration function's result per arguments (ints, dtypes, devices,
     bools) and ``_AOT_TARGET`` state: block sizes are chosen once per shape, not on every call
     (the launch path is host-bound at the benchmark shapes: see kfused.ops._common). A dict
     result is handed out as a copy (callers may edit theirs). At most 4096 entries (a run
-    with ever-new token counts restarts the cache rather than grow it). Keyed on the tuning
-    table in use too (:func:`kfused.tuning.state`): a choice may come from it, and another
-    table or ``tuning.forget()`` must reach the next call."""
+    with ever-new token counts restarts the cache rather than grow it). ``tuned=True``: the
+    function may take its choice from the tuning table, so the key holds the table in use
+    too (:func:`kfused.tuning.state`): another table or ``tuning.forget()`` reaches the next
+    call."""
+    if fn is None:
+        return functools.partial(host_config, tuned=tuned)
     cache: dict = {}
+    state = tuning.state if tuned else (lambda: None)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         key = (args, tuple(kwargs.items()) if kwargs else (), _AOT_TARGET["on"],
-               _AOT_TARGET["sms"], tuning.state())
+               _AOT_TARGET["sms"], state())
         try:
             hit = cache[key]
         except KeyError:

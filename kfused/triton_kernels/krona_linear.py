@@ -906,7 +906,7 @@ def fold_weight(weight: Optional[torch.Tensor], A: torch.Tensor, B: torch.Tensor
     return out
 
 
-@host_config
+@host_config(tuned=True)
 def _grad_config(T: int, a_out: int, a_in: int, b_out: int, b_in: int,
                  device: torch.device, elem_bytes: int = 2) -> dict:
     """Block sizes for _kron_grad_kernel: :func:`_grad_rule`'s, or on a CUDA device the
