@@ -364,8 +364,11 @@ def test_pretrained_base_copies_names_from_its_context():
 def test_pretrain_script_runs(tmp_path):
     from kfused.data.pretrain_base import build_parser as pp, pretrain
 
+    # the thread count conftest chose (1 while a background run holds a core; the script's
+    # default 2 then took 170 s against 16 s)
     info = pretrain(pp().parse_args(["--steps", "2", "--docs", "40", "--batch-size", "2",
-                                     "--seq-len", "64", "--out", str(tmp_path)]))
+                                     "--seq-len", "64", "--out", str(tmp_path),
+                                     "--threads", str(torch.get_num_threads())]))
     assert info["train_tokens"] == 2 * 2 * 64
     cfg = json.load(open(tmp_path / "config.json"))
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (257, 259, 256)
@@ -424,7 +427,7 @@ def test_pretrain_failing_while_writing_leaves_the_earlier_version_whole(tmp_pat
         shutil.copy(os.path.join(BASE_DIR, n), tmp_path / n)
     before = {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS}
     argv = ["--steps", "1", "--docs", "40", "--batch-size", "1", "--seq-len", "32",
-            "--out", str(tmp_path)]
+            "--out", str(tmp_path), "--threads", str(torch.get_num_threads())]
 
     def fail(*a, **k):
         raise OSError("disk full")
