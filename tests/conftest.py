@@ -51,6 +51,8 @@ def _seed_and_poison(request):
 
 
 _TORCH_THREADS = torch.get_num_threads()
+# pytest-xdist workers (the README's test command runs two): each holds a core of its own
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 
 
 def _background_busy() -> bool:
@@ -68,7 +70,7 @@ def _torch_threads():
     # CPU ops ran 10 s alone and 155 s beside the background runs. One thread then; torch's
     # default again once they are done. (Each test starts from the count chosen here, also
     # when an earlier one changed it.)
-    want = 1 if _background_busy() else _TORCH_THREADS
+    want = 1 if _XDIST_WORKERS > 1 or _background_busy() else _TORCH_THREADS
     if torch.get_num_threads() != want:
         torch.set_num_threads(want)
     yield
@@ -136,6 +138,10 @@ def pytest_collection_modifyitems(session, config, items):
     if config.option.collectonly:
         return
     _start_gpu_config_runs(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # every worker collects every test, one runs the structure tests (their xdist_group):
+        # it starts the run when its first structure test asks (structure_report())
+        return
     if not any(os.path.basename(str(item.fspath)) in _STRUCTURE_TESTS for item in items):
         return
     try:

@@ -25,6 +25,10 @@ import pytest
 
 from kfused.perf.compile import find_nvcc
 
+# pytest-xdist (the README's test command): test_csrc_sass disassembles the objects this
+# file's fixture compiled (DEVICE_OBJECTS), so both files run on one worker
+pytestmark = pytest.mark.xdist_group("csrc")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 SOURCES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True)

@@ -37,6 +37,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_csrc_compile as _cc  # noqa: E402  (nvcc / include discovery shared with the compile check)
 
+# pytest-xdist (the README's test command): this file disassembles the objects
+# test_csrc_compile's fixture compiled (DEVICE_OBJECTS), so both files run on one worker
+pytestmark = pytest.mark.xdist_group("csrc")
+
 ROOT = _cc.ROOT
 CSRC = _cc.CSRC
 CU_SOURCES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))

@@ -13,6 +13,10 @@ import pytest
 from kfused.perf import report as R
 from tests._perf_helpers import structure_report
 
+# pytest-xdist (the README's test command): one worker runs the structural compile run
+# (tests/_perf_helpers.py) for every test that reads it
+pytestmark = pytest.mark.xdist_group("structure")
+
 
 def _triton_known():
     """Known Triton violations; the list was generated with one Triton version and the

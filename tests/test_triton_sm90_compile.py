@@ -12,6 +12,10 @@ import pytest
 
 from tests._perf_helpers import structure_report
 
+# pytest-xdist (the README's test command): one worker runs the structural compile run
+# (tests/_perf_helpers.py) for every test that reads it
+pytestmark = pytest.mark.xdist_group("structure")
+
 
 def test_all_triton_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
