@@ -233,6 +233,39 @@ def _clean_listing(d, extra=()):
     assert names == sorted([ck.POINTER, *versions, *extra]) and len(versions) == 1, names
 
 
+def test_a_load_beside_a_running_save_never_removes_what_it_committed(tmp_path, monkeypatch):
+    """A load's cleaning read the pointer (version A); a save in another thread committed B
+    and removed A; the cleaning then took B, named by no pointer it had read and written by
+    no save still active, for a leftover and removed it: the checkpoint held no version.
+    Now a save holds a lock on the folder and a load cleans only when it can take it."""
+    import threading
+
+    d = tmp_path / "c"
+    save(tiny(1.0), str(d))
+    orig, main = ck._read_pointer, threading.current_thread()
+    saved, armed, threads = threading.Event(), [True], []
+
+    def racing_save():
+        save(tiny(2.0), str(d))
+        saved.set()
+
+    def hooked(directory):
+        ptr = orig(directory)
+        if armed[0] and threading.current_thread() is main:
+            armed[0] = False       # inside the load's cleaning: a save runs now, elsewhere
+            threads.append(threading.Thread(target=racing_save))
+            threads[0].start()
+            saved.wait(timeout=3)  # before: it committed meanwhile; now it waits for the lock
+        return ptr
+
+    monkeypatch.setattr(ck, "_read_pointer", hooked)
+    load(tiny(), str(d))
+    threads[0].join(timeout=120)
+    monkeypatch.undo()
+    assert saved.is_set()
+    assert states_equal(loaded(d), adapter_state_dict(tiny(2.0)))
+
+
 def test_kill_at_every_step_of_save(tmp_path):
     """A process killed after (or half way through) every step of the save protocol: load
     gives the old version up to the commit (step 6) and the new one from it on, never an

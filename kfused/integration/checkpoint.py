@@ -27,6 +27,9 @@ pointer temp file, or a superseded folder; their names carry ``<id>`` = time, ho
 random tag, and the next :func:`save` or :func:`load` on ``D`` removes them once their writer is
 gone (same host and pid no longer running, or older than a day). Nothing else is ever deleted:
 a folder holding other files (e.g. PEFT's) keeps them, and a path that is a file is refused.
+A save holds an advisory lock (``flock``) on ``D`` itself from step 1 to step 8: saves into one
+folder run one at a time, and a load cleans only when it can take the lock at once (never
+beside a running save, whose pid a load in another PID namespace cannot see).
 
 :func:`load` checks the pointer, the hashes (of the very bytes it parses), the JSON description
 and every tensor of the weights file against it (name, shape, dtype) before it changes the
@@ -39,6 +42,7 @@ parameters are gathered); rank 0 writes, and when its write fails every rank rai
 from __future__ import annotations
 
 import calendar
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +53,11 @@ import threading
 import time
 import uuid
 from typing import Dict, Optional, Set, Tuple
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover  (not POSIX)
+    fcntl = None
 
 import torch
 from torch import nn
@@ -182,6 +191,39 @@ def _content_is_ours(path: str) -> bool:
         except (OSError, ValueError, AttributeError):
             return False
     return not names
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: str, wait: bool):
+    """An advisory lock on the checkpoint folder itself (``flock`` on the folder: no file of
+    its own): a save holds it from its cleaning to its last step, and the cleaning a
+    :func:`load` does runs only while it can take it at once. Yields whether it is held.
+    Without it a load beside a running save (another thread, or another PID namespace on
+    the same host, where the save's pid looks dead) could read the old pointer, then remove
+    the version that save had just committed. Where the folder cannot be locked (no flock,
+    some network filesystems) it yields False: a save goes on as before, a load skips its
+    cleaning."""
+    if fcntl is None:
+        yield False
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            held = True
+        except OSError:
+            held = False
+        try:
+            yield held
+        finally:
+            if held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _writer_gone(match: "re.Match", path: str) -> bool:
@@ -514,53 +556,56 @@ def _write_version(model: nn.Module, directory: str, state, tensors: Dict[str, t
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"cannot create {directory}: {exc}") from exc
-    _clean(directory)
-    old = _read_pointer(directory)
-    _step(1)
-    ident = _new_id()
-    folder = os.path.join(directory, VERSION_PREFIX + ident)
-    tmp = os.path.join(directory, f".{POINTER}.{ident}.tmp")
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(ident)
-    try:
-        os.mkdir(folder)
-        _step(2)
-        _fsync_write(os.path.join(folder, WEIGHTS), weights, 3)
-        _step(3)
-        _fsync_write(os.path.join(folder, CONFIG), config, 4)
-        _fsync_dir(folder)
-        _step(4)
-        pointer = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                   "version": VERSION_PREFIX + ident,
-                   "sha256": {WEIGHTS: _sha256_bytes(weights), CONFIG: _sha256_bytes(config)}}
-        _fsync_write(tmp, json.dumps(pointer, indent=2).encode(), 5)
-        _step(5)
-        os.replace(tmp, os.path.join(directory, POINTER))
-        _fsync_dir(directory)
-        _step(6)
-    except BaseException:
-        for path, rm in ((tmp, os.unlink), (folder, shutil.rmtree)):
-            try:
-                if os.path.lexists(path):
-                    rm(path)
-            except OSError:
-                pass
-        raise
-    finally:
+    # one save at a time into a folder, and no load cleans while one runs (_dir_lock)
+    with _dir_lock(directory, wait=True):
+        _clean(directory)
+        old = _read_pointer(directory)
+        _step(1)
+        ident = _new_id()
+        folder = os.path.join(directory, VERSION_PREFIX + ident)
+        tmp = os.path.join(directory, f".{POINTER}.{ident}.tmp")
         with _ACTIVE_LOCK:
-            _ACTIVE.discard(ident)
-    if old is not None:
-        stale = os.path.join(directory, old["version"])
-        if os.path.isdir(stale) and not os.path.islink(stale) and _only_ours(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-    _step(7)
-    if os.path.lexists(os.path.join(directory, MARKER)) and _v1_is_ours(directory):
-        for n in (MARKER, CONFIG, WEIGHTS):  # MARKER first: a half-removed v1 is never read
-            try:
-                os.unlink(os.path.join(directory, n))
-            except OSError:
-                pass
-    _step(8)
+            _ACTIVE.add(ident)
+        try:
+            os.mkdir(folder)
+            _step(2)
+            _fsync_write(os.path.join(folder, WEIGHTS), weights, 3)
+            _step(3)
+            _fsync_write(os.path.join(folder, CONFIG), config, 4)
+            _fsync_dir(folder)
+            _step(4)
+            pointer = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                       "version": VERSION_PREFIX + ident,
+                       "sha256": {WEIGHTS: _sha256_bytes(weights),
+                                  CONFIG: _sha256_bytes(config)}}
+            _fsync_write(tmp, json.dumps(pointer, indent=2).encode(), 5)
+            _step(5)
+            os.replace(tmp, os.path.join(directory, POINTER))
+            _fsync_dir(directory)
+            _step(6)
+        except BaseException:
+            for path, rm in ((tmp, os.unlink), (folder, shutil.rmtree)):
+                try:
+                    if os.path.lexists(path):
+                        rm(path)
+                except OSError:
+                    pass
+            raise
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(ident)
+        if old is not None:
+            stale = os.path.join(directory, old["version"])
+            if os.path.isdir(stale) and not os.path.islink(stale) and _only_ours(stale):
+                shutil.rmtree(stale, ignore_errors=True)
+        _step(7)
+        if os.path.lexists(os.path.join(directory, MARKER)) and _v1_is_ours(directory):
+            for n in (MARKER, CONFIG, WEIGHTS):  # MARKER first: a half-removed v1 is never read
+                try:
+                    os.unlink(os.path.join(directory, n))
+                except OSError:
+                    pass
+        _step(8)
 
 
 def read_checkpoint_config(directory: str) -> Dict[str, object]:
@@ -620,7 +665,12 @@ def load(model: nn.Module, directory: str, *, backend: Optional[str] = None) -> 
                 "replacing them would leave those weights wrong. Call "
                 "kfused.integration.unmerge(model), then load, then merge(model) again.")
     try:
-        _clean(directory)
+        with _dir_lock(directory, wait=False) as held:
+            # not held: a save is under way (it cleans, not this load), or no lock here; a
+            # missing folder has nothing inside to race over (a format-1 save killed while
+            # its old copy was moved aside: _clean puts that back)
+            if held or not os.path.isdir(directory):
+                _clean(directory)
     except OSError:
         pass
     meta, weights, wpath = _current(directory)
