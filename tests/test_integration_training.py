@@ -116,6 +116,42 @@ def test_transformers_trainer(tmp_path, config):
                if n not in set(get_state(model).param_names))
 
 
+def test_trainer_hyperparameter_search_keeps_each_trials_adapters(tmp_path, monkeypatch):
+    """During a hyperparameter search the Trainer writes <output_dir>/run-<n>/checkpoint-<s>;
+    the callback wrote every trial's adapters to <output_dir>/checkpoint-<s>/kfused_adapter,
+    each trial replacing the last and none beside its own checkpoint. (The search backend is
+    stood in for: optuna is not a dependency; the Trainer is told a trial as it would be.)"""
+    import types
+
+    import transformers.integrations
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import HPSearchBackend
+
+    from kfused.integration import adapter_state_dict, load
+    from kfused.integration.hf_trainer import AdapterCheckpointCallback
+
+    monkeypatch.setattr(transformers.integrations, "hp_params", lambda trial: {})
+    rows = [{k: v[0] for k, v in batch("llama", b=1, seed=s).items()} for s in range(2)]
+    states = []
+    for n in range(2):
+        model = make("llama", seed=n)
+        inject(model, AdapterConfig(method="lora", backend="reference", init="random"))
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=1,
+                                 per_device_train_batch_size=2, report_to=[],
+                                 save_strategy="steps", save_steps=1, use_cpu=True,
+                                 disable_tqdm=True, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=rows,
+                          callbacks=[AdapterCheckpointCallback()])
+        trainer.hp_search_backend, trainer.hp_space = HPSearchBackend.OPTUNA, lambda t: {}
+        trainer.train(trial=types.SimpleNamespace(number=n, params={}))
+        states.append(adapter_state_dict(model))
+    assert not (tmp_path / "checkpoint-1").exists()
+    for n, want in enumerate(states):
+        fresh = make("llama")
+        load(fresh, str(tmp_path / f"run-{n}" / "checkpoint-1" / "kfused_adapter"))
+        assert all(torch.equal(v, want[k]) for k, v in adapter_state_dict(fresh).items())
+
+
 def test_bench_e2e_cases_cpu(monkeypatch):
     import sys
 
