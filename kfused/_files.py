@@ -57,17 +57,34 @@ def replace_atomically(path: str, write: Callable[[str], None]) -> None:
 def new_results_file(out_dir, stem: str, text: str) -> Path:
     """Write ``text`` to a new ``<stem>.json`` in ``out_dir`` (``<stem>-2.json``, ... when a
     file of that name or its ``.png`` is there: another run in the same second, or a file
-    kfused did not write; kfused never overwrites either). Returns its path; the plot goes
-    beside it as ``path.with_suffix(".png")``."""
+    kfused did not write; kfused never overwrites either). The text goes to a temporary file
+    first, which is then linked in under the first free name (a link never replaces a file):
+    a failed write (a full disk) leaves no partial file under a results name. Returns its
+    path; the plot goes beside it as ``path.with_suffix(".png")``."""
     out_dir = Path(out_dir)
-    for i in range(1, 1000):
-        path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
-        if os.path.lexists(path.with_suffix(".png")):
-            continue
-        try:
-            with open(path, "x") as f:
-                f.write(text)
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(f"kfused: {out_dir} holds {stem}.json to {stem}-999.json")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix="." + stem + ".", suffix=".json.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        for i in range(1, 1000):
+            path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
+            if os.path.lexists(path.with_suffix(".png")):
+                continue
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                continue
+            except OSError:     # no hard links on this filesystem: a new file, written
+                try:
+                    with open(path, "x") as f:
+                        f.write(text)
+                except FileExistsError:
+                    continue
+            return path
+        raise FileExistsError(f"kfused: {out_dir} holds {stem}.json to {stem}-999.json")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)

@@ -346,6 +346,42 @@ def test_perf_refuses_before_the_compile_run(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "r.txt").read_text() == "my notes"
 
 
+def test_perf_default_report_is_never_a_file_it_did_not_write(tmp_path, monkeypatch, capsys):
+    # without --json the default perf-latest.json / .txt were replaced whatever they held
+    # (an installed package writes ./kfused_perf_results/); and a file that appears there
+    # during the run is not replaced either: the report goes to a new name
+    import json
+
+    from kfused.perf import report
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # else run() re-launches itself
+    default = tmp_path / "perf-latest.json"
+    monkeypatch.setattr(report, "default_json", lambda: str(default))
+    monkeypatch.setattr(report, "analyse", lambda *a, **k: pytest.fail("ran with bad options"))
+    for name in ("perf-latest.json", "perf-latest.txt"):
+        (tmp_path / name).write_text("USER")
+        with pytest.raises(SystemExit) as exc:
+            report.run(["--ops", "krona"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --json: the default report" in err, err
+        assert (tmp_path / name).read_text() == "USER"
+        (tmp_path / name).unlink()
+
+    fake = {"label": report.LABEL, "versions": {}, "failures": [], "violations": [],
+            "elapsed_s": 0.0}
+
+    def analyse(*a, **k):
+        default.write_text("USER")           # appears while the run goes on
+        return dict(fake)
+
+    monkeypatch.setattr(report, "analyse", analyse)
+    monkeypatch.setattr(report, "table", lambda rep: "TABLE")
+    assert report.run(["--ops", "krona"]) == 0
+    assert default.read_text() == "USER"
+    assert json.loads((tmp_path / "perf-latest-2.json").read_text())["label"] == report.LABEL
+    assert (tmp_path / "perf-latest-2.txt").read_text().startswith(report.LABEL)
+
+
 def test_perf_json_is_never_a_file_it_did_not_write_and_is_replaced_whole(tmp_path, monkeypatch,
                                                                           capsys):
     # --json replaced any file of that name (only the table beside it was protected), and a

@@ -6,6 +6,7 @@ failing randomised test."""
 
 import os
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -319,6 +320,37 @@ def test_bench_write_prefs_body_is_checked_before_the_run(tmp_path):
     assert path.read_text() == body
     path.write_text(json.dumps({"written_by": PREFS_WRITER, "devices": {}}))
     bench._check_prefs_target(path)                                  # a good one: fine
+
+
+def test_a_results_file_is_whole_or_absent(tmp_path):
+    # written in place under its final name, a write that failed part way (a full disk, here
+    # a file-size limit) left a truncated, unparsable results file there
+    import json
+    import subprocess
+
+    code = textwrap.dedent(f"""
+        import json, os, resource, signal
+        from kfused import _files
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        try:
+            _files.new_results_file({str(tmp_path)!r}, "krona_x",
+                                    json.dumps({{"rows": list(range(5000))}}))
+        except OSError as exc:
+            print("failed:", exc)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert "failed:" in out.stdout, (out.stdout, out.stderr)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "krona_x.json").write_text("mine")
+    text = json.dumps({"rows": list(range(5000))})
+    from kfused import _files
+
+    path = _files.new_results_file(tmp_path, "krona_x", text)
+    assert path.name == "krona_x-2.json" and json.loads(path.read_text()) == json.loads(text)
+    assert sorted(os.listdir(tmp_path)) == ["krona_x-2.json", "krona_x.json"]
+    assert (tmp_path / "krona_x.json").read_text() == "mine"
 
 
 def test_bench_e2e_script_never_overwrites_a_file(tmp_path, monkeypatch):

@@ -480,7 +480,10 @@ def write_known(report: dict) -> None:
 
 
 def _our_table(path: str) -> bool:
-    """True when ``path`` is a table an earlier ``kfused perf`` wrote (its first line)."""
+    """True when ``path`` is a table an earlier ``kfused perf`` wrote (its first line; a
+    symbolic link never)."""
+    if os.path.islink(path):
+        return False
     try:
         with open(path, encoding="utf-8") as f:
             return f.readline().startswith(LABEL)
@@ -488,9 +491,35 @@ def _our_table(path: str) -> bool:
         return False
 
 
+def _not_ours(path: str) -> Optional[str]:
+    """Why ``kfused perf`` may not write its report to ``path`` and its table beside it (None
+    if it may): either exists and is not one an earlier ``kfused perf`` wrote."""
+    text_path = os.path.splitext(path)[0] + ".txt"
+    if os.path.lexists(path) and not _our_report(path):
+        return f"{path} exists and was not written by kfused perf; not overwriting it"
+    if os.path.lexists(text_path) and not _our_table(text_path):
+        return (f"the table goes to {text_path}, which exists and was not written by kfused "
+                "perf; not overwriting it")
+    return None
+
+
+def _free_name(path: str) -> str:
+    """``<stem>-<n>.json`` beside ``path``, free for the report and its table."""
+    stem = os.path.splitext(path)[0]
+    for i in range(2, 1000):
+        cand = f"{stem}-{i}.json"
+        if not os.path.lexists(cand) and not os.path.lexists(f"{stem}-{i}.txt"):
+            print(f"kfused perf: {path} or its table is no longer kfused's; writing {cand}")
+            return cand
+    raise FileExistsError(f"kfused perf: {stem}-2.json to {stem}-999.json all exist")
+
+
 def _our_report(path: str) -> bool:
-    """True when ``path`` is empty or a JSON report an earlier ``kfused perf`` wrote."""
+    """True when ``path`` is empty or a JSON report an earlier ``kfused perf`` wrote (a
+    symbolic link never: replacing it would replace the link, not what it names)."""
     try:
+        if os.path.islink(path):
+            return False
         if os.path.isfile(path) and os.path.getsize(path) == 0:
             return True
         with open(path, encoding="utf-8") as f:
@@ -612,10 +641,18 @@ def run(argv=None) -> int:
         except OSError as exc:
             p.error(f"argument --json: the default report folder {os.path.dirname(path)} "
                     f"cannot be made ({exc}); give --json")
+        # the default names are checked as --json's are (they were replaced whatever held them)
+        refusal = _not_ours(path)
+        if refusal:
+            p.error(f"argument --json: the default report {refusal}; give --json")
     report = analyse(ops, a.arch, a.jobs, with_csrc=not a.no_csrc,
                      with_grounding=not a.no_grounding,
                      with_representative=not a.no_representative,
                      structure_only=a.structure_only, device=a.device)
+    if path and _not_ours(path):
+        # a file of someone else's appeared there during the run: never replaced; the report
+        # goes to a new name beside it
+        path = _free_name(path)
     if path:  # replaced whole or not at all (kfused._files), like the other commands' reports
         def dump(tmp: str) -> None:
             with open(tmp, "w") as f:
