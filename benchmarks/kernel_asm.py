@@ -77,11 +77,16 @@ def main(argv=None) -> int:
         k = triton.compile(ASTSource(L.fn, sig, consts, attrs), target=_target(args.arch),
                            options=opts)
         stem = os.path.join(args.out, f"{args.kernel}.{i}")
-        for ext in ("ttir", "ttgir", "ptx"):
-            with open(f"{stem}.{ext}", "w") as f:
-                f.write(k.asm[ext])
-        with open(f"{stem}.cubin", "wb") as f:
-            f.write(k.asm["cubin"])
+        try:    # new files only ("x"): never over a file, never through a link
+            for ext in ("ttir", "ttgir", "ptx"):
+                with open(f"{stem}.{ext}", "x") as f:
+                    f.write(k.asm[ext])
+            with open(f"{stem}.cubin", "xb") as f:
+                f.write(k.asm["cubin"])
+        except FileExistsError as exc:
+            print(f"kernel_asm: {exc.filename} exists; not replacing it (give another --out, "
+                  "or remove the earlier dump)", file=sys.stderr)
+            return 2
         st = next(iter(cubin_stats(k.asm["cubin"]).values()), {})
         const = {n: v for n, v in L.kwargs.items() if not hasattr(v, "data_ptr")}
         print(f"#{i} grid {L.grid} {const}")

@@ -45,6 +45,8 @@ import time
 
 import torch
 
+from kfused import _files
+
 KERNEL = "_kron_grad_kernel"
 
 
@@ -334,11 +336,43 @@ def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
         tuning.merge(table, name, kernel, es,
                      extra={"commits": {**commits, name: meta["git_commit"]}})
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        refusal = out_refusal(out)      # again: a file may have appeared during the run
+        if refusal:
+            out = _files.new_results_file(os.path.dirname(os.path.abspath(out)),
+                                          os.path.splitext(os.path.basename(out))[0],
+                                          json.dumps({"written_by": OUT_WRITER, "meta": meta,
+                                                      "rows": rows}, indent=1))
+            print(f"tune_kernels: {refusal}; the timings went to {out}")
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+            def dump(tmp: str) -> None:
+                with open(tmp, "w") as f:
+                    json.dump({"written_by": OUT_WRITER, "meta": meta, "rows": rows}, f,
+                              indent=1)
+
+            _files.replace_atomically(out, dump)
     print(f"{sum(len(v) for v in entries.values())} shapes tuned; table {table}")
     return 0
+
+
+OUT_WRITER = "benchmarks/tune_kernels.py --out"
+
+
+def out_refusal(out: str):
+    """Why the timings may not go to ``out`` (None if they may): it exists and is not an
+    earlier run's (a symbolic link never is: replacing it would replace the link)."""
+    if not os.path.lexists(out):
+        return None
+    if os.path.islink(out) or not os.path.isfile(out):
+        return f"{out} exists and is not a file tune_kernels wrote; not replacing it"
+    try:
+        with open(out) as f:
+            mine = json.load(f).get("written_by") == OUT_WRITER
+    except (OSError, ValueError, AttributeError):
+        mine = False
+    return None if mine else (f"{out} exists and was not written by tune_kernels; not "
+                              "replacing it")
 
 
 def main(argv=None) -> int:
@@ -362,6 +396,8 @@ def main(argv=None) -> int:
     bad = [k for k in kernels if k not in JOBS]
     if bad:
         p.error(f"--kernels: unknown {bad}; expected some of {sorted(JOBS)}")
+    if a.out and out_refusal(a.out):           # before the GPU time, not after it
+        p.error(f"--out: {out_refusal(a.out)}")
     if a.compile_only:
         if os.environ.get("TRITON_INTERPRET"):
             raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")

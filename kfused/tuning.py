@@ -161,7 +161,14 @@ def forget() -> None:
 
 def merge(path: str, device: str, kernel: str, entries, extra: Optional[dict] = None) -> dict:
     """Write ``entries`` for (device, kernel) into the table at ``path`` (created if absent),
-    replacing those with the same key and token count; returns the table."""
+    replacing those with the same key and token count; returns the table. Replaced whole or
+    not at all (a temporary file of a fresh name, then a rename); a symbolic link is refused
+    (the rename would replace the link, not the table it names)."""
+    from kfused._files import replace_atomically
+
+    if os.path.islink(path):
+        raise TuningError(f"kernel tuning table {path} is a symbolic link; not replacing it "
+                          f"(give the file it points to, {os.path.realpath(path)})")
     data = load(path) if os.path.exists(path) else {"written_by": WRITER, "devices": {}}
     data = json.loads(json.dumps(data))           # a copy: load() is cached
     have = data["devices"].setdefault(device, {}).setdefault(kernel, [])
@@ -173,10 +180,11 @@ def merge(path: str, device: str, kernel: str, entries, extra: Optional[dict] = 
     have.sort(key=lambda e: (json.dumps(e["key"], sort_keys=True), e["T"]))
     if extra:
         data.update(extra)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    replace_atomically(path, dump)
     forget()
     return data

@@ -369,3 +369,45 @@ def test_narrow_config_from_the_table(table):
     other = kl.narrow_grad_plan(8, 384, 384, 2)
     assert kl.narrow_config(16384, other, cuda, 2) == rule                # another shape
     assert kl.narrow_config(16384, plan, cpu, 2)["TILE"] == 16 * kl._NARROW_GPU_TILE
+
+
+def test_merge_never_writes_through_a_link_and_leaves_no_temporary(tmp_path):
+    # merge wrote its temporary at the predictable <table>.tmp<pid> (through any link placed
+    # there), replaced a symlinked table by a plain file (the file it named never updated),
+    # and an interrupted write left the temporary behind
+    key = kl.grad_tuning_key(24, 24, 32, 32, 2)
+    real = tmp_path / "real.json"
+    tuning.merge(str(real), GPU, "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=8, num_warps=8, num_stages=3)])
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    with pytest.raises(tuning.TuningError, match="symbolic link"):
+        tuning.merge(str(link), GPU, "_kron_grad_kernel", [])
+    assert link.is_symlink()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (tmp_path / f"real.json.tmp{os.getpid()}").symlink_to(victim)
+    tuning.merge(str(real), "GPU 2", "_kron_grad_kernel",
+                 [_entry(key, 16384, BT=4, num_warps=8, num_stages=3)])
+    assert victim.read_text() == "mine"
+    assert set(json.loads(real.read_text())["devices"]) == {GPU, "GPU 2"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["real.json", "link.json", "victim.txt", f"real.json.tmp{os.getpid()}"])
+
+
+def test_tune_kernels_out_is_never_a_file_it_did_not_write(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import tune_kernels
+
+    mine = tmp_path / "t.json"
+    assert tune_kernels.out_refusal(str(mine)) is None
+    mine.write_text(json.dumps({"written_by": tune_kernels.OUT_WRITER, "rows": []}))
+    assert tune_kernels.out_refusal(str(mine)) is None
+    (tmp_path / "notes.json").write_text("USER")
+    (tmp_path / "ln.json").symlink_to(mine)
+    for name in ("notes.json", "ln.json"):
+        assert "not replacing it" in tune_kernels.out_refusal(str(tmp_path / name))
+        with pytest.raises(SystemExit) as exc:
+            tune_kernels.main(["--out", str(tmp_path / name)])
+        assert exc.value.code == 2
+    assert (tmp_path / "notes.json").read_text() == "USER"
