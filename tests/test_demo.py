@@ -414,6 +414,42 @@ def test_pretrain_never_overwrites_a_model_it_did_not_write(tmp_path):
     assert _out_refusal(BASE_DIR) is None and _out_refusal(str(tmp_path / "new")) is None
 
 
+def test_pretrain_interrupted_while_moving_in_keeps_one_whole_version(tmp_path, monkeypatch):
+    # the four files were moved over the earlier ones one by one: a Ctrl-C after the weights
+    # left new weights beside the earlier record (its hash not theirs); and a second run then
+    # refuses weights its record does not name (a user's fine-tuned weights put there)
+    import hashlib
+
+    import kfused.data.pretrain_base as pb
+
+    argv = ["--steps", "1", "--docs", "40", "--batch-size", "1", "--seq-len", "32",
+            "--out", str(tmp_path), "--threads", str(torch.get_num_threads())]
+    monkeypatch.setattr(pb, "mean_loss", lambda model, held: 0.0)   # not what is tested: fast
+    monkeypatch.setattr(pb, "name_copy_rate", lambda model, docs: 0.0)
+    pb.pretrain(pb.build_parser().parse_args(argv))
+    before = {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS}
+    real, hits = os.replace, []
+
+    def replace(src, dst):
+        if os.path.basename(dst) == "pretrain.json" and pb.STAGING in src and not hits:
+            hits.append(dst)
+            raise KeyboardInterrupt                  # Ctrl-C lands between the moves
+        return real(src, dst)
+
+    monkeypatch.setattr(pb.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        pb.pretrain(pb.build_parser().parse_args(argv + ["--seed", "1"]))
+    monkeypatch.setattr(pb.os, "replace", real)
+    assert hits and {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS} == before
+    assert sorted(os.listdir(tmp_path)) == sorted(pb.OUTPUTS)
+    (tmp_path / "model.safetensors").write_bytes(b"USER FINE-TUNED WEIGHTS")
+    with pytest.raises(pb.Refusal, match="not the weights its pretrain.json records"):
+        pb.pretrain(pb.build_parser().parse_args(argv))
+    assert (tmp_path / "model.safetensors").read_bytes() == b"USER FINE-TUNED WEIGHTS"
+    record = json.loads(before["pretrain.json"])
+    assert record["weights_sha256"] == hashlib.sha256(before["model.safetensors"]).hexdigest()
+
+
 def test_pretrain_failing_while_writing_leaves_the_earlier_version_whole(tmp_path, monkeypatch):
     # the weights were written over the earlier ones, then the record: a failure (or a kill)
     # between the two left new weights beside the old record (its sha256 no longer matched)
@@ -428,8 +464,12 @@ def test_pretrain_failing_while_writing_leaves_the_earlier_version_whole(tmp_pat
     before = {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS}
     argv = ["--steps", "1", "--docs", "40", "--batch-size", "1", "--seq-len", "32",
             "--out", str(tmp_path), "--threads", str(torch.get_num_threads())]
+    real_sha, calls = hashlib.sha256, []
 
     def fail(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:    # the --out check hashes the earlier weights: not the failure
+            return real_sha(*a, **k)
         raise OSError("disk full")
 
     monkeypatch.setattr(pb, "mean_loss", lambda model, held: 0.0)  # not what is tested: fast

@@ -132,13 +132,94 @@ def _out_refusal(out: str) -> Optional[str]:
         return None
     try:
         with open(os.path.join(out, "pretrain.json")) as f:
-            ours = str(json.load(f).get("what", "")).startswith(WHAT.split(" (")[0])
+            record = json.load(f)
+        ours = str(record.get("what", "")).startswith(WHAT.split(" (")[0])
     except (OSError, ValueError, AttributeError):
-        ours = False
+        record, ours = {}, False
     if not ours:
         return (f"--out {out} holds {', '.join(taken)} that kfused.data.pretrain_base did not "
                 "write (no pretrain.json of its own); not overwriting them")
+    weights = os.path.join(out, "model.safetensors")
+    if os.path.lexists(weights):
+        # its own record beside weights it does not name (a user's fine-tuned weights put
+        # there, or a link): those are not this script's to replace
+        try:
+            with open(weights, "rb") as f:
+                same = (not os.path.islink(weights) and hashlib.sha256(f.read()).hexdigest()
+                        == record.get("weights_sha256"))
+        except OSError:
+            same = False
+        if not same:
+            return (f"--out {out}: model.safetensors is not the weights its pretrain.json "
+                    "records (weights_sha256 differs); not overwriting it")
     return None
+
+
+STAGING = ".pretrain-staging-"
+PREVIOUS = "previous"
+
+
+def _swap_in(stage: str, out: str) -> None:
+    """Move the new version's files from ``stage`` into ``out``. The earlier files go first
+    into ``stage/previous/`` (the record first: an old record never stands beside new
+    weights), then the new ones in (the record last); a failure or interrupt part way moves
+    the earlier files back. Before, the four files were moved in one by one over the earlier
+    ones: interrupted, new weights stood beside the earlier record (its hash not theirs)."""
+    prev = os.path.join(stage, PREVIOUS)
+    os.mkdir(prev)
+    old, new = [], []
+    try:
+        for name in reversed(OUTPUTS):
+            if os.path.lexists(os.path.join(out, name)):
+                os.replace(os.path.join(out, name), os.path.join(prev, name))
+                old.append(name)
+        for name in OUTPUTS:
+            os.replace(os.path.join(stage, name), os.path.join(out, name))
+            new.append(name)
+    except BaseException:
+        _restore(prev, out, new)
+        raise
+
+
+def _restore(prev: str, out: str, new) -> None:
+    """Undo a partial :func:`_swap_in`: remove the new files it moved in (``new``), move the
+    earlier ones in ``prev`` back."""
+    for name in new:
+        try:
+            os.unlink(os.path.join(out, name))
+        except OSError:
+            pass
+    for name in os.listdir(prev):
+        if name in OUTPUTS:
+            os.replace(os.path.join(prev, name), os.path.join(out, name))
+
+
+def _recover(out: str) -> None:
+    """A run killed during :func:`_swap_in` (no exception handler ran) left the earlier
+    version's files in ``out/.pretrain-staging-*/previous/``: when ``out`` does not hold a
+    whole version (a file missing, or weights its record does not name), put them back."""
+    try:
+        stages = [n for n in os.listdir(out) if n.startswith(STAGING)]
+    except OSError:
+        return
+    for n in stages:
+        prev = os.path.join(out, n, PREVIOUS)
+        if not os.path.isdir(prev) or not os.listdir(prev):
+            continue
+        whole = all(os.path.isfile(os.path.join(out, f)) for f in OUTPUTS)
+        if whole:
+            try:
+                with open(os.path.join(out, "pretrain.json")) as f:
+                    want = json.load(f).get("weights_sha256")
+                with open(os.path.join(out, "model.safetensors"), "rb") as f:
+                    whole = hashlib.sha256(f.read()).hexdigest() == want
+            except (OSError, ValueError, AttributeError):
+                whole = False
+        if not whole:
+            _restore(prev, out, [])
+            print(f"pretrain_base: put back the earlier version a killed run had moved "
+                  f"aside ({prev})")
+        shutil.rmtree(os.path.join(out, n), ignore_errors=True)
 
 
 class Refusal(ValueError):
@@ -147,6 +228,7 @@ class Refusal(ValueError):
 
 
 def pretrain(args) -> dict:
+    _recover(args.out)
     refusal = _out_refusal(args.out)
     if refusal:  # before the corpus and the training: nothing is written
         raise Refusal(refusal)
@@ -195,12 +277,11 @@ def pretrain(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     # every file is written into a staging folder inside --out first, then moved into place
     # with the record last: a failure or kill while writing leaves the earlier version whole
-    stage = tempfile.mkdtemp(dir=args.out, prefix=".pretrain-staging-")
+    stage = tempfile.mkdtemp(dir=args.out, prefix=STAGING)
     try:
         _write_version(model, stage, losses, held_loss, copy_rate, stream, train_s, t0,
                        tok, args)
-        for name in OUTPUTS:  # pretrain.json last: the record names the weights beside it
-            os.replace(os.path.join(stage, name), os.path.join(args.out, name))
+        _swap_in(stage, args.out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     with open(os.path.join(args.out, "pretrain.json")) as f:
@@ -252,6 +333,7 @@ def _write_version(model, out, losses, held_loss, copy_rate, stream, train_s, t0
 def main(argv=None) -> None:  # pragma: no cover
     parser = build_parser()
     args = parser.parse_args(argv)
+    _recover(args.out)
     refusal = _out_refusal(args.out)
     if refusal:
         parser.error(f"argument {refusal}")
