@@ -88,3 +88,32 @@ def new_results_file(out_dir, stem: str, text: str) -> Path:
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def write_new(path, write: Callable[[str], None]) -> bool:
+    """``write(tmp)`` into a temporary file beside ``path``, then link it in as ``path`` if
+    nothing is there: True; False (and nothing written) when a file or link holds the name,
+    e.g. one that appeared during a long run after its names were chosen. Never over a file,
+    never through a link, never a partial file under ``path``."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                               prefix="." + os.path.basename(path) + ".",
+                               suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        write(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:     # no hard links here: only if the name is still free
+            if os.path.lexists(path):
+                return False
+            os.replace(tmp, path)
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)

@@ -636,3 +636,40 @@ def test_harness_replays_the_backward_of_any_compiled_baseline(monkeypatch):
     assert [r.get("mode") for r in rows] == ["bwd", "fwd+bwd"], rows
     assert all("ms_p50" in r for r in rows), rows
     assert cfg.donated_buffer is False
+
+
+def test_files_that_appear_during_a_run_are_never_replaced(tmp_path, capsys):
+    # the output names were checked before a long run (demo: the training; bench: every
+    # case) and written after it whatever stood there by then: a demo.json made meanwhile was
+    # replaced, a link at the plot's name written through
+    import json
+
+    from kfused import _files
+    from kfused.cli import bench, demo
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (tmp_path / "link.png").symlink_to(victim)
+    (tmp_path / "taken.png").write_text("mine")
+    assert not _files.write_new(tmp_path / "link.png", lambda tmp: open(tmp, "w").write("x"))
+    assert not _files.write_new(tmp_path / "taken.png", lambda tmp: open(tmp, "w").write("x"))
+    assert _files.write_new(tmp_path / "free.png", lambda tmp: open(tmp, "w").write("x"))
+    assert victim.read_text() == "mine" and (tmp_path / "taken.png").read_text() == "mine"
+    assert (tmp_path / "free.png").read_text() == "x"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]   # no temporary left
+
+    out = tmp_path / "demo_out"
+    out.mkdir()
+    assert demo._report_paths(str(out)) == (str(out / "demo.json"), str(out / "demo.png"))
+    (out / "demo.json").write_text("USER")             # appeared during the training
+    assert demo._report_paths(str(out)) == (str(out / "demo-2.json"), str(out / "demo-2.png"))
+    assert "not overwriting it" in capsys.readouterr().out
+
+    rows = [{"op": "krona_linear", "shape": {"T": 1}, "dtype": "float32", "provider": "floor",
+             "mode": "fwd", "ms_p50": 1.0, "ms_p20": 0.9, "ms_p80": 1.1}]
+    js = tmp_path / "krona.json"
+    js.write_text(json.dumps({"meta": {"device": "cpu"}, "rows": rows}))
+    (tmp_path / "krona.png").symlink_to(victim)
+    assert bench.plot_results(js) is None and victim.read_text() == "mine"
+    (tmp_path / "krona.png").unlink()
+    assert bench.plot_results(js) == tmp_path / "krona.png"

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from kfused._files import new_results_file
+from kfused._files import new_results_file, write_new
 from kfused.bench import BenchCase, Provider, measure
 
 # (label, AdapterConfig kwargs) of the kfused providers; each runs fused and unfused.
@@ -291,5 +291,7 @@ def _plot(rows: List[dict], path: str) -> None:
         axes[i][1].barh(names, mem, color="tab:orange")
         axes[i][1].set_title(f"{m}: peak memory (MiB)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # a new file only: one that appeared at that name during the run is not replaced
+    if not write_new(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png")):
+        print(f"bench e2e: {path} appeared during the run; not replacing it (no plot)")
     plt.close(fig)

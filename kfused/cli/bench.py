@@ -25,7 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kfused._files import folder_refusal, new_results_file, replace_atomically
+from kfused._files import (folder_refusal, new_results_file, replace_atomically,
+                           write_new)
 from kfused.bench import COMPILE_CACHE, SDPA_PINNED
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -217,8 +218,13 @@ def plot_results(json_path: Path, png_path: Optional[Path] = None) -> Optional[P
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     png_path = Path(png_path) if png_path else Path(json_path).with_suffix(".png")
-    fig.savefig(png_path, dpi=110)
+    # a new file only: one that appeared at that name during the run is not replaced
+    made = write_new(png_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+    if not made:
+        print(f"kfused bench: {png_path} appeared during the run; not replacing it (no plot)",
+              file=sys.stderr)
+        return None
     return png_path
 
 

@@ -491,14 +491,12 @@ def _ours(json_path: str) -> bool:
         data.get("title", "")).startswith(WRITER + ":"))
 
 
-def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
-    """Why ``--out`` cannot take this run's files (None if it can): kfused never overwrites
-    a file it did not write, nor writes through a symbolic link it finds there."""
-    unusable = folder_refusal(out)  # a file, a dangling link, under one, not writable
-    if unusable:
-        return f"--out {unusable}"
-    report = os.path.join(out, REPORT)
-    for name in (REPORT, PLOT):
+def _report_refusal(out: str, report_name: str = REPORT,
+                    plot_name: str = PLOT) -> Optional[str]:
+    """Why the report and plot may not be written under these names in ``out`` (None if
+    they may): either exists and is not a regular file of an earlier run's."""
+    report = os.path.join(out, report_name)
+    for name in (report_name, plot_name):
         path = os.path.join(out, name)
         if not os.path.lexists(path):
             continue
@@ -507,6 +505,34 @@ def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
         if not _ours(report):  # the plot is ours when the report beside it is
             return (f"{path} exists and was not written by '{WRITER}' (no report of an "
                     f"earlier run beside it); not overwriting it")
+    return None
+
+
+def _report_paths(out: str) -> Tuple[str, str]:
+    """Where this run's report and plot go, asked again when they are written: demo.json and
+    demo.png, or, when a file of someone else's appeared there during the run (checked at
+    the start), the first free demo-<n>.json / demo-<n>.png (never over it)."""
+    refusal = _report_refusal(out)
+    if refusal is None:
+        return os.path.join(out, REPORT), os.path.join(out, PLOT)
+    stem, ext = os.path.splitext(REPORT)
+    for i in range(2, 1000):
+        names = (f"{stem}-{i}{ext}", f"{os.path.splitext(PLOT)[0]}-{i}.png")
+        if not any(os.path.lexists(os.path.join(out, n)) for n in names):
+            print(f"kfused demo: {refusal}; writing {names[0]} and {names[1]} instead")
+            return os.path.join(out, names[0]), os.path.join(out, names[1])
+    raise FileExistsError(f"kfused demo: {out} holds {stem}-2{ext} to {stem}-999{ext}")
+
+
+def _out_refusal(out: str, methods: List[str]) -> Optional[str]:
+    """Why ``--out`` cannot take this run's files (None if it can): kfused never overwrites
+    a file it did not write, nor writes through a symbolic link it finds there."""
+    unusable = folder_refusal(out)  # a file, a dangling link, under one, not writable
+    if unusable:
+        return f"--out {unusable}"
+    taken = _report_refusal(out)
+    if taken:
+        return taken
     from kfused.integration.checkpoint import CheckpointError, _check_target
 
     for m in methods:  # what kfused.save would refuse after the training
@@ -833,11 +859,13 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
     except OSError:  # pragma: no cover
         pass
     if main:
+        report_path, plot_path = _report_paths(args.out)
+
         def dump(tmp: str) -> None:
             with open(tmp, "w") as f:
                 json.dump(report, f, indent=2, default=str)
 
-        replace_atomically(os.path.join(args.out, REPORT), dump)
+        replace_atomically(report_path, dump)
         err = None
 
         def draw(tmp: str) -> None:
@@ -847,7 +875,7 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                 raise _NoPlot
 
         with contextlib.suppress(_NoPlot):
-            replace_atomically(os.path.join(args.out, PLOT), draw)
+            replace_atomically(plot_path, draw)
         _print_table(report)
         print()
         if comparisons:
@@ -877,8 +905,8 @@ def run_demo(argv: Optional[List[str]] = None) -> int:
                   + (f"; merge changes logits by at most "
                      f"{info['merge_max_abs_logit_change']:.2e}"
                      if "merge_max_abs_logit_change" in info else ""))
-        print(f"wrote {os.path.join(args.out, 'demo.json')}"
-              + (f" and {os.path.join(args.out, 'demo.png')}" if err is None
+        print(f"wrote {report_path}"
+              + (f" and {plot_path}" if err is None
                  else f" (no plot: {err})") + f"; total {wall:.1f} s")
     if args.distributed != "none":
         kd.cleanup()
