@@ -69,6 +69,11 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "local"))
     args = p.parse_args(argv)
+    from kfused._files import folder_refusal
+
+    unusable = folder_refusal(args.out)   # before the measuring, not a traceback after it
+    if unusable:
+        p.error(f"argument --out: {unusable}")
     _stub_launches()
     import torch
 
@@ -99,11 +104,12 @@ def main(argv=None) -> int:
                       flush=True)
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = os.path.join(args.out, f"host_overhead_{stamp}.json")
-    with open(path, "x") as f:      # never over an existing file
-        json.dump({"torch": torch.__version__, "dtype": args.dtype,
-                   "python": sys.version.split()[0], "note": "CPU, Triton launches stubbed (TRITON_INTERPRET=1)", "rows": rows},
-                  f, indent=1, default=str)
+    from kfused._files import new_results_file
+
+    path = new_results_file(args.out, f"host_overhead_{stamp}", json.dumps(
+        {"torch": torch.__version__, "dtype": args.dtype, "python": sys.version.split()[0],
+         "note": "CPU, Triton launches stubbed (TRITON_INTERPRET=1)", "rows": rows},
+        indent=1, default=str))   # a new file, whole or absent
     print(f"wrote {path}")
     return 0
 
