@@ -33,11 +33,10 @@ def folder_refusal(path) -> Optional[str]:
     return None
 
 
-def replace_atomically(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` into a new file beside ``path``, then rename it over ``path``: an
-    interrupted or failed write leaves the earlier file whole (never a partial one) and no
-    temporary file behind."""
-    path = os.fspath(path)
+def _temp_beside(path: str) -> str:
+    """A new empty temporary file in ``path``'s folder (a hidden name of its own, so a rename
+    or link from it stays on one filesystem), with the mode a plain ``open()`` would give
+    (not mkstemp's 0600)."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
                                prefix="." + os.path.basename(path) + ".",
                                suffix=os.path.splitext(path)[1])
@@ -45,7 +44,21 @@ def replace_atomically(path: str, write: Callable[[str], None]) -> None:
     try:
         mask = os.umask(0)
         os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # the mode a plain open() gives, not mkstemp's 0600
+        os.chmod(tmp, 0o666 & ~mask)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return tmp
+
+
+def replace_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` into a new file beside ``path``, then rename it over ``path``: an
+    interrupted or failed write leaves the earlier file whole (never a partial one) and no
+    temporary file behind."""
+    path = os.fspath(path)
+    tmp = _temp_beside(path)
+    try:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -62,13 +75,10 @@ def new_results_file(out_dir, stem: str, text: str) -> Path:
     a failed write (a full disk) leaves no partial file under a results name. Returns its
     path; the plot goes beside it as ``path.with_suffix(".png")``."""
     out_dir = Path(out_dir)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix="." + stem + ".", suffix=".json.tmp")
+    tmp = _temp_beside(os.path.join(out_dir, stem + ".json"))
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "w") as f:
             f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
         for i in range(1, 1000):
             path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
             if os.path.lexists(path.with_suffix(".png")):
@@ -96,14 +106,8 @@ def write_new(path, write: Callable[[str], None]) -> bool:
     e.g. one that appeared during a long run after its names were chosen. Never over a file,
     never through a link, never a partial file under ``path``."""
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
-                               prefix="." + os.path.basename(path) + ".",
-                               suffix=os.path.splitext(path)[1])
-    os.close(fd)
+    tmp = _temp_beside(path)
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
         write(tmp)
         try:
             os.link(tmp, path)
