@@ -7,6 +7,8 @@ them with the second core idle. conftest.py starts them here (:func:`start`), on
 other in one background thread, so they run beside the interpreter tests; each test then
 waits for its file's result (:func:`result`) and asserts on it as before. A file whose run
 was not started here (the test selected some other way, a different seed) runs in the test.
+The README's command runs two pytest-xdist workers: there nothing starts here, and a worker
+runs each file in its test while the other goes on with the rest.
 """
 
 from __future__ import annotations
