@@ -665,6 +665,7 @@ def test_files_that_appear_during_a_run_are_never_replaced(tmp_path, capsys):
     assert demo._report_paths(str(out)) == (str(out / "demo-2.json"), str(out / "demo-2.png"))
     assert "not overwriting it" in capsys.readouterr().out
 
+    pytest.importorskip("matplotlib")                 # (the plot part: bench's [bench] extra)
     rows = [{"op": "krona_linear", "shape": {"T": 1}, "dtype": "float32", "provider": "floor",
              "mode": "fwd", "ms_p50": 1.0, "ms_p20": 0.9, "ms_p80": 1.1}]
     js = tmp_path / "krona.json"
