@@ -396,8 +396,9 @@ def main(argv=None) -> int:
     bad = [k for k in kernels if k not in JOBS]
     if bad:
         p.error(f"--kernels: unknown {bad}; expected some of {sorted(JOBS)}")
-    if a.out and out_refusal(a.out):           # before the GPU time, not after it
-        p.error(f"--out: {out_refusal(a.out)}")
+    refusal = out_refusal(a.out) if a.out else None
+    if refusal:                                  # before the GPU time, not after it
+        p.error(f"--out: {refusal}")
     if a.compile_only:
         if os.environ.get("TRITON_INTERPRET"):
             raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled, not interpreted")

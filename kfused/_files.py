@@ -67,37 +67,28 @@ def replace_atomically(path: str, write: Callable[[str], None]) -> None:
         raise
 
 
+def free_stem(folder, stem: str, suffixes, start: int = 1) -> str:
+    """The first of ``<stem>`` (when ``start`` is 1), ``<stem>-2``, ``<stem>-3``, ... under
+    which no file or link with any of ``suffixes`` exists in ``folder``."""
+    for i in range(start, 1000):
+        name = stem + (f"-{i}" if i > 1 else "")
+        if not any(os.path.lexists(os.path.join(folder, name + x)) for x in suffixes):
+            return name
+    raise FileExistsError(f"kfused: {folder} holds {stem}-{max(start, 2)} to {stem}-999")
+
+
 def new_results_file(out_dir, stem: str, text: str) -> Path:
     """Write ``text`` to a new ``<stem>.json`` in ``out_dir`` (``<stem>-2.json``, ... when a
     file of that name or its ``.png`` is there: another run in the same second, or a file
-    kfused did not write; kfused never overwrites either). The text goes to a temporary file
-    first, which is then linked in under the first free name (a link never replaces a file):
-    a failed write (a full disk) leaves no partial file under a results name. Returns its
-    path; the plot goes beside it as ``path.with_suffix(".png")``."""
+    kfused did not write; kfused never overwrites either), whole or not at all
+    (:func:`write_new`: a failed write, a full disk, leaves no partial file under a results
+    name). Returns its path; the plot goes beside it as ``path.with_suffix(".png")``."""
     out_dir = Path(out_dir)
-    tmp = _temp_beside(os.path.join(out_dir, stem + ".json"))
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        for i in range(1, 1000):
-            path = out_dir / (stem + (f"-{i}" if i > 1 else "") + ".json")
-            if os.path.lexists(path.with_suffix(".png")):
-                continue
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                continue
-            except OSError:     # no hard links on this filesystem: a new file, written
-                try:
-                    with open(path, "x") as f:
-                        f.write(text)
-                except FileExistsError:
-                    continue
+    for _ in range(1000):   # a name taken between the look and the write: the next one
+        path = out_dir / (free_stem(out_dir, stem, (".json", ".png")) + ".json")
+        if write_new(path, lambda tmp: Path(tmp).write_text(text)):
             return path
-        raise FileExistsError(f"kfused: {out_dir} holds {stem}.json to {stem}-999.json")
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+    raise FileExistsError(f"kfused: no free name for {stem}.json in {out_dir}")
 
 
 def write_new(path, write: Callable[[str], None]) -> bool:

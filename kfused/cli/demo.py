@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kfused._files import folder_refusal, replace_atomically
+from kfused._files import folder_refusal, free_stem, replace_atomically
 
 # The demo's rows: name -> (label, AdapterConfig keyword arguments). Anything else passed to
 # --methods is a preset name (kfused.integration.PRESETS) or a registered method.
@@ -491,12 +491,11 @@ def _ours(json_path: str) -> bool:
         data.get("title", "")).startswith(WRITER + ":"))
 
 
-def _report_refusal(out: str, report_name: str = REPORT,
-                    plot_name: str = PLOT) -> Optional[str]:
-    """Why the report and plot may not be written under these names in ``out`` (None if
+def _report_refusal(out: str) -> Optional[str]:
+    """Why the report and plot may not be written under their names in ``out`` (None if
     they may): either exists and is not a regular file of an earlier run's."""
-    report = os.path.join(out, report_name)
-    for name in (report_name, plot_name):
+    report = os.path.join(out, REPORT)
+    for name in (REPORT, PLOT):
         path = os.path.join(out, name)
         if not os.path.lexists(path):
             continue
@@ -515,13 +514,9 @@ def _report_paths(out: str) -> Tuple[str, str]:
     refusal = _report_refusal(out)
     if refusal is None:
         return os.path.join(out, REPORT), os.path.join(out, PLOT)
-    stem, ext = os.path.splitext(REPORT)
-    for i in range(2, 1000):
-        names = (f"{stem}-{i}{ext}", f"{os.path.splitext(PLOT)[0]}-{i}.png")
-        if not any(os.path.lexists(os.path.join(out, n)) for n in names):
-            print(f"kfused demo: {refusal}; writing {names[0]} and {names[1]} instead")
-            return os.path.join(out, names[0]), os.path.join(out, names[1])
-    raise FileExistsError(f"kfused demo: {out} holds {stem}-2{ext} to {stem}-999{ext}")
+    stem = free_stem(out, os.path.splitext(REPORT)[0], (".json", ".png"), start=2)
+    print(f"kfused demo: {refusal}; writing {stem}.json and {stem}.png instead")
+    return os.path.join(out, stem + ".json"), os.path.join(out, stem + ".png")
 
 
 def _out_refusal(out: str, methods: List[str]) -> Optional[str]:

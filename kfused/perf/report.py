@@ -505,13 +505,13 @@ def _not_ours(path: str) -> Optional[str]:
 
 def _free_name(path: str) -> str:
     """``<stem>-<n>.json`` beside ``path``, free for the report and its table."""
-    stem = os.path.splitext(path)[0]
-    for i in range(2, 1000):
-        cand = f"{stem}-{i}.json"
-        if not os.path.lexists(cand) and not os.path.lexists(f"{stem}-{i}.txt"):
-            print(f"kfused perf: {path} or its table is no longer kfused's; writing {cand}")
-            return cand
-    raise FileExistsError(f"kfused perf: {stem}-2.json to {stem}-999.json all exist")
+    from kfused._files import free_stem
+
+    folder, stem = os.path.split(os.path.splitext(path)[0])
+    cand = os.path.join(folder, free_stem(folder or ".", stem, (".json", ".txt"), start=2)
+                        + ".json")
+    print(f"kfused perf: {path} or its table is no longer kfused's; writing {cand}")
+    return cand
 
 
 def _our_report(path: str) -> bool:
