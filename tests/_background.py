@@ -30,7 +30,7 @@ _stopping = threading.Event()
 # Left out of these runs: torch.library.opcheck (the op's schema, fake and autograd
 # registrations, AOT dispatch against eager) and torch.compile tests, which check how the ops
 # are registered and traced, not the kernels' launch configurations: the main run covers them
-# (about 2 of these runs' 15 CPU minutes)
+# (about 2 CPU minutes of these runs)
 _DESELECT = "not opcheck and not compile"
 
 

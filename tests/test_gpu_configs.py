@@ -2,11 +2,12 @@
 see tests/conftest.py): in the interpreter the host functions otherwise pick small tiles
 (32-column output tiles and the low-rank packing that goes with them, 32-token steps, few
 splits), so the GPU's tile shapes — 128-column tiles and their packing, 64-token rank-pass
-steps, the SM-count grids and splits — were only ever compiled by CI, never run (the opcheck and torch.compile tests left out: they check how the
-ops are registered and traced, which the main run covers; tests/_background.py). Each file
-runs in its own pytest process (the switch must be set before the kernels are first used),
-with this run's seed; a failure shows the child's report. They start in the background as
-soon as they are collected (tests/_background.py)."""
+steps, the SM-count grids and splits — were only ever compiled by CI, never run (the opcheck
+and torch.compile tests left out: they check how the ops are registered and traced, which the
+main run covers; tests/_background.py). Each file runs in its own pytest process (the switch
+must be set before the kernels are first used), with this run's seed; a failure shows the
+child's report. They start in the background as soon as they are collected
+(tests/_background.py)."""
 
 import pytest
 import torch
