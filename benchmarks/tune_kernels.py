@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -336,22 +337,15 @@ def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
         tuning.merge(table, name, kernel, es,
                      extra={"commits": {**commits, name: meta["git_commit"]}})
     if out:
+        text = json.dumps({"written_by": OUT_WRITER, "meta": meta, "rows": rows}, indent=1)
         refusal = out_refusal(out)      # again: a file may have appeared during the run
         if refusal:
             out = _files.new_results_file(os.path.dirname(os.path.abspath(out)),
-                                          os.path.splitext(os.path.basename(out))[0],
-                                          json.dumps({"written_by": OUT_WRITER, "meta": meta,
-                                                      "rows": rows}, indent=1))
+                                          os.path.splitext(os.path.basename(out))[0], text)
             print(f"tune_kernels: {refusal}; the timings went to {out}")
         else:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-
-            def dump(tmp: str) -> None:
-                with open(tmp, "w") as f:
-                    json.dump({"written_by": OUT_WRITER, "meta": meta, "rows": rows}, f,
-                              indent=1)
-
-            _files.replace_atomically(out, dump)
+            _files.replace_atomically(out, lambda tmp: pathlib.Path(tmp).write_text(text))
     print(f"{sum(len(v) for v in entries.values())} shapes tuned; table {table}")
     return 0
 

@@ -4,6 +4,7 @@ all (shared by the CLI's reports, plots and preferences)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -112,3 +113,12 @@ def write_new(path, write: Callable[[str], None]) -> bool:
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def sha256_file(path) -> str:
+    """The hex SHA-256 of the file at ``path`` (read in 1 MiB pieces)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -464,7 +464,7 @@ def test_pretrain_failing_while_writing_leaves_the_earlier_version_whole(tmp_pat
     before = {n: (tmp_path / n).read_bytes() for n in pb.OUTPUTS}
     argv = ["--steps", "1", "--docs", "40", "--batch-size", "1", "--seq-len", "32",
             "--out", str(tmp_path), "--threads", str(torch.get_num_threads())]
-    real_sha, calls = hashlib.sha256, []
+    real_sha, calls = pb.sha256_file, []
 
     def fail(*a, **k):
         calls.append(1)
@@ -473,7 +473,7 @@ def test_pretrain_failing_while_writing_leaves_the_earlier_version_whole(tmp_pat
         raise OSError("disk full")
 
     monkeypatch.setattr(pb, "mean_loss", lambda model, held: 0.0)  # not what is tested: fast
-    monkeypatch.setattr(pb.hashlib, "sha256", fail)
+    monkeypatch.setattr(pb, "sha256_file", fail)
     with pytest.raises(OSError, match="disk full"):
         pb.pretrain(pb.build_parser().parse_args(argv))
     monkeypatch.undo()

@@ -19,7 +19,6 @@ versions, sha256 of the weights) beside them:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -31,7 +30,7 @@ from typing import List, Optional
 
 import torch
 
-from kfused._files import folder_refusal
+from kfused._files import folder_refusal, sha256_file
 from kfused.data import ByteTokenizer
 from kfused.data.make_corpus import documents, record_name
 
@@ -139,20 +138,24 @@ def _out_refusal(out: str) -> Optional[str]:
     if not ours:
         return (f"--out {out} holds {', '.join(taken)} that kfused.data.pretrain_base did not "
                 "write (no pretrain.json of its own); not overwriting them")
-    weights = os.path.join(out, "model.safetensors")
-    if os.path.lexists(weights):
+    if os.path.lexists(os.path.join(out, "model.safetensors")) and \
+            not _names_weights(out, record):
         # its own record beside weights it does not name (a user's fine-tuned weights put
         # there, or a link): those are not this script's to replace
-        try:
-            with open(weights, "rb") as f:
-                same = (not os.path.islink(weights) and hashlib.sha256(f.read()).hexdigest()
-                        == record.get("weights_sha256"))
-        except OSError:
-            same = False
-        if not same:
-            return (f"--out {out}: model.safetensors is not the weights its pretrain.json "
-                    "records (weights_sha256 differs); not overwriting it")
+        return (f"--out {out}: model.safetensors is not the weights its pretrain.json "
+                "records (weights_sha256 differs); not overwriting it")
     return None
+
+
+def _names_weights(out: str, record) -> bool:
+    """Whether ``out``'s model.safetensors is a regular file (not a link) whose SHA-256 is
+    the one ``record`` (a loaded pretrain.json) gives."""
+    weights = os.path.join(out, "model.safetensors")
+    try:
+        return (not os.path.islink(weights) and isinstance(record, dict)
+                and sha256_file(weights) == record.get("weights_sha256"))
+    except OSError:
+        return False
 
 
 STAGING = ".pretrain-staging-"
@@ -210,10 +213,8 @@ def _recover(out: str) -> None:
         if whole:
             try:
                 with open(os.path.join(out, "pretrain.json")) as f:
-                    want = json.load(f).get("weights_sha256")
-                with open(os.path.join(out, "model.safetensors"), "rb") as f:
-                    whole = hashlib.sha256(f.read()).hexdigest() == want
-            except (OSError, ValueError, AttributeError):
+                    whole = _names_weights(out, json.load(f))
+            except (OSError, ValueError):
                 whole = False
         if not whole:
             _restore(prev, out, [])
@@ -297,8 +298,7 @@ def _write_version(model, out, losses, held_loss, copy_rate, stream, train_s, t0
     T = args.seq_len
     model.half().save_pretrained(out, safe_serialization=True)
     path = os.path.join(out, "model.safetensors")
-    with open(path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+    sha = sha256_file(path)
     try:
         load = os.getloadavg()
     except OSError:  # pragma: no cover

@@ -57,7 +57,6 @@ import ctypes
 import dataclasses
 import errno
 import functools
-import hashlib
 import json
 import math
 import os
@@ -71,7 +70,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from kfused._files import folder_refusal
+from kfused._files import folder_refusal, sha256_file
 from kfused.integration.checkpoint import _dist_rank, _full, _path_arg, _share_outcome
 from kfused.integration.config import AdapterConfig
 from kfused.integration.inject import (adapter_modules, get_state, inject, refuse_wrapped,
@@ -711,7 +710,7 @@ def _check_target_folder(path: str) -> None:
     for fname in entries - {EXPORT_MARKER}:
         p = os.path.join(path, fname)
         if (os.path.islink(p) or not os.path.isfile(p)
-                or hashes.get(fname) != _sha256(p)):
+                or hashes.get(fname) != sha256_file(p)):
             raise FileExistsError(f"to_peft: {path!r}/{fname} changed since to_peft wrote it; "
                                   "refusing to overwrite it")
 
@@ -788,7 +787,7 @@ def _remove_old_export(folder: str) -> None:
     for fname in (PEFT_WEIGHTS, PEFT_CONFIG):
         p = os.path.join(folder, fname)
         if (isinstance(hashes, dict) and os.path.isfile(p) and not os.path.islink(p)
-                and hashes.get(fname) == _sha256(p)):
+                and hashes.get(fname) == sha256_file(p)):
             os.remove(p)
     if os.path.isfile(marker) and not (set(os.listdir(folder)) & {PEFT_WEIGHTS, PEFT_CONFIG}):
         os.remove(marker)
@@ -798,14 +797,6 @@ def _remove_old_export(folder: str) -> None:
         warnings.warn(f"to_peft: the new export is in place; the previous export's folder, now "
                       f"{folder!r}, still holds files to_peft did not write "
                       f"({sorted(os.listdir(folder))[:5]}), so it was left there")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _peft_config(model: nn.Module, task_type: Optional[str]):
@@ -974,7 +965,8 @@ def _write_export(cfg, tensors: Dict[str, torch.Tensor], path: str) -> None:
             raise RuntimeError(f"to_peft: unexpected files {written} from PEFT's save")
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
             json.dump({"writer": "kfused.to_peft",
-                       "files": {n: _sha256(os.path.join(tmp, n)) for n in written}}, f, indent=2)
+                       "files": {n: sha256_file(os.path.join(tmp, n)) for n in written}},
+                      f, indent=2)
         _check_target_folder(path)  # again, just before replacing
         try:  # the process works inside the folder being replaced ("." from the export)
             inside = os.path.samefile(path, os.getcwd())
