@@ -82,6 +82,14 @@ model_device() {
   python3 -c "import sys; from kfused.perf.roofline import device_key
 print(device_key(sys.argv[1]) or 'h100')" "$name" 2>/dev/null || echo h100
 }
+# the committed prediction for this GPU (the same model per device: H100, or H200 with its
+# HBM3e bandwidth), or this run's own when the perf stage made one
+predicted_json() {
+  if [ -f "$WORK/perf_predicted.json" ]; then echo "$WORK/perf_predicted.json"
+  elif [ "$(model_device)" = h200 ] && [ -f benchmarks/results/predicted/perf-h200.json ]; then
+    echo benchmarks/results/predicted/perf-h200.json
+  else echo benchmarks/results/predicted/perf-latest.json; fi
+}
 
 {
   echo "== $(date -u +%FT%TZ) stages: $STAGES"
@@ -249,9 +257,8 @@ for stage in "${LIST[@]}"; do
         grep -v "^bench " "$WORK/bench_$op.log" | grep -v "skipped\|not run" | tail -30
       done
       LIMIT=$(( $(left) > 25 ? $(left) - 10 : 15 ))
-      pred=(--predicted benchmarks/results/predicted/perf-latest.json)
-      py -m kfused.cli.main results "$WORK/bench" "${pred[@]}" --out "$WORK/RESULTS.md" \
-        >"$WORK/results.log" 2>&1 || status=1
+      py -m kfused.cli.main results "$WORK/bench" --predicted "$(predicted_json)" \
+        --out "$WORK/RESULTS.md" >"$WORK/results.log" 2>&1 || status=1
       tail -3 "$WORK/results.log"
       if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
     ncu)
@@ -321,12 +328,8 @@ for stage in "${LIST[@]}"; do
       # the prediction of this run's commit (perf stage), else the committed one (the model
       # needs no GPU: regenerate it on a CPU rather than spend device time on it)
       # (an H200: the committed H200 prediction, the same model with HBM3e bandwidth)
-      pred=(--predicted benchmarks/results/predicted/perf-latest.json)
-      [ "$(model_device)" = h200 ] && [ -f benchmarks/results/predicted/perf-h200.json ] && \
-        pred=(--predicted benchmarks/results/predicted/perf-h200.json)
-      [ -f "$WORK/perf_predicted.json" ] && pred=(--predicted "$WORK/perf_predicted.json")
-      py -m kfused.cli.main results "$WORK/bench" "${pred[@]}" --out "$WORK/RESULTS.md" \
-        >"$WORK/results.log" 2>&1 || status=1
+      py -m kfused.cli.main results "$WORK/bench" --predicted "$(predicted_json)" \
+        --out "$WORK/RESULTS.md" >"$WORK/results.log" 2>&1 || status=1
       tail -3 "$WORK/results.log"
       if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
     demo)

@@ -1232,9 +1232,11 @@ _NARROW_GPU_TILE = 4096
 # does not count its 12 block-wide reductions a step, each across the warps that hold the
 # big side: fewer warps or more tokens per step trade them against registers and residency.
 # (4096, 4) left the list: it spills 128 B per thread on sm_90 at the paper's 2x384/384x2
-# pair (255 registers; seen once the perf tool read spills from the stack frame)
+# pair (255 registers; seen once the perf tool read spills from the stack frame); (8192, 8)
+# too: 255 registers and a 72 B spill there under Triton 3.6, the GPU machine's (none under
+# Triton 3.9, at 255 registers: no room either way)
 NARROW_CANDIDATES = tuple({"NARROW": 1, "TILE": t, "num_warps": w}
-                          for t, w in ((_NARROW_GPU_TILE, 8), (2048, 4), (8192, 8), (1024, 2)))
+                          for t, w in ((_NARROW_GPU_TILE, 8), (2048, 4), (1024, 2)))
 
 
 def narrow_tuning_key(m: int, n: int, K: int, J: int, elem_bytes: int) -> dict:
@@ -1449,7 +1451,7 @@ def _sum_factor_partials(dab: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
     n_rows, n_cols = dab.shape
     BR, BC = _sum_partials_tiles(n_rows, targets_gpu(dab.device))
     _sum_partials_kernel[(cdiv(n_cols, BC),)](dab, n_rows, n_cols, A.numel(), dA, dB,
-                                             BR=BR, BC=BC, num_warps=4)
+                                             BR=BR, BC=BC, num_warps=8)
     return dA, dB
 
 
@@ -1458,8 +1460,10 @@ def _sum_partials_tiles(n_rows: int, gpu: bool) -> Tuple[int, int]:
     two sectors) per program and up to 256 rows per load: the grad kernels' 132–660 partial
     rows in 1–3 dependent loads per program and 100–200 programs (T = 16384, 768², 24×24 /
     32×32: 528 × 1600 partials; was 64 columns × 64 rows: 25 programs, each a chain of 9
-    row-block loads holding 0.8 MB in flight on 25 SMs). In the interpreter 8 × 32, so the
-    small test shapes cross several row and column blocks."""
+    row-block loads holding 0.8 MB in flight on 25 SMs), launched with 8 warps: with 4,
+    Triton 3.6 (the GPU machine's) compiled the 256 × 16 tile to 72 registers and a 16 B
+    spill for sm_90, 8 warps to 54 and none (Triton 3.9: no spill either way). In the
+    interpreter 8 × 32, so the small test shapes cross several row and column blocks."""
     if not gpu:
         return 8, 32
     return _blk(n_rows, 16, 256), 16
