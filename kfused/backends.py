@@ -115,8 +115,11 @@ def triton_unfit(device: torch.device, dtype: torch.dtype) -> Optional[str]:
             "(or on the CPU with TRITON_INTERPRET=1)")
 
 
-def cuda_unfit(device: torch.device, dtype: torch.dtype, op: str) -> Optional[str]:
-    """Why the CUDA C++ extension cannot run this op on these tensors (None if it can)."""
+def cuda_unfit(device: torch.device, dtype: torch.dtype, op: str,
+               check_device: bool = False) -> Optional[str]:
+    """Why the CUDA C++ extension cannot run this op on these tensors (None if it can).
+    ``check_device``: also whether ``device`` exists here (a query by device name, not by
+    tensors that are on it: :func:`available_backends`)."""
     from kfused import cuda as _cuda
 
     err = _cuda.unavailable_reason(op)
@@ -126,7 +129,22 @@ def cuda_unfit(device: torch.device, dtype: torch.dtype, op: str) -> Optional[st
         return f"tensors are on {device}; the CUDA extension needs CUDA tensors"
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    if check_device:
+        err = _no_cuda_device(device)
+        if err:
+            return err
     return _cuda_arch_unfit(device)
+
+
+def _no_cuda_device(device: torch.device) -> Optional[str]:
+    """Why the CUDA ``device`` does not exist on this machine (None if it does)."""
+    if not torch.cuda.is_available():
+        return ("no CUDA device is available here (torch.cuda.is_available() is False: no "
+                "GPU, no driver, or a CPU-only torch)")
+    n = torch.cuda.device_count()
+    if device.index is not None and device.index >= n:
+        return f"{device} does not exist: this machine has {n} CUDA device(s)"
+    return None
 
 
 _ARCH_UNFIT: dict = {}       # device index -> reason or None, asked once per device
@@ -291,7 +309,8 @@ def select_backend(
 
 def available_backends(op: str = "", device: str = "cuda",
                        dtype: torch.dtype = torch.float16) -> dict:
-    """Map each backend to None (usable) or the reason it is not, for a device/dtype."""
+    """Map each backend to None (usable) or the reason it is not, for a device/dtype (a
+    CUDA device this machine does not have is a reason for both fused backends)."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float16), got "
                         f"{type(dtype).__name__} {dtype!r}")
@@ -299,8 +318,12 @@ def available_backends(op: str = "", device: str = "cuda",
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N): {exc}") from None
+    # asked by name, the device may not exist here (a CUDA build of torch on a machine with
+    # no GPU or driver: the extension's architecture check raised torch's "Found no NVIDIA
+    # driver", and Triton was reported usable)
     return {
-        "triton": triton_unfit(dev, dtype),
-        "cuda": cuda_unfit(dev, dtype, op) if op else cuda_unfit(dev, dtype, "kron_matvec"),
+        "triton": triton_unfit(dev, dtype) or (_no_cuda_device(dev) if dev.type == "cuda"
+                                               else None),
+        "cuda": cuda_unfit(dev, dtype, op or "kron_matvec", check_device=True),
         "reference": None,
     }

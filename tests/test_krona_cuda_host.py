@@ -116,4 +116,5 @@ def test_partial_extension_is_refused_before_a_missing_kernel_is_called(monkeypa
     monkeypatch.setattr(kcuda, "_LOADED", [(full, None)])
     for op in ("kron_matvec", "krona_linear", "headwise_lowrank", "inducer_attention", ""):
         assert kcuda.unavailable_reason(op) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # as on a GPU machine
     assert available_backends("krona_linear", "cuda", torch.float16)["cuda"] is None

@@ -674,3 +674,34 @@ def test_files_that_appear_during_a_run_are_never_replaced(tmp_path, capsys):
     assert bench.plot_results(js) is None and victim.read_text() == "mine"
     (tmp_path / "krona.png").unlink()
     assert bench.plot_results(js) == tmp_path / "krona.png"
+
+
+def test_available_backends_names_a_cuda_device_this_machine_lacks(monkeypatch):
+    """``available_backends`` asked for a CUDA device by name (its default) on a machine
+    without one: with the CUDA extension built (a CUDA build of torch, no GPU or driver: found
+    rehearsing the GPU machine's torch 2.11 here) the extension's architecture check raised
+    torch's "Found no NVIDIA driver" — at import of tests/test_krona.py, whose skip condition
+    asks — and Triton was reported usable. Now both fused backends give the reason."""
+    import types
+
+    from kfused import available_backends, backends, cuda as kcuda
+
+    fn = lambda *a, **k: None  # noqa: E731
+    ext = types.SimpleNamespace(CUDA_ARCHS=(90,), **{
+        f"{op}_{d}": fn for op in ("kron_matvec", "headwise_lowrank") for d in ("fwd", "bwd")},
+        krona_fold_fwd=fn, inducer_attention_fwd=fn)
+    monkeypatch.setattr(kcuda, "_LOADED", [(ext, None)])
+    monkeypatch.setattr(backends, "_ARCH_UNFIT", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    got = available_backends("kron_matvec")
+    assert "no CUDA device is available" in got["cuda"]
+    assert got["triton"] is not None and got["reference"] is None
+    if backends._triton_import_error() is None:
+        assert "no CUDA device is available" in got["triton"]
+    # a device index past the machine's devices
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    got = available_backends("krona_linear", "cuda:3")
+    assert "cuda:3 does not exist: this machine has 1 CUDA device(s)" in got["cuda"]
+    assert "cuda:3 does not exist" in (got["triton"] or "") or \
+        backends._triton_import_error() is not None
