@@ -32,7 +32,7 @@ def _run(tmp_path, stages, gpu_name=None):
     # the script's python3 is this interpreter (the one with kfused and its dependencies)
     path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"
     env = dict(os.environ, WORK=str(work), OUT=str(out), CALL_LIMIT_S="300", PATH=path)
-    if gpu_name is not None:   # an nvidia-smi that names this GPU
+    if gpu_name is not None:   # an nvidia-smi that names this GPU (on any machine)
         bindir = tmp_path / "bin"
         bindir.mkdir()
         smi = bindir / "nvidia-smi"
@@ -44,7 +44,7 @@ def _run(tmp_path, stages, gpu_name=None):
     return res, work, out
 
 
-@pytest.mark.parametrize("gpu,prediction", [(None, "perf-latest.json"),
+@pytest.mark.parametrize("gpu,prediction", [("NVIDIA H100 80GB HBM3", "perf-latest.json"),
                                             ("NVIDIA H200", "perf-h200.json")])
 def test_results_stage_packs_results_md_against_this_gpus_prediction(tmp_path, gpu,
                                                                      prediction):
