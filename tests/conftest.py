@@ -16,6 +16,14 @@ import pytest  # noqa: E402
 
 from kfused import _alloc  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("KFUSED_BOUNDS_CHECK", "1") != "0":
+    # Every interpreted launch is bounds-checked: a load, store or atomic outside the span of
+    # the launch's tensor arguments raises (kfused/triton_kernels/_bounds.py). KFUSED_BOUNDS_CHECK=0
+    # turns it off.
+    from kfused.triton_kernels import _bounds  # noqa: E402
+
+    _bounds.install()
+
 if os.environ.get("KFUSED_GPU_CONFIGS") == "1" and not torch.cuda.is_available():
     # A test aid: the interpreter runs every kernel with the block sizes, grids and splits a
     # GPU would get (the compile check's switch), e.g. 128-column output tiles and their
@@ -189,5 +197,8 @@ def pytest_report_header(config):
     from kfused.triton_kernels._common import _AOT_TARGET
 
     gpu_cfg = "; GPU block sizes (KFUSED_GPU_CONFIGS=1)" if _AOT_TARGET["on"] else ""
+    from kfused.triton_kernels import _bounds
+
+    bounds = "; bounds-checked launches" if _bounds.installed() else ""
     return (f"kfused tests on {DEVICE}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; "
-            f"torch {torch.__version__}; KFUSED_TEST_SEED={BASE_SEED}{gpu_cfg}")
+            f"torch {torch.__version__}; KFUSED_TEST_SEED={BASE_SEED}{gpu_cfg}{bounds}")
