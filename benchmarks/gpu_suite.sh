@@ -15,6 +15,11 @@
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
 #   ncu           Nsight Compute (--set full, details page as CSV) on one launch of each kernel
 #                 the model misjudged most (benchmarks/host_profile.py drives them)
+#   sanitize      compute-sanitizer (memcheck) over the CUDA C++ kernels' GPU tests
+#                 (SANITIZE_TESTS, default tests/test_cuda_ext.py; SANITIZE_K a -k filter), torch's
+#                 caching allocator off so that a stray access past a tensor is seen; the Triton
+#                 kernels are bounds-checked in the interpreter by every CI run (kfused/
+#                 triton_kernels/_bounds.py). gVisor machines refuse the tool (device KINDS.md)
 #   tune          KronA's factor-gradient pass and the headwise rank pass: each candidate launch
 #                 configuration timed per benchmark shape (benchmarks/tune_kernels.py), the fastest into
 #                 WORK/kernel_tuning.json (proof runs it first and benchmarks with its table)
@@ -50,7 +55,9 @@
 # A session lent 15 minutes of device time (2026-11-27: a machine's start took ~35 s of it;
 # a second start needs 4 minutes left): one call,
 #   KFUSED_GIT_COMMIT=<sha> CALL_LIMIT_S=582 bash benchmarks/gpu_suite.sh proof   (timeout_s 600)
-# then, if the machine is still warm and time is left, `ncu`. With 30 minutes or more, the
+# then, if the machine is still warm and time is left (a call must follow within the device's
+# idle release, 30 s on 2026-11-29), `sanitize` (GPU.md: compute-sanitizer on the CUDA C++
+# kernels once; CALL_LIMIT_S set to what is left), then `ncu`. With 30 minutes or more, the
 # stages one family per call (a call that ran out of its time starts no more stages, so list
 # a second one only where the first is known to be short):
 #   bash benchmarks/gpu_suite.sh build,test
@@ -279,6 +286,28 @@ for stage in "${LIST[@]}"; do
         tail -3 "$WORK/ncu.log"; wc -l "$WORK/ncu.csv"
       else
         echo "ncu: not on this machine" | tee "$WORK/ncu.log"
+      fi ;;
+    sanitize)
+      if command -v compute-sanitizer >/dev/null; then
+        kf=()
+        [ -n "${SANITIZE_K:-}" ] && kf=(-k "$SANITIZE_K")
+        # shellcheck disable=SC2086  # SANITIZE_TESTS is a list of files
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=$PWD timeout "$LIMIT" compute-sanitizer \
+          --tool memcheck --error-exitcode 86 --print-limit 50 python3 -m pytest -q -rs \
+          -p no:cacheprovider "${kf[@]}" ${SANITIZE_TESTS:-tests/test_cuda_ext.py} \
+          >"$WORK/sanitize.log" 2>&1
+        rc=$?
+        if grep -q "Device not supported" "$WORK/sanitize.log"; then
+          note "sanitize: compute-sanitizer refused this machine's device (rc=$rc; gVisor does)"
+        else
+          [ "$rc" -ne 0 ] && status=1
+          note "sanitize: rc=$rc (86: memcheck found errors; 124: cut at the stage's limit);" \
+            "$(grep -E 'ERROR SUMMARY' "$WORK/sanitize.log" | tail -1)"
+          grep -E "passed|failed|error" "$WORK/sanitize.log" | tail -1
+          grep -m 20 -E "^========= (Invalid|Address|Program hit|    at )" "$WORK/sanitize.log"
+        fi
+      else
+        note "sanitize: compute-sanitizer is not on this machine"
       fi ;;
     tune)
       # the candidate configurations of KronA's factor-gradient pass and the headwise rank

@@ -23,7 +23,7 @@ def test_script_parses():
     assert res.returncode == 0, res.stderr
 
 
-def _run(tmp_path, stages, gpu_name=None):
+def _run(tmp_path, stages, gpu_name=None, tools=None, env_extra=None):
     work, out = tmp_path / "work", tmp_path / "out"
     (work / "bench").mkdir(parents=True)
     out.mkdir()
@@ -32,13 +32,17 @@ def _run(tmp_path, stages, gpu_name=None):
     # the script's python3 is this interpreter (the one with kfused and its dependencies)
     path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"
     env = dict(os.environ, WORK=str(work), OUT=str(out), CALL_LIMIT_S="300", PATH=path)
+    tools = dict(tools or {})
     if gpu_name is not None:   # an nvidia-smi that names this GPU (on any machine)
+        tools["nvidia-smi"] = f"#!/bin/sh\necho '{gpu_name}'\n"
+    if tools:                  # stand-ins for the GPU machine's tools, first on the PATH
         bindir = tmp_path / "bin"
         bindir.mkdir()
-        smi = bindir / "nvidia-smi"
-        smi.write_text(f"#!/bin/sh\necho '{gpu_name}'\n")
-        smi.chmod(0o755)
+        for name, script in tools.items():
+            (bindir / name).write_text(script)
+            (bindir / name).chmod(0o755)
         env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    env.update(env_extra or {})
     res = subprocess.run(["bash", str(SUITE), stages], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     return res, work, out
@@ -67,3 +71,52 @@ def test_an_unknown_stage_fails_and_still_packs(tmp_path):
     assert res.returncode == 2
     assert "unknown stage no-such-stage" in res.stdout
     assert (out / "summary.txt").is_file() and (out / "results.tar.gz").is_file()
+
+
+# compute-sanitizer stand-ins: run the command they are given (from its python3 on) and say
+# what memcheck would
+_SANITIZER_RUNS = """#!/bin/sh
+echo "$PYTORCH_NO_CUDA_MEMORY_CACHING $*" > "$SAN_SEEN"
+while [ "$1" != python3 ]; do shift; done
+"$@"
+rc=$?
+echo '========= ERROR SUMMARY: 0 errors'
+exit $rc
+"""
+_SANITIZER_FINDS = """#!/bin/sh
+echo '========= Invalid __global__ write of size 4 bytes'
+echo '=========     at kron_matvec_kernel+0x1f0'
+echo '========= ERROR SUMMARY: 1 error'
+exit 86
+"""
+_SANITIZER_REFUSED = """#!/bin/sh
+echo '========= Device not supported'
+exit 255
+"""
+
+
+def test_sanitize_stage_runs_the_tests_under_memcheck_without_the_caching_allocator(tmp_path):
+    t = tmp_path / "test_tiny.py"
+    t.write_text("def test_ok():\n    pass\n")
+    seen = tmp_path / "seen.txt"
+    res, work, out = _run(tmp_path, "sanitize", tools={"compute-sanitizer": _SANITIZER_RUNS},
+                          env_extra={"SANITIZE_TESTS": str(t), "SAN_SEEN": str(seen)})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    args = seen.read_text()
+    assert args.startswith("1 ") and "--tool memcheck" in args and "--error-exitcode 86" in args
+    summary = (out / "summary.txt").read_text()
+    assert "sanitize: rc=0" in summary and "ERROR SUMMARY: 0 errors" in summary, summary
+    assert "1 passed" in (work / "sanitize.log").read_text()
+
+
+def test_sanitize_stage_fails_on_a_memcheck_error(tmp_path):
+    res, work, out = _run(tmp_path, "sanitize", tools={"compute-sanitizer": _SANITIZER_FINDS})
+    assert res.returncode == 1
+    assert "sanitize: rc=86" in (out / "summary.txt").read_text()
+    assert "Invalid __global__ write of size 4 bytes" in res.stdout
+
+
+def test_sanitize_stage_says_when_the_machine_refuses_the_tool(tmp_path):
+    res, work, out = _run(tmp_path, "sanitize", tools={"compute-sanitizer": _SANITIZER_REFUSED})
+    assert res.returncode == 0
+    assert "refused this machine's device" in (out / "summary.txt").read_text()
