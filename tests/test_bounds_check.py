@@ -126,8 +126,8 @@ def test_uninstall_restores_the_interpreter():
         with _bounds.bounds_checked():
             assert itp.InterpreterBuilder.create_masked_load is not before
         assert itp.InterpreterBuilder.create_masked_load is before
-        buf = torch.randn(32)
-        _copy[(1,)](buf[:8], torch.zeros(16), 16, 0, torch.zeros(16), BLOCK=16, MASKED=False)   # unchecked
+        buf, y = torch.randn(32), torch.zeros(16)
+        _copy[(1,)](buf[:8], y, 16, 0, y, BLOCK=16, MASKED=False)   # unchecked: no error
     finally:
         if was:
             _bounds.install()
