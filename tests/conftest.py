@@ -24,6 +24,14 @@ if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("KFUSED_BOUNDS_C
 
     _bounds.install()
 
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("KFUSED_INTERP_SPEED", "1") != "0":
+    # Two caches the interpreter lacks (nested jit calls re-patching triton.language, a dtype
+    # table rebuilt per call): same results, about a sixth less time in the kernel tests
+    # (kfused/triton_kernels/_interp_speed.py). KFUSED_INTERP_SPEED=0 turns them off.
+    from kfused.triton_kernels import _interp_speed  # noqa: E402
+
+    _interp_speed.install()
+
 if os.environ.get("KFUSED_GPU_CONFIGS") == "1" and not torch.cuda.is_available():
     # A test aid: the interpreter runs every kernel with the block sizes, grids and splits a
     # GPU would get (the compile check's switch), e.g. 128-column output tiles and their
@@ -200,5 +208,8 @@ def pytest_report_header(config):
     from kfused.triton_kernels import _bounds
 
     bounds = "; bounds-checked launches" if _bounds.installed() else ""
+    from kfused.triton_kernels import _interp_speed
+
+    speed = "; interpreter caches" if _interp_speed.installed() else ""
     return (f"kfused tests on {DEVICE}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}; "
-            f"torch {torch.__version__}; KFUSED_TEST_SEED={BASE_SEED}{gpu_cfg}{bounds}")
+            f"torch {torch.__version__}; KFUSED_TEST_SEED={BASE_SEED}{gpu_cfg}{bounds}{speed}")
