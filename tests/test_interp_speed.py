@@ -178,3 +178,21 @@ def test_install_is_idempotent_and_uninstall_restores(caches_off):
     _interp_speed.uninstall()
     assert itp._patch_lang is p and itp._get_np_dtype is d
     assert not _interp_speed.installed()
+
+
+@pytest.mark.parametrize("cmd", ["check", "bench", "demo"])
+def test_the_cli_turns_the_caches_on_in_the_interpreter(caches_off, monkeypatch, cmd):
+    # `kfused check` on a CPU runs every kernel in the interpreter (minutes): the commands
+    # that launch kernels install the caches in their own process; KFUSED_INTERP_SPEED=0 not
+    from kfused.cli import bench, check, demo, main
+
+    monkeypatch.setattr(check, "run", lambda rest: 0)
+    monkeypatch.setattr(bench, "run", lambda rest: 0)
+    monkeypatch.setattr(demo, "run_demo", lambda rest: 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KFUSED_INTERP_SPEED", "0")
+    assert main.main([cmd]) == 0
+    assert not _interp_speed.installed()
+    monkeypatch.delenv("KFUSED_INTERP_SPEED")
+    assert main.main([cmd]) == 0
+    assert _interp_speed.installed()

@@ -34,6 +34,18 @@ def _ensure_interpreter_on_cpu(argv: List[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "kfused.cli.main", *argv])
 
 
+def _interpreter_caches() -> None:
+    """Under Triton's CPU interpreter, the caches of kfused/triton_kernels/_interp_speed.py:
+    the same results in less time (``KFUSED_INTERP_SPEED=0`` leaves them off). Only in this
+    command's own process; importing kfused changes nothing in Triton."""
+    from kfused import backends
+
+    if backends.triton_interpret() and os.environ.get("KFUSED_INTERP_SPEED", "1") != "0":
+        from kfused.triton_kernels import _interp_speed
+
+        _interp_speed.install()
+
+
 def info_parser() -> argparse.ArgumentParser:
     """``kfused info`` takes no options (only ``--help``)."""
     return argparse.ArgumentParser(
@@ -119,14 +131,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         check.parse_args(rest)  # usage errors (and --help) before re-running in the interpreter
         _ensure_interpreter_on_cpu(argv)
+        _interpreter_caches()
         return check.run(rest)
     if cmd == "bench":
         from kfused.cli import bench
 
+        _interpreter_caches()
         return bench.run(rest)
     if cmd == "demo":
         from kfused.cli.demo import run_demo
 
+        _interpreter_caches()
         return run_demo(rest)
     if cmd == "info":
         info_parser().parse_args(rest)
