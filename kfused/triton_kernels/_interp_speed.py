@@ -16,7 +16,9 @@ repeats work whose result it already has (``kfused check`` on a CPU: 1094 s -> 6
    launch, a module set that is already patched is not patched again; the first nested call
    that needs another module (``tl.core``, which Triton's standard library sees) still
    patches it, as before, and that patch stays after the launch exactly as it did without
-   this cache. Measured on this project's kernel tests: 16-19 % of their time.
+   this cache. Measured on this project's kernel tests (same seed, this CPU): test_krona's
+   gradcheck / dx cases with test_headwise_section and test_inducer_decode 88.7 s -> 59.6 s;
+   single files 12-19 % less.
 2. **``_get_np_dtype``** built a 19-entry dict (hashing each language dtype) on every call,
    hundreds of thousands of times a test file: the dict is built once.
 
