@@ -24,13 +24,13 @@ if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("KFUSED_BOUNDS_C
 
     _bounds.install()
 
-if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("KFUSED_INTERP_SPEED", "1") != "0":
+if os.environ.get("TRITON_INTERPRET") == "1":
     # Two caches the interpreter lacks (nested jit calls re-patching triton.language, a dtype
     # table rebuilt per call): same results, 16-33 % less time in the kernel test files measured
     # (kfused/triton_kernels/_interp_speed.py). KFUSED_INTERP_SPEED=0 turns them off.
     from kfused.triton_kernels import _interp_speed  # noqa: E402
 
-    _interp_speed.install()
+    _interp_speed.install_unless_disabled()
 
 if os.environ.get("KFUSED_GPU_CONFIGS") == "1" and not torch.cuda.is_available():
     # A test aid: the interpreter runs every kernel with the block sizes, grids and splits a

@@ -40,10 +40,10 @@ def _interpreter_caches() -> None:
     command's own process; importing kfused changes nothing in Triton."""
     from kfused import backends
 
-    if backends.triton_interpret() and os.environ.get("KFUSED_INTERP_SPEED", "1") != "0":
+    if backends.triton_interpret():
         from kfused.triton_kernels import _interp_speed
 
-        _interp_speed.install()
+        _interp_speed.install_unless_disabled()
 
 
 def info_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,8 @@ repeats work whose result it already has (``kfused check`` on a CPU: 1094 s -> 6
    gradcheck / dx cases with test_headwise_section and test_inducer_decode 88.7 s -> 59.6 s;
    single files 12-19 % less.
 2. **``_get_np_dtype``** built a 19-entry dict (hashing each language dtype) on every call,
-   hundreds of thousands of times a test file: the dict is built once.
+   hundreds of thousands of times a test file: its answer is remembered per dtype (a block
+   type's is its element type's, as in the interpreter; a dtype it refuses is asked again).
 
 ``install()`` returns False, changing nothing, where the interpreter lacks what this patches
 (checked by name; written against Triton 3.6 and 3.9). ``uninstall()`` restores both.
@@ -29,13 +30,13 @@ repeats work whose result it already has (``kfused check`` on a CPU: 1094 s -> 6
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import threading
-from typing import List, Optional
+from typing import List
 
 _installed: List[tuple] = []
 _state = threading.local()
-_DTYPES: Optional[dict] = None
 
 
 def supported() -> bool:
@@ -74,33 +75,13 @@ class _LaunchScope:
                 self.stack.pop()
 
 
-def _np_dtype_table(tl):
-    import numpy as np
-
-    u8, u16 = np.dtype(np.uint8), np.dtype(np.uint16)
-    table = {
-        tl.int1: np.dtype(bool), tl.float16: np.dtype(np.float16),
-        tl.float32: np.dtype(np.float32), tl.float64: np.dtype(np.float64),
-        tl.int8: np.dtype(np.int8), tl.uint8: u8, tl.int16: np.dtype(np.int16), tl.uint16: u16,
-        tl.int32: np.dtype(np.int32), tl.uint32: np.dtype(np.uint32),
-        tl.int64: np.dtype(np.int64), tl.uint64: np.dtype(np.uint64),
-        tl.bfloat16: u16,                       # stored as uint16
-    }
-    for name in ("float8e5", "float8e5b16", "float8e4nv", "float8e4b8", "float8e4b15"):
-        if hasattr(tl, name):                   # stored as uint8
-            table[getattr(tl, name)] = u8
-    return table
-
-
 def install() -> bool:
     """Turn both caches on for every later interpreted launch (idempotent); False where this
     Triton lacks what they patch."""
-    global _DTYPES
     if _installed:
         return True
     if not supported():
         return False
-    import numpy as np
     from triton.runtime import interpreter as itp
 
     tl = itp.tl
@@ -126,23 +107,28 @@ def install() -> bool:
             return scope
         return orig_patch(fn)                  # a jit function called outside any launch
 
-    _DTYPES = _np_dtype_table(tl)
-    table, ptr, block, u64 = _DTYPES, tl.pointer_type, tl.block_type, np.dtype(np.uint64)
+    memo: dict = {}
+    block, ptr = tl.block_type, tl.pointer_type
 
     def _get_np_dtype(tt_dtype):
-        if isinstance(tt_dtype, ptr):
-            return u64
-        if isinstance(tt_dtype, block):
-            if isinstance(tt_dtype.element_ty, ptr):
-                return u64
-            return table[tt_dtype.element_ty]
-        return table[tt_dtype]
+        key = tt_dtype.element_ty if isinstance(tt_dtype, block) else tt_dtype
+        if isinstance(key, ptr):
+            return orig_dtype(key)             # answered before the dict is built (unhashable)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = orig_dtype(key)
+        return found
 
     _installed.append((itp, "_patch_lang", orig_patch))
     itp._patch_lang = _patch_lang
     _installed.append((itp, "_get_np_dtype", orig_dtype))
     itp._get_np_dtype = _get_np_dtype
     return True
+
+
+def install_unless_disabled() -> bool:
+    """:func:`install`, unless ``KFUSED_INTERP_SPEED=0`` (then False, nothing changed)."""
+    return os.environ.get("KFUSED_INTERP_SPEED", "1") != "0" and install()
 
 
 def uninstall() -> None:
