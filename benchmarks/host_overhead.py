@@ -12,6 +12,17 @@ under ``TRITON_INTERPRET=1`` (set here) on the CPU-sized benchmark cases (kfused
 ``quick``; host cost barely depends on the shape). The frozen floor's row is the same call
 without the adapter: a provider's excess over it is what kfused adds per call.
 
+``--gpu-path``: the same, on the code path a GPU takes, with 16-bit (float16) tensors on the
+CPU: Triton launches recorded instead of run (``kfused.perf.compile.recording``: the GPU's
+block sizes, one launch per autotuned kernel as after autotuning), the branches that hand
+16-bit CUDA operands to cuBLAS taken (``kfused.perf.trace``: ``torch.matmul`` on the tiny CPU
+tensors stands in), and the fold decisions a GPU makes at the benchmarks' 16k tokens (every
+headwise benchmark preset folds its forward and dX there; KronA and the output projection
+fold from ``FOLD_MIN_TOKENS``). The cases are GPT-2-shaped with tiny sizes (12 heads of
+width 4, 8 tokens; KronA 32×32 with 4×4 / 8×8 factors) so that the CPU's 16-bit arithmetic
+stays small beside the host cost. Not counted either way: Triton's own launch path and the
+CUDA launches of the torch ops (both real host cost on a GPU).
+
 Prints a table (µs per call, the minimum over ``--reps`` runs of ``--calls`` calls: the least
 disturbed) and writes it as JSON under benchmarks/results/local/.
 """
@@ -19,12 +30,14 @@ disturbed) and writes it as JSON under benchmarks/results/local/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"
+if "--gpu-path" not in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _stub_launches() -> None:
@@ -34,6 +47,80 @@ def _stub_launches() -> None:
         return None
 
     interpreter.InterpretedFunction.run = run
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _recorded(step, launches):
+    def run():
+        step()
+        del launches[:]      # the recording's list, emptied (it would grow call by call)
+    return run
+
+
+@contextlib.contextmanager
+def _gpu_path():
+    """The host code takes the branches of a GPU at the benchmark shapes (module doc)."""
+    import kfused.ops._fold as fo
+    import kfused.triton_kernels._headwise_common as hc
+    from kfused.perf.compile import recording
+    from kfused.perf.trace import _gpu_dispatch, _triton_forced
+
+    def fold_decision(dtype, tokens, exact, on_cuda):
+        return decide(dtype, max(tokens, 16384), exact, True)
+
+    decide = fo.fold_decision
+    mods = [m for m in list(sys.modules.values()) if m is not None and
+            getattr(m, "__name__", "").startswith("kfused.ops") and
+            getattr(m, "fold_decision", None) is decide]
+    saved = (hc._AOT_ALL_CONFIGS[0], hc.FORCE_FOLD)
+    hc._AOT_ALL_CONFIGS[0], hc.FORCE_FOLD = False, True
+    for m in mods:
+        m.fold_decision = fold_decision
+    try:
+        with _triton_forced(), recording() as launches, _gpu_dispatch(launches):
+            yield launches
+    finally:
+        for m in mods:
+            m.fold_decision = decide
+        hc._AOT_ALL_CONFIGS[0], hc.FORCE_FOLD = saved
+
+
+def _gpu_path_cases():
+    """Tiny GPT-2-shaped float16 cases (CPU tensors) of the headwise projections and KronA."""
+    import torch
+
+    import kfused.cases.headwise as ch
+    import kfused.cases.krona as ck
+    from kfused.bench import BenchCase
+
+    dt, dev, T = torch.float16, torch.device("cpu"), 8
+    ch.CPU_WIDTHS["gpt2-tiny"] = dict(d=48, H=12, Hkv=12, tokens=T)
+    try:
+        cases = [ch._case("gpt2-tiny", p, dev, dt, T) for p in ch.BENCH_PRESETS]
+        cases.append(ch._oproj_case("gpt2-tiny", ch.OPROJ_PRESET, dev, dt, T))
+    finally:
+        del ch.CPU_WIDTHS["gpt2-tiny"]
+    common = dict(T=T, d_in=32, d_out=32, dtype=dt, device=dev, factors="sqrt")
+    from kfused.ops import krona_linear
+
+    provs = [ck._provider("floor", lambda x, W, b, A, B: torch.nn.functional.linear(x, W, b),
+                          leaves_idx=(0,), **common),
+             ck._provider("kfused-triton", lambda x, W, b, A, B: krona_linear(
+                 x, W, b, A, B, 0.5, backend="triton"), **common)]
+    cases.append(BenchCase(op="krona_linear", shape=dict(T=T, d_in=32, d_out=32,
+                                                         factors="sqrt"),
+                           dtype=dt, providers=provs, flops_fwd=0.0, flops_bwd=0.0,
+                           bytes_fwd=0.0))
+    return cases
 
 
 def _step(prov):
@@ -67,6 +154,8 @@ def main(argv=None) -> int:
                         "the float32-only float64 corrections, computed on this CPU")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--gpu-path", action="store_true",
+                   help="the code path a GPU takes, 16-bit (see the module doc)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "local"))
     args = p.parse_args(argv)
     from kfused._files import folder_refusal
@@ -74,15 +163,23 @@ def main(argv=None) -> int:
     unusable = folder_refusal(args.out)   # before the measuring, not a traceback after it
     if unusable:
         p.error(f"argument --out: {unusable}")
-    _stub_launches()
     import torch
 
     from kfused.cases import bench_cases
 
+    stack = contextlib.ExitStack()
+    if args.gpu_path:
+        launches = stack.enter_context(_gpu_path())
+        cases = [c for c in _gpu_path_cases() if c.op.split("_")[0] in
+                 {o.split("_")[0] for o in args.ops}]
+    else:
+        _stub_launches()
+        cases = [c for op in args.ops for c in bench_cases(op, torch.device("cpu"),
+                                                             getattr(torch, args.dtype),
+                                                             quick=True)]
     rows = []
-    for op in args.ops:
-        for case in bench_cases(op, torch.device("cpu"), getattr(torch, args.dtype),
-                                quick=True):
+    with stack:
+        for case in cases:
             label = ",".join(f"{k}={v}" for k, v in case.shape.items()
                              if not isinstance(v, (list, dict)))
             base = None
@@ -90,7 +187,13 @@ def main(argv=None) -> int:
                 if prov.name not in PROVIDERS:
                     continue
                 try:
-                    us = measure(_step(prov), args.reps, args.calls)
+                    step = _step(prov)
+                    if args.gpu_path:
+                        del launches[:]
+                        step()
+                        per_call = len(launches)
+                        step = _recorded(step, launches)
+                    us = measure(step, args.reps, args.calls)
                 except Exception as exc:  # noqa: BLE001 (reported, the others still run)
                     print(f"{case.op:16} {label[:60]:60} {prov.name:20} failed: "
                           f"{type(exc).__name__}: {str(exc)[:80]}")
@@ -100,6 +203,9 @@ def main(argv=None) -> int:
                 rows.append(dict(op=case.op, shape=case.shape, provider=prov.name,
                                  host_us=us, host_us_floor=base))
                 extra = f"{us / base:6.2f}x floor" if base else ""
+                if args.gpu_path:
+                    rows[-1]["triton_launches"] = per_call
+                    extra += f"  {per_call} Triton launches"
                 print(f"{case.op:16} {label[:60]:60} {prov.name:20} {us:8.1f} us  {extra}",
                       flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -107,8 +213,11 @@ def main(argv=None) -> int:
     from kfused._files import new_results_file
 
     path = new_results_file(args.out, f"host_overhead_{stamp}", json.dumps(
-        {"torch": torch.__version__, "dtype": args.dtype, "python": sys.version.split()[0],
-         "note": "CPU, Triton launches stubbed (TRITON_INTERPRET=1)", "rows": rows},
+        {"torch": torch.__version__, "dtype": "float16" if args.gpu_path else args.dtype,
+         "python": sys.version.split()[0],
+         "note": ("CPU, the GPU's code path, Triton launches recorded (--gpu-path)"
+                  if args.gpu_path else "CPU, Triton launches stubbed (TRITON_INTERPRET=1)"),
+         "commit": _commit(), "rows": rows},
         indent=1, default=str))   # a new file, whole or absent
     print(f"wrote {path}")
     return 0
