@@ -18,7 +18,7 @@ block sizes, one launch per autotuned kernel as after autotuning), the branches 
 16-bit CUDA operands to cuBLAS taken (``kfused.perf.trace``: ``torch.matmul`` on the tiny CPU
 tensors stands in), and the fold decisions a GPU makes at the benchmarks' 16k tokens (every
 headwise benchmark preset folds its forward and dX there; KronA and the output projection
-fold from ``FOLD_MIN_TOKENS``). The cases are GPT-2-shaped with tiny sizes (12 heads of
+fold from ``FOLD_MIN_TOKENS``; the folded forwards keep W' for the backward, as there). The cases are GPT-2-shaped with tiny sizes (12 heads of
 width 4, 8 tokens; KronA 32×32 with 4×4 / 8×8 factors) so that the CPU's 16-bit arithmetic
 stays small beside the host cost. Not counted either way: Triton's own launch path and the
 CUDA launches of the torch ops (both real host cost on a GPU).
@@ -71,13 +71,21 @@ def _gpu_path():
     """The host code takes the branches of a GPU at the benchmark shapes (module doc)."""
     import kfused.ops._fold as fo
     import kfused.triton_kernels._headwise_common as hc
+    import kfused.triton_kernels.headwise_qkv as hq
     from kfused.perf.compile import recording
     from kfused.perf.trace import _gpu_dispatch, _triton_forced
 
     def fold_decision(dtype, tokens, exact, on_cuda):
         return decide(dtype, max(tokens, 16384), exact, True)
 
-    decide = fo.fold_decision
+    def keeps_fold(N, K, T, M):     # the folded q|k|v forward keeps W' as at 16k tokens
+        return keeps(N, K, max(T, 16384), M)
+
+    import importlib
+
+    okl = importlib.import_module("kfused.ops.krona_linear")   # (kfused.ops has the function)
+    decide, keeps = fo.fold_decision, hq.keeps_fold
+    keep_ratio = okl.KEEP_FOLD_RATIO
     mods = [m for m in list(sys.modules.values()) if m is not None and
             getattr(m, "__name__", "").startswith("kfused.ops") and
             getattr(m, "fold_decision", None) is decide]
@@ -85,12 +93,16 @@ def _gpu_path():
     hc._AOT_ALL_CONFIGS[0], hc.FORCE_FOLD = False, True
     for m in mods:
         m.fold_decision = fold_decision
+    hq.keeps_fold = keeps_fold
+    okl.KEEP_FOLD_RATIO = 0          # KronA keeps W' too (T >= 8·d_out at the benchmarks')
     try:
         with _triton_forced(), recording() as launches, _gpu_dispatch(launches):
             yield launches
     finally:
         for m in mods:
             m.fold_decision = decide
+        hq.keeps_fold = keeps
+        okl.KEEP_FOLD_RATIO = keep_ratio
         hc._AOT_ALL_CONFIGS[0], hc.FORCE_FOLD = saved
 
 
