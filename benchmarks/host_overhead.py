@@ -36,7 +36,9 @@ import os
 import sys
 import time
 
-if "--gpu-path" not in sys.argv[1:]:
+if "--gpu-path" in sys.argv[1:]:
+    os.environ.pop("TRITON_INTERPRET", None)   # compiled kernels' launch path, recorded
+else:
     os.environ["TRITON_INTERPRET"] = "1"
 
 

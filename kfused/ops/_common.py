@@ -108,6 +108,7 @@ def _function(e: _Op):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_T, _P = _PLAIN
 FAST_PATH = {"on": True}   # off: every call through torch.ops (tests compare the two)
 
 
@@ -118,7 +119,9 @@ def _plain_eager(args) -> bool:
     if _get_current_dispatch_mode() is not None:
         return False
     for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or a.device.type == "meta"):
+        # (type identity and is_meta: this runs for every argument of every call)
+        if isinstance(a, torch.Tensor) and ((type(a) is not _T and type(a) is not _P)
+                                            or a.is_meta):
             return False
     return True
 

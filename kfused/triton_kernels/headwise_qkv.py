@@ -7,12 +7,14 @@ the projection in the q slot.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 
 from kfused import _alloc
-from kfused.triton_kernels._common import F32
+from kfused.triton_kernels import _headwise_common as _hc
+from kfused.triton_kernels._common import _AOT_TARGET, F32
 from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
                                                     _packing, _tile_n, compact_dz,
                                                     compact_offsets, compact_pays,
@@ -84,6 +86,31 @@ def qkv_packings(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, i
     return packs, offs, M
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(HQ: int, HV: int, P: int, rq: Tuple[int, int], rv: Tuple[int, int],
+          dev: torch.device, fold: int, T: int, D: int, N: int, dtype: torch.dtype,
+          flags: tuple):
+    """The per-shape decisions of a q|k|v call, worked out once per shape (a training step
+    repeats them on every call; they cost about 30 µs of host time a forward and backward,
+    ``benchmarks/host_overhead.py --gpu-path``): the packings and their offsets in Z, M,
+    :func:`fold_plan`'s (fold the forward, fold dX), the compact rank space's offsets and
+    width, whether the backward runs on it (:func:`compact_pays`) and whether its
+    per-occurrence dZ sums several (float32). ``flags``: :func:`_plan_flags`, the switches
+    those decisions also read."""
+    (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, rq, rv, dev)
+    folds = fold_plan(fold, (pq, pv), T, D, N, dtype)
+    (cq, cv), MC = compact_offsets((pq, pv))
+    compact = compact_pays((pq, pv), T, D, dtype.itemsize, dx=not folds[1])
+    summed = compact and any(pk is not None and needs_sum(pk) for pk in (pq, pv))
+    return (pq, pv), (oq, ov), M, folds, (cq, cv), MC, compact, summed
+
+
+def _plan_flags() -> tuple:
+    """What :func:`_plan`'s decisions read besides its arguments: the tests' forcing switches
+    and whether host functions choose GPU tiles (``_AOT_TARGET``: the tile width BN)."""
+    return (_hc.FORCE_FOLD, _hc.FORCE_FOLD_DX, _hc.FORCE_COMPACT, _AOT_TARGET["on"])
+
+
 def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                          bq: Optional[torch.Tensor], bk: Optional[torch.Tensor],
                          bv: Optional[torch.Tensor], q: SectionFactors, v: SectionFactors,
@@ -108,8 +135,8 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
     N = (HQ + HK + HV) * P
     dev = x.device
-    (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
-    folded = fold_plan(fold, (pq, pv), T, D, N, x.dtype)[0]
+    (pq, pv), (oq, ov), M, (folded, _), *_ = _plan(HQ, HV, P, q.ranks(), v.ranks(), dev,
+                                                   fold, T, D, N, x.dtype, _plan_flags())
     Y = _alloc.empty(T, N, dtype=x.dtype, device=dev)
     Z = _alloc.empty(T, 0 if folded else M, dtype=x.dtype, device=dev)
     none = x.new_empty(0)
@@ -176,15 +203,13 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
     HQ, HK, HV = wq.shape[0] // P, wk.shape[0] // P, wv.shape[0] // P
     Nq, Nk, Nv = HQ * P, HK * P, HV * P
     dev = x.device
-    el = x.element_size()
-    (pq, pv), (oq, ov), M = qkv_packings(HQ, HV, P, q.ranks(), v.ranks(), dev)
-    (cq, cv), MC = compact_offsets((pq, pv))
-    zx, dx_fold = fold_plan(fold, (pq, pv), T, D, Nq + Nk + Nv, x.dtype)   # Z from X?
-    compact = compact_pays((pq, pv), T, D, el, dx=not dx_fold)
-    # the rank pass's dZ, one column per tile occurrence of a row. Compact: float32 when some
-    # compact column sums several occurrences (rounded once, by compact_dz), and the dx GEMM
-    # and the token reduction read the compact dZ; otherwise they read this one.
-    summed = compact and any(pk is not None and needs_sum(pk) for pk in (pq, pv))
+    # zx: Z from X (the forward folded); the rank pass's dZ, one column per tile occurrence
+    # of a row. Compact: float32 when some compact column sums several occurrences
+    # (``summed``: rounded once, by compact_dz), and the dx GEMM and the token reduction read
+    # the compact dZ; otherwise they read this one.
+    ((pq, pv), (oq, ov), M, (zx, dx_fold), (cq, cv), MC, compact,
+     summed) = _plan(HQ, HV, P, q.ranks(), v.ranks(), dev, fold, T, D, Nq + Nk + Nv, x.dtype,
+                     _plan_flags())
     dZt = _alloc.empty(T, M, dtype=F32 if summed else x.dtype, device=dev)
     dZ = _alloc.empty(T, MC, dtype=x.dtype, device=dev) if compact else dZt
     if M:
