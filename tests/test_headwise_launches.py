@@ -173,11 +173,18 @@ def count(preset: str, shape: str, op: str = "qkv", dtype=torch.float16, execute
         f = {k: (t * 0.1).to(dtype).requires_grad_() for k, t in f.items()}
         leaves = [o, *f.values()]
 
-        exact = False if op == "oproj-folded" else None
+        exact = False if op in ("oproj-folded", "oproj-kept") else None
+        import kfused.triton_kernels.headwise_oproj as ho
 
         def fn():
-            return headwise_oproj(o, w, bo, n_heads=H, scale=0.5, backend="triton", exact=exact,
-                                  **f)
+            # oproj-folded: the backward folds W' again; oproj-kept: the forward keeps it
+            old, ho.FORCE_KEEP = ho.FORCE_KEEP, {"oproj-folded": False,
+                                                 "oproj-kept": True}.get(op)
+            try:
+                return headwise_oproj(o, w, bo, n_heads=H, scale=0.5, backend="triton",
+                                      exact=exact, **f)
+            finally:
+                ho.FORCE_KEEP = old
     gY = None
     for it in range(2):                      # the second call runs with warm caches
         fwd = LaunchCount(execute).__enter__()
@@ -192,7 +199,8 @@ def count(preset: str, shape: str, op: str = "qkv", dtype=torch.float16, execute
 
 
 CASES = [(p, s, "qkv") for p in PRESETS for s in SHAPES] + \
-    [("kernel-mix-qvo-intermediate", "gpt2-like", op) for op in ("oproj", "oproj-folded")]
+    [("kernel-mix-qvo-intermediate", "gpt2-like", op)
+     for op in ("oproj", "oproj-folded", "oproj-kept")]
 
 # Launches per forward+backward (the redesign of issue 12's host side); a regression guard.
 # 40, 61 and 22 launches before the factor assembly moved into kernels (q|k|v: LiteSection
@@ -208,12 +216,14 @@ CASES = [(p, s, "qkv") for p in PRESETS for s in SHAPES] + \
 # rounding order (docs/math.md §4 failed on dA_s without it): a multiply, a thin GEMM and the
 # copy into dZ, 3 launches (8 before); folded, the dO GEMM over [W' | B_w | B_s] gives those
 # rows as dY·B_s and the unpack applies s to their sums in float32, so the folded backward
-# launches none of the three (11 → 8).
+# launches none of the three (11 → 8). Where the folded forward keeps its operands
+# [[W', B_c], [D_o, 0]] (oproj_keeps_fold; forced here), the backward folds nothing (7).
 BUDGET = {("kernel-mix-qvo-intermediate", "qkv"): 10,
           ("kernel-mix-lite-qv-small", "qkv"): 12,
           ("kernel-mix-qvo-intermediate", "oproj"): 11,
-          ("kernel-mix-qvo-intermediate", "oproj-folded"): 8}
-FWD_TORCH_BUDGET = {"qkv": 0, "oproj": 0, "oproj-folded": 0}
+          ("kernel-mix-qvo-intermediate", "oproj-folded"): 8,
+          ("kernel-mix-qvo-intermediate", "oproj-kept"): 7}
+FWD_TORCH_BUDGET = {"qkv": 0, "oproj": 0, "oproj-folded": 0, "oproj-kept": 0}
 
 
 def _interpreting() -> bool:

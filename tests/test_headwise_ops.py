@@ -375,8 +375,42 @@ def test_oproj_folded(dtype, case, launches):
 
     assert_against_reference(run("triton"), run("reference"), inputs, dtype, DEVICE,
                              grad_names=[k for k in inputs if k != "w_o"])
-    # forward and backward each fold (16-bit); float32 takes the exact path
-    assert len(folds) == (0 if dtype == torch.float32 else 2)
+    # forward and backward each fold (16-bit), or the forward alone where it keeps its folded
+    # operands for the backward; float32 takes the exact path
+    T, HP = inputs["o"].shape
+    M = H * OPROJ_CASES[case][1] + OPROJ_CASES[case][2]
+    kept = tk.oproj_keeps_fold(inputs["w_o"].shape[0], HP, M, T)
+    assert len(folds) == (0 if dtype == torch.float32 else 1 if kept else 2)
+
+
+@pytest.mark.parametrize("need", ["all", "do", "factors"])
+@pytest.mark.parametrize("case", range(len(OPROJ_CASES)))
+def test_oproj_folded_kept_operands_are_the_refolded_ones(case, need, monkeypatch):
+    """The folded operands a forward keeps for its backward ([[W', B_c], [D_o, 0]], B_s
+    itself in the shared columns when scale != 1) give what the backward's own fold gives:
+    Y and every gradient bit for bit the same either way (float16; scale 0.5 and 1; dO and
+    the factor gradients together, dO alone, the factors alone)."""
+    from kfused.testing import run_with_grads
+    from kfused.triton_kernels import headwise_oproj as tk
+
+    H, inputs = oproj_inputs(case, (random.choice([5, 33]),), random.choice([24, 40]),
+                             random.choice([48, 80]))
+    args = {k: v.to(DEVICE, torch.float16) for k, v in inputs.items()}
+    names = [k for k in args if k != "w_o" and (need != "do" or k == "o")
+             and (need != "factors" or k != "o")]
+    for scale in (0.5, 1.0):
+        def fn(**kw):
+            return headwise_oproj(**kw, n_heads=H, scale=scale, backend="triton", exact=False)
+
+        gouts = [torch.randn_like(fn(**args))]
+        got = []
+        for keep in (True, False):
+            monkeypatch.setattr(tk, "FORCE_KEEP", keep)
+            got.append(run_with_grads(fn, args, gouts, names))
+        assert torch.equal(got[0][0][0], got[1][0][0])
+        assert got[0][1].keys() == got[1][1].keys() == set(names)
+        for k in got[0][1]:
+            assert torch.equal(got[0][1][k], got[1][1][k]), (scale, k)
 
 
 def test_oproj_fold_kernel_is_exact_on_small_integers():
@@ -754,7 +788,7 @@ def test_opcheck_oproj():
             _t(dout, H * 2, grad=True), _t(3, H * p, grad=True), _t(dout, 3, grad=True), H)
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_fwd.default, args)
     det = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    Y, Z = torch.ops.kfused.headwise_oproj_triton_fwd(*det)
+    Y, Z, _ = torch.ops.kfused.headwise_oproj_triton_fwd(*det)
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
                           (torch.randn_like(Y), det[0], det[1], det[3], det[4], det[5], det[6],
                            Z, H, True, True))
@@ -770,8 +804,9 @@ def test_opcheck_oproj():
         h[i].requires_grad_()
     fargs = tuple(h) + (0.75, h[2].detach().clone().requires_grad_(), True)
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_fwd.default, fargs)
-    Yh, Zh = torch.ops.kfused.headwise_oproj_triton_fwd(
+    Yh, Zh, Wh = torch.ops.kfused.headwise_oproj_triton_fwd(
         *[a.detach() if isinstance(a, torch.Tensor) else a for a in fargs])
+    assert Wh.numel() == 0       # 8 tokens: the backward folds again
     torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
                           (torch.randn_like(Yh), *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
                            Zh, H, True, True, 0.75, True))
@@ -782,6 +817,17 @@ def test_opcheck_oproj():
                               (torch.randn_like(Yh),
                                *[h[i].detach() for i in (0, 1, 3, 4, 5, 6)],
                                Zh, H, need_do, True, 0.75, True, torch.float16))
+    # 200 tokens: Z would be 200 × 9, the folded operands (11 + 9) × (15 + 9) are kept and
+    # handed to the backward
+    long = (_t(200, H * p, grad=True).half(),) + fargs[1:]
+    torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_fwd.default, long)
+    ldet = [a.detach() if isinstance(a, torch.Tensor) else a for a in long]
+    Yl, Zl, Wl = torch.ops.kfused.headwise_oproj_triton_fwd(*ldet)
+    assert Wl.shape == (dout + 9, 32)      # H·p + 9 = 24 columns, padded to 16s
+    for need_do in (True, False):
+        torch.library.opcheck(torch.ops.kfused.headwise_oproj_triton_bwd.default,
+                              (torch.randn_like(Yl), *[ldet[i] for i in (0, 1, 3, 4, 5, 6)],
+                               Zl, H, need_do, True, 0.75, True, None, Wl))
 
 
 def test_compile_fullgraph():
@@ -1150,9 +1196,15 @@ def test_oproj_fold_kernel_appends_exactly():
         fold = W + Bc @ Do
         rows = oproj_fold(*args, append=1)
         cols = oproj_fold(*args, append=2)
+        both = oproj_fold(*args, append=3)
         assert rows.shape == (N + M, HP) and cols.shape == (N, HP + M)
         assert torch.equal(rows.double().cpu(), torch.cat([fold, Do], 0))
         assert torch.equal(cols.double().cpu(), torch.cat([fold, Bc], 1))
+        pad = (HP + M + 15) // 16 * 16 - HP - M
+        assert both.shape == (N + M, HP + M + pad)
+        assert torch.equal(both.double().cpu(), torch.cat(
+            [torch.cat([fold, Bc, torch.zeros(N, pad).double()], 1),
+             torch.cat([Do, torch.zeros(M, M + pad).double()], 1)], 0))
 
 
 def test_lowrank_16bit_rank_space_kept_beyond_16_bits():
@@ -1401,8 +1453,8 @@ def test_triton_custom_ops_take_any_layout():
     o, w_o = _t(T, Hh * pp), _t(dout, Hh * pp)
     b_o, c = _t(2 * dout)[::2], _t(1).expand(dout)
     wA, wB = _t(Hh, 1, pp), _t(dout, Hh)
-    y, _ = torch.ops.kfused.headwise_oproj_triton_fwd(o, w_o, b_o, wA, wB, None, None, Hh, 1.0,
-                                                      c, False)
+    y, _, _ = torch.ops.kfused.headwise_oproj_triton_fwd(o, w_o, b_o, wA, wB, None, None, Hh,
+                                                         1.0, c, False)
     want = headwise_oproj_ref(o, w_o, b_o, n_heads=Hh, wise_A=wA, wise_B=wB, wise_c=c)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     w = _t(Hh * pp, db)

@@ -595,6 +595,6 @@ def aot_launches() -> None:
         # output projection: Kernel-wise 8 + shared 8
         o, wo = e(T, H * p), e(d, H * p)
         A, Bw, As, Us = e(H, 8, p), e(d, H * 8), e(8, H * p), e(d, 8, dtype=f32)
-        Y, Z = headwise_oproj_forward(o, wo, e(d, dtype=f32), A, Bw, As, Us, H)
+        Y, Z, _ = headwise_oproj_forward(o, wo, e(d, dtype=f32), A, Bw, As, Us, H)
         headwise_oproj_backward(e(T, d), o, wo, A, Bw, As, Us, Z, H)
     hc._AOT_ALL_CONFIGS[0] = True

@@ -38,8 +38,10 @@ def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
                A: Optional[torch.Tensor], B: Optional[torch.Tensor],
                shared_A: Optional[torch.Tensor], shared_U: Optional[torch.Tensor],
                n_heads: int, scale: float = 1.0, c: Optional[torch.Tensor] = None,
-               fold: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    # the GEMM epilogue reads b_o and c with unit stride (o, w_o and the factors via strides)
+               fold: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Returns Y, the rank-space Z and the folded operands the backward reuses (empty where
+    # it folds again: kfused.triton_kernels.headwise_oproj.oproj_keeps_fold).
+    # The GEMM epilogue reads b_o and c with unit stride (o, w_o and the factors via strides).
     return _tk().headwise_oproj_forward(o, w_o, _dense(b_o), A, B, shared_A, shared_U, n_heads,
                                         scale, _dense(c), fold)
 
@@ -48,7 +50,12 @@ def _oproj_fwd(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
 def _(o, w_o, b_o, A, B, shared_A, shared_U, n_heads, scale=1.0, c=None, fold=False):
     M = (A.shape[0] * A.shape[1] if A is not None else 0) + \
         (shared_A.shape[0] if shared_A is not None else 0)
-    return o.new_empty(o.shape[0], w_o.shape[0]), o.new_empty(o.shape[0], M)
+    T, N, HP = o.shape[0], w_o.shape[0], o.shape[1]
+    # (T stays symbolic under dynamic-shape tracing: a guard on the comparison)
+    kept = bool(fold) and bool(M) and T != 0 and N != 0 and \
+        _tk().oproj_keeps_fold(int(N), int(HP), int(M), T)
+    return (o.new_empty(T, N), o.new_empty(T, M),
+            o.new_empty(N + M, _tk().kept_width(int(HP), int(M))) if kept else o.new_empty(0))
 
 
 @custom_op("kfused::headwise_oproj_triton_bwd")
@@ -56,10 +63,13 @@ def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[
                B: Optional[torch.Tensor], shared_A: Optional[torch.Tensor],
                shared_U: Optional[torch.Tensor], z: torch.Tensor, n_heads: int,
                need_do: bool, need_factors: bool, scale: float = 1.0,
-               fold: bool = False, db_dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
-    # db_dtype: the dtype of the bias gradient db (None: float32)
+               fold: bool = False, db_dtype: Optional[torch.dtype] = None,
+               w_fold: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    # db_dtype: the dtype of the bias gradient db (None: float32); w_fold: the forward's kept
+    # folded operands (kfused.triton_kernels.headwise_oproj.headwise_oproj_backward)
     dO, gr = _tk().headwise_oproj_backward(g, o, w_o, A, B, shared_A, shared_U, z, n_heads,
-                                           need_do, need_factors, scale, fold, db_dtype)
+                                           need_do, need_factors, scale, fold, db_dtype,
+                                           w_fold)
     out = [dO if dO is not None else _empty(o)]
     for key in ("A", "Bw", "As", "Us", "db"):
         t = gr.get(key)
@@ -69,7 +79,7 @@ def _oproj_bwd(g: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, A: Optional[
 
 @_oproj_bwd.register_fake
 def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, scale=1.0,
-      fold=False, db_dtype=None):
+      fold=False, db_dtype=None, w_fold=None):
     hw = need_factors and A is not None
     sh = need_factors and shared_A is not None
     e = o.new_empty(0)
@@ -82,26 +92,27 @@ def _(g, o, w_o, A, B, shared_A, shared_U, z, n_heads, need_do, need_factors, sc
 def _oproj_setup(ctx, inputs, output):
     o, w_o, b_o, A, B, sA, sU, H, *rest = inputs
     scale, c, fold = tuple(rest) + (1.0, None, False)[len(rest):]
-    ctx.save_for_backward(o, w_o, A, B, sA, sU, output[1])
+    ctx.save_for_backward(o, w_o, A, B, sA, sU, output[1], output[2])
     ctx.H, ctx.scale, ctx.fold = H, scale, fold
     ctx.has_b = b_o is not None
     ctx.b_dtype = b_o.dtype if b_o is not None else None
     ctx.c_dtype = c.dtype if c is not None else None
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)    # no zero (T, M) gradient for the rank-space output
+    ctx.mark_non_differentiable(output[1], output[2])
+    # no zero gradients for the rank-space output and the kept folded operands
+    ctx.set_materialize_grads(False)
 
 
-def _oproj_backward(ctx, g, gz):
+def _oproj_backward(ctx, g, gz, gw=None):
     if g is None:
         return (None,) * 11
-    o, w_o, A, B, sA, sU, z = ctx.saved_tensors
+    o, w_o, A, B, sA, sU, z, w_fold = ctx.saved_tensors
     n_o, n_w, n_b, nA, nB, nsA, nsU = ctx.needs_input_grad[:7]
     n_c = len(ctx.needs_input_grad) > 9 and ctx.needs_input_grad[9]
     g = g.contiguous()
     need_f = nA or nB or nsA or nsU or n_b or n_c
     dO, dA, dB, dsA, dsU, db = kops.headwise_oproj_triton_bwd(
         g, o, w_o, A, B, sA, sU, z, ctx.H, n_o, need_f, ctx.scale, ctx.fold,
-        _one_dtype(((ctx.b_dtype, n_b and ctx.has_b), (ctx.c_dtype, n_c))))
+        _one_dtype(((ctx.b_dtype, n_b and ctx.has_b), (ctx.c_dtype, n_c))), w_fold)
     dw = torch.matmul(g.t(), o).to(w_o.dtype) if n_w else None
     if (n_b and ctx.has_b) or n_c:
         db = db if _opt(db) is not None else g.sum(0, dtype=torch.float32)
@@ -208,6 +219,6 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     # then have the strides the real ones have
     c = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     fold = fold_decision(o2.dtype, o2.shape[0], exact, o2.device.type == "cuda")
-    Y, _ = kops.headwise_oproj_triton_fwd(
-        o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c), fold)
+    Y = kops.headwise_oproj_triton_fwd(
+        o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c), fold)[0]
     return Y.reshape(*lead, dout)

@@ -267,8 +267,9 @@ def _m_oproj_fold(L) -> Dict[str, float]:
     cdiv(M, BR) tensor-core dots (BN × BR)·(BR × BK) (M padded to BR; programs of the
     appended rows / columns issue them too, masked); the W tile converted and added, W'
     converted on store. APPEND 1 / 2: Do's rows / Bc's columns copied after W' (read once
-    more, written once). HBM: W read and W' written once; Bc re-read by every column program
-    and Do by every row program (L2 rule of reread_bytes)."""
+    more, written once); APPEND 3: both (and an M × M corner of zeros written). HBM: W read
+    and W' written once; Bc re-read by every column program and Do by every row program (L2
+    rule of reread_bytes)."""
     a = L.bound()
     N, HP, M = a["N"], a["HP"], a["M"]
     BN, BK, BR = a["BN"], a["BK"], a["BR"]
@@ -277,7 +278,9 @@ def _m_oproj_fold(L) -> Dict[str, float]:
     _prod(w, "fold", progs * 2.0 * BN * BK * cdiv(M, BR) * BR, True, _is16(a["do_ptr"]))
     w["alu_ops"] = progs * BN * BK * 3
     el = _el(a["out_ptr"])
-    appended = 2 * M * (HP if a.get("APPEND", 0) == 1 else N) * el if a.get("APPEND") else 0
+    mode = a.get("APPEND", 0)
+    appended = ((2 * M * HP * el if mode in (1, 3) else 0)
+                + (2 * M * N * el if mode in (2, 3) else 0) + (M * M * el if mode == 3 else 0))
     w["hbm_bytes"] = (N * HP * (_el(a["w_ptr"]) + el) + R.reread_bytes(N * M * el, cdiv(HP, BK))
                       + R.reread_bytes(M * HP * el, cdiv(N, BN)) + appended)
     return w

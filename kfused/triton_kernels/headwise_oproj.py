@@ -138,10 +138,13 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
     # (N + M, H·P), rows N.. copy D_o (the forward's B operand: Y and Z from one GEMM), grid
     # (cdiv(N + M, BN), cdiv(H·P, BK)). APPEND 2: out = [W' | B_c] (N, H·P + M), columns
     # H·P.. copy B_c (the backward's: dO and dZ from one GEMM), grid (cdiv(N, BN),
-    # cdiv(H·P + M, BK)). A copied entry is the packed value itself (0 + v in float32: exact).
-    # RAW_SHARED (APPEND 2): the shared columns H·P + H·R.. copy B_s itself (us_ptr, (N, R_s),
-    # any strides) rather than the packed s·B_s: dZ's shared rows come out of the dO GEMM as
-    # dY·B_s, rounded once, and the unpack applies s to their token sums in float32.
+    # cdiv(H·P + M, BK)). APPEND 3: both in one buffer, out = [[W', B_c], [D_o, 0]]
+    # (N + M, s_on): its first H·P columns are APPEND 1's operand and its first N rows
+    # APPEND 2's (a forward that keeps W' for its backward), the columns from H·P + M to the
+    # row stride s_on zero, grid (cdiv(N + M, BN), cdiv(s_on, BK)). A copied entry is the packed value itself (0 + v in float32: exact).
+    # RAW_SHARED (APPEND 2, 3): the shared columns H·P + H·R.. copy B_s itself (us_ptr,
+    # (N, R_s), any strides) rather than the packed s·B_s: dZ's shared rows come out of the
+    # dO GEMM as dY·B_s, rounded once, and the unpack applies s to their token sums in float32.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -157,12 +160,11 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
         d = tl.load(do_ptr + rm[:, None] * HP + rk[None, :], mask=(rm < M)[:, None] & km,
                     other=0.0)
         acc += tl.dot(b, d, out_dtype=tl.float32)
-    if APPEND == 1:
+    if APPEND == 1 or APPEND == 3:
         dr = tl.maximum(rn - N, 0)
         acc += tl.load(do_ptr + dr[:, None] * HP + rk[None, :],
                        mask=((rn >= N) & (rn < N + M))[:, None] & km, other=0.0).to(tl.float32)
-        om = (rn < N + M)[:, None] & km
-    elif APPEND == 2:
+    if APPEND == 2 or APPEND == 3:
         bcol = tl.maximum(rk - HP, 0)
         cm = nm & ((rk >= HP) & (rk < HP + M))[None, :]
         if RAW_SHARED:
@@ -174,7 +176,12 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
         else:
             acc += tl.load(bc_ptr + rn[:, None] * M + bcol[None, :], mask=cm,
                            other=0.0).to(tl.float32)
+    if APPEND == 1:
+        om = (rn < N + M)[:, None] & km
+    elif APPEND == 2:
         om = nm & (rk < HP + M)[None, :]
+    elif APPEND == 3:   # the padding columns up to the row stride get zeros (acc there)
+        om = (rn < N + M)[:, None] & (rk < s_on)[None, :]
     else:
         om = nm & km
     tl.store(out_ptr + rn[:, None] * s_on + rk[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -186,26 +193,39 @@ def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
     """W' = w + Bc·Do (N, H·P), contiguous, in the packed operands' (16-bit) dtype: the update
     folded into the frozen weight (any strides), one launch. ``append=1``: [W'; Do]
     (N + M, H·P), the forward's B operand (Y and Z = O Doᵀ from one GEMM); ``append=2``:
-    [W' | Bc] (N, H·P + M), the backward's (dO and dZ = dY Bc from one GEMM).
-    ``raw_shared`` (append=2): B_s (N, R_s), any strides: its last R_s appended columns hold
-    B_s instead of Bc's s·B_s (W' still folds s·B_s)."""
+    [W' | Bc] (N, H·P + M), the backward's (dO and dZ = dY Bc from one GEMM); ``append=3``:
+    both in one buffer [[W', Bc], [Do, 0]] (N + M, :func:`kept_width`), whose first H·P
+    columns are append=1's operand and first N rows (H·P + M columns) append=2's
+    (:func:`oproj_keeps_fold`; the columns past H·P + M are zero padding).
+    ``raw_shared`` (append=2, 3): B_s (N, R_s), any strides: its last R_s appended columns
+    hold B_s instead of Bc's s·B_s (W' still folds s·B_s)."""
     N, HP = w.shape
     M = Bc.shape[1]
-    rows, cols = (N + M, HP) if append == 1 else (N, HP + M) if append == 2 else (N, HP)
-    out = _alloc.empty(rows, cols, dtype=Do.dtype, device=w.device)
+    rows, cols = ((N + M, HP) if append == 1 else (N, HP + M) if append == 2
+                  else (N + M, HP + M) if append == 3 else (N, HP))
+    out = _alloc.empty(rows, kept_width(HP, M) if append == 3 else cols, dtype=Do.dtype,
+                       device=w.device)
     if rows == 0 or cols == 0:
         return out
     gpu = targets_gpu(w.device)
     BN, BK = (64, 128) if gpu else (32, 32)
     BR = _blk(M, 16, 32)
-    raw = append == 2 and raw_shared is not None and raw_shared.shape[1] > 0
+    raw = append in (2, 3) and raw_shared is not None and raw_shared.shape[1] > 0
     us = raw_shared if raw else Bc
-    _oproj_fold_kernel[(cdiv(rows, BN), cdiv(cols, BK))](
-        w, w.stride(0), w.stride(1), Bc, Do, out, cols, N, HP, M, us,
+    _oproj_fold_kernel[(cdiv(rows, BN), cdiv(out.shape[1], BK))](
+        w, w.stride(0), w.stride(1), Bc, Do, out, out.shape[1], N, HP, M, us,
         us.stride(0) if raw else 0, us.stride(1) if raw else 0,
         M - raw_shared.shape[1] if raw else M, APPEND=append, RAW_SHARED=raw, BN=BN, BK=BK,
         BR=BR, num_warps=4 if gpu else 1)
     return out
+
+
+def kept_width(HP: int, M: int) -> int:
+    """Row length of the kept folded operands (``oproj_fold(append=3)``): H·P + M rounded up
+    to 16 elements, so that both GEMMs reading it see a row stride Triton specialises as
+    divisible by 16 (at GPT-2 widths H·P + M = 828: the forward GEMM over the unpadded
+    buffer's first H·P columns compiled for sm_90 with a 72-byte spill, kfused perf)."""
+    return (HP + M + 15) // 16 * 16
 
 
 def _pack_grid(M: int, N: int, width: int, dev):
@@ -301,6 +321,25 @@ def _oproj_operands(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype,
 _thin = frozen_gemm
 
 
+# Tests set this to True or False to keep (or not) the folded weight whatever the shapes
+# (None: oproj_keeps_fold decides).
+FORCE_KEEP = None
+
+
+def oproj_keeps_fold(N: int, HP: int, M: int, T: int) -> bool:
+    """Whether a folded forward keeps its folded operands for the backward — one buffer
+    [[W', B_c], [D_o, 0]] (N + M, H·P + M) from one fold launch, the backward's dO GEMM
+    reading its first N rows — instead of the backward folding W' again (one launch and one
+    d×H·p pass fewer per step: PREDICTED −4.4 µs of 107 µs at GPT-2 small, T = 16384, H100):
+    when the buffer is no larger than the rank-space Z (T × M) the forward saves anyway, the
+    rule of the q|k|v projection's :func:`~kfused.triton_kernels.headwise_qkv.keeps_fold`
+    (kept at GPT-2 small and medium widths with the benchmark preset, 0.70 and 0.96 of Z at
+    16k tokens; folded again at Llama-7B's, 7.8 × Z)."""
+    if FORCE_KEEP is not None:
+        return bool(FORCE_KEEP) and M > 0
+    return M > 0 and (N + M) * (HP + M) <= T * M
+
+
 def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                            A: Optional[torch.Tensor], Bw: Optional[torch.Tensor],
                            As: Optional[torch.Tensor], Us: Optional[torch.Tensor], H: int,
@@ -313,7 +352,9 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
     W' = W + [B_w | s·B_s] D_o (:func:`oproj_fold`), instead of Z's thin GEMM and the
     two-segment GEMM [O | Z]·[W | B]ᵀ.
 
-    Returns Y (T, d) and the rank-space Z (T, H·r + r_s) in o.dtype for the backward.
+    Returns Y (T, d) and the rank-space Z (T, H·r + r_s) in o.dtype for the backward, and
+    the folded operands the backward reuses where :func:`oproj_keeps_fold` keeps them (else an
+    empty tensor).
     """
     T, HP = o.shape
     N = w.shape[0]
@@ -321,21 +362,31 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
     R = A.shape[1] if A is not None else 0
     RS = As.shape[0] if As is not None else 0
     dev = o.device
+    M = H * R + RS
     Y = _alloc.empty(T, N, dtype=o.dtype, device=dev)
-    Z = _alloc.empty(T, H * R + RS, dtype=o.dtype, device=dev)
+    Z = _alloc.empty(T, M, dtype=o.dtype, device=dev)
+    none = o.new_empty(0)
     if T == 0 or N == 0:
-        return Y, Z
+        return Y, Z, none
     segs = [(o, w.t())]
-    if R or RS:
+    if M:
         Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, o.dtype, Z, keep=True)
         if fold:
             # one GEMM over [W'; D_o]: Y from its first N columns, Z = O D_oᵀ from the rest
+            if oproj_keeps_fold(N, HP, M, T):
+                # [[W', B_c], [D_o, 0]]: this GEMM reads its first H·P columns, the
+                # backward's dO GEMM its first N rows (the shared columns as that GEMM
+                # wants them: B_s itself when scale != 1, see headwise_oproj_backward)
+                kept = oproj_fold(w, Bcat, Do, append=3,
+                                  raw_shared=Us if RS and scale != 1.0 else None)
+                gemm([(o, kept[:, :HP].t())], Y, bias=b, bias2=c, out2=Z)
+                return Y, Z, kept
             gemm([(o, oproj_fold(w, Bcat, Do, append=1).t())], Y, bias=b, bias2=c, out2=Z)
-            return Y, Z
+            return Y, Z, none
         _thin(o, Do.t(), Z)
         segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b, bias2=c)
-    return Y, Z
+    return Y, Z, none
 
 
 def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
@@ -343,11 +394,14 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
                             As: Optional[torch.Tensor], Us: Optional[torch.Tensor],
                             Z: torch.Tensor, H: int, need_do: bool = True,
                             need_factors: bool = True, scale: float = 1.0, fold: bool = False,
-                            db_dtype: Optional[torch.dtype] = None):
+                            db_dtype: Optional[torch.dtype] = None,
+                            w_fold: Optional[torch.Tensor] = None):
     """g (T, d) any strides. Returns (dO, dict of dA, dBw, dAs, dUs (scale·Σ) for the present
     parts, and db, float32 or ``db_dtype``). ``fold``: dO = g W' with the forward's folded
     weight (recomputed) instead of [g | dZ]·[W; D_o]; dZ is then formed only for the factor
-    gradients, by the same GEMM over [W' | B_c] when dO is wanted too."""
+    gradients, by the same GEMM over [W' | B_c] when dO is wanted too. ``w_fold``: the
+    forward's kept operands where it kept them (:func:`oproj_keeps_fold`; None or empty:
+    fold again)."""
     T, HP = o.shape
     N = w.shape[0]
     P = HP // H
@@ -377,6 +431,7 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
     # dY (the multiply, thin GEMM and copy below took 19.8 + ~9 + 3 µs PREDICTED at GPT-2
     # small, T = 16384)
     raw = fused_dz and RS > 0 and scale != 1.0 and N > 0
+    kept = w_fold if fold and w_fold is not None and w_fold.numel() else None
     if dZ is not None and not fused_dz:
         _thin(g, Bcat, dZ)
     cs = None
@@ -387,10 +442,15 @@ def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
             cs = (_alloc.empty(colsum_rows(T), N, dtype=F32, device=dev) if need_factors
                   else None)
             if fused_dz:
-                gemm([(g, oproj_fold(w, Bcat, Do, append=2, raw_shared=Us if raw else None))],
+                # (the kept buffer's shared columns hold B_s itself exactly when raw does)
+                gemm([(g, kept[:N, :HP + M] if kept is not None else
+                       oproj_fold(w, Bcat, Do, append=2, raw_shared=Us if raw else None))],
                      dO, colsum=cs, out2=dZ)
+            elif fold:
+                segs = [(g, kept[:N, :HP] if kept is not None else oproj_fold(w, Bcat, Do))]
+                gemm(segs, dO, colsum=cs)
             else:
-                segs = [(g, oproj_fold(w, Bcat, Do))] if fold else [(g, w), (dZ, Do)]
+                segs = [(g, w), (dZ, Do)]
                 gemm(segs, dO, colsum=cs)
         else:
             gemm([(dZ, Do)], dO)
