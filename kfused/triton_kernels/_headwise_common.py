@@ -46,7 +46,9 @@ output column, so Z cannot be finished inside one output tile):
   backward  dZ = dY B; dO = [dY | dZ]·[W_o; D_o] (one GEMM); dB = dYᵀ Z; dD_o = dZᵀ O.
   folded (16-bit, exact=False; W' = W_o + B D_o): [Y | Z] = O·[W'; D_o]ᵀ and
             [dO | dZ] = dY·[W' | B] (one GEMM each, the second output of ``gemm``), then the
-            two token reductions.
+            two token reductions. Where the buffer is no larger than Z (oproj_keeps_fold:
+            GPT-2 widths at 16k tokens) one fold launch writes both operands as
+            [[W', B], [D_o, 0]] and the backward reuses it (no second fold).
 
 Roofline (PREDICTED, not measured: ``python benchmarks/bench_headwise.py --roofline``; H100
 SXM, 700 TFLOP/s sustained bf16 tensor-core rate, 3.0 TB/s HBM, T = 16k tokens). For 16-bit
@@ -58,8 +60,8 @@ at p = 64, where v's 8 lite rows are doubled by the hi/lo split) and W/BN for th
 of dX (W <= RB: the slots a tile stores, 19-31 % there), (b) one extra read of dY (rank pass)
 and of X (dD), (c) for the output projection a pass over O (Z) and two over dY (dZ, dB).
 Predicted time / frozen, fwd+bwd (``kfused perf``, kernels and glue, each q|k|v case on the
-path fold_plan picks: all folded at 16k tokens): GPT-2 small 1.52 (qkv), 1.97 (o); GPT-2
-medium 1.37-1.41, 1.82; Llama-7B GQA 1.16-1.17, 1.23.
+path fold_plan picks: all folded at 16k tokens): GPT-2 small 1.50-1.56 (qkv), 1.88 (o); GPT-2
+medium 1.35-1.44, 1.77; Llama-7B GQA 1.15-1.19, 1.23.
 At GPT-2 widths every tiny launch (~3 µs) counts as much as a kernel pass: the factors reach
 the kernels with no torch op in any forward (a lite section's basis, split and stacking:
 one ``headwise_section`` kernel; per-head biases: the GEMM's second bias; the output
