@@ -83,10 +83,16 @@ def _gpu_path():
     def keeps_fold(N, K, T, M):     # the folded q|k|v forward keeps W' as at 16k tokens
         return keeps(N, K, max(T, 16384), M)
 
+    def oproj_keeps_fold(N, HP, M, T):      # and the output projection its operands
+        return okeeps(N, HP, M, max(T, 16384))
+
     import importlib
 
     okl = importlib.import_module("kfused.ops.krona_linear")   # (kfused.ops has the function)
+    import kfused.triton_kernels.headwise_oproj as ho
+
     decide, keeps = fo.fold_decision, hq.keeps_fold
+    okeeps = getattr(ho, "oproj_keeps_fold", None)     # (an older checkout, A/B: none)
     keep_ratio = okl.KEEP_FOLD_RATIO
     mods = [m for m in list(sys.modules.values()) if m is not None and
             getattr(m, "__name__", "").startswith("kfused.ops") and
@@ -96,6 +102,8 @@ def _gpu_path():
     for m in mods:
         m.fold_decision = fold_decision
     hq.keeps_fold = keeps_fold
+    if okeeps is not None:
+        ho.oproj_keeps_fold = oproj_keeps_fold
     okl.KEEP_FOLD_RATIO = 0          # KronA keeps W' too (T >= 8·d_out at the benchmarks')
     try:
         with _triton_forced(), recording() as launches, _gpu_dispatch(launches):
@@ -104,6 +112,8 @@ def _gpu_path():
         for m in mods:
             m.fold_decision = decide
         hq.keeps_fold = keeps
+        if okeeps is not None:
+            ho.oproj_keeps_fold = okeeps
         okl.KEEP_FOLD_RATIO = keep_ratio
         hc._AOT_ALL_CONFIGS[0], hc.FORCE_FOLD = saved
 
