@@ -141,7 +141,8 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
     # cdiv(H·P + M, BK)). APPEND 3: both in one buffer, out = [[W', B_c], [D_o, 0]]
     # (N + M, s_on): its first H·P columns are APPEND 1's operand and its first N rows
     # APPEND 2's (a forward that keeps W' for its backward), the columns from H·P + M to the
-    # row stride s_on zero, grid (cdiv(N + M, BN), cdiv(s_on, BK)). A copied entry is the packed value itself (0 + v in float32: exact).
+    # row stride s_on zero, grid (cdiv(N + M, BN), cdiv(s_on, BK)). A copied entry is the
+    # packed value itself (0 + v in float32: exact).
     # RAW_SHARED (APPEND 2, 3): the shared columns H·P + H·R.. copy B_s itself (us_ptr,
     # (N, R_s), any strides) rather than the packed s·B_s: dZ's shared rows come out of the
     # dO GEMM as dY·B_s, rounded once, and the unpack applies s to their token sums in float32.
@@ -328,13 +329,14 @@ FORCE_KEEP = None
 
 def oproj_keeps_fold(N: int, HP: int, M: int, T: int) -> bool:
     """Whether a folded forward keeps its folded operands for the backward — one buffer
-    [[W', B_c], [D_o, 0]] (N + M, H·P + M) from one fold launch, the backward's dO GEMM
-    reading its first N rows — instead of the backward folding W' again (one launch and one
-    d×H·p pass fewer per step: PREDICTED −4.4 µs of 107 µs at GPT-2 small, T = 16384, H100):
-    when the buffer is no larger than the rank-space Z (T × M) the forward saves anyway, the
-    rule of the q|k|v projection's :func:`~kfused.triton_kernels.headwise_qkv.keeps_fold`
-    (kept at GPT-2 small and medium widths with the benchmark preset, 0.70 and 0.96 of Z at
-    16k tokens; folded again at Llama-7B's, 7.8 × Z)."""
+    [[W', B_c], [D_o, 0]] (N + M rows of H·P + M, padded to :func:`kept_width`) from one
+    fold launch, the backward's dO GEMM reading its first N rows — instead of the backward
+    folding W' again (one launch and one d×H·p pass fewer per step: PREDICTED 107.0 → 102.3 µs
+    at GPT-2 small, T = 16384, H100): when the buffer is no larger than the rank-space Z
+    (T × M) the forward saves anyway, the rule of the q|k|v projection's
+    :func:`~kfused.triton_kernels.headwise_qkv.keeps_fold` (kept at GPT-2 small and medium
+    widths with the benchmark preset, 0.70 and 0.97 of Z at 16k tokens; folded again at
+    Llama-7B's, 7.8 × Z)."""
     if FORCE_KEEP is not None:
         return bool(FORCE_KEEP) and M > 0
     return M > 0 and (N + M) * (HP + M) <= T * M
