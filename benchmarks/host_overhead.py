@@ -18,10 +18,13 @@ block sizes, one launch per autotuned kernel as after autotuning), the branches 
 16-bit CUDA operands to cuBLAS taken (``kfused.perf.trace``: ``torch.matmul`` on the tiny CPU
 tensors stands in), and the fold decisions a GPU makes at the benchmarks' 16k tokens (every
 headwise benchmark preset folds its forward and dX there; KronA and the output projection
-fold from ``FOLD_MIN_TOKENS``; the folded forwards keep W' for the backward, as there). The cases are GPT-2-shaped with tiny sizes (12 heads of
-width 4, 8 tokens; KronA 32×32 with 4×4 / 8×8 factors) so that the CPU's 16-bit arithmetic
-stays small beside the host cost. Not counted either way: Triton's own launch path and the
-CUDA launches of the torch ops (both real host cost on a GPU).
+fold from ``FOLD_MIN_TOKENS``; the folded forwards keep W' for the backward, as there). The
+cases are tiny (3 heads of width 4, d = 12, 2 tokens; KronA 16×16 with 4×4 factors): the
+CPU's float16 GEMMs cost about 1.5 µs at these sizes, as a GPU's host pays for a cuBLAS call,
+but about 20 µs from a few thousand multiply-adds up (this CPU: 8×48 by 48×144 took 20 µs,
+2×12 by 12×36 1.8 µs), which would bill arithmetic to every provider as host cost — most to
+PEFT LoRA, which runs the most GEMMs. Not counted either way: Triton's own launch path and
+the CUDA launches of the torch ops (both real host cost on a GPU).
 
 Prints a table (µs per call, the minimum over ``--reps`` runs of ``--calls`` calls: the least
 disturbed) and writes it as JSON under benchmarks/results/local/.
@@ -119,28 +122,28 @@ def _gpu_path():
 
 
 def _gpu_path_cases():
-    """Tiny GPT-2-shaped float16 cases (CPU tensors) of the headwise projections and KronA."""
+    """Tiny float16 cases (CPU tensors) of the headwise projections and KronA (module doc)."""
     import torch
 
     import kfused.cases.headwise as ch
     import kfused.cases.krona as ck
     from kfused.bench import BenchCase
 
-    dt, dev, T = torch.float16, torch.device("cpu"), 8
-    ch.CPU_WIDTHS["gpt2-tiny"] = dict(d=48, H=12, Hkv=12, tokens=T)
+    dt, dev, T = torch.float16, torch.device("cpu"), 2
+    ch.CPU_WIDTHS["gpt2-tiny"] = dict(d=12, H=3, Hkv=3, tokens=T)
     try:
         cases = [ch._case("gpt2-tiny", p, dev, dt, T) for p in ch.BENCH_PRESETS]
         cases.append(ch._oproj_case("gpt2-tiny", ch.OPROJ_PRESET, dev, dt, T))
     finally:
         del ch.CPU_WIDTHS["gpt2-tiny"]
-    common = dict(T=T, d_in=32, d_out=32, dtype=dt, device=dev, factors="sqrt")
+    common = dict(T=T, d_in=16, d_out=16, dtype=dt, device=dev, factors="sqrt")
     from kfused.ops import krona_linear
 
     provs = [ck._provider("floor", lambda x, W, b, A, B: torch.nn.functional.linear(x, W, b),
                           leaves_idx=(0,), **common),
              ck._provider("kfused-triton", lambda x, W, b, A, B: krona_linear(
                  x, W, b, A, B, 0.5, backend="triton"), **common)]
-    cases.append(BenchCase(op="krona_linear", shape=dict(T=T, d_in=32, d_out=32,
+    cases.append(BenchCase(op="krona_linear", shape=dict(T=T, d_in=16, d_out=16,
                                                          factors="sqrt"),
                            dtype=dt, providers=provs, flops_fwd=0.0, flops_bwd=0.0,
                            bytes_fwd=0.0))
