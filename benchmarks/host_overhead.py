@@ -54,16 +54,6 @@ def _stub_launches() -> None:
     interpreter.InterpretedFunction.run = run
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return ""
-
-
 def _recorded(step, launches):
     def run():
         step()
@@ -238,13 +228,14 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     from kfused._files import new_results_file
+    from kfused.cli.bench import _git_commit   # the kfused that ran (an A/B tree's own)
 
     path = new_results_file(args.out, f"host_overhead_{stamp}", json.dumps(
         {"torch": torch.__version__, "dtype": "float16" if args.gpu_path else args.dtype,
          "python": sys.version.split()[0],
          "note": ("CPU, the GPU's code path, Triton launches recorded (--gpu-path)"
                   if args.gpu_path else "CPU, Triton launches stubbed (TRITON_INTERPRET=1)"),
-         "commit": _commit(), "rows": rows},
+         "commit": _git_commit(), "rows": rows},
         indent=1, default=str))   # a new file, whole or absent
     print(f"wrote {path}")
     return 0

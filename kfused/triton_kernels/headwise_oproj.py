@@ -367,9 +367,8 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
     M = H * R + RS
     Y = _alloc.empty(T, N, dtype=o.dtype, device=dev)
     Z = _alloc.empty(T, M, dtype=o.dtype, device=dev)
-    none = o.new_empty(0)
     if T == 0 or N == 0:
-        return Y, Z, none
+        return Y, Z, o.new_empty(0)
     segs = [(o, w.t())]
     if M:
         Do, Bcat = _oproj_operands(A, Bw, As, Us, scale, H, P, N, o.dtype, Z, keep=True)
@@ -384,11 +383,11 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
                 gemm([(o, kept[:, :HP].t())], Y, bias=b, bias2=c, out2=Z)
                 return Y, Z, kept
             gemm([(o, oproj_fold(w, Bcat, Do, append=1).t())], Y, bias=b, bias2=c, out2=Z)
-            return Y, Z, none
+            return Y, Z, o.new_empty(0)
         _thin(o, Do.t(), Z)
         segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b, bias2=c)
-    return Y, Z, none
+    return Y, Z, o.new_empty(0)
 
 
 def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
