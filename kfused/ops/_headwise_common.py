@@ -397,9 +397,16 @@ def _check_input_width(x_name: str, x: torch.Tensor, weights: dict) -> None:
                          f"({shapes}; (out, in) as in nn.Linear)")
 
 
+def _fits(t, shape, ref: torch.Tensor) -> bool:
+    """Whether ``t`` is None or a tensor of floating ``ref``'s dtype and device and of this
+    shape: what the detailed checks accept (the common case, asked first)."""
+    return t is None or (isinstance(t, torch.Tensor) and t.dtype == ref.dtype and
+                         t.device == ref.device and t.shape == shape and
+                         ref.is_floating_point())
+
+
 def _check_linear(name: str, w: torch.Tensor, rows: int, d: int, ref: torch.Tensor):
-    if isinstance(w, torch.Tensor) and w.dtype == ref.dtype and w.device == ref.device and \
-            w.shape == (rows, d) and ref.is_floating_point():
+    if w is not None and _fits(w, (rows, d), ref):
         return   # what the checks below accept: they name a fault
     _validate.check_tensor(name, w, ndim=2)
     _validate.check_same("x", ref, **{name: w})

@@ -19,7 +19,7 @@ from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import check_exact, fold_decision
-from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
+from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _fits,
                                          _check_input_width, _check_linear,
                                          _check_n_heads, _dense, _empty,
                                          LiteKeyGrad, _head_width,
@@ -192,29 +192,30 @@ def _qkv_backward(ctx, gY, gZ, gW=None):
         v_sup, z, ctx.head_dim, nx, need_f or need[4] or need[6] or any(need_c), *ctx.scales,
         db_dtype(0, 0), db_dtype(2, 1), ctx.fold, w_fold)
     dx = res[0]
-    gq = dict(zip(_SEC_KEYS + ("db",), res[1:7]))
-    gv = dict(zip(_SEC_KEYS + ("db",), res[7:13]))
+    # res: dx, then per section q, v the gradients of _SEC_KEYS and db (empty: none)
+    dbq, dbv = _opt(res[6]), _opt(res[12])
     nq, nk = w_q.shape[0], w_k.shape[0]
-    gs = (gY[:, :nq], gY[:, nq:nq + nk], gY[:, nq + nk:])
 
-    def bias_grad(i, sec):
+    def g_of(i):
+        return (gY[:, :nq], gY[:, nq:nq + nk], gY[:, nq + nk:])[i]
+
+    def bias_grad(i, db):
         if not (need[4 + i] and ctx.has_b[i]):
             return None
-        if sec is not None and _opt(sec["db"]) is not None:
-            return sec["db"].to(ctx.b_dtypes[i])
-        return gs[i].sum(0, dtype=torch.float32).to(ctx.b_dtypes[i])
+        if db is not None:
+            return db.to(ctx.b_dtypes[i])
+        return g_of(i).sum(0, dtype=torch.float32).to(ctx.b_dtypes[i])
 
     # The frozen weights normally have no gradient; when they do it is one plain GEMM.
-    dw = [torch.matmul(gs[i].t(), x).to(w.dtype) if need[1 + i] else None
+    dw = [torch.matmul(g_of(i).t(), x).to(w.dtype) if need[1 + i] else None
           for i, w in enumerate((w_q, w_k, w_v))]
     # (a factor that was None, e.g. the zero zb of a Kernel-wise-only section, gets None)
-    fac = [_opt(sec[key]) if need[7 + i] else None
-           for i, (sec, key) in enumerate((sec, key) for sec in (gq, gv) for key in _SEC_KEYS)]
+    fac = [_opt(res[j]) if need[7 + i] else None
+           for i, j in enumerate((1, 2, 3, 4, 5, 7, 8, 9, 10, 11))]
     # the per-head biases c sit beside the frozen bias: the same column sums
-    dc = [sec["db"].to(dt) if nc else None
-          for sec, nc, dt in zip((gq, gv), need_c, ctx.c_dtypes)]
-    return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, gq), bias_grad(1, None),
-            bias_grad(2, gv), *fac, None, None, None, *dc, None)
+    dc = [res[j].to(dt) if nc else None for j, nc, dt in zip((6, 12), need_c, ctx.c_dtypes)]
+    return (dx if nx else None, dw[0], dw[1], dw[2], bias_grad(0, dbq), bias_grad(1, None),
+            bias_grad(2, dbv), *fac, None, None, None, *dc, None)
 
 
 register_autograd(_qkv_fwd, _qkv_backward, setup_context=_qkv_setup)
@@ -280,19 +281,26 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
         raise ValueError(f"n_kv_heads={n_kv_heads!r} must be a positive int dividing "
                          f"n_heads={H}")
     d = x.shape[-1]
-    _validate.check_tensor("w_q", w_q, ndim=2)
-    _validate.check_tensor("w_k", w_k, ndim=2)
-    _validate.check_tensor("w_v", w_v, ndim=2)
-    _check_input_width("x", x, {"w_q": w_q, "w_k": w_k, "w_v": w_v})
-    p = _head_width(n_heads, "w_q", w_q, "output rows", w_q.shape[0])
-    _check_linear("w_q", w_q, H * p, d, x)
-    _check_linear("w_k", w_k, Hkv * p, d, x)
-    _check_linear("w_v", w_v, Hkv * p, d, x)
-    for name, b, n in (("b_q", b_q, H * p), ("b_k", b_k, Hkv * p), ("b_v", b_v, Hkv * p)):
-        if b is not None:
-            _validate.check_tensor(name, b, ndim=1)
-            _validate.check_same("x", x, **{name: b})
-            _validate.check_shape(name, b, (n,), "bias of the projection")
+    ok = isinstance(w_q, torch.Tensor) and w_q.dim() == 2 and w_q.shape[0] % H == 0
+    p = w_q.shape[0] // H if ok else 0
+    nq, nkv = H * p, Hkv * p
+    if not (ok and w_q is not None and _fits(w_q, (nq, d), x) and w_k is not None and
+            _fits(w_k, (nkv, d), x) and w_v is not None and _fits(w_v, (nkv, d), x) and
+            _fits(b_q, (nq,), x) and _fits(b_k, (nkv,), x) and _fits(b_v, (nkv,), x)):
+        # (the common case is accepted above: what these checks accept; they name a fault)
+        _validate.check_tensor("w_q", w_q, ndim=2)
+        _validate.check_tensor("w_k", w_k, ndim=2)
+        _validate.check_tensor("w_v", w_v, ndim=2)
+        _check_input_width("x", x, {"w_q": w_q, "w_k": w_k, "w_v": w_v})
+        p = _head_width(n_heads, "w_q", w_q, "output rows", w_q.shape[0])
+        _check_linear("w_q", w_q, H * p, d, x)
+        _check_linear("w_k", w_k, Hkv * p, d, x)
+        _check_linear("w_v", w_v, Hkv * p, d, x)
+        for name, b, n in (("b_q", b_q, H * p), ("b_k", b_k, Hkv * p), ("b_v", b_v, Hkv * p)):
+            if b is not None:
+                _validate.check_tensor(name, b, ndim=1)
+                _validate.check_same("x", x, **{name: b})
+                _validate.check_shape(name, b, (n,), "bias of the projection")
     for name, f, Hs in (("q", q, H), ("v", v, Hkv)):
         if f is not None:
             if not isinstance(f, HeadFactors):

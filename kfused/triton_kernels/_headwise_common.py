@@ -273,23 +273,23 @@ class LowRankTiles:
     rows of every tile (slots [0, RS)), whose U holds B_s unscaled.
     """
 
-    __slots__ = ("D", "zb", "U", "z", "scale", "RS")
+    __slots__ = ("D", "zb", "U", "z", "scale", "RS", "W", "RB", "scaled")
 
     def __init__(self, D, zb, U, z, scale: float = 1.0, RS: int = 0):
         self.D, self.zb, self.U, self.z = D, zb, U, z
         self.scale, self.RS = float(scale), int(RS)
+        # (plain attributes: the launches read them on every call)
+        self.W = D.shape[1]
+        self.RB = _rblk(self.W)
+        self.scaled = self.RS > 0 and self.scale != 1.0
 
-    @property
-    def W(self) -> int:
-        return self.D.shape[1]
-
-    @property
-    def RB(self) -> int:
-        return _rblk(self.W)
-
-    @property
-    def scaled(self) -> bool:
-        return self.RS > 0 and self.scale != 1.0
+    def with_z(self, z) -> "LowRankTiles":
+        """The same tiles reading the rank-space buffer view ``z``."""
+        out = LowRankTiles.__new__(LowRankTiles)
+        out.D, out.zb, out.U, out.z = self.D, self.zb, self.U, z
+        out.scale, out.RS, out.W, out.RB, out.scaled = (self.scale, self.RS, self.W, self.RB,
+                                                         self.scaled)
+        return out
 
 
 _CS_BM = min(c.kwargs["BM"] for c in _GEMM_CONFIGS)
@@ -1218,26 +1218,32 @@ _PACKED: "collections.OrderedDict" = collections.OrderedDict()
 _PACKED_MAX = 8
 
 
-def _operand_key(t: Optional[torch.Tensor]):
-    """What identifies a packed operand's contents (see _PACKED); raises RuntimeError for an
-    inference tensor (``torch.inference_mode``), which has no version counter."""
-    # (torch.Size and torch.device hash as they are: half the cost of tuple() and str(), and
-    # the key is built for every factor on every call)
-    return None if t is None else (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype,
-                                   t.device)
+def _operand_keys(ts) -> Optional[tuple]:
+    """What identifies the contents of packed operands built from the tensors ``ts`` (None
+    entries allowed; see _PACKED), or None when one is an inference tensor
+    (``torch.inference_mode``), which has no version counter: nothing is recorded then."""
+    # (one pass, torch.Size and torch.device as they hash: this runs for every factor of
+    # every call)
+    keys = []
+    for t in ts:
+        if t is None:
+            keys.append(None)
+        elif t.is_inference():
+            return None
+        else:
+            keys.append((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device))
+    return tuple(keys)
 
 
 def _pack_key(fs: Sequence["SectionFactors"], dtype: torch.dtype, BN: int):
-    """The key of _PACKED, or None when a factor is an inference tensor (no version counter:
-    e.g. lite factors built under torch.inference_mode; nothing is recorded then)."""
-    if any(t is not None and t.is_inference()
-           for f in fs for t in (f.down, f.up, f.sdown, f.sup)):
-        return None
+    """The key of _PACKED, or None when a factor is an inference tensor (e.g. lite factors
+    built under torch.inference_mode)."""
     parts = []
     for f in fs:
-        for t in (f.down, f.up, f.sdown, f.sup):  # not zb: the backward uses only D and U
-            parts.append(_operand_key(t))
-        parts.append(f.scale)
+        keys = _operand_keys((f.down, f.up, f.sdown, f.sup))  # not zb: the backward uses D, U
+        if keys is None:
+            return None
+        parts.append((keys, f.scale))
     return (tuple(parts), dtype, BN)
 
 
@@ -1247,7 +1253,8 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
     columns: D (M, K), U (M, BN) in ``dtype``, zb (M,) float32 (section s at rows
     offs[s]:offs[s] + L·W), and the compact down-projection Dc (MC, K) laid out like the
     compact rank space (:func:`compact_offsets`), so the dx GEMM reads it with no
-    concatenation. The forward
+    concatenation; last, per section its :class:`LowRankTiles` over those buffers (z None;
+    None where the section is not adapted). The forward
     (keep=True) always packs and records the result with a weak reference to its rank-space
     output Z; the backward (keep=False) consumes the record only if it was made for the very
     Z object it received (else it packs again). The forward never reads a record."""
@@ -1268,7 +1275,11 @@ def _pack_all(packs, offs, fs, M: int, K: int, dtype: torch.dtype, Z: torch.Tens
              if pk is not None]
     if items:
         pack_sections(items, D, zb, U, Dc)
-    out = (D, zb, U, Dc)
+    tiles = tuple(None if pk is None else LowRankTiles(
+        D[off:off + pk.L * pk.W].view(pk.L, pk.W, K), zb[off:off + pk.L * pk.W].view(pk.L, pk.W),
+        U[off:off + pk.L * pk.W].view(pk.L, pk.W, BN), None, f.scale, pk.RS)
+        for pk, off, f in zip(packs, offs, fs))
+    out = (D, zb, U, Dc, tiles)
     if keep:
         _PACKED.pop(key, None)
         _PACKED[key] = (weakref.ref(Z), out)

@@ -16,7 +16,7 @@ import triton.language as tl
 from kfused import _alloc
 from kfused.triton_kernels._common import (cdiv, F32, _blk, _row_block_sum, next_pow2,
                                            targets_gpu)
-from kfused.triton_kernels._headwise_common import (_PACKED_MAX, _operand_key, colsum_rows,
+from kfused.triton_kernels._headwise_common import (_PACKED_MAX, _operand_keys, colsum_rows,
                                                     frozen_gemm, gemm, reduce_tokens)
 
 
@@ -299,10 +299,8 @@ _OPACKED: "collections.OrderedDict" = collections.OrderedDict()
 
 def _oproj_operands(A, Bw, As, Bs, scale: float, H: int, P: int, N: int, dtype,
                     Z: torch.Tensor, keep: bool):
-    key = None
-    if not any(t is not None and t.is_inference() for t in (A, Bw, As, Bs)):
-        # (inference tensors have no version counter: nothing is recorded for them)
-        key = (tuple(_operand_key(t) for t in (A, Bw, As, Bs)), float(scale), dtype, H)
+    keys = _operand_keys((A, Bw, As, Bs))     # (None for inference tensors: not recorded)
+    key = None if keys is None else (keys, float(scale), dtype, H)
     keep = keep and key is not None
     if not keep and key is not None:
         rec = _OPACKED.pop(key, None)

@@ -142,39 +142,23 @@ def headwise_qkv_forward(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv
     none = x.new_empty(0)
     if T == 0 or Y.shape[1] == 0:
         return Y, Z, none
+    lrs = (None, None)
     if M:
-        Dp, zbp, Up, _ = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
+        *_, lrs = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=True)
     if folded:
-        lrs = [_tiles(pk, off, f, Dp, zbp, Up, None, D) for pk, off, f in
-               ((pq, oq, q), (pv, ov, v))]
         wf, bf = fold_qkv((wq, wk, wv), lrs, D, x.dtype, biases=(bq, bk, bv), cs=(cq, cv))
         frozen_gemm(x, wf.t(), Y, bias=bf)
         return Y, Z, (wf if keeps_fold(N, D, T, M) else none)
     col = 0
-    for w, b, c, pk, off, f in ((wq, bq, cq, pq, oq, q), (wk, bk, None, None, 0, None),
-                                (wv, bv, cv, pv, ov, v)):
+    for w, b, c, pk, off, lr in ((wq, bq, cq, pq, oq, lrs[0]), (wk, bk, None, None, 0, None),
+                                 (wv, bv, cv, pv, ov, lrs[1])):
         n = w.shape[0]
         if n:
-            lr = None
-            if pk is not None:
-                L, W = pk.L, pk.W
-                s = slice(off, off + L * W)
-                lr = LowRankTiles(Dp[s].view(L, W, D), zbp[s].view(L, W),
-                                  Up[s].view(L, W, pk.BN), Z[:, s], f.scale, pk.RS)
+            if lr is not None:
+                lr = lr.with_z(Z[:, off:off + pk.L * pk.W])
             gemm([(x, w.t())], Y[:, col:col + n], bias=b, lr=lr, bias2=c)
         col += n
     return Y, Z, none
-
-
-def _tiles(pk, off: int, f: SectionFactors, Dp, zbp, Up, Z, K: int):
-    """The LowRankTiles of one packed section (None when it is not adapted); Z: the (T, M)
-    rank-space buffer, or None (not stored)."""
-    if pk is None:
-        return None
-    L, W = pk.L, pk.W
-    s = slice(off, off + L * W)
-    return LowRankTiles(Dp[s].view(L, W, K), zbp[s].view(L, W), Up[s].view(L, W, pk.BN),
-                        Z[:, s] if Z is not None else None, f.scale, pk.RS)
 
 
 def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
@@ -212,18 +196,22 @@ def headwise_qkv_backward(g: torch.Tensor, x: torch.Tensor, wq: torch.Tensor, wk
                      _plan_flags())
     dZt = _alloc.empty(T, M, dtype=F32 if summed else x.dtype, device=dev)
     dZ = _alloc.empty(T, MC, dtype=x.dtype, device=dev) if compact else dZt
+    lrs = (None, None)
     if M:
-        Dp, zbp, Up, Dc = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z, keep=False)
+        Dp, zbp, _, Dc, lrs = _pack_all((pq, pv), (oq, ov), (q, v), M, D, x.dtype, Z,
+                                        keep=False)
         if zx and (need_factors or not dx_fold):
             # the folded forward stored no Z: one GEMM over every tile of both sections
             Z = rank_space(x, Dp, zbp)
-    secs, rank, lrs = [None, None], [], [None, None]
-    for i, (pk, off, coff, c0, n, f) in enumerate(((pq, oq, cq, 0, Nq, q),
-                                                   (pv, ov, cv, Nq + Nk, Nv, v))):
+    secs, rank = [None, None], []
+    zs = Z.shape[1] > 0
+    for i, (pk, off, coff, c0, n, lr) in enumerate(((pq, oq, cq, 0, Nq, lrs[0]),
+                                                    (pv, ov, cv, Nq + Nk, Nv, lrs[1]))):
         if pk is None:
             continue
         s = slice(off, off + pk.L * pk.W)
-        lrs[i] = lr = _tiles(pk, off, f, Dp, zbp, Up, Z if Z.shape[1] else None, D)
+        if zs:
+            lr = lr.with_z(Z[:, s])
         rank.append((i, pk, s, slice(coff, coff + pk.RS + pk.H * pk.R),
                      (g[:, c0:c0 + n], lr, dZt[:, s])))
     # The rank pass of both sections (one launch) is needed by dx too unless it folds (dZ is
