@@ -113,29 +113,39 @@ FAST_PATH = {"on": True}   # off: every call through torch.ops (tests compare th
 
 
 def _plain_eager(args) -> bool:
+    return _plain_eager_grad(args) is not None
+
+
+def _plain_eager_grad(args) -> Optional[bool]:
+    """None where the fast path does not apply (torch.compile, functorch transforms, a
+    dispatch mode, a tensor subclass or a meta tensor among ``args``), else whether some
+    tensor of ``args`` requires a gradient (grad mode on)."""
     if not FAST_PATH["on"] or torch.compiler.is_compiling() or \
             torch._C._are_functorch_transforms_active():
-        return False
+        return None
     if _get_current_dispatch_mode() is not None:
-        return False
+        return None
+    grad, want = False, torch.is_grad_enabled()
     for a in args:
-        # (type identity and is_meta: this runs for every argument of every call)
-        if isinstance(a, torch.Tensor) and ((type(a) is not _T and type(a) is not _P)
-                                            or a.is_meta):
-            return False
-    return True
+        # (one pass, type identity and is_meta: this runs for every argument of every call)
+        if isinstance(a, torch.Tensor):
+            if (type(a) is not _T and type(a) is not _P) or a.is_meta:
+                return None
+            if want and not grad and a.requires_grad:
+                grad = True
+    return grad
 
 
 def run_op(name: str, *args):
     """The kfused custom op ``name`` on ``args`` (positional, as its schema orders them), by
     the eager fast path where it applies (see above), else by ``torch.ops.kfused``."""
     e = _OPS[name]
-    if not _plain_eager(args):
+    grad = _plain_eager_grad(args)
+    if grad is None:
         return e.op(*args)
     if len(args) < len(e.defaults):
         args = args + e.defaults[len(args):]
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                       for a in args):
+    if grad:
         if e.backward is None:
             return e.op(*args)      # no formula of its own (a backward op): the op decides
         if e.fn_cls is None:

@@ -8,6 +8,7 @@ into ``B_s``), so the custom ops only see plain tensors.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -118,8 +119,38 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 
+def _factors_fit(f: HeadFactors, H: int, p: int, d: int, ref: torch.Tensor) -> bool:
+    """Whether :func:`_check_factors` accepts ``f`` with a numeric scale (the common case,
+    asked first; its detailed checks name a fault)."""
+    s = f.scale
+    if not ((type(s) is float or type(s) is int) and math.isfinite(s)):
+        return False
+    for a, b, c, base, first in ((f.shared_A, f.shared_B, None, d, True),
+                                 (f.wise_A, f.wise_B, f.wise_c, d, False),
+                                 (f.lite_A, f.lite_B, f.lite_c, p, False)):
+        if a is None:
+            if b is not None or c is not None:
+                return False
+            continue
+        if not isinstance(a, torch.Tensor) or a.dim() != (2 if first else 3):
+            return False
+        if first:     # shared: A (r_s, d), B (H·p, r_s)
+            r = a.shape[0]
+            if not (r and _fits(a, (r, d), ref) and b is not None and
+                    _fits(b, (H * p, r), ref)):
+                return False
+        else:         # per head: A (H, r, d or p), B (H, p, r), c (H, p)
+            r = a.shape[1]
+            if not (r and _fits(a, (H, r, base), ref) and b is not None and
+                    _fits(b, (H, p, r), ref) and _fits(c, (H, p), ref)):
+                return False
+    return True
+
+
 def _check_factors(name: str, f: HeadFactors, H: int, p: int, d: int,
                    ref: torch.Tensor) -> None:
+    if _factors_fit(f, H, p, d, ref):
+        return
     dt, dev = ref.dtype, ref.device
 
     def chk(attr, shape, what):
