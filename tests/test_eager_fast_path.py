@@ -107,3 +107,102 @@ def test_every_op_is_a_kops_attribute_from_import():
     from kfused.ops import _common
 
     assert set(_common._OPS) <= set(vars(_common.kops))
+
+
+# ------------------------------------------------------------------------------------------
+# The validation fast paths (the common case accepted first) accept nothing the detailed
+# checks refuse: random valid factor sets and weights, each mutated in one way
+
+
+def _mutations(t: torch.Tensor):
+    """One-fault variants of a tensor: each dimension off by one, an extra or missing
+    dimension, another dtype, an integer tensor, a non-tensor."""
+    out = []
+    for i in range(t.dim()):
+        shape = list(t.shape)
+        shape[i] += 1
+        out.append(torch.zeros(shape, dtype=t.dtype))
+        if shape[i] > 2:
+            shape[i] -= 2
+            out.append(torch.zeros(shape, dtype=t.dtype))
+    out += [t[None], t.reshape(-1) if t.dim() > 1 else t[:, None], t.double(), t.half(),
+            t.long(), t.tolist()]
+    return out
+
+
+def _factor_sets(gen, H, p, d):
+    r, rs = 2, 3
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    yield HeadFactors(shared_A=rnd(rs, d), shared_B=rnd(H * p, rs), scale=0.5)
+    yield HeadFactors(wise_A=rnd(H, r, d), wise_B=rnd(H, p, r), wise_c=rnd(H, p))
+    yield HeadFactors(lite_A=rnd(H, r, p), lite_B=rnd(H, p, r), lite_c=rnd(H, p), scale=2)
+    yield HeadFactors(shared_A=rnd(rs, d), shared_B=rnd(H * p, rs), wise_A=rnd(H, r, d),
+                      wise_B=rnd(H, p, r), lite_A=rnd(H, 1, p), lite_B=rnd(H, p, 1))
+
+
+def test_factor_fast_check_accepts_only_what_the_checks_accept(monkeypatch):
+    import dataclasses
+    import math
+
+    from kfused.ops import _headwise_common as hc
+
+    gen = torch.Generator().manual_seed(5)
+    H, p, d = 3, 4, 10
+    ref = torch.zeros(2, d)
+    detailed = hc._check_factors
+
+    def refused(f):
+        with monkeypatch.context() as m:
+            m.setattr(hc, "_factors_fit", lambda *a: False)
+            try:
+                detailed("q", f, H, p, d, ref)
+            except (TypeError, ValueError):
+                return True
+        return False
+
+    seen = fast_true = 0
+    for f in _factor_sets(gen, H, p, d):
+        assert hc._factors_fit(f, H, p, d, ref) and not refused(f)
+        variants = [dataclasses.replace(f, scale=s) for s in
+                    (math.nan, math.inf, True, "1", torch.tensor(0.5))]
+        for part, ia, ib in (("shared", 0, 1), ("wise", 1, 2), ("lite", 1, 2)):
+            a, b = getattr(f, part + "_A"), getattr(f, part + "_B")
+            if a is not None:       # a rank-0 pair: consistent shapes, still refused
+                variants.append(dataclasses.replace(f, **{part + "_A": a.narrow(ia, 0, 0),
+                                                          part + "_B": b.narrow(ib, 0, 0)}))
+        for field in dataclasses.fields(f):
+            t = getattr(f, field.name)
+            if isinstance(t, torch.Tensor):
+                variants += [dataclasses.replace(f, **{field.name: m}) for m in _mutations(t)]
+                variants.append(dataclasses.replace(f, **{field.name: None}))
+                if t.dim() > 1:     # rank 0
+                    i = 0 if field.name == "shared_A" else (1 if field.name.endswith("A")
+                                                            else t.dim() - 1)
+                    variants.append(dataclasses.replace(f, **{field.name: t.narrow(i, 0, 0)}))
+            elif t is None and field.name != "scale":
+                like = {"wise_c": (H, p), "lite_c": (H, p)}.get(field.name)
+                if like:
+                    variants.append(dataclasses.replace(f, **{field.name: torch.zeros(like)}))
+        for v in variants:
+            seen += 1
+            if hc._factors_fit(v, H, p, d, ref):
+                fast_true += 1
+                assert not refused(v), v
+    assert seen > 150 and fast_true < seen
+
+
+def test_qkv_weight_fast_check_refuses_faults_by_name():
+    """headwise_qkv accepts well-formed weights and biases without its detailed checks; every
+    one-fault variant still gets the detailed checks' error naming the argument."""
+    gen = torch.Generator().manual_seed(6)
+    H, p, d = 2, 3, 5
+    x = torch.randn(4, d, generator=gen)
+    args = dict(w_q=torch.randn(H * p, d, generator=gen), w_k=torch.randn(H * p, d, generator=gen),
+                w_v=torch.randn(H * p, d, generator=gen), b_q=torch.randn(H * p, generator=gen),
+                b_k=torch.randn(H * p, generator=gen), b_v=torch.randn(H * p, generator=gen))
+    headwise_qkv(x, **args, n_heads=H, backend="reference")
+    for name, t in args.items():
+        for m in _mutations(t):
+            bad = dict(args, **{name: m})
+            with pytest.raises((TypeError, ValueError), match=name):
+                headwise_qkv(x, **bad, n_heads=H, backend="reference")
