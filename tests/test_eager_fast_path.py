@@ -206,3 +206,50 @@ def test_qkv_weight_fast_check_refuses_faults_by_name():
             bad = dict(args, **{name: m})
             with pytest.raises((TypeError, ValueError), match=name):
                 headwise_qkv(x, **bad, n_heads=H, backend="reference")
+
+
+def test_oproj_fast_check_accepts_only_what_the_checks_accept():
+    import importlib
+
+    ho = importlib.import_module("kfused.ops.headwise_oproj")
+
+    gen = torch.Generator().manual_seed(7)
+    H, p, r, rs, dout = 3, 4, 2, 3, 5
+    o = torch.zeros(2, H * p)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    full = dict(w_o=rnd(dout, H * p), b_o=rnd(dout), wise_A=rnd(H, r, p),
+                wise_B=rnd(dout, H * r), wise_c=rnd(dout), shared_A=rnd(rs, H * p),
+                shared_B=rnd(dout, rs), scale=0.5)
+    names = ("w_o", "b_o", "wise_A", "wise_B", "wise_c", "shared_A", "shared_B", "scale")
+
+    def call(kw):
+        args = [o] + [kw.get(n) for n in names] + [H, p]
+        fast = ho._oproj_fits(*args)
+        try:
+            ho._check_oproj(*args, None)
+            ok = True
+        except (TypeError, ValueError):
+            ok = False
+        return fast, ok
+
+    bases = [full, dict(full, wise_A=None, wise_B=None, wise_c=None),
+             dict(full, shared_A=None, shared_B=None, b_o=None)]
+    seen = 0
+    for kw in bases:
+        assert call(kw) == (True, True)
+        variants = [dict(kw, scale=s) for s in (float("nan"), True, "2", torch.tensor(2.0))]
+        variants += [dict(kw, wise_A=kw["wise_A"].narrow(1, 0, 0),
+                          wise_B=kw["wise_B"].narrow(1, 0, 0))] if kw["wise_A"] is not None \
+            else []
+        for n in names[:-1]:
+            t = kw[n]
+            if isinstance(t, torch.Tensor):
+                variants += [dict(kw, **{n: m}) for m in _mutations(t)]
+                if n != "w_o":
+                    variants.append(dict(kw, **{n: None}))
+        for v in variants:
+            seen += 1
+            fast, ok = call(v)
+            assert ok or not fast, {k: (tuple(t.shape) if isinstance(t, torch.Tensor) else t)
+                                    for k, t in v.items()}
+    assert seen > 100

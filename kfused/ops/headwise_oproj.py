@@ -9,6 +9,7 @@ updates of W_o (basis O) — torch.library registrations, autograd and the publi
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -17,7 +18,8 @@ from kfused import _validate
 from kfused.backends import select_backend
 from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import check_exact, fold_decision
-from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _head_width,
+from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _fits,
+                                         _head_width,
                                          _no_float64, _one_dtype, _opt, _scalar,
                                          no_double_backward)
 from kfused.reference.headwise import headwise_oproj_ref
@@ -127,6 +129,79 @@ register_autograd(_oproj_fwd, _oproj_backward, setup_context=_oproj_setup)
 register_autograd(_oproj_bwd, no_double_backward("headwise_oproj"))
 
 
+def _oproj_fits(o, w_o, b_o, wise_A, wise_B, wise_c, shared_A, shared_B, scale, H: int,
+                p: int) -> bool:
+    """Whether :func:`_check_oproj` accepts these arguments with a numeric scale (asked first:
+    the common case costs one pass)."""
+    if not ((type(scale) is float or type(scale) is int) and math.isfinite(scale)):
+        return False
+    if not (isinstance(w_o, torch.Tensor) and w_o.dim() == 2):
+        return False
+    dout, HP = w_o.shape[0], H * p
+    if not (_fits(w_o, (dout, HP), o) and _fits(b_o, (dout,), o)):
+        return False
+    if (wise_A is None) != (wise_B is None) or (shared_A is None) != (shared_B is None):
+        return False
+    if wise_A is None:
+        if wise_c is not None:
+            return False
+    else:
+        if not (isinstance(wise_A, torch.Tensor) and wise_A.dim() == 3):
+            return False
+        r = wise_A.shape[1]
+        if not (_fits(wise_A, (H, r, p), o) and _fits(wise_B, (dout, H * r), o) and
+                _fits(wise_c, (dout,), o)):
+            return False
+    if shared_A is not None:
+        if not (isinstance(shared_A, torch.Tensor) and shared_A.dim() == 2):
+            return False
+        rs = shared_A.shape[0]
+        if not (_fits(shared_A, (rs, HP), o) and _fits(shared_B, (dout, rs), o)):
+            return False
+    return True
+
+
+def _check_oproj(o, w_o, b_o, wise_A, wise_B, wise_c, shared_A, shared_B, scale, H: int,
+                 p: int, exact) -> None:
+    """The output projection's argument checks (ValueError/TypeError naming the argument)."""
+    HP = o.shape[-1]
+    _validate.check_tensor("w_o", w_o, ndim=2)
+    for name, t, nd in (("b_o", b_o, 1), ("wise_A", wise_A, 3), ("wise_B", wise_B, 2),
+                        ("wise_c", wise_c, 1), ("shared_A", shared_A, 2),
+                        ("shared_B", shared_B, 2)):
+        if t is not None:
+            _validate.check_tensor(name, t, ndim=nd)
+    _validate.check_same("o", o, w_o=w_o, b_o=b_o, wise_A=wise_A, wise_B=wise_B, wise_c=wise_c,
+                         shared_A=shared_A, shared_B=shared_B)
+    if w_o.shape[1] != HP:
+        raise ValueError(f"w_o has shape {tuple(w_o.shape)}, expected (d_out, {HP}): its input "
+                         f"width must equal the last dimension of o, which has shape "
+                         f"{tuple(o.shape)}")
+    dout = w_o.shape[0]
+    if b_o is not None:
+        _validate.check_shape("b_o", b_o, (dout,), "(d_out,)")
+    if (wise_A is None) != (wise_B is None):
+        raise ValueError("wise_A and wise_B must be given together")
+    if wise_c is not None and wise_A is None:
+        raise ValueError("wise_c needs wise_A and wise_B")
+    if (shared_A is None) != (shared_B is None):
+        raise ValueError("shared_A and shared_B must be given together")
+    if wise_A is not None:
+        _validate.check_tensor("wise_A", wise_A, ndim=3)
+        r = wise_A.shape[1]
+        _validate.check_shape("wise_A", wise_A, (H, r, p), "(H, r, p)")
+        _validate.check_shape("wise_B", wise_B, (dout, H * r), "(d_out, H·r)")
+        if wise_c is not None:
+            _validate.check_shape("wise_c", wise_c, (dout,), "(d_out,)")
+    _check_scale("scale", scale, o)
+    check_exact(exact)
+    if shared_A is not None:
+        _validate.check_tensor("shared_A", shared_A, ndim=2)
+        rs = shared_A.shape[0]
+        _validate.check_shape("shared_A", shared_A, (rs, HP), "(r_s, H·p)")
+        _validate.check_shape("shared_B", shared_B, (dout, rs), "(d_out, r_s)")
+
+
 def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor] = None, *,
                    n_heads: int, wise_A: Optional[torch.Tensor] = None,
                    wise_B: Optional[torch.Tensor] = None, wise_c: Optional[torch.Tensor] = None,
@@ -164,41 +239,11 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     HP = o.shape[-1]
     p = _head_width(n_heads, "o", o, "last dim", HP)
     H = n_heads
-    _validate.check_tensor("w_o", w_o, ndim=2)
-    for name, t, nd in (("b_o", b_o, 1), ("wise_A", wise_A, 3), ("wise_B", wise_B, 2),
-                        ("wise_c", wise_c, 1), ("shared_A", shared_A, 2),
-                        ("shared_B", shared_B, 2)):
-        if t is not None:
-            _validate.check_tensor(name, t, ndim=nd)
-    _validate.check_same("o", o, w_o=w_o, b_o=b_o, wise_A=wise_A, wise_B=wise_B, wise_c=wise_c,
-                         shared_A=shared_A, shared_B=shared_B)
-    if w_o.shape[1] != HP:
-        raise ValueError(f"w_o has shape {tuple(w_o.shape)}, expected (d_out, {HP}): its input "
-                         f"width must equal the last dimension of o, which has shape "
-                         f"{tuple(o.shape)}")
-    dout = w_o.shape[0]
-    if b_o is not None:
-        _validate.check_shape("b_o", b_o, (dout,), "(d_out,)")
-    if (wise_A is None) != (wise_B is None):
-        raise ValueError("wise_A and wise_B must be given together")
-    if wise_c is not None and wise_A is None:
-        raise ValueError("wise_c needs wise_A and wise_B")
-    if (shared_A is None) != (shared_B is None):
-        raise ValueError("shared_A and shared_B must be given together")
-    if wise_A is not None:
-        _validate.check_tensor("wise_A", wise_A, ndim=3)
-        r = wise_A.shape[1]
-        _validate.check_shape("wise_A", wise_A, (H, r, p), "(H, r, p)")
-        _validate.check_shape("wise_B", wise_B, (dout, H * r), "(d_out, H·r)")
-        if wise_c is not None:
-            _validate.check_shape("wise_c", wise_c, (dout,), "(d_out,)")
-    _check_scale("scale", scale, o)
-    check_exact(exact)
-    if shared_A is not None:
-        _validate.check_tensor("shared_A", shared_A, ndim=2)
-        rs = shared_A.shape[0]
-        _validate.check_shape("shared_A", shared_A, (rs, HP), "(r_s, H·p)")
-        _validate.check_shape("shared_B", shared_B, (dout, rs), "(d_out, r_s)")
+    args = (o, w_o, b_o, wise_A, wise_B, wise_c, shared_A, shared_B, scale, H, p)
+    if _oproj_fits(*args):     # the common case, accepted first (the checks name a fault)
+        check_exact(exact)
+    else:
+        _check_oproj(*args, exact)
     scale = _scalar(scale)
     be = select_backend("headwise_oproj", backend, [o], impls=IMPLS,
                         extra_unfit=_no_float64(o))
@@ -221,4 +266,4 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
     fold = fold_decision(o2.dtype, o2.shape[0], exact, o2.device.type == "cuda")
     Y = kops.headwise_oproj_triton_fwd(
         o2, w_o, c(b_o), c(wise_A), c(wise_B), c(shared_A), c(sB), H, s, c(wise_c), fold)[0]
-    return Y.reshape(*lead, dout)
+    return Y.reshape(*lead, w_o.shape[0])

@@ -15,7 +15,7 @@ import torch
 from kfused import _alloc
 from kfused.triton_kernels import _headwise_common as _hc
 from kfused.triton_kernels._common import _AOT_TARGET, F32
-from kfused.triton_kernels._headwise_common import (LowRankTiles, SectionFactors, _pack_all,
+from kfused.triton_kernels._headwise_common import (SectionFactors, _pack_all,
                                                     _packing, _tile_n, compact_dz,
                                                     compact_offsets, compact_pays,
                                                     fold_plan, fold_qkv, frozen_gemm, gemm,
