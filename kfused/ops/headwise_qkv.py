@@ -284,7 +284,7 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     ok = isinstance(w_q, torch.Tensor) and w_q.dim() == 2 and w_q.shape[0] % H == 0
     p = w_q.shape[0] // H if ok else 0
     nq, nkv = H * p, Hkv * p
-    if not (ok and w_q is not None and _fits(w_q, (nq, d), x) and w_k is not None and
+    if not (ok and _fits(w_q, (nq, d), x) and w_k is not None and
             _fits(w_k, (nkv, d), x) and w_v is not None and _fits(w_v, (nkv, d), x) and
             _fits(b_q, (nq,), x) and _fits(b_k, (nkv,), x) and _fits(b_v, (nkv,), x)):
         # (the common case is accepted above: what these checks accept; they name a fault)
