@@ -70,3 +70,18 @@ def check_real(name: str, value) -> float:
         raise ValueError(f"{name} must be finite, got {out}")
     return out
 
+
+def fits(t, shape, ref: torch.Tensor) -> bool:
+    """Whether ``t`` is None or a tensor of floating ``ref``'s dtype and device and of this
+    shape: what the detailed checks of an op accept. Ops ask it first, for the common case,
+    and run their detailed checks (which name the fault) only when it says no."""
+    return t is None or (isinstance(t, torch.Tensor) and t.dtype == ref.dtype and
+                         t.device == ref.device and t.shape == shape and
+                         ref.is_floating_point())
+
+
+def is_finite_number(v) -> bool:
+    """A Python float or int (not a bool), finite: the common case of a scale, accepted
+    without :func:`check_real`'s checks."""
+    return (type(v) is float or type(v) is int) and math.isfinite(v)
+

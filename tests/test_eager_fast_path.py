@@ -253,3 +253,40 @@ def test_oproj_fast_check_accepts_only_what_the_checks_accept():
             assert ok or not fast, {k: (tuple(t.shape) if isinstance(t, torch.Tensor) else t)
                                     for k, t in v.items()}
     assert seen > 100
+
+
+def test_krona_fast_check_accepts_only_what_the_checks_accept(monkeypatch):
+    import importlib
+
+    kl = importlib.import_module("kfused.ops.krona_linear")
+    gen = torch.Generator().manual_seed(8)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = rnd(3, 12)
+    base = dict(weight=rnd(10, 12), bias=rnd(10), A=rnd(2, 3), B=rnd(5, 4), scale=0.5)
+
+    def refused(kw):
+        with monkeypatch.context() as m:
+            m.setattr(kl, "_krona_fits", lambda *a: False)
+            try:
+                kl.krona_linear(x, kw["weight"], kw["bias"], kw["A"], kw["B"], kw["scale"],
+                                backend="reference")
+            except (TypeError, ValueError):
+                return True
+        return False
+
+    def fast(kw):
+        return kl._krona_fits(x, kw["weight"], kw["bias"], kw["A"], kw["B"], kw["scale"])
+
+    variants = [base, dict(base, bias=None)]
+    variants += [dict(base, scale=s) for s in (float("nan"), True, "2", torch.tensor(2.0), 3)]
+    variants += [dict(base, A=base["A"].narrow(0, 0, 0))]
+    for n in ("weight", "bias", "A", "B"):
+        variants += [dict(base, **{n: m}) for m in _mutations(base[n])]
+    seen = accepted = 0
+    for kw in variants:
+        seen += 1
+        if fast(kw):
+            accepted += 1
+            assert not refused(kw), {k: (tuple(t.shape) if isinstance(t, torch.Tensor) else t)
+                                     for k, t in kw.items()}
+    assert fast(base) and not refused(base) and seen > 40 and 2 <= accepted < seen

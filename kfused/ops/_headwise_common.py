@@ -8,7 +8,6 @@ into ``B_s``), so the custom ops only see plain tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -122,8 +121,7 @@ def _opt(t: torch.Tensor) -> Optional[torch.Tensor]:
 def _factors_fit(f: HeadFactors, H: int, p: int, d: int, ref: torch.Tensor) -> bool:
     """Whether :func:`_check_factors` accepts ``f`` with a numeric scale (the common case,
     asked first; its detailed checks name a fault)."""
-    s = f.scale
-    if not ((type(s) is float or type(s) is int) and math.isfinite(s)):
+    if not _validate.is_finite_number(f.scale):
         return False
     for a, b, c, base, first in ((f.shared_A, f.shared_B, None, d, True),
                                  (f.wise_A, f.wise_B, f.wise_c, d, False),
@@ -428,12 +426,7 @@ def _check_input_width(x_name: str, x: torch.Tensor, weights: dict) -> None:
                          f"({shapes}; (out, in) as in nn.Linear)")
 
 
-def _fits(t, shape, ref: torch.Tensor) -> bool:
-    """Whether ``t`` is None or a tensor of floating ``ref``'s dtype and device and of this
-    shape: what the detailed checks accept (the common case, asked first)."""
-    return t is None or (isinstance(t, torch.Tensor) and t.dtype == ref.dtype and
-                         t.device == ref.device and t.shape == shape and
-                         ref.is_floating_point())
+_fits = _validate.fits
 
 
 def _check_linear(name: str, w: torch.Tensor, rows: int, d: int, ref: torch.Tensor):

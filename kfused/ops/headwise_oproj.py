@@ -9,7 +9,6 @@ updates of W_o (basis O) — torch.library registrations, autograd and the publi
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -133,7 +132,7 @@ def _oproj_fits(o, w_o, b_o, wise_A, wise_B, wise_c, shared_A, shared_B, scale, 
                 p: int) -> bool:
     """Whether :func:`_check_oproj` accepts these arguments with a numeric scale (asked first:
     the common case costs one pass)."""
-    if not ((type(scale) is float or type(scale) is int) and math.isfinite(scale)):
+    if not _validate.is_finite_number(scale):
         return False
     if not (isinstance(w_o, torch.Tensor) and w_o.dim() == 2):
         return False

@@ -252,6 +252,20 @@ def use_folded_weight(x2: torch.Tensor, exact: Optional[bool]) -> bool:
     return fold_decision(x2.dtype, x2.shape[0], exact, x2.device.type == "cuda")
 
 
+def _krona_fits(x, weight, bias, A, B, scale) -> bool:
+    """Whether krona_linear's checks accept these arguments with a numeric scale (asked
+    first: the common case in one pass)."""
+    if not (_validate.is_finite_number(scale) and isinstance(x, torch.Tensor) and x.dim() and
+            isinstance(A, torch.Tensor) and A.dim() == 2 and isinstance(B, torch.Tensor) and
+            B.dim() == 2 and weight is not None):
+        return False
+    (a_out, a_in), (b_out, b_in) = A.shape, B.shape
+    return bool(a_out and a_in and b_out and b_in and x.shape[-1] == a_in * b_in and
+                _validate.fits(A, A.shape, x) and _validate.fits(B, B.shape, x) and
+                _validate.fits(weight, (a_out * b_out, a_in * b_in), x) and
+                _validate.fits(bias, (a_out * b_out,), x))
+
+
 def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  A: torch.Tensor, B: torch.Tensor, scale: float = 1.0, *,
                  backend: Optional[str] = None, exact: Optional[bool] = None) -> torch.Tensor:
@@ -283,15 +297,19 @@ def krona_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         (..., d_out). The factored kernel reads x once for the frozen GEMM and the adapter and
         its backward produces dx for both terms in one pass over dy.
     """
-    a_out, a_in, b_out, b_in = check_factors(x, A, B)
-    _validate.check_tensor("weight", weight, ndim=2)
-    _validate.check_same("x", x, weight=weight, bias=bias)
-    _validate.check_shape("weight", weight, (a_out * b_out, a_in * b_in),
-                          "(a_out*b_out, a_in*b_in) in nn.Linear (out, in) layout")
-    if bias is not None:
-        _validate.check_tensor("bias", bias, ndim=1)
-        _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
-    scale = check_scale(scale)
+    if _krona_fits(x, weight, bias, A, B, scale):   # the common case, in one pass
+        (a_out, a_in), (b_out, b_in) = A.shape, B.shape
+        scale = float(scale)
+    else:                                           # the checks that name a fault
+        a_out, a_in, b_out, b_in = check_factors(x, A, B)
+        _validate.check_tensor("weight", weight, ndim=2)
+        _validate.check_same("x", x, weight=weight, bias=bias)
+        _validate.check_shape("weight", weight, (a_out * b_out, a_in * b_in),
+                              "(a_out*b_out, a_in*b_in) in nn.Linear (out, in) layout")
+        if bias is not None:
+            _validate.check_tensor("bias", bias, ndim=1)
+            _validate.check_shape("bias", bias, (a_out * b_out,), "(d_out,)")
+        scale = check_scale(scale)
     check_exact(exact)
     tokens = x.numel() // max(1, x.shape[-1])
     be = select_backend("krona_linear", backend, [x, weight, A, B], impls=("triton", "cuda"),
