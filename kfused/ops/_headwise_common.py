@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from kfused import _validate
+from kfused._validate import fits
 from kfused.ops._common import custom_op, kops, no_double_backward  # noqa: F401 (re-exported)
 from kfused.ops._common import dense as _dense
 from kfused.reference.headwise import HeadFactors
@@ -134,13 +135,13 @@ def _factors_fit(f: HeadFactors, H: int, p: int, d: int, ref: torch.Tensor) -> b
             return False
         if first:     # shared: A (r_s, d), B (H·p, r_s)
             r = a.shape[0]
-            if not (r and _fits(a, (r, d), ref) and b is not None and
-                    _fits(b, (H * p, r), ref)):
+            if not (r and fits(a, (r, d), ref) and b is not None and
+                    fits(b, (H * p, r), ref)):
                 return False
         else:         # per head: A (H, r, d or p), B (H, p, r), c (H, p)
             r = a.shape[1]
-            if not (r and _fits(a, (H, r, base), ref) and b is not None and
-                    _fits(b, (H, p, r), ref) and _fits(c, (H, p), ref)):
+            if not (r and fits(a, (H, r, base), ref) and b is not None and
+                    fits(b, (H, p, r), ref) and fits(c, (H, p), ref)):
                 return False
     return True
 
@@ -426,11 +427,8 @@ def _check_input_width(x_name: str, x: torch.Tensor, weights: dict) -> None:
                          f"({shapes}; (out, in) as in nn.Linear)")
 
 
-_fits = _validate.fits
-
-
 def _check_linear(name: str, w: torch.Tensor, rows: int, d: int, ref: torch.Tensor):
-    if w is not None and _fits(w, (rows, d), ref):
+    if w is not None and fits(w, (rows, d), ref):
         return   # what the checks below accept: they name a fault
     _validate.check_tensor(name, w, ndim=2)
     _validate.check_same("x", ref, **{name: w})

@@ -14,10 +14,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from kfused import _validate
+from kfused._validate import fits
 from kfused.backends import select_backend
 from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import check_exact, fold_decision
-from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty, _fits,
+from kfused.ops._headwise_common import (IMPLS, _check_scale, _dense, _empty,
                                          _head_width,
                                          _no_float64, _one_dtype, _opt, _scalar,
                                          no_double_backward)
@@ -137,7 +138,7 @@ def _oproj_fits(o, w_o, b_o, wise_A, wise_B, wise_c, shared_A, shared_B, scale, 
     if not (isinstance(w_o, torch.Tensor) and w_o.dim() == 2):
         return False
     dout, HP = w_o.shape[0], H * p
-    if not (_fits(w_o, (dout, HP), o) and _fits(b_o, (dout,), o)):
+    if not (fits(w_o, (dout, HP), o) and fits(b_o, (dout,), o)):
         return False
     if (wise_A is None) != (wise_B is None) or (shared_A is None) != (shared_B is None):
         return False
@@ -148,14 +149,14 @@ def _oproj_fits(o, w_o, b_o, wise_A, wise_B, wise_c, shared_A, shared_B, scale, 
         if not (isinstance(wise_A, torch.Tensor) and wise_A.dim() == 3):
             return False
         r = wise_A.shape[1]
-        if not (_fits(wise_A, (H, r, p), o) and _fits(wise_B, (dout, H * r), o) and
-                _fits(wise_c, (dout,), o)):
+        if not (fits(wise_A, (H, r, p), o) and fits(wise_B, (dout, H * r), o) and
+                fits(wise_c, (dout,), o)):
             return False
     if shared_A is not None:
         if not (isinstance(shared_A, torch.Tensor) and shared_A.dim() == 2):
             return False
         rs = shared_A.shape[0]
-        if not (_fits(shared_A, (rs, HP), o) and _fits(shared_B, (dout, rs), o)):
+        if not (fits(shared_A, (rs, HP), o) and fits(shared_B, (dout, rs), o)):
             return False
     return True
 

@@ -16,10 +16,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from kfused import _validate
+from kfused._validate import fits
 from kfused.backends import select_backend
 from kfused.ops._common import custom_op, kops, register_autograd
 from kfused.ops._fold import check_exact, fold_decision
-from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag, _fits,
+from kfused.ops._headwise_common import (IMPLS, _check_factors, _check_flag,
                                          _check_input_width, _check_linear,
                                          _check_n_heads, _dense, _empty,
                                          LiteKeyGrad, _head_width,
@@ -284,9 +285,9 @@ def headwise_qkv(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: tor
     ok = isinstance(w_q, torch.Tensor) and w_q.dim() == 2 and w_q.shape[0] % H == 0
     p = w_q.shape[0] // H if ok else 0
     nq, nkv = H * p, Hkv * p
-    if not (ok and _fits(w_q, (nq, d), x) and w_k is not None and
-            _fits(w_k, (nkv, d), x) and w_v is not None and _fits(w_v, (nkv, d), x) and
-            _fits(b_q, (nq,), x) and _fits(b_k, (nkv,), x) and _fits(b_v, (nkv,), x)):
+    if not (ok and fits(w_q, (nq, d), x) and w_k is not None and
+            fits(w_k, (nkv, d), x) and w_v is not None and fits(w_v, (nkv, d), x) and
+            fits(b_q, (nq,), x) and fits(b_k, (nkv,), x) and fits(b_v, (nkv,), x)):
         # (the common case is accepted above: what these checks accept; they name a fault)
         _validate.check_tensor("w_q", w_q, ndim=2)
         _validate.check_tensor("w_k", w_k, ndim=2)
