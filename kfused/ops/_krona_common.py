@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 import torch
@@ -39,7 +38,6 @@ def _kron_bwd_macs(ao: int, ai: int, bo: int, bi: int, need_dx: bool = True) -> 
         + bo * ao * bi
 
 
-@functools.lru_cache(maxsize=256)   # (asked on every krona_linear call, for its regime)
 def cuda_factor_kernel(a_out: int, a_in: int, b_out: int, b_in: int) -> str:
     """Which kernel the CUDA extension's kron_matvec_bwd runs for these factors on 16-bit
     inputs (kron_matvec.cu): "tensor-core" unless padding every factor side to 16 would
