@@ -247,6 +247,9 @@ for stage in "${LIST[@]}"; do
         # the proof's share goes to the targets' providers
         skipf=${PROOF_SKIP:-eager}
         [ "$op" = inducer ] && skipf=${PROOF_SKIP:-eager,sdpa-default}
+        [ "$op" = e2e ] && skipf=${PROOF_SKIP:-}   # e2e has no eager provider (2026-11-30: refused)
+        skip=()
+        [ -n "$skipf" ] && skip=(--skip "$skipf")
         tl=$(( lim > 90 ? lim - 45 : lim / 2 ))
         if [ "$op" = onepass ]; then
           KFUSED_KRONA_FOLDED_BWD=one-pass timeout "$lim" python3 -m kfused.cli.main bench \
@@ -255,7 +258,7 @@ for stage in "${LIST[@]}"; do
             >"$WORK/bench_$op.log" 2>&1
         else
           timeout "$lim" python3 -m kfused.cli.main bench "$op" --out "$WORK/bench" \
-            --rep-ms "${PROOF_REP_MS:-100}" --time-limit "$tl" --skip "$skipf" \
+            --rep-ms "${PROOF_REP_MS:-100}" --time-limit "$tl" "${skip[@]}" \
             "${prefs[@]}" >"$WORK/bench_$op.log" 2>&1
         fi
         rc=$?

@@ -10,6 +10,7 @@ outputs with a fixed random upstream gradient into ``grad_leaves``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -74,25 +75,69 @@ def graph_timer(fn: Callable[[], object], device: torch.device, rep_ms: float
     device-bound time, without the host's Python and launch cost (which ``_timer`` includes:
     on the H100 machine of 2026-11-27 the KronA fold path's fwd+bwd spent 1.38 ms on the host
     for 0.17 ms of kernels). Raises where ``fn`` cannot be captured (a host sync, a CPU
-    tensor, a first-call compilation inside)."""
+    tensor, a first-call compilation inside).
+
+    The capture runs on the current stream when that is not the device's default stream
+    (:func:`measure` runs each provider on a stream of its own, so that the autograd nodes
+    of its leaves live on the stream captured: a backward whose AccumulateGrad node sits on
+    the legacy default stream syncs with it, which invalidates the capture — every fwd+bwd
+    capture of the H200 run of 2026-11-30 failed so); else on a side stream. A failed
+    capture leaves the default CUDA generator marked as capturing (every later random draw
+    in the process raised "Offset increment outside graph capture"): its state is renewed
+    before the error is raised on."""
     import triton.testing
 
     fn()                                   # compiled, cached, allocator warm
     torch.cuda.synchronize(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):          # a capture must not run on the legacy stream
-        for _ in range(2):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
+    cur = torch.cuda.current_stream(device)
+    own = cur != torch.cuda.default_stream(device)
+    side = cur if own else torch.cuda.Stream(device)
+    if not own:
+        side.wait_stream(cur)
+    try:
+        with torch.cuda.stream(side):      # a capture must not run on the legacy stream
+            for _ in range(2):
+                fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+    except BaseException:
+        renew_generators(device)
+        raise
+    if not own:
+        cur.wait_stream(side)
     torch.cuda.synchronize(device)
     q = triton.testing.do_bench(graph.replay, warmup=max(1.0, rep_ms / 4), rep=rep_ms,
                                 quantiles=[0.2, 0.5, 0.8])
     del graph
     return tuple(float(v) for v in q)  # type: ignore[return-value]
+
+
+def renew_generators(device: torch.device) -> None:
+    """Give the device's default CUDA generator a fresh copy of its own state (same seed and
+    offset; not capturing): after a capture that failed the generator still counts itself
+    inside the capture and refuses every draw outside it."""
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # the capture's error may surface here; the state is what matters
+        pass
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[idx]
+    gen.graphsafe_set_state(gen.clone_state())
+
+
+@contextlib.contextmanager
+def _provider_stream(device: torch.device):
+    """Each provider's calls on a CUDA stream of its own (see :func:`graph_timer`)."""
+    if device.type != "cuda":
+        yield
+        return
+    cur = torch.cuda.current_stream(device)
+    s = torch.cuda.Stream(device)
+    s.wait_stream(cur)
+    with torch.cuda.stream(s):
+        yield
+    cur.wait_stream(s)
 
 
 def _peak_mem(fn: Callable[[], object], device: torch.device) -> Optional[int]:
@@ -229,65 +274,68 @@ def _measure(case, device, rep_ms, warmup_ms, modes, kernels, graphs) -> List[di
             rows.append({**base, "mode": "all", "skipped": prov.skip_reason})
             continue
         try:
-            fn, leaves = prov.make()
-            outs = _as_tuple(fn())
-            gen = torch.Generator(device=device).manual_seed(0)
-            gouts = [torch.randn(o.shape, device=device, dtype=o.dtype, generator=gen) for o in outs]
-            grad_ok = bool(leaves) and any(o.requires_grad for o in outs)
+            with _provider_stream(device):
+                fn, leaves = prov.make()
+                outs = _as_tuple(fn())
+                gen = torch.Generator(device=device).manual_seed(0)
+                gouts = [torch.randn(o.shape, device=device, dtype=o.dtype, generator=gen) for o in outs]
+                grad_ok = bool(leaves) and any(o.requires_grad for o in outs)
+                del outs       # its autograd graph is not kept alive across the modes
 
-            def run_fwd():
-                with torch.no_grad():
-                    return fn()
+                def run_fwd():
+                    with torch.no_grad():
+                        return fn()
 
-            def run_fwdbwd():
-                o = _as_tuple(fn())
-                pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
-                torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
-                                    allow_unused=True)
-
-            for mode in modes:
-                if mode != "fwd" and not grad_ok:
-                    continue
-                if mode == "fwd":
-                    q = _timer(run_fwd, device, rep_ms, warmup_ms)
-                    mem = _peak_mem(run_fwd, device)
-                elif mode == "fwd+bwd":
-                    q = _timer(run_fwdbwd, device, rep_ms, warmup_ms)
-                    mem = _peak_mem(run_fwdbwd, device)
-                else:  # bwd alone: one graph, backward replayed
+                def run_fwdbwd():
                     o = _as_tuple(fn())
                     pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
+                    torch.autograd.grad([a for a, _ in pairs], leaves, [g for _, g in pairs],
+                                        allow_unused=True)
 
-                    def run_bwd():
-                        torch.autograd.grad([a for a, _ in pairs], leaves,
-                                            [g for _, g in pairs], retain_graph=True,
-                                            allow_unused=True)
+                for mode in modes:
+                    if mode != "fwd" and not grad_ok:
+                        continue
+                    if mode == "fwd":
+                        q = _timer(run_fwd, device, rep_ms, warmup_ms)
+                        mem = _peak_mem(run_fwd, device)
+                    elif mode == "fwd+bwd":
+                        q = _timer(run_fwdbwd, device, rep_ms, warmup_ms)
+                        mem = _peak_mem(run_fwdbwd, device)
+                    else:  # bwd alone: one graph, backward replayed
+                        o = _as_tuple(fn())
+                        pairs = [(a, g) for a, g in zip(o, gouts) if a.requires_grad]
 
-                    q = _timer(run_bwd, device, rep_ms, warmup_ms)
-                    mem = _peak_mem(run_bwd, device)
-                row = {**base, "mode": mode, "ms_p20": q[0], "ms_p50": q[1], "ms_p80": q[2],
-                       "peak_mem_bytes": mem}
-                flops = {"fwd": case.flops_fwd, "bwd": case.flops_bwd,
-                         "fwd+bwd": (case.flops_fwd or 0) + (case.flops_bwd or 0) or None}[mode]
-                if flops:
-                    row["tflops"] = flops / (q[1] * 1e-3) / 1e12
-                if mode == "fwd" and case.bytes_fwd:
-                    row["gbps"] = case.bytes_fwd / (q[1] * 1e-3) / 1e9
-                if device.type == "cuda" and mode != "bwd" and graphs:
-                    try:
-                        gq = graph_timer(run_fwd if mode == "fwd" else run_fwdbwd, device,
-                                         rep_ms)
-                        row.update(graph_ms_p20=gq[0], graph_ms_p50=gq[1], graph_ms_p80=gq[2])
-                    except Exception as exc:  # the eager timing above stands
-                        row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                if kernels and mode != "bwd":
-                    try:
-                        kt = kernel_times(run_fwd if mode == "fwd" else run_fwdbwd, device)
-                        if kt is not None:
-                            row["kernels"] = kt
-                    except Exception as exc:  # the timing above stands
-                        row["kernels_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append(row)
+                        def run_bwd():
+                            torch.autograd.grad([a for a, _ in pairs], leaves,
+                                                [g for _, g in pairs], retain_graph=True,
+                                                allow_unused=True)
+
+                        q = _timer(run_bwd, device, rep_ms, warmup_ms)
+                        mem = _peak_mem(run_bwd, device)
+                        o = pairs = None   # the retained graph freed before the next mode
+                    row = {**base, "mode": mode, "ms_p20": q[0], "ms_p50": q[1], "ms_p80": q[2],
+                           "peak_mem_bytes": mem}
+                    flops = {"fwd": case.flops_fwd, "bwd": case.flops_bwd,
+                             "fwd+bwd": (case.flops_fwd or 0) + (case.flops_bwd or 0) or None}[mode]
+                    if flops:
+                        row["tflops"] = flops / (q[1] * 1e-3) / 1e12
+                    if mode == "fwd" and case.bytes_fwd:
+                        row["gbps"] = case.bytes_fwd / (q[1] * 1e-3) / 1e9
+                    if device.type == "cuda" and mode != "bwd" and graphs:
+                        try:
+                            gq = graph_timer(run_fwd if mode == "fwd" else run_fwdbwd, device,
+                                             rep_ms)
+                            row.update(graph_ms_p20=gq[0], graph_ms_p50=gq[1], graph_ms_p80=gq[2])
+                        except Exception as exc:  # the eager timing above stands
+                            row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    if kernels and mode != "bwd":
+                        try:
+                            kt = kernel_times(run_fwd if mode == "fwd" else run_fwdbwd, device)
+                            if kt is not None:
+                                row["kernels"] = kt
+                        except Exception as exc:  # the timing above stands
+                            row["kernels_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    rows.append(row)
         except Exception as exc:  # a provider that fails is reported, not fatal
             rows.append({**base, "mode": "all", "error": f"{type(exc).__name__}: {exc}"})
         finally:
