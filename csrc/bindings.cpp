@@ -18,8 +18,41 @@
 #endif
 #endif
 
+namespace {
+
+// A c10::Error (every TORCH_CHECK of the host code) as the Python exception torch itself raises
+// for it, with what_without_backtrace(), as torch's own bindings do. pybind11's generic
+// std::exception translator calls what(), which renders the C++ backtrace the error captured:
+// on the H200 machine of 2026-11-30 every argument check of this module that failed on CUDA
+// tensors ended the process with a segmentation fault there (tests/test_cuda_ext.py, the seven
+// *_errors tests), where the same build raised on this project's CPU machine. Python's own
+// exception types for c10's typed errors (TORCH_CHECK_VALUE, _TYPE, _INDEX, _NOT_IMPLEMENTED);
+// torch.OutOfMemoryError for an allocation that failed.
+void translate_c10_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const c10::OutOfMemoryError& e) {
+    py::object oom = py::module_::import("torch").attr("OutOfMemoryError");
+    PyErr_SetString(oom.ptr(), e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+  } catch (const c10::IndexError& e) {
+    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+  } catch (const c10::NotImplementedError& e) {
+    PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kfused CUDA C++ kernels (see csrc/README.md)";
+  // local: first for this module's functions, other modules' translators untouched
+  py::register_local_exception_translator(&translate_c10_error);
 #ifdef KFUSED_BINDINGS_C10_CUDA
   m.attr("USES_TORCH_CURRENT_STREAM") = true;
 #else
