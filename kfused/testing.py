@@ -148,6 +148,47 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, ref_t: torch.Tens
     return Comparison(name, dtype, kernel_err, torch_err, bound, rel, ok, detail)
 
 
+def folded_error_bound(x: torch.Tensor, w_eff_t: torch.Tensor, y64: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise bound on ``|y - y64|`` for ``y = round(x @ round(W')ᵀ)`` computed by a
+    folded 16-bit path: ``W' = W + s·ΔW`` formed in float32 and rounded to ``dtype`` once,
+    then one GEMM accumulating in float32 and one rounding of the output.
+
+    ``x`` (T, K): the inputs as the kernel saw them (already ``dtype``-exact, float64);
+    ``w_eff_t`` (K, N): the exact effective weight transposed, float64; ``y64`` (T, N) the
+    float64 answer for those inputs. With ``u`` the unit roundoff of ``dtype``, each product
+    ``x_tk·W'_kn`` is off by at most ``u·|x_tk||W_kn|`` (the fold's one rounding; its float32
+    formation adds at most ``2^-22`` relative), the float32 sum over K adds at most
+    ``K·2^-24`` of ``Σ|x||W'|`` and the output's rounding ``u·|y|``:
+
+        |y - y64| <= (u + K·2^-24 + 2^-22)·(|x| @ |W|ᵀ) + u·|y64|   (to first order; the
+                                                                     2^-22 term covers
+                                                                     the products of u's)
+
+    A bound on the error terms, not on the output: an output that cancels to near zero keeps
+    the allowance its terms earn, which a fixed rtol/atol pair does not."""
+    u = torch.finfo(dtype).eps / 2
+    K = x.shape[-1]
+    mag = x.abs().double() @ w_eff_t.abs().double()
+    return (u + K * 2.0 ** -24 + 2.0 ** -22) * mag + u * y64.abs().double()
+
+
+def assert_within_bound(name: str, got: torch.Tensor, want64: torch.Tensor,
+                        bound: torch.Tensor) -> None:
+    """Every element of ``got`` within ``bound`` of the float64 ``want64``; the message names
+    the worst element, its error and its bound."""
+    err = (got.detach().double().cpu() - want64.double().cpu()).abs()
+    excess = err - bound.double().cpu()
+    if excess.numel() and float(excess.max()) > 0:
+        i = int(excess.flatten().argmax())
+        idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), err.shape))
+        n_bad = int((excess > 0).sum())
+        raise AssertionError(
+            f"{name}: {n_bad}/{err.numel()} elements outside the error bound; worst at {idx}: "
+            f"got {float(got.flatten()[i]):.6g}, float64 {float(want64.flatten()[i]):.6g}, "
+            f"error {float(err.flatten()[i]):.3e} > bound {float(bound.flatten()[i]):.3e}")
+
+
 def _as_tuple(x: Tensors) -> Tuple[torch.Tensor, ...]:
     return x if isinstance(x, tuple) else (x,)
 

@@ -12,7 +12,7 @@ from kfused.ops import (HeadFactors, headwise_lowrank, headwise_oproj, headwise_
 from kfused.reference.headwise import (headwise_lowrank_ref, headwise_oproj_ref,
                                        headwise_qkv_ref, oproj_delta_weight,
                                        projection_delta_weight)
-from kfused.testing import assert_against_reference
+from kfused.testing import assert_against_reference, assert_within_bound, folded_error_bound
 
 F64 = torch.float64
 KEYS = ("shared_A", "shared_B", "wise_A", "wise_B", "wise_c", "lite_A", "lite_B", "lite_c")
@@ -1178,9 +1178,16 @@ def test_oproj_folded_one_gemm_per_pass(need, monkeypatch):
     RS = inputs["shared_A"].shape[0] if "shared_A" in inputs else 0
     assert thin == ([(37, M)] if need == "factors" else []) + (
         [(37, RS)] if RS and need == "factors" else [])
-    want = headwise_oproj(**{k: v.detach() for k, v in t.items()}, n_heads=H, scale=0.5,
-                          backend="triton", exact=True)
-    torch.testing.assert_close(y.detach().float(), want.float(), rtol=2e-2, atol=2e-2)
+    # the folded output against float64 within the fold's rounding bound (a fixed 2e-2 pair
+    # against the exact 16-bit path failed 1 draw in ~a thousand: one element of 1480 off by
+    # 0.0230 where the two outputs cancelled to ~0.15, KFUSED_TEST_SEED=660646004 with GPU
+    # block sizes)
+    i64 = {k: v.to(dt).double() for k, v in inputs.items()}
+    ref = lambda **kw: headwise_oproj(**{**i64, **kw}, n_heads=H, scale=0.5,  # noqa: E731
+                                      backend="reference")
+    K = i64["o"].shape[-1]
+    w_eff_t = ref(o=torch.eye(K, dtype=F64)) - ref(o=torch.zeros(1, K, dtype=F64))
+    assert_within_bound("folded y", y, ref(), folded_error_bound(i64["o"], w_eff_t, ref(), dt))
 
 
 def test_oproj_fold_kernel_appends_exactly():
