@@ -41,6 +41,9 @@
 #                 perf_predicted.json when the perf stage ran, else the committed
 #                 benchmarks/results/predicted/perf-latest.json — perf-h200.json on an H200 —
 #                 whose commit it names)
+#   probe         benchmarks/gpu_probe.py: the CUDA generator after a failed capture, and
+#                 headwise_lowrank's Triton path draw by draw (one process each, launches
+#                 blocking), memcheck on the draw that faulted on 2026-11-30
 #   demo          the main job with --runs both: fused kernels vs the unfused reference on the
 #                 same data order (loss curves overlaid, largest loss difference, tokens/s, peak
 #                 memory; issue 18 item 3); DEMO_ARGS adds options (e.g. "--steps 8")
@@ -364,6 +367,21 @@ for stage in "${LIST[@]}"; do
         --out "$WORK/RESULTS.md" >"$WORK/results.log" 2>&1 || status=1
       tail -3 "$WORK/results.log"
       if [ -n "${OUT:-}" ] && [ -f "$WORK/RESULTS.md" ]; then cp "$WORK/RESULTS.md" "$OUT/"; fi ;;
+    probe)
+      # the defects the H200 proof of 2026-11-30 found, probed (benchmarks/gpu_probe.py): the
+      # generator a failed capture leaves behind, then headwise_lowrank's Triton path (wrong
+      # dbasis/dA, then an illegal address) over draws one process each under
+      # CUDA_LAUNCH_BLOCKING=1 (a fault names its launch), then memcheck on the first draw
+      PYTHONPATH=$PWD timeout "$LIMIT" python3 benchmarks/gpu_probe.py rng lowrank \
+        >"$WORK/probe.log" 2>&1 || status=1
+      cat "$WORK/probe.log"
+      if command -v compute-sanitizer >/dev/null; then
+        PYTHONPATH=$PWD timeout $(( LIMIT / 3 + 10 )) compute-sanitizer --tool memcheck \
+          --print-limit 10 python3 benchmarks/gpu_probe.py lowrank-one False float16 45 1 24 2 33 \
+          >"$WORK/probe_memcheck.log" 2>&1
+        note "probe memcheck: rc=$?"
+        grep -m 12 "Invalid\|at .*in \|ok:\|BAD:\|ERROR SUMMARY" "$WORK/probe_memcheck.log"
+      fi ;;
     demo)
       # shellcheck disable=SC2086  # DEMO_ARGS is a list of options
       py -m kfused.cli.main demo --runs both --no-progress --out "$WORK/demo" ${DEMO_ARGS:-} \
