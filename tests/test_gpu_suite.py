@@ -120,3 +120,25 @@ def test_sanitize_stage_says_when_the_machine_refuses_the_tool(tmp_path):
     res, work, out = _run(tmp_path, "sanitize", tools={"compute-sanitizer": _SANITIZER_REFUSED})
     assert res.returncode == 0
     assert "refused this machine's device" in (out / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("family,op", [("krona", "krona"), ("headwise", "headwise"),
+                                       ("inducer", "inducer"), ("e2e", "e2e"),
+                                       ("onepass", "krona")])
+def test_proof_skip_lists_name_providers_of_their_family(tmp_path, family, op):
+    # `kfused bench e2e --skip eager` was refused on the H200 of 2026-11-30 (e2e has no eager
+    # provider) and the proof lost its e2e family; kfused bench checks --skip before any case
+    env = dict(os.environ, WORK=str(tmp_path / "work"), GPU_SUITE_PROOF_SKIP_OF=family)
+    env.pop("PROOF_SKIP", None)
+    res = subprocess.run(["bash", str(SUITE)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    skip = res.stdout.strip()
+    cmd = [sys.executable, "-m", "kfused.cli.main", "bench", op, "--device", "cpu",
+           "--time-limit", "1e-9", "--no-plot", "--out", str(tmp_path / "out")]
+    if skip:
+        cmd += ["--skip", skip]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert "argument --skip" not in run.stderr, run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
