@@ -67,3 +67,48 @@ def _bcast_mm(a, b):
     return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
 '''
     assert [line for _, line in dot_shaped_products(src)] == [3, 4, 5]
+
+
+def split_operands(source: str):
+    """(function, line) of every 16-bit low part taken of a float32 value — ``(x -
+    x_hi.to(tl.float32)).to(...)``, the second half of a hi/lo split for two tensor-core dots."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "to" and isinstance(node.func.value, ast.BinOp)
+                    and isinstance(node.func.value.op, ast.Sub)):
+                right = node.func.value.right
+                if (isinstance(right, ast.Call) and isinstance(right.func, ast.Attribute)
+                        and right.func.attr == "to"
+                        and ast.unparse(right.args[0]) if right.args else False) == "tl.float32":
+                    found.append((fn.name, node.lineno))
+    return found
+
+
+# The splits a GPU run has passed, by (file, function): KronA's factor-gradient kernels
+# (test_krona and `kfused check`, 432 krona_linear comparisons in float32/float16/bfloat16,
+# on the H100 of 2026-11-27 and the H200 of 2026-11-30) and the inducer forward's output
+# residue (a stored value, no dot operand). Any other needs a GPU run before it joins.
+GPU_PASSED_SPLITS = {("krona_linear.py", "_dab_step"), ("krona_linear.py", "_kron_grad_bd_kernel"),
+                     ("inducer_attention.py", "_fwd_rows")}
+
+
+def test_no_float32_operand_is_split_for_a_tensor_core_dot_unless_a_gpu_passed_it():
+    # Triton 3.6 on sm_90 compiled such split products wrongly in some kernels and shapes
+    # (illegal addresses, NaN, wrong values) where the interpreter runs them right: the
+    # inducer MLP on an H100 (2026-11-25), headwise_lowrank on an H200 (2026-11-30). See
+    # kfused/triton_kernels/_common.py.
+    found = {(os.path.basename(p), fn) for p in KERNELS for fn, _ in split_operands(open(p).read())}
+    assert found <= GPU_PASSED_SPLITS, sorted(found - GPU_PASSED_SPLITS)
+
+
+def test_the_split_rule_sees_the_form_that_was_removed():
+    src = ("def f(a, b):\n"
+           "    a_hi = a.to(b.dtype)\n"
+           "    a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)\n"
+           "    return tl.dot(a_hi, b) + tl.dot(a_lo, b)\n")
+    assert split_operands(src) == [("f", 3)]
+    assert split_operands("def g(a):\n    return (a - a.to(tl.float16)).to(tl.float32)\n") == []

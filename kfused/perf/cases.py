@@ -439,9 +439,10 @@ def _m_hw_lr_rank_bwd(L) -> Dict[str, float]:
 @kernel("_hw_lowrank_fwd_kernel")
 def _m_hw_lowrank_fwd(L) -> Dict[str, float]:
     """headwise_lowrank forward, grid (T blocks, H): Z = basis·A_hᵀ over d_b in BK chunks
-    (tensor cores for 16-bit tiles ≥ 16), out = Z B_hᵀ (16-bit: two tensor-core products of
-    Z's high and low parts; float32: IEEE on the CUDA cores), Z written as float32 for the
-    backward. A shared basis is read by every head: HBM once when it fits in L2."""
+    (tensor cores for 16-bit tiles ≥ 16), out = Z B_hᵀ in float32 IEEE on the CUDA cores in
+    every dtype (no split-operand tensor-core product: kfused/triton_kernels/_common.py), Z
+    written as float32 for the backward. A shared basis is read by every head: HBM once when
+    it fits in L2."""
     a = L.bound()
     x = a["x_ptr"]
     x16, el = _is16(x), _el(x)
@@ -450,7 +451,7 @@ def _m_hw_lowrank_fwd(L) -> Dict[str, float]:
     tp = cdiv(T, BT) * BT
     w = _work()
     _prod(w, "down", H * 2.0 * tp * cdiv(DB, BK) * BK * RB, a["DOT_DOWN"], x16)
-    _prod(w, "up", H * 2.0 * tp * RB * PB * (2 if x16 else 1), a["DOT_UP"], x16)
+    _prod(w, "up", H * 2.0 * tp * RB * PB, a["DOT_UP"], False)       # float32 operands
     shared = a["s_xh"] == 0
     w["hbm_bytes"] = ((R.reread_bytes(T * DB * el, H) if shared else T * H * DB * el)
                       + a["a_ptr"].numel() * el + T * H * (Rk * 4 + P * _el(a["out_ptr"])))
@@ -460,12 +461,12 @@ def _m_hw_lowrank_fwd(L) -> Dict[str, float]:
 @kernel("_hw_lowrank_bwd_kernel")
 def _m_hw_lowrank_bwd(L) -> Dict[str, float]:
     """headwise_lowrank backward, grid (T blocks, d_b blocks, heads or 1): per head dZ = g_h B_h
-    (16-bit: one tensor-core product, exact) and dbasis += dZ A_h (16-bit: dZ's high and low
-    parts, two products; float32: IEEE on the CUDA cores); g is re-read by every d_b block
-    (L2), dZ written by the first."""
+    and dbasis += dZ A_h, both float32 IEEE on the CUDA cores in every dtype (the 16-bit
+    tensor-core forms failed on the H200: kfused/triton_kernels/_common.py); g is re-read by
+    every d_b block (L2), dZ written by the first."""
     a = L.bound()
     g = a["g_ptr"]
-    el, x16 = _el(g), _is16(g)
+    el = _el(g)
     T, H, DB, P, Rk = a["T"], a["H"], a["DB"], a["P"], a["R"]
     BT, BD, PB, RB = a["BT"], a["BD"], a["PB"], a["RB"]
     hpp = a["HEADS_PER_PROG"]
@@ -473,9 +474,9 @@ def _m_hw_lowrank_bwd(L) -> Dict[str, float]:
     heads = nh * hpp
     tp = tb * BT
     w = _work()
-    _prod(w, "dz", db_blocks * heads * 2.0 * tp * PB * RB, a["DOT_G"], x16)
-    _prod(w, "dx", db_blocks * heads * 2.0 * tp * RB * BD * (2 if x16 else 1), a["DOT_A"], x16)
-    w["alu_ops"] += db_blocks * heads * tp * (RB * 3 if x16 else PB)   # dZ split | g -> f32
+    _prod(w, "dz", db_blocks * heads * 2.0 * tp * PB * RB, a["DOT_G"], False)   # float32
+    _prod(w, "dx", db_blocks * heads * 2.0 * tp * RB * BD, a["DOT_A"], False)   # operands
+    w["alu_ops"] += db_blocks * heads * tp * PB                       # g -> float32
     w["hbm_bytes"] = (R.reread_bytes(T * H * P * el, db_blocks) + T * H * Rk * 4
                       + T * nh * DB * _el(a["dx_ptr"]))
     return w
@@ -483,9 +484,8 @@ def _m_hw_lowrank_bwd(L) -> Dict[str, float]:
 
 @kernel("_atb_kernel")
 def _m_atb(L) -> Dict[str, float]:
-    """Batched token reduction C[b] = A[b]ᵀ B[b]: TC (a 16-bit operand) on the tensor cores,
-    a float32 operand split into 16-bit high and low parts (two products); else float32 IEEE
-    dots on the CUDA cores."""
+    """Batched token reduction C[b] = A[b]ᵀ B[b]: TC (every operand 16-bit) on the tensor
+    cores; else (a float32 operand) float32 IEEE dots on the CUDA cores."""
     a = L.bound()
     A, B = a["a_ptr"], a["b_ptr"]
     T, M, N, N2, NB = a["T"], a["M"], a["N"], a["N2"], a["NB"]
@@ -497,8 +497,7 @@ def _m_atb(L) -> Dict[str, float]:
     cols = BN + (BN2 if a["HAS_B2"] else 0)
     flops = progs0 * 2.0 * Tp * BM * cols
     if a.get("TC"):
-        w["dot16_flops"] += flops * (1 if _is16(A) and _is16(B) else 2)
-        w["alu_ops"] += progs0 * Tp * (BM if not _is16(A) else cols) * 3   # the split
+        w["dot16_flops"] += flops
     else:
         w["fma32_flops"] += flops                                      # float32 IEEE dots
     if str(a["RACC"]).endswith("float64") or "fp64" in str(a["RACC"]):

@@ -71,30 +71,15 @@ def _bcast_mm(a, b):
     return tl.sum(a[:, :, None] * (b[None, :, :] + 0.0), axis=1)
 
 
-@triton.jit
-def _dot_f32_by16(a, b):
-    """a (float32, M × K) @ b (16-bit, K × N) -> float32 on the tensor cores: a is split into
-    a 16-bit high and low part (two products; ~16 mantissa bits of a kept, b's products
-    exact in the float32 accumulator). Every dim >= 16."""
-    a_hi = a.to(b.dtype)
-    a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
-    return tl.dot(a_hi, b, out_dtype=tl.float32) + tl.dot(a_lo, b, out_dtype=tl.float32)
-
-
-@triton.jit
-def _dot_tc(a, b):
-    """a (M × K) @ b (K × N) -> float32 on the tensor cores, at least one operand 16-bit:
-    16-bit @ 16-bit is one product (exact products, float32 sums); a float32 operand is
-    split into its 16-bit high and low parts (:func:`_dot_f32_by16`: two products, ~16
-    mantissa bits of it kept). Every dim >= 16."""
-    if a.dtype == tl.float32:
-        return _dot_f32_by16(a, b)
-    elif b.dtype == tl.float32:
-        b_hi = b.to(a.dtype)
-        b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
-        return tl.dot(a, b_hi, out_dtype=tl.float32) + tl.dot(a, b_lo, out_dtype=tl.float32)
-    else:
-        return tl.dot(a, b, out_dtype=tl.float32)
+# No tensor-core dot takes a float32 operand split into 16-bit high and low parts (x_hi =
+# x.to(16-bit), x_lo = (x - x_hi).to(16-bit), two dots). Compiled by Triton 3.6 for sm_90 such
+# small split products gave illegal memory accesses, NaN and silently wrong results that the
+# CPU interpreter never shows: the inducer MLP's products on an H100 on 2026-11-25
+# (benchmarks/results/h100/inducer-mlp-dot/) and headwise_lowrank's rank-space products and
+# its factor gradients (_atb with a float32 operand) on an H200 on 2026-11-30 (wrong dbasis/dA,
+# then an illegal address; benchmarks/results/h200/proof-2026-11-30). A product with a float32
+# operand runs as an IEEE (FMA) dot on the CUDA cores (_mm(..., "ieee")); 16-bit @ 16-bit
+# products stay on the tensor cores. tests/test_kernel_source_rules.py holds the kernels to it.
 
 
 @triton.jit
@@ -317,8 +302,8 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
     # grid: (NB * cdiv(M, BM) * cdiv(N, BN), S). Split s reduces tokens
     # [s*T_PER, (s+1)*T_PER) and writes float32 partials c[s, b]; the host sums over s.
     # C2 and the column sums are produced by the programs of the first N-block.
-    # TC (a 16-bit operand, every tile dim >= 16): the products on the tensor cores
-    # (_dot_tc); else IEEE float32 dots on the CUDA cores.
+    # TC (every operand of one 16-bit dtype; tile dims >= 16): the products on the tensor
+    # cores; else IEEE float32 dots on the CUDA cores (no split float32 operand: see above).
     pid = tl.program_id(0)
     s = tl.program_id(1)
     n_mb = tl.cdiv(M, BM)
@@ -348,7 +333,7 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
                      mask=tmask[:, None] & nmask[None, :], other=0.0)
         if TC:
             at = tl.trans(a)
-            acc += _dot_tc(at, bt).to(RACC)
+            acc += tl.dot(at, bt, out_dtype=tl.float32).to(RACC)
         else:
             a = a.to(tl.float32)
             at = tl.trans(a)
@@ -357,7 +342,7 @@ def _atb_kernel(a_ptr, s_at, s_ab, s_am,
             b2 = tl.load(b2_ptr + b * s_b2b + rt[:, None] * s_b2t + rn2[None, :] * s_b2n,
                          mask=tmask[:, None] & (rn2[None, :] < N2), other=0.0)
             if TC:
-                acc2 += _dot_tc(at, b2).to(RACC)
+                acc2 += tl.dot(at, b2, out_dtype=tl.float32).to(RACC)
             else:
                 acc2 += _mm(at, b2.to(tl.float32), True, "ieee").to(RACC)
         if COLSUM:
@@ -381,9 +366,8 @@ def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
     a (T, NB, M); b (T, NB or 1, N); b2 (T, NB or 1, N2) with N2 <= 128; any strides (a
     size-1 batch dim of b/b2 is broadcast). Returns C (NB, M, N), C2 (NB, M, N2) or None and
     colsum_t a (NB, M) or None, in ``out_dtype``. Accumulates in float32: on the tensor cores
-    when an operand is 16-bit (the other, if float32, split into 16-bit high and low parts:
-    ~16 of its mantissa bits kept, as the headwise_lowrank kernels keep Z and dZ), else IEEE
-    dots on the CUDA cores.
+    when every operand has the same 16-bit dtype, else (a float32 operand) IEEE dots on the
+    CUDA cores, which keep that operand whole.
     """
     T, NB, M = a.shape
     N = b.shape[2]
@@ -402,8 +386,8 @@ def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
     T_PER = max(BT, cdiv(cdiv(max(T, 1), S), BT) * BT)
     S = max(1, cdiv(T, T_PER))
     racc = F32
-    dts = {t.dtype for t in (a, b, b2) if t is not None} - {F32}
-    # one 16-bit dtype among the operands (the rest float32): tensor-core products
+    dts = {t.dtype for t in (a, b, b2) if t is not None}
+    # every operand of one 16-bit dtype: tensor-core products (a float32 operand: FMA dots)
     tc = len(dts) == 1 and dts <= {torch.float16, torch.bfloat16}
     c = _alloc.empty(S, NB, M, N, dtype=racc, device=dev)
     c2 = _alloc.empty(S, NB, M, N2, dtype=racc, device=dev) if b2 is not None else c

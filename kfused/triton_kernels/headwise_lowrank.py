@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kfused import _alloc
-from kfused.triton_kernels._common import (cdiv, _NW, _atb, _blk, _dot_f32_by16, _mm, _rblk, F32,
+from kfused.triton_kernels._common import (cdiv, _NW, _atb, _blk, _mm, _rblk, F32,
                                            dot_precision, use_dot)
 
 
@@ -26,7 +26,7 @@ def _hw_lowrank_fwd_kernel(x_ptr, s_xt, s_xh, s_xk, a_ptr, b_ptr, c_ptr, out_ptr
                            T, H, DB, P, R,
                            BT: tl.constexpr, BK: tl.constexpr, PB: tl.constexpr,
                            RB: tl.constexpr, HAS_C: tl.constexpr, PREC: tl.constexpr,
-                           DOT_DOWN: tl.constexpr, DOT_UP: tl.constexpr, IS16: tl.constexpr):
+                           DOT_DOWN: tl.constexpr, DOT_UP: tl.constexpr):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     rows = pid_t * BT + tl.arange(0, BT)
@@ -48,10 +48,9 @@ def _hw_lowrank_fwd_kernel(x_ptr, s_xt, s_xh, s_xk, a_ptr, b_ptr, c_ptr, out_ptr
     cmask = cols < P
     bt = tl.load(b_ptr + (h * P + cols[None, :]) * R + rr[:, None],
                  mask=rmask[:, None] & cmask[None, :], other=0.0)
-    if IS16 and DOT_UP:
-        out = _dot_f32_by16(z, bt)                 # tensor cores, Z kept to ~16 bits
-    else:
-        out = _mm(z, bt.to(tl.float32), DOT_UP, "ieee")
+    # Z stays float32: an FMA dot (no tensor-core product of a split float32 operand; see
+    # _common.py's note on Triton 3.6)
+    out = _mm(z, bt.to(tl.float32), DOT_UP, "ieee")
     if HAS_C:
         out += tl.load(c_ptr + h * P + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + (rows[:, None] * H + h) * P + cols[None, :],
@@ -62,8 +61,7 @@ def _hw_lowrank_fwd_kernel(x_ptr, s_xt, s_xh, s_xk, a_ptr, b_ptr, c_ptr, out_ptr
 def _hw_lowrank_bwd_kernel(g_ptr, a_ptr, b_ptr, dx_ptr, s_dt, s_dh, dz_ptr,
                            T, H, DB, P, R, HEADS_PER_PROG,
                            BT: tl.constexpr, BD: tl.constexpr, PB: tl.constexpr,
-                           RB: tl.constexpr, DOT_G: tl.constexpr, DOT_A: tl.constexpr,
-                           IS16: tl.constexpr):
+                           RB: tl.constexpr, DOT_G: tl.constexpr, DOT_A: tl.constexpr):
     # grid: (T-blocks, DB-blocks, 1 for a shared basis | H for a per-head basis).
     # dZ_h = dOut_h B_h; dBasis(_h) = Σ_h dZ_h A_h. dZ is written by the first DB-block.
     pid_t = tl.program_id(0)
@@ -84,19 +82,17 @@ def _hw_lowrank_bwd_kernel(g_ptr, a_ptr, b_ptr, dx_ptr, s_dt, s_dh, dz_ptr,
                     mask=tmask[:, None] & cmask[None, :], other=0.0)
         u = tl.load(b_ptr + (h * P + cols[:, None]) * R + rr[None, :],
                     mask=cmask[:, None] & rmask[None, :], other=0.0)
-        if IS16 and DOT_G:
-            dz = tl.dot(g, u, out_dtype=tl.float32)    # 16-bit products: exact, as IEEE
-        else:
-            dz = _mm(g.to(tl.float32), u.to(tl.float32), DOT_G, "ieee")
+        # every rank-space product an IEEE (FMA) dot in float32, in every dtype: the 16-bit
+        # tensor-core forms of this kernel (dZ = g B on 16-bit operands, dZ A with dZ split
+        # hi + lo) gave wrong dbasis/dA and an illegal address on the H200 (2026-11-30), the
+        # float32 form passed there (see _common.py)
+        dz = _mm(g.to(tl.float32), u.to(tl.float32), DOT_G, "ieee")
         if pid_d == 0:
             tl.store(dz_ptr + (rows[:, None] * H + h) * R + rr[None, :], dz,
                      mask=tmask[:, None] & rmask[None, :])
         a = tl.load(a_ptr + (h * R + rr[:, None]) * DB + dc[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)
-        if IS16 and DOT_A:
-            acc += _dot_f32_by16(dz, a)                # dZ kept to ~16 bits
-        else:
-            acc += _mm(dz, a.to(tl.float32), DOT_A, "ieee")
+        acc += _mm(dz, a.to(tl.float32), DOT_A, "ieee")   # dZ float32, an FMA dot as above
     tl.store(dx_ptr + rows[:, None] * s_dt + pid_h * s_dh + dc[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & dmask[None, :])
 
@@ -127,8 +123,7 @@ def headwise_lowrank_forward(basis: torch.Tensor, A: torch.Tensor, B: torch.Tens
             basis, basis.stride(0), s_xh, s_xk, A, B, bias if bias is not None else A, out, z,
             T, H, DB, P, R, BT=BT, BK=BK, PB=PB, RB=RB, HAS_C=bias is not None,
             PREC=dot_precision(basis.dtype), DOT_DOWN=use_dot(BT, BK, RB),
-            DOT_UP=use_dot(BT, RB, PB), IS16=basis.dtype in (torch.float16, torch.bfloat16),
-            num_warps=_NW)
+            DOT_UP=use_dot(BT, RB, PB), num_warps=_NW)
     return out, z
 
 
@@ -158,7 +153,7 @@ def headwise_lowrank_backward(g: torch.Tensor, basis: torch.Tensor, A: torch.Ten
         _hw_lowrank_bwd_kernel[grid](
             g, A, B, dx, s_dt, s_dh, dz, T, H, DB, P, R, hpp,
             BT=BT, BD=BD, PB=PB, RB=RB, DOT_G=use_dot(BT, PB, RB), DOT_A=use_dot(BT, RB, BD),
-            IS16=g.dtype in (torch.float16, torch.bfloat16), num_warps=_NW)
+            num_warps=_NW)
     dA = dB = db = None
     if need_factors:
         if per_head:
