@@ -59,8 +59,9 @@
 # a second start needs 4 minutes left): one call,
 #   KFUSED_GIT_COMMIT=<sha> CALL_LIMIT_S=582 bash benchmarks/gpu_suite.sh proof   (timeout_s 600)
 # then, if the machine is still warm and time is left (a call must follow within the device's
-# idle release, 30 s on 2026-11-29), `sanitize` (GPU.md: compute-sanitizer on the CUDA C++
-# kernels once; CALL_LIMIT_S set to what is left), then `ncu`. With 30 minutes or more, the
+# idle release, 30 s on 2026-11-29), `probe,sanitize` (the 2026-11-30 defects' probes, then
+# compute-sanitizer on the CUDA C++ kernels; CALL_LIMIT_S set to what is left), then `ncu`.
+# (2026-11-30 on an H200: proof 425 s, the machine's start about 35 s; sanitize 41 s.) With 30 minutes or more, the
 # stages one family per call (a call that ran out of its time starts no more stages, so list
 # a second one only where the first is known to be short):
 #   bash benchmarks/gpu_suite.sh build,test
