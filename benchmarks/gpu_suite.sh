@@ -293,10 +293,13 @@ for stage in "${LIST[@]}"; do
       # page as text (NCU_KERNELS overrides the regex). Stop 41 changed the rank pass's and the
       # section kernels' loads (issued a step ahead): their stall reasons say whether it held.
       if command -v ncu >/dev/null; then
-        re=${NCU_KERNELS:-_kron_grad_kernel|_lr_rank_bwd_kernel|_section_bwd_kernel}
+        # the H200 of 2026-11-30: the inducer MLP-row kernels at 15-21x their prediction
+        # (0.8 ms forward, 1.4-1.9 ms backward at 16k tokens x 32 heads: most of the inducer's
+        # time at n <= 2048), _kron_grad_kernel 2.4x (longer than the frozen GEMM)
+        re=${NCU_KERNELS:-_inducer_fwd_mlp_kernel|_inducer_attn_bwd_mlp_kernel|_kron_grad_kernel|_lr_rank_bwd_kernel}
         PYTHONPATH=$PWD timeout "$LIMIT" ncu --set full -k "regex:$re" --launch-skip 6 \
           --launch-count 3 --page details --csv python3 benchmarks/host_profile.py \
-          --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:" \
+          --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:;inducer:B=8,:n=2048,:causal=True:composition=add" \
           --providers kfused-triton,kfused-triton-exact --iters 3 --no-cprofile \
           >"$WORK/ncu.csv" 2>"$WORK/ncu.log" || status=1
         tail -3 "$WORK/ncu.log"; wc -l "$WORK/ncu.csv"
