@@ -135,9 +135,11 @@ def _provider_stream(device: torch.device):
     cur = torch.cuda.current_stream(device)
     s = torch.cuda.Stream(device)
     s.wait_stream(cur)
-    with torch.cuda.stream(s):
-        yield
-    cur.wait_stream(s)
+    try:
+        with torch.cuda.stream(s):
+            yield
+    finally:            # a provider that failed is recorded and the next one runs after it
+        cur.wait_stream(s)
 
 
 def _peak_mem(fn: Callable[[], object], device: torch.device) -> Optional[int]:

@@ -77,21 +77,22 @@ def split_operands(source: str):
         if not isinstance(fn, ast.FunctionDef):
             continue
         for node in ast.walk(fn):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "to" and isinstance(node.func.value, ast.BinOp)
                     and isinstance(node.func.value.op, ast.Sub)):
-                right = node.func.value.right
-                if (isinstance(right, ast.Call) and isinstance(right.func, ast.Attribute)
-                        and right.func.attr == "to"
-                        and ast.unparse(right.args[0]) if right.args else False) == "tl.float32":
-                    found.append((fn.name, node.lineno))
+                continue
+            right = node.func.value.right
+            if (isinstance(right, ast.Call) and isinstance(right.func, ast.Attribute)
+                    and right.func.attr == "to" and len(right.args) == 1
+                    and ast.unparse(right.args[0]) == "tl.float32"):
+                found.append((fn.name, node.lineno))
     return found
 
 
-# The splits a GPU run has passed, by (file, function): KronA's factor-gradient kernels
-# (test_krona and `kfused check`, 432 krona_linear comparisons in float32/float16/bfloat16,
-# on the H100 of 2026-11-27 and the H200 of 2026-11-30) and the inducer forward's output
-# residue (a stored value, no dot operand). Any other needs a GPU run before it joins.
+# The splits a GPU run has passed, by (file, function): KronA's factor-gradient kernels (the
+# H200 of 2026-11-30: test_krona's kernel tests and `kfused check`'s 432 krona_linear
+# comparisons, float32/float16/bfloat16) and the inducer forward's output residue (a stored
+# value, no dot operand). Any other needs a GPU run before it joins.
 GPU_PASSED_SPLITS = {("krona_linear.py", "_dab_step"), ("krona_linear.py", "_kron_grad_bd_kernel"),
                      ("inducer_attention.py", "_fwd_rows")}
 
@@ -112,3 +113,4 @@ def test_the_split_rule_sees_the_form_that_was_removed():
            "    return tl.dot(a_hi, b) + tl.dot(a_lo, b)\n")
     assert split_operands(src) == [("f", 3)]
     assert split_operands("def g(a):\n    return (a - a.to(tl.float16)).to(tl.float32)\n") == []
+    assert split_operands("def h(a, b):\n    return (a - b).to(tl.float16)\n") == []

@@ -75,9 +75,10 @@ def _bcast_mm(a, b):
 # x.to(16-bit), x_lo = (x - x_hi).to(16-bit), two dots). Compiled by Triton 3.6 for sm_90 such
 # small split products gave illegal memory accesses, NaN and silently wrong results that the
 # CPU interpreter never shows: the inducer MLP's products on an H100 on 2026-11-25
-# (benchmarks/results/h100/inducer-mlp-dot/) and headwise_lowrank's rank-space products and
-# its factor gradients (_atb with a float32 operand) on an H200 on 2026-11-30 (wrong dbasis/dA,
-# then an illegal address; benchmarks/results/h200/proof-2026-11-30). A product with a float32
+# (benchmarks/results/h100/inducer-mlp-dot/), and headwise_lowrank on an H200 on 2026-11-30,
+# whose backward used such products in its own kernel and in _atb (wrong dbasis/dA, then an
+# illegal address; which launch faulted was not located: benchmarks/results/h200/
+# proof-2026-11-30, benchmarks/gpu_probe.py lowrank re-checks it). A product with a float32
 # operand runs as an IEEE (FMA) dot on the CUDA cores (_mm(..., "ieee")); 16-bit @ 16-bit
 # products stay on the tensor cores. tests/test_kernel_source_rules.py holds the kernels to it.
 
@@ -377,18 +378,20 @@ def _atb(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor] = None,
         C2, _, _ = _atb(a, b2, None, False, out_dtype)
         return C, C2, CS
     dev = a.device
+    dts = {t.dtype for t in (a, b, b2) if t is not None}
+    # every operand of one 16-bit dtype: tensor-core products (a float32 operand: FMA dots)
+    tc = len(dts) == 1 and dts <= {torch.float16, torch.bfloat16}
     BT = 64 if targets_gpu(dev) else 32
-    BM = _blk(M, 16, 64)
-    BN = _blk(N, 16, 64)
+    # FMA dots hold their (BM, BN) float32 products' operands in registers: 64 x 64 tiles
+    # spilled (255 registers, sm_90) where 32-wide ones do not
+    BM = _blk(M, 16, 64 if tc else 32)
+    BN = _blk(N, 16, 64 if tc else 32)
     BN2 = _rblk(N2)
     programs = NB * cdiv(M, BM) * cdiv(N, BN)
     S = _splits(dev, T, programs, BT // 4)
     T_PER = max(BT, cdiv(cdiv(max(T, 1), S), BT) * BT)
     S = max(1, cdiv(T, T_PER))
     racc = F32
-    dts = {t.dtype for t in (a, b, b2) if t is not None}
-    # every operand of one 16-bit dtype: tensor-core products (a float32 operand: FMA dots)
-    tc = len(dts) == 1 and dts <= {torch.float16, torch.bfloat16}
     c = _alloc.empty(S, NB, M, N, dtype=racc, device=dev)
     c2 = _alloc.empty(S, NB, M, N2, dtype=racc, device=dev) if b2 is not None else c
     cs = _alloc.empty(S, NB, M, dtype=racc, device=dev) if colsum else c

@@ -82,10 +82,10 @@ def _hw_lowrank_bwd_kernel(g_ptr, a_ptr, b_ptr, dx_ptr, s_dt, s_dh, dz_ptr,
                     mask=tmask[:, None] & cmask[None, :], other=0.0)
         u = tl.load(b_ptr + (h * P + cols[:, None]) * R + rr[None, :],
                     mask=cmask[:, None] & rmask[None, :], other=0.0)
-        # every rank-space product an IEEE (FMA) dot in float32, in every dtype: the 16-bit
-        # tensor-core forms of this kernel (dZ = g B on 16-bit operands, dZ A with dZ split
-        # hi + lo) gave wrong dbasis/dA and an illegal address on the H200 (2026-11-30), the
-        # float32 form passed there (see _common.py)
+        # every rank-space product an IEEE (FMA) dot in float32, in every dtype: with its
+        # 16-bit tensor-core forms (dZ = g B on 16-bit operands, dZ A with dZ split hi + lo)
+        # the 16-bit backward gave wrong dbasis/dA and an illegal address on the H200
+        # (2026-11-30); the float32 form, these products as now, passed there (_common.py)
         dz = _mm(g.to(tl.float32), u.to(tl.float32), DOT_G, "ieee")
         if pid_d == 0:
             tl.store(dz_ptr + (rows[:, None] * H + h) * R + rr[None, :], dz,
