@@ -414,7 +414,15 @@ for stage in "${LIST[@]}"; do
           >"$WORK/probe_memcheck.log" 2>&1
         note "probe memcheck: rc=$?"
         grep -m 12 "Invalid\|at .*in \|ok:\|BAD:\|ERROR SUMMARY" "$WORK/probe_memcheck.log"
-      fi ;;
+      fi
+      # where the eager calls' time goes on this machine (the H200 of 2026-11-30: KronA's fold
+      # path 0.5-1.3 ms of host per fwd+bwd where this project's CPU harness sees 0.17 ms):
+      # wall, host loop, device and cProfile's top functions, PEFT LoRA beside
+      PYTHONPATH=$PWD timeout $(( LIMIT / 3 + 10 )) python3 benchmarks/host_profile.py \
+        --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:" \
+        --providers floor,kfused-triton,peft-lora --iters 20 >"$WORK/probe_host.log" 2>&1
+      note "probe host profile: rc=$?"
+      grep "^---\|^===" "$WORK/probe_host.log" | head -12 ;;
     demo)
       # shellcheck disable=SC2086  # DEMO_ARGS is a list of options
       py -m kfused.cli.main demo --runs both --no-progress --out "$WORK/demo" ${DEMO_ARGS:-} \
