@@ -246,6 +246,7 @@ def evaluate(rows: List[dict], rules: Iterable[Rule] = RULES) -> List[dict]:
                                             rule.subject if s is None else rule.baseline)
             else:
                 e["ms"], e["ms_baseline"] = s["ms_p50"], b["ms_p50"]
+                e["device"], e["device_baseline"] = device_ms(s), device_ms(b)
                 if s.get("kernels"):
                     e["kernels"] = s["kernels"]
                 e["ratio"] = s["ms_p50"] / b["ms_p50"]
@@ -372,8 +373,10 @@ def _pred_ratio(case: Optional[dict], rule: Rule) -> Optional[float]:
 def kernel_rows(case: dict, measured: Dict[str, Dict[str, float]]) -> List[tuple]:
     """Predicted against measured per kernel of one case: (kernel, predicted launches,
     measured launches per call, predicted µs, measured µs). Measured names are matched to the
-    model's Triton kernel names (exactly, else by the longest model name they start with);
-    the rest (cuBLAS, torch element-wise, copies) is set against the model's torch glue."""
+    model's Triton kernel names (exactly, else by the longest model name they start with); a
+    kfused kernel (its name starts with "_") the model has none of keeps a row of its own
+    (0 predicted: a kernel the predicted commit no longer launches); the rest (cuBLAS, torch
+    element-wise, copies) is set against the model's torch glue."""
     names = sorted({k["kernel"] for k in case.get("kernels", [])}, key=len, reverse=True)
     pred: Dict[str, List[float]] = {}
     for k in case.get("kernels", []):
@@ -385,10 +388,13 @@ def kernel_rows(case: dict, measured: Dict[str, Dict[str, float]]) -> List[tuple
     pred[glue] = [g.get("n_ops", 0), g.get("t_s", 0.0) * 1e6]
     meas: Dict[str, List[float]] = {}
     for name, m in measured.items():
-        to = name if name in pred else next((n for n in names if name.startswith(n)), glue)
+        to = name if name in pred else next((n for n in names if name.startswith(n)),
+                                            name if name.startswith("_") else glue)
         v = meas.setdefault(to, [0.0, 0.0])
         v[0] += m["launches"]
         v[1] += m["us"]
+        if to not in pred:
+            pred[to] = [0, 0.0]
     order = [n for n in pred if n != glue] + [glue]
     return [(n, pred[n][0], meas.get(n, [0, 0.0])[0], pred[n][1], meas.get(n, [0, 0.0])[1])
             for n in order if pred[n][1] or n in meas]
@@ -408,6 +414,18 @@ def _case_label(op: str, shape: dict) -> str:
             v = f"{len(v)} seqs" if k == "lens" else "x".join(map(str, v))
         parts.append(f"{k}={v}")
     return ", ".join(parts)
+
+
+def device_ms(row: dict) -> Tuple[Optional[float], str]:
+    """(ms, source) of a bench row's device-bound time: the call captured in a CUDA graph and
+    replayed ("graph"), else the sum of its kernels' times under torch.profiler ("kernels":
+    no launch gaps), else (None, "")."""
+    if row.get("graph_ms_p50"):
+        return float(row["graph_ms_p50"]), "graph"
+    k = row.get("kernels")
+    if k:
+        return sum(float(v["us"]) for v in k.values()) / 1e3, "kernels"
+    return None, ""
 
 
 def _fmt_ms(ms: Optional[float]) -> str:
@@ -493,8 +511,13 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                     "baseline | measured | limit | met | CUDA graph | predicted |",
                     "|---" * 11 + "|"]
     timing = ["## Predicted against measured time", "",
-              "| op | case | mode | provider | predicted | measured | measured / predicted |",
-              "|---" * 7 + "|"]
+              "The model predicts device time. \"measured\" is the eager call (host cost "
+              "included); \"device\" the same call captured in a CUDA graph and replayed "
+              "(graph), else the sum of its kernels' times under torch.profiler (kernels), "
+              "the number to hold the prediction to.", "",
+              "| op | case | mode | provider | predicted | measured | measured / predicted | "
+              "device | device / predicted |",
+              "|---" * 9 + "|"]
     per_kernel = ["## Predicted against measured per kernel", "",
                   "Device time per call (torch.profiler) of the provider held to the target, "
                   "kernel by kernel, against the model's prediction for that launch. A kernel "
@@ -502,15 +525,19 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                   "its commit did not have).", ""]
     timed, profiled = set(), set()
 
-    def note(run, op, shape, mode, prov, p_s, ms, kernels=None, case=None):
+    def note(run, op, shape, mode, prov, p_s, ms, kernels=None, case=None, device=(None, "")):
         """One predicted-against-measured time row (once per run, case, mode, provider) and,
-        for a profiled row, its per-kernel table."""
+        for a profiled row, its per-kernel table. ``device``: (ms, source) of
+        :func:`device_ms`."""
         key = (run["path"], op, _key(shape), mode, prov)
         label = _case_label(op, shape)
         if p_s and key not in timed:
             timed.add(key)
+            dev_ms, src = device
+            dev = (f"{_fmt_ms(dev_ms)} ({src}) | {dev_ms / (p_s * 1e3):.2f}"
+                   if dev_ms else "— | —")
             timing.append(f"| {op} | {label} | {mode} | {prov} | {_fmt_ms(p_s * 1e3)} | "
-                          f"{_fmt_ms(ms)} | {ms / (p_s * 1e3):.2f} |")
+                          f"{_fmt_ms(ms)} | {ms / (p_s * 1e3):.2f} | {dev} |")
         if kernels and case is not None and key not in profiled:
             profiled.add(key)
             per_kernel.extend([f"**{op} {label}, {mode}, {prov}**", "",
@@ -552,16 +579,17 @@ def render(runs: List[dict], pred: Optional[Prediction] = None,
                 continue
             base = (case.get("baselines") or {}).get(rule.baseline) or {}
             note(run, e["op"], e["shape"], e["mode"], e["subject"], case.get("predicted_t_s"),
-                 e["ms"], e.get("kernels"), case)
+                 e["ms"], e.get("kernels"), case, device=e["device"])
             note(run, e["op"], e["shape"], e["mode"], rule.baseline, base.get("t"),
-                 e["ms_baseline"])
+                 e["ms_baseline"], device=e["device_baseline"])
         # paths the model predicts that no target holds (KronA's exact path): time only
         for r in run["rows"]:
             if (r["op"], r["provider"]) in TIMED_ONLY and "ms_p50" in r:
                 case = _pred_case(pred, r["op"], r["shape"], r["provider"], r["mode"])
                 if case is not None:
                     note(run, r["op"], r["shape"], r["mode"], r["provider"],
-                         case.get("predicted_t_s"), r["ms_p50"], r.get("kernels"), case)
+                         case.get("predicted_t_s"), r["ms_p50"], r.get("kernels"), case,
+                         device=device_ms(r))
     lines.append(f"**{met} met, {failed} not met, {missing} not measured.**")
     lines += [""] + target_lines + [""]
     if len(timing) > 4:
