@@ -34,7 +34,8 @@ def test_gpu_path_takes_the_gpu_launches(tmp_path):
            for row in rows if row["provider"] == "kfused-triton"}
     assert got == {("headwise_qkv", "kernel-mix-qvo-intermediate"): 7,
                    ("headwise_qkv", "kernel-mix-lite-qv-small"): 9,
-                   ("headwise_oproj", "kernel-mix-qvo-intermediate"): 5,
+                   # pack, fold, unpack: its four GEMMs are cuBLAS's (not counted)
+                   ("headwise_oproj", "kernel-mix-qvo-intermediate"): 3,
                    ("krona_linear", ""): 3}
     for row in rows:
         assert row["host_us"] > 0
