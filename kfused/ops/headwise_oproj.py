@@ -231,9 +231,10 @@ def headwise_oproj(o: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tenso
             ``FOLD_MIN_TOKENS`` tokens, True otherwise. float32 never folds.
 
     Triton plan: Z = O D_oᵀ (D_o: block-diagonal A_h and A_s; a thin GEMM, cuBLAS for 16-bit
-    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM; folded: Y and Z from
-    one GEMM over the appended weight [W'; D_o]. Backward: dZ = dY B, dO = [dY | dZ]·[W_o; D_o]
-    (folded: dO and dZ from one GEMM dY·[W' | B]), token reductions dYᵀ Z and dZᵀ O.
+    on a GPU), then Y = [O | Z]·[W_o | B]ᵀ + b as one two-segment GEMM; folded: Y = O W'ᵀ + b
+    and Z = O D_oᵀ, two frozen-shaped GEMMs (cuBLAS on a GPU) over one folded buffer.
+    Backward: dZ = dY B, dO = [dY | dZ]·[W_o; D_o] (folded: dO = dY W' and dZ = dY B, cuBLAS
+    again), token reductions dYᵀ Z and dZᵀ O.
     """
     _validate.check_tensor("o", o, min_ndim=1)
     HP = o.shape[-1]
