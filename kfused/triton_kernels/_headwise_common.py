@@ -1091,18 +1091,17 @@ def _unpack_prog(pid, dd_ptr, s_dds, s_ddm, dzb_ptr, du_ptr, db_ptr, S_D, S_R,
             ks = k0 + tl.arange(0, BK)
             kmask = ks < K
             acc = tl.zeros((BK,), dtype=tl.float32)
+            # the token-split partials SB per load (_row_block_sum: a fixed order), not one
+            # dependent load per split (the H200 measured this kernel at 21.5 µs, GPT-2
+            # small q|k|v, 4.4x the bytes-only estimate)
             if COMPACT:
-                for s in range(0, S_D):
-                    acc += tl.load(dd_ptr + s * s_dds + crow * s_ddm + ks, mask=kmask,
-                                   other=0.0).to(tl.float32)
+                acc = _row_block_sum(acc, dd_ptr + crow * s_ddm, S_D, s_dds, ks, kmask, SB)
             else:
                 for l in range(l_lo, l_hi + 1):
                     slot = l * W + j
                     if pid < HR:
                         slot = l * W + RS + (h - (l * BN) // P) * R + j
-                    for s in range(0, S_D):
-                        acc += tl.load(dd_ptr + s * s_dds + slot * s_ddm + ks, mask=kmask,
-                                       other=0.0).to(tl.float32)
+                    acc = _row_block_sum(acc, dd_ptr + slot * s_ddm, S_D, s_dds, ks, kmask, SB)
             if pid < HR:
                 tl.store(ddown_ptr + pid * K + ks, acc.to(ddown_ptr.dtype.element_ty),
                          mask=kmask)
