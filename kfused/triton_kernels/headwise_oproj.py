@@ -128,9 +128,10 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
 
 @triton.jit
 def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, M,
-                       us_ptr, s_usn, s_usr, HR,
+                       us_ptr, s_usn, s_usr, HR, b_ptr, c_ptr, bs_ptr,
                        APPEND: tl.constexpr, RAW_SHARED: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                       HAS_B: tl.constexpr, HAS_C: tl.constexpr):
     # W' (N, H·P) = W + [B_w | s·B_s] (N, M) · D_o (M, H·P), the packed 16-bit operands of
     # _oproj_pack_kernel (both contiguous): exact products summed with W in float32
     # (tensor-core dots), rounded once to the output dtype; out has row stride s_on.
@@ -146,9 +147,20 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
     # RAW_SHARED (APPEND 2, 3): the shared columns H·P + H·R.. copy B_s itself (us_ptr,
     # (N, R_s), any strides) rather than the packed s·B_s: dZ's shared rows come out of the
     # dO GEMM as dY·B_s, rounded once, and the unpack applies s to their token sums in float32.
+    # HAS_B / HAS_C: the column-0 programs also write the forward GEMM's bias b + c (N,) to
+    # bs_ptr in out's dtype, summed in float32 and rounded once (no torch op for it).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
+    if HAS_B or HAS_C:
+        if pid_k == 0:
+            bm = rn < N
+            bsum = tl.zeros((BN,), dtype=tl.float32)
+            if HAS_B:
+                bsum += tl.load(b_ptr + rn, mask=bm, other=0.0).to(tl.float32)
+            if HAS_C:
+                bsum += tl.load(c_ptr + rn, mask=bm, other=0.0).to(tl.float32)
+            tl.store(bs_ptr + rn, bsum.to(bs_ptr.dtype.element_ty), mask=bm)
     rk = pid_k * BK + tl.arange(0, BK)
     nm = (rn < N)[:, None]
     km = (rk < HP)[None, :]
@@ -190,7 +202,8 @@ def _oproj_fold_kernel(w_ptr, s_wn, s_wk, bc_ptr, do_ptr, out_ptr, s_on, N, HP, 
 
 
 def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
-               append: int = 0, raw_shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+               append: int = 0, raw_shared: Optional[torch.Tensor] = None,
+               bias_sum: Optional[tuple] = None) -> torch.Tensor:
     """W' = w + Bc·Do (N, H·P), contiguous, in the packed operands' (16-bit) dtype: the update
     folded into the frozen weight (any strides), one launch. ``append=1``: [W'; Do]
     (N + M, H·P), the forward's B operand (Y and Z = O Doᵀ from one GEMM); ``append=2``:
@@ -199,7 +212,9 @@ def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
     columns are append=1's operand and first N rows (H·P + M columns) append=2's
     (:func:`oproj_keeps_fold`; the columns past H·P + M are zero padding).
     ``raw_shared`` (append=2, 3): B_s (N, R_s), any strides: its last R_s appended columns
-    hold B_s instead of Bc's s·B_s (W' still folds s·B_s)."""
+    hold B_s instead of Bc's s·B_s (W' still folds s·B_s). ``bias_sum``: (b, c, out) with b, c
+    (N,) contiguous or None and out (N,) in Do's dtype: the same launch writes b + c there
+    (float32 sum, rounded once)."""
     N, HP = w.shape
     M = Bc.shape[1]
     rows, cols = ((N + M, HP) if append == 1 else (N, HP + M) if append == 2
@@ -213,11 +228,15 @@ def oproj_fold(w: torch.Tensor, Bc: torch.Tensor, Do: torch.Tensor,
     BR = _blk(M, 16, 32)
     raw = append in (2, 3) and raw_shared is not None and raw_shared.shape[1] > 0
     us = raw_shared if raw else Bc
+    bb, cc, bs = bias_sum if bias_sum is not None else (None, None, None)
     _oproj_fold_kernel[(cdiv(rows, BN), cdiv(out.shape[1], BK))](
         w, w.stride(0), w.stride(1), Bc, Do, out, out.shape[1], N, HP, M, us,
         us.stride(0) if raw else 0, us.stride(1) if raw else 0,
-        M - raw_shared.shape[1] if raw else M, APPEND=append, RAW_SHARED=raw, BN=BN, BK=BK,
-        BR=BR, num_warps=4 if gpu else 1)
+        M - raw_shared.shape[1] if raw else M, bb if bb is not None else out,
+        cc if cc is not None else out, bs if bs is not None else out,
+        APPEND=append, RAW_SHARED=raw, BN=BN, BK=BK, BR=BR,
+        HAS_B=bs is not None and bb is not None, HAS_C=bs is not None and cc is not None,
+        num_warps=4 if gpu else 1)
     return out
 
 
@@ -376,31 +395,25 @@ def headwise_oproj_forward(o: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
             # the H200 (2026-11-30, GPT-2 small, 16k tokens) where cuBLAS's frozen GEMM of
             # the same width took 31 µs; Z's thin GEMM re-reads O (PREDICTED ~8 µs there).
             keep = oproj_keeps_fold(N, HP, M, T)
+            # the GEMM's one bias, b + c in o's dtype, written by the fold launch
+            bsum = (_alloc.empty(N, dtype=o.dtype, device=dev)
+                    if b is not None or c is not None else None)
             if keep:
                 # [[W', B_c], [D_o, 0]]: the forward reads its first H·P columns, the
                 # backward's dO GEMM its first N rows (the shared columns as that GEMM
                 # wants them: B_s itself when scale != 1, see headwise_oproj_backward)
                 buf = oproj_fold(w, Bcat, Do, append=3,
-                                 raw_shared=Us if RS and scale != 1.0 else None)
+                                 raw_shared=Us if RS and scale != 1.0 else None,
+                                 bias_sum=(b, c, bsum))
             else:
-                buf = oproj_fold(w, Bcat, Do, append=1)
-            frozen_gemm(o, buf[:N, :HP].t(), Y, bias=_bias_sum(b, c, o.dtype))
+                buf = oproj_fold(w, Bcat, Do, append=1, bias_sum=(b, c, bsum))
+            frozen_gemm(o, buf[:N, :HP].t(), Y, bias=bsum)
             frozen_gemm(o, buf[N:N + M, :HP].t(), Z)
             return Y, Z, (buf if keep else o.new_empty(0))
         _thin(o, Do.t(), Z)
         segs.append((Z, Bcat.t()))
     gemm(segs, Y, bias=b, bias2=c)
     return Y, Z, o.new_empty(0)
-
-
-def _bias_sum(b: Optional[torch.Tensor], c: Optional[torch.Tensor],
-              dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """b + c (either may be None) for a GEMM's bias epilogue in ``dtype``: summed in float32,
-    rounded once."""
-    if b is None or c is None:
-        t = b if c is None else c
-        return None if t is None else t.to(dtype)
-    return (b.to(F32) + c.to(F32)).to(dtype)
 
 
 def headwise_oproj_backward(g: torch.Tensor, o: torch.Tensor, w: torch.Tensor,
