@@ -59,8 +59,8 @@ LOWRANK_CONFIGS = [
 ]
 
 
-def probe_lowrank_one(per_head: bool, dtype: str, T: int, H: int, p: int, r: int, db: int,
-                      stage: str = "all") -> str:
+def probe_lowrank_one(per_head: bool, dtype: str, T: int, H: int, p: int, r: int,
+                      db: int) -> str:
     """One draw: the Triton forward and backward against float64, three runs; a line."""
     from kfused.ops.headwise_lowrank import headwise_lowrank
 

@@ -95,10 +95,10 @@ def _oproj_unpack_kernel(dd_ptr, s_dds, s_ddm, db_ptr, s_dbs, s_dbn, S_D, S_B,
             cs = c0 + tl.arange(0, BC)
             lim = tl.where(pid < HR, tl.minimum(lo + P, HP), HP)
             cc = tl.where(pid < HR, lo + cs, cs)
-            acc = tl.zeros((BC,), dtype=tl.float32)
-            for s in range(0, S_D):
-                acc += tl.load(dd_ptr + s * s_dds + pid * s_ddm + cc, mask=cc < lim,
-                               other=0.0).to(tl.float32)
+            # the token-split partials CSB per load (a fixed order), as the bias gradient's
+            # rows below and the q|k|v unpack: one dependent load per split was a chain
+            acc = _row_block_sum(tl.zeros((BC,), dtype=tl.float32), dd_ptr + pid * s_ddm,
+                                 S_D, s_dds, cc, cc < lim, CSB)
             tl.store(da_ptr + (h * R + j) * P + cs, acc.to(da_ptr.dtype.element_ty),
                      mask=cc < tl.where(pid < HR, lim, 0))
             js = tl.maximum(pid - HR, 0)
