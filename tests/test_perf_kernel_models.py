@@ -156,17 +156,29 @@ for l in L:
     a = l.bound()
     w, modelled = C.model_launch(l)
     if l.name in ("_inducer_fwd_mlp_kernel", "_inducer_attn_bwd_mlp_kernel"):
-        # the inducer rows: BLOCK_M-row steps over each program's CHUNK rows; float32 FMA
-        # products, L = 4 and r = 8 padded to 8, a product contracting over the padded width
-        # widened to 16. Forward: q Ak, q Bkᵀ, q W1 at 8. Backward: key rows g, t, dAk, dBk
-        # at 8, the key share of dq one product over the 16 interleaved columns of cg and dz;
-        # value hidden once, dW1 at 8, its share of dq at 16
-        BM, DP, CH = a["BLOCK_M"], a["D_PAD"], a["CHUNK"]
-        steps = Bq * H * sum(cd(min(CH, n - c * CH), BM) for c in range(cd(n, CH)))
-        units = (3 * 8 if l.name == "_inducer_fwd_mlp_kernel"
-                 else 4 * 8 + 16 + 2 * 8 + 16)
+        # the inducer rows, one MLP unit at a time: the model charges per row the issue table
+        # (fixed + L key units + r value units); hand: the same from the loops of the SASS
+        # this launch compiles to (sm_90, the installed Triton): the step loop's body with each
+        # unit loop's body counted L or r times, 32 lanes a warp, over the step's rows a warp
+        import triton
+        from triton.compiler import ASTSource
+        from kfused.perf import compile as PC
+        sig, consts, attrs, opts = PC.jit_spec(l.fn, l.args, l.kwargs)
+        opts = {k: v for k, v in opts.items() if k != "arch"}
+        k = triton.compile(ASTSource(l.fn, sig, consts, attrs), target=PC._target(90),
+                           options=opts)
+        loops = [c for _, c in next(iter(PC.sass_loops(k.asm["cubin"]).values()))]
+        step, first, second = loops[0], loops[1], loops[2]
+        if l.name == "_inducer_fwd_mlp_kernel":
+            key, val = first, second                 # the key units come first
+        else:
+            val, key = first, second                 # the value units (du given) first
+        per_step = step - key - val + a["L"] * key + a["R"] * val
+        rows = Bq * H * n
+        hand_row = 32 * per_step * opts["num_warps"] / a["BLOCK_M"]
         res[l.name] = dict(model=w["dot16_flops"], hand=0, modelled=modelled,
-                           model_fma=w["fma32_flops"], hand_fma=steps * 2 * BM * DP * units)
+                           model_fma=w["fma32_flops"], hand_fma=0,
+                           model_row=w["alu_ops"] / rows, hand_row=hand_row)
         continue
     BM, BN, DP = a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"]
     # causal visits: query tile i sees key columns < (i + 1)·BM (n_q = n_k: offset 0)
@@ -273,3 +285,5 @@ def test_inducer_models(counts):
     for name, r in res.items():
         assert r["modelled"] and r["model"] == r["hand"], name
         assert r["model_fma"] == r["hand_fma"], name
+        if "hand_row" in r:       # the MLP-rows kernels' issue table against their SASS
+            assert 0.85 < r["model_row"] / r["hand_row"] < 1.15, (name, r)

@@ -416,8 +416,8 @@ def aot_launches() -> None:
                                        None, None, q, k, v, torch.zeros_like(out),
                                        torch.zeros(B, H, n), stats, lam, mlp, pk, pv, km, causal,
                                        out_lo=out_lo)
-    # MLP widths past 8: L = 17 (padded to 32, contracted as is), r = 5 (padded to 8, widened
-    # to 16 where it is contracted: _mlp_dot_nt)
+    # MLP widths other than 4 / 8: L = 17, r = 5 (the MLP-rows kernels' unit loops and their
+    # padded gradient accumulators: 32 and 8 rows)
     dtype, p, Lw, rw = torch.bfloat16, 64, 17, 5
     q = torch.empty(B, H, n, p, dtype=dtype)
     mlp = (torch.empty(H, p, Lw, dtype=dtype), torch.empty(H, Lw, dtype=dtype),

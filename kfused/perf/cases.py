@@ -673,45 +673,63 @@ def _mlp_row_steps(L, a) -> Tuple[int, int]:
     return a["H"] * sum(lens), steps
 
 
+# Issue cost of the MLP-rows kernels, which work one MLP unit at a time (a unit: one column of
+# Ak, one row of Bk or one column of W1; its row sum against the q tile, its tanh and, in the
+# backward, its slope, its outer-product update of the dq share and its column sum for the
+# parameter gradient), in lane-instructions per row: {D_PAD: (fixed, key unit, value unit)}.
+# Read from the sm_90 SASS of these kernels compiled here with the launch configurations of
+# _mlp_rows_config (bf16, Triton 3.6.0 as on the GPU machine): each loop body's instruction
+# count per BLOCK_M-row step and warp, times 32 lanes, over the step's rows per warp (key-unit
+# loop once per L, value-unit loop once per r; Triton 3.9 within 10 %). The count includes the
+# float32 products (FFMA), the warp-shuffle trees of the row and column sums, the tanh and
+# slope evaluated on every lane that holds the row (8 at p = 64, 16 at p = 128), the weight
+# loads and the stores: all of it issues on the SM's four schedulers, so it is charged at
+# the element-wise rate (ALU32_RATE, one lane-instruction per lane-clock). float32 inputs
+# (4 elements per 16-byte load: twice the lanes per row) are charged the same: approximate.
+_MLP_FWD_ISSUE = {64: (472, 526, 400), 128: (956, 1132, 800)}
+_MLP_BWD_ISSUE = {64: (1042, 1290, 852), 128: (2456, 3960, 2520)}
+
+
+def _mlp_issue(table, d_pad):
+    return table[64] if d_pad <= 64 else table[128]
+
+
 @kernel("_inducer_fwd_mlp_kernel")
 def _m_ind_fwd_mlp(L) -> Dict[str, float]:
-    """The forward's inducer rows (prefill), before the attention kernel: per BLOCK_M-row
-    step q Ak, q Bkᵀ, q W1 (float32 FMA dots, L and r padded), the logit and the hidden
-    units, written as float32 rows of 1 + r."""
+    """The forward's inducer rows (prefill), before the attention kernel: per row, the L key
+    units (q·Ak_l, q·Bk_l, tanh) and the r value units (q·W1_j, tanh), each a row sum over
+    the q tile (no dot), the logit and the hidden units written as float32 rows of 1 + r.
+    Issue-bound (:data:`_MLP_FWD_ISSUE`); the two MUFU ops of each tanh on every lane of the
+    row are counted at the SFU rate too."""
     a = L.bound()
     q = a["Q"]
-    BM, DP, LP, RP = a["BLOCK_M"], a["D_PAD"], a["L_PAD"], a["R_PAD"]
-    rows, steps = _mlp_row_steps(L, a)
+    rows, _ = _mlp_row_steps(L, a)
+    fixed, key, val = _mlp_issue(_MLP_FWD_ISSUE, a["D_PAD"])
+    lanes = max(1, a["D_PAD"] // (16 // _el(q)))                  # lanes holding a row
     w = _work()
-    _mlp_units(steps, BM, DP, LP, 2, w)                          # q Ak, q Bkᵀ
-    _mlp_units(steps, BM, DP, RP, 1, w)                          # q W1
-    w["sfu_ops"] = steps * BM * 2 * (LP + RP)                        # tanh (ex2 + rcp)
-    w["alu_ops"] = steps * BM * (3 * DP + 4 * (LP + RP))             # logit dot, tanh
+    w["alu_ops"] = rows * (fixed + a["L"] * key + a["R"] * val)
+    w["sfu_ops"] = rows * lanes * 2 * (a["L"] + a["R"])
     w["hbm_bytes"] = rows * (a["HEAD_DIM"] * _el(q) + (a["R"] + 1) * 4)
     return w
 
 
 @kernel("_inducer_attn_bwd_mlp_kernel")
 def _m_ind_mlp(L) -> Dict[str, float]:
-    """The backward's inducer rows, before the dQ kernel: per BLOCK_M-row step, the MLP rows
-    recomputed from q (q W1, q Ak, q Bkᵀ), dλ, ds0, −dLSE, the MLP's share of dq (float32,
-    written) and the parameter-gradient products (qᵀ dz1, qᵀ dz, cgᵀ q), accumulated over a
-    program's CHUNK rows and written once per program. float32 FMA dots in every dtype."""
+    """The backward's inducer rows, before the dQ kernel: per row, the r value units (q·W1_j,
+    tanh and slope, dλ, the unit's dq outer product, the column sum of q·dz1_j for dW1) and
+    the L key units (q·Ak_l, q·Bk_l, tanh and slope, two dq outer products, two column sums
+    for dAk and dBk), −dLSE and the MLP's float32 share of dq written; the parameter partials
+    accumulated over a program's CHUNK rows and written once per program. Issue-bound
+    (:data:`_MLP_BWD_ISSUE`, four MUFU ops per unit on every lane of the row)."""
     a = L.bound()
     q = a["Q"]
-    BM, DP, LP, RP = a["BLOCK_M"], a["D_PAD"], a["L_PAD"], a["R_PAD"]
-    rows, steps = _mlp_row_steps(L, a)
+    rows, _ = _mlp_row_steps(L, a)
+    fixed, key, val = _mlp_issue(_MLP_BWD_ISSUE, a["D_PAD"])
+    units_v = a["R"] if a["HAS_DU"] else 0
+    lanes = max(1, a["D_PAD"] // (16 // _el(q)))
     w = _work()
-    # the value share of dq (contracting over r) is widened to 16 by zero columns when the
-    # padded width is 8 (Triton 3.6's minimum K: _mlp_dot_nt); the key share is one product
-    # over the 2·L_PAD interleaved columns of cg and dz (_mlp_dot_nt2)
-    _mlp_units(steps, BM, DP, LP, 2 + 2, w)                      # g, t; dAk, dBk
-    _mlp_units(steps, BM, DP, 2 * LP, 1, w)                      # key share of dq (cg|dz)
-    if a["HAS_DU"]:
-        _mlp_units(steps, BM, DP, RP, 1 + 1, w)                  # hidden; dW1
-        _mlp_units(steps, BM, DP, max(16, RP), 1, w)             # value share of dq
-    w["sfu_ops"] = steps * BM * 2 * (LP + RP)
-    w["alu_ops"] = steps * BM * (6 * DP + 8 * (LP + RP))
+    w["alu_ops"] = rows * (fixed + a["L"] * key + units_v * val)
+    w["sfu_ops"] = rows * lanes * 4 * (a["L"] + units_v)
     pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
     part = 2 * hd * pL + hd * pR + hd + pL + pR                      # unpadded
     by = rows * hd * (_el(q) + 4) + rows * 4 * 3                     # q, DQM; λ ×2, ADJ

@@ -377,6 +377,43 @@ def file_stats(path: str) -> Dict[str, Dict[str, object]]:
     return funcs
 
 
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+_LABEL = re.compile(r"^(\.L_x_\d+):", re.MULTILINE)
+
+
+def sass_loops(cubin: bytes) -> Dict[str, List[Tuple[int, int]]]:
+    """Per kernel function in the cubin, its loops as (first instruction, instruction count)
+    in program order: every backward branch (``BRA`` to a label above it) closes a loop
+    whose body runs from that label to the branch. Static counts (instructions in the code);
+    a nested loop's body is inside its parent's count."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([_nv_bin("nvdisasm"), "-c", path], capture_output=True,
+                              text=True, timeout=300).stdout
+    out: Dict[str, List[Tuple[int, int]]] = {}
+    # nvdisasm -c prints each function after a ".text.<name>:" line
+    chunks = re.split(r"^\s*\.text\.([A-Za-z_][\w$]*):\s*$", text, flags=re.MULTILINE)
+    for i in range(1, len(chunks) - 1, 2):
+        name, body = chunks[i], chunks[i + 1]
+        labels, count, loops = {}, 0, []
+        for line in body.splitlines():
+            m = _LABEL.match(line)
+            if m:
+                labels[m.group(1)] = count
+                continue
+            m = _SASS_LINE.match(line)
+            if not m:
+                continue
+            b = re.search(r"BRA\s+`\((\.L_x_\d+)\)", m.group(2))
+            if b and labels.get(b.group(1), count) < count:     # (not the trailing self-jump)
+                loops.append((labels[b.group(1)], count + 1 - labels[b.group(1)]))
+            count += 1
+        out[name] = sorted(loops)
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # compiling Triton launches (cached)
 

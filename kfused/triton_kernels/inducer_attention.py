@@ -2,9 +2,9 @@
 
 Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores).
 The inducer's per-row MLP — the virtual key's logit ``s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩``
-and the value bottleneck ``tanh(q W1 + b1)`` (float32 FMA products, L and r padded) — runs in
-a streaming kernel of its own first (prefill: :func:`_inducer_fwd_mlp_kernel`, float32 rows
-of 1 + r), or, on the decode path (a few rows per head: one launch per token), in the
+and the value bottleneck ``tanh(q W1 + b1)`` (float32 products) — runs in a streaming kernel
+of its own first (prefill: :func:`_inducer_fwd_mlp_kernel`, float32 rows of 1 + r, one MLP
+unit at a time as row sums against the q tile), or, on the decode path (a few rows per head: one launch per token), in the
 attention kernel's prologue and epilogue. Then an online softmax in base 2 (log2 e folded
 into the scale) over the l prefix columns (never masked) and the sequence key tiles: interior
 tiles load and compute without any mask, only the last (ragged) tile checks bounds and only
@@ -48,11 +48,17 @@ attention). The prefix tiles' dK/dV are written per batch element (B·H·l·p fl
 on the host. Extra memory is O(n) per head: a few floats per row, and with an inducer the
 MLP's float32 dq share (4·p bytes per row, as FlashAttention-2's float32 dq accumulator).
 
-The MLP's products run on the CUDA cores as float32 FMA dots in every dtype (exact 16-bit
-products, nothing rounded to 16 bits between MLP stages), L and r padded to powers of two
-≥ 8, not 16 (FMA work scales with the padded width; :func:`_mlp_dot_nt`). They were 16-bit
-tensor-core dots (float32 operands split hi + lo) until an H100 run showed that path faulting
-or wrong under Triton 3.6 (see the comment above :func:`_mlp_dot`).
+The MLP's products run on the CUDA cores in float32 in every dtype (exact 16-bit products,
+nothing rounded to 16 bits between MLP stages). In the MLP-rows kernels (prefill forward, every
+backward) each MLP unit (a column of Ak or W1, a row of Bk) is a row sum of the q tile times
+the unit's weights, plus, backward, an outer-product update of the dq share and a column sum
+for its weight gradient: no dot, nothing through shared memory at p = 64. Their earlier form,
+float32 FMA dots of the q tile against the weights padded to 8 columns, measured 0.81-0.85 ms
+forward and 1.4-1.9 ms backward at 16k tokens × 32 heads on an H200 (2026-11-30, 12-21x its
+model). The decode path's prologue and epilogue keep FMA dots, L and r padded to powers of two
+≥ 8 (:func:`_key_rows`, :func:`_value_hidden`). They were 16-bit tensor-core dots (float32 operands split hi + lo)
+until an H100 run showed that path faulting or wrong under Triton 3.6 (see the comment above
+:func:`_mlp_dot`).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -117,28 +123,6 @@ def _tanh(x):
 def _mlp_dot(a, b):
     """a @ b in float32 on the CUDA cores (FMA; 16-bit operands converted exactly)."""
     return _mm(a.to(tl.float32), b.to(tl.float32), True, "ieee")
-
-
-@triton.jit
-def _mlp_dot_nt(a, w):
-    """a @ wᵀ for a (M, K), w (N, K), K = L_PAD or R_PAD (≥ 8) the contracted MLP width, on
-    the CUDA cores as :func:`_mlp_dot`. Triton 3.6 needs K ≥ 16 in a dot: a narrower K is
-    widened to 2K by interleaving zero columns into both operands (the same sum; this
-    product then costs what a 16-wide one does, the others stay at the narrow width)."""
-    if a.shape[1] < 16:
-        a = tl.reshape(tl.join(a, tl.zeros_like(a)), (a.shape[0], 2 * a.shape[1]))
-        w = tl.reshape(tl.join(w, tl.zeros_like(w)), (w.shape[0], 2 * w.shape[1]))
-    return _mlp_dot(a, tl.trans(w))
-
-
-@triton.jit
-def _mlp_dot_nt2(a1, w1, a2, w2):
-    """a1 @ w1ᵀ + a2 @ w2ᵀ (a1, a2 (M, K); w1, w2 (N, K); K = L_PAD ≥ 8) as one product over
-    the 2K interleaved columns: no zero widening at K = 8, half the FMA work of two
-    :func:`_mlp_dot_nt` calls there."""
-    a = tl.reshape(tl.join(a1, a2), (a1.shape[0], 2 * a1.shape[1]))
-    w = tl.reshape(tl.join(w1, w2), (w1.shape[0], 2 * w1.shape[1]))
-    return _mlp_dot(a, tl.trans(w))
 
 
 @triton.jit
@@ -615,38 +599,64 @@ def _inducer_attn_fwd_kernel(
 
 
 @triton.jit
+def _key_unit(AK, AKB, BK, h, l, L, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """Key-MLP unit l of head h: column l of Ak (D_PAD,), row l of Bk (D_PAD,) and ak_l, all
+    float32 (padding lanes 0). A few hundred bytes a head, cached after the first step."""
+    a_l = tl.load(AK + h * HEAD_DIM * L + offs_d * L + l, mask=d_ok, other=0.0).to(tl.float32)
+    b_l = tl.load(BK + (h * L + l) * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    return a_l, b_l, tl.load(AKB + h * L + l).to(tl.float32)
+
+
+@triton.jit
+def _value_unit(W1, B1, h, j, R, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """Value-MLP unit j of head h: column j of W1 (D_PAD,) and b1_j, float32."""
+    w_j = tl.load(W1 + h * HEAD_DIM * R + offs_d * R + j, mask=d_ok, other=0.0).to(tl.float32)
+    return w_j, tl.load(B1 + h * R + j).to(tl.float32)
+
+
+@triton.jit
 def _inducer_fwd_mlp_kernel(
     Q, AK, AKB, BK, CK, W1, B1, MROWS, CU_Q, ROW_SB, ROW_SH,
     stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, L, R, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The inducer MLP's rows for the forward (prefill), before the attention kernel: for
     the CHUNK query rows of chunk ``program_id(0)`` of head h of batch element b, in
     BLOCK_M-row steps, the virtual key's logit s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩ and
     the hidden units tanh(q W1 + b1), as float32 rows of 1 + R in MROWS (s0, then the R
-    units). In the attention kernel's prologue and epilogue these float32 FMA products took
-    it to 255 registers and a 0.7 KB per-thread spill at p = 128 on sm_90 (135 / 174
-    registers and no spill without them at p = 64 / 128)."""
+    units).
+
+    One MLP unit at a time (L and R are compile-time: the loops unroll): its product with
+    the q tile is an element-wise float32 multiply and a row sum (exact 16-bit products,
+    float32 sums, as the FMA dots this replaced), so every unit is an independent short
+    reduction tree and nothing goes through shared memory. The FMA-dot form (q against the
+    padded (p, 8) weights) computed each output as one 64-long chain of dependent FMAs with
+    the q row replicated across 8 threads through shared memory and 6 barriers a step; it
+    measured 0.81-0.85 ms at 16k tokens × 32 heads on an H200 (2026-11-30), 19x its model."""
     b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
     offs_d = tl.arange(0, D_PAD)
-    offs_r = tl.arange(0, R_PAD)
     d_ok = offs_d < HEAD_DIM
-    r_ok = offs_r < R
-    ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM, L_PAD)
-    w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
+    ck = tl.load(CK + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < hi
         q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
                     + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :],
                     other=0.0)
+        qf = q.to(tl.float32)
         row = b * ROW_SB + h * ROW_SH + q0 + offs_m
-        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
-        tl.store(MROWS + row * (R + 1), _key_logit(q, g, t, ck, scale), mask=m_ok)
-        hid, hs = _tanh(_mlp_dot(q, w1) + b1[None, :])
-        tl.store(MROWS + row[:, None] * (R + 1) + 1 + offs_r[None, :], hid,
-                 mask=m_ok[:, None] & r_ok[None, :])
+        # s0 / τ = Σ q (q + ck) + Σ_l tanh(q·Ak_l + ak_l) (q·Bk_l)
+        s = tl.sum(qf * (qf + ck[None, :]), 1)
+        for l in range(L):
+            a_l, b_l, ak_l = _key_unit(AK, AKB, BK, h, l, L, offs_d, d_ok, HEAD_DIM)
+            g, gs = _tanh(tl.sum(qf * a_l[None, :], 1) + ak_l)
+            s += g * tl.sum(qf * b_l[None, :], 1)
+        tl.store(MROWS + row * (R + 1), s * scale, mask=m_ok)
+        for j in range(R):
+            w_j, b1_j = _value_unit(W1, B1, h, j, R, offs_d, d_ok, HEAD_DIM)
+            hid, hs = _tanh(tl.sum(qf * w_j[None, :], 1) + b1_j)
+            tl.store(MROWS + row * (R + 1) + 1 + j, hid, mask=m_ok)
 
 
 # ------------------------------------------------------------------------------------------
@@ -840,25 +850,27 @@ def _inducer_attn_bwd_mlp_kernel(
     for a chunk past its sequence's end; the host sums the programs' partials in a fixed
     order).
 
+    One MLP unit at a time, as the forward's :func:`_inducer_fwd_mlp_kernel`: a row sum for
+    its pre-activation, an outer-product update of the dq share, and a column sum over the
+    step's rows for its parameter gradient (placed in its row of the (L_PAD | R_PAD, D_PAD)
+    accumulators); all float32, exact 16-bit products. Launched on one warp: every row and
+    column sum stays in the warp (shuffles, no shared memory, no barrier).
+
     A kernel of its own, launched before the dQ kernel: in the dQ kernel's prologue and
-    epilogue these float32 FMA products (contracting over the head width or the tile's rows)
-    took it to 255 registers and a 1.5-2 KB per-thread spill on sm_90 (kfused perf, every
-    training case), paid by every query tile on top of its key loop."""
+    epilogue the MLP products took it to 255 registers and a 1.5-2 KB per-thread spill on
+    sm_90, paid by every query tile on top of its key loop. Its FMA-dot form measured
+    1.4-1.9 ms at 16k tokens × 32 heads on an H200 (2026-11-30), 12-16x its model."""
     b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
     offs_d = tl.arange(0, D_PAD)
     offs_l = tl.arange(0, L_PAD)
     offs_r = tl.arange(0, R_PAD)
     d_ok = offs_d < HEAD_DIM
-    l_ok = offs_l < L
-    r_ok = offs_r < R
-    ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM, L_PAD)
-    if HAS_DU:
-        w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_PAD)
-    d_ak = tl.zeros([D_PAD, L_PAD], dtype=tl.float32)
+    ck = tl.load(CK + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    d_ak_t = tl.zeros([L_PAD, D_PAD], dtype=tl.float32)      # dAk transposed: row l, column l
     d_bk = tl.zeros([L_PAD, D_PAD], dtype=tl.float32)
     d_ck = tl.zeros([D_PAD], dtype=tl.float32)
     d_akb = tl.zeros([L_PAD], dtype=tl.float32)
-    d_w1 = tl.zeros([D_PAD, R_PAD], dtype=tl.float32)
+    d_w1_t = tl.zeros([R_PAD, D_PAD], dtype=tl.float32)      # dW1 transposed
     d_b1 = tl.zeros([R_PAD], dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -871,17 +883,18 @@ def _inducer_attn_bwd_mlp_kernel(
         lam = tl.load(LAM + row, mask=m_ok, other=0.0)
         lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
         dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
+        dqm = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         if HAS_DU:
-            hid, hs = _tanh(_mlp_dot(q, w1) + b1[None, :])
-            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
-                         mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            dlam += tl.sum(du * hid, 1)
-            dz1 = (lam[:, None] * du) * hs
-            dqm = _mlp_dot_nt(dz1, w1)
-            d_b1 += tl.sum(dz1, 0)
-            d_w1 += _mlp_dot(tl.trans(qf), dz1)
-        else:
-            dqm = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+            for j in range(R):
+                w_j, b1_j = _value_unit(W1, B1, h, j, R, offs_d, d_ok, HEAD_DIM)
+                hid, hs = _tanh(tl.sum(qf * w_j[None, :], 1) + b1_j)
+                du_j = tl.load(DU + row * R + j, mask=m_ok, other=0.0).to(tl.float32)
+                dlam += du_j * hid
+                dz1 = (lam * du_j) * hs
+                dqm += dz1[:, None] * w_j[None, :]
+                d_w1_t += tl.where(offs_r[:, None] == j, tl.sum(qf * dz1[:, None], 0)[None, :],
+                                   0.0)
+                d_b1 += tl.where(offs_r == j, tl.sum(dz1, 0), 0.0)
         if HAS_DLAM:
             dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
                      - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
@@ -891,23 +904,28 @@ def _inducer_attn_bwd_mlp_kernel(
             adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
         tl.store(ADJ + row, adj, mask=m_ok)
         # the key MLP: d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
-        g, gs, t = _key_rows(q, ak_w, ak_b, bk_t)
         c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
-        cg = c[:, None] * g
-        dz = c[:, None] * t * gs
         dqm += c[:, None] * (2.0 * qf + ck[None, :])
-        dqm += _mlp_dot_nt2(cg, bk_t, dz, ak_w)
-        tl.store(DQM + row[:, None] * HEAD_DIM + offs_d[None, :], dqm, mask=io_mask)
-        d_ak += _mlp_dot(tl.trans(qf), dz)
-        d_bk += _mlp_dot(tl.trans(cg), qf)
         d_ck += tl.sum(c[:, None] * qf, 0)
-        d_akb += tl.sum(dz, 0)
+        for l in range(L):
+            a_l, b_l, ak_l = _key_unit(AK, AKB, BK, h, l, L, offs_d, d_ok, HEAD_DIM)
+            g, gs = _tanh(tl.sum(qf * a_l[None, :], 1) + ak_l)
+            t = tl.sum(qf * b_l[None, :], 1)
+            cg = c * g
+            dz = c * t * gs
+            dqm += cg[:, None] * b_l[None, :] + dz[:, None] * a_l[None, :]
+            d_ak_t += tl.where(offs_l[:, None] == l, tl.sum(qf * dz[:, None], 0)[None, :], 0.0)
+            d_bk += tl.where(offs_l[:, None] == l, tl.sum(qf * cg[:, None], 0)[None, :], 0.0)
+            d_akb += tl.where(offs_l == l, tl.sum(dz, 0), 0.0)
+        tl.store(DQM + row[:, None] * HEAD_DIM + offs_d[None, :], dqm, mask=io_mask)
     # this program's partials, unpadded (padding lanes are never stored): dAk (p, L),
     # dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r)
+    l_ok = offs_l < L
+    r_ok = offs_r < R
     base = PART + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (
         2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
-    tl.store(base + offs_d[:, None] * L + offs_l[None, :], d_ak,
-             mask=d_ok[:, None] & l_ok[None, :])
+    tl.store(base + offs_d[None, :] * L + offs_l[:, None], d_ak_t,
+             mask=l_ok[:, None] & d_ok[None, :])
     base += HEAD_DIM * L
     tl.store(base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], d_bk,
              mask=l_ok[:, None] & d_ok[None, :])
@@ -918,8 +936,8 @@ def _inducer_attn_bwd_mlp_kernel(
     base += L
     tl.store(base + offs_r, d_b1, mask=r_ok)
     base += R
-    tl.store(base + offs_d[:, None] * R + offs_r[None, :], d_w1,
-             mask=d_ok[:, None] & r_ok[None, :])
+    tl.store(base + offs_d[None, :] * R + offs_r[:, None], d_w1_t,
+             mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -1130,21 +1148,20 @@ def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int, int],
     return (64, 32, 8), (64, 64, 8), 2
 
 
-def _mlp_rows_config(d_pad: int) -> Tuple[int, int, int]:
-    """(rows per step, rows per program, num_warps) of the MLP-rows kernels (forward and
-    backward): a few float32 FMA products per row (p·(2L + r) MACs each) and one pass over
-    q, streaming kernels. Programs take CHUNK rows in BLOCK_M-row steps, so that the
-    backward's parameter partials (2pL + pr + p + L + r floats per program) stay small next
-    to q. sm_90 compile of the backward's (bf16, L = 4, r = 8; regs / spill bytes per
-    thread, before its key share of dq became one product): 16 rows on 8 warps p = 64
-    221 / 0, p = 128 255 / 120 (217 / 0 and 255 / 112 since); on 4 warps 247 / 0 and
-    255 / 384; 32 rows on 8 warps 255 / 8 and 255 / 288; 16 rows on 16 warps 128 / 232 and
-    64 / 1112 (the forward's, 16 rows on 8 warps: 124 / 0 and 201 / 0). The small-N FMA dots
-    (N = L_PAD, R_PAD) replicate their operands across the threads, so fewer rows per step is
-    what helps."""
+def _mlp_rows_config(d_pad: int, backward: bool) -> Tuple[int, int, int]:
+    """(rows per step, rows per program, num_warps) of the MLP-rows kernels. Forward: rows
+    are independent, one step per program, 4 warps (row sums stay in a warp). Backward: CHUNK
+    rows in BLOCK_M-row steps, so that its parameter partials (2pL + pr + p + L + r floats per
+    program) stay small next to q; at p = 64 on one warp, so that the column sums of its
+    parameter gradients stay in the warp too. sm_90 compile (bf16, L = 4, r = 8; registers /
+    spill bytes, Triton 3.6 and 3.9): p = 64, 16 rows on 1 warp 254 / 0 both; p = 128, 16
+    rows on 2 warps 255 / 0 and 255 / 32, on 4 warps 168 / 0 and 213 / 0 (taken: no spill
+    under either, for about 20 % more instructions a row)."""
     if triton_interpret():
-        return 16, 32, 4               # several steps per program even on test shapes
-    return 16, 256, 8
+        return 16, 32, (1 if backward else 4)   # several steps per program on test shapes
+    if backward:
+        return 16, 256, (1 if d_pad <= 64 else 4)
+    return (64 if d_pad <= 64 else 32), (64 if d_pad <= 64 else 32), 4
 
 
 def _key_mask_u8(key_mask: Optional[torch.Tensor], q: torch.Tensor):
@@ -1295,13 +1312,13 @@ def inducer_attention_forward(
     # per head, keeps them in its prologue/epilogue: no second launch per token)
     mlp_rows = has_mlp and not decode
     if mlp_rows and B * H * n_q > 0:
-        mlp_bm, mlp_chunk, mlp_warps = _mlp_rows_config(d_pad)
+        mlp_bm, mlp_chunk, mlp_warps = _mlp_rows_config(d_pad, False)
         mrows = _alloc.empty(lay.n_rows, r + 1, **f32)
         _inducer_fwd_mlp_kernel[(cdiv(n_q, mlp_chunk), B * H)](
             q, ak_w, ak_b, bk_w, ck, w1, b1, mrows, lay.cu_q, *lay.row_strides,
             *lay.strides(q), H, lay.bounds[0], L, r, float(scale), HEAD_DIM=p, D_PAD=d_pad,
-            L_PAD=l_pad, R_PAD=r_pad, BLOCK_M=mlp_bm, CHUNK=mlp_chunk, VARLEN=lay.varlen,
-            num_warps=mlp_warps, num_stages=1)
+            BLOCK_M=mlp_bm, CHUNK=mlp_chunk, VARLEN=lay.varlen, num_warps=mlp_warps,
+            num_stages=1)
     if decode and B * H * n_q > 0:
         plan = _DecodePlan(lay, q.device, decode_chunk)
         BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
@@ -1390,7 +1407,7 @@ def inducer_attention_backward(
     part = dqm = lse
     if has_mlp:
         # the inducer's rows first (ADJ, its float32 share of dq, the parameter partials)
-        mlp_bm, chunk, mlp_warps = _mlp_rows_config(d_pad)
+        mlp_bm, chunk, mlp_warps = _mlp_rows_config(d_pad, True)
         grid_c = cdiv(n_q, chunk)
         part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the kernel)
         part = _alloc.empty(grid_c * B, H, part_size, dtype=torch.float32, device=q.device)
