@@ -142,43 +142,58 @@ out["krona_exact_case"] = dict(names=[l.name for l in L], glue=[g.name for g in 
 # ---- inducer forward / dQ / dK-dV: flash products + MLP products
 from kfused.ops import inducer_attention
 Bq, H, n, p, Lk, r = 1, 2, 200, 64, 4, 8
-e = lambda *s: torch.empty(*s, dtype=bf, requires_grad=True)
-def run():
-    q, k, v = e(Bq, H, n, p), e(Bq, H, n, p), e(Bq, H, n, p)
-    prm = dict(Ak=e(H, p, Lk), ak=e(H, Lk), Bk=e(H, Lk, p), ck=e(H, p), W1=e(H, p, r),
-               b1=e(H, r))
-    f, u = inducer_attention(q, k, v, **prm, causal=True, backend="triton")
-    torch.autograd.grad([f, u], [q, k, v, *prm.values()],
-                        [torch.empty_like(f), torch.empty_like(u)])
-L, G = trace(run)
+def run_in(dt):
+    e = lambda *s: torch.empty(*s, dtype=dt, requires_grad=True)
+    def run():
+        q, k, v = e(Bq, H, n, p), e(Bq, H, n, p), e(Bq, H, n, p)
+        prm = dict(Ak=e(H, p, Lk), ak=e(H, Lk), Bk=e(H, Lk, p), ck=e(H, p), W1=e(H, p, r),
+                   b1=e(H, r))
+        f, u = inducer_attention(q, k, v, **prm, causal=True, backend="triton")
+        torch.autograd.grad([f, u], [q, k, v, *prm.values()],
+                            [torch.empty_like(f), torch.empty_like(u)])
+    return run
+
+def unit_loops(l, a, w, modelled):
+    # the inducer rows, one MLP unit at a time: the model charges per row the issue table
+    # (fixed + L key units + r value units); hand: the same from the loops of the SASS this
+    # launch compiles to (sm_90, the installed Triton): the step loop's body with each unit
+    # loop's body counted L or r times, 32 lanes a warp, over the step's rows a warp
+    import triton
+    from triton.compiler import ASTSource
+    from kfused.perf import compile as PC
+    sig, consts, attrs, opts = PC.jit_spec(l.fn, l.args, l.kwargs)
+    opts = {k: v for k, v in opts.items() if k != "arch"}
+    k = triton.compile(ASTSource(l.fn, sig, consts, attrs), target=PC._target(90),
+                       options=opts)
+    loops = [c for _, c in next(iter(PC.sass_loops(k.asm["cubin"]).values()))]
+    step, first, second = loops[0], loops[1], loops[2]
+    if l.name == "_inducer_fwd_mlp_kernel":
+        key, val = first, second                 # the key units come first
+    else:
+        val, key = first, second                 # the value units (du given) first
+    per_step = step - key - val + a["L"] * key + a["R"] * val
+    rows = Bq * H * n
+    return dict(model=w["dot16_flops"], hand=0, modelled=modelled,
+                model_fma=w["fma32_flops"], hand_fma=0,
+                model_row=w["alu_ops"] / rows,
+                hand_row=32 * per_step * opts["num_warps"] / a["BLOCK_M"])
+
+L, G = trace(run_in(bf))
 res = {}
 for l in L:
     a = l.bound()
     w, modelled = C.model_launch(l)
-    if l.name in ("_inducer_fwd_mlp_kernel", "_inducer_attn_bwd_mlp_kernel"):
-        # the inducer rows, one MLP unit at a time: the model charges per row the issue table
-        # (fixed + L key units + r value units); hand: the same from the loops of the SASS
-        # this launch compiles to (sm_90, the installed Triton): the step loop's body with each
-        # unit loop's body counted L or r times, 32 lanes a warp, over the step's rows a warp
-        import triton
-        from triton.compiler import ASTSource
-        from kfused.perf import compile as PC
-        sig, consts, attrs, opts = PC.jit_spec(l.fn, l.args, l.kwargs)
-        opts = {k: v for k, v in opts.items() if k != "arch"}
-        k = triton.compile(ASTSource(l.fn, sig, consts, attrs), target=PC._target(90),
-                           options=opts)
-        loops = [c for _, c in next(iter(PC.sass_loops(k.asm["cubin"]).values()))]
-        step, first, second = loops[0], loops[1], loops[2]
-        if l.name == "_inducer_fwd_mlp_kernel":
-            key, val = first, second                 # the key units come first
-        else:
-            val, key = first, second                 # the value units (du given) first
-        per_step = step - key - val + a["L"] * key + a["R"] * val
-        rows = Bq * H * n
-        hand_row = 32 * per_step * opts["num_warps"] / a["BLOCK_M"]
-        res[l.name] = dict(model=w["dot16_flops"], hand=0, modelled=modelled,
-                           model_fma=w["fma32_flops"], hand_fma=0,
-                           model_row=w["alu_ops"] / rows, hand_row=hand_row)
+    if l.name == "_inducer_fwd_mlp_kernel":
+        # the tensor-core forward (16-bit): three 16-bit dots per BLOCK_M-row step, L and r
+        # padded to 16 columns (L_TC, R_TC), no unit loops
+        assert a["TC"]
+        BM, DP, CH = a["BLOCK_M"], a["D_PAD"], a["CHUNK"]
+        steps = Bq * H * sum(cd(min(CH, n - c * CH), BM) for c in range(cd(n, CH)))
+        res[l.name] = dict(model=w["dot16_flops"], hand=steps * 2 * BM * DP * (16 + 16 + 16),
+                           modelled=modelled, model_fma=w["fma32_flops"], hand_fma=0)
+        continue
+    if l.name == "_inducer_attn_bwd_mlp_kernel":
+        res[l.name] = unit_loops(l, a, w, modelled)
         continue
     BM, BN, DP = a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"]
     # causal visits: query tile i sees key columns < (i + 1)·BM (n_q = n_k: offset 0)
@@ -193,6 +208,14 @@ for l in L:
         hand = Bq * H * tiles * products * 2 * BM * BN * DP
     res[l.name] = dict(model=w["dot16_flops"], hand=hand, modelled=modelled,
                        model_fma=w["fma32_flops"], hand_fma=hand_fma)
+# float32: both MLP-rows kernels work one unit at a time
+L32, _ = trace(run_in(torch.float32))
+for l in L32:
+    if l.name in ("_inducer_fwd_mlp_kernel", "_inducer_attn_bwd_mlp_kernel"):
+        a = l.bound()
+        w, modelled = C.model_launch(l)
+        assert not a.get("TC")
+        res[l.name + " float32"] = unit_loops(l, a, w, modelled)
 out["inducer"] = res
 print("RESULT" + json.dumps(out))
 """
@@ -281,7 +304,8 @@ def test_inducer_models(counts):
     res = counts["inducer"]
     assert set(res) == {"_inducer_fwd_mlp_kernel", "_inducer_attn_fwd_kernel",
                         "_inducer_attn_bwd_mlp_kernel", "_inducer_attn_bwd_dq_kernel",
-                        "_inducer_attn_bwd_dkdv_kernel"}
+                        "_inducer_attn_bwd_dkdv_kernel", "_inducer_fwd_mlp_kernel float32",
+                        "_inducer_attn_bwd_mlp_kernel float32"}
     for name, r in res.items():
         assert r["modelled"] and r["model"] == r["hand"], name
         assert r["model_fma"] == r["hand_fma"], name

@@ -673,43 +673,61 @@ def _mlp_row_steps(L, a) -> Tuple[int, int]:
     return a["H"] * sum(lens), steps
 
 
-# Issue cost of the MLP-rows kernels, which work one MLP unit at a time (a unit: one column of
-# Ak, one row of Bk or one column of W1; its row sum against the q tile, its tanh and, in the
-# backward, its slope, its outer-product update of the dq share and its column sum for the
-# parameter gradient), in lane-instructions per row: {D_PAD: (fixed, key unit, value unit)}.
-# Read from the sm_90 SASS of these kernels compiled here with the launch configurations of
-# _mlp_rows_config (bf16, Triton 3.6.0 as on the GPU machine): each loop body's instruction
-# count per BLOCK_M-row step and warp, times 32 lanes, over the step's rows per warp (key-unit
-# loop once per L, value-unit loop once per r; Triton 3.9 within 10 %). The count includes the
-# float32 products (FFMA), the warp-shuffle trees of the row and column sums, the tanh and
-# slope evaluated on every lane that holds the row (8 at p = 64, 16 at p = 128), the weight
-# loads and the stores: all of it issues on the SM's four schedulers, so it is charged at
-# the element-wise rate (ALU32_RATE, one lane-instruction per lane-clock). float32 inputs
-# (4 elements per 16-byte load: twice the lanes per row) are charged the same: approximate.
-_MLP_FWD_ISSUE = {64: (472, 526, 400), 128: (956, 1132, 800)}
-_MLP_BWD_ISSUE = {64: (1042, 1290, 852), 128: (2456, 3960, 2520)}
+# Issue cost of the MLP-rows kernels where they work one MLP unit at a time (a unit: one
+# column of Ak, one row of Bk or one column of W1; its row sum against the q tile, its tanh
+# and, in the backward, its slope, its outer-product update of the dq share and its column sum
+# for the parameter gradient), in lane-instructions per row, {element bytes of q: {D_PAD:
+# (fixed, key unit, value unit)}}. Read from the sm_90 SASS of these kernels compiled here
+# with the launch configurations of _mlp_rows_config (Triton 3.6.0 as on the GPU machine):
+# each loop body's instruction count per BLOCK_M-row step and warp, times 32 lanes, over the
+# step's rows per warp (key-unit loop once per L, value-unit loop once per r; Triton 3.9
+# within 10 %). The count includes the float32 products (FFMA), the warp-shuffle trees of the
+# row and column sums, the tanh and slope evaluated on every lane that holds the row (8 at
+# p = 64 in 16-bit), the weight loads and the stores: all of it issues on the SM's four
+# schedulers, so it is charged at the element-wise rate (ALU32_RATE, one lane-instruction per
+# lane-clock). The forward works this way for float32 q only (16-bit: tensor cores, below).
+_MLP_FWD_ISSUE = {4: {64: (512, 812, 618), 128: (1112, 1776, 1292)}}
+_MLP_BWD_ISSUE = {2: {64: (1042, 1290, 852), 128: (2456, 3960, 2520)},
+                  4: {64: (898, 1658, 1246), 128: (2352, 4168, 3120)}}
 
 
-def _mlp_issue(table, d_pad):
-    return table[64] if d_pad <= 64 else table[128]
+def _mlp_issue(table, d_pad, el=None):
+    t = table if el is None else table.get(el, table[max(table)])
+    return t[64] if d_pad <= 64 else t[128]
+
+
+# The tensor-core forward (TC: 16-bit q; three 16-bit dots q Ak, q Bkᵀ, q W1 padded to
+# L_TC, R_TC ≥ 16 columns, then tanh and the logit on the accumulator tiles): its step loop's
+# instructions per row, counted as above (64-row steps on 4 warps; Triton 3.9 within 9 %),
+# {D_PAD: lane-instructions per row}; the dots at the wgmma rate on top.
+_MLP_FWD_TC_ISSUE = {64: 1400, 128: 1746}
 
 
 @kernel("_inducer_fwd_mlp_kernel")
 def _m_ind_fwd_mlp(L) -> Dict[str, float]:
-    """The forward's inducer rows (prefill), before the attention kernel: per row, the L key
-    units (q·Ak_l, q·Bk_l, tanh) and the r value units (q·W1_j, tanh), each a row sum over
-    the q tile (no dot), the logit and the hidden units written as float32 rows of 1 + r.
-    Issue-bound (:data:`_MLP_FWD_ISSUE`); the two MUFU ops of each tanh on every lane of the
-    row are counted at the SFU rate too."""
+    """The forward's inducer rows (prefill), before the attention kernel: the virtual key's
+    logit and the hidden units written as float32 rows of 1 + r. TC (16-bit): three
+    tensor-core dots per BLOCK_M-row step (:data:`_MLP_FWD_TC_ISSUE`). Otherwise (float32)
+    one MLP unit at a time: per row the L key units (q·Ak_l, q·Bk_l, tanh) and the r value
+    units (q·W1_j, tanh), each a row sum over the q tile (:data:`_MLP_FWD_ISSUE`; the two
+    MUFU ops of each tanh on every lane of the row at the SFU rate too)."""
     a = L.bound()
     q = a["Q"]
-    rows, _ = _mlp_row_steps(L, a)
-    fixed, key, val = _mlp_issue(_MLP_FWD_ISSUE, a["D_PAD"])
-    lanes = max(1, a["D_PAD"] // (16 // _el(q)))                  # lanes holding a row
+    rows, steps = _mlp_row_steps(L, a)
     w = _work()
+    w["hbm_bytes"] = rows * (a["HEAD_DIM"] * _el(q) + (a["R"] + 1) * 4)
+    if a.get("TC"):
+        BM, DP, LT, RT = a["BLOCK_M"], a["D_PAD"], a["L_TC"], a["R_TC"]
+        fl = steps * 2.0 * BM * DP * (2 * LT + RT)
+        _prod(w, "MLP", fl, True, True)
+        _dot16_instr(w, fl, BM, max(LT, RT), False)                 # N = 16: a starved feed
+        w["alu_ops"] = rows * _mlp_issue(_MLP_FWD_TC_ISSUE, DP)
+        w["sfu_ops"] = rows * 2 * (LT + RT)
+        return w
+    fixed, key, val = _mlp_issue(_MLP_FWD_ISSUE, a["D_PAD"], _el(q))
+    lanes = max(1, a["D_PAD"] // (16 // _el(q)))                  # lanes holding a row
     w["alu_ops"] = rows * (fixed + a["L"] * key + a["R"] * val)
     w["sfu_ops"] = rows * lanes * 2 * (a["L"] + a["R"])
-    w["hbm_bytes"] = rows * (a["HEAD_DIM"] * _el(q) + (a["R"] + 1) * 4)
     return w
 
 
@@ -724,7 +742,7 @@ def _m_ind_mlp(L) -> Dict[str, float]:
     a = L.bound()
     q = a["Q"]
     rows, _ = _mlp_row_steps(L, a)
-    fixed, key, val = _mlp_issue(_MLP_BWD_ISSUE, a["D_PAD"])
+    fixed, key, val = _mlp_issue(_MLP_BWD_ISSUE, a["D_PAD"], _el(q))
     units_v = a["R"] if a["HAS_DU"] else 0
     lanes = max(1, a["D_PAD"] // (16 // _el(q)))
     w = _work()

@@ -618,8 +618,8 @@ def _value_unit(W1, B1, h, j, R, offs_d, d_ok, HEAD_DIM: tl.constexpr):
 def _inducer_fwd_mlp_kernel(
     Q, AK, AKB, BK, CK, W1, B1, MROWS, CU_Q, ROW_SB, ROW_SH,
     stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, L, R, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_TC: tl.constexpr, R_TC: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, TC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The inducer MLP's rows for the forward (prefill), before the attention kernel: for
     the CHUNK query rows of chunk ``program_id(0)`` of head h of batch element b, in
@@ -633,10 +633,35 @@ def _inducer_fwd_mlp_kernel(
     reduction tree and nothing goes through shared memory. The FMA-dot form (q against the
     padded (p, 8) weights) computed each output as one 64-long chain of dependent FMAs with
     the q row replicated across 8 threads through shared memory and 6 barriers a step; it
-    measured 0.81-0.85 ms at 16k tokens × 32 heads on an H200 (2026-11-30), 19x its model."""
+    measured 0.81-0.85 ms at 16k tokens × 32 heads on an H200 (2026-11-30), 19x its model.
+
+    TC (16-bit q, whose weights share its dtype: one floating dtype per call): the three
+    products q Ak, q Bkᵀ, q W1 are tensor-core dots instead, 16-bit operands as stored (exact
+    products, float32 accumulation: no operand is split or rounded), the weights zero-padded
+    to L_TC / R_TC ≥ 16 columns and loaded once per program; the tanh and the logit's row sum
+    then run on the (BLOCK_M, L_TC | R_TC) accumulator tiles, one lane per element."""
     b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
+    if TC:
+        ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM,
+                                            L_TC)
+        w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_TC)
+        offs_r = tl.arange(0, R_TC)
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < hi
+            q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
+                        + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            row = b * ROW_SB + h * ROW_SH + q0 + offs_m
+            g, gs = _tanh(tl.dot(q, ak_w, out_dtype=tl.float32) + ak_b[None, :])
+            t = tl.dot(q, bk_t, out_dtype=tl.float32)
+            tl.store(MROWS + row * (R + 1), _key_logit(q, g, t, ck, scale), mask=m_ok)
+            hid, hs = _tanh(tl.dot(q, w1, out_dtype=tl.float32) + b1[None, :])
+            tl.store(MROWS + row[:, None] * (R + 1) + 1 + offs_r[None, :], hid,
+                     mask=m_ok[:, None] & (offs_r < R)[None, :])
+        return
     ck = tl.load(CK + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -1148,7 +1173,7 @@ def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int, int],
     return (64, 32, 8), (64, 64, 8), 2
 
 
-def _mlp_rows_config(d_pad: int, backward: bool) -> Tuple[int, int, int]:
+def _mlp_rows_config(d_pad: int, backward: bool, tc: bool = False) -> Tuple[int, int, int]:
     """(rows per step, rows per program, num_warps) of the MLP-rows kernels. Forward: rows
     are independent, one step per program, 4 warps (row sums stay in a warp). Backward: CHUNK
     rows in BLOCK_M-row steps, so that its parameter partials (2pL + pr + p + L + r floats per
@@ -1161,6 +1186,8 @@ def _mlp_rows_config(d_pad: int, backward: bool) -> Tuple[int, int, int]:
         return 16, 32, (1 if backward else 4)   # several steps per program on test shapes
     if backward:
         return 16, 256, (1 if d_pad <= 64 else 4)
+    if tc:                                      # tensor-core forward: 64-row tiles, 4 warps
+        return 64, 256, 4
     return (64 if d_pad <= 64 else 32), (64 if d_pad <= 64 else 32), 4
 
 
@@ -1312,13 +1339,14 @@ def inducer_attention_forward(
     # per head, keeps them in its prologue/epilogue: no second launch per token)
     mlp_rows = has_mlp and not decode
     if mlp_rows and B * H * n_q > 0:
-        mlp_bm, mlp_chunk, mlp_warps = _mlp_rows_config(d_pad, False)
+        mlp_tc = q.dtype in (torch.float16, torch.bfloat16)
+        mlp_bm, mlp_chunk, mlp_warps = _mlp_rows_config(d_pad, False, mlp_tc)
         mrows = _alloc.empty(lay.n_rows, r + 1, **f32)
         _inducer_fwd_mlp_kernel[(cdiv(n_q, mlp_chunk), B * H)](
             q, ak_w, ak_b, bk_w, ck, w1, b1, mrows, lay.cu_q, *lay.row_strides,
             *lay.strides(q), H, lay.bounds[0], L, r, float(scale), HEAD_DIM=p, D_PAD=d_pad,
-            BLOCK_M=mlp_bm, CHUNK=mlp_chunk, VARLEN=lay.varlen, num_warps=mlp_warps,
-            num_stages=1)
+            L_TC=max(16, l_pad), R_TC=max(16, r_pad), BLOCK_M=mlp_bm, CHUNK=mlp_chunk,
+            TC=mlp_tc, VARLEN=lay.varlen, num_warps=mlp_warps, num_stages=1)
     if decode and B * H * n_q > 0:
         plan = _DecodePlan(lay, q.device, decode_chunk)
         BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
