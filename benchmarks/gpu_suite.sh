@@ -408,8 +408,10 @@ for stage in "${LIST[@]}"; do
       # the defects the H200 proof of 2026-11-30 found, probed (benchmarks/gpu_probe.py): the
       # generator a failed capture leaves behind, then headwise_lowrank's Triton path (wrong
       # dbasis/dA, then an illegal address) over draws one process each under
-      # CUDA_LAUNCH_BLOCKING=1 (a fault names its launch), then memcheck on the first draw
-      PYTHONPATH=$PWD timeout "$LIMIT" python3 benchmarks/gpu_probe.py rng lowrank \
+      # CUDA_LAUNCH_BLOCKING=1 (a fault names its launch), then the inducer's MLP-rows kernels
+      # as redesigned after that proof (draws against float64, then their device times), then
+      # memcheck on the first lowrank draw
+      PYTHONPATH=$PWD timeout "$LIMIT" python3 benchmarks/gpu_probe.py rng lowrank inducer \
         >"$WORK/probe.log" 2>&1 || status=1
       cat "$WORK/probe.log"
       if command -v compute-sanitizer >/dev/null; then

@@ -615,6 +615,18 @@ def _value_unit(W1, B1, h, j, R, offs_d, d_ok, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _q_rows(Q, b, h, q0, m0, hi, offs_d, d_ok, stride_qb, stride_qh, stride_qn, stride_qd,
+            ROW_SB, ROW_SH, BLOCK_M: tl.constexpr):
+    """An MLP-rows step: rows m0 + [0, BLOCK_M) (of those below hi) of head h of batch element
+    b — their offsets, mask, q tile (as stored) and per-row index."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < hi
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
+                + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    return offs_m, m_ok, q, b * ROW_SB + h * ROW_SH + q0 + offs_m
+
+
+@triton.jit
 def _inducer_fwd_mlp_kernel(
     Q, AK, AKB, BK, CK, W1, B1, MROWS, CU_Q, ROW_SB, ROW_SH,
     stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, L, R, scale,
@@ -627,8 +639,9 @@ def _inducer_fwd_mlp_kernel(
     the hidden units tanh(q W1 + b1), as float32 rows of 1 + R in MROWS (s0, then the R
     units).
 
-    One MLP unit at a time (L and R are compile-time: the loops unroll): its product with
-    the q tile is an element-wise float32 multiply and a row sum (exact 16-bit products,
+    float32 q: one MLP unit at a time (runtime loops over L and R: unrolled, the compiler kept
+    every unit's weights in registers and spilled): its product with the q tile is an
+    element-wise float32 multiply and a row sum (exact 16-bit products,
     float32 sums, as the FMA dots this replaced), so every unit is an independent short
     reduction tree and nothing goes through shared memory. The FMA-dot form (q against the
     padded (p, 8) weights) computed each output as one 64-long chain of dependent FMAs with
@@ -649,12 +662,9 @@ def _inducer_fwd_mlp_kernel(
         w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_TC)
         offs_r = tl.arange(0, R_TC)
         for m0 in range(lo, hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < hi
-            q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
-                        + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            row = b * ROW_SB + h * ROW_SH + q0 + offs_m
+            offs_m, m_ok, q, row = _q_rows(Q, b, h, q0, m0, hi, offs_d, d_ok, stride_qb,
+                                           stride_qh, stride_qn, stride_qd, ROW_SB, ROW_SH,
+                                           BLOCK_M)
             g, gs = _tanh(tl.dot(q, ak_w, out_dtype=tl.float32) + ak_b[None, :])
             t = tl.dot(q, bk_t, out_dtype=tl.float32)
             tl.store(MROWS + row * (R + 1), _key_logit(q, g, t, ck, scale), mask=m_ok)
@@ -664,13 +674,9 @@ def _inducer_fwd_mlp_kernel(
         return
     ck = tl.load(CK + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < hi
-        q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
-                    + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        offs_m, m_ok, q, row = _q_rows(Q, b, h, q0, m0, hi, offs_d, d_ok, stride_qb, stride_qh,
+                                       stride_qn, stride_qd, ROW_SB, ROW_SH, BLOCK_M)
         qf = q.to(tl.float32)
-        row = b * ROW_SB + h * ROW_SH + q0 + offs_m
         # s0 / τ = Σ q (q + ck) + Σ_l tanh(q·Ak_l + ak_l) (q·Bk_l)
         s = tl.sum(qf * (qf + ck[None, :]), 1)
         for l in range(L):
@@ -898,13 +904,10 @@ def _inducer_attn_bwd_mlp_kernel(
     d_w1_t = tl.zeros([R_PAD, D_PAD], dtype=tl.float32)      # dW1 transposed
     d_b1 = tl.zeros([R_PAD], dtype=tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < hi
+        offs_m, m_ok, q, row = _q_rows(Q, b, h, q0, m0, hi, offs_d, d_ok, stride_qb, stride_qh,
+                                       stride_qn, stride_qd, ROW_SB, ROW_SH, BLOCK_M)
         io_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * stride_qb + h * stride_qh + (q0 + offs_m)[:, None] * stride_qn
-                    + offs_d[None, :] * stride_qd, mask=io_mask, other=0.0)
         qf = q.to(tl.float32)
-        row = b * ROW_SB + h * ROW_SH + q0 + offs_m
         lam = tl.load(LAM + row, mask=m_ok, other=0.0)
         lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
         dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
