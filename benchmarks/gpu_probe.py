@@ -180,9 +180,10 @@ def probe_inducer() -> None:
     from kfused.ops import inducer_attention
 
     B, H, n, p, L, r = 8, 32, 2048, 64, 4, 8
-    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_()  # noqa: E731
-    t = dict(q=mk(B, H, n, p), k=mk(B, H, n, p), v=mk(B, H, n, p), Ak=mk(H, p, L),
-             ak=mk(H, L), Bk=mk(H, L, p), ck=mk(H, p), W1=mk(H, p, r), b1=mk(H, r))
+    shapes = dict(q=(B, H, n, p), k=(B, H, n, p), v=(B, H, n, p), Ak=(H, p, L), ak=(H, L),
+                  Bk=(H, L, p), ck=(H, p), W1=(H, p, r), b1=(H, r))
+    t = {k: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_()
+         for k, s in shapes.items()}
 
     def step():
         f, u = inducer_attention(**t, backend="triton")

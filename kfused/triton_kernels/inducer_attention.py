@@ -2,9 +2,9 @@
 
 Forward (one pass over K/V tiles per query block, never materialising the n_q × n_k scores).
 The inducer's per-row MLP — the virtual key's logit ``s0 = τ ⟨q, q + tanh(q Ak + ak) Bk + ck⟩``
-and the value bottleneck ``tanh(q W1 + b1)`` (float32 products) — runs in a streaming kernel
-of its own first (prefill: :func:`_inducer_fwd_mlp_kernel`, float32 rows of 1 + r, one MLP
-unit at a time as row sums against the q tile), or, on the decode path (a few rows per head: one launch per token), in the
+and the value bottleneck ``tanh(q W1 + b1)`` — runs in a streaming kernel of its own first
+(prefill: :func:`_inducer_fwd_mlp_kernel`, float32 rows of 1 + r), or, on the decode path
+(a few rows per head: one launch per token), in the
 attention kernel's prologue and epilogue. Then an online softmax in base 2 (log2 e folded
 into the scale) over the l prefix columns (never masked) and the sequence key tiles: interior
 tiles load and compute without any mask, only the last (ragged) tile checks bounds and only
@@ -48,17 +48,19 @@ attention). The prefix tiles' dK/dV are written per batch element (B·H·l·p fl
 on the host. Extra memory is O(n) per head: a few floats per row, and with an inducer the
 MLP's float32 dq share (4·p bytes per row, as FlashAttention-2's float32 dq accumulator).
 
-The MLP's products run on the CUDA cores in float32 in every dtype (exact 16-bit products,
-nothing rounded to 16 bits between MLP stages). In the MLP-rows kernels (prefill forward, every
-backward) each MLP unit (a column of Ak or W1, a row of Bk) is a row sum of the q tile times
-the unit's weights, plus, backward, an outer-product update of the dq share and a column sum
-for its weight gradient: no dot, nothing through shared memory at p = 64. Their earlier form,
-float32 FMA dots of the q tile against the weights padded to 8 columns, measured 0.81-0.85 ms
-forward and 1.4-1.9 ms backward at 16k tokens × 32 heads on an H200 (2026-11-30, 12-21x its
-model). The decode path's prologue and epilogue keep FMA dots, L and r padded to powers of two
-≥ 8 (:func:`_key_rows`, :func:`_value_hidden`). They were 16-bit tensor-core dots (float32 operands split hi + lo)
-until an H100 run showed that path faulting or wrong under Triton 3.6 (see the comment above
-:func:`_mlp_dot`).
+The MLP's products never round an intermediate to 16 bits. The 16-bit prefill forward's
+q Ak, q Bkᵀ, q W1 are tensor-core dots of the stored 16-bit operands (q and the weights share
+one dtype: exact products, float32 accumulation, nothing split). Every other MLP product runs
+on the CUDA cores in float32: in the MLP-rows kernels (the float32 prefill forward, every
+backward) one MLP unit (a column of Ak or W1, a row of Bk) at a time — a row sum of the q tile
+times the unit's weights, plus, backward, an outer-product update of the dq share and a column
+sum for its weight gradient: no dot, nothing through shared memory at p = 64. Their earlier
+form, float32 FMA dots of the q tile against the weights padded to 8 columns, measured
+0.81-0.85 ms forward and 1.4-1.9 ms backward at 16k tokens × 32 heads on an H200 (2026-11-30,
+12-21x its model). The decode path's prologue and epilogue keep float32 FMA dots, L and r
+padded to powers of two ≥ 8 (:func:`_key_rows`, :func:`_value_hidden`). Products with a
+float32 operand were 16-bit tensor-core dots (split hi + lo) until an H100 run showed that
+path faulting or wrong under Triton 3.6 (see the comment above :func:`_mlp_dot`).
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -641,8 +643,7 @@ def _inducer_fwd_mlp_kernel(
 
     float32 q: one MLP unit at a time (runtime loops over L and R: unrolled, the compiler kept
     every unit's weights in registers and spilled): its product with the q tile is an
-    element-wise float32 multiply and a row sum (exact 16-bit products,
-    float32 sums, as the FMA dots this replaced), so every unit is an independent short
+    element-wise float32 multiply and a row sum, so every unit is an independent short
     reduction tree and nothing goes through shared memory. The FMA-dot form (q against the
     padded (p, 8) weights) computed each output as one 64-long chain of dependent FMAs with
     the q row replicated across 8 threads through shared memory and 6 barriers a step; it
@@ -884,8 +885,8 @@ def _inducer_attn_bwd_mlp_kernel(
     One MLP unit at a time, as the forward's :func:`_inducer_fwd_mlp_kernel`: a row sum for
     its pre-activation, an outer-product update of the dq share, and a column sum over the
     step's rows for its parameter gradient (placed in its row of the (L_PAD | R_PAD, D_PAD)
-    accumulators); all float32, exact 16-bit products. Launched on one warp: every row and
-    column sum stays in the warp (shuffles, no shared memory, no barrier).
+    accumulators); all float32, exact 16-bit products. At p = 64 launched on one warp: every
+    row and column sum stays in the warp (shuffles, no shared memory, no barrier).
 
     A kernel of its own, launched before the dQ kernel: in the dQ kernel's prologue and
     epilogue the MLP products took it to 255 registers and a 1.5-2 KB per-thread spill on
