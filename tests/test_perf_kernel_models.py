@@ -158,13 +158,10 @@ def unit_loops(l, a, w, modelled):
     # (fixed + L key units + r value units); hand: the same from the loops of the SASS this
     # launch compiles to (sm_90, the installed Triton): the step loop's body with each unit
     # loop's body counted L or r times, 32 lanes a warp, over the step's rows a warp
-    import triton
-    from triton.compiler import ASTSource
     from kfused.perf import compile as PC
-    sig, consts, attrs, opts = PC.jit_spec(l.fn, l.args, l.kwargs)
-    opts = {k: v for k, v in opts.items() if k != "arch"}
-    k = triton.compile(ASTSource(l.fn, sig, consts, attrs), target=PC._target(90),
-                       options=opts)
+    spec = PC.jit_spec(l.fn, l.args, l.kwargs)
+    opts = spec[3]
+    k = PC.compile_kernel(l.fn, spec)
     loops = [c for _, c in next(iter(PC.sass_loops(k.asm["cubin"]).values()))]
     step, first, second = loops[0], loops[1], loops[2]
     if l.name == "_inducer_fwd_mlp_kernel":

@@ -344,11 +344,18 @@ def spill_bytes(st: Dict[str, object]) -> int:
 def cubin_stats(cubin: bytes) -> Dict[str, Dict[str, object]]:
     """Per kernel function in the cubin (or object file): regs, stack/local bytes, static
     shared bytes and the SASS instruction mix."""
+    with _cubin_file(cubin) as path:
+        return file_stats(path)
+
+
+@contextlib.contextmanager
+def _cubin_file(cubin: bytes):
+    """A temporary file holding ``cubin`` for the NVIDIA tools; its path."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return file_stats(path)
+        yield path
 
 
 def file_stats(path: str) -> Dict[str, Dict[str, object]]:
@@ -386,10 +393,7 @@ def sass_loops(cubin: bytes) -> Dict[str, List[Tuple[int, int]]]:
     in program order: every backward branch (``BRA`` to a label above it) closes a loop
     whose body runs from that label to the branch. Static counts (instructions in the code);
     a nested loop's body is inside its parent's count."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
+    with _cubin_file(cubin) as path:
         text = subprocess.run([_nv_bin("nvdisasm"), "-c", path], capture_output=True,
                               text=True, timeout=300).stdout
     out: Dict[str, List[Tuple[int, int]]] = {}
@@ -510,6 +514,17 @@ def _ttir_dots(ttir: str) -> Dict[str, int]:
     return out
 
 
+def compile_kernel(fn, spec, arch: int = 90):
+    """``triton.compile`` of one specialisation (:func:`jit_spec`) for sm_<arch>, uncached:
+    the compiled kernel (``.asm["cubin"]``, ``.metadata``)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs, opts = spec
+    opts = {k: v for k, v in opts.items() if k != "arch"}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=_target(arch), options=opts)
+
+
 def compile_launch(fn, spec, arch: int = 90, use_cache: bool = True) -> Dict[str, object]:
     """Compile one specialisation for sm_<arch>; returns its statistics (cached)."""
     key = spec_key(fn, spec, arch)
@@ -518,12 +533,8 @@ def compile_launch(fn, spec, arch: int = 90, use_cache: bool = True) -> Dict[str
         hit = cached_stats(fn, spec, arch)
         if hit is not None:
             return hit
-    import triton
-    from triton.compiler import ASTSource
-
-    sig, consts, attrs, opts = spec
-    opts = {k: v for k, v in opts.items() if k != "arch"}
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=_target(arch), options=opts)
+    opts = spec[3]
+    k = compile_kernel(fn, spec, arch)
     stats = cubin_stats(k.asm["cubin"])
     name = getattr(k.metadata, "name", fn.__name__)
     st = stats.get(name) or (next(iter(stats.values())) if stats else {})
