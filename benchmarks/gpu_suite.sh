@@ -7,9 +7,9 @@
 # STAGES is a comma list, run in order:
 #   proof         the whole proof in one call (a session lent 15 minutes of device time fits
 #                 one): build, then the CUDA tests and check ‖ kernel tests (PROOF_P1_S, 200 s), then krona, headwise,
-#                 inducer, e2e benchmarks alone on the GPU after tune (PROOF_TUNE_S, 50 s:
-#                 KronA's factor-gradient pass and the headwise rank pass, their launch
-#                 configurations timed; targets first; PROOF_BENCH,
+#                 inducer, e2e benchmarks alone on the GPU after tune (PROOF_TUNE_S, 60 s:
+#                 KronA's factor-gradient pass, the headwise rank pass and the inducer
+#                 attention's kernels, their launch configurations timed; targets first; PROOF_BENCH,
 #                 PROOF_SHARES), the krona rows again with the one-pass folded backward
 #                 (onepass, into bench-one-pass/), then results.
 #                 On the device: KFUSED_GIT_COMMIT=<sha> bash benchmarks/gpu_suite.sh proof
@@ -20,7 +20,8 @@
 #                 caching allocator off so that a stray access past a tensor is seen; the Triton
 #                 kernels are bounds-checked in the interpreter by every CI run (kfused/
 #                 triton_kernels/_bounds.py). gVisor machines refuse the tool (device KINDS.md)
-#   tune          KronA's factor-gradient pass and the headwise rank pass: each candidate launch
+#   tune          KronA's factor-gradient pass, the headwise rank pass and the inducer attention's
+#                 forward, dQ and dK/dV kernels: each candidate launch
 #                 configuration timed per benchmark shape (benchmarks/tune_kernels.py), the fastest into
 #                 WORK/kernel_tuning.json (proof runs it first and benchmarks with its table)
 #   onepass       the krona family's kfused-triton rows again with KronA's one-pass folded
@@ -227,7 +228,7 @@ for stage in "${LIST[@]}"; do
         fi ) &
       # the factor-gradient candidates compiled and launched once beside the tests (untimed:
       # the tune step of phase 2 then only times them, from Triton's cache)
-      for k in krona rank narrow; do   # one process per kernel: compilations in parallel
+      for k in krona rank narrow attn; do   # one process per kernel: compilations in parallel
         ( PYTHONPATH=$PWD timeout "$p1" python3 benchmarks/tune_kernels.py --warm-only \
             --kernels "$k" >"$WORK/tune_warm_$k.log" 2>&1
           echo "warm rc=$?" >>"$WORK/tune_warm_$k.log" ) &
@@ -262,10 +263,10 @@ for stage in "${LIST[@]}"; do
       # onepass: KronA's kfused-triton rows again with the one-pass folded backward
       # (KFUSED_KRONA_FOLDED_BWD=one-pass) into bench-one-pass/, outside RESULTS.md: the
       # comparison that chose two passes (stop 40), measured
-      # before them, tune (PROOF_TUNE_S, 50 s): the candidate configurations of KronA's
-      # factor-gradient pass and the headwise rank pass timed (benchmarks/tune_kernels.py);
-      # the benchmarks use its table
-      tune_s=${PROOF_TUNE_S:-50}
+      # before them, tune (PROOF_TUNE_S, 60 s): the candidate configurations of KronA's
+      # factor-gradient pass, the headwise rank pass and the inducer attention's three
+      # kernels timed (benchmarks/tune_kernels.py); the benchmarks use its table
+      tune_s=${PROOF_TUNE_S:-60}
       if [ "$tune_s" -gt 0 ]; then
         PYTHONPATH=$PWD timeout "$tune_s" python3 benchmarks/tune_kernels.py --table "$WORK/kernel_tuning.json" \
           --out "$WORK/tune.json" --time-limit $(( tune_s - 15 )) >"$WORK/tune.log" 2>&1

@@ -83,6 +83,8 @@ def kernel_side(a_out, a_in, b_out, b_in):
 
 
 def label(c: dict) -> str:
+    if "BLOCK_M" in c:
+        return f"{c['BLOCK_M']}x{c['BLOCK_N']}-w{c['num_warps']}-s{c['num_stages']}"
     if c.get("NARROW"):
         return f"tile{c['TILE']}-w{c['num_warps']}"
     return (f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
@@ -197,11 +199,65 @@ def rank_jobs(which: str, dev: torch.device):
         yield job
 
 
-JOBS = {"krona": krona_jobs, "narrow": narrow_jobs, "rank": rank_jobs}
+def attn_shapes(which: str):
+    """(B, H, n, p, causal) of the inducer attention's benchmark cases whose kernels take the
+    tuned configurations (16-bit, p = 128 first: its kernels ran at 1.3-2.7x their prediction
+    on the H200 of 2026-11-30); ``all`` adds causal and n = 16384."""
+    out = [(8, 16, 2048, 128, False), (8, 32, 2048, 64, False)]
+    if which == "all":
+        out += [(8, 16, 2048, 128, True), (8, 32, 2048, 64, True),
+                (1, 16, 16384, 128, False), (1, 32, 16384, 64, False)]
+    return out
+
+
+def _attn_inputs(dev: torch.device, B: int, H: int, n: int, p: int, L: int = 4, r: int = 8):
+    """q, k, v (B, H, n, p) and an inducer MLP (bottlenecks L, r: the benchmark's), seeded,
+    bf16 on a GPU (float16 elsewhere)."""
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *s, sc=1.0: (torch.randn(*s, device=dev, generator=gen) * sc).to(dt)  # noqa: E731
+    q, k, v = (rnd(B, H, n, p) for _ in range(3))
+    mlp = (rnd(H, p, L, sc=p ** -0.5), rnd(H, L, sc=0.1), rnd(H, L, p, sc=L ** -0.5),
+           rnd(H, p, sc=0.1), rnd(H, p, r, sc=p ** -0.5), rnd(H, r, sc=0.1))
+    return q, k, v, mlp
+
+
+def attn_jobs(which: str, dev: torch.device):
+    """The inducer attention's forward, dQ and dK/dV kernels (each timed within its pass: the
+    forward with its MLP-rows kernel, a backward kernel with the other two backward launches
+    at the rule's configuration, which add the same time to every candidate)."""
+    from kfused.triton_kernels import inducer_attention as ia
+
+    for B, H, n, p, causal in attn_shapes(which):
+        q, k, v, mlp = _attn_inputs(dev, B, H, n, p)
+        d_pad = max(16, ia.next_pow2(p))
+        key = ia.attn_tuning_key(d_pad, causal, q.element_size())
+        text = f"B={B} H={H} n={n} p={p}" + (" causal" if causal else "")
+        out, u, lse, lam, stats, out_lo = ia.inducer_attention_forward(
+            q, k, v, mlp, causal=causal, save_lo=True)
+        dout = torch.randn_like(out)
+        du = torch.randn_like(u)
+        fwd = "_inducer_attn_fwd_kernel"
+
+        def run_fwd(c, q=q, k=k, v=v, mlp=mlp, causal=causal):
+            return ia.inducer_attention_forward(q, k, v, mlp, causal=causal, save_lo=True,
+                                                config=c)[:2]
+        yield Job(fwd, text, key, n, ia.attn_candidates(fwd, d_pad), run_fwd)
+        for kernel in ia.ATTN_KERNELS[1:]:
+            def run_bwd(c, kernel=kernel, q=q, k=k, v=v, mlp=mlp, causal=causal, out=out,
+                        u=u, lse=lse, lam=lam, stats=stats, out_lo=out_lo, dout=dout, du=du):
+                dq, dk, dv, dmlp, _, _ = ia.inducer_attention_backward(
+                    dout, du, None, None, q, k, v, out, lse, stats, lam, mlp, causal=causal,
+                    out_lo=out_lo, configs={kernel: c})
+                return (dq, dk, dv)
+            yield Job(kernel, text, key, n, ia.attn_candidates(kernel, d_pad), run_bwd)
+
+
+JOBS = {"krona": krona_jobs, "narrow": narrow_jobs, "rank": rank_jobs, "attn": attn_jobs}
 
 
 def compile_only(which: str, arch: int, limit: int = 0,
-                 kernels=("krona", "rank", "narrow")) -> int:
+                 kernels=("krona", "rank", "narrow", "attn")) -> int:
     """Compile every candidate of every shape for sm_<arch> on CPU stand-ins; print registers,
     spills and shared memory; nonzero when one spills or cannot launch."""
     from kfused.perf.compile import compile_launch, jit_spec, launch_error, recording
@@ -242,6 +298,28 @@ def compile_only(which: str, arch: int, limit: int = 0,
     if "narrow" in kernels:
         factor_launches(narrow_shapes(which), lambda T, *f: kl.NARROW_CANDIDATES,
                         ("_kron_narrow_grad_kernel",))
+    if "attn" in kernels:
+        from kfused.perf.cases import all_cases
+        from kfused.perf.trace import trace
+        from kfused.triton_kernels import inducer_attention as ia
+
+        # the perf model's inducer cases (p = 128 first), each kernel's traced launch relaunched
+        # with every candidate; one case a head width with --limit
+        cases = [c for c in all_cases() if c.op == "inducer_attention"
+                 and "decode" not in c.label and "packed" not in c.label
+                 and not c.label.startswith("fwd")]
+        cases.sort(key=lambda c: "p=128" not in c.label)
+        done = []
+        for case in cases:
+            width = "p=128" if "p=128" in case.label else "p=64"
+            if limit and done.count(width) >= limit:
+                continue
+            done.append(width)
+            launches, _ = trace(case.run)
+            for L in launches:
+                if L.name in ia.ATTN_KERNELS:
+                    for c in ia.attn_candidates(L.name, L.kwargs["D_PAD"]):
+                        report(case.label, c, L, True)
     if "rank" in kernels:
         from kfused.perf.cases import all_cases
         from kfused.perf.trace import trace
@@ -257,7 +335,7 @@ def compile_only(which: str, arch: int, limit: int = 0,
     return 1 if bad else 0
 
 
-def warm(which: str, kernels=("krona", "rank", "narrow")) -> int:
+def warm(which: str, kernels=("krona", "rank", "narrow", "attn")) -> int:
     """Compile and launch every candidate once on the GPU, untimed (the Triton cache on disk
     then holds them: the proof runs this beside its tests, and the timed run later loads)."""
     dev = torch.device("cuda")
@@ -278,7 +356,7 @@ def warm(which: str, kernels=("krona", "rank", "narrow")) -> int:
 
 def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
          dev: torch.device = torch.device("cuda"), timer=None, name: str = "",
-         kernels=("krona", "rank", "narrow")) -> int:
+         kernels=("krona", "rank", "narrow", "attn")) -> int:
     """Time every candidate per shape (``timer(fn, dev, reps_ms)`` -> (p20, p50, p80) ms,
     default ``kfused.bench.graph_timer``), merge the fastest into ``table``, write ``out``."""
     from kfused import tuning
@@ -382,9 +460,10 @@ def main(argv=None) -> int:
                    "candidate once, untimed")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--limit", type=int, default=0, help="--compile-only: the first N shapes")
-    p.add_argument("--kernels", default="krona,rank,narrow", help="comma list of krona "
+    p.add_argument("--kernels", default="krona,rank,narrow,attn", help="comma list of krona "
                    "(KronA's factor-gradient pass), narrow (its narrow-factor form), rank (the "
-                   "headwise rank pass)")
+                   "headwise rank pass), attn (the inducer attention's forward, dQ and dK/dV "
+                   "kernels)")
     a = p.parse_args(argv)
     kernels = tuple(k for k in a.kernels.split(",") if k)
     bad = [k for k in kernels if k not in JOBS]

@@ -770,3 +770,30 @@ def test_float64_is_refused_by_the_triton_kernels():
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
     with pytest.raises(BackendError, match=refused):
         inducer_attention_varlen(qp, kp, vp, cu, backend="triton")
+
+
+@pytest.mark.parametrize("p", [64, 128])
+def test_every_gpu_launch_configuration_matches_the_reference(p, monkeypatch):
+    """The 16-bit GPU launch configurations of the attention kernels (ATTN_CANDIDATES: the
+    rule's and those a tuning table may choose, kfused.tuning) against the float64 reference
+    under SPEC §4, each forward, dQ and dK/dV configuration in one fwd+bwd at least: 128-row
+    and 128-key tiles over ragged ends (n_q = 150, n_k = 161: a causal offset of 11), grouped
+    query heads, a prefix, a key mask with one element fully padded. On the CPU the
+    interpreter runs them (the GPU block sizes are otherwise only compiled there)."""
+    from kfused.triton_kernels import inducer_attention as ia
+
+    cands = [ia.attn_candidates(k, p) for k in ia.ATTN_KERNELS]
+    X = _qkv(2, 4, 150, p, n_k=161)
+    X["k"], X["v"] = X["k"][:, :2].clone(), X["v"][:, :2].clone()
+    inputs = {**X, **_params(4, p, l=16), **_mask_with_empty_row(2, 161, "mask")}
+    kern, ref = _fns("add", True, False)
+    tup = lambda c: tuple(c[k] for k in ia._CFG_KEYS)  # noqa: E731
+    for dtype in [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []):
+        for i in range(max(map(len, cands))):
+            f, q, kv = (tup(c[i % len(c)]) for c in cands)
+            asked = []
+            monkeypatch.setattr(ia, "_fwd_config", lambda *a, f=f, **k: asked.append(0) or f)
+            monkeypatch.setattr(ia, "_bwd_config",
+                                lambda *a, q=q, kv=kv, **k: asked.append(1) or (q, kv))
+            assert_against_reference(kern, ref, inputs, dtype, DEVICE)
+            assert 0 in asked and 1 in asked, asked      # the kernels ran with them

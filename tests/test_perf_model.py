@@ -540,3 +540,34 @@ def test_seed_file_answers_a_cold_cache_and_only_for_the_identical_compile(tmp_p
     with open(os.path.join(CP.cache_dir(), name)) as f:
         assert json.load(f) == stats                              # now in the cache folder
     CP._seed.cache_clear()
+
+
+def test_hgmma_loop_feed_reads_shapes_operands_and_loops():
+    """The flash kernels' wgmma feed from their SASS: FLOP-weighted over the HGMMAs inside
+    loops (a backward branch's range), each at its N and A-operand source; outside a loop
+    (a prologue product) not counted; 1.0 without loops' HGMMAs."""
+    from kfused.perf.compile import hgmma_loop_feed
+
+    sass = """
+        /*0100*/                   HGMMA.64x16x16.F32.BF16 R10, gdesc[UR4], RZ, !UPT ;
+        /*0200*/                   MOV R1, R2 ;
+        /*0300*/                   HGMMA.64x32x16.F32.BF16 R88, gdesc[UR12], RZ, !UPT ;
+        /*0310*/                   HGMMA.64x128x16.F32.BF16 R24, R120, gdesc[UR12].tnspB, R24 ;
+        /*0400*/              @!P0 BRA 0x200 ;
+        /*0500*/                   BRA 0x500;
+    """
+    e32 = R.wgmma_feed_efficiency(32, a_in_registers=False)
+    assert abs(e32 - 2 / 3) < 1e-9
+    assert R.wgmma_feed_efficiency(128, a_in_registers=True) == 1.0
+    want = (32 + 128) / (32 / e32 + 128)
+    assert abs(hgmma_loop_feed(sass) - want) < 1e-9
+    # without the loop every HGMMA counts, the N = 16 prologue product too
+    flat = sass.replace("@!P0 BRA 0x200", "NOP").replace("BRA 0x500", "NOP")
+    e16 = R.wgmma_feed_efficiency(16, a_in_registers=False)
+    assert abs(hgmma_loop_feed(flat) - (16 + 32 + 128) / (16 / e16 + 32 / e32 + 128)) < 1e-9
+    assert hgmma_loop_feed("/*0100*/  FFMA R1, R2, R3, R4 ;") == 1.0
+    # the predictor charges the flag's kernels by it
+    w = dict(dot16_flops=1e12, dot16_feed_from_sass=1.0, dot16_feed_extra=5e12)
+    sass_mix = {"hgmma": 2, "hgmma_loop_feed_milli": 800}
+    t = R.predict(w, sass_mix, 0, 1)["t_dot16"]
+    assert abs(t - 1e12 / 0.8 / R.WGMMA_RATE) < 1e-12

@@ -196,6 +196,11 @@ def test_candidates_compile_for_sm90_without_spills():
     assert len(grad) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
     assert len(narrow) == len(kl.NARROW_CANDIDATES)
     assert len(rank) == len(hc.rank_candidates())
+    from kfused.triton_kernels import inducer_attention as ia
+
+    for p in (64, 128):    # one inducer case a head width: every kernel's every candidate
+        attn = [ln for ln in lines if ln.startswith("_inducer_attn") and f" p={p} " in ln]
+        assert len(attn) == sum(len(ia.attn_candidates(k, p)) for k in ia.ATTN_KERNELS)
     assert all("spill 0 B" in ln for ln in lines)
 
 
@@ -411,3 +416,90 @@ def test_tune_kernels_out_is_never_a_file_it_did_not_write(tmp_path, monkeypatch
             tune_kernels.main(["--out", str(tmp_path / name)])
         assert exc.value.code == 2
     assert (tmp_path / "notes.json").read_text() == "USER"
+
+
+def test_attention_configs_from_the_table(table):
+    """The inducer attention's three kernels each take their own measured entry (16-bit, on
+    the GPU model and head width timed, causal or not, from _ATTN_TUNE_MIN_N keys), else the
+    rule: the first candidate."""
+    from kfused.triton_kernels import inducer_attention as ia
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fwd, dq, dkdv = ia.ATTN_KERNELS
+    tup = lambda c: tuple(c[k] for k in ia._CFG_KEYS)  # noqa: E731
+    rule = {k: tup(ia.attn_candidates(k, 128)[0]) for k in ia.ATTN_KERNELS}
+    assert rule[fwd] == (128, 64, 8, 3) and rule[dq] == (128, 64, 8, 2)
+    assert rule[dkdv] == (32, 128, 8, 2)
+    key = ia.attn_tuning_key(128, False, 2)
+    tuning.merge(str(table), GPU, fwd, [_entry(key, 2048, **ia.attn_candidates(fwd, 128)[1])])
+    tuning.merge(str(table), GPU, dkdv, [_entry(key, 16384,
+                                                **ia.attn_candidates(dkdv, 128)[1])])
+    bf = torch.bfloat16
+    want = tup(ia.attn_candidates(fwd, 128)[1])
+    assert ia._fwd_config(bf, 128, cuda, False, 2048) == want
+    assert ia._fwd_config(torch.float16, 128, cuda, False, 8192) == want   # nearest count
+    assert ia._fwd_config(bf, 128, cuda, True, 2048) == rule[fwd]          # causal: no entry
+    assert ia._fwd_config(bf, 128, cuda, False, ia._ATTN_TUNE_MIN_N - 1) == rule[fwd]
+    assert ia._fwd_config(bf, 64, cuda, False, 2048) == tup(ia.attn_candidates(fwd, 64)[0])
+    assert ia._fwd_config(torch.float32, 128, cuda, False, 2048) == (64, 32, 4, 1)
+    assert ia._fwd_config(bf, 128, cpu, False, 2048) == (64, 64, 4, 1)      # interpreter
+    assert ia._bwd_config(bf, 128, cuda, False, 2048) == (
+        rule[dq], tup(ia.attn_candidates(dkdv, 128)[1]))
+    # a given configuration wins over the table and the rule, for its kernel only
+    c = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    assert ia._fwd_config(bf, 128, cuda, False, 2048, c) == (64, 32, 8, 2)
+    assert ia._bwd_config(bf, 128, cuda, False, 2048, {dq: c}) == (
+        (64, 32, 8, 2), tup(ia.attn_candidates(dkdv, 128)[1]))
+    # another GPU model keeps the rule
+    tuning.forget()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tuning, "device_name", lambda dev: "Another GPU")
+        assert ia._fwd_config(bf, 128, cuda, False, 2048) == rule[fwd]
+
+
+def test_attention_candidates_start_with_the_rule_and_differ():
+    from kfused.triton_kernels import inducer_attention as ia
+
+    for d_pad in (16, 32, 64, 128):
+        for kernel in ia.ATTN_KERNELS:
+            c = ia.attn_candidates(kernel, d_pad)
+            assert len(c) >= 2 and len({json.dumps(x, sort_keys=True) for x in c}) == len(c)
+            assert all(set(x) == set(ia._CFG_KEYS) for x in c)
+
+
+def test_tune_script_times_the_attention_kernels(tmp_path, monkeypatch, capsys):
+    """tune_kernels' attn jobs on the CPU (a tiny shape, a stand-in timer): each kernel's
+    candidates run within their pass and agree, the fastest goes into the table under the
+    kernel's own name, the head-width key and the sequence length."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import tune_kernels
+    finally:
+        sys.path.pop(0)
+    from kfused.triton_kernels import inducer_attention as ia
+
+    monkeypatch.setattr(tune_kernels, "attn_shapes", lambda which: [(1, 2, 70, 64, False)])
+    ran = []
+
+    def timer(fn, dev, reps_ms):
+        fn()
+        c = fn.__defaults__[0]
+        ran.append(c)
+        ms = 0.01 if c["BLOCK_M"] == 64 and c["BLOCK_N"] == 128 else 0.02   # dK/dV's 2nd
+        return ms, ms, ms
+
+    table, out = tmp_path / "t.json", tmp_path / "tune.json"
+    assert tune_kernels.tune("targets", str(table), str(out), 1.0, 600.0,
+                             dev=torch.device(DEVICE), timer=timer, name=GPU,
+                             kernels=("attn",)) == 0
+    assert len(ran) == sum(len(ia.attn_candidates(k, 64)) for k in ia.ATTN_KERNELS)
+    data = json.loads(table.read_text())["devices"][GPU]
+    assert sorted(data) == sorted(ia.ATTN_KERNELS)
+    key = ia.attn_tuning_key(64, False, 2)
+    for kernel in ia.ATTN_KERNELS:
+        (e,) = data[kernel]
+        assert e["key"] == key and e["T"] == 70
+        assert e["config"] in ia.attn_candidates(kernel, 64)
+    assert data[ia.ATTN_KERNELS[2]][0]["config"]["BLOCK_N"] == 128
+    printed = capsys.readouterr().out
+    assert "differs" not in printed and "Error" not in printed, printed

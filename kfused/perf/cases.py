@@ -558,8 +558,13 @@ def _attn_common(a):
 def _flash(w: Dict[str, float], flops: float, x16: bool) -> None:
     """Products of a flash loop (S = QKᵀ, PV, dP, dS·K, ...): tensor cores for 16-bit (the
     rate of the instruction in the SASS: the Triton-tutorial forward at this rate is within
-    3 % of its H100 measurement, see grounding.py), IEEE FMA for float32."""
+    3 % of its H100 measurement, see grounding.py), IEEE FMA for float32. Their wgmma
+    operand feed is read from the kernel's SASS (``dot16_feed_from_sass``): the instruction
+    shapes follow the tile and the warps (the H200 of 2026-11-30 ran the p = 128 kernels,
+    whose 64-row tiles on 8 warps issued m64n32 / m64n16 wgmma for S and dP, at 1.3-2.7x a
+    prediction that assumed the tile's own N)."""
     w["dot16_flops" if x16 else "fma32_flops"] += flops
+    w["dot16_feed_from_sass"] = 1.0
 
 
 def _mlp_units(programs: float, BM: int, DP: int, width: int, n: int,
@@ -802,13 +807,10 @@ def _m_ind_dkdv(L) -> Dict[str, float]:
     tiles = sum(c * group * _attn_tiles_kv(nq, nk, BM, BN, causal, off)
                 for c, nq, nk, off in _spans(L, a, a["H_KV"]))
     w = _work()
+    # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ have N = BLOCK_M (query rows) and both operands in shared
+    # memory (sm_90: m64n32k16 wgmma with a descriptor A at BLOCK_M = 32), dV and dK N =
+    # HEAD_DIM: their feed, read from the SASS (_flash), caps the first two at 2/3 at N = 32
     _flash(w, tiles * 4 * 2.0 * BM * BN * DP, x16)
-    if x16:
-        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ have N = BLOCK_M (query rows) and both operands in shared
-        # memory (sm_90 PTX: m64n32k16 wgmma with a descriptor A at BLOCK_M = 32): the operand
-        # feed caps them at wgmma_feed_efficiency (2/3 at N = 32); dV, dK have N = HEAD_DIM.
-        eff = R.wgmma_feed_efficiency(BM, a_in_registers=False)
-        w["dot16_feed_extra"] = tiles * 2 * 2.0 * BM * BN * DP * (1.0 / eff - 1.0)
     w["sfu_ops"] = tiles * BM * BN
     w["alu_ops"] = tiles * BM * BN * 8
     el = _el(q)

@@ -222,7 +222,8 @@ def _jsonable(v):
 # Bumped when the statistics recorded per compile change meaning (2: "dot_tf32" counts only
 # float32 dots that name TF32; IEEE float32 dots, whose precision the TTIR omits, are
 # "dot_f32_ieee"), so that no cache or seed entry of the old meaning is reused.
-STATS_VERSION = 3       # 3: spill_bytes from the stack frame where SASS has LDL/STL
+STATS_VERSION = 4       # 3: spill_bytes from the stack frame where SASS has LDL/STL;
+#                         4: the SASS mix has hgmma_loop_feed_milli (hgmma_loop_feed)
 
 
 def spec_key(fn, spec, arch: int) -> str:
@@ -281,6 +282,40 @@ def _nv_bin(tool: str) -> str:
 
 _OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.x]*)",
                      re.MULTILINE)
+
+
+_SASS_AT = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.MULTILINE)
+_HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\S*\s+R\w+,\s*(\S+)")
+_BRA_TO = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+
+
+def hgmma_loop_feed(body: str) -> float:
+    """The wgmma operand feed of a function's loop products (``cuobjdump -sass`` text):
+    1 / (the tensor-core time of its HGMMA instructions at their shapes' feed efficiency,
+    :func:`kfused.perf.roofline.wgmma_feed_efficiency`, over that time at full rate),
+    weighting each instruction by its FLOPs (M·N·K). Counted are the HGMMAs inside a loop
+    (from a backward branch's target to the branch: what runs per tile), all of them in a
+    function without loops; 1.0 without any. A operand in registers (``R.., gdesc``) or in
+    shared memory (``gdesc`` first) as the instruction says. An m64n32 wgmma, as Triton
+    issues S = QKᵀ of a 64-row tile split over two warpgroups, reaches 2/3 of the rate."""
+    from kfused.perf.roofline import wgmma_feed_efficiency
+
+    lines = [(int(a, 16), t) for a, t in _SASS_AT.findall(body)]
+    loops = []
+    for addr, text in lines:
+        b = _BRA_TO.search(text)
+        if b and int(b.group(1), 16) < addr:
+            loops.append((int(b.group(1), 16), addr))
+    full = slow = 0.0
+    for addr, text in lines:
+        m = _HGMMA.search(text)
+        if not m or (loops and not any(lo <= addr <= hi for lo, hi in loops)):
+            continue
+        flops = float(m.group(1)) * float(m.group(2)) * float(m.group(3))
+        a_regs = m.group(4).startswith("R")
+        full += flops
+        slow += flops / wgmma_feed_efficiency(int(m.group(2)), a_in_registers=a_regs)
+    return full / slow if slow else 1.0
 
 
 def classify_sass(opcodes: Sequence[str]) -> Dict[str, int]:
@@ -380,7 +415,10 @@ def file_stats(path: str) -> Dict[str, Dict[str, object]]:
     parts = re.split(r"\n\s*Function : (\S+)\n", "\n" + sass)
     for i in range(1, len(parts) - 1, 2):
         name, body = parts[i], parts[i + 1]
-        funcs.setdefault(name, {})["sass"] = classify_sass(_OPCODE.findall(body))
+        mix = classify_sass(_OPCODE.findall(body))
+        if mix["hgmma"]:
+            mix["hgmma_loop_feed_milli"] = int(round(1000 * hgmma_loop_feed(body)))
+        funcs.setdefault(name, {})["sass"] = mix
     return funcs
 
 

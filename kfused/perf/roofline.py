@@ -16,6 +16,11 @@ Work of one kernel launch (or torch op) is split by the unit that executes it:
   dot16_feed_extra  tensor-core time lost to a starved wgmma operand feed (small-N products
                 with both operands in shared memory, :func:`wgmma_feed_efficiency`), in FLOP
                 equivalents at the dot16 rate; not counted as issued FLOPs.
+  dot16_feed_from_sass  (a flag) the products' feed is read from the kernel's SASS instead:
+                the FLOP-weighted wgmma_feed_efficiency of the HGMMA instructions in its loops,
+                at the shapes (N) and A-operand sources the compiler chose
+                (kfused.perf.compile.hgmma_loop_feed; the flash kernels, whose warps may
+                split a tile's columns: S = QKᵀ of a 64-row tile on 8 warps is m64n32)
   dot16_sync_extra  in a kernel whose SASS has HGMMA, the extra time of its products that
                 the compiler could only issue as mma.sync (M < 64 rows), in FLOP equivalents
                 at the wgmma rate: flops · (WGMMA_RATE / MMA_RATE − 1); not issued FLOPs.
@@ -167,8 +172,10 @@ def predict(work: Dict[str, float], sass: Dict[str, int], programs: int,
     """Predicted time (seconds) of one launch, with its parts."""
     # dot16_feed_extra: tensor-core time lost to a starved wgmma operand feed, in FLOP
     # equivalents (see wgmma_feed_efficiency); only where the compiler chose wgmma
-    extra = (work.get("dot16_feed_extra", 0.0) + work.get("dot16_sync_extra", 0.0)
-             if sass.get("hgmma", 0) else 0.0)
+    feed = work.get("dot16_feed_extra", 0.0)
+    if work.get("dot16_feed_from_sass") and sass.get("hgmma_loop_feed_milli"):
+        feed = work.get("dot16_flops", 0.0) * (1000.0 / sass["hgmma_loop_feed_milli"] - 1.0)
+    extra = feed + work.get("dot16_sync_extra", 0.0) if sass.get("hgmma", 0) else 0.0
     t_dot = (work.get("dot16_flops", 0.0) + extra) / dot16_rate(sass)
     t_fma = work.get("fma32_flops", 0.0) / FMA32_RATE
     t_f64 = work.get("fma64_flops", 0.0) / FMA64_RATE

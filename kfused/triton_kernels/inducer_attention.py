@@ -67,6 +67,7 @@ Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_back
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -74,10 +75,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kfused import _alloc
+from kfused import _alloc, tuning
 from kfused.backends import triton_interpret
 from kfused.triton_kernels._common import (cdiv, _INTERPRETED, _mm, dot_precision, next_pow2,
-                                           sm_count)
+                                           sm_count, targets_gpu)
 
 # LSE of a row with no visible real column (log 0): finite so that nothing downstream is NaN;
 # exp(s − LSE) is never evaluated on such a row because every column is masked.
@@ -1068,16 +1069,72 @@ def _inducer_attn_bwd_dq_kernel(
 # host side
 
 
-def _fwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    if triton_interpret():
-        return 64, 64, 4, 1            # the interpreter is fastest with few, large tiles
-    if dtype == torch.float32:
-        return 64, (32 if d_pad > 64 else 64), 4, 1
-    # 128-row tiles on 8 warps at p <= 64 (no spills); at p > 64 they spill on sm_90 (_aot)
-    if d_pad <= 64:
-        return 128, 64, 8, 3
-    return 64, 64, 8, 2
+# 16-bit launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded
+# head width, the rule's first; benchmarks/tune_kernels.py --kernels attn times them on a GPU
+# (kfused.tuning) and every one compiles for sm_90 without spills under Triton 3.6 and 3.9
+# (--compile-only). The H200 of 2026-11-30 measured the p = 128 kernels at 1.3-2.7x their
+# prediction where the p = 64 ones ran at 0.6-1.4x: their former tiles (forward 64x64 on 8
+# warps, dQ 64x32 on 8, dK/dV 64x64 on 8) split a 64-row tile over two warpgroups, so S = QKᵀ
+# ran as m64n32 (dQ: m64n16) wgmma, and their sm_90 SASS (Triton 3.6) issues 0.82 (forward),
+# 1.17 (dQ) and 1.22 (dK/dV) warp-instructions per score in the key loop against 0.44, 0.40
+# and 0.69 for the rule's tiles now (p = 64: 0.36, 0.37, 0.52). Larger stationary tiles also
+# halve the re-reads of the moving operand through L2 (forward and dQ: K, V once per 128 query
+# rows; dK/dV: Q, dO once per 128 keys).
+ATTN_CANDIDATES = {
+    64: {"_inducer_attn_fwd_kernel": ((128, 64, 8, 3), (64, 64, 4, 2)),
+         "_inducer_attn_bwd_dq_kernel": ((64, 64, 4, 2), (128, 64, 8, 2)),
+         "_inducer_attn_bwd_dkdv_kernel": ((64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2))},
+    128: {"_inducer_attn_fwd_kernel": ((128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 8, 2)),
+          "_inducer_attn_bwd_dq_kernel": ((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
+          # (the former 64 × 64 on 8 warps spills 56 B under Triton 3.9 with a key mask)
+          "_inducer_attn_bwd_dkdv_kernel": ((32, 128, 8, 2), (32, 64, 4, 2))},
+}
+ATTN_KERNELS = ("_inducer_attn_fwd_kernel", "_inducer_attn_bwd_dq_kernel",
+                "_inducer_attn_bwd_dkdv_kernel")
+_ATTN_TUNE_MIN_N = 1024          # shorter sequences keep the rule (the table's shapes are long)
+_CFG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def attn_candidates(kernel: str, d_pad: int) -> list:
+    """The launch configurations a GPU run times for ``kernel`` at this padded head width
+    ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}), the rule's first."""
+    return [dict(zip(_CFG_KEYS, c)) for c in ATTN_CANDIDATES[max(64, d_pad)][kernel]]
+
+
+def attn_tuning_key(d_pad: int, causal: bool, elem_bytes: int) -> dict:
+    """What a tuning-table entry of the attention kernels must match (the sequence length is
+    its token count)."""
+    return {"D_PAD": int(d_pad), "causal": bool(causal), "elem_bytes": int(elem_bytes)}
+
+
+@functools.lru_cache(maxsize=512)
+def _attn_config(kernel: str, dtype: torch.dtype, d_pad: int, device: torch.device,
+                 causal: bool, n: int, state: tuple) -> Tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a 16-bit launch on a GPU: a tuning table's
+    measured entry for this device and shape where one exists (from _ATTN_TUNE_MIN_N keys),
+    else the rule's."""
+    cands = attn_candidates(kernel, d_pad)
+    cfg = cands[0]
+    if device.type == "cuda" and n >= _ATTN_TUNE_MIN_N:
+        got = tuning.lookup(kernel, device, attn_tuning_key(d_pad, causal, dtype.itemsize), n,
+                            cands)
+        cfg = got or cfg
+    return tuple(int(cfg[k]) for k in _CFG_KEYS)
+
+
+def _fwd_config(dtype: torch.dtype, d_pad: int, device: torch.device, causal: bool = False,
+                n: int = 0, config: Optional[dict] = None) -> Tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``config`` over the rule (a tuning run)."""
+    if not targets_gpu(device):
+        cfg = (64, 64, 4, 1)           # the interpreter is fastest with few, large tiles
+    elif dtype == torch.float32:
+        cfg = (64, (32 if d_pad > 64 else 64), 4, 1)
+    else:
+        cfg = _attn_config("_inducer_attn_fwd_kernel", dtype, d_pad, device, bool(causal),
+                           int(n), tuning.state())
+    if config:
+        cfg = tuple(int(config.get(k, v)) for k, v in zip(_CFG_KEYS, cfg))
+    return cfg
 
 
 # decode path: at most this many query rows per kv head (GROUP × n_q) in one split tile
@@ -1156,25 +1213,34 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _bwd_config(dtype: torch.dtype, d_pad: int) -> Tuple[Tuple[int, int, int],
-                                                         Tuple[int, int, int], int]:
-    """((dQ rows, dQ key tile, dQ warps), (dK/dV query tile, dK/dV keys, dK/dV warps),
-    num_stages).
+def _bwd_config(dtype: torch.dtype, d_pad: int, device: torch.device, causal: bool = False,
+                n: int = 0, configs: Optional[dict] = None
+                ) -> Tuple[Tuple[int, int, int, int], Tuple[int, int, int, int]]:
+    """((dQ rows, dQ key tile, dQ warps, stages), (dK/dV query tile, dK/dV keys, dK/dV warps,
+    stages)); ``configs`` {kernel name: config} over the rule (a tuning run).
 
-    dK/dV: 64-row query tiles. Its Sᵀ = K Qᵀ and dPᵀ = V dOᵀ products have N = the query
+    16-bit (ATTN_CANDIDATES): dK/dV's Sᵀ = K Qᵀ and dPᵀ = V dOᵀ products have N = the query
     tile, and with both operands in shared memory wgmma is feed-bound below N = 64
-    (kfused.perf.roofline.wgmma_feed_efficiency: 2/3 of the rate at N = 32, the former
-    tile). sm_90 compile (kfused perf, bf16): p = 64, 64×64 on 4 warps 221-238 registers,
-    no spill, 2 CTAs/SM; p = 128, 64×64 on 8 warps 232-235 registers, no spill (the 32-row
-    tiles it replaces: 255 / 169-173 registers). PREDICTED effect (H100 model): dK/dV
-    kernel 12 % (p = 64) to 15 % (p = 128) faster, fwd+bwd 3-6 %."""
-    if triton_interpret():
-        return (64, 64, 4), (64, 64, 4), 1
-    if dtype == torch.float32:
-        return (32, 32, 4), (32, 32, 4), 1
-    if d_pad <= 64:
-        return (64, 64, 4), (64, 64, 4), 2
-    return (64, 32, 8), (64, 64, 8), 2
+    (kfused.perf.roofline.wgmma_feed_efficiency: 2/3 of the rate at N = 32); at p = 128 the
+    dK/dV accumulators (2 × keys × 128 float32) leave room for 128 keys on 8 warps only with
+    a 32-row query tile (64 × 64 on 4 warps spills 72 B, 64 × 128 on 8 warps 40 B: sm_90,
+    Triton 3.6). sm_90 compile (Triton 3.6, bf16): p = 64 dQ 164, dK/dV 216-238 registers;
+    p = 128 dQ 128 × 64 on 8 warps 227-242, dK/dV 32 × 128 on 8 warps 240-252; no spill."""
+    configs = configs or {}
+    out = []
+    for kernel in ATTN_KERNELS[1:]:
+        if not targets_gpu(device):
+            cfg = (64, 64, 4, 1)
+        elif dtype == torch.float32:
+            cfg = (32, 32, 4, 1)
+        else:
+            cfg = _attn_config(kernel, dtype, d_pad, device, bool(causal), int(n),
+                               tuning.state())
+        c = configs.get(kernel)
+        if c:
+            cfg = tuple(int(c.get(k, v)) for k, v in zip(_CFG_KEYS, cfg))
+        out.append(cfg)
+    return out[0], out[1]
 
 
 def _mlp_rows_config(d_pad: int, backward: bool, tc: bool = False) -> Tuple[int, int, int]:
@@ -1283,6 +1349,7 @@ def inducer_attention_forward(
     key_mask: Optional[torch.Tensor] = None, causal: bool = False, scale: Optional[float] = None,
     u_dtype: Optional[torch.dtype] = None, save_lo: bool = False, varlen: Optional[Varlen] = None,
     decode: Optional[bool] = None, decode_chunk: Optional[int] = None,
+    config: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash forward. q (B, H, n_q, p); k, v (B, H_kv, n_k, p) with H_kv dividing H (grouped-
     query attention: query head h reads kv head h // (H / H_kv)); mlp = (Ak (H, p, L),
@@ -1313,7 +1380,7 @@ def inducer_attention_forward(
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
-    BM, BN, warps, stages = _fwd_config(q.dtype, d_pad)
+    BM, BN, warps, stages = _fwd_config(q.dtype, d_pad, q.device, causal, n_k, config)
     (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
     f32 = dict(dtype=torch.float32, device=q.device)
     out = _alloc.empty(*lay.token_shape(H, n_q, q.shape[0]), dtype=q.dtype, device=q.device)
@@ -1388,6 +1455,7 @@ def inducer_attention_backward(
     prefix_v: Optional[torch.Tensor] = None, key_mask: Optional[torch.Tensor] = None,
     causal: bool = False, scale: Optional[float] = None,
     out_lo: Optional[torch.Tensor] = None, varlen: Optional[Varlen] = None,
+    configs: Optional[dict] = None,
 ):
     """Flash backward. Returns ``(dq, dk, dv, dmlp, dprefix_k, dprefix_v)``: ``dmlp`` the
     gradients of (Ak, ak, Bk, ck, W1, b1) (None without an inducer), the prefix grads None
@@ -1407,7 +1475,8 @@ def inducer_attention_backward(
     if scale is None:
         scale = p ** -0.5
     d_pad = max(16, next_pow2(p))
-    (BM, BN, warps), (BM_KV, BN_KV, warps_kv), stages = _bwd_config(q.dtype, d_pad)
+    (BM, BN, warps, stages), (BM_KV, BN_KV, warps_kv, stages_kv) = _bwd_config(
+        q.dtype, d_pad, q.device, causal, n_k, configs)
     (ak_w, ak_b, bk_w, ck, w1, b1), L, r, l_pad, r_pad, has_mlp = _mlp_args(mlp, q)
     # lam is (2, *rows) with an inducer (also with no rows at all: n_q = 0 must still give
     # zero MLP gradients, not empty ones), (0,) without
@@ -1434,8 +1503,8 @@ def inducer_attention_backward(
         dpv_part = _alloc.empty(B, H, n_prefix, p, dtype=torch.float32, device=q.device)
     prec = dot_precision(q.dtype)
     kw = dict(HEAD_DIM=p, D_PAD=d_pad, CAUSAL=bool(causal), HAS_KMASK=has_km,
-              EXACT_DELTA=exact_delta, PREC=prec, VARLEN=lay.varlen, num_stages=stages)
-    kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, num_warps=warps_kv, **kw)
+              EXACT_DELTA=exact_delta, PREC=prec, VARLEN=lay.varlen)
+    kv_kw = dict(BLOCK_M=BM_KV, BLOCK_N=BN_KV, num_warps=warps_kv, num_stages=stages_kv, **kw)
     part = dqm = lse
     if has_mlp:
         # the inducer's rows first (ADJ, its float32 share of dq, the parameter partials)
@@ -1459,7 +1528,7 @@ def inducer_attention_backward(
             *spv, smb, *lay.strides(dout), *lay.strides(out), H, group, *lay.bounds, n_prefix,
             n_k - n_q, float(scale), float(scale) * LOG2E,
             HAS_PREFIX=has_prefix, HAS_MLP=has_mlp, HAS_DLSE=has_dlse, HAS_LO=has_lo,
-            BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, **kw)
+            BLOCK_M=BM, BLOCK_N=BN, num_warps=warps, num_stages=stages, **kw)
     if B * h_kv * n_k > 0:
         _inducer_attn_bwd_dkdv_kernel[(cdiv(n_k, BN_KV), B * h_kv)](
             q, k, v, km, dout, stats, lay.n_rows, delta, adj, dk, dv, *lay.args(),
