@@ -319,8 +319,10 @@ for stage in "${LIST[@]}"; do
       if command -v ncu >/dev/null; then
         # the H200 of 2026-11-30: the inducer MLP-row kernels at 15-21x their prediction
         # (0.8 ms forward, 1.4-1.9 ms backward at 16k tokens x 32 heads: most of the inducer's
-        # time at n <= 2048), _kron_grad_kernel 2.4x (longer than the frozen GEMM)
-        re=${NCU_KERNELS:-_inducer_fwd_mlp_kernel|_inducer_attn_bwd_mlp_kernel|_kron_grad_kernel|_lr_rank_bwd_kernel}
+        # time at n <= 2048), _kron_grad_kernel 2.4x (longer than the frozen GEMM); the inducer
+        # dK/dV kernel 1.2-1.4x (p = 64) and 2.0-2.2x (p = 128) its prediction even with the
+        # wgmma feed read from its SASS
+        re=${NCU_KERNELS:-_inducer_fwd_mlp_kernel|_inducer_attn_bwd_mlp_kernel|_kron_grad_kernel|_lr_rank_bwd_kernel|_inducer_attn_bwd_dkdv_kernel}
         PYTHONPATH=$PWD timeout "$LIMIT" ncu --set full -k "regex:$re" --launch-skip 6 \
           --launch-count 3 --page details --csv python3 benchmarks/host_profile.py \
           --cases "krona:factors=sqrt,:d_in=768,:d_out=768,:T=16384,;headwise:gpt2-small:qvo-intermediate:headwise_qkv:;inducer:B=8,:n=2048,:causal=True:composition=add" \

@@ -87,11 +87,16 @@ def _run(mode, rank=0, world=1, ckpt_dir=None, method="krona"):
     return grads, weights
 
 
-def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+def _worker(rank, world, init_file, out_dir):
+    # Rendezvous through a file of this run's own (a FileStore), not a TCP port: a port found
+    # free by one process can be taken by another before the store binds it, and two test
+    # processes on one port join each other's groups. One CI run (seed 1707881029) ended with
+    # rank 0 aborted ("terminate called without an active exception") and every test of this
+    # fixture in error; not reproduced, this race is one way to get there.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
     try:
         results = {}
         for mode in ("ddp", "fsdp2"):
@@ -291,7 +296,8 @@ def _save_fails_on_rank_0(rank, out_dir):
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dist"))
-    mp.start_processes(_worker, args=(WORLD, _free_port(), out), nprocs=WORLD, join=True,
+    init_file = os.path.join(str(tmp_path_factory.mktemp("rendezvous")), "store")
+    mp.start_processes(_worker, args=(WORLD, init_file, out), nprocs=WORLD, join=True,
                        start_method="spawn")
     return out, torch.load(os.path.join(out, "results.pt"), weights_only=False)
 
