@@ -102,7 +102,7 @@ def test_decode_is_one_launch_and_leaves_its_counters_at_zero(launches):
     P = {k_: t.half().to(DEVICE) for k_, t in _params(H, p, l=2).items()}
     grids = launches(ia, "_inducer_attn_fwd_kernel")
     first = inducer_attention(**X, **P, causal=True, backend="triton")
-    plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device)
+    plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device, dtype=X["q"].dtype)
     assert grids == [(plan.splits, B * H_kv)] and plan.splits > 1
     counters = ia._arrival_counters(X["q"].device, B * H_kv)
     assert int(counters.abs().sum()) == 0
@@ -124,7 +124,7 @@ def test_decode_splits_only_when_there_is_something_to_split(launches, H_kv, n_k
     X = {k_: t.half().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
     P = {k_: t.half().to(DEVICE) for k_, t in _params(H, p, l=0).items()}
     mlp = tuple(P[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
-    plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device)
+    plan = _DecodePlan(_Layout(X["q"], X["k"], None), X["q"].device, dtype=X["q"].dtype)
     assert (plan.splits > 1) == (n_k > plan.chunk)
     grids = launches(ia, "_inducer_attn_fwd_kernel")
     a = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, causal=True, decode=True)
@@ -184,3 +184,26 @@ def test_decode_non_finite_cache_propagates(bad):
     # an infinite key gives a ±inf logit: NaN (+inf) or an excluded column (−inf), per row
     fin = torch.isfinite(ref)
     torch.testing.assert_close(got.cpu()[fin], ref[fin], rtol=2e-3, atol=2e-3)
+
+
+def test_every_decode_launch_configuration_matches_the_single_pass():
+    """The split-KV decode's launch configurations (DECODE_CANDIDATES: the rule's and those
+    a tuning table may choose, wider key steps) give the single-pass forward's outputs and
+    row statistics: chunks of two steps and a ragged last one, grouped query heads, a prefix,
+    a key mask."""
+    from kfused.triton_kernels.inducer_attention import decode_candidates
+
+    torch.manual_seed(3)
+    B, H, H_kv, n_q, n_k, p = 2, 4, 2, 1, 700, 64
+    X = {k_: t.float().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
+    P = {k_: t.float().to(DEVICE) for k_, t in _params(H, p, l=3).items()}
+    mlp = tuple(P[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
+    km = (torch.rand(B, n_k) > 0.2).to(DEVICE)
+    b = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"], P["prefix_v"],
+                                  km, True, decode=False)
+    for c in decode_candidates():
+        a = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"],
+                                      P["prefix_v"], km, True, decode=True,
+                                      decode_chunk=2 * c["BLOCK_N"], config=c)
+        for name, x, y in zip(("out", "u", "lse", "lam", "stats"), a, b):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6, msg=f"{name} {c}")

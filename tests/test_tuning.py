@@ -199,9 +199,14 @@ def test_candidates_compile_for_sm90_without_spills():
     from kfused.triton_kernels import inducer_attention as ia
 
     for p in (64, 128):    # one inducer case a head width: every kernel's every candidate
-        attn = [ln for ln in lines if ln.startswith("_inducer_attn") and f" p={p} " in ln]
+        attn = [ln for ln in lines if ln.startswith("_inducer_attn") and f" p={p} " in ln
+                and " decode " not in ln]
         assert len(attn) == sum(len(ia.attn_candidates(k, p)) for k in ia.ATTN_KERNELS)
-    assert all("spill 0 B" in ln for ln in lines)
+    decode = [ln for ln in lines if " decode " in ln]
+    assert len(decode) == len(ia.decode_candidates())
+    # the decode candidates may spill what the rule's launch spills (rc 0 says so: 16 B
+    # outside the key loop under Triton 3.9), every other candidate nothing
+    assert all("spill 0 B" in ln for ln in lines if ln not in decode)
 
 
 def test_tune_script_records_the_fastest_candidate(tmp_path, monkeypatch):
@@ -479,22 +484,30 @@ def test_tune_script_times_the_attention_kernels(tmp_path, monkeypatch, capsys):
     from kfused.triton_kernels import inducer_attention as ia
 
     monkeypatch.setattr(tune_kernels, "attn_shapes", lambda which: [(1, 2, 70, 64, False)])
+    monkeypatch.setattr(tune_kernels, "decode_shapes", lambda which: [(2, 4, 2, 300, 64)])
     ran = []
 
     def timer(fn, dev, reps_ms):
         fn()
         c = fn.__defaults__[0]
         ran.append(c)
-        ms = 0.01 if c["BLOCK_M"] == 64 and c["BLOCK_N"] == 128 else 0.02   # dK/dV's 2nd
+        # dK/dV's second candidate; the decode's widest step
+        fast = (c.get("BLOCK_M") == 64 and c["BLOCK_N"] == 128
+                or "BLOCK_M" not in c and c["BLOCK_N"] == 256)
+        ms = 0.01 if fast else 0.02
         return ms, ms, ms
 
     table, out = tmp_path / "t.json", tmp_path / "tune.json"
     assert tune_kernels.tune("targets", str(table), str(out), 1.0, 600.0,
                              dev=torch.device(DEVICE), timer=timer, name=GPU,
                              kernels=("attn",)) == 0
-    assert len(ran) == sum(len(ia.attn_candidates(k, 64)) for k in ia.ATTN_KERNELS)
+    assert len(ran) == (sum(len(ia.attn_candidates(k, 64)) for k in ia.ATTN_KERNELS)
+                        + len(ia.decode_candidates()))
     data = json.loads(table.read_text())["devices"][GPU]
-    assert sorted(data) == sorted(ia.ATTN_KERNELS)
+    assert sorted(data) == sorted(ia.ATTN_KERNELS + (ia.DECODE_TUNING,))
+    (e,) = data[ia.DECODE_TUNING]
+    assert e["key"] == ia.decode_tuning_key(64, 16, 4, 2) and e["T"] == 300
+    assert e["config"] == {"BLOCK_N": 256, "num_warps": 4, "num_stages": 2}
     key = ia.attn_tuning_key(64, False, 2)
     for kernel in ia.ATTN_KERNELS:
         (e,) = data[kernel]
@@ -503,3 +516,25 @@ def test_tune_script_times_the_attention_kernels(tmp_path, monkeypatch, capsys):
     assert data[ia.ATTN_KERNELS[2]][0]["config"]["BLOCK_N"] == 128
     printed = capsys.readouterr().out
     assert "differs" not in printed and "Error" not in printed, printed
+
+
+def test_decode_config_from_the_table(table):
+    """The split-KV decode takes a measured entry for its GPU model and shape (16-bit), else
+    the rule; a given configuration wins; the CPU interpreter keeps the rule's keys."""
+    from kfused.triton_kernels import inducer_attention as ia
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    lay = ia._Layout(torch.empty(1, 32, 1, 128), torch.empty(1, 8, 16384, 128), None)
+    key = ia.decode_tuning_key(128, 16, 8, 2)
+    tuning.merge(str(table), GPU, ia.DECODE_TUNING,
+                 [_entry(key, 16384, BLOCK_N=256, num_warps=4, num_stages=2)])
+    rule = ia.DECODE_CANDIDATES[0]
+    got = lambda plan: (plan.block_n, plan.num_warps, plan.num_stages)  # noqa: E731
+    plan = ia._DecodePlan(lay, cuda, None, None, torch.bfloat16)
+    assert got(plan) == (256, 4, 2) and plan.chunk % 256 == 0 and plan.splits > 1
+    assert got(ia._DecodePlan(lay, cuda, None, None, torch.float32)) == rule
+    other = ia._Layout(torch.empty(2, 32, 1, 128), torch.empty(2, 8, 16384, 128), None)
+    assert got(ia._DecodePlan(other, cuda, None, None, torch.bfloat16)) == rule   # kv heads
+    c = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    assert got(ia._DecodePlan(lay, cuda, None, c, torch.bfloat16)) == (128, 4, 2)
+    assert ia._DecodePlan(lay, cpu, None, None, torch.bfloat16).block_n == rule[0]

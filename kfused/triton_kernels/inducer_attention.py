@@ -1140,6 +1140,36 @@ def _fwd_config(dtype: torch.dtype, d_pad: int, device: torch.device, causal: bo
 # decode path: at most this many query rows per kv head (GROUP × n_q) in one split tile
 DECODE_MAX_ROWS = 64
 DECODE_MAX_QUERIES = 16
+# The split-KV decode's (BLOCK_N, num_warps, num_stages), the rule's first; tune_kernels.py
+# --kernels attn times them (kfused.tuning, table name DECODE_TUNING). The H200 of 2026-11-30
+# measured the rule's launch at 119 µs for B = 16, 8 kv heads, n_k = 4096, p = 128 (64 key
+# steps of 64 keys: ~1.9 µs a step) and 73.5 µs at B = 1, n_k = 16384 (16 chunks of 1024),
+# against 20-66 µs predicted at the HBM rate: its sm_90 key loop (Triton 3.6) has 9 barriers
+# a step (softmax across the 4 warps, P to the PV operand) whatever the step's width, so
+# wider steps pay them for 2-4x the keys (19.0, 16.0, 14.8 warp-instructions per key at 64,
+# 128, 256). Not measured yet.
+DECODE_CANDIDATES = ((64, 4, 2), (128, 4, 2), (256, 4, 2))
+DECODE_TUNING = "_inducer_attn_fwd_kernel[decode]"
+
+
+def decode_candidates() -> list:
+    """The split-KV decode's launch configurations a GPU run times, the rule's first."""
+    return [dict(zip(("BLOCK_N", "num_warps", "num_stages"), c)) for c in DECODE_CANDIDATES]
+
+
+def decode_tuning_key(d_pad: int, rows: int, kv_heads: int, elem_bytes: int) -> dict:
+    """What a decode entry must match: padded head width, packed query rows per kv head,
+    kv heads in the batch (B·H_kv: with them the split count); the cache length is its T."""
+    return {"D_PAD": int(d_pad), "rows": int(rows), "kv_heads": int(kv_heads),
+            "elem_bytes": int(elem_bytes)}
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_config(d_pad: int, rows: int, kv_heads: int, n_k: int, elem_bytes: int,
+                   device: torch.device, state: tuple) -> Optional[dict]:
+    return tuning.lookup(DECODE_TUNING, device,
+                         decode_tuning_key(d_pad, rows, kv_heads, elem_bytes), n_k,
+                         decode_candidates())
 
 
 class _DecodePlan:
@@ -1147,11 +1177,25 @@ class _DecodePlan:
     ``split_m`` rows per tile (the GROUP query heads × n_q queries of one kv head), key
     chunks of ``chunk`` keys (a multiple of ``block_n``), ``splits`` of them."""
 
-    def __init__(self, lay: "_Layout", device: torch.device, chunk: Optional[int] = None):
+    def __init__(self, lay: "_Layout", device: torch.device, chunk: Optional[int] = None,
+                 config: Optional[dict] = None, dtype: Optional[torch.dtype] = None):
         group = lay.H // lay.h_kv
         self.split_m = max(16, next_pow2(group * lay.n_q))
         self.block_m = max(16, next_pow2(lay.n_q))      # a query head's rows when merging
-        self.block_n = 64
+        # keys per step, warps, stages: ``config`` (a tuning run), else a tuning table's
+        # measured entry (16-bit on a GPU), else the rule's (DECODE_CANDIDATES[0])
+        self.block_n, self.num_warps, self.num_stages = DECODE_CANDIDATES[0]
+        if device.type != "cuda" and triton_interpret():
+            self.num_stages = 1
+        elif (config is None and device.type == "cuda"
+              and dtype in (torch.float16, torch.bfloat16)):
+            config = _decode_config(max(16, next_pow2(lay.p)), self.split_m,
+                                    lay.B * lay.h_kv, lay.n_k, dtype.itemsize, device,
+                                    tuning.state())
+        if config:
+            self.block_n = int(config.get("BLOCK_N", self.block_n))
+            self.num_warps = int(config.get("num_warps", self.num_warps))
+            self.num_stages = int(config.get("num_stages", self.num_stages))
         if chunk is None:
             if triton_interpret():
                 chunk = 2 * self.block_n                # several chunks even on test shapes
@@ -1374,6 +1418,10 @@ def inducer_attention_forward(
     kernel with SPLIT_KV, one program per key chunk of ``decode_chunk`` keys (default: sized
     to fill the GPU) and kv head, the last chunk to finish merging them. Same outputs (the
     backward reads the same row statistics).
+
+    ``config``: a launch configuration over the rule's and any tuning table's, for a tuning
+    run ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}, :data:`ATTN_CANDIDATES`; the
+    decode path reads "BLOCK_N", "num_warps", "num_stages", :data:`DECODE_CANDIDATES`).
     """
     lay = _Layout(q, k, varlen)
     B, H, n_q, p, n_k, h_kv = lay.B, lay.H, lay.n_q, lay.p, lay.n_k, lay.h_kv
@@ -1419,9 +1467,9 @@ def inducer_attention_forward(
             L_TC=max(16, l_pad), R_TC=max(16, r_pad), BLOCK_M=mlp_bm, CHUNK=mlp_chunk,
             TC=mlp_tc, VARLEN=lay.varlen, num_warps=mlp_warps, num_stages=1)
     if decode and B * H * n_q > 0:
-        plan = _DecodePlan(lay, q.device, decode_chunk)
+        plan = _DecodePlan(lay, q.device, decode_chunk, config, q.dtype)
         BM, BN, split_m, chunk = plan.block_m, plan.block_n, plan.split_m, plan.chunk
-        warps, stages = 4, (1 if triton_interpret() else 2)
+        warps, stages = plan.num_warps, plan.num_stages
         decode = plan.split_kv
         grid = (cdiv(n_q, BM), B * H)
     if decode and B * H * n_q > 0:
@@ -1467,7 +1515,8 @@ def inducer_attention_backward(
     forward's rounding residue, contiguous; None or empty: from ``out`` alone, which loses
     ~1 % to cancellation in rows with few columns). float32: ``D_i = Σ_j P_ij dP_ij`` from the
     same dP values (``EXACT_DELTA``; a second S / dP pass in the dQ kernel). ``varlen``: as in
-    :func:`inducer_attention_forward` (dq, dk, dv packed like q, k, v).
+    :func:`inducer_attention_forward` (dq, dk, dv packed like q, k, v). ``configs``: {kernel
+    name: launch configuration} over the rule's for the dQ / dK/dV kernels (a tuning run).
     """
     lay = _Layout(q, k, varlen)
     B, H, n_q, p, n_k, h_kv = lay.B, lay.H, lay.n_q, lay.p, lay.n_k, lay.h_kv
