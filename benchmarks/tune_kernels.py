@@ -2,7 +2,7 @@
 
     python3 benchmarks/tune_kernels.py [--table kfused/data/kernel_tuning.json]
                                        [--out tune.json] [--shapes targets|all] [--reps-ms 30]
-                                       [--kernels krona,rank,narrow]
+                                       [--kernels attn,krona,rank,narrow]
     python3 benchmarks/tune_kernels.py --compile-only      # any machine: compile for sm_90
     python3 benchmarks/tune_kernels.py --warm-only         # GPU: compile + launch, untimed
 
@@ -26,6 +26,12 @@ for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape)
   against 30.4 predicted (GPT-2 small, Kernel-mix qvo-intermediate; one 8-warp CTA per SM)
   (:data:`kfused.triton_kernels._headwise_common.RANK_CANDIDATES`); shapes: the sections a
   benchmark case's real forward and backward hand it.
+- ``attn``: the inducer attention's forward, dQ and dK/dV kernels (p = 128 ran at 1.3-2.7x
+  their prediction on the H200 of 2026-11-30; :data:`kfused.triton_kernels.inducer_attention.
+  ATTN_CANDIDATES`: tiles, warps, stages per head width; each timed within its pass, whose
+  other launches add the same time to every candidate) on the benchmark's n = 2048 cases,
+  and the split-KV decode's key step (``DECODE_CANDIDATES``) on its grouped-query cases.
+  Timed first by default: the other three were timed on the H200 already.
 
 On a GPU (bf16) each candidate's call (the kernel and what sums its partials) is captured in a
 CUDA graph and replayed (device time, no host cost: ``kfused.bench.graph_timer``); the fastest
@@ -278,7 +284,7 @@ JOBS = {"krona": krona_jobs, "narrow": narrow_jobs, "rank": rank_jobs, "attn": a
 
 
 def compile_only(which: str, arch: int, limit: int = 0,
-                 kernels=("krona", "rank", "narrow", "attn")) -> int:
+                 kernels=("attn", "krona", "rank", "narrow")) -> int:
     """Compile every candidate of every shape for sm_<arch> on CPU stand-ins; print registers,
     spills and shared memory; nonzero when one spills or cannot launch."""
     from kfused.perf.compile import compile_launch, jit_spec, launch_error, recording
@@ -366,7 +372,7 @@ def compile_only(which: str, arch: int, limit: int = 0,
     return 1 if bad else 0
 
 
-def warm(which: str, kernels=("krona", "rank", "narrow", "attn")) -> int:
+def warm(which: str, kernels=("attn", "krona", "rank", "narrow")) -> int:
     """Compile and launch every candidate once on the GPU, untimed (the Triton cache on disk
     then holds them: the proof runs this beside its tests, and the timed run later loads)."""
     dev = torch.device("cuda")
@@ -387,7 +393,7 @@ def warm(which: str, kernels=("krona", "rank", "narrow", "attn")) -> int:
 
 def tune(which: str, table: str, out: str, reps_ms: float, time_limit: float,
          dev: torch.device = torch.device("cuda"), timer=None, name: str = "",
-         kernels=("krona", "rank", "narrow", "attn")) -> int:
+         kernels=("attn", "krona", "rank", "narrow")) -> int:
     """Time every candidate per shape (``timer(fn, dev, reps_ms)`` -> (p20, p50, p80) ms,
     default ``kfused.bench.graph_timer``), merge the fastest into ``table``, write ``out``."""
     from kfused import tuning
@@ -491,7 +497,9 @@ def main(argv=None) -> int:
                    "candidate once, untimed")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--limit", type=int, default=0, help="--compile-only: the first N shapes")
-    p.add_argument("--kernels", default="krona,rank,narrow,attn", help="comma list of krona "
+    p.add_argument("--kernels", default="attn,krona,rank,narrow", help="comma list, in the "
+                   "order timed (the H200 of 2026-11-30 timed krona, rank, narrow; attn is "
+                   "new): krona "
                    "(KronA's factor-gradient pass), narrow (its narrow-factor form), rank (the "
                    "headwise rank pass), attn (the inducer attention's forward, dQ and dK/dV "
                    "kernels)")
