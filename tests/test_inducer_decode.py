@@ -14,6 +14,7 @@ from tests.test_inducer import _params
 from kfused.ops import inducer_attention
 from kfused.testing import assert_against_reference
 from kfused.triton_kernels.inducer_attention import (DECODE_MAX_QUERIES, _DecodePlan, _Layout,
+                                                     decode_candidates,
                                                      inducer_attention_forward)
 
 f64 = torch.float64
@@ -73,9 +74,14 @@ def test_decode_against_reference(B, H, H_kv, n_q, n_k, p, l, causal, compositio
     assert_against_reference(kern, ref, inputs, dtype, DEVICE)
 
 
-@pytest.mark.parametrize("chunk", [64, 128, 1024])
-def test_decode_matches_single_pass(chunk):
-    """Every chunking gives the single-pass forward's outputs and row statistics."""
+@pytest.mark.parametrize("chunk,config", [(64, None), (128, None), (1024, None)]
+                         + [(c["BLOCK_N"], c) for c in decode_candidates()],
+                         ids=lambda v: v if isinstance(v, int) else
+                         (f"keys{v['BLOCK_N']}" if v else "rule"))
+def test_decode_matches_single_pass(chunk, config):
+    """Every chunking gives the single-pass forward's outputs and row statistics; so does
+    every launch configuration of the split-KV decode (DECODE_CANDIDATES: the rule's and
+    those a tuning table may choose; chunks of one step, the last one ragged)."""
     torch.manual_seed(0)
     B, H, H_kv, n_q, n_k, p = 2, 6, 2, 2, 333, 64
     X = {k_: t.float().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
@@ -83,7 +89,7 @@ def test_decode_matches_single_pass(chunk):
     mlp = tuple(P[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
     km = (torch.rand(B, n_k) > 0.2).to(DEVICE)
     a = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"], P["prefix_v"],
-                                  km, True, decode=True, decode_chunk=chunk)
+                                  km, True, decode=True, decode_chunk=chunk, config=config)
     b = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"], P["prefix_v"],
                                   km, True, decode=False)
     for name, x, y in zip(("out", "u", "lse", "lam", "stats"), a, b):
@@ -185,25 +191,3 @@ def test_decode_non_finite_cache_propagates(bad):
     fin = torch.isfinite(ref)
     torch.testing.assert_close(got.cpu()[fin], ref[fin], rtol=2e-3, atol=2e-3)
 
-
-def test_every_decode_launch_configuration_matches_the_single_pass():
-    """The split-KV decode's launch configurations (DECODE_CANDIDATES: the rule's and those
-    a tuning table may choose, wider key steps) give the single-pass forward's outputs and
-    row statistics: chunks of two steps and a ragged last one, grouped query heads, a prefix,
-    a key mask."""
-    from kfused.triton_kernels.inducer_attention import decode_candidates
-
-    torch.manual_seed(3)
-    B, H, H_kv, n_q, n_k, p = 2, 4, 2, 1, 700, 64
-    X = {k_: t.float().to(DEVICE) for k_, t in _cache(B, H, H_kv, n_q, n_k, p).items()}
-    P = {k_: t.float().to(DEVICE) for k_, t in _params(H, p, l=3).items()}
-    mlp = tuple(P[n] for n in ("Ak", "ak", "Bk", "ck", "W1", "b1"))
-    km = (torch.rand(B, n_k) > 0.2).to(DEVICE)
-    b = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"], P["prefix_v"],
-                                  km, True, decode=False)
-    for c in decode_candidates():
-        a = inducer_attention_forward(X["q"], X["k"], X["v"], mlp, P["prefix_k"],
-                                      P["prefix_v"], km, True, decode=True,
-                                      decode_chunk=2 * c["BLOCK_N"], config=c)
-        for name, x, y in zip(("out", "u", "lse", "lam", "stats"), a, b):
-            torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-6, msg=f"{name} {c}")
