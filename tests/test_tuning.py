@@ -425,8 +425,8 @@ def test_tune_kernels_out_is_never_a_file_it_did_not_write(tmp_path, monkeypatch
 
 def test_attention_configs_from_the_table(table):
     """The inducer attention's three kernels each take their own measured entry (16-bit, on
-    the GPU model and head width timed, causal or not, from _ATTN_TUNE_MIN_N keys), else the
-    rule: the first candidate."""
+    the GPU model and head width timed, causal or not — a causal launch without one takes the
+    non-causal entry —, from _ATTN_TUNE_MIN_N keys), else the rule: the first candidate."""
     from kfused.triton_kernels import inducer_attention as ia
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -443,13 +443,17 @@ def test_attention_configs_from_the_table(table):
     want = tup(ia.attn_candidates(fwd, 128)[1])
     assert ia._fwd_config(bf, 128, cuda, False, 2048) == want
     assert ia._fwd_config(torch.float16, 128, cuda, False, 8192) == want   # nearest count
-    assert ia._fwd_config(bf, 128, cuda, True, 2048) == rule[fwd]          # causal: no entry
+    assert ia._fwd_config(bf, 128, cuda, True, 2048) == want    # causal: the non-causal's
     assert ia._fwd_config(bf, 128, cuda, False, ia._ATTN_TUNE_MIN_N - 1) == rule[fwd]
     assert ia._fwd_config(bf, 64, cuda, False, 2048) == tup(ia.attn_candidates(fwd, 64)[0])
     assert ia._fwd_config(torch.float32, 128, cuda, False, 2048) == (64, 32, 4, 1)
     assert ia._fwd_config(bf, 128, cpu, False, 2048) == (64, 64, 4, 1)      # interpreter
     assert ia._bwd_config(bf, 128, cuda, False, 2048) == (
         rule[dq], tup(ia.attn_candidates(dkdv, 128)[1]))
+    own = ia.attn_candidates(fwd, 128)[2]       # a causal entry of its own wins for causal
+    tuning.merge(str(table), GPU, fwd, [_entry(ia.attn_tuning_key(128, True, 2), 2048, **own)])
+    assert ia._fwd_config(bf, 128, cuda, True, 2048) == tup(own)
+    assert ia._fwd_config(bf, 128, cuda, False, 2048) == want
     # a given configuration wins over the table and the rule, for its kernel only
     c = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     assert ia._fwd_config(bf, 128, cuda, False, 2048, c) == (64, 32, 8, 2)

@@ -1111,13 +1111,16 @@ def attn_tuning_key(d_pad: int, causal: bool, elem_bytes: int) -> dict:
 def _attn_config(kernel: str, dtype: torch.dtype, d_pad: int, device: torch.device,
                  causal: bool, n: int, state: tuple) -> Tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a 16-bit launch on a GPU: a tuning table's
-    measured entry for this device and shape where one exists (from _ATTN_TUNE_MIN_N keys),
-    else the rule's."""
+    measured entry for this device and shape where one exists (from _ATTN_TUNE_MIN_N keys; a
+    causal launch without an entry of its own takes the non-causal one: the same loop with
+    the diagonal tiles masked, and the proof times non-causal shapes only), else the rule's."""
     cands = attn_candidates(kernel, d_pad)
     cfg = cands[0]
     if device.type == "cuda" and n >= _ATTN_TUNE_MIN_N:
-        got = tuning.lookup(kernel, device, attn_tuning_key(d_pad, causal, dtype.itemsize), n,
-                            cands)
+        got = None
+        for c in ((True, False) if causal else (False,)):
+            got = got or tuning.lookup(kernel, device,
+                                       attn_tuning_key(d_pad, c, dtype.itemsize), n, cands)
         cfg = got or cfg
     return tuple(int(cfg[k]) for k in _CFG_KEYS)
 
