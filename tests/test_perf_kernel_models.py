@@ -190,7 +190,21 @@ for l in L:
                            modelled=modelled, model_fma=w["fma32_flops"], hand_fma=0)
         continue
     if l.name == "_inducer_attn_bwd_mlp_kernel":
-        res[l.name] = unit_loops(l, a, w, modelled)
+        # the tensor-core backward (16-bit, p = 64: one launch, WHAT 3): per BLOCK_M-row step
+        # the rows recomputed (q Ak, q Bkᵀ, q W1), the dq share's and the parameter
+        # gradients' products: three groups of L_TC + L_TC + R_TC = 48 columns; its issue
+        # table against the one loop of its SASS (the step loop)
+        assert a["TC"] and a["WHAT"] == 3 and a["HAS_DU"]
+        from kfused.perf import compile as PC
+        BM, DP, CH = a["BLOCK_M"], a["D_PAD"], a["CHUNK"]
+        steps = Bq * H * sum(cd(min(CH, n - c * CH), BM) for c in range(cd(n, CH)))
+        spec = PC.jit_spec(l.fn, l.args, l.kwargs)
+        (step,) = [c for _, c in next(iter(PC.sass_loops(
+            PC.compile_kernel(l.fn, spec).asm["cubin"]).values()))]
+        res[l.name] = dict(model=w["dot16_flops"], hand=steps * 2 * BM * DP * 48 * 3,
+                           modelled=modelled, model_fma=w["fma32_flops"], hand_fma=0,
+                           model_row=w["alu_ops"] / (Bq * H * n),
+                           hand_row=32 * step * spec[3]["num_warps"] / BM)
         continue
     BM, BN, DP = a["BLOCK_M"], a["BLOCK_N"], a["D_PAD"]
     # causal visits: query tile i sees key columns < (i + 1)·BM (n_q = n_k: offset 0)

@@ -736,6 +736,46 @@ def _m_ind_fwd_mlp(L) -> Dict[str, float]:
     return w
 
 
+# The tensor-core backward (TC, 16-bit: kfused/triton_kernels/inducer_attention.py
+# _mlp_bwd_rows_tc): its step loop's lane-instructions per row, {(WHAT, D_PAD): count}, read
+# from the sm_90 SASS (Triton 3.6, the GPU machine's; 3.9 within 8 %): p = 64 one launch (64-row
+# steps, 4 warps), p = 128 two (the dq share on 64-row steps, the parameter partials on 32).
+_MLP_BWD_TC_ISSUE = {(3, 64): 3226, (1, 128): 3030, (2, 128): 5164}
+
+
+def _m_ind_mlp_tc(L, a, rows: int, steps: int) -> Dict[str, float]:
+    """The tensor-core backward's products per BLOCK_M-row step: the MLP rows recomputed (q Ak,
+    q Bkᵀ, and q W1 with du), then for WHAT & 1 the dq share's (cg Bk, dz Akᵀ, dz1 W1ᵀ) and
+    for WHAT & 2 the parameter gradients' (qᵀ dz, qᵀ cg, qᵀ dz1), each 2·BM·D_PAD·16 FLOPs
+    (L_TC, R_TC columns); their wgmma feed from the SASS (N = 16 products); the rest of the
+    step by the issue table :data:`_MLP_BWD_TC_ISSUE`."""
+    q = a["Q"]
+    BM, DP, LT, RT = a["BLOCK_M"], a["D_PAD"], a["L_TC"], a["R_TC"]
+    what, du = a.get("WHAT", 3), bool(a["HAS_DU"])
+    per_group = 2 * LT + (RT if du else 0)              # columns of one group of products
+    groups = 1 + (1 if what & 1 else 0) + (1 if what & 2 else 0)
+    w = _work()
+    _prod(w, "MLP", steps * 2.0 * BM * DP * per_group * groups, True, True)
+    w["dot16_feed_from_sass"] = 1.0
+    w["alu_ops"] = rows * _MLP_BWD_TC_ISSUE.get((what, max(64, DP)),
+                                                _MLP_BWD_TC_ISSUE[(3, 64)])
+    w["sfu_ops"] = rows * 2 * (LT + (RT if du else 0))               # tanh: ex2 + rcp
+    pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
+    by = rows * hd * _el(q) + rows * 4 * 2                           # q; λ ×2
+    if what & 1:
+        by += rows * (hd + 1) * 4                                    # DQM, ADJ
+    if what & 2:
+        by += L.programs() * (2 * hd * pL + hd * pR + hd + pL + pR) * 4
+    if du:
+        by += rows * pR * _el(a["DU"])
+    if a["HAS_DLAM"]:
+        by += rows * 4 * 2
+    if a["HAS_DLSE"]:
+        by += rows * 4
+    w["hbm_bytes"] = by
+    return w
+
+
 @kernel("_inducer_attn_bwd_mlp_kernel")
 def _m_ind_mlp(L) -> Dict[str, float]:
     """The backward's inducer rows, before the dQ kernel: per row, the r value units (q·W1_j,
@@ -746,7 +786,9 @@ def _m_ind_mlp(L) -> Dict[str, float]:
     (:data:`_MLP_BWD_ISSUE`, four MUFU ops per unit on every lane of the row)."""
     a = L.bound()
     q = a["Q"]
-    rows, _ = _mlp_row_steps(L, a)
+    rows, steps = _mlp_row_steps(L, a)
+    if a.get("TC"):
+        return _m_ind_mlp_tc(L, a, rows, steps)
     fixed, key, val = _mlp_issue(_MLP_BWD_ISSUE, a["D_PAD"], _el(q))
     units_v = a["R"] if a["HAS_DU"] else 0
     lanes = max(1, a["D_PAD"] // (16 // _el(q)))

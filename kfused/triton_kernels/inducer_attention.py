@@ -48,19 +48,25 @@ attention). The prefix tiles' dK/dV are written per batch element (B·H·l·p fl
 on the host. Extra memory is O(n) per head: a few floats per row, and with an inducer the
 MLP's float32 dq share (4·p bytes per row, as FlashAttention-2's float32 dq accumulator).
 
-The MLP's products never round an intermediate to 16 bits. The 16-bit prefill forward's
-q Ak, q Bkᵀ, q W1 are tensor-core dots of the stored 16-bit operands (q and the weights share
-one dtype: exact products, float32 accumulation, nothing split). Every other MLP product runs
-on the CUDA cores in float32: in the MLP-rows kernels (the float32 prefill forward, every
-backward) one MLP unit (a column of Ak or W1, a row of Bk) at a time — a row sum of the q tile
-times the unit's weights, plus, backward, an outer-product update of the dq share and a column
-sum for its weight gradient: no dot, nothing through shared memory at p = 64. Their earlier
-form, float32 FMA dots of the q tile against the weights padded to 8 columns, measured
-0.81-0.85 ms forward and 1.4-1.9 ms backward at 16k tokens × 32 heads on an H200 (2026-11-30,
-12-21x its model). The decode path's prologue and epilogue keep float32 FMA dots, L and r
-padded to powers of two ≥ 8 (:func:`_key_rows`, :func:`_value_hidden`). Products with a
-float32 operand were 16-bit tensor-core dots (split hi + lo) until an H100 run showed that
-path faulting or wrong under Triton 3.6 (see the comment above :func:`_mlp_dot`).
+With 16-bit inputs every MLP product is a tensor-core dot of 16-bit operands with float32
+accumulation, nothing split. The prefill forward's q Ak, q Bkᵀ, q W1 take the stored operands
+(q and the weights share one dtype: exact products). The backward recomputes them the same
+way, then forms the dq share (cg Bk + dz Akᵀ + dz1 W1ᵀ) and the parameter gradients (qᵀ dz,
+qᵀ cg, qᵀ dz1) with the element-wise gradients dz, cg, dz1 rounded once to the input dtype,
+as the same-precision torch backward rounds every intermediate (docs/math.md §4 holds the
+kernel to twice that path's error): one launch at p ≤ 64, two at p = 128 (the dq share, then
+the parameter partials; together they spilled). float32 inputs keep the MLP-rows kernels'
+CUDA-core form, exact: one MLP unit (a column of Ak or W1, a row of Bk) at a time — a row
+sum of the q tile times the unit's weights, plus, backward, an outer-product update of the dq
+share and a column sum for its weight gradient: no dot. That form was the 16-bit path too
+until 2026-11-30 (sm_90 SASS: ~550 / ~1,200 warp-instructions a row at p = 64 / 128 in the
+backward, against ~100 / ~250 on the tensor cores); its earlier form, float32 FMA dots of the
+q tile against the weights padded to 8 columns, measured 0.81-0.85 ms forward and 1.4-1.9 ms
+backward at 16k tokens × 32 heads on an H200 (2026-11-30, 12-21x its model). The decode
+path's prologue and epilogue keep float32 FMA dots, L and r padded to powers of two ≥ 8
+(:func:`_key_rows`, :func:`_value_hidden`). Products with a float32 operand were 16-bit
+tensor-core dots (split hi + lo) until an H100 run showed that path faulting or wrong under
+Triton 3.6 (see the comment above :func:`_mlp_dot`); no product splits an operand now.
 
 Host functions: :func:`inducer_attention_forward`, :func:`inducer_attention_backward`.
 """
@@ -112,9 +118,10 @@ def _tanh(x):
         return libdevice.tanh(x), 4.0 * t / ((1.0 + t) * (1.0 + t))
 
 
-# The inducer MLP's small products (q Ak, q Bkᵀ, q W1 and their gradients: N = L_PAD or R_PAD
-# columns) run on the CUDA cores in float32 (an "ieee" dot: FMA, exact 16-bit products) in
-# every dtype. Measured on an H100 (Triton 3.6.0, torch 2.11.0+cu130, 2026-11-25,
+# The decode path's MLP products (q Ak, q Bkᵀ, q W1: N = L_PAD or R_PAD columns) run on the
+# CUDA cores in float32 (an "ieee" dot: FMA, exact 16-bit products) in every dtype; the
+# MLP-rows kernels take the tensor cores for 16-bit inputs, no operand split. Measured on an
+# H100 (Triton 3.6.0, torch 2.11.0+cu130, 2026-11-25,
 # benchmarks/results/h100/inducer-mlp-dot/): with these products as 16-bit tensor-core dots
 # (float32 operands split hi + lo) the 16-bit kernels gave an illegal memory access (forward
 # and dQ kernels), NaN gradients or silently wrong dAk/dak/dBk/dq on 4 of 5 fuzzed shapes;
@@ -864,6 +871,123 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
 
 
 @triton.jit
+def _mlp_bwd_rows_tc(Q, LAM, DU, DLAM, DLSE, AK, AKB, BK, CK, W1, B1, N_ROWS, ADJ, DQM, PART,
+                     CU_Q, ROW_SB, ROW_SH, stride_qb, stride_qh, stride_qn, stride_qd,
+                     H, N_Q, L, R, scale,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_TC: tl.constexpr,
+                     R_TC: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                     HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr, HAS_DLSE: tl.constexpr,
+                     VARLEN: tl.constexpr, WHAT: tl.constexpr):
+    """:func:`_inducer_attn_bwd_mlp_kernel` for 16-bit q on the tensor cores. Per BLOCK_M-row
+    step: the MLP rows recomputed as the forward's three dots (q Ak, q Bkᵀ, q W1: 16-bit
+    operands as stored, float32 accumulation), the element-wise gradients on the (BLOCK_M,
+    L_TC | R_TC) accumulator tiles, then
+
+        dq share  = c (2q + ck) + dz1 W1ᵀ + cg Bk + dz Akᵀ        (BLOCK_M, D_PAD)
+        dW1ᵀ, dAk, dBkᵀ  += qᵀ dz1, qᵀ dz, qᵀ cg                 (D_PAD, R_TC | L_TC)
+
+    with dz1 = λ du (1 − hid²), cg = c g, dz = c t (1 − g²) rounded once to q's dtype for
+    their products (as the same-precision torch backward rounds every intermediate; the
+    weights and q enter as stored), everything else float32. The weights, zero-padded to
+    L_TC / R_TC ≥ 16 columns, are loaded once per program; padding columns give g = t = 0 and
+    du = 0, so they contribute nothing. The unit-at-a-time form (float32 q) issued ~550 (p =
+    64) and ~1,200 (p = 128) warp-instructions a row on sm_90 (its model: 315 / 440 µs for
+    16k tokens × 32 / 16 heads); this one ~100 at p = 64.
+
+    WHAT (bits): 1 the dq share and ADJ, 2 the parameter partials; 3 both in one pass (p ≤
+    64). At p = 128 one pass held too much at once (the (BLOCK_M, 128) dq share, q and the
+    three (128, 16) parameter accumulators: 0.3-0.5 KB spilled on sm_90), so the host runs
+    it as two launches, each recomputing the MLP rows from q."""
+    b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    offs_l = tl.arange(0, L_TC)
+    offs_r = tl.arange(0, R_TC)
+    ak_w, ak_b, bk_t, ck = _key_weights(AK, AKB, BK, CK, h, L, offs_d, d_ok, HEAD_DIM, L_TC)
+    w1, b1 = _value_weights(W1, B1, h, R, offs_d, d_ok, HEAD_DIM, R_TC)
+    dt = ak_w.dtype
+    d_ak = tl.zeros([D_PAD, L_TC], dtype=tl.float32)
+    d_bk_t = tl.zeros([D_PAD, L_TC], dtype=tl.float32)
+    d_w1 = tl.zeros([D_PAD, R_TC], dtype=tl.float32)
+    d_ck = tl.zeros([D_PAD], dtype=tl.float32)
+    d_akb = tl.zeros([L_TC], dtype=tl.float32)
+    d_b1 = tl.zeros([R_TC], dtype=tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m, m_ok, q, row = _q_rows(Q, b, h, q0, m0, hi, offs_d, d_ok, stride_qb, stride_qh,
+                                       stride_qn, stride_qd, ROW_SB, ROW_SH, BLOCK_M)
+        lam = tl.load(LAM + row, mask=m_ok, other=0.0)
+        lam_c = tl.load(LAM + N_ROWS + row, mask=m_ok, other=0.0)
+        dlam = tl.zeros([BLOCK_M], dtype=tl.float32)
+        dz1 = tl.zeros([BLOCK_M, R_TC], dtype=dt)
+        if HAS_DU:
+            hid, hs = _tanh(tl.dot(q, w1, out_dtype=tl.float32) + b1[None, :])
+            du = tl.load(DU + row[:, None] * R + offs_r[None, :],
+                         mask=m_ok[:, None] & (offs_r < R)[None, :], other=0.0).to(tl.float32)
+            dlam += tl.sum(du * hid, 1)
+            dz1 = ((lam[:, None] * du) * hs).to(dt)
+            if WHAT & 2:
+                d_w1 += tl.dot(tl.trans(q), dz1, out_dtype=tl.float32)
+                d_b1 += tl.sum(dz1.to(tl.float32), 0)
+        if HAS_DLAM:
+            dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
+                     - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
+        ds0 = dlam * (lam * lam_c)
+        adj = ds0
+        if HAS_DLSE:
+            adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+        if WHAT & 1:
+            tl.store(ADJ + row, adj, mask=m_ok)
+        # d⟨q, p_k⟩/dq = 2q + ck + g Bk + ((q Bkᵀ) ∘ (1 − g²)) Akᵀ, times c per row
+        c = ds0 * scale
+        g, gs = _tanh(tl.dot(q, ak_w, out_dtype=tl.float32) + ak_b[None, :])
+        t = tl.dot(q, bk_t, out_dtype=tl.float32)
+        cg = (c[:, None] * g).to(dt)
+        dz = (c[:, None] * t * gs).to(dt)
+        if WHAT & 2:
+            d_ak += tl.dot(tl.trans(q), dz, out_dtype=tl.float32)
+            d_bk_t += tl.dot(tl.trans(q), cg, out_dtype=tl.float32)
+            d_akb += tl.sum(dz.to(tl.float32), 0)
+            d_ck += tl.sum(c[:, None] * q.to(tl.float32), 0)
+        if WHAT & 1:
+            dqm = tl.dot(cg, tl.trans(bk_t), out_dtype=tl.float32)
+            dqm = tl.dot(dz, tl.trans(ak_w), dqm, out_dtype=tl.float32)
+            if HAS_DU:
+                dqm = tl.dot(dz1, tl.trans(w1), dqm, out_dtype=tl.float32)
+            qf = q.to(tl.float32)
+            tl.store(DQM + row[:, None] * HEAD_DIM + offs_d[None, :],
+                     dqm + c[:, None] * (2.0 * qf + ck[None, :]),
+                     mask=m_ok[:, None] & d_ok[None, :])
+    if WHAT & 2:
+        _store_mlp_partials(PART, d_ak, d_bk_t, d_ck, d_akb, d_b1, d_w1, offs_d, offs_l, offs_r,
+                            d_ok, L, R, HEAD_DIM)
+
+
+@triton.jit
+def _store_mlp_partials(PART, d_ak, d_bk_t, d_ck, d_akb, d_b1, d_w1, offs_d, offs_l, offs_r,
+                        d_ok, L, R, HEAD_DIM: tl.constexpr):
+    """This program's parameter partials, unpadded, in the unit form's layout: dAk (p, L),
+    dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r); from (D_PAD, L | R)-oriented tiles."""
+    l_ok = offs_l < L
+    r_ok = offs_r < R
+    base = PART + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (
+        2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
+    tl.store(base + offs_d[:, None] * L + offs_l[None, :], d_ak,
+             mask=d_ok[:, None] & l_ok[None, :])
+    base += HEAD_DIM * L
+    tl.store(base + offs_l[None, :] * HEAD_DIM + offs_d[:, None], d_bk_t,
+             mask=d_ok[:, None] & l_ok[None, :])
+    base += HEAD_DIM * L
+    tl.store(base + offs_d, d_ck, mask=d_ok)
+    base += HEAD_DIM
+    tl.store(base + offs_l, d_akb, mask=l_ok)
+    base += L
+    tl.store(base + offs_r, d_b1, mask=r_ok)
+    base += R
+    tl.store(base + offs_d[:, None] * R + offs_r[None, :], d_w1,
+             mask=d_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
 def _inducer_attn_bwd_mlp_kernel(
     Q, LAM, DU, DLAM, DLSE, AK, AKB, BK, CK, W1, B1, N_ROWS, ADJ, DQM, PART, CU_Q,
     ROW_SB, ROW_SH, stride_qb, stride_qh, stride_qn, stride_qd,
@@ -871,7 +995,8 @@ def _inducer_attn_bwd_mlp_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     HAS_DU: tl.constexpr, HAS_DLAM: tl.constexpr, HAS_DLSE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, TC: tl.constexpr = False, L_TC: tl.constexpr = 16,
+    R_TC: tl.constexpr = 16, WHAT: tl.constexpr = 3,
 ):
     """The inducer's backward apart from the attention, for the CHUNK query rows
     ``program_id(0)·CHUNK + [0, CHUNK)`` of head h of batch element b (:func:`_row_chunk`)
@@ -883,16 +1008,25 @@ def _inducer_attn_bwd_mlp_kernel(
     for a chunk past its sequence's end; the host sums the programs' partials in a fixed
     order).
 
-    One MLP unit at a time, as the forward's :func:`_inducer_fwd_mlp_kernel`: a row sum for
-    its pre-activation, an outer-product update of the dq share, and a column sum over the
-    step's rows for its parameter gradient (placed in its row of the (L_PAD | R_PAD, D_PAD)
-    accumulators); all float32, exact 16-bit products. At p = 64 launched on one warp: every
-    row and column sum stays in the warp (shuffles, no shared memory, no barrier).
+    float32 q: one MLP unit at a time, as the forward's :func:`_inducer_fwd_mlp_kernel`: a
+    row sum for its pre-activation, an outer-product update of the dq share, and a column sum
+    over the step's rows for its parameter gradient (placed in its row of the (L_PAD |
+    R_PAD, D_PAD) accumulators); all float32. At p = 64 launched on one warp: every row and
+    column sum stays in the warp (shuffles, no shared memory, no barrier).
 
     A kernel of its own, launched before the dQ kernel: in the dQ kernel's prologue and
     epilogue the MLP products took it to 255 registers and a 1.5-2 KB per-thread spill on
     sm_90, paid by every query tile on top of its key loop. Its FMA-dot form measured
-    1.4-1.9 ms at 16k tokens × 32 heads on an H200 (2026-11-30), 12-16x its model."""
+    1.4-1.9 ms at 16k tokens × 32 heads on an H200 (2026-11-30), 12-16x its model.
+
+    TC (16-bit q and weights): :func:`_mlp_bwd_rows_tc` instead, every product on the
+    tensor cores (WHAT: what this launch computes, see there)."""
+    if TC:
+        _mlp_bwd_rows_tc(Q, LAM, DU, DLAM, DLSE, AK, AKB, BK, CK, W1, B1, N_ROWS, ADJ, DQM,
+                         PART, CU_Q, ROW_SB, ROW_SH, stride_qb, stride_qh, stride_qn,
+                         stride_qd, H, N_Q, L, R, scale, HEAD_DIM, D_PAD, L_TC, R_TC,
+                         BLOCK_M, CHUNK, HAS_DU, HAS_DLAM, HAS_DLSE, VARLEN, WHAT)
+        return
     b, h, q0, lo, hi = _row_chunk(H, CU_Q, N_Q, CHUNK, VARLEN)
     offs_d = tl.arange(0, D_PAD)
     offs_l = tl.arange(0, L_PAD)
@@ -948,26 +1082,9 @@ def _inducer_attn_bwd_mlp_kernel(
             d_bk += tl.where(offs_l[:, None] == l, tl.sum(qf * cg[:, None], 0)[None, :], 0.0)
             d_akb += tl.where(offs_l == l, tl.sum(dz, 0), 0.0)
         tl.store(DQM + row[:, None] * HEAD_DIM + offs_d[None, :], dqm, mask=io_mask)
-    # this program's partials, unpadded (padding lanes are never stored): dAk (p, L),
-    # dBk (L, p), dck (p), dak (L), db1 (r), dW1 (p, r)
-    l_ok = offs_l < L
-    r_ok = offs_r < R
-    base = PART + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (
-        2 * HEAD_DIM * L + HEAD_DIM * R + HEAD_DIM + L + R)
-    tl.store(base + offs_d[None, :] * L + offs_l[:, None], d_ak_t,
-             mask=l_ok[:, None] & d_ok[None, :])
-    base += HEAD_DIM * L
-    tl.store(base + offs_l[:, None] * HEAD_DIM + offs_d[None, :], d_bk,
-             mask=l_ok[:, None] & d_ok[None, :])
-    base += HEAD_DIM * L
-    tl.store(base + offs_d, d_ck, mask=d_ok)
-    base += HEAD_DIM
-    tl.store(base + offs_l, d_akb, mask=l_ok)
-    base += L
-    tl.store(base + offs_r, d_b1, mask=r_ok)
-    base += R
-    tl.store(base + offs_d[None, :] * R + offs_r[:, None], d_w1_t,
-             mask=r_ok[:, None] & d_ok[None, :])
+    # this program's partials, unpadded (padding lanes are never stored)
+    _store_mlp_partials(PART, tl.trans(d_ak_t), tl.trans(d_bk), d_ck, d_akb, d_b1,
+                        tl.trans(d_w1_t), offs_d, offs_l, offs_r, d_ok, L, R, HEAD_DIM)
 
 
 @triton.jit
@@ -1298,9 +1415,13 @@ def _mlp_rows_config(d_pad: int, backward: bool, tc: bool = False) -> Tuple[int,
     parameter gradients stay in the warp too. sm_90 compile (bf16, L = 4, r = 8; registers /
     spill bytes, Triton 3.6 and 3.9): p = 64, 16 rows on 1 warp 254 / 0 both; p = 128, 16
     rows on 2 warps 255 / 0 and 255 / 32, on 4 warps 168 / 0 and 213 / 0 (taken: no spill
-    under either, for about 20 % more instructions a row)."""
+    under either, for about 20 % more instructions a row). Tensor-core backward (16-bit): 64-row
+    steps on 4 warps, at p > 64 as two launches (the second, the parameter partials, on 32-row
+    steps): sm_90 p = 64 254-255 registers, p = 128 254-255, no spill (Triton 3.6 and 3.9)."""
     if triton_interpret():
         return 16, 32, (1 if backward else 4)   # several steps per program on test shapes
+    if backward and tc:                         # tensor-core backward: 64-row tiles, 4 warps
+        return 64, 256, 4
     if backward:
         return 16, 256, (1 if d_pad <= 64 else 4)
     if tc:                                      # tensor-core forward: 64-row tiles, 4 warps
@@ -1560,18 +1681,23 @@ def inducer_attention_backward(
     part = dqm = lse
     if has_mlp:
         # the inducer's rows first (ADJ, its float32 share of dq, the parameter partials)
-        mlp_bm, chunk, mlp_warps = _mlp_rows_config(d_pad, True)
+        mlp_tc = q.dtype in (torch.float16, torch.bfloat16)
+        mlp_bm, chunk, mlp_warps = _mlp_rows_config(d_pad, True, mlp_tc)
         grid_c = cdiv(n_q, chunk)
         part_size = 2 * p * L + p * r + p + L + r             # unpadded (see the kernel)
         part = _alloc.empty(grid_c * B, H, part_size, dtype=torch.float32, device=q.device)
         dqm = _alloc.empty(lay.n_rows, p, dtype=torch.float32, device=q.device)
-        if B * H * grid_c > 0:
+        # 16-bit at p > 64: the dq share and the parameter partials in two launches (one
+        # spilled, see _mlp_bwd_rows_tc), the second on 32-row steps
+        whats = ((1, mlp_bm), (2, mlp_bm // 2)) if mlp_tc and d_pad > 64 else ((3, mlp_bm),)
+        for what, what_bm in whats if B * H * grid_c > 0 else ():
             _inducer_attn_bwd_mlp_kernel[(grid_c, B * H)](
                 q, lam, du, dlam, dlse, ak_w, ak_b, bk_w, ck, w1, b1, lay.n_rows, adj, dqm,
                 part, lay.cu_q, *lay.row_strides, *lay.strides(q), H, lay.bounds[0], L, r,
                 float(scale), HEAD_DIM=p, D_PAD=d_pad, L_PAD=l_pad, R_PAD=r_pad,
-                BLOCK_M=mlp_bm, CHUNK=chunk, HAS_DU=has_du, HAS_DLAM=has_dlam,
-                HAS_DLSE=has_dlse, VARLEN=lay.varlen, num_warps=mlp_warps, num_stages=1)
+                BLOCK_M=max(16, what_bm), CHUNK=chunk, HAS_DU=has_du, HAS_DLAM=has_dlam,
+                HAS_DLSE=has_dlse, VARLEN=lay.varlen, TC=mlp_tc, L_TC=max(16, l_pad),
+                R_TC=max(16, r_pad), WHAT=what, num_warps=mlp_warps, num_stages=1)
     if B * H * n_q > 0:
         _inducer_attn_bwd_dq_kernel[(cdiv(n_q, BM), B * H)](
             q, k, v, pk, pv, km, dout, out, out_lo if has_lo else out, stats, dlse, dqm,
