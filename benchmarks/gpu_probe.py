@@ -179,28 +179,29 @@ def probe_inducer() -> None:
 
     from kfused.ops import inducer_attention
 
-    B, H, n, p, L, r = 8, 32, 2048, 64, 4, 8
-    shapes = dict(q=(B, H, n, p), k=(B, H, n, p), v=(B, H, n, p), Ak=(H, p, L), ak=(H, L),
-                  Bk=(H, L, p), ck=(H, p), W1=(H, p, r), b1=(H, r))
-    t = {k: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_()
-         for k, s in shapes.items()}
+    for H, p in ((32, 64), (16, 128)):     # the benchmark's n = 2048 cases (p = 128: the
+        B, n, L, r = 8, 2048, 4, 8         # MLP backward in two launches, new tiles)
+        shapes = dict(q=(B, H, n, p), k=(B, H, n, p), v=(B, H, n, p), Ak=(H, p, L),
+                      ak=(H, L), Bk=(H, L, p), ck=(H, p), W1=(H, p, r), b1=(H, r))
+        t = {k: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_()
+             for k, s in shapes.items()}
 
-    def step():
-        f, u = inducer_attention(**t, backend="triton")
-        torch.autograd.backward([f, u], [torch.ones_like(f), torch.ones_like(u)])
+        def step():
+            f, u = inducer_attention(**t, backend="triton")
+            torch.autograd.backward([f, u], [torch.ones_like(f), torch.ones_like(u)])
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(3):
             step()
         torch.cuda.synchronize()
-    for ev in prof.key_averages():
-        if "inducer" in ev.key:
-            us = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
-            print(f"inducer kernel {ev.key}: {us:.1f} us a launch ({ev.count} launches)",
-                  flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if "inducer" in ev.key:
+                us = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
+                print(f"inducer p={p} H={H} kernel {ev.key}: {us:.1f} us a launch "
+                      f"({ev.count} launches)", flush=True)
 
 
 if __name__ == "__main__":
