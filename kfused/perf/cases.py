@@ -749,7 +749,6 @@ def _m_ind_mlp_tc(L, a, rows: int, steps: int) -> Dict[str, float]:
     for WHAT & 2 the parameter gradients' (qᵀ dz, qᵀ cg, qᵀ dz1), each 2·BM·D_PAD·16 FLOPs
     (L_TC, R_TC columns); their wgmma feed from the SASS (N = 16 products); the rest of the
     step by the issue table :data:`_MLP_BWD_TC_ISSUE`."""
-    q = a["Q"]
     BM, DP, LT, RT = a["BLOCK_M"], a["D_PAD"], a["L_TC"], a["R_TC"]
     what, du = a.get("WHAT", 3), bool(a["HAS_DU"])
     per_group = 2 * LT + (RT if du else 0)              # columns of one group of products
@@ -760,20 +759,27 @@ def _m_ind_mlp_tc(L, a, rows: int, steps: int) -> Dict[str, float]:
     w["alu_ops"] = rows * _MLP_BWD_TC_ISSUE.get((what, max(64, DP)),
                                                 _MLP_BWD_TC_ISSUE[(3, 64)])
     w["sfu_ops"] = rows * 2 * (LT + (RT if du else 0))               # tanh: ex2 + rcp
+    w["hbm_bytes"] = _mlp_bwd_bytes(L, a, rows, bool(what & 1), bool(what & 2))
+    return w
+
+
+def _mlp_bwd_bytes(L, a, rows: int, dq: bool, params: bool) -> float:
+    """HBM bytes of an MLP-rows backward launch: q, λ and 1 − λ, the row gradients it reads
+    (du, dλ, dlse), and what it writes: the dq share and ADJ (``dq``), the programs'
+    parameter partials (``params``)."""
     pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
-    by = rows * hd * _el(q) + rows * 4 * 2                           # q; λ ×2
-    if what & 1:
+    by = rows * hd * _el(a["Q"]) + rows * 4 * 2                      # q; λ ×2
+    if dq:
         by += rows * (hd + 1) * 4                                    # DQM, ADJ
-    if what & 2:
-        by += L.programs() * (2 * hd * pL + hd * pR + hd + pL + pR) * 4
-    if du:
+    if params:
+        by += L.programs() * (2 * hd * pL + hd * pR + hd + pL + pR) * 4      # unpadded
+    if a["HAS_DU"]:
         by += rows * pR * _el(a["DU"])
     if a["HAS_DLAM"]:
         by += rows * 4 * 2
     if a["HAS_DLSE"]:
         by += rows * 4
-    w["hbm_bytes"] = by
-    return w
+    return by
 
 
 @kernel("_inducer_attn_bwd_mlp_kernel")
@@ -795,17 +801,7 @@ def _m_ind_mlp(L) -> Dict[str, float]:
     w = _work()
     w["alu_ops"] = rows * (fixed + a["L"] * key + units_v * val)
     w["sfu_ops"] = rows * lanes * 4 * (a["L"] + units_v)
-    pL, pR, hd = a["L"], a["R"], a["HEAD_DIM"]
-    part = 2 * hd * pL + hd * pR + hd + pL + pR                      # unpadded
-    by = rows * hd * (_el(q) + 4) + rows * 4 * 3                     # q, DQM; λ ×2, ADJ
-    by += L.programs() * part * 4                                    # the partials
-    if a["HAS_DU"]:
-        by += rows * pR * _el(a["DU"])
-    if a["HAS_DLAM"]:
-        by += rows * 4 * 2
-    if a["HAS_DLSE"]:
-        by += rows * 4
-    w["hbm_bytes"] = by
+    w["hbm_bytes"] = _mlp_bwd_bytes(L, a, rows, True, True)
     return w
 
 

@@ -871,6 +871,21 @@ def _dq_tiles(dq, q, do, mrow, inv_l, delta, adj, k_base, v_base, stride_kn, str
 
 
 @triton.jit
+def _row_gate_grads(DLAM, DLSE, N_ROWS, row, m_ok, dlam, lam, lam_c, HAS_DLAM: tl.constexpr,
+                    HAS_DLSE: tl.constexpr):
+    """Per row: dλ (from du, plus a direct λ and 1 − λ gradient), ds0 = dλ λ (1 − λ) and
+    ADJ = −dLSE = ds0 − dlse."""
+    if HAS_DLAM:
+        dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
+                 - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
+    ds0 = dlam * (lam * lam_c)
+    adj = ds0
+    if HAS_DLSE:
+        adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+    return ds0, adj
+
+
+@triton.jit
 def _mlp_bwd_rows_tc(Q, LAM, DU, DLAM, DLSE, AK, AKB, BK, CK, W1, B1, N_ROWS, ADJ, DQM, PART,
                      CU_Q, ROW_SB, ROW_SH, stride_qb, stride_qh, stride_qn, stride_qd,
                      H, N_Q, L, R, scale,
@@ -928,13 +943,8 @@ def _mlp_bwd_rows_tc(Q, LAM, DU, DLAM, DLSE, AK, AKB, BK, CK, W1, B1, N_ROWS, AD
             if WHAT & 2:
                 d_w1 += tl.dot(tl.trans(q), dz1, out_dtype=tl.float32)
                 d_b1 += tl.sum(dz1.to(tl.float32), 0)
-        if HAS_DLAM:
-            dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
-                     - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
-        ds0 = dlam * (lam * lam_c)
-        adj = ds0
-        if HAS_DLSE:
-            adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+        ds0, adj = _row_gate_grads(DLAM, DLSE, N_ROWS, row, m_ok, dlam, lam, lam_c,
+                                   HAS_DLAM, HAS_DLSE)
         if WHAT & 1:
             tl.store(ADJ + row, adj, mask=m_ok)
         # d⟨q, p_k⟩/dq = 2q + ck + g Bk + ((q Bkᵀ) ∘ (1 − g²)) Akᵀ, times c per row
@@ -1059,13 +1069,8 @@ def _inducer_attn_bwd_mlp_kernel(
                 d_w1_t += tl.where(offs_r[:, None] == j, tl.sum(qf * dz1[:, None], 0)[None, :],
                                    0.0)
                 d_b1 += tl.where(offs_r == j, tl.sum(dz1, 0), 0.0)
-        if HAS_DLAM:
-            dlam += (tl.load(DLAM + row, mask=m_ok, other=0.0)
-                     - tl.load(DLAM + N_ROWS + row, mask=m_ok, other=0.0))
-        ds0 = dlam * (lam * lam_c)
-        adj = ds0
-        if HAS_DLSE:
-            adj -= tl.load(DLSE + row, mask=m_ok, other=0.0).to(tl.float32)
+        ds0, adj = _row_gate_grads(DLAM, DLSE, N_ROWS, row, m_ok, dlam, lam, lam_c,
+                                   HAS_DLAM, HAS_DLSE)
         tl.store(ADJ + row, adj, mask=m_ok)
         # the key MLP: d⟨q, p_k⟩/dq = p_k + q + Ak (Bk q ∘ (1 − g²)) = 2q + ck + g Bk + (…) Akᵀ
         c = ds0 * scale                                    # ∂L/∂⟨q, p_k⟩ per row
