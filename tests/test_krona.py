@@ -1105,11 +1105,23 @@ def test_double_backward_says_it_is_unsupported(op):
         y = krona_linear(x, W, None, A, B, backend="triton", exact=op == "krona_linear")
     gx, gA = torch.autograd.grad(y.float().square().sum(), (x, A), create_graph=True)
     # the first backward is unaffected
-    x64 = x.detach().double().requires_grad_()
-    y64 = (krona_linear_ref(x64, W.double(), None, A.double(), B.double())
-           if op != "kron_matvec" else kron_matvec_ref(x64, A.double(), B.double()))
-    torch.testing.assert_close(gx.double(), torch.autograd.grad(y64.square().sum(), x64)[0],
-                               rtol=2e-2, atol=2e-2)
+    if op == "krona_linear_folded":
+        # bit for bit the same path's backward without create_graph (its numerics against
+        # float64 are the folded tests', under the fold's error bound: a fixed 2e-2 against
+        # float64 here failed 1 element of 30 at KFUSED_TEST_SEED=1955103007, 0.028 off
+        # where the 16-bit forward's fold error, squared into the upstream gradient, met a
+        # gradient near 0.02)
+        x2, A2, B2 = (t.detach().requires_grad_() for t in (x, A, B))
+        y2 = krona_linear(x2, W, None, A2, B2, backend="triton", exact=False)
+        want = torch.autograd.grad(y2.float().square().sum(), (x2, A2))
+        assert torch.equal(gx, want[0]) and torch.equal(gA, want[1])
+    else:
+        x64 = x.detach().double().requires_grad_()
+        y64 = (krona_linear_ref(x64, W.double(), None, A.double(), B.double())
+               if op != "kron_matvec" else kron_matvec_ref(x64, A.double(), B.double()))
+        torch.testing.assert_close(gx.double(),
+                                   torch.autograd.grad(y64.square().sum(), x64)[0],
+                                   rtol=2e-2, atol=2e-2)
     name = "kron_matvec" if op == "kron_matvec" else "krona_linear"
     with pytest.raises(RuntimeError, match=rf"double backward is not supported by "
                                            rf"kfused\.{name}.*backend='reference'"):
