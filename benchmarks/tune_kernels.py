@@ -16,12 +16,14 @@ for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape)
   (:func:`kfused.triton_kernels.krona_linear.grad_candidates`, including the block-diagonal
   form of the step, ``_kron_grad_bd_kernel``, label suffix ``-bd``); shapes: the
   benchmark's factor shapes on the tensor-core path.
-- ``narrow``: ``_kron_narrow_grad_kernel``, the factor-gradient pass for factor pairs with
-  two small sides (the paper's 2×384 / 384×2, 8×384 / 384×2): not yet measured; the standard
-  kernel it replaced there ran 68.0 µs against 20.9 predicted at T = 16384, 768², and its own
-  step has 12 block-wide reductions the roofline does not price
-  (:data:`kfused.triton_kernels.krona_linear.NARROW_CANDIDATES`: tile and warps); shapes: the
-  benchmark's "paper2" factor shapes.
+- ``narrow``: the factor-gradient pass for factor pairs with two small sides (the paper's
+  2×384 / 384×2, 8×384 / 384×2): the CUDA-core ``_kron_narrow_grad_kernel`` measured 56.5
+  and 193 µs at T = 16384 on the H200 (2026-11-30; 15.5 and 34 predicted), its step's
+  block-wide reductions unpriced; ``_kron_narrow_tc_kernel``, the same sums as tensor-core
+  products (16-bit, no dx), is the rule now and not yet measured
+  (:func:`kfused.triton_kernels.krona_linear.narrow_candidates`: the tensor-core kernel's
+  warps and stages, then the CUDA-core kernel's tile and warps, one table entry for both
+  under ``_kron_narrow_grad_kernel``); shapes: the benchmark's "paper2" factor shapes.
 - ``rank``: ``_lr_rank_bwd_kernel``, the rank pass of the headwise q|k|v backward: 92.5 µs
   against 30.4 predicted (GPT-2 small, Kernel-mix qvo-intermediate; one 8-warp CTA per SM)
   (:data:`kfused.triton_kernels._headwise_common.RANK_CANDIDATES`); shapes: the sections a
@@ -31,7 +33,8 @@ for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape)
   ATTN_CANDIDATES`: tiles, warps, stages per head width; each timed within its pass, whose
   other launches add the same time to every candidate) on the benchmark's n = 2048 cases,
   and the split-KV decode's key step (``DECODE_CANDIDATES``) on its grouped-query cases.
-  Timed first by default: the other three were timed on the H200 already.
+  Timed first by default, then ``narrow`` (its tensor-core candidates are new): ``krona``
+  and ``rank`` were timed on the H200 already.
 
 On a GPU (bf16) each candidate's call (the kernel and what sums its partials) is captured in a
 CUDA graph and replayed (device time, no host cost: ``kfused.bench.graph_timer``); the fastest
@@ -93,6 +96,8 @@ def label(c: dict) -> str:
         return f"keys{c['BLOCK_N']}-w{c['num_warps']}-s{c['num_stages']}"
     if "BLOCK_M" in c:
         return f"{c['BLOCK_M']}x{c['BLOCK_N']}-w{c['num_warps']}-s{c['num_stages']}"
+    if c.get("NARROW") == 2:
+        return f"tc-w{c['num_warps']}-s{c['num_stages']}"
     if c.get("NARROW"):
         return f"tile{c['TILE']}-w{c['num_warps']}"
     return (f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
@@ -162,7 +167,8 @@ def narrow_jobs(which: str, dev: torch.device):
         def run(c, g=g, x=x, A=A, B=B):
             return kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)[1:]
         yield Job("_kron_narrow_grad_kernel", f"T={T} A{a_out}x{a_in} B{b_out}x{b_in}",
-                  kl.narrow_tuning_key(m, n, K, J, 2), T, list(kl.NARROW_CANDIDATES), run)
+                  kl.narrow_tuning_key(m, n, K, J, 2), T,
+                  kl.narrow_candidates(kl.narrow_grad_plan(a_out, a_in, b_out, b_in), 2), run)
 
 
 def rank_jobs(which: str, dev: torch.device):
@@ -323,8 +329,9 @@ def compile_only(which: str, arch: int, limit: int = 0,
                         lambda T, *f: kl.grad_candidates(T, *kernel_side(*f)),
                         (KERNEL, "_kron_grad_bd_kernel"))
     if "narrow" in kernels:
-        factor_launches(narrow_shapes(which), lambda T, *f: kl.NARROW_CANDIDATES,
-                        ("_kron_narrow_grad_kernel",))
+        factor_launches(narrow_shapes(which),
+                        lambda T, *f: kl.narrow_candidates(kl.narrow_grad_plan(*f), 2),
+                        ("_kron_narrow_grad_kernel", "_kron_narrow_tc_kernel"))
     if "attn" in kernels:
         from kfused.perf.cases import all_cases
         from kfused.perf.trace import trace
@@ -497,9 +504,9 @@ def main(argv=None) -> int:
                    "candidate once, untimed")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--limit", type=int, default=0, help="--compile-only: the first N shapes")
-    p.add_argument("--kernels", default="attn,krona,rank,narrow", help="comma list, in the "
-                   "order timed (the H200 of 2026-11-30 timed krona, rank, narrow; attn is "
-                   "new): krona "
+    p.add_argument("--kernels", default="attn,narrow,krona,rank", help="comma list, in the "
+                   "order timed (the H200 of 2026-11-30 timed krona, rank and narrow's CUDA-core "
+                   "candidates; attn and narrow's tensor-core ones are new): krona "
                    "(KronA's factor-gradient pass), narrow (its narrow-factor form), rank (the "
                    "headwise rank pass), attn (the inducer attention's forward, dQ and dK/dV "
                    "kernels)")

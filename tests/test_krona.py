@@ -134,25 +134,30 @@ NARROW_SHAPES = [(2, 128, 128, 2), (128, 2, 2, 128), (3, 5, 7, 2), (8, 40, 30, 2
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", NARROW_SHAPES, ids=str)
-def test_narrow_factor_gradients(shape, dtype, monkeypatch):
+def test_narrow_factor_gradients(shape, dtype, monkeypatch, launches):
     """kron_matvec's backward on factors with two small sides runs the narrow kernel (never the
     standard one), with the swapped orientation's strides and no transposed copies, and meets
-    §4 for dx, dA and dB; with dx not asked, dA and dB alone."""
+    §4 for dx, dA and dB; with dx not asked, dA and dB alone — in 16 bits by the tensor-core
+    narrow kernel where its tiles fit (every shape here)."""
     from kfused.triton_kernels import krona_linear as kl
 
     plan = kl.narrow_grad_plan(*shape)
     assert plan is not None, shape
-    standard = []
-    real = kl._kron_grad_kernel
-    monkeypatch.setattr(kl, "_kron_grad_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (standard.append(grid), real[grid])[1]})())
+    standard = launches(kl, "_kron_grad_kernel")
+    cuda_core = launches(kl, "_kron_narrow_grad_kernel")
+    tc = launches(kl, "_kron_narrow_tc_kernel")
     x, A, B = _factors(shape, lead=(random.randint(1, 40),))
     assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
                              kron_matvec_ref, {"x": x, "A": A, "B": B}, dtype, DEVICE)
+    assert cuda_core and not tc                     # dx with dA, dB: the CUDA-core kernel
+    del cuda_core[:]
     assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
                              kron_matvec_ref, {"x": x, "A": A, "B": B}, dtype, DEVICE,
                              grad_names=["A", "B"])
     assert standard == []
+    sixteen = dtype in (torch.float16, torch.bfloat16)
+    assert kl.narrow_tc_tiles(plan) is not None
+    assert bool(tc) == sixteen and bool(cuda_core) == (not sixteen)
 
 
 def test_narrow_plan_orientations():
@@ -326,6 +331,7 @@ def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
     fwd = launches(kl, "_krona_fwd_kernel")
     grad = launches(kl, "_kron_grad_kernel")
     narrow = launches(kl, "_kron_narrow_grad_kernel")      # two small factor sides
+    narrow_tc = launches(kl, "_kron_narrow_tc_kernel")     # the same, 16-bit, no dx
     a_out, a_in, b_out, b_in = shape
     x, A, B = _factors(shape, lead=(random.randint(1, 70),))
     W = torch.randn(a_out * b_out, a_in * b_in, dtype=torch.float64) / (a_in * b_in) ** 0.5
@@ -335,8 +341,10 @@ def test_exact_path_cublas_composition(shape, with_bias, monkeypatch, launches):
         lambda **kw: krona_linear(**kw, scale=0.5, backend="triton", exact=True),
         lambda **kw: krona_linear_ref(**kw, scale=0.5), inputs, torch.float16, DEVICE,
         grad_names=["x", "A", "B"])
-    assert not fwd and (grad or narrow)
-    assert bool(narrow) == (kl.narrow_grad_plan(*shape) is not None)
+    assert not fwd and (grad or narrow or narrow_tc)
+    plan = kl.narrow_grad_plan(*shape)
+    assert bool(narrow or narrow_tc) == (plan is not None)
+    assert bool(narrow_tc) == (plan is not None and kl.narrow_tc_tiles(plan) is not None)
     # kron_matvec's forward (no frozen weight): the Kronecker term alone, two calls
     assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
                              kron_matvec_ref, {"x": x, "A": A, "B": B}, torch.float16, DEVICE)

@@ -192,9 +192,11 @@ def test_candidates_compile_for_sm90_without_spills():
     lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
     grad = [ln for ln in lines if ln.startswith("_kron_grad")]
     narrow = [ln for ln in lines if ln.startswith("_kron_narrow_grad_kernel")]
+    narrow_tc = [ln for ln in lines if ln.startswith("_kron_narrow_tc_kernel")]
     rank = [ln for ln in lines if ln.startswith("_lr_rank_bwd_kernel")]
     assert len(grad) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
     assert len(narrow) == len(kl.NARROW_CANDIDATES)
+    assert len(narrow_tc) == len(kl.NARROW_TC_CANDIDATES)
     assert len(rank) == len(hc.rank_candidates())
     from kfused.triton_kernels import inducer_attention as ia
 
@@ -345,18 +347,22 @@ def test_persistent_grid_takes_the_resident_ctas(monkeypatch):
 
 
 def test_every_narrow_candidate_computes_the_same_sums():
-    """The narrow factor-gradient kernel's candidates (tile, warps) on the paper's pair (its
-    CPU stand-in, both orientations): the same dA and dB to float32 rounding (other token
-    blocks, other summation orders), and the rule is the first."""
+    """The narrow factor-gradient kernels' candidates on the paper's pairs (their CPU
+    stand-ins, both orientations, the 8-row side too): float32, the CUDA-core kernel's
+    (tile, warps), the same dA and dB to float32 rounding (other token blocks, other
+    summation orders); float16, also the tensor-core kernel's (warps, stages), first, each
+    within float16's eps of the largest entry of the float32 sums of the same operands."""
     assert kl.NARROW_CANDIDATES[0]["TILE"] == kl._NARROW_GPU_TILE
     gen = torch.Generator().manual_seed(5)
-    for a_out, a_in, b_out, b_in in ((2, 128, 128, 2), (128, 2, 2, 128)):
-        assert kl.narrow_grad_plan(a_out, a_in, b_out, b_in) is not None
+    for a_out, a_in, b_out, b_in in ((2, 128, 128, 2), (128, 2, 2, 128), (8, 40, 30, 2)):
+        plan = kl.narrow_grad_plan(a_out, a_in, b_out, b_in)
+        assert plan is not None and kl.narrow_tc_tiles(plan) is not None
         T = 45
         x = torch.randn(T, a_in * b_in, generator=gen).to(DEVICE)
         g = torch.randn(T, a_out * b_out, generator=gen).to(DEVICE)
         A = torch.randn(a_out, a_in, generator=gen).to(DEVICE)
         B = torch.randn(b_out, b_in, generator=gen).to(DEVICE)
+        assert kl.narrow_candidates(plan, 4) == list(kl.NARROW_CANDIDATES)
         ref = None
         for c in kl.NARROW_CANDIDATES:
             got = kl.kron_factor_grads(g, x, A, B, 0.5, compute_dx=False, config=c)[1:]
@@ -364,21 +370,49 @@ def test_every_narrow_candidate_computes_the_same_sums():
                 ref = got
             for r, v in zip(ref, got):
                 torch.testing.assert_close(v, r, rtol=1e-5, atol=1e-5)
+        h = [t.half() for t in (g, x, A, B)]
+        # the float32 sums of the float16 operands, rounded once
+        exact = kl.kron_factor_grads(*[t.float() for t in h], 0.5, compute_dx=False)[1:]
+        cands = kl.narrow_candidates(plan, 2)
+        assert cands[:len(kl.NARROW_TC_CANDIDATES)] == list(kl.NARROW_TC_CANDIDATES)
+        assert kl.narrow_candidates(plan, 2, dx=True) == list(kl.NARROW_CANDIDATES)
+        for c in cands:
+            got = kl.kron_factor_grads(*h, 0.5, compute_dx=False, config=c)[1:]
+            for e, v in zip(exact, got):
+                # the CUDA-core kernel's W and V are float32, the tensor-core kernel's rounded
+                # once to float16 for its token sums (errors ~2^-12 of the terms, whose sums
+                # cancel): both within float16's eps of the largest entry, §4's atol
+                tol = torch.finfo(torch.float16).eps * e.abs().max()
+                assert (v.float() - e.float()).abs().max() <= tol, c
 
 
 def test_narrow_config_from_the_table(table):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     plan = kl.narrow_grad_plan(2, 384, 384, 2)
     key = kl.narrow_tuning_key(2, 2, 384, 384, 2)
+    assert key["tc"] == 1
     tuning.merge(str(table), GPU, "_kron_narrow_grad_kernel",
                  [_entry(key, 16384, NARROW=1, TILE=2048, num_warps=4)])
     rule = dict(kl.NARROW_CANDIDATES[0])
+    tc = dict(kl.NARROW_TC_CANDIDATES[0])
     assert kl.narrow_config(16384, plan, cuda, 2) == dict(rule, TILE=2048, num_warps=4)
-    assert kl.narrow_config(1000, plan, cuda, 2) == rule                 # below _TUNE_MIN_T
+    assert kl.narrow_config(1000, plan, cuda, 2) == tc                   # below _TUNE_MIN_T
     assert kl.narrow_config(16384, plan, cuda, 4) == rule                 # float32
+    assert kl.narrow_config(16384, plan, cuda, 2, dx=True) == rule        # with dx: not timed
     other = kl.narrow_grad_plan(8, 384, 384, 2)
-    assert kl.narrow_config(16384, other, cuda, 2) == rule                # another shape
-    assert kl.narrow_config(16384, plan, cpu, 2)["TILE"] == 16 * kl._NARROW_GPU_TILE
+    assert kl.narrow_config(16384, other, cuda, 2) == tc                  # another shape
+    assert kl.narrow_config(16384, plan, cpu, 2) == tc
+    assert kl.narrow_config(16384, plan, cpu, 2, dx=True)["TILE"] == 16 * kl._NARROW_GPU_TILE
+    # an entry timed before the tensor-core kernel existed (its key without "tc") is not
+    # used where that kernel applies: the rule, not the old measurement, decides
+    old = {k: v for k, v in key.items() if k != "tc"}
+    tuning.merge(str(table), GPU, "_kron_narrow_grad_kernel",
+                 [_entry(old, 16384, NARROW=1, TILE=1024, num_warps=2)])
+    tuning.forget()
+    assert kl.narrow_config(16384, other, cuda, 2) == tc
+    tuning.merge(str(table), GPU, "_kron_narrow_grad_kernel", [_entry(key, 16384, **tc)])
+    tuning.forget()
+    assert kl.narrow_config(16384, plan, cuda, 2) == tc
 
 
 def test_merge_never_writes_through_a_link_and_leaves_no_temporary(tmp_path):

@@ -202,6 +202,39 @@ def _m_kron_narrow_grad(L) -> Dict[str, float]:
     return w
 
 
+@kernel("_kron_narrow_tc_kernel")
+def _m_kron_narrow_tc(L) -> Dict[str, float]:
+    """The narrow factor gradients on the tensor cores (16-bit, no dx): per block of BT tokens
+    Wᵀ = B'ᵀ G2ᵀ (16 × BT·M over the J parts) and Vᵀ = R A'ᵀ (BT·N × 16 over the K parts),
+    then per part of K and J a token sum with the big side as M (dA'ᵀ: KP × 16 over the BT·N
+    rows (t, l); dB': JP × 16 over the BT·M rows (t, i)), A from the shared-memory copy of the
+    loaded tile. The padded columns of the 16-wide operands count (their products issue).
+    HBM: x and dy once, the per-program partials."""
+    a = L.bound()
+    X = a["X"]
+    x16 = _is16(X)
+    M, N, BT = a["M"], a["N"], a["BT"]
+    parts_k = [p for p in (a["K1"], a["K2"]) if p]
+    parts_j = [p for p in (a["J1"], a["J2"]) if p]
+    steps = float(a["n_blocks"])
+    w = _work()
+    prods = [(16, BT * M, p, True) for p in parts_j]              # Wᵀ (mma.sync)
+    prods += [(BT * N, 16, p, True) for p in parts_k]             # Vᵀ
+    prods += [(p, 16, BT * N, False) for p in parts_k]            # dA'ᵀ
+    prods += [(p, 16, BT * M, False) for p in parts_j]            # dB'
+    for m_, n_, k_, a_regs in prods:
+        flops = steps * 2.0 * m_ * n_ * k_
+        _prod(w, "TC", flops, True, x16)
+        if x16:
+            _dot16_instr(w, flops, m_, n_, a_regs)
+    # W and V to their (t, ·) rows and hi/lo operands: a few passes over 16-wide tiles
+    w["alu_ops"] = steps * 6.0 * 16 * (BT * M + BT * N)
+    T, m, n, K, J = a["T"], a["m"], a["n"], a["K"], a["J"]
+    w["hbm_bytes"] = (T * (m * J + K * n) * _el(X)
+                      + a["DAB"].element_size() * L.programs() * a["nAB"])
+    return w
+
+
 @kernel("_kron_dx_grad_kernel")
 def _m_kron_dx_grad(L) -> Dict[str, float]:
     """The folded backward in one pass: a (BM × BN) tile of dx = dy W' per program (K = d_out

@@ -1210,6 +1210,173 @@ def _kron_narrow_grad_kernel(
                  mask=n_ok[:, None] & j_ok[None, :])
 
 
+@triton.jit
+def _cat_cols(a, b, ROWS: tl.constexpr, C: tl.constexpr):
+    """[a | b]: two (ROWS × C) tiles side by side, (ROWS × 2C)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (ROWS, 2 * C))
+
+
+@triton.jit
+def _cols16(v, ROWS: tl.constexpr, C: tl.constexpr, IDT: tl.constexpr):
+    """(ROWS × 16) dot operand from a float32 (ROWS × C) tile v, C <= 16: v rounded to IDT in
+    columns [0, C), zero in the rest. (No rounding residue as a second part: a float32
+    operand split into 16-bit hi and lo parts for tensor-core dots is what Triton 3.6
+    miscompiled for sm_90 in other kernels, kfused/triton_kernels/_common.py.)"""
+    out = v.to(IDT)
+    if C < 16:
+        out = _cat_cols(out, tl.zeros((ROWS, C), dtype=IDT), ROWS, C)
+    if 2 * C < 16:
+        out = _cat_cols(out, tl.zeros((ROWS, 2 * C), dtype=IDT), ROWS, 2 * C)
+    if 4 * C < 16:
+        out = _cat_cols(out, tl.zeros((ROWS, 4 * C), dtype=IDT), ROWS, 4 * C)
+    if 8 * C < 16:
+        out = _cat_cols(out, tl.zeros((ROWS, 8 * C), dtype=IDT), ROWS, 8 * C)
+    return out
+
+
+@triton.jit
+def _tc_rows(P, t0, T, stride_t, s_small, s_big, big0, BIG, small,
+             BT: tl.constexpr, S: tl.constexpr, BP: tl.constexpr, FLAT: tl.constexpr,
+             FULL: tl.constexpr):
+    """Rows (t, s) of the BT tokens from t0 (s < S, the padded small side), columns
+    [big0, big0 + BP) of the big side (below BIG), zero-padded: a (BT·S × BP) tile.
+
+    FLAT (small = S, s_small = 1, s_big = S: a token's (big × small) block is contiguous
+    with the small side fastest, as X' is in the unswapped orientation): each token's part
+    is read as one contiguous row of BP·S elements (16-byte vectors) and transposed in
+    registers — read as (t, s) rows its elements are S apart, one 2-byte load each. FULL:
+    the parts cover the big side exactly (no column mask, which would cost the vectors)."""
+    if FLAT:
+        t = t0 + tl.arange(0, BT)
+        f = big0 * S + tl.arange(0, BP * S)
+        ok = (t < T)[:, None]
+        if not FULL:
+            ok = ok & (f < BIG * S)[None, :]
+        v = tl.load(P + t[:, None] * stride_t + f[None, :], mask=ok, other=0.0)
+        return tl.reshape(tl.permute(tl.reshape(v, (BT, BP, S)), (0, 2, 1)), (BT * S, BP))
+    else:
+        r = tl.arange(0, BT * S)
+        t = t0 + r // S
+        si = r % S
+        c = big0 + tl.arange(0, BP)
+        ok = ((t < T) & (si < small))[:, None]
+        if not FULL:
+            ok = ok & (c < BIG)[None, :]
+        return tl.load(P + t[:, None] * stride_t + si[:, None] * s_small + c[None, :] * s_big,
+                       mask=ok, other=0.0)
+
+
+@triton.jit
+def _tc_factor(F, s_small, s_big, small, big0, BIG, BP: tl.constexpr, IDT: tl.constexpr):
+    """(BP × 16) product operand [c, s] = F'[s, big0 + c] of a small-side factor: zero past
+    ``small`` columns and BIG rows."""
+    c = big0 + tl.arange(0, BP)
+    s16 = tl.arange(0, 16)
+    return tl.load(F + s16[None, :] * s_small + c[:, None] * s_big,
+                   mask=(c < BIG)[:, None] & (s16 < small)[None, :], other=0.0).to(IDT)
+
+
+@triton.jit
+def _tc_store(DAB, off, acc, S: tl.constexpr, BP: tl.constexpr, big0, BIG, small, row_big,
+              col_big, scale):
+    """A (BP × 16) token sum of :func:`_kron_narrow_tc_kernel` (column s < S; the columns past
+    S are exact zeros) as the factor entries (s, big0 + c), s < small, big0 + c < BIG, at
+    DAB + off + s·row_big + (big0 + c)·col_big, scaled."""
+    v = tl.sum(tl.reshape(acc, (BP, 16 // S, S)), axis=1)                # (BP, S)
+    c = big0 + tl.arange(0, BP)
+    s = tl.arange(0, S)
+    tl.store(DAB + off + s[None, :] * row_big + c[:, None] * col_big, v * scale,
+             mask=(s < small)[None, :] & (c < BIG)[:, None])
+
+
+@triton.jit
+def _kron_narrow_tc_kernel(
+    X, G, A, B, DAB,
+    T, m, n, K, J,
+    stride_xt, stride_gt, xk, xl, gi, gj,
+    sai, sak, sbj, sbl, offA, offB, nAB,
+    scale, n_blocks,
+    M: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, K1: tl.constexpr,
+    K2: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr, IDT: tl.constexpr,
+    X_FLAT: tl.constexpr, G_FLAT: tl.constexpr, K_FULL: tl.constexpr, J_FULL: tl.constexpr,
+):
+    """The factor gradients of :func:`_kron_narrow_grad_kernel` (same orientation, strides and
+    partial-sum rows; 16-bit inputs, dx not computed) as tensor-core products over blocks of
+    BT tokens, with no reduction across the block's threads in the step. Per step:
+
+        G2   = G'[t] as rows (t, i), cols j         (BT·M × J)   loaded
+        R    = X'[t]ᵀ as rows (t, l), cols k        (BT·N × K)   loaded
+        Wᵀ   = B'ᵀ · G2ᵀ                rows l, cols (t, i)   (B' zero-padded to 16 cols)
+        Vᵀ   = R · A'ᵀ                  rows (t, l), cols i   (A'ᵀ zero-padded to 16 cols)
+        dA'ᵀ += Rᵀ  · W as rows (t, l), cols i      (K × 16; W rounded to the input dtype)
+        dB'  += G2ᵀ · V as rows (t, i), cols l      (J × 16; V rounded likewise)
+
+    The token sums put the big side on the product's M, so each is a wgmma whose A operand
+    (Rᵀ, G2ᵀ) is read from the shared-memory copy of the loaded tile, not held in registers.
+    Each big side is covered by two power-of-two parts, K1 (+ K2) and J1 (+ J2; 0: none),
+    not one padded tile: 384 = 256 + 128, a quarter less tile, registers and issue than 512.
+    W and V are float32 dot outputs rounded once to the input dtype for the token sums (as
+    the same-precision torch backward rounds its intermediates; the sums are float32): no
+    hi/lo split (:func:`_cols16`). In the interpreter, float16, T up to 1000, that met
+    docs/math.md §4 with the kernel's error at most ~0.3 of the bound.
+
+    The CUDA-core kernel reduces 512-wide axes across all its warps several times a step,
+    one or four tokens per step at the paper's factors: the H200 measured it at 56.5 µs (A
+    2×384, B 384×2) and 193 µs (A 8×384) at T = 16384 against 15.5 and 34 µs of memory
+    traffic; its loop (sm_90, Triton 3.6, the tuned 2-warp tile) issues 1178 / 3280
+    warp-instructions (both warps) and 16 barriers a token, this kernel's (8 warps, 8 tokens a
+    step) 690 / 759 and 0.4."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    ap1 = _tc_factor(A, sai, sak, m, 0, K, K1, IDT)          # A'ᵀ (K × 16) by parts
+    bp1 = _tc_factor(B, sbl, sbj, n, 0, J, J1, IDT)          # B'  (J × 16)
+    da1 = tl.zeros((K1, 16), dtype=tl.float32)
+    db1 = tl.zeros((J1, 16), dtype=tl.float32)
+    if K2 > 0:
+        ap2 = _tc_factor(A, sai, sak, m, K1, K, K2, IDT)
+        da2 = tl.zeros((K2, 16), dtype=tl.float32)
+    if J2 > 0:
+        bp2 = _tc_factor(B, sbl, sbj, n, J1, J, J2, IDT)
+        db2 = tl.zeros((J2, 16), dtype=tl.float32)
+    for blk in range(pid, n_blocks, nprog):
+        t0 = blk * BT
+        g1 = _tc_rows(G, t0, T, stride_gt, gi, gj, 0, J, m, BT, M, J1, G_FLAT, J_FULL)
+        r1 = _tc_rows(X, t0, T, stride_xt, xl, xk, 0, K, n, BT, N, K1, X_FLAT, K_FULL)
+        # W as Wᵀ = B'ᵀ G2ᵀ (16 × BT·M): an mma.sync with G2 a register operand. As G2 · B' it
+        # was a wgmma (M = BT·M = 64 at A 8×384) and took the kernel from 127 registers to
+        # 255 and a 144-312 B spill (sm_90, Triton 3.6 and 3.9); transposed, 130, none
+        wt = tl.dot(tl.trans(bp1), tl.trans(g1), out_dtype=tl.float32)
+        v16 = tl.dot(r1, ap1, out_dtype=tl.float32)                       # (BT·N, 16)
+        if J2 > 0:
+            g2 = _tc_rows(G, t0, T, stride_gt, gi, gj, J1, J, m, BT, M, J2, G_FLAT, J_FULL)
+            wt = tl.dot(tl.trans(bp2), tl.trans(g2), wt, out_dtype=tl.float32)
+        w16 = tl.trans(wt)                                                 # (BT·M, 16)
+        if K2 > 0:
+            r2 = _tc_rows(X, t0, T, stride_xt, xl, xk, K1, K, n, BT, N, K2, X_FLAT, K_FULL)
+            v16 = tl.dot(r2, ap2, v16, out_dtype=tl.float32)
+        # columns past N (M) are exact zeros: summing the 16 // N groups keeps the first
+        w = tl.sum(tl.reshape(w16, (BT * M, 16 // N, N)), axis=1)        # (BT·M, N)
+        vt = tl.sum(tl.reshape(v16, (BT * N, 16 // M, M)), axis=1)       # (BT·N, M)
+        wr = _cols16(tl.reshape(tl.permute(tl.reshape(w, (BT, M, N)), (0, 2, 1)),
+                                (BT * N, M)), BT * N, M, IDT)              # rows (t, l)
+        vr = _cols16(tl.reshape(tl.permute(tl.reshape(vt, (BT, N, M)), (0, 2, 1)),
+                                (BT * M, N)), BT * M, N, IDT)              # rows (t, i)
+        da1 = tl.dot(tl.trans(r1), wr, da1, out_dtype=tl.float32)
+        db1 = tl.dot(tl.trans(g1), vr, db1, out_dtype=tl.float32)
+        if K2 > 0:
+            da2 = tl.dot(tl.trans(r2), wr, da2, out_dtype=tl.float32)
+        if J2 > 0:
+            db2 = tl.dot(tl.trans(g2), vr, db2, out_dtype=tl.float32)
+    base = DAB + pid * nAB
+    # dA'[i, k] at offA + i·K + k; dB'[j, l] at offB + j·n + l
+    _tc_store(base, offA, da1, M, K1, 0, K, m, K, 1, scale)
+    _tc_store(base, offB, db1, N, J1, 0, J, n, 1, n, scale)
+    if K2 > 0:
+        _tc_store(base, offA, da2, M, K2, K1, K, m, K, 1, scale)
+    if J2 > 0:
+        _tc_store(base, offB, db2, N, J2, J1, J, n, 1, n, scale)
+
+
 @host_config
 def narrow_grad_plan(a_out: int, a_in: int, b_out: int, b_in: int):
     """The narrow factor-gradient kernel's orientation for these factors, or None where the
@@ -1239,39 +1406,141 @@ NARROW_CANDIDATES = tuple({"NARROW": 1, "TILE": t, "num_warps": w}
                           for t, w in ((_NARROW_GPU_TILE, 8), (2048, 4), (1024, 2)))
 
 
+# Launch candidates of the tensor-core narrow kernel (factor gradients alone, 16-bit), the
+# rule's first. sm_90, the paper's A 2×384 / 8×384 with B 384×2 and the swapped 384×2 /
+# 2×384, Triton 3.6 and 3.9: 8 warps 125-132 registers at 2 or 3 stages, 4 warps 212-236,
+# no spill; 1 stage (no asynchronous copies) spilled 8-48 B at 255 registers
+NARROW_TC_CANDIDATES = ({"NARROW": 2, "num_warps": 8, "num_stages": 2},
+                        {"NARROW": 2, "num_warps": 8, "num_stages": 3},
+                        {"NARROW": 2, "num_warps": 4, "num_stages": 2})
+# tile elements (dy's BT·M × (J1 + J2) plus x's BT·N × (K1 + K2)) of one tensor-core step
+_NARROW_TC_TILE = 40960
+
+
+@host_config
+def narrow_tc_tiles(plan):
+    """(M, N, BT, K1, K2, J1, J2) of :func:`_kron_narrow_tc_kernel` for a narrow plan, or
+    None where it does not apply: both small sides at most 8 (the narrow plans' tiers; a
+    16-wide operand's columns), both big sides at most 512 (its (K × 16) and (J × 16) float32 sums stay
+    in registers, each side in two power-of-two parts: :func:`_tc_parts`), and BT (tokens
+    per step: the fewest for which the dy rows (t, i) and the x rows (t, l) are both at
+    least 16, an mma's M) with the step's tiles at most _NARROW_TC_TILE elements."""
+    _, _, m, n, K, J = plan
+    M, N = max(2, next_pow2(m)), max(2, next_pow2(n))
+    if M > 8 or N > 8 or K > 512 or J > 512:
+        return None
+    K1, K2 = _tc_parts(K)
+    J1, J2 = _tc_parts(J)
+    BT = max(16 // M, 16 // N)
+    if BT * (M * (J1 + J2) + N * (K1 + K2)) > _NARROW_TC_TILE:
+        return None
+    return M, N, BT, K1, K2, J1, J2
+
+
+def _tc_parts(n: int) -> Tuple[int, int]:
+    """A big side of the tensor-core narrow kernel as two power-of-two parts, each at least
+    16 (the second 0 where one covers it): 384 -> (256, 128), 300 -> (256, 64), 40 -> (32, 16),
+    512 -> (512, 0)."""
+    p1 = max(16, next_pow2(n))
+    if p1 > 16 and p1 != n:
+        p1 //= 2
+        return p1, max(16, next_pow2(n - p1))
+    return p1, 0
+
+
+def narrow_candidates(plan, elem_bytes: int, dx: bool = False) -> list:
+    """The narrow launches benchmarks/tune_kernels.py times for ``plan`` (factor gradients
+    alone unless ``dx``): the tensor-core kernel's first where it applies (16-bit, no dx),
+    then the CUDA-core kernel's."""
+    tc = elem_bytes == 2 and not dx and narrow_tc_tiles(plan) is not None
+    return list(NARROW_TC_CANDIDATES if tc else ()) + list(NARROW_CANDIDATES)
+
+
 def narrow_tuning_key(m: int, n: int, K: int, J: int, elem_bytes: int) -> dict:
     """The shape key of _kron_narrow_grad_kernel's entries in a tuning table (its
-    orientation's small sides m, n and big sides K, J)."""
-    return {"m": m, "n": n, "K": K, "J": J, "elem_bytes": elem_bytes}
+    orientation's small sides m, n and big sides K, J; ``tc``: the tensor-core kernel was
+    among the candidates — entries timed before it existed key without it and are not
+    used where it applies)."""
+    tc = elem_bytes == 2 and narrow_tc_tiles((None, False, m, n, K, J)) is not None
+    return {"m": m, "n": n, "K": K, "J": J, "elem_bytes": elem_bytes, **({"tc": 1} if tc else {})}
 
 
-def narrow_config(T: int, plan, device: torch.device, elem_bytes: int) -> dict:
-    """The narrow kernel's launch: the rule's (NARROW_CANDIDATES[0]; a 16x tile in the
-    interpreter), or on a CUDA device the candidate this GPU model timed fastest for the
-    shape (16-bit, T >= _TUNE_MIN_T; :mod:`kfused.tuning`)."""
-    cfg = dict(NARROW_CANDIDATES[0])
-    if not targets_gpu(device):
+def narrow_config(T: int, plan, device: torch.device, elem_bytes: int,
+                  dx: bool = False) -> dict:
+    """The narrow kernel's launch: the rule's (the first of :func:`narrow_candidates`; the
+    CUDA-core kernel's tile 16x in the interpreter), or on a CUDA device the candidate this GPU
+    model timed fastest for the shape (16-bit, factor gradients alone, T >= _TUNE_MIN_T;
+    :mod:`kfused.tuning`)."""
+    cands = narrow_candidates(plan, elem_bytes, dx)
+    cfg = dict(cands[0])
+    if cfg["NARROW"] == 1 and not targets_gpu(device):
         cfg["TILE"] = 16 * _NARROW_GPU_TILE
-    if elem_bytes == 2 and T >= _TUNE_MIN_T and device.type == "cuda":
+    if elem_bytes == 2 and not dx and T >= _TUNE_MIN_T and device.type == "cuda":
         _, _, m, n, K, J = plan
         tuned = tuning.lookup("_kron_narrow_grad_kernel", device,
-                              narrow_tuning_key(m, n, K, J, elem_bytes), T,
-                              NARROW_CANDIDATES)
+                              narrow_tuning_key(m, n, K, J, elem_bytes), T, cands)
         if tuned is not None:
-            cfg.update({k: v for k, v in tuned.items() if k in ("TILE", "num_warps")})
+            cfg = dict(tuned)
     return cfg
 
 
-def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan, config=None):
-    """kron_factor_grads by :func:`_kron_narrow_grad_kernel` (``plan``: narrow_grad_plan;
-    ``config``: one of NARROW_CANDIDATES, else :func:`narrow_config`)."""
-    T = x.shape[0]
+def _narrow_strides(plan, A, B):
+    """(factor A', factor B', xk, xl, gi, gj, offA, offB) of the narrow kernels for ``plan``:
+    the swapped orientation reads the transposed tokens by strides (no copies)."""
     a_out, a_in = A.shape
     b_out, b_in = B.shape
-    _, swapped, m, n, K, J = plan
+    if plan[1]:   # A' = B, B' = A, X' = Xᵀ, G' = Gᵀ: dA' is dB (after dA), dB' is dA
+        return B, A, 1, b_in, 1, b_out, a_out * a_in, 0
+    return A, B, b_in, 1, b_out, 1, 0, a_out * a_in
+
+
+def _factor_grads_narrow_tc(g, x, A, B, scale, plan, cfg):
+    """dA, dB by :func:`_kron_narrow_tc_kernel` (16-bit; ``cfg``: a NARROW = 2 candidate)."""
+    T = x.shape[0]
+    _, _, m, n, K, J = plan
+    tiles = narrow_tc_tiles(plan)
+    M, N, BT, K1, K2, J1, J2 = tiles
+    n_blocks = cdiv(T, BT)
+    warps, stages = cfg["num_warps"], cfg["num_stages"]
+    key = ("narrow-tc", x.device, x.dtype, tiles, warps, stages)
+    if key in _GRAD_NO_LAUNCH:
+        return _factor_grads_torch(g, x, A, B, scale, False, True)[1:]
+    n_prog = _grid_for(key, x.device, n_blocks)
+    fa, fb, xk, xl, gi, gj, offA, offB = _narrow_strides(plan, A, B)
+    dab = _factor_partials(n_prog, A, B, x.dtype)
+    try:
+        compiled = _kron_narrow_tc_kernel[(n_prog,)](
+            x, g, fa, fb, dab, T, m, n, K, J, x.stride(0), g.stride(0), xk, xl, gi, gj,
+            fa.stride(0), fa.stride(1), fb.stride(0), fb.stride(1), offA, offB,
+            A.numel() + B.numel(), float(scale), n_blocks,
+            M=M, N=N, BT=BT, K1=K1, K2=K2, J1=J1, J2=J2, IDT=inter_dtype(x.dtype),
+            X_FLAT=xl == 1 and xk == n == N, G_FLAT=gi == 1 and gj == m == M,
+            K_FULL=K1 + K2 == K, J_FULL=J1 + J2 == J,
+            num_warps=warps,
+            num_stages=stages)
+        _note_residency(key, x.device, compiled)
+    except OutOfResources:   # as the other factor kernels: remembered, torch computes the same
+        _GRAD_NO_LAUNCH.add(key)
+        return _factor_grads_torch(g, x, A, B, scale, False, True)[1:]
+    return _sum_factor_partials(dab, A, B)
+
+
+def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan, config=None):
+    """kron_factor_grads by :func:`_kron_narrow_grad_kernel` or, for the factor gradients
+    alone of 16-bit inputs, :func:`_kron_narrow_tc_kernel` (``plan``: narrow_grad_plan;
+    ``config``: one of :func:`narrow_candidates`, else :func:`narrow_config`)."""
+    T = x.shape[0]
+    a_in, b_in = A.shape[1], B.shape[1]
+    _, _, m, n, K, J = plan
     M, N = max(2, next_pow2(m)), max(2, next_pow2(n))
     BK, BJ = max(2, next_pow2(K)), max(2, next_pow2(J))
-    cfg = config or narrow_config(T, plan, x.device, x.element_size())
+    cfg = config or narrow_config(T, plan, x.device, x.element_size(), dx=compute_dx)
+    if cfg["NARROW"] == 2:
+        if compute_dx or not compute_dab or narrow_tc_tiles(plan) is None or \
+                x.element_size() != 2:
+            raise ValueError(f"narrow tensor-core config {cfg} computes the factor gradients "
+                             f"of 16-bit inputs alone, for factors it fits")
+        return (None, *_factor_grads_narrow_tc(g, x, A, B, scale, plan, cfg))
     tile, warps = cfg["TILE"], cfg["num_warps"]
     BT = max(1, min(32, tile // (M * max(BK, BJ))))
     BT = 1 << (BT.bit_length() - 1)
@@ -1281,13 +1550,7 @@ def _factor_grads_narrow(g, x, A, B, scale, compute_dx, compute_dab, plan, confi
         return _factor_grads_torch(g, x, A, B, scale, compute_dx, compute_dab)
     n_prog = _grid_for(key, x.device, n_blocks)
     dx = _alloc.empty(T, a_in * b_in, dtype=x.dtype, device=x.device) if compute_dx else None
-    nA = a_out * a_in
-    if swapped:   # A' = B, B' = A, X' = Xᵀ, G' = Gᵀ: dA' is dB (after dA), dB' is dA
-        fa, fb = B, A
-        xk, xl, gi, gj, offA, offB = 1, b_in, 1, b_out, nA, 0
-    else:
-        fa, fb = A, B
-        xk, xl, gi, gj, offA, offB = b_in, 1, b_out, 1, 0, nA
+    fa, fb, xk, xl, gi, gj, offA, offB = _narrow_strides(plan, A, B)
     dab = _factor_partials(n_prog, A, B, x.dtype) if compute_dab else x
     num = _grad_numerics(x.dtype)
     try:
