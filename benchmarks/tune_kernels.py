@@ -97,7 +97,7 @@ def label(c: dict) -> str:
     if "BLOCK_M" in c:
         return f"{c['BLOCK_M']}x{c['BLOCK_N']}-w{c['num_warps']}-s{c['num_stages']}"
     if c.get("NARROW") == 2:
-        return f"tc-w{c['num_warps']}-s{c['num_stages']}"
+        return f"tc{c['TILE']}-w{c['num_warps']}-s{c['num_stages']}"
     if c.get("NARROW"):
         return f"tile{c['TILE']}-w{c['num_warps']}"
     return (f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"

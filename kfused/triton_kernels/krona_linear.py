@@ -1324,8 +1324,8 @@ def _kron_narrow_tc_kernel(
     one or four tokens per step at the paper's factors: the H200 measured it at 56.5 µs (A
     2×384, B 384×2) and 193 µs (A 8×384) at T = 16384 against 15.5 and 34 µs of memory
     traffic; its loop (sm_90, Triton 3.6, the tuned 2-warp tile) issues 1178 / 3280
-    warp-instructions (both warps) and 16 barriers a token, this kernel's (8 warps, 8 tokens a
-    step) 690 / 759 and 0.4."""
+    warp-instructions (both warps) and 16 barriers a token, this kernel's (the rule: 8 warps,
+    16 / 8 tokens a step) 354 / 739 and 0.19 / 0.38."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ap1 = _tc_factor(A, sai, sak, m, 0, K, K1, IDT)          # A'ᵀ (K × 16) by parts
@@ -1406,34 +1406,41 @@ NARROW_CANDIDATES = tuple({"NARROW": 1, "TILE": t, "num_warps": w}
                           for t, w in ((_NARROW_GPU_TILE, 8), (2048, 4), (1024, 2)))
 
 
-# Launch candidates of the tensor-core narrow kernel (factor gradients alone, 16-bit), the
-# rule's first. sm_90, the paper's A 2×384 / 8×384 with B 384×2 and the swapped 384×2 /
-# 2×384, Triton 3.6 and 3.9: 8 warps 125-132 registers at 2 or 3 stages, 4 warps 212-236,
-# no spill; 1 stage (no asynchronous copies) spilled 8-48 B at 255 registers
-NARROW_TC_CANDIDATES = ({"NARROW": 2, "num_warps": 8, "num_stages": 2},
-                        {"NARROW": 2, "num_warps": 8, "num_stages": 3},
-                        {"NARROW": 2, "num_warps": 4, "num_stages": 2})
-# tile elements (dy's BT·M × (J1 + J2) plus x's BT·N × (K1 + K2)) of one tensor-core step
-_NARROW_TC_TILE = 40960
+# Launch candidates of the tensor-core narrow kernel (factor gradients alone, 16-bit: tile
+# elements a step as _NARROW_TC_TILE, warps, stages), the rule's first. sm_90, the paper's
+# A 2×384 / 8×384 with B 384×2 and the swapped 384×2 / 2×384, Triton 3.6 and 3.9, 8 or 16
+# tokens a step: 8 warps 125-132 registers at 2 or 3 stages, 4 warps 211-236, no spill; 1
+# stage (no asynchronous copies) spilled 8-48 B at 255 registers
+NARROW_TC_CANDIDATES = tuple({"NARROW": 2, "TILE": t, "num_warps": w, "num_stages": st}
+                             for t, w, st in ((32768, 8, 2), (16384, 8, 2), (32768, 8, 3),
+                                              (32768, 4, 2)))
+# tile elements (dy's BT·M × (J1 + J2) plus x's BT·N × (K1 + K2)) of one tensor-core step at
+# most: the rule's. At the paper's factors (sm_90, Triton 3.6) 16 tokens a step at A 2×384
+# (its loop 44 warp-instructions a token per warp, 127 registers; 8 tokens, the 16384
+# candidate: 83, the same registers), 8 at A 8×384 (92). Twice the tokens (65536) left A
+# 8×384 at 169 registers, one CTA an SM, and A 2×384 at 255, spilling 120 B under Triton 3.9
+_NARROW_TC_TILE = 32768
 
 
 @host_config
-def narrow_tc_tiles(plan):
+def narrow_tc_tiles(plan, tile: int = _NARROW_TC_TILE):
     """(M, N, BT, K1, K2, J1, J2) of :func:`_kron_narrow_tc_kernel` for a narrow plan, or
     None where it does not apply: both small sides at most 8 (the narrow plans' tiers; a
-    16-wide operand's columns), both big sides at most 512 (its (K × 16) and (J × 16) float32 sums stay
-    in registers, each side in two power-of-two parts: :func:`_tc_parts`), and BT (tokens
-    per step: the fewest for which the dy rows (t, i) and the x rows (t, l) are both at
-    least 16, an mma's M) with the step's tiles at most _NARROW_TC_TILE elements."""
+    16-wide operand's columns), both big sides at most 512 (its (K × 16) and (J × 16) float32
+    sums stay in registers, each side in two power-of-two parts: :func:`_tc_parts`). BT, the
+    tokens a step: at least the fewest for which the dy rows (t, i) and the x rows (t, l) are
+    both 16 (an mma's M), then doubled while the step's tiles stay within ``tile`` elements,
+    at most 32."""
     _, _, m, n, K, J = plan
     M, N = max(2, next_pow2(m)), max(2, next_pow2(n))
     if M > 8 or N > 8 or K > 512 or J > 512:
         return None
     K1, K2 = _tc_parts(K)
     J1, J2 = _tc_parts(J)
+    per_token = M * (J1 + J2) + N * (K1 + K2)
     BT = max(16 // M, 16 // N)
-    if BT * (M * (J1 + J2) + N * (K1 + K2)) > _NARROW_TC_TILE:
-        return None
+    while BT < 32 and 2 * BT * per_token <= tile:
+        BT *= 2
     return M, N, BT, K1, K2, J1, J2
 
 
@@ -1498,7 +1505,7 @@ def _factor_grads_narrow_tc(g, x, A, B, scale, plan, cfg):
     """dA, dB by :func:`_kron_narrow_tc_kernel` (16-bit; ``cfg``: a NARROW = 2 candidate)."""
     T = x.shape[0]
     _, _, m, n, K, J = plan
-    tiles = narrow_tc_tiles(plan)
+    tiles = narrow_tc_tiles(plan, cfg["TILE"])
     M, N, BT, K1, K2, J1, J2 = tiles
     n_blocks = cdiv(T, BT)
     warps, stages = cfg["num_warps"], cfg["num_stages"]
