@@ -101,7 +101,7 @@ def label(c: dict) -> str:
     if c.get("NARROW"):
         return f"tile{c['TILE']}-w{c['num_warps']}"
     return (f"BT{c['BT']}-w{c['num_warps']}-s{c['num_stages']}"
-            + ("-bd" if c.get("BD") else ""))
+            + ("-bd" if c.get("BD") else "") + ("-tc" if c.get("TC") else ""))
 
 
 def narrow_shapes(which: str):
@@ -327,7 +327,7 @@ def compile_only(which: str, arch: int, limit: int = 0,
     if "krona" in kernels:
         factor_launches(shapes(which),
                         lambda T, *f: kl.grad_candidates(T, *kernel_side(*f)),
-                        (KERNEL, "_kron_grad_bd_kernel"))
+                        (KERNEL, "_kron_grad_bd_kernel", "_kron_narrow_tc_kernel"))
     if "narrow" in kernels:
         factor_launches(narrow_shapes(which),
                         lambda T, *f: kl.narrow_candidates(kl.narrow_grad_plan(*f), 2),

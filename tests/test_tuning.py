@@ -150,6 +150,9 @@ def test_another_table_or_forget_reaches_the_cached_config(table, tmp_path, monk
 def test_candidates_start_with_the_rule_and_cover_larger_steps():
     c = kl.grad_candidates(16384, 24, 24, 32, 32)
     assert c[0] == {"BT": 2, "num_warps": 4, "num_stages": 3}
+    # the tensor-core narrow kernel's step among them (4 tokens at 24×24 / 32×32)
+    assert {x["BT"] for x in c if x.get("TC")} == {4}
+    assert len([x for x in c if x.get("TC")]) == len(kl._GRAD_TC_CANDIDATES)
     assert {x["BT"] for x in c} == {2, 4, 8, 16} and len(c) == len({json.dumps(x) for x in c})
     assert kl.grad_candidates(16384, 2, 384, 384, 2) == []      # CUDA-core products: no tuning
     assert max(x["BT"] for x in kl.grad_candidates(5, 24, 24, 32, 32)) <= 8
@@ -190,9 +193,14 @@ def test_candidates_compile_for_sm90_without_spills():
     from kfused.triton_kernels import _headwise_common as hc
 
     lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
-    grad = [ln for ln in lines if ln.startswith("_kron_grad")]
+    # (the tensor-core narrow kernel is a candidate of both factor-gradient passes)
+    tc = [ln for ln in lines if ln.startswith("_kron_narrow_tc_kernel")]
+    grad = [ln for ln in lines if ln.startswith("_kron_grad")] + [
+        ln for ln in tc if " A24x24 B32x32 " in ln]
     narrow = [ln for ln in lines if ln.startswith("_kron_narrow_grad_kernel")]
-    narrow_tc = [ln for ln in lines if ln.startswith("_kron_narrow_tc_kernel")]
+    narrow_tc = [ln for ln in tc if " A2x384 B384x2 " in ln]
+    assert len(tc) == len(narrow_tc) + len(grad) - len(
+        [ln for ln in lines if ln.startswith("_kron_grad")])
     rank = [ln for ln in lines if ln.startswith("_lr_rank_bwd_kernel")]
     assert len(grad) == len(kl.grad_candidates(16384, 24, 24, 32, 32))
     assert len(narrow) == len(kl.NARROW_CANDIDATES)

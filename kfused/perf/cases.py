@@ -214,21 +214,22 @@ def _m_kron_narrow_tc(L) -> Dict[str, float]:
     X = a["X"]
     x16 = _is16(X)
     M, N, BT = a["M"], a["N"], a["BT"]
+    MP, NP = a.get("MP", 16), a.get("NP", 16)
     parts_k = [p for p in (a["K1"], a["K2"]) if p]
     parts_j = [p for p in (a["J1"], a["J2"]) if p]
     steps = float(a["n_blocks"])
     w = _work()
-    prods = [(16, BT * M, p, True) for p in parts_j]              # Wᵀ (mma.sync)
-    prods += [(BT * N, 16, p, True) for p in parts_k]             # Vᵀ
-    prods += [(p, 16, BT * N, False) for p in parts_k]            # dA'ᵀ
-    prods += [(p, 16, BT * M, False) for p in parts_j]            # dB'
+    prods = [(NP, BT * M, p, True) for p in parts_j]              # Wᵀ (mma.sync)
+    prods += [(BT * N, MP, p, True) for p in parts_k]             # Vᵀ
+    prods += [(p, MP, BT * N, False) for p in parts_k]            # dA'ᵀ
+    prods += [(p, NP, BT * M, False) for p in parts_j]            # dB'
     for m_, n_, k_, a_regs in prods:
         flops = steps * 2.0 * m_ * n_ * k_
         _prod(w, "TC", flops, True, x16)
         if x16:
             _dot16_instr(w, flops, m_, n_, a_regs)
-    # W and V to their (t, ·) rows and hi/lo operands: a few passes over 16-wide tiles
-    w["alu_ops"] = steps * 6.0 * 16 * (BT * M + BT * N)
+    # W and V to their (t, ·) rows and padded operands: a few passes over those tiles
+    w["alu_ops"] = steps * 6.0 * (NP * BT * M + MP * BT * N)
     T, m, n, K, J = a["T"], a["m"], a["n"], a["K"], a["J"]
     w["hbm_bytes"] = (T * (m * J + K * n) * _el(X)
                       + a["DAB"].element_size() * L.programs() * a["nAB"])

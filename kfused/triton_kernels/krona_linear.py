@@ -997,7 +997,7 @@ def with_grad_config(cfg: dict, over: dict) -> dict:
     form (``BD`` 1: :func:`_kron_grad_bd_kernel`) from ``over``; the product flags
     recomputed for the new step."""
     cfg = dict(cfg)
-    for k in ("BT", "num_warps", "num_stages", "BD"):
+    for k in ("BT", "num_warps", "num_stages", "BD", "TC"):
         if k in over:
             cfg[k] = int(over[k])
     bt, AOP, AIP, BOP, BIP = (cfg[k] for k in ("BT", "AOP", "AIP", "BOP", "BIP"))
@@ -1030,7 +1030,31 @@ def grad_candidates(T: int, a_out: int, a_in: int, b_out: int, b_in: int) -> lis
     for bt, warps, stages in _GRAD_BD_CANDIDATES:
         if bt <= max(1, next_pow2(T)) and bt * max(BOP * BIP, AIP * AOP) <= _GRAD_BD_BLOCK:
             out.append({"BT": bt, "num_warps": warps, "num_stages": stages, "BD": 1})
+    # the tensor-core form of the narrow kernel (_kron_narrow_tc_kernel, 16-bit; float32 runs
+    # the rule's step): tokens a step from its tile budget
+    tiles = narrow_tc_tiles(grad_tc_plan(a_out, a_in, b_out, b_in), _GRAD_TC_TILE, 64)
+    if tiles is not None:
+        bt = min(tiles[4], max(1, next_pow2(T)))
+        for warps, stages in _GRAD_TC_CANDIDATES:
+            out.append({"BT": bt, "num_warps": warps, "num_stages": stages, "TC": 1})
     return out
+
+
+# The tensor-core narrow kernel as a candidate of the factor-gradient step (factor pairs with
+# every padded dim >= 16; tile elements a step, (warps, stages)): sm_90, Triton 3.6, 24×24 /
+# 32×32 at 4 tokens a step 300 warp-instructions a token at 4 warps (252 registers; 2
+# stages, 309 at 3) and 378 at 8 (240), no spill; the standard step's traced loop 612 at 2
+# tokens, 4 warps; 48×24 / 64×32 at 1 token 756 / 1008 (148 / 104 registers). Twice the
+# tile spilled 496 B at 24×24 / 32×32. Not the rule: not yet measured (the H200 timed the
+# standard step at 50-52 µs there, call and sums, T = 16384)
+_GRAD_TC_TILE = 8192
+_GRAD_TC_CANDIDATES = ((4, 2), (8, 2), (4, 3))
+
+
+def grad_tc_plan(a_out: int, a_in: int, b_out: int, b_in: int):
+    """The narrow plan tuple the tensor-core kernel takes for factors of the standard path
+    (unswapped: small sides a_out and b_in, big sides a_in and b_out)."""
+    return (None, False, a_out, b_in, a_in, b_out)
 
 
 # (tokens per step, warps, stages) of the block-diagonal form's candidates, and the largest
@@ -1088,6 +1112,19 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
                                                         x.element_size())
     if config is not None:
         cfg = with_grad_config(cfg, config)
+    # the tensor-core narrow kernel (a launch choice): 16-bit factor gradients alone, factors
+    # its tiles fit; elsewhere the standard step (the rule's tokens a step) computes the sums
+    if cfg.pop("TC", 0):
+        if (not compute_dx and compute_dab and x.dtype in (torch.float16, torch.bfloat16)
+                and narrow_tc_tiles(grad_tc_plan(a_out, a_in, b_out, b_in), _GRAD_TC_TILE,
+                                    64) is not None):
+            return None, *_factor_grads_narrow_tc(
+                g, x, A, B, scale, grad_tc_plan(a_out, a_in, b_out, b_in),
+                dict(BT=cfg["BT"], num_warps=cfg["num_warps"],
+                     num_stages=cfg.get("num_stages", 2), SMALL_MAX=64))
+        cfg = with_grad_config(cfg, {k: v for k, v in _grad_rule(
+            T, a_out, a_in, b_out, b_in, x.device, x.element_size()).items()
+            if k in ("BT", "num_warps")})
     # the block-diagonal form (a launch choice, not a result's): 16-bit tensor-core steps of
     # the factor gradients alone; elsewhere the standard kernel computes the same sums
     if (cfg.pop("BD", 0) and not compute_dx and compute_dab
@@ -1217,19 +1254,19 @@ def _cat_cols(a, b, ROWS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _cols16(v, ROWS: tl.constexpr, C: tl.constexpr, IDT: tl.constexpr):
-    """(ROWS × 16) dot operand from a float32 (ROWS × C) tile v, C <= 16: v rounded to IDT in
-    columns [0, C), zero in the rest. (No rounding residue as a second part: a float32
-    operand split into 16-bit hi and lo parts for tensor-core dots is what Triton 3.6
-    miscompiled for sm_90 in other kernels, kfused/triton_kernels/_common.py.)"""
+def _pad_cols(v, ROWS: tl.constexpr, C: tl.constexpr, P: tl.constexpr, IDT: tl.constexpr):
+    """(ROWS × P) dot operand from a float32 (ROWS × C) tile v, C <= P (powers of two): v
+    rounded to IDT in columns [0, C), zero in the rest. (No rounding residue as a second
+    part: a float32 operand split into 16-bit hi and lo parts for tensor-core dots is what
+    Triton 3.6 miscompiled for sm_90 in other kernels, kfused/triton_kernels/_common.py.)"""
     out = v.to(IDT)
-    if C < 16:
+    if C < P:
         out = _cat_cols(out, tl.zeros((ROWS, C), dtype=IDT), ROWS, C)
-    if 2 * C < 16:
+    if 2 * C < P:
         out = _cat_cols(out, tl.zeros((ROWS, 2 * C), dtype=IDT), ROWS, 2 * C)
-    if 4 * C < 16:
+    if 4 * C < P:
         out = _cat_cols(out, tl.zeros((ROWS, 4 * C), dtype=IDT), ROWS, 4 * C)
-    if 8 * C < 16:
+    if 8 * C < P:
         out = _cat_cols(out, tl.zeros((ROWS, 8 * C), dtype=IDT), ROWS, 8 * C)
     return out
 
@@ -1267,22 +1304,23 @@ def _tc_rows(P, t0, T, stride_t, s_small, s_big, big0, BIG, small,
 
 
 @triton.jit
-def _tc_factor(F, s_small, s_big, small, big0, BIG, BP: tl.constexpr, IDT: tl.constexpr):
-    """(BP × 16) product operand [c, s] = F'[s, big0 + c] of a small-side factor: zero past
-    ``small`` columns and BIG rows."""
+def _tc_factor(F, s_small, s_big, small, big0, BIG, BP: tl.constexpr, P: tl.constexpr,
+               IDT: tl.constexpr):
+    """(BP × P) product operand [c, s] = F'[s, big0 + c] of a factor (its small side s on the
+    P columns): zero past ``small`` columns and BIG rows."""
     c = big0 + tl.arange(0, BP)
-    s16 = tl.arange(0, 16)
-    return tl.load(F + s16[None, :] * s_small + c[:, None] * s_big,
-                   mask=(c < BIG)[:, None] & (s16 < small)[None, :], other=0.0).to(IDT)
+    sp = tl.arange(0, P)
+    return tl.load(F + sp[None, :] * s_small + c[:, None] * s_big,
+                   mask=(c < BIG)[:, None] & (sp < small)[None, :], other=0.0).to(IDT)
 
 
 @triton.jit
-def _tc_store(DAB, off, acc, S: tl.constexpr, BP: tl.constexpr, big0, BIG, small, row_big,
-              col_big, scale):
-    """A (BP × 16) token sum of :func:`_kron_narrow_tc_kernel` (column s < S; the columns past
+def _tc_store(DAB, off, acc, S: tl.constexpr, BP: tl.constexpr, P: tl.constexpr, big0, BIG,
+              small, row_big, col_big, scale):
+    """A (BP × P) token sum of :func:`_kron_narrow_tc_kernel` (column s < S; the columns past
     S are exact zeros) as the factor entries (s, big0 + c), s < small, big0 + c < BIG, at
     DAB + off + s·row_big + (big0 + c)·col_big, scaled."""
-    v = tl.sum(tl.reshape(acc, (BP, 16 // S, S)), axis=1)                # (BP, S)
+    v = tl.sum(tl.reshape(acc, (BP, P // S, S)), axis=1)                 # (BP, S)
     c = big0 + tl.arange(0, BP)
     s = tl.arange(0, S)
     tl.store(DAB + off + s[None, :] * row_big + c[:, None] * col_big, v * scale,
@@ -1299,6 +1337,7 @@ def _kron_narrow_tc_kernel(
     M: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, K1: tl.constexpr,
     K2: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr, IDT: tl.constexpr,
     X_FLAT: tl.constexpr, G_FLAT: tl.constexpr, K_FULL: tl.constexpr, J_FULL: tl.constexpr,
+    MP: tl.constexpr = 16, NP: tl.constexpr = 16,
 ):
     """The factor gradients of :func:`_kron_narrow_grad_kernel` (same orientation, strides and
     partial-sum rows; 16-bit inputs, dx not computed) as tensor-core products over blocks of
@@ -1317,7 +1356,7 @@ def _kron_narrow_tc_kernel(
     not one padded tile: 384 = 256 + 128, a quarter less tile, registers and issue than 512.
     W and V are float32 dot outputs rounded once to the input dtype for the token sums (as
     the same-precision torch backward rounds its intermediates; the sums are float32): no
-    hi/lo split (:func:`_cols16`). In the interpreter, float16, T up to 1000, that met
+    hi/lo split (:func:`_pad_cols`). In the interpreter, float16, T up to 1000, that met
     docs/math.md §4 with the kernel's error at most ~0.3 of the bound.
 
     The CUDA-core kernel reduces 512-wide axes across all its warps several times a step,
@@ -1328,16 +1367,16 @@ def _kron_narrow_tc_kernel(
     16 / 8 tokens a step) 354 / 739 and 0.19 / 0.38."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    ap1 = _tc_factor(A, sai, sak, m, 0, K, K1, IDT)          # A'ᵀ (K × 16) by parts
-    bp1 = _tc_factor(B, sbl, sbj, n, 0, J, J1, IDT)          # B'  (J × 16)
-    da1 = tl.zeros((K1, 16), dtype=tl.float32)
-    db1 = tl.zeros((J1, 16), dtype=tl.float32)
+    ap1 = _tc_factor(A, sai, sak, m, 0, K, K1, MP, IDT)      # A'ᵀ (K × MP) by parts
+    bp1 = _tc_factor(B, sbl, sbj, n, 0, J, J1, NP, IDT)      # B'  (J × NP)
+    da1 = tl.zeros((K1, MP), dtype=tl.float32)
+    db1 = tl.zeros((J1, NP), dtype=tl.float32)
     if K2 > 0:
-        ap2 = _tc_factor(A, sai, sak, m, K1, K, K2, IDT)
-        da2 = tl.zeros((K2, 16), dtype=tl.float32)
+        ap2 = _tc_factor(A, sai, sak, m, K1, K, K2, MP, IDT)
+        da2 = tl.zeros((K2, MP), dtype=tl.float32)
     if J2 > 0:
-        bp2 = _tc_factor(B, sbl, sbj, n, J1, J, J2, IDT)
-        db2 = tl.zeros((J2, 16), dtype=tl.float32)
+        bp2 = _tc_factor(B, sbl, sbj, n, J1, J, J2, NP, IDT)
+        db2 = tl.zeros((J2, NP), dtype=tl.float32)
     for blk in range(pid, n_blocks, nprog):
         t0 = blk * BT
         g1 = _tc_rows(G, t0, T, stride_gt, gi, gj, 0, J, m, BT, M, J1, G_FLAT, J_FULL)
@@ -1346,21 +1385,21 @@ def _kron_narrow_tc_kernel(
         # was a wgmma (M = BT·M = 64 at A 8×384) and took the kernel from 127 registers to
         # 255 and a 144-312 B spill (sm_90, Triton 3.6 and 3.9); transposed, 130, none
         wt = tl.dot(tl.trans(bp1), tl.trans(g1), out_dtype=tl.float32)
-        v16 = tl.dot(r1, ap1, out_dtype=tl.float32)                       # (BT·N, 16)
+        v16 = tl.dot(r1, ap1, out_dtype=tl.float32)                       # (BT·N, MP)
         if J2 > 0:
             g2 = _tc_rows(G, t0, T, stride_gt, gi, gj, J1, J, m, BT, M, J2, G_FLAT, J_FULL)
             wt = tl.dot(tl.trans(bp2), tl.trans(g2), wt, out_dtype=tl.float32)
-        w16 = tl.trans(wt)                                                 # (BT·M, 16)
+        w16 = tl.trans(wt)                                                 # (BT·M, NP)
         if K2 > 0:
             r2 = _tc_rows(X, t0, T, stride_xt, xl, xk, K1, K, n, BT, N, K2, X_FLAT, K_FULL)
             v16 = tl.dot(r2, ap2, v16, out_dtype=tl.float32)
         # columns past N (M) are exact zeros: summing the 16 // N groups keeps the first
-        w = tl.sum(tl.reshape(w16, (BT * M, 16 // N, N)), axis=1)        # (BT·M, N)
-        vt = tl.sum(tl.reshape(v16, (BT * N, 16 // M, M)), axis=1)       # (BT·N, M)
-        wr = _cols16(tl.reshape(tl.permute(tl.reshape(w, (BT, M, N)), (0, 2, 1)),
-                                (BT * N, M)), BT * N, M, IDT)              # rows (t, l)
-        vr = _cols16(tl.reshape(tl.permute(tl.reshape(vt, (BT, N, M)), (0, 2, 1)),
-                                (BT * M, N)), BT * M, N, IDT)              # rows (t, i)
+        w = tl.sum(tl.reshape(w16, (BT * M, NP // N, N)), axis=1)        # (BT·M, N)
+        vt = tl.sum(tl.reshape(v16, (BT * N, MP // M, M)), axis=1)       # (BT·N, M)
+        wr = _pad_cols(tl.reshape(tl.permute(tl.reshape(w, (BT, M, N)), (0, 2, 1)),
+                                  (BT * N, M)), BT * N, M, MP, IDT)        # rows (t, l)
+        vr = _pad_cols(tl.reshape(tl.permute(tl.reshape(vt, (BT, N, M)), (0, 2, 1)),
+                                  (BT * M, N)), BT * M, N, NP, IDT)        # rows (t, i)
         da1 = tl.dot(tl.trans(r1), wr, da1, out_dtype=tl.float32)
         db1 = tl.dot(tl.trans(g1), vr, db1, out_dtype=tl.float32)
         if K2 > 0:
@@ -1369,12 +1408,12 @@ def _kron_narrow_tc_kernel(
             db2 = tl.dot(tl.trans(g2), vr, db2, out_dtype=tl.float32)
     base = DAB + pid * nAB
     # dA'[i, k] at offA + i·K + k; dB'[j, l] at offB + j·n + l
-    _tc_store(base, offA, da1, M, K1, 0, K, m, K, 1, scale)
-    _tc_store(base, offB, db1, N, J1, 0, J, n, 1, n, scale)
+    _tc_store(base, offA, da1, M, K1, MP, 0, K, m, K, 1, scale)
+    _tc_store(base, offB, db1, N, J1, NP, 0, J, n, 1, n, scale)
     if K2 > 0:
-        _tc_store(base, offA, da2, M, K2, K1, K, m, K, 1, scale)
+        _tc_store(base, offA, da2, M, K2, MP, K1, K, m, K, 1, scale)
     if J2 > 0:
-        _tc_store(base, offB, db2, N, J2, J1, J, n, 1, n, scale)
+        _tc_store(base, offB, db2, N, J2, NP, J1, J, n, 1, n, scale)
 
 
 @host_config
@@ -1423,25 +1462,28 @@ _NARROW_TC_TILE = 32768
 
 
 @host_config
-def narrow_tc_tiles(plan, tile: int = _NARROW_TC_TILE):
-    """(M, N, BT, K1, K2, J1, J2) of :func:`_kron_narrow_tc_kernel` for a narrow plan, or
-    None where it does not apply: both small sides at most 8 (the narrow plans' tiers; a
-    16-wide operand's columns), both big sides at most 512 (its (K × 16) and (J × 16) float32
-    sums stay in registers, each side in two power-of-two parts: :func:`_tc_parts`). BT, the
-    tokens a step: at least the fewest for which the dy rows (t, i) and the x rows (t, l) are
-    both 16 (an mma's M), then doubled while the step's tiles stay within ``tile`` elements,
-    at most 32."""
+def narrow_tc_tiles(plan, tile: int = _NARROW_TC_TILE, small_max: int = 8):
+    """(M, N, MP, NP, BT, K1, K2, J1, J2) of :func:`_kron_narrow_tc_kernel` for a plan
+    ``(tier, swapped, m, n, K, J)`` (:func:`narrow_grad_plan`'s), or None where it does not
+    apply: both small sides (m, n, padded to M, N) at most ``small_max`` (8: the narrow plans'
+    tiers), both big sides at most 512 (its (K × MP) and (J × NP) float32 sums stay in
+    registers, MP, NP = max(16, M), max(16, N); each big side in two power-of-two parts:
+    :func:`_tc_parts`). BT, the tokens a step: at least the fewest for which the dy rows (t, i)
+    and the x rows (t, l) are both 16 (an mma's M), then doubled while the step's tiles stay
+    within ``tile`` elements, at most 32."""
     _, _, m, n, K, J = plan
     M, N = max(2, next_pow2(m)), max(2, next_pow2(n))
-    if M > 8 or N > 8 or K > 512 or J > 512:
+    if M > small_max or N > small_max or K > 512 or J > 512:
         return None
     K1, K2 = _tc_parts(K)
     J1, J2 = _tc_parts(J)
     per_token = M * (J1 + J2) + N * (K1 + K2)
-    BT = max(16 // M, 16 // N)
+    BT = max(1, 16 // M, 16 // N)
     while BT < 32 and 2 * BT * per_token <= tile:
         BT *= 2
-    return M, N, BT, K1, K2, J1, J2
+    if BT * per_token > tile:
+        return None
+    return M, N, max(16, M), max(16, N), BT, K1, K2, J1, J2
 
 
 def _tc_parts(n: int) -> Tuple[int, int]:
@@ -1505,8 +1547,10 @@ def _factor_grads_narrow_tc(g, x, A, B, scale, plan, cfg):
     """dA, dB by :func:`_kron_narrow_tc_kernel` (16-bit; ``cfg``: a NARROW = 2 candidate)."""
     T = x.shape[0]
     _, _, m, n, K, J = plan
-    tiles = narrow_tc_tiles(plan, cfg["TILE"])
-    M, N, BT, K1, K2, J1, J2 = tiles
+    tiles = narrow_tc_tiles(plan, cfg.get("TILE", _NARROW_TC_TILE), cfg.get("SMALL_MAX", 8))
+    M, N, MP, NP, BT, K1, K2, J1, J2 = tiles
+    BT = cfg.get("BT", BT)          # a factor-gradient candidate's own tokens a step
+    tiles = (M, N, MP, NP, BT, K1, K2, J1, J2)
     n_blocks = cdiv(T, BT)
     warps, stages = cfg["num_warps"], cfg["num_stages"]
     key = ("narrow-tc", x.device, x.dtype, tiles, warps, stages)
@@ -1522,7 +1566,7 @@ def _factor_grads_narrow_tc(g, x, A, B, scale, plan, cfg):
             A.numel() + B.numel(), float(scale), n_blocks,
             M=M, N=N, BT=BT, K1=K1, K2=K2, J1=J1, J2=J2, IDT=inter_dtype(x.dtype),
             X_FLAT=xl == 1 and xk == n == N, G_FLAT=gi == 1 and gj == m == M,
-            K_FULL=K1 + K2 == K, J_FULL=J1 + J2 == J,
+            K_FULL=K1 + K2 == K, J_FULL=J1 + J2 == J, MP=MP, NP=NP,
             num_warps=warps,
             num_stages=stages)
         _note_residency(key, x.device, compiled)
