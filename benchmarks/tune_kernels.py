@@ -14,7 +14,8 @@ for sm_90 without spills (``--compile-only`` checks it; CI runs it on one shape)
   dB from one read of x and dy): 43.0 µs on the H100 of 2026-11-27 (T = 16384, 768², 24×24 /
   32×32) against 20.9 predicted, with the rule's 2 tokens per step
   (:func:`kfused.triton_kernels.krona_linear.grad_candidates`, including the block-diagonal
-  form of the step, ``_kron_grad_bd_kernel``, label suffix ``-bd``); shapes: the
+  form of the step, ``_kron_grad_bd_kernel``, label suffix ``-bd``, and the tensor-core
+  narrow kernel, ``_kron_narrow_tc_kernel``, ``-tc``: new, not yet timed); shapes: the
   benchmark's factor shapes on the tensor-core path.
 - ``narrow``: the factor-gradient pass for factor pairs with two small sides (the paper's
   2×384 / 384×2, 8×384 / 384×2): the CUDA-core ``_kron_narrow_grad_kernel`` measured 56.5

@@ -160,6 +160,29 @@ def test_narrow_factor_gradients(shape, dtype, monkeypatch, launches):
     assert bool(tc) == sixteen and bool(cuda_core) == (not sixteen)
 
 
+@pytest.mark.parametrize("shape", [(24, 24, 32, 32), (48, 24, 64, 32), (16, 20, 24, 16)],
+                         ids=str)
+def test_tensor_core_candidate_of_the_standard_step(shape, monkeypatch, launches):
+    """The tensor-core narrow kernel as a tuning candidate of the standard factor-gradient
+    step (grad_candidates' TC entries): forced as the chosen configuration, kron_matvec's
+    factor gradients in float16 (the kernel's W and V rounded once to float16 for the token
+    sums) meet docs/math.md §4, and it is the kernel that ran."""
+    from kfused.triton_kernels import krona_linear as kl
+
+    tc = [c for c in kl.grad_candidates(16384, *shape) if c.get("TC")]
+    assert tc
+    real = kl._grad_config
+    monkeypatch.setattr(kl, "_grad_config", lambda T, *a, **k: kl.with_grad_config(
+        real(T, *a, **k), tc[0]))
+    ran = launches(kl, "_kron_narrow_tc_kernel")
+    standard = launches(kl, "_kron_grad_kernel")
+    x, A, B = _factors(shape, lead=(random.randint(20, 90),))
+    assert_against_reference(lambda x, A, B: kron_matvec(x, A, B, backend="triton"),
+                             kron_matvec_ref, {"x": x, "A": A, "B": B}, torch.float16, DEVICE,
+                             grad_names=["A", "B"])
+    assert ran and not standard
+
+
 def test_narrow_plan_orientations():
     """The narrow kernel's orientation: unswapped where a_out and b_in are the small sides,
     swapped (b_out, a_in small) otherwise; balanced or all-wide factors keep the standard

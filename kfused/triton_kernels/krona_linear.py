@@ -1345,10 +1345,13 @@ def _kron_narrow_tc_kernel(
 
         G2   = G'[t] as rows (t, i), cols j         (BT·M × J)   loaded
         R    = X'[t]ᵀ as rows (t, l), cols k        (BT·N × K)   loaded
-        Wᵀ   = B'ᵀ · G2ᵀ                rows l, cols (t, i)   (B' zero-padded to 16 cols)
-        Vᵀ   = R · A'ᵀ                  rows (t, l), cols i   (A'ᵀ zero-padded to 16 cols)
-        dA'ᵀ += Rᵀ  · W as rows (t, l), cols i      (K × 16; W rounded to the input dtype)
-        dB'  += G2ᵀ · V as rows (t, i), cols l      (J × 16; V rounded likewise)
+        Wᵀ   = B'ᵀ · G2ᵀ                rows l, cols (t, i)   (B' zero-padded to NP cols)
+        Vᵀ   = R · A'ᵀ                  rows (t, l), cols i   (A'ᵀ zero-padded to MP cols)
+        dA'ᵀ += Rᵀ  · W as rows (t, l), cols i      (K × MP; W rounded to the input dtype)
+        dB'  += G2ᵀ · V as rows (t, i), cols l      (J × NP; V rounded likewise)
+
+    MP, NP = max(16, M), max(16, N): 16 for the narrow plans (small sides up to 8); up to 64
+    where the kernel is a candidate of the standard factor-gradient step (grad_candidates).
 
     The token sums put the big side on the product's M, so each is a wgmma whose A operand
     (Rᵀ, G2ᵀ) is read from the shared-memory copy of the loaded tile, not held in registers.
