@@ -1077,8 +1077,8 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     g: (T, a_out*b_out), x: (T, a_in*b_in), both with unit inner stride. Returns
     (dx or None, dA or None, dB or None); dA/dB are reduced in float32 and cast to A/B's dtype.
     ``config``: tokens per step, warps and stages to launch with ({"BT", "num_warps",
-    "num_stages"}, e.g. one of :func:`grad_candidates`) instead of the chosen ones (tuning,
-    tests). The measured configurations of a tuning table apply to the factor gradients
+    "num_stages"}, ``BD`` or ``TC`` for the block-diagonal or tensor-core narrow form; e.g.
+    one of :func:`grad_candidates`) instead of the chosen ones (tuning, tests). The measured configurations of a tuning table apply to the factor gradients
     alone (``compute_dx=False``, the folded backward's second pass): they were timed so.
     """
     T = x.shape[0]
@@ -1115,13 +1115,13 @@ def kron_factor_grads(g: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torc
     # the tensor-core narrow kernel (a launch choice): 16-bit factor gradients alone, factors
     # its tiles fit; elsewhere the standard step (the rule's tokens a step) computes the sums
     if cfg.pop("TC", 0):
+        plan = grad_tc_plan(a_out, a_in, b_out, b_in)
         if (not compute_dx and compute_dab and x.dtype in (torch.float16, torch.bfloat16)
-                and narrow_tc_tiles(grad_tc_plan(a_out, a_in, b_out, b_in), _GRAD_TC_TILE,
-                                    64) is not None):
+                and narrow_tc_tiles(plan, _GRAD_TC_TILE, 64) is not None):
             return None, *_factor_grads_narrow_tc(
-                g, x, A, B, scale, grad_tc_plan(a_out, a_in, b_out, b_in),
-                dict(BT=cfg["BT"], num_warps=cfg["num_warps"],
-                     num_stages=cfg.get("num_stages", 2), SMALL_MAX=64))
+                g, x, A, B, scale, plan,
+                dict(TILE=_GRAD_TC_TILE, SMALL_MAX=64, BT=cfg["BT"],
+                     num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 2)))
         cfg = with_grad_config(cfg, {k: v for k, v in _grad_rule(
             T, a_out, a_in, b_out, b_in, x.device, x.element_size()).items()
             if k in ("BT", "num_warps")})
@@ -1360,7 +1360,7 @@ def _kron_narrow_tc_kernel(
     W and V are float32 dot outputs rounded once to the input dtype for the token sums (as
     the same-precision torch backward rounds its intermediates; the sums are float32): no
     hi/lo split (:func:`_pad_cols`). In the interpreter, float16, T up to 1000, that met
-    docs/math.md §4 with the kernel's error at most ~0.3 of the bound.
+    docs/math.md §4 with the kernel's error at most 0.34 of the bound.
 
     The CUDA-core kernel reduces 512-wide axes across all its warps several times a step,
     one or four tokens per step at the paper's factors: the H200 measured it at 56.5 µs (A
@@ -1552,7 +1552,7 @@ def _factor_grads_narrow_tc(g, x, A, B, scale, plan, cfg):
     _, _, m, n, K, J = plan
     tiles = narrow_tc_tiles(plan, cfg.get("TILE", _NARROW_TC_TILE), cfg.get("SMALL_MAX", 8))
     M, N, MP, NP, BT, K1, K2, J1, J2 = tiles
-    BT = cfg.get("BT", BT)          # a factor-gradient candidate's own tokens a step
+    BT = cfg.get("BT", BT)          # a standard-step candidate's tokens a step (capped by T)
     tiles = (M, N, MP, NP, BT, K1, K2, J1, J2)
     n_blocks = cdiv(T, BT)
     warps, stages = cfg["num_warps"], cfg["num_stages"]
